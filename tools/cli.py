@@ -1,3 +1,45 @@
-"""The `omnifabric` command (placeholder until the services land)."""
-def main() -> int:
-    return 0
+"""The `omnifabric` command: serve, scheduler, worker, edge, probe, stubs."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: omnifabric COMMAND [args]
+
+commands:
+  serve       the whole stack on this machine (scheduler, workers, edge)
+  scheduler   one scheduler service (multi-host)
+  worker      one worker service: one engine on one device (multi-host)
+  edge        one edge: public WebSocket + RealtimeService gRPC (multi-host)
+  probe       stream a WAV file to an endpoint and save the reply
+  stubs       regenerate the gRPC stubs from proto/ (--check: fail when stale)
+
+`omnifabric COMMAND --help` describes each command's options."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        from tools.serve import main as run
+    elif command == "scheduler":
+        from scheduler.main import main as run
+    elif command == "worker":
+        from worker.main import main as run
+    elif command == "edge":
+        from edge.main import main as run
+    elif command == "probe":
+        from tools.probe import main as run
+    elif command == "stubs":
+        from tools.gen_stubs import main as run
+    else:
+        print(f"omnifabric: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Transport-neutral session events and commands: what flows between a client
+adapter (WebSocket JSON or gRPC) and the edge's session core."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Dialect(enum.Enum):
+    """The two public JSON dialects; chosen by the client's first init event."""
+
+    FIRST = "session.update"  # audio-duplex-protocol.txt
+    CURRENT = "session.init"  # realtime-overview.txt
+
+
+MODES = ("audio", "video")
+
+# Close reasons, as the worker proto enumerates them (names without the prefix).
+USER_STOP = "user_stop"
+TIMEOUT = "timeout"
+CONTEXT_FULL = "context_full"
+SERVER_SHUTDOWN = "server_shutdown"
+ERROR = "error"
+CLIENT_CLOSED = "client_closed"
+
+
+@dataclass(frozen=True)
+class DuplexSettings:
+    """Validated duplex config of one session; None = the engine's default."""
+
+    length_penalty: float | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    listen_prob_scale: float | None = None
+    force_listen_count: int | None = None
+    max_new_speak_tokens_per_chunk: int | None = None
+    max_kv_tokens: int | None = None
+    tts_enabled: bool | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class InitCommand:
+    """session.init / session.update."""
+
+    dialect: Dialect
+    system_prompt: str = ""
+    config: DuplexSettings = field(default_factory=DuplexSettings)
+    ref_audio: bytes = b""
+    tts_ref_audio: bytes = b""
+    max_slice_nums: int = 1
+
+
+@dataclass(frozen=True)
+class AppendCommand:
+    """One unit of input: decoded float32 PCM bytes and JPEG frames."""
+
+    pcm: bytes
+    frames: tuple[bytes, ...] = ()
+    force_listen: bool = False
+    max_slice_nums: int = 0
+
+
+@dataclass(frozen=True)
+class CloseCommand:
+    """session.close; `reason` is the client's own (echoed in the current dialect)."""
+
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Queued:
+    position: int
+    queue_length: int
+    estimated_wait_s: float
+    ticket_id: str
+    first: bool
+
+
+@dataclass(frozen=True)
+class QueueDone:
+    queue_wait_s: float
+
+
+@dataclass(frozen=True)
+class Created:
+    session_id: str
+    prompt_length: int
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Cumulative token usage, in the SDK's shape."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+    input_text_tokens: int = 0
+    input_audio_tokens: int = 0
+    input_vision_tokens: int = 0
+    input_image_tokens: int = 0
+    input_video_tokens: int = 0
+    input_cached_tokens: int = 0
+    output_text_tokens: int = 0
+    output_audio_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Output:
+    """What the model did with one unit."""
+
+    seq: int
+    is_listen: bool
+    text: str
+    pcm: bytes
+    end_of_turn: bool
+    kv_cache_length: int
+    timings_ms: dict[str, float]
+    usage: Usage
+    dropped_seqs: tuple[int, ...] = ()
+    n_tokens: int = 0
+    n_tts_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The session is over. `reason` is one of the close reason names above."""
+
+    reason: str
+    usage: Usage
+    message: str = ""
+    client_reason: str | None = None

@@ -1,0 +1,215 @@
+"""RealtimeService: the public session events in protobuf, for internal gRPC clients.
+
+Same state machine and session core as the WebSocket path; audio travels as raw
+bytes. Fatal errors end the call with a status code (RESOURCE_EXHAUSTED for a full
+queue, UNAVAILABLE for no service, INVALID_ARGUMENT for a bad first message); client
+mistakes during a session arrive as `error` events and the stream stays usable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from edge import events as ev
+from edge import pcm
+from edge.errors import (
+    EdgeError,
+    InvalidPayload,
+    MissingField,
+    QueueFull,
+    ServiceUnavailable,
+)
+from edge.fabric import Fabric
+from edge.protocol import MAX_FRAMES_PER_UNIT
+from edge.session import SessionCore, config_to, reason_name, usage_to
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+
+log = logging.getLogger("omnifabric.edge.grpc")
+
+_MODE_NAMES = {common_pb2.MODE_AUDIO: "audio", common_pb2.MODE_VIDEO: "video"}
+_STATUS = {QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def _settings(msg: common_pb2.DuplexConfig) -> ev.DuplexSettings:
+    return ev.DuplexSettings(
+        **{f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields if msg.HasField(f.name)}
+    )
+
+
+def _init(msg: rt_pb.SessionInit) -> ev.InitCommand:
+    def voice(raw: bytes, what: str) -> bytes:
+        if raw[:4] == b"RIFF":
+            return pcm.wav_to_pcm16k(raw, what)
+        if len(raw) % 4:
+            raise InvalidPayload(f"{what}: not a WAV file and not float32 PCM")
+        return raw
+
+    return ev.InitCommand(
+        dialect=ev.Dialect.CURRENT,
+        system_prompt=msg.system_prompt,
+        config=_settings(msg.config),
+        ref_audio=voice(msg.ref_audio, "ref_audio") if msg.ref_audio else b"",
+        tts_ref_audio=voice(msg.tts_ref_audio, "tts_ref_audio") if msg.tts_ref_audio else b"",
+        max_slice_nums=msg.max_slice_nums or 1,
+    )
+
+
+def _append(msg: rt_pb.InputAppend) -> ev.AppendCommand:
+    if not msg.audio:
+        raise MissingField("'audio' is required")
+    if len(msg.video_frames) > MAX_FRAMES_PER_UNIT:
+        raise InvalidPayload(f"at most {MAX_FRAMES_PER_UNIT} video frames per unit")
+    for i, frame in enumerate(msg.video_frames):
+        if frame[:3] != b"\xff\xd8\xff":
+            raise InvalidPayload(f"video_frames[{i}] is not a JPEG image")
+    return ev.AppendCommand(
+        pcm=pcm.check_unit_pcm(msg.audio),
+        frames=tuple(msg.video_frames),
+        force_listen=msg.force_listen,
+        max_slice_nums=msg.max_slice_nums,
+    )
+
+
+def _event(event: object, session_id: str) -> rt_pb.ConnectResponse:
+    if isinstance(event, ev.Queued):
+        q = rt_pb.QueueEvent(
+            position=event.position,
+            estimated_wait_s=event.estimated_wait_s,
+            ticket_id=event.ticket_id,
+            queue_length=event.queue_length,
+        )
+        return rt_pb.ConnectResponse(queued=q) if event.first else rt_pb.ConnectResponse(queue_update=q)
+    if isinstance(event, ev.QueueDone):
+        return rt_pb.ConnectResponse(queue_done=rt_pb.QueueDone())
+    if isinstance(event, ev.Created):
+        return rt_pb.ConnectResponse(
+            created=rt_pb.SessionCreated(session_id=event.session_id, prompt_length=event.prompt_length)
+        )
+    if isinstance(event, ev.Output):
+        t = event.timings_ms
+        timings = common_pb2.UnitTimings(
+            prefill_ms=t.get("prefill_ms", 0.0),
+            generate_ms=t.get("generate_ms", 0.0),
+            finalize_wait_ms=t.get("finalize_wait_ms", 0.0),
+            wall_clock_ms=t.get("wall_clock_ms", 0.0),
+            queue_ms=t.get("queue_ms", 0.0),
+        )
+        return rt_pb.ConnectResponse(
+            output=rt_pb.OutputUnit(
+                seq=event.seq,
+                is_listen=event.is_listen,
+                text=event.text,
+                audio=event.pcm,
+                end_of_turn=event.end_of_turn,
+                kv_cache_length=event.kv_cache_length,
+                timings=timings,
+                usage=usage_to(event.usage),
+                dropped_seqs=list(event.dropped_seqs),
+            )
+        )
+    assert isinstance(event, ev.Closed)
+    value = common_pb2.CloseReason.Value("CLOSE_REASON_" + event.reason.upper())
+    return rt_pb.ConnectResponse(
+        closed=rt_pb.SessionClosed(
+            session_id=session_id,
+            reason=value,
+            reason_text=event.client_reason or reason_name(value),
+            usage=usage_to(event.usage),
+        )
+    )
+
+
+def _error(err: EdgeError) -> rt_pb.ConnectResponse:
+    return rt_pb.ConnectResponse(
+        error=rt_pb.ErrorEvent(code=err.code, message=err.message, type=err.kind)
+    )
+
+
+class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
+    """Thin servicer: protobuf <-> session commands and events."""
+
+    def __init__(self, fabric: Fabric, start_timeout_s: float, close_timeout_s: float) -> None:
+        self._fabric = fabric
+        self._start_timeout_s = start_timeout_s
+        self._close_timeout_s = close_timeout_s
+
+    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "init":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first request must be init")
+        mode = _MODE_NAMES.get(first.init.mode)
+        if mode is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "init.mode must be AUDIO or VIDEO")
+        try:
+            init = _init(first.init)
+        except EdgeError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err.message)
+
+        out: asyncio.Queue[rt_pb.ConnectResponse | None] = asyncio.Queue()
+        holder: list[SessionCore] = []
+
+        async def emit(event: object) -> None:
+            await out.put(_event(event, holder[0].session_id))
+            if isinstance(event, ev.Closed):
+                await out.put(None)
+
+        core = SessionCore(
+            mode,
+            self._fabric,
+            emit,
+            start_timeout_s=self._start_timeout_s,
+            close_timeout_s=self._close_timeout_s,
+        )
+        holder.append(core)
+
+        async def drive() -> None:
+            await core.acquire()
+            await core.start(init)
+            async for request in request_iterator:
+                kind = request.WhichOneof("kind")
+                try:
+                    if kind == "append":
+                        await core.append(_append(request.append))
+                    elif kind == "close":
+                        await core.close(ev.USER_STOP, request.close.reason or None)
+                        return
+                    else:
+                        raise InvalidPayload("init may be sent only once")
+                except EdgeError as err:
+                    await out.put(_error(err))
+            await core.close(ev.CLIENT_CLOSED)
+
+        driver = asyncio.create_task(drive())
+        try:
+            while True:
+                getter = asyncio.create_task(out.get())
+                done, _ = await asyncio.wait({getter, driver}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    item = getter.result()
+                    if item is None:
+                        return
+                    yield item
+                    continue
+                getter.cancel()
+                exc = driver.exception()
+                if isinstance(exc, EdgeError):
+                    code = _STATUS.get(type(exc), grpc.StatusCode.UNAVAILABLE)
+                    if not isinstance(exc, (QueueFull, ServiceUnavailable)):
+                        code = grpc.StatusCode.UNAVAILABLE
+                    await context.abort(code, f"{exc.code}: {exc.message}")
+                if exc is not None:
+                    log.error("RealtimeService.Connect failed", exc_info=exc)
+                    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+                # The driver returned: drain what is left until Closed.
+                while (item := await out.get()) is not None:
+                    yield item
+                return
+        finally:
+            driver.cancel()
+            if not core.closed.is_set():
+                await core.abort()

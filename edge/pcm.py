@@ -1,0 +1,99 @@
+"""Base64 audio and image payloads: decoded once at the edge, validated, carried as bytes."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import wave
+
+import numpy as np
+
+from edge.errors import InvalidPayload
+
+#: A unit must carry at least this many 16 kHz samples (250 ms), per the protocol.
+MIN_UNIT_SAMPLES = 4000
+#: A unit may carry at most this many samples (4 s): more is not one unit of input.
+MAX_UNIT_SAMPLES = 64000
+
+
+def b64decode(value: object, what: str) -> bytes:
+    """Strict base64 decode; InvalidPayload names the field on any defect."""
+    if not isinstance(value, str):
+        raise InvalidPayload(f"{what} must be a base64 string")
+    if not value:
+        raise InvalidPayload(f"{what} is empty")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidPayload(f"{what} base64 decode failed") from None
+
+
+def unit_pcm(value: object, what: str = "audio") -> bytes:
+    """Float32 16 kHz PCM bytes of one unit, checked for size and finite samples."""
+    raw = b64decode(value, what)
+    return check_unit_pcm(raw, what)
+
+
+def check_unit_pcm(raw: bytes, what: str = "audio") -> bytes:
+    """Validate raw float32 PCM bytes of one unit; returns them unchanged."""
+    if len(raw) % 4:
+        raise InvalidPayload(f"{what}: {len(raw)} bytes is not a whole number of float32 samples")
+    samples = len(raw) // 4
+    if samples < MIN_UNIT_SAMPLES:
+        raise InvalidPayload(f"{what}: {samples} samples, at least {MIN_UNIT_SAMPLES} required")
+    if samples > MAX_UNIT_SAMPLES:
+        raise InvalidPayload(f"{what}: {samples} samples, at most {MAX_UNIT_SAMPLES} per unit")
+    if not np.isfinite(np.frombuffer(raw, dtype="<f4")).all():
+        raise InvalidPayload(f"{what}: samples must be finite numbers")
+    return raw
+
+
+def reference_audio(value: object, what: str) -> bytes:
+    """Reference voice as float32 16 kHz PCM bytes; accepts raw PCM or a WAV file."""
+    raw = b64decode(value, what)
+    if raw[:4] == b"RIFF":
+        return wav_to_pcm16k(raw, what)
+    if len(raw) % 4:
+        raise InvalidPayload(f"{what}: not a WAV file and not float32 PCM")
+    return raw
+
+
+def wav_to_pcm16k(data: bytes, what: str) -> bytes:
+    """Decode a PCM16/float WAV to mono float32 at 16 kHz (linear resampling)."""
+    try:
+        with wave.open(io.BytesIO(data)) as wav:
+            channels, width, rate = wav.getnchannels(), wav.getsampwidth(), wav.getframerate()
+            frames = wav.readframes(wav.getnframes())
+    except (wave.Error, EOFError) as exc:
+        raise InvalidPayload(f"{what}: unreadable WAV ({exc})") from None
+    if width == 2:
+        audio = np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0
+    elif width == 4:
+        audio = np.frombuffer(frames, dtype="<i4").astype(np.float32) / 2147483648.0
+    else:
+        raise InvalidPayload(f"{what}: {8 * width}-bit WAV not supported (use 16 or 32 bit)")
+    audio = audio.reshape(-1, channels).mean(axis=1)
+    return resample(audio, rate, 16000).astype("<f4").tobytes()
+
+
+def resample(audio: np.ndarray, rate: int, target: int) -> np.ndarray:
+    """Linear-interpolation resampling of a mono float array."""
+    if rate == target or audio.size == 0:
+        return audio.astype(np.float32)
+    n = int(round(audio.size * target / rate))
+    positions = np.arange(n) * (rate / target)
+    return np.interp(positions, np.arange(audio.size), audio).astype(np.float32)
+
+
+def jpeg_frame(value: object, what: str) -> bytes:
+    """A base64 JPEG frame; checks the JPEG start and end markers."""
+    raw = b64decode(value, what)
+    if not (raw[:3] == b"\xff\xd8\xff" and raw.rstrip(b"\x00")[-2:] == b"\xff\xd9"):
+        raise InvalidPayload(f"{what} is not a JPEG image")
+    return raw
+
+
+def encode_pcm(pcm: bytes) -> str:
+    """Base64 text of raw PCM bytes, for the JSON protocol."""
+    return base64.b64encode(pcm).decode("ascii")

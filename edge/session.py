@@ -1,0 +1,351 @@
+"""One client session through the fabric, independent of the client's transport.
+
+The core holds the scheduler lease (the Acquire stream) and the worker Session stream,
+turns commands into protobuf and worker responses into session events. Adapters
+(WebSocket JSON, gRPC RealtimeService) feed commands in and receive events through
+`emit`, called from the core's own tasks in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from edge import events as ev
+from edge.errors import (
+    EdgeError,
+    InvalidEvent,
+    NotReady,
+    QueueFull,
+    ServiceUnavailable,
+    WorkerConnectFailed,
+)
+from edge.fabric import Fabric
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omni.realtime.v1 import worker_service_pb2 as worker_pb
+
+log = logging.getLogger("omnifabric.edge.session")
+
+Event = ev.Queued | ev.QueueDone | ev.Created | ev.Output | ev.Closed
+Emit = Callable[[Event], Awaitable[None]]
+
+_MODES = {"audio": common_pb2.MODE_AUDIO, "video": common_pb2.MODE_VIDEO}
+_REASONS = {
+    ev.USER_STOP: common_pb2.CLOSE_REASON_USER_STOP,
+    ev.CLIENT_CLOSED: common_pb2.CLOSE_REASON_CLIENT_CLOSED,
+    ev.SERVER_SHUTDOWN: common_pb2.CLOSE_REASON_SERVER_SHUTDOWN,
+}
+
+
+def new_session_id() -> str:
+    """Opaque session id: rt_{timestamp_ms} plus a random suffix for uniqueness."""
+    return f"rt_{int(time.time() * 1000)}_{secrets.token_hex(3)}"
+
+
+def reason_name(value: int) -> str:
+    """CloseReason enum value -> reason name (user_stop, timeout, ...)."""
+    if value == common_pb2.CLOSE_REASON_UNSPECIFIED:
+        return ev.ERROR
+    return common_pb2.CloseReason.Name(value).removeprefix("CLOSE_REASON_").lower()
+
+
+def usage_from(msg: common_pb2.Usage) -> ev.Usage:
+    """Protobuf usage -> domain usage."""
+    return ev.Usage(**{f.name: getattr(msg, f.name) for f in common_pb2.Usage.DESCRIPTOR.fields})
+
+
+def usage_to(usage: ev.Usage) -> common_pb2.Usage:
+    """Domain usage -> protobuf usage."""
+    return common_pb2.Usage(**usage.__dict__)
+
+
+def config_to(settings: ev.DuplexSettings) -> common_pb2.DuplexConfig:
+    """Domain duplex settings -> protobuf (unset fields stay unset)."""
+    return common_pb2.DuplexConfig(
+        **{k: v for k, v in settings.__dict__.items() if v is not None}
+    )
+
+
+def output_from(result: worker_pb.UnitResult) -> ev.Output:
+    """A worker's UnitResult -> the domain output event."""
+    t = result.timings
+    timings = {
+        "prefill_ms": t.prefill_ms,
+        "generate_ms": t.generate_ms,
+        "finalize_wait_ms": t.finalize_wait_ms,
+        "wall_clock_ms": t.wall_clock_ms,
+        "queue_ms": t.queue_ms,
+    }
+    timings.update({f"cost_{k}_ms": v for k, v in t.engine_costs_ms.items()})
+    return ev.Output(
+        seq=result.seq,
+        is_listen=result.is_listen,
+        text=result.text,
+        pcm=result.pcm,
+        end_of_turn=result.end_of_turn,
+        kv_cache_length=result.kv_cache_length,
+        timings_ms=timings,
+        usage=usage_from(result.usage),
+        dropped_seqs=tuple(result.dropped_seqs),
+        n_tokens=result.n_tokens,
+        n_tts_tokens=result.n_tts_tokens,
+    )
+
+
+class SessionCore:
+    """Lease, worker stream and lifecycle of one duplex session.
+
+    States: new -> queued (acquire) -> leased -> active (start) -> closed. Exactly one
+    `Closed` event is emitted, whatever ends the session.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        fabric: Fabric,
+        emit: Emit,
+        *,
+        start_timeout_s: float = 30.0,
+        close_timeout_s: float = 5.0,
+        session_id: str | None = None,
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {sorted(_MODES)}")
+        self.mode = mode
+        self.session_id = session_id or new_session_id()
+        self._fabric = fabric
+        self._emit = emit
+        self._start_timeout_s = start_timeout_s
+        self._close_timeout_s = close_timeout_s
+        self._acquire_call: grpc.aio.UnaryStreamCall | None = None
+        self._worker_call: grpc.aio.StreamStreamCall | None = None
+        self._lease: scheduler_pb.Lease | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._seq = 0
+        self._usage = ev.Usage()
+        self._client_reason: str | None = None
+        self._send_lock = asyncio.Lock()
+        self.closed = asyncio.Event()
+        self.started = False
+        self.units_sent = 0
+
+    @property
+    def leased(self) -> bool:
+        return self._lease is not None
+
+    @property
+    def worker_id(self) -> str:
+        return self._lease.worker_id if self._lease else ""
+
+    # ---- queue and lease -------------------------------------------------------
+
+    async def acquire(self) -> None:
+        """Wait in the scheduler's queue for a worker slot, emitting Queued events.
+
+        Raises QueueFull or ServiceUnavailable. Emits QueueDone once leased.
+        """
+        request = scheduler_pb.AcquireRequest(mode=_MODES[self.mode], session_id=self.session_id)
+        call = self._fabric.scheduler.Acquire(request)
+        self._acquire_call = call
+        started = time.monotonic()
+        first = True
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    raise ServiceUnavailable("the scheduler ended the queue without a lease")
+                kind = response.WhichOneof("kind")
+                if kind == "queued":
+                    q = response.queued
+                    await self._emit(
+                        ev.Queued(q.position, q.queue_length, q.estimated_wait_s, q.ticket_id, first)
+                    )
+                    first = False
+                elif kind == "lease":
+                    self._lease = response.lease
+                    break
+                elif kind == "lease_lost":
+                    raise ServiceUnavailable("the worker was lost before the session started")
+        except grpc.aio.AioRpcError as err:
+            call.cancel()
+            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise QueueFull("the queue is full, try again later") from None
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                raise ServiceUnavailable(err.details() or "no worker available") from None
+            raise ServiceUnavailable("the scheduler cannot be reached") from None
+        except BaseException:
+            call.cancel()
+            raise
+        log.info(
+            "session %s leased %s on %s after %.2fs",
+            self.session_id,
+            self._lease.lease_id,
+            self._lease.worker_id,
+            time.monotonic() - started,
+        )
+        self._tasks.append(asyncio.create_task(self._watch_lease(call)))
+        await self._emit(ev.QueueDone(queue_wait_s=time.monotonic() - started))
+
+    async def _watch_lease(self, call: grpc.aio.UnaryStreamCall) -> None:
+        """The lease ends when its worker is lost: the session ends with an error."""
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF or response.WhichOneof("kind") == "lease_lost":
+                    break
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            if self.closed.is_set():
+                return
+        if not self.closed.is_set():
+            await self._finish(ev.Closed(ev.ERROR, self._usage, "the worker was lost"))
+
+    # ---- worker session --------------------------------------------------------
+
+    async def start(self, init: ev.InitCommand) -> ev.Created:
+        """Open the worker's Session stream with the lease; emits and returns Created.
+
+        Raises NotReady before the lease, InvalidEvent when already started,
+        WorkerConnectFailed when the worker refuses or cannot be reached.
+        """
+        if self._lease is None:
+            raise NotReady("the session has no worker yet: wait for session.queue_done")
+        if self.started:
+            raise InvalidEvent("the session is already initialized")
+        self.started = True
+        stub = self._fabric.worker(self._lease.worker_address)
+        call = stub.Session()
+        self._worker_call = call
+        start = worker_pb.SessionStart(
+            lease_id=self._lease.lease_id,
+            session_id=self.session_id,
+            mode=_MODES[self.mode],
+            system_prompt=init.system_prompt,
+            ref_audio_pcm=init.ref_audio,
+            tts_ref_audio_pcm=init.tts_ref_audio,
+            config=config_to(init.config),
+            max_slice_nums=init.max_slice_nums,
+        )
+        try:
+            await call.write(worker_pb.SessionRequest(start=start))
+            response = await asyncio.wait_for(call.read(), self._start_timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as err:
+            call.cancel()
+            detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else "timed out"
+            raise WorkerConnectFailed(f"the worker did not start the session: {detail}") from None
+        if response is grpc.aio.EOF or response.WhichOneof("kind") != "started":
+            call.cancel()
+            raise WorkerConnectFailed("the worker did not start the session")
+        created = ev.Created(self.session_id, response.started.prompt_length)
+        await self._emit(created)
+        self._tasks.append(asyncio.create_task(self._pump(call)))
+        return created
+
+    async def _pump(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Worker responses -> events, until the session's end."""
+        closed: ev.Closed | None = None
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    break
+                kind = response.WhichOneof("kind")
+                if kind == "result":
+                    out = output_from(response.result)
+                    self._usage = out.usage
+                    await self._emit(out)
+                elif kind == "ended":
+                    e = response.ended
+                    if e.HasField("usage"):
+                        self._usage = usage_from(e.usage)
+                    closed = ev.Closed(
+                        reason_name(e.reason), self._usage, e.message, self._client_reason
+                    )
+                    break
+        except grpc.aio.AioRpcError as err:
+            if not self.closed.is_set():
+                log.warning("session %s: worker stream failed: %s", self.session_id, err.code())
+        except asyncio.CancelledError:
+            return
+        await self._finish(closed or ev.Closed(ev.ERROR, self._usage, "the worker was lost"))
+
+    async def append(self, cmd: ev.AppendCommand) -> int:
+        """Forward one unit to the worker; returns its seq. NotReady before start."""
+        if not self.started or self._worker_call is None:
+            raise NotReady("send session.init (or session.update) first")
+        if self.closed.is_set():
+            raise NotReady("the session is closed")
+        self._seq += 1
+        unit = worker_pb.Unit(
+            seq=self._seq,
+            pcm=cmd.pcm,
+            frames=list(cmd.frames),
+            force_listen=cmd.force_listen,
+            max_slice_nums=cmd.max_slice_nums,
+        )
+        try:
+            async with self._send_lock:
+                await self._worker_call.write(worker_pb.SessionRequest(unit=unit))
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            # The stream is gone; the pump reports the end.
+            pass
+        self.units_sent += 1
+        return self._seq
+
+    # ---- ending ----------------------------------------------------------------
+
+    async def close(self, reason: str = ev.USER_STOP, client_reason: str | None = None) -> None:
+        """End the session on the client's request; returns once Closed was emitted."""
+        self._client_reason = client_reason
+        if self.closed.is_set():
+            return
+        call = self._worker_call
+        if call is None:
+            await self._finish(ev.Closed(reason, self._usage, client_reason=client_reason))
+            return
+        try:
+            async with self._send_lock:
+                await call.write(
+                    worker_pb.SessionRequest(close=worker_pb.SessionClose(reason=_REASONS[reason]))
+                )
+            await call.done_writing()
+            await asyncio.wait_for(self.closed.wait(), self._close_timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError):
+            await self._finish(ev.Closed(reason, self._usage, client_reason=client_reason))
+
+    async def abort(self) -> None:
+        """The client is gone: drop the worker stream and the lease without events."""
+        self._emit = _discard
+        await self._finish(ev.Closed(ev.CLIENT_CLOSED, self._usage))
+
+    async def _finish(self, closed: ev.Closed) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        # Cancelling the worker stream frees the engine session; cancelling Acquire
+        # returns the lease (the scheduler frees the slot once the worker confirms).
+        if self._worker_call is not None:
+            self._worker_call.cancel()
+        if self._acquire_call is not None:
+            self._acquire_call.cancel()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        log.info("session %s closed: %s %s", self.session_id, closed.reason, closed.message)
+        try:
+            await self._emit(closed)
+        except Exception:  # the transport may be gone already
+            log.debug("session %s: closed event not delivered", self.session_id)
+
+
+async def _discard(_: Event) -> None:
+    return None
+
+
+__all__ = ["SessionCore", "EdgeError", "new_session_id"]

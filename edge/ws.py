@@ -1,0 +1,224 @@
+"""The public WebSocket surface: /v1/realtime (both dialects), /healthz, API keys.
+
+One `Connection` per client drives a SessionCore: it parses frames, enforces the
+state machine (queued -> connected -> active -> closed) and renders events in the
+dialect the client's first init chose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from edge import events as ev
+from edge import protocol
+from edge.config import EdgeConfig, hash_key
+from edge.errors import EdgeError, InvalidEvent, InvalidPayload, NotReady, error_event
+from edge.fabric import Fabric
+from edge.session import SessionCore
+
+log = logging.getLogger("omnifabric.edge.ws")
+
+SUBPROTOCOL = "map.realtime"
+REALTIME_PATH = "/v1/realtime"
+
+
+def select_subprotocol(_conn: ServerConnection, offered: Any) -> str | None:
+    """Pick map.realtime when offered; clients that offer none still connect."""
+    return SUBPROTOCOL if SUBPROTOCOL in offered else None
+
+
+def key_allowed(config: EdgeConfig, headers: Headers) -> bool:
+    """Bearer key check against the configured digests (constant-time compare)."""
+    if not config.api_key_digests:
+        return True
+    auth = headers.get("Authorization", "")
+    scheme, _, key = auth.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return False
+    digest = hash_key(key.strip())
+    # Compare against every digest so timing does not reveal which one matched.
+    matched = False
+    for allowed in config.api_key_digests:
+        matched |= hmac.compare_digest(digest, allowed)
+    return matched
+
+
+def _plain(status: HTTPStatus, body: str, content_type: str = "text/plain") -> Response:
+    headers = Headers([("Content-Type", f"{content_type}; charset=utf-8")])
+    return Response(status.value, status.phrase, headers, body.encode())
+
+
+class EdgeApp:
+    """Shared state of the WebSocket server: config, fabric clients, live connections."""
+
+    def __init__(self, config: EdgeConfig, fabric: Fabric) -> None:
+        self.config = config
+        self.fabric = fabric
+        self.connections: set[Connection] = set()
+        self.draining = False
+
+    def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        """HTTP before the upgrade: health, routing and API keys (401 before upgrade)."""
+        path = urlsplit(request.path).path
+        if path == "/healthz":
+            if self.draining:
+                return _plain(HTTPStatus.SERVICE_UNAVAILABLE, '{"status":"draining"}', "application/json")
+            return _plain(HTTPStatus.OK, '{"status":"ok"}', "application/json")
+        if path != REALTIME_PATH:
+            return _plain(HTTPStatus.NOT_FOUND, f"no such endpoint: {path}\n")
+        if self.draining:
+            return _plain(HTTPStatus.SERVICE_UNAVAILABLE, "the server is draining\n")
+        if not key_allowed(self.config, request.headers):
+            return _plain(HTTPStatus.UNAUTHORIZED, "missing or invalid API key\n")
+        return None
+
+    async def handler(self, ws: ServerConnection) -> None:
+        """One client connection, from upgrade to close."""
+        query = parse_qs(urlsplit(ws.request.path).query)
+        mode = (query.get("mode") or [self.config.default_mode])[0]
+        if mode not in ev.MODES:
+            if mode == "chat":
+                message = "mode=chat is not served yet"
+            else:
+                message = f"unknown mode {mode[:32]!r}: use audio or video"
+            await ws.send(json.dumps(error_event(InvalidPayload(message))))
+            await ws.close(1008, "unsupported mode")
+            return
+        conn = Connection(self, ws, mode)
+        self.connections.add(conn)
+        try:
+            await conn.run()
+        finally:
+            self.connections.discard(conn)
+
+
+class Connection:
+    """One WebSocket client session: the public state machine around a SessionCore."""
+
+    def __init__(self, app: EdgeApp, ws: ServerConnection, mode: str) -> None:
+        self.app = app
+        self.ws = ws
+        self.mode = mode
+        self.dialect: ev.Dialect | None = None
+        self.core = SessionCore(
+            mode,
+            app.fabric,
+            self._on_event,
+            start_timeout_s=app.config.worker_start_timeout_s,
+            close_timeout_s=app.config.close_timeout_s,
+        )
+        self.renderer: protocol.OutputRenderer | None = None
+        self._pending_init: ev.InitCommand | None = None
+        self._leased = asyncio.Event()
+        self._done = asyncio.Event()
+
+    async def send(self, event: dict[str, Any]) -> None:
+        try:
+            await self.ws.send(json.dumps(event, separators=(",", ":")))
+        except ConnectionClosed:
+            pass
+
+    async def _on_event(self, event: Any) -> None:
+        if isinstance(event, ev.Queued):
+            await self.send(protocol.queued_json(event))
+        elif isinstance(event, ev.QueueDone):
+            await self.send(protocol.queue_done_json())
+        elif isinstance(event, ev.Created):
+            await self.send(protocol.created_json(event, self.dialect or ev.Dialect.CURRENT, self.mode))
+        elif isinstance(event, ev.Output):
+            assert self.renderer is not None
+            for item in self.renderer.render(event):
+                await self.send(item)
+        elif isinstance(event, ev.Closed):
+            await self.send(protocol.closed_json(event, self.dialect, self.core.session_id))
+            self._done.set()
+            asyncio.get_running_loop().call_soon(
+                lambda: asyncio.ensure_future(self.ws.close(1000, event.reason))
+            )
+
+    async def fail(self, err: EdgeError) -> None:
+        """Tell the client about an error; fatal ones close the connection with their code."""
+        await self.send(error_event(err))
+        if err.close_code is not None:
+            self._done.set()
+            await self.ws.close(err.close_code, err.code)
+
+    async def run(self) -> None:
+        acquire = asyncio.create_task(self._acquire())
+        try:
+            await self._read()
+        finally:
+            acquire.cancel()
+            if not self.core.closed.is_set():
+                await self.core.abort()
+
+    async def _acquire(self) -> None:
+        try:
+            await self.core.acquire()
+        except EdgeError as err:
+            if not self.core.closed.is_set():  # not the client's own close while queued
+                await self.fail(err)
+            return
+        self._leased.set()
+        if self._pending_init is not None:
+            await self._start(self._pending_init)
+
+    async def _start(self, init: ev.InitCommand) -> None:
+        self.dialect = init.dialect
+        self.renderer = protocol.OutputRenderer(init.dialect, self.core.session_id)
+        try:
+            await self.core.start(init)
+        except EdgeError as err:
+            await self.fail(err)
+            if err.close_code is None and not self.core.closed.is_set():
+                await self.core.close(ev.ERROR)
+
+    async def _read(self) -> None:
+        try:
+            async for message in self.ws:
+                if self._done.is_set():
+                    break
+                if isinstance(message, bytes):
+                    await self.fail(InvalidPayload("binary frames are not part of the protocol"))
+                    continue
+                try:
+                    event = protocol.parse_frame(message)
+                    cmd = protocol.command(event)
+                    await self._handle(cmd)
+                except protocol.InvalidJson:
+                    await self.ws.close(1003, "invalid JSON")
+                    return
+                except EdgeError as err:
+                    await self.fail(err)
+        except ConnectionClosed:
+            pass
+
+    async def _handle(self, cmd: ev.InitCommand | ev.AppendCommand | ev.CloseCommand) -> None:
+        if isinstance(cmd, ev.CloseCommand):
+            await self._close(cmd)
+        elif isinstance(cmd, ev.InitCommand):
+            if self.dialect is not None or self._pending_init is not None:
+                raise InvalidEvent("the session is already initialized")
+            if not self._leased.is_set():
+                # Sent during the queue: kept and applied once a worker is assigned.
+                self._pending_init = cmd
+                return
+            await self._start(cmd)
+        else:
+            if not self.core.started:
+                raise NotReady("send session.init (or session.update) after session.queue_done")
+            await self.core.append(cmd)
+
+    async def _close(self, cmd: ev.CloseCommand) -> None:
+        await self.core.close(ev.USER_STOP, cmd.reason)

@@ -1,0 +1,172 @@
+"""The JSON protocol core: parsing, validation errors, dialect rendering (no I/O)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import wave
+
+import numpy as np
+import pytest
+
+from edge import errors, protocol
+from edge import events as ev
+from edge.pcm import reference_audio
+
+
+def b64(arr: np.ndarray) -> str:
+    return base64.b64encode(arr.astype("<f4").tobytes()).decode()
+
+
+ONE_SECOND = b64(np.zeros(16000, np.float32))
+
+
+def parse(obj) -> object:
+    return protocol.command(protocol.parse_frame(json.dumps(obj)))
+
+
+def test_not_json_is_invalid_json():
+    with pytest.raises(protocol.InvalidJson):
+        protocol.parse_frame("{not json")
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("[1, 2]", errors.InvalidPayload),
+        ('{"a": 1}', errors.MissingField),
+        ('{"type": 5}', errors.InvalidPayload),
+        ('{"type": "input.append", "x": NaN}', errors.InvalidPayload),
+        ("[" * 100_000 + "]" * 100_000, errors.InvalidPayload),
+    ],
+)
+def test_frame_errors(text, error):
+    with pytest.raises(error):
+        protocol.parse_frame(text)
+
+
+def test_unknown_event():
+    with pytest.raises(errors.UnknownEvent):
+        parse({"type": "response.create"})
+
+
+def test_init_current_dialect_maps_sdk_keys():
+    cmd = parse(
+        {
+            "type": "session.init",
+            "payload": {
+                "instructions": "be brief",
+                "config": {"max_kv_tokens": 4096, "tts_enabled": False, "vision_hd": True,
+                           "length_penalty": 1.1, "model_extra": "ignored"},
+                "voice": {"ref_audio_base64": ONE_SECOND},
+            },
+        }
+    )
+    assert isinstance(cmd, ev.InitCommand)
+    assert cmd.dialect is ev.Dialect.CURRENT
+    assert cmd.system_prompt == "be brief"
+    assert cmd.config.max_kv_tokens == 4096 and cmd.config.tts_enabled is False
+    assert cmd.config.length_penalty == 1.1
+    assert cmd.max_slice_nums == 2
+    assert len(cmd.ref_audio) == 64000
+
+
+def test_init_first_dialect_accepts_wav_reference():
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(8000)
+        w.writeframes(np.zeros(8000, "<i2").tobytes())
+    wav_b64 = base64.b64encode(buf.getvalue()).decode()
+    cmd = parse({"type": "session.update", "session": {"instructions": "hi", "ref_audio": wav_b64}})
+    assert cmd.dialect is ev.Dialect.FIRST
+    assert len(cmd.ref_audio) == 16000 * 4  # resampled 8 kHz -> 16 kHz
+
+
+@pytest.mark.parametrize(
+    "payload, error",
+    [
+        ({"type": "session.init"}, errors.MissingField),
+        ({"type": "session.init", "payload": []}, errors.InvalidPayload),
+        ({"type": "session.init", "payload": {"config": {"temperature": "hot"}}}, errors.InvalidPayload),
+        ({"type": "session.init", "payload": {"config": {"max_kv_tokens": 9000}}}, errors.InvalidPayload),
+        ({"type": "session.init", "payload": {"system_prompt": 3}}, errors.InvalidPayload),
+    ],
+)
+def test_init_errors(payload, error):
+    with pytest.raises(error):
+        parse(payload)
+
+
+def test_append_both_dialects():
+    a = parse({"type": "input.append", "input": {"audio": ONE_SECOND, "force_listen": True}})
+    b = parse({"type": "input_audio_buffer.append", "audio": ONE_SECOND})
+    assert isinstance(a, ev.AppendCommand) and a.force_listen and len(a.pcm) == 64000
+    assert isinstance(b, ev.AppendCommand) and not b.force_listen
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        ({}, errors.MissingField),
+        ({"audio": "***"}, errors.InvalidPayload),
+        ({"audio": ""}, errors.InvalidPayload),
+        ({"audio": base64.b64encode(b"\x00" * 16003).decode()}, errors.InvalidPayload),
+        ({"audio": b64(np.zeros(3999, np.float32))}, errors.InvalidPayload),
+        ({"audio": b64(np.full(16000, np.nan, np.float32))}, errors.InvalidPayload),
+        ({"audio": ONE_SECOND, "video_frames": ["aGVsbG8="]}, errors.InvalidPayload),
+        ({"audio": ONE_SECOND, "force_listen": "yes"}, errors.InvalidPayload),
+    ],
+)
+def test_append_errors(body, error):
+    with pytest.raises(error):
+        parse({"type": "input.append", "input": body})
+
+
+def test_reference_audio_rejects_odd_bytes():
+    with pytest.raises(errors.InvalidPayload):
+        reference_audio(base64.b64encode(b"abc").decode(), "ref_audio")
+
+
+def _out(**kw) -> ev.Output:
+    base = dict(seq=4, is_listen=False, text="Hi", pcm=np.zeros(24000, "<f4").tobytes(),
+                end_of_turn=False, kv_cache_length=120,
+                timings_ms={"prefill_ms": 10.0, "generate_ms": 20.0, "wall_clock_ms": 31.0},
+                usage=ev.Usage(input_tokens=5, output_tokens=2, total_tokens=7))
+    base.update(kw)
+    return ev.Output(**base)
+
+
+def test_render_first_dialect():
+    r = protocol.OutputRenderer(ev.Dialect.FIRST, "rt_1")
+    [listen] = r.render(_out(is_listen=True, text="", pcm=b""))
+    assert listen["type"] == "response.listen" and listen["kv_cache_length"] == 120
+    [speak] = r.render(_out(end_of_turn=True))
+    assert speak["type"] == "response.output_audio.delta"
+    assert speak["text"] == "Hi" and speak["end_of_turn"] is True
+    assert len(base64.b64decode(speak["audio"])) == 96000
+    assert speak["metrics"]["prefill_ms"] == 10.0 and speak["metrics"]["wall_clock_ms"] == 31.0
+
+
+def test_render_current_dialect_splits_and_closes_turn():
+    r = protocol.OutputRenderer(ev.Dialect.CURRENT, "rt_1")
+    events = r.render(_out(end_of_turn=True))
+    assert [e["kind"] for e in events] == ["text", "audio", "listen"]
+    assert events[2]["text"] == ""  # the SDK drops listen deltas without a string text
+    assert events[1]["usage"]["input_tokens_details"]["vision_tokens"] == 0
+    assert all(e["input_id"] == "input_4" for e in events)
+    [listen] = r.render(_out(is_listen=True, text="", pcm=b""))
+    assert listen["kind"] == "listen" and listen["text"] == ""
+
+
+def test_closed_reasons_per_dialect():
+    closed = ev.Closed(ev.USER_STOP, ev.Usage(), client_reason="bye")
+    assert protocol.closed_json(closed, ev.Dialect.FIRST, "s")["reason"] == "stopped"
+    assert protocol.closed_json(closed, ev.Dialect.CURRENT, "s")["reason"] == "bye"
+    plain = ev.Closed(ev.USER_STOP, ev.Usage())
+    assert protocol.closed_json(plain, ev.Dialect.CURRENT, "s")["reason"] == "user_stop"
+    timeout = ev.Closed(ev.TIMEOUT, ev.Usage())
+    assert protocol.closed_json(timeout, ev.Dialect.FIRST, "s")["reason"] == "timeout"
+    assert "usage" in protocol.closed_json(timeout, None, None)

@@ -1,0 +1,151 @@
+"""`omnifabric serve`: the whole stack on one machine as child processes.
+
+Starts the scheduler, N workers and the edge (in that order, each once the previous
+reported ready), prints `omnifabric ready: ws://HOST:PORT/v1/realtime`, and on
+Ctrl-C/SIGTERM drains them in reverse order (edge, workers, scheduler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+READY = re.compile(r"^omnifabric (scheduler|worker|edge) ready: (.*)$")
+
+
+@dataclass
+class Child:
+    """A service child process and what its ready line said."""
+
+    name: str
+    proc: subprocess.Popen
+    ready: threading.Event = field(default_factory=threading.Event)
+    ready_text: str = ""
+
+    def pump(self) -> None:
+        """Forward the child's stdout; note its ready line."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            match = READY.match(line.strip())
+            if match and not self.ready.is_set():
+                self.ready_text = match.group(2)
+                self.ready.set()
+            else:
+                sys.stdout.write(f"[{self.name}] {line}")
+                sys.stdout.flush()
+
+    def wait_ready(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.wait(0.1):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f}s")
+        return self.ready_text
+
+
+def spawn(name: str, module: str, args: list[str]) -> Child:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=None,
+        text=True,
+        env=env,
+        start_new_session=True,  # Ctrl-C reaches us only; we stop children in order.
+    )
+    child = Child(name, proc)
+    threading.Thread(target=child.pump, name=f"pump-{name}", daemon=True).start()
+    return child
+
+
+def stop(child: Child, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after the grace period."""
+    if child.proc.poll() is not None:
+        return
+    child.proc.send_signal(signal.SIGTERM)
+    try:
+        child.proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        child.proc.kill()
+        child.proc.wait()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnifabric serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    parser.add_argument("--port", type=int, default=8006, help="edge WebSocket port (0 = any)")
+    parser.add_argument("--grpc-port", type=int, default=8007, help="edge RealtimeService port (0 = any, -1 = off)")
+    parser.add_argument("--scheduler-port", type=int, default=50051, help="scheduler port (0 = any)")
+    parser.add_argument("--worker-base-port", type=int, default=22400, help="worker i listens on base+i (0 = any)")
+    parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    parser.add_argument("--engine", default="synthetic", choices=["synthetic", "reference", "minicpmo"])
+    parser.add_argument("--slots", type=int, help="sessions per worker (engine default)")
+    parser.add_argument("--compute-ms", type=float, help="synthetic engine: compute time per unit")
+    parser.add_argument("--grace", type=float, default=10.0, help="drain grace per service on stop, s")
+    parser.add_argument("--ready-timeout", type=float, default=120.0, help="max wait for each service, s")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workers < 1:
+        print("omnifabric serve: --workers must be at least 1", file=sys.stderr)
+        return 2
+    children: list[Child] = []
+    stopping = threading.Event()
+
+    def on_signal(signum, _frame):
+        stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        scheduler = spawn("scheduler", "scheduler", ["--host", args.host, "--port", str(args.scheduler_port)])
+        children.append(scheduler)
+        sched_addr = scheduler.wait_ready(args.ready_timeout).split()[0]
+        workers = []
+        for i in range(args.workers):
+            port = 0 if args.worker_base_port == 0 else args.worker_base_port + i
+            wargs = ["--host", args.host, "--port", str(port), "--scheduler", sched_addr,
+                     "--engine", args.engine, "--worker-id", f"{os.uname().nodename}-w{i}"]
+            if args.slots is not None:
+                wargs += ["--slots", str(args.slots)]
+            if args.compute_ms is not None:
+                wargs += ["--compute-ms", str(args.compute_ms)]
+            workers.append(spawn(f"worker{i}", "worker", wargs))
+        children.extend(workers)
+        for w in workers:
+            w.wait_ready(args.ready_timeout)
+        edge = spawn("edge", "edge", ["--host", args.host, "--port", str(args.port),
+                                      "--grpc-port", str(args.grpc_port), "--scheduler", sched_addr])
+        children.append(edge)
+        url = edge.wait_ready(args.ready_timeout).split()[0]
+        print(f"omnifabric ready: {url}", flush=True)
+        while not stopping.wait(0.5):
+            if scheduler.proc.poll() is not None or edge.proc.poll() is not None:
+                dead = scheduler if scheduler.proc.poll() is not None else edge
+                print(f"omnifabric serve: {dead.name} exited ({dead.proc.returncode}); stopping", file=sys.stderr)
+                code = 1
+                break
+            for w in workers:
+                if w.proc.poll() is not None and not getattr(w, "reported", False):
+                    print(f"omnifabric serve: {w.name} exited ({w.proc.returncode}); serving on", file=sys.stderr)
+                    w.reported = True  # type: ignore[attr-defined]
+    except RuntimeError as exc:
+        print(f"omnifabric serve: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        # Edge first (clients get session.closed), then workers, then the scheduler.
+        for child in reversed(children):
+            stop(child, args.grace)
+    print("omnifabric stopped", flush=True)
+    return code
