@@ -65,8 +65,7 @@ def _append(msg: rt_pb.InputAppend) -> ev.AppendCommand:
     if len(msg.video_frames) > MAX_FRAMES_PER_UNIT:
         raise InvalidPayload(f"at most {MAX_FRAMES_PER_UNIT} video frames per unit")
     for i, frame in enumerate(msg.video_frames):
-        if frame[:3] != b"\xff\xd8\xff":
-            raise InvalidPayload(f"video_frames[{i}] is not a JPEG image")
+        pcm.check_jpeg(frame, f"video_frames[{i}]")
     return ev.AppendCommand(
         pcm=pcm.check_unit_pcm(msg.audio),
         frames=tuple(msg.video_frames),

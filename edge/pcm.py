@@ -87,10 +87,23 @@ def resample(audio: np.ndarray, rate: int, target: int) -> np.ndarray:
 
 
 def jpeg_frame(value: object, what: str) -> bytes:
-    """A base64 JPEG frame; checks the JPEG start and end markers."""
-    raw = b64decode(value, what)
-    if not (raw[:3] == b"\xff\xd8\xff" and raw.rstrip(b"\x00")[-2:] == b"\xff\xd9"):
+    """A base64 JPEG frame, checked by the JPEG parser (header and structure)."""
+    return check_jpeg(b64decode(value, what), what)
+
+
+def check_jpeg(raw: bytes, what: str) -> bytes:
+    """Raw JPEG bytes, verified; InvalidPayload when broken or not a JPEG."""
+    from PIL import Image, UnidentifiedImageError
+
+    if raw[:3] != b"\xff\xd8\xff":
         raise InvalidPayload(f"{what} is not a JPEG image")
+    try:
+        with Image.open(io.BytesIO(raw)) as image:
+            if image.format != "JPEG":
+                raise InvalidPayload(f"{what} is not a JPEG image")
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+        raise InvalidPayload(f"{what} is a broken JPEG image") from None
     return raw
 
 

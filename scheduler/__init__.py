@@ -1,0 +1,1 @@
+"""omnifabric scheduler: worker registry, one FIFO queue with ETA, and stream-bound leases."""

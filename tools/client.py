@@ -89,6 +89,7 @@ async def run_session(
 ) -> SessionReport:
     """Run one full-duplex session: queue, init, units at `pace_s`, close.
 
+    `pace_s` = 0 sends each unit once the previous one is answered (lockstep).
     `on_event(event, report)` is called for every server event (e.g. to print it).
     """
     report = SessionReport()
@@ -148,10 +149,13 @@ async def run_session(
         for i, unit in enumerate(units):
             if done.is_set():
                 break
-            target = start + i * pace_s
-            delay = target - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            if pace_s > 0:
+                delay = start + i * pace_s - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            elif i:
+                # Lockstep: the next unit once the previous one is answered.
+                await _answered(report.units[i], done, settle_s)
             seq = i + 1
             body: dict[str, Any] = {"audio": base64.b64encode(unit.astype("<f4").tobytes()).decode()}
             if frames and i < len(frames) and frames[i]:
@@ -175,6 +179,12 @@ async def run_session(
                 pass
         receiver.cancel()
     return report
+
+
+async def _answered(unit: UnitRecord, done: asyncio.Event, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while unit.kind == "" and not done.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.002)
 
 
 def _record(event: dict[str, Any], report: SessionReport, dialect: str) -> None:

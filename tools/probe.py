@@ -1,7 +1,7 @@
 """`omnifabric probe`: stream a WAV file to a Realtime endpoint like a real client.
 
-Sends 1 s of 16 kHz audio per second (`--fast`: as fast as results come back is not
-waited for), writes the reply audio as a 24 kHz WAV, prints the events' text and a
+Sends 1 s of 16 kHz audio per second (`--fast`: each unit as soon as the previous one
+is answered), writes the reply audio as a 24 kHz WAV, prints the events' text and a
 per-unit summary.
 """
 
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", default="audio", choices=["audio", "video"])
     parser.add_argument("--input", required=True, type=Path, help="WAV file (any rate; mono or stereo)")
     parser.add_argument("--output", type=Path, help="where to write the reply audio (24 kHz WAV)")
-    parser.add_argument("--fast", action="store_true", help="do not wait 1 s between units")
+    parser.add_argument("--fast", action="store_true", help="send each unit once the previous one is answered")
     parser.add_argument("--tail", type=int, default=4, help="silent units sent after the input")
     parser.add_argument("--dialect", default="current", choices=["current", "first"])
     parser.add_argument("--system-prompt", default="You are a helpful assistant.")

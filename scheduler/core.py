@@ -1,0 +1,413 @@
+"""The scheduler's state machine: registry, queue and leases, driven from one event loop.
+
+Every mutation is synchronous (no await between reading and writing state), so the
+event loop serializes them and no lock is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+from scheduler.config import SchedulerConfig
+from scheduler.errors import InvalidRequest, NoWorker, QueueFull, UnknownLease
+from scheduler.leases import Lease, LeaseGrantNotice, LeaseRevokeNotice, LeaseState, LeaseTable
+from scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
+from scheduler.registry import Health, Mode, Registry, Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    """What a worker declares when it registers."""
+
+    worker_id: str
+    address: str
+    slots: int
+    modes: frozenset[Mode]
+    engine: str
+    health: Health
+    active_lease_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class QueueUpdate:
+    """A waiting request's place in the queue."""
+
+    position: int
+    queue_length: int
+    estimated_wait_s: float
+    ticket_id: str
+
+
+@dataclass(frozen=True)
+class LeaseOffer:
+    """The lease handed to a request's holder."""
+
+    lease_id: str
+    worker_id: str
+    worker_address: str
+    slot: int
+    ticket_id: str
+    queue_wait_s: float
+
+
+@dataclass(frozen=True)
+class LeaseLoss:
+    """The holder's lease ended with its worker."""
+
+    lease_id: str
+    reason: str
+
+
+AcquireEvent = QueueUpdate | LeaseOffer | LeaseLoss
+
+
+@dataclass
+class Counters:
+    """Totals since start, for metrics."""
+
+    leases_granted: int = 0
+    leases_returned: int = 0
+    leases_lost: int = 0
+    queue_full_rejections: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    worker_id: str
+    address: str
+    engine: str
+    slots: int
+    slots_free: int
+    modes: tuple[Mode, ...]
+    health: Health
+    detail: str
+    lease_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    workers: tuple[WorkerSnapshot, ...]
+    queue_length: int
+    queue_max: int
+    leases_active: int
+    mean_session_s: dict[Mode, float]
+
+
+class Scheduler:
+    """Owns the worker registry, the FIFO queue and the leases."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.registry = Registry()
+        self.queue = WaitQueue(config.queue_max)
+        self.leases = LeaseTable()
+        self.sessions = SessionLengths(config.eta_alpha, config.eta_initial_s)
+        self.counters = Counters()
+
+    # --- workers ---------------------------------------------------------------------
+
+    def register(self, hello: WorkerHello) -> Worker:
+        """Add a worker (replacing a live one with the same id); returns its record.
+
+        Raises InvalidRequest when the hello is incomplete.
+        """
+        _check_hello(hello)
+        worker = Worker(
+            worker_id=hello.worker_id,
+            address=hello.address,
+            slots=hello.slots,
+            modes=hello.modes,
+            engine=hello.engine,
+            health=hello.health,
+        )
+        old = self.registry.add(worker)
+        claimed = set(hello.active_lease_ids)
+        if old is not None:
+            log.info("worker %s re-registered; replacing its previous stream", worker.worker_id)
+            self._adopt(old, worker, claimed)
+            old.outbox.put_nowait(None)
+        for lease_id in hello.active_lease_ids:
+            if lease_id in worker.lease_slots:
+                continue
+            known = self.leases.get(lease_id)
+            if known is not None:
+                log.warning(
+                    "worker %s claims lease %s of worker %s; ignored",
+                    worker.worker_id, lease_id, known.worker_id,
+                )
+                continue
+            orphan = Lease(
+                worker_id=worker.worker_id,
+                slot=worker.take_slot(lease_id),
+                mode=None,
+                lease_id=lease_id,
+                state=LeaseState.ORPHAN,
+            )
+            orphan.announced.set()
+            self.leases.add(orphan)
+        log.info(
+            "worker %s registered at %s: %d slots, modes %s, engine %s, %s",
+            worker.worker_id, worker.address, worker.slots,
+            ",".join(sorted(m.value for m in worker.modes)), worker.engine, worker.health.value,
+        )
+        self._dispatch()
+        return worker
+
+    def report(self, worker: Worker, health: Health, detail: str) -> None:
+        """Record a worker's new health; a SERVING worker may take waiting requests."""
+        if not self.registry.is_current(worker):
+            return
+        if worker.health is not health:
+            log.info("worker %s is %s%s", worker.worker_id, health.value,
+                     f" ({detail})" if detail else "")
+        worker.health = health
+        worker.detail = detail
+        if health is Health.SERVING:
+            self._dispatch()
+
+    def release(self, worker: Worker, lease_id: str) -> None:
+        """The worker is done with `lease_id`. Raises UnknownLease if it holds no such lease."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.worker_id != worker.worker_id:
+            raise UnknownLease(lease_id)
+        if lease.state is LeaseState.ACTIVE:
+            # The holder still has the lease: keep the slot until its stream ends, so the
+            # same slot is never leased twice.
+            lease.worker_released = True
+            return
+        self._free(lease)
+
+    def unregister(self, worker: Worker) -> None:
+        """The worker's stream ended: it is gone, and so is every lease on it."""
+        worker.outbox.put_nowait(None)
+        if not self.registry.remove(worker):
+            return
+        log.warning("worker %s lost", worker.worker_id)
+        self._drop_leases(self.leases.on_worker(worker.worker_id),
+                          f"worker {worker.worker_id} lost")
+
+    def lease_announced(self, lease: Lease) -> None:
+        """The worker's stream has passed on the grant of `lease`."""
+        lease.announced.set()
+
+    # --- requests --------------------------------------------------------------------
+
+    async def acquire(self, mode: Mode, session_id: str) -> AsyncIterator[AcquireEvent]:
+        """Queue updates, then the lease, then (if its worker is lost) the loss.
+
+        The lease lasts until this generator is closed. Raises NoWorker or QueueFull.
+        """
+        if not self.registry.serves(mode):
+            raise NoWorker(mode.value)
+        ticket = Ticket(mode=mode, session_id=session_id)
+        worker = self.registry.pick(mode)
+        if worker is not None:
+            # After every change the queue is dispatched, so nobody waiting can use this slot.
+            self._grant(ticket, worker)
+        else:
+            try:
+                self.queue.push(ticket)
+            except QueueFull:
+                self.counters.queue_full_rejections += 1
+                raise
+        try:
+            async for update in self._wait(ticket):
+                yield update
+            lease = ticket.lease
+            assert lease is not None
+            # The worker must know the lease before the holder can present it.
+            await lease.announced.wait()
+            if lease.lost_reason is None:
+                worker = self.registry.get(lease.worker_id)
+                yield LeaseOffer(
+                    lease_id=lease.lease_id,
+                    worker_id=lease.worker_id,
+                    worker_address=worker.address if worker else "",
+                    slot=lease.slot,
+                    ticket_id=ticket.ticket_id,
+                    queue_wait_s=lease.granted_at - ticket.enqueued_at,
+                )
+                await lease.lost.wait()
+            yield LeaseLoss(lease.lease_id, lease.lost_reason or "lease lost")
+        finally:
+            if ticket.lease is not None:
+                self._holder_gone(ticket.lease)
+            elif self.queue.remove(ticket):
+                self._notify_waiting()
+
+    async def _wait(self, ticket: Ticket) -> AsyncIterator[QueueUpdate]:
+        """Updates while `ticket` waits: on every position change and at least every interval."""
+        interval = self.config.queue_update_interval_s
+        last_position = 0
+        last_sent = 0.0
+        while ticket.lease is None:
+            ticket.changed.clear()
+            position = self.queue.position(ticket)
+            if position != last_position or time.monotonic() - last_sent >= interval:
+                yield self._queue_update(ticket, position)
+                last_position, last_sent = position, time.monotonic()
+                continue
+            try:
+                async with asyncio.timeout(max(0.0, last_sent + interval - time.monotonic())):
+                    await ticket.changed.wait()
+            except TimeoutError:
+                pass
+
+    def _queue_update(self, ticket: Ticket, position: int) -> QueueUpdate:
+        return QueueUpdate(
+            position=position,
+            queue_length=len(self.queue),
+            estimated_wait_s=estimate_wait_s(
+                position,
+                self.sessions.mean_s(ticket.mode),
+                self.registry.serving_slots(ticket.mode),
+            ),
+            ticket_id=ticket.ticket_id,
+        )
+
+    # --- status ----------------------------------------------------------------------
+
+    def status(self) -> StatusSnapshot:
+        """A consistent snapshot of workers, queue and leases."""
+        workers = tuple(
+            WorkerSnapshot(
+                worker_id=w.worker_id,
+                address=w.address,
+                engine=w.engine,
+                slots=w.slots,
+                slots_free=w.slots_free,
+                modes=tuple(m for m in Mode if m in w.modes),
+                health=w.health,
+                detail=w.detail,
+                lease_ids=tuple(sorted(w.lease_slots, key=w.lease_slots.__getitem__)),
+            )
+            for w in self.registry
+        )
+        return StatusSnapshot(
+            workers=workers,
+            queue_length=len(self.queue),
+            queue_max=self.queue.queue_max,
+            leases_active=self.leases.count(LeaseState.ACTIVE),
+            mean_session_s={mode: self.sessions.mean_s(mode) for mode in Mode},
+        )
+
+    # --- internals -------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        """Grant, in FIFO order, every waiting request that a free slot can serve."""
+        granted = False
+        for ticket in self.queue:
+            worker = self.registry.pick(ticket.mode)
+            if worker is not None:
+                self.queue.remove(ticket)
+                self._grant(ticket, worker)
+                granted = True
+        if granted:
+            self._notify_waiting()
+
+    def _grant(self, ticket: Ticket, worker: Worker) -> None:
+        lease = Lease(
+            worker_id=worker.worker_id,
+            slot=0,
+            mode=ticket.mode,
+            session_id=ticket.session_id,
+            ticket_id=ticket.ticket_id,
+        )
+        lease.slot = worker.take_slot(lease.lease_id)
+        self.leases.add(lease)
+        self.counters.leases_granted += 1
+        worker.outbox.put_nowait(LeaseGrantNotice(lease))
+        ticket.lease = lease
+        ticket.changed.set()
+        log.info("lease %s: worker %s slot %d, %s, session %s", lease.lease_id,
+                 worker.worker_id, lease.slot, ticket.mode.value, ticket.session_id or "-")
+
+    def _notify_waiting(self) -> None:
+        for ticket in self.queue:
+            ticket.changed.set()
+
+    def _holder_gone(self, lease: Lease) -> None:
+        """The holder's stream ended: ask the worker to release the lease."""
+        if lease.state is not LeaseState.ACTIVE or self.leases.get(lease.lease_id) is not lease:
+            return
+        assert lease.mode is not None
+        self.sessions.observe(lease.mode, time.monotonic() - lease.granted_at)
+        self.counters.leases_returned += 1
+        if lease.worker_released:
+            self._free(lease)
+            return
+        lease.state = LeaseState.RETURNING
+        worker = self.registry.get(lease.worker_id)
+        if worker is None:
+            self._free(lease)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            # Finalized outside the loop (shutdown): nobody is left to wait for the worker.
+            self._free(lease)
+            return
+        worker.outbox.put_nowait(LeaseRevokeNotice(lease.lease_id, "holder gone"))
+        lease.release_timer = loop.call_later(
+            self.config.release_timeout_s, self._release_overdue, lease.lease_id
+        )
+
+    def _release_overdue(self, lease_id: str) -> None:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.state is not LeaseState.RETURNING:
+            return
+        lease.release_timer = None
+        log.warning(
+            "worker %s did not release lease %s within %.1f s; freeing slot %d anyway",
+            lease.worker_id, lease_id, self.config.release_timeout_s, lease.slot,
+        )
+        self._free(lease)
+
+    def _free(self, lease: Lease) -> None:
+        self.leases.pop(lease.lease_id)
+        worker = self.registry.get(lease.worker_id)
+        if worker is not None:
+            worker.free_slot(lease.lease_id)
+        self._dispatch()
+
+    def _adopt(self, old: Worker, new: Worker, claimed: set[str]) -> None:
+        """Move the leases the re-registered worker still serves; the rest end."""
+        dropped = []
+        for lease in self.leases.on_worker(old.worker_id):
+            if lease.lease_id not in claimed:
+                dropped.append(lease)
+                continue
+            lease.slot = new.take_slot(lease.lease_id, preferred=lease.slot)
+            lease.announced.set()
+            if lease.state is LeaseState.RETURNING:
+                new.outbox.put_nowait(LeaseRevokeNotice(lease.lease_id, "holder gone"))
+        self._drop_leases(dropped, f"worker {old.worker_id} re-registered without the lease")
+
+    def _drop_leases(self, leases: Iterable[Lease], reason: str) -> None:
+        """End leases whose worker no longer serves them; their holders are told."""
+        for lease in leases:
+            self.leases.pop(lease.lease_id)
+            if lease.state is LeaseState.ACTIVE:
+                self.counters.leases_lost += 1
+                lease.lost_reason = reason
+                lease.lost.set()
+                lease.announced.set()
+                log.warning("lease %s lost: %s", lease.lease_id, reason)
+
+
+def _check_hello(hello: WorkerHello) -> None:
+    if not hello.worker_id:
+        raise InvalidRequest("hello.worker_id must not be empty")
+    if not hello.address:
+        raise InvalidRequest("hello.address must not be empty")
+    if hello.slots < 1:
+        raise InvalidRequest("hello.slots must be at least 1")
+    if not hello.modes:
+        raise InvalidRequest("hello.modes must name at least one mode")
+

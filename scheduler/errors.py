@@ -1,0 +1,51 @@
+"""Scheduler errors and the one place that maps them to gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SchedulerError(Exception):
+    """Base of the errors a scheduler RPC reports to its caller."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class QueueFull(SchedulerError):
+    """The wait queue holds queue_max requests already."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, waiting: int, queue_max: int) -> None:
+        super().__init__(f"queue_full: {waiting} requests waiting (max {queue_max})")
+
+
+class NoWorker(SchedulerError):
+    """No registered worker, in any health, serves the requested mode."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, mode_name: str) -> None:
+        super().__init__(f"no worker serves mode {mode_name}")
+
+
+class InvalidRequest(SchedulerError):
+    """The request breaks the contract (missing mode, hello not first, ...)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class UnknownLease(SchedulerError):
+    """The lease id is not (or no longer) known to the scheduler."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+    def __init__(self, lease_id: str) -> None:
+        super().__init__(f"unknown lease {lease_id}")
+
+
+def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and details to send for `error`; unknown errors leak nothing."""
+    if isinstance(error, SchedulerError):
+        return error.code, str(error)
+    return grpc.StatusCode.INTERNAL, "internal scheduler error"

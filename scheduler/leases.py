@@ -1,0 +1,98 @@
+"""Lease records: a slot on a worker, held for as long as the holder's Acquire stream."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from scheduler.registry import Mode
+
+
+class LeaseState(enum.Enum):
+    """Where a lease is in its life."""
+
+    #: The holder's Acquire stream is open.
+    ACTIVE = "active"
+    #: The holder is gone; the worker was told and its lease_released is awaited.
+    RETURNING = "returning"
+    #: Reported by a reconnecting worker, unknown here, no holder; freed on release.
+    ORPHAN = "orphan"
+
+
+@dataclass
+class Lease:
+    """One granted slot."""
+
+    worker_id: str
+    slot: int
+    mode: Mode | None
+    session_id: str = ""
+    ticket_id: str = ""
+    lease_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    state: LeaseState = LeaseState.ACTIVE
+    #: time.monotonic() at grant.
+    granted_at: float = field(default_factory=time.monotonic)
+    #: The worker sent lease_released while the holder still held the lease.
+    worker_released: bool = False
+    #: Why the lease was lost with its worker; None while it is not.
+    lost_reason: str | None = None
+    #: Set once the worker's stream has passed on the grant (or the lease was lost).
+    announced: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set when the lease is lost with its worker.
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Timer that frees the slot if the worker never answers a revocation.
+    release_timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(frozen=True)
+class LeaseGrantNotice:
+    """Tell a worker about a new lease on one of its slots."""
+
+    lease: Lease
+
+
+@dataclass(frozen=True)
+class LeaseRevokeNotice:
+    """Tell a worker a lease's holder is gone; it answers with lease_released."""
+
+    lease_id: str
+    reason: str
+
+
+class LeaseTable:
+    """Every lease that occupies a slot, by lease id."""
+
+    def __init__(self) -> None:
+        self._leases: dict[str, Lease] = {}
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(list(self._leases.values()))
+
+    def __contains__(self, lease_id: str) -> bool:
+        return lease_id in self._leases
+
+    def add(self, lease: Lease) -> None:
+        self._leases[lease.lease_id] = lease
+
+    def get(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def pop(self, lease_id: str) -> Lease | None:
+        """Forget a lease, cancelling its release timer."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None and lease.release_timer is not None:
+            lease.release_timer.cancel()
+            lease.release_timer = None
+        return lease
+
+    def on_worker(self, worker_id: str) -> list[Lease]:
+        """Every lease on the worker registered as `worker_id`."""
+        return [lease for lease in self._leases.values() if lease.worker_id == worker_id]
+
+    def count(self, state: LeaseState) -> int:
+        """How many leases are in `state`."""
+        return sum(1 for lease in self._leases.values() if lease.state is state)

@@ -1,0 +1,103 @@
+"""`omnifabric scheduler` / `python -m scheduler`: run the scheduler until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from scheduler.config import ENV_VARS, SchedulerConfig, parse_value
+from scheduler.server import start_server
+
+log = logging.getLogger("scheduler")
+
+#: Seconds open streams get to finish on shutdown.
+STOP_GRACE_S = 1.0
+
+# CLI flag -> config field; flags override the environment.
+_FLAGS = {
+    "--host": "host",
+    "--port": "port",
+    "--queue-max": "queue_max",
+    "--queue-update-interval": "queue_update_interval_s",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The scheduler's command-line flags (each also settable by its OMNI_SCHEDULER_* variable)."""
+    parser = argparse.ArgumentParser(
+        prog="omnifabric scheduler",
+        description="Worker registry, FIFO queue and leases for omnifabric.",
+    )
+    defaults = SchedulerConfig()
+    for flag, field in _FLAGS.items():
+        parser.add_argument(
+            flag,
+            dest=field,
+            type=_flag_type(field, flag),
+            default=None,
+            help=f"default {getattr(defaults, field)!r}, env {ENV_VARS[field]}",
+        )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level for stderr (default INFO)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the scheduler; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = SchedulerConfig.from_env()
+    except ValueError as exc:
+        parser.error(str(exc))
+    overrides = {f: getattr(args, f) for f in _FLAGS.values() if getattr(args, f) is not None}
+    config = dataclasses.replace(config, **overrides)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    _run(_serve(config))
+    return 0
+
+
+async def _serve(config: SchedulerConfig) -> None:
+    running = await start_server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    print(f"omnifabric scheduler ready: {config.host}:{running.port}", flush=True)
+    await stop.wait()
+    log.info("stopping")
+    await running.stop(STOP_GRACE_S)
+
+
+def _run(main_coro: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop when it is installed, else on the default asyncio loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main_coro)
+    else:
+        uvloop.run(main_coro)
+
+
+def _flag_type(field: str, flag: str) -> Callable[[str], Any]:
+    def convert(raw: str) -> Any:
+        try:
+            return parse_value(field, raw, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert

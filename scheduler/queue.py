@@ -1,0 +1,102 @@
+"""The one FIFO queue of waiting Acquire requests and its wait estimate."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from scheduler.errors import QueueFull
+from scheduler.registry import Mode
+
+if TYPE_CHECKING:
+    from scheduler.leases import Lease
+
+
+@dataclass
+class Ticket:
+    """One Acquire request, from arrival until it is granted or given up."""
+
+    mode: Mode
+    session_id: str
+    ticket_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: time.monotonic() at arrival.
+    enqueued_at: float = field(default_factory=time.monotonic)
+    #: Set once granted.
+    lease: Lease | None = None
+    #: Set whenever the ticket's position changes or it is granted.
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class WaitQueue:
+    """FIFO of waiting tickets, bounded by `queue_max`."""
+
+    def __init__(self, queue_max: int) -> None:
+        self.queue_max = queue_max
+        # dict keeps insertion order and removes from the middle in O(1).
+        self._tickets: dict[str, Ticket] = {}
+        # Rebuilt lazily after a change: every waiter asks for its position on each change.
+        self._positions: dict[str, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+    def __iter__(self) -> Iterator[Ticket]:
+        return iter(list(self._tickets.values()))
+
+    def __contains__(self, ticket: Ticket) -> bool:
+        return ticket.ticket_id in self._tickets
+
+    def push(self, ticket: Ticket) -> int:
+        """Append `ticket`; returns its 1-based position. Raises QueueFull at the max."""
+        if len(self._tickets) >= self.queue_max:
+            raise QueueFull(len(self._tickets), self.queue_max)
+        self._tickets[ticket.ticket_id] = ticket
+        self._positions = None
+        return len(self._tickets)
+
+    def remove(self, ticket: Ticket) -> bool:
+        """Take `ticket` out; tickets behind it move up. False if it was not waiting."""
+        if self._tickets.pop(ticket.ticket_id, None) is None:
+            return False
+        self._positions = None
+        return True
+
+    def positions(self) -> dict[str, int]:
+        """1-based position of every waiting ticket, by ticket id."""
+        return dict(self._index())
+
+    def position(self, ticket: Ticket) -> int:
+        """1-based position of `ticket`, 0 if it is not waiting."""
+        return self._index().get(ticket.ticket_id, 0)
+
+    def _index(self) -> dict[str, int]:
+        if self._positions is None:
+            self._positions = {tid: n for n, tid in enumerate(self._tickets, start=1)}
+        return self._positions
+
+def estimate_wait_s(position: int, mean_session_s: float, slots: int) -> float:
+    """Seconds until position `position` is served: one mean session per full round of slots."""
+    return mean_session_s * math.ceil(position / max(1, slots))
+
+
+class SessionLengths:
+    """Exponential moving average of observed session lengths, per mode."""
+
+    def __init__(self, alpha: float, initial_s: float) -> None:
+        self.alpha = alpha
+        self.initial_s = initial_s
+        self._mean: dict[Mode, float] = {}
+
+    def observe(self, mode: Mode, seconds: float) -> None:
+        """Fold one session length in; the first observation replaces the assumed mean."""
+        old = self._mean.get(mode)
+        self._mean[mode] = seconds if old is None else self.alpha * seconds + (1 - self.alpha) * old
+
+    def mean_s(self, mode: Mode) -> float:
+        """Mean session length of `mode` in seconds (the initial guess until observed)."""
+        return self._mean.get(mode, self.initial_s)

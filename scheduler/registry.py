@@ -1,0 +1,124 @@
+"""Worker registry: who is registered, what each serves, and which slots are taken."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Mode(enum.Enum):
+    """Session mode a request asks for and a worker serves."""
+
+    AUDIO = "audio"
+    VIDEO = "video"
+    CHAT = "chat"
+
+
+class Health(enum.Enum):
+    """Worker health as last reported; only SERVING workers get new leases."""
+
+    UNKNOWN = "unknown"
+    SERVING = "serving"
+    NOT_SERVING = "not_serving"
+
+
+@dataclass
+class Worker:
+    """One live registration: capacity, modes, health and the leases on its slots."""
+
+    worker_id: str
+    address: str
+    slots: int
+    modes: frozenset[Mode]
+    engine: str
+    health: Health
+    detail: str = ""
+    #: Registration order; ties between equally free workers go to the older one.
+    seq: int = 0
+    #: lease id -> slot number, for every lease that occupies a slot.
+    lease_slots: dict[str, int] = field(default_factory=dict)
+    #: Messages for the worker's Register stream (lease notices; None ends the stream).
+    outbox: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+
+    @property
+    def slots_free(self) -> int:
+        """Slots not occupied by any lease (active, returning or orphan)."""
+        return max(0, self.slots - len(self.lease_slots))
+
+    def can_take(self, mode: Mode) -> bool:
+        """True when this worker may receive a new lease for `mode` now."""
+        return self.health is Health.SERVING and mode in self.modes and self.slots_free > 0
+
+    def take_slot(self, lease_id: str, preferred: int | None = None) -> int:
+        """Occupy the lowest free slot (or `preferred` if free) for `lease_id`."""
+        used = set(self.lease_slots.values())
+        if preferred is not None and preferred not in used and 0 <= preferred < self.slots:
+            slot = preferred
+        else:
+            # Past `slots` only when a reconnecting worker reports more leases than slots.
+            slot = next(n for n in itertools.count() if n not in used)
+        self.lease_slots[lease_id] = slot
+        return slot
+
+    def free_slot(self, lease_id: str) -> None:
+        """Give back the slot `lease_id` occupied, if any."""
+        self.lease_slots.pop(lease_id, None)
+
+
+class Registry:
+    """Live workers by id, in registration order."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, Worker] = {}
+        self._seq = itertools.count()
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def add(self, worker: Worker) -> Worker | None:
+        """Register `worker`; returns the registration it replaces, if any."""
+        old = self._workers.pop(worker.worker_id, None)
+        worker.seq = next(self._seq)
+        self._workers[worker.worker_id] = worker
+        return old
+
+    def remove(self, worker: Worker) -> bool:
+        """Drop `worker` if it is still the live registration for its id."""
+        if self._workers.get(worker.worker_id) is worker:
+            del self._workers[worker.worker_id]
+            return True
+        return False
+
+    def is_current(self, worker: Worker) -> bool:
+        """True while `worker` has not been removed or replaced."""
+        return self._workers.get(worker.worker_id) is worker
+
+    def serves(self, mode: Mode) -> bool:
+        """True when any registered worker, in any health, serves `mode`."""
+        return any(mode in w.modes for w in self._workers.values())
+
+    def pick(self, mode: Mode) -> Worker | None:
+        """The SERVING worker for `mode` with the most free slots (oldest on ties)."""
+        best: Worker | None = None
+        for worker in self._workers.values():
+            if worker.can_take(mode) and (best is None or worker.slots_free > best.slots_free):
+                best = worker
+        return best
+
+    def serving_slots(self, mode: Mode) -> int:
+        """Total slots of SERVING workers that serve `mode`."""
+        return sum(
+            w.slots
+            for w in self._workers.values()
+            if w.health is Health.SERVING and mode in w.modes
+        )

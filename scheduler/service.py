@@ -1,0 +1,227 @@
+"""SchedulerService servicer: protobuf <-> domain at the boundary, one core call per RPC."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import grpc
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+
+from scheduler.core import (
+    AcquireEvent,
+    LeaseLoss,
+    LeaseOffer,
+    QueueUpdate,
+    Scheduler,
+    WorkerHello,
+)
+from scheduler.errors import InvalidRequest, UnknownLease, status_for
+from scheduler.leases import LeaseGrantNotice, LeaseRevokeNotice
+from scheduler.registry import Health, Mode, Worker
+
+log = logging.getLogger(__name__)
+
+_MODE_FROM_PB = {
+    common_pb2.MODE_AUDIO: Mode.AUDIO,
+    common_pb2.MODE_VIDEO: Mode.VIDEO,
+    common_pb2.MODE_CHAT: Mode.CHAT,
+}
+_MODE_TO_PB = {mode: value for value, mode in _MODE_FROM_PB.items()}
+_HEALTH_FROM_PB = {
+    common_pb2.WORKER_HEALTH_SERVING: Health.SERVING,
+    common_pb2.WORKER_HEALTH_NOT_SERVING: Health.NOT_SERVING,
+}
+_HEALTH_TO_PB = {
+    Health.UNKNOWN: common_pb2.WORKER_HEALTH_UNSPECIFIED,
+    Health.SERVING: common_pb2.WORKER_HEALTH_SERVING,
+    Health.NOT_SERVING: common_pb2.WORKER_HEALTH_NOT_SERVING,
+}
+
+
+class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
+    """The gRPC face of one `Scheduler`."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    async def Register(
+        self,
+        request_iterator: AsyncIterator[scheduler_pb.RegisterRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[scheduler_pb.RegisterResponse]:
+        requests = aiter(request_iterator)
+        try:
+            first = await anext(requests, None)
+            if first is None or first.WhichOneof("kind") != "hello":
+                raise InvalidRequest("the first message of Register must be hello")
+            worker = self._scheduler.register(_hello_from_pb(first.hello))
+        except Exception as exc:
+            await _abort(context, exc)
+        reader = asyncio.create_task(self._read_worker(worker, requests))
+        failure: Exception | None = None
+        try:
+            yield scheduler_pb.RegisterResponse(
+                registered=scheduler_pb.Registered(worker_id=worker.worker_id)
+            )
+            while (notice := await worker.outbox.get()) is not None:
+                if isinstance(notice, LeaseGrantNotice):
+                    lease = notice.lease
+                    yield scheduler_pb.RegisterResponse(
+                        lease_granted=scheduler_pb.LeaseGranted(
+                            lease_id=lease.lease_id,
+                            slot=lease.slot,
+                            mode=_MODE_TO_PB[lease.mode],
+                            session_id=lease.session_id,
+                        )
+                    )
+                    # Resumed only after gRPC took the message: the worker knows the lease.
+                    self._scheduler.lease_announced(lease)
+                elif isinstance(notice, LeaseRevokeNotice):
+                    yield scheduler_pb.RegisterResponse(
+                        lease_revoked=scheduler_pb.LeaseRevoked(
+                            lease_id=notice.lease_id, reason=notice.reason
+                        )
+                    )
+            if reader.done() and not reader.cancelled():
+                failure = reader.result()
+        finally:
+            reader.cancel()
+            self._scheduler.unregister(worker)
+        if failure is not None:
+            await _abort(context, failure)
+
+    async def _read_worker(
+        self, worker: Worker, requests: AsyncIterator[scheduler_pb.RegisterRequest]
+    ) -> Exception | None:
+        """Apply the worker's reports and releases until its stream ends; returns its failure."""
+        try:
+            async for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "report":
+                    self._scheduler.report(
+                        worker, _health_from_pb(request.report.health), request.report.detail
+                    )
+                elif kind == "lease_released":
+                    try:
+                        self._scheduler.release(worker, request.lease_released.lease_id)
+                    except UnknownLease as exc:
+                        # Normal after a release timeout freed the slot first.
+                        log.info("worker %s: %s", worker.worker_id, exc)
+                else:
+                    return InvalidRequest(f"unexpected {kind or 'empty message'} after hello")
+            return None
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            log.debug("worker %s stream broke: %r", worker.worker_id, exc)
+            return None
+        except Exception as exc:
+            # A bug here: end the registration with INTERNAL rather than lose it silently.
+            return exc
+        finally:
+            # Wakes the writer so the stream (and the registration) ends with the reader.
+            worker.outbox.put_nowait(None)
+
+    async def Acquire(
+        self, request: scheduler_pb.AcquireRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb.AcquireResponse]:
+        try:
+            mode = _mode_from_pb(request.mode)
+            events = self._scheduler.acquire(mode, request.session_id)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield _acquire_event_to_pb(event)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def GetStatus(
+        self, request: scheduler_pb.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb.GetStatusResponse:
+        try:
+            status = self._scheduler.status()
+        except Exception as exc:
+            await _abort(context, exc)
+        return scheduler_pb.GetStatusResponse(
+            workers=[
+                scheduler_pb.WorkerStatus(
+                    worker_id=w.worker_id,
+                    address=w.address,
+                    engine=w.engine,
+                    slots=w.slots,
+                    slots_free=w.slots_free,
+                    modes=[_MODE_TO_PB[m] for m in w.modes],
+                    health=_HEALTH_TO_PB[w.health],
+                    detail=w.detail,
+                    lease_ids=list(w.lease_ids),
+                )
+                for w in status.workers
+            ],
+            queue_length=status.queue_length,
+            queue_max=status.queue_max,
+            leases_active=status.leases_active,
+            mean_session_s={mode.value: s for mode, s in status.mean_session_s.items()},
+        )
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> NoReturn:
+    """End the RPC with the status `error` maps to (the one mapping, in errors.py)."""
+    code, details = status_for(error)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("internal error in scheduler RPC", exc_info=error)
+    await context.abort(code, details)
+    raise AssertionError("context.abort returned")  # abort always raises
+
+
+def _mode_from_pb(value: int) -> Mode:
+    try:
+        return _MODE_FROM_PB[value]
+    except KeyError:
+        raise InvalidRequest("mode must be MODE_AUDIO, MODE_VIDEO or MODE_CHAT") from None
+
+
+def _health_from_pb(value: int) -> Health:
+    # An unspecified health is not SERVING: no leases until the worker says so.
+    return _HEALTH_FROM_PB.get(value, Health.UNKNOWN)
+
+
+def _hello_from_pb(hello: scheduler_pb.WorkerHello) -> WorkerHello:
+    return WorkerHello(
+        worker_id=hello.worker_id,
+        address=hello.address,
+        slots=hello.slots,
+        modes=frozenset(_mode_from_pb(m) for m in hello.modes),
+        engine=hello.engine,
+        health=_health_from_pb(hello.health),
+        active_lease_ids=tuple(hello.active_lease_ids),
+    )
+
+
+def _acquire_event_to_pb(event: AcquireEvent) -> scheduler_pb.AcquireResponse:
+    if isinstance(event, QueueUpdate):
+        return scheduler_pb.AcquireResponse(
+            queued=scheduler_pb.QueuePosition(
+                position=event.position,
+                queue_length=event.queue_length,
+                estimated_wait_s=event.estimated_wait_s,
+                ticket_id=event.ticket_id,
+            )
+        )
+    if isinstance(event, LeaseOffer):
+        return scheduler_pb.AcquireResponse(
+            lease=scheduler_pb.Lease(
+                lease_id=event.lease_id,
+                worker_id=event.worker_id,
+                worker_address=event.worker_address,
+                slot=event.slot,
+                ticket_id=event.ticket_id,
+                queue_wait_s=event.queue_wait_s,
+            )
+        )
+    assert isinstance(event, LeaseLoss)
+    return scheduler_pb.AcquireResponse(
+        lease_lost=scheduler_pb.LeaseLost(lease_id=event.lease_id, reason=event.reason)
+    )

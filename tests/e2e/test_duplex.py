@@ -1,0 +1,184 @@
+"""End to end: real scheduler, worker and edge processes on 127.0.0.1, real clients."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+from PIL import Image
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from tests.conftest import scaled
+from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, pcm_b64
+from tests.stack import Stack
+
+# Units: startup protection (3 listen), speech, then silence for the reply.
+SCRIPT = [SILENCE] * 3 + [SPEECH] * 2 + [SILENCE] * 7
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("logs"))
+    try:
+        s.start_scheduler()
+        s.start_worker("--slots", "2", "--compute-ms", "20")
+        s.start_edge()
+        yield s
+    finally:
+        s.stop()
+
+
+def url(stack: Stack, mode: str = "audio", **query: str) -> str:
+    extra = "".join(f"&{k}={v}" for k, v in query.items())
+    return f"{stack.url}?mode={mode}{extra}"
+
+
+async def run_script(client: WsClient, dialect: str, units=SCRIPT, frames=None) -> list[dict]:
+    """Send the units at 50 ms spacing; collect one outcome per unit."""
+    outcomes = []
+    for i, unit in enumerate(units):
+        extra = {"video_frames": frames} if frames else {}
+        await client.append(unit, dialect, **extra)
+        if dialect == "first":
+            event = await client.until("response.listen", "response.output_audio.delta")
+            outcomes.append(event)
+        else:
+            event = await client.until("delta.listen", "delta.audio")
+            outcomes.append(event)
+            if event["kind"] == "audio" and event["metrics"]["seq"] == i + 1:
+                pass
+    return outcomes
+
+
+async def test_audio_current_dialect(stack):
+    client = await WsClient.open(url(stack, model="minicpmo-4.5"), subprotocols=["map.realtime"])
+    assert client.ws.subprotocol == "map.realtime"
+    created = await client.start("current")
+    assert created["mode"] == "full_duplex" and created["session_id"].startswith("rt_")
+    assert client.events[0]["type"] == "session.queue_done"
+    kinds = []
+    for unit in SCRIPT:
+        await client.append(unit)
+        event = await client.until("delta.listen", "delta.audio")
+        kinds.append(event["kind"])
+        if event["kind"] == "audio":
+            assert event["usage"]["input_tokens_details"]["audio_tokens"] > 0
+            assert len(base64.b64decode(event["audio"])) % 4 == 0
+    assert kinds[:5] == ["listen"] * 5
+    assert "audio" in kinds
+    texts = [e for e in client.events if e.get("kind") == "text"]
+    assert texts and all(isinstance(e["text"], str) and e["text"] for e in texts)
+    # The turn's last audio delta is followed by a listen delta (turn boundary).
+    listen_after_audio = [
+        i for i, e in enumerate(client.events[:-1])
+        if e.get("kind") == "audio" and client.events[i + 1].get("kind") == "listen"
+    ]
+    assert listen_after_audio
+    assert all(e["metrics"]["kv_cache_length"] > 0 for e in client.events if e.get("kind") == "listen")
+    await client.send({"type": "session.close", "reason": "user_stop"})
+    closed = await client.until("session.closed")
+    assert closed["reason"] == "user_stop"
+    assert closed["usage"]["total_tokens"] > 0
+
+
+async def test_audio_first_dialect_without_subprotocol(stack):
+    client = await WsClient.open(url(stack))
+    assert client.ws.subprotocol is None
+    created = await client.start("first")
+    assert "prompt_length" in created and created["prompt_length"] > 0
+    outcomes = await run_script(client, "first")
+    types = [e["type"] for e in outcomes]
+    assert types[:5] == ["response.listen"] * 5
+    speak = [e for e in outcomes if e["type"] == "response.output_audio.delta"]
+    assert speak and speak[-1]["end_of_turn"] is True
+    assert all(isinstance(e["text"], str) and "kv_cache_length" in e for e in speak)
+    assert len(base64.b64decode(speak[1]["audio"])) == 24000 * 4  # middle chunk: 1 s
+    await client.send({"type": "session.close"})
+    closed = await client.until("session.closed")
+    assert closed["reason"] == "stopped"
+
+
+def _jpeg() -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (10, 120, 200)).save(buf, "JPEG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+async def test_video_flow_and_broken_jpeg(stack):
+    client = await WsClient.open(url(stack, "video"))
+    await client.start("current")
+    frame = _jpeg()
+    outcomes = await run_script(client, "current", frames=[frame])
+    assert any(e["kind"] == "audio" for e in outcomes)
+    await client.send({"type": "input.append", "input": {"audio": pcm_b64(SILENCE),
+                                                          "video_frames": [frame[: len(frame) // 2]]}})
+    err = await client.until("error")
+    assert err["error"]["code"] == "invalid_payload"
+    # The session stays usable after a client error.
+    await client.append(SILENCE, video_frames=[frame])
+    await client.until("delta.listen", "delta.audio")
+    await client.send({"type": "session.close"})
+    assert (await client.until("session.closed"))["reason"] == "user_stop"
+
+
+async def test_client_errors_keep_session_usable(stack):
+    client = await WsClient.open(url(stack))
+    await client.until("session.queue_done")
+    await client.append(SILENCE)
+    assert (await client.until("error"))["error"]["code"] == "not_ready"
+    await client.send({"type": "session.init", "payload": {"system_prompt": "x"}})
+    await client.until("session.created")
+    await client.send({"type": "session.init", "payload": {}})
+    assert (await client.until("error"))["error"]["code"] == "invalid_event"
+    await client.send({"type": "no.such.event"})
+    assert (await client.until("error"))["error"]["code"] == "unknown_event"
+    await client.send({"type": "input.append", "input": {}})
+    assert (await client.until("error"))["error"]["code"] == "missing_field"
+    await client.send({"type": "input.append", "input": {"audio": "%%%"}})
+    err = await client.until("error")
+    assert err["error"] == {"code": "invalid_payload", "message": "audio base64 decode failed",
+                            "type": "client_error"}
+    await client.append(SILENCE)
+    event = await client.until("delta.listen", "delta.audio")
+    assert event["metrics"]["seq"] == 1  # none of the bad units reached the worker
+    await client.send({"type": "session.close"})
+    await client.until("session.closed")
+
+
+async def test_invalid_json_closes_1003(stack):
+    client = await WsClient.open(url(stack))
+    await client.until("session.queue_done")
+    await client.ws.send("{this is not json")
+    with pytest.raises(ConnectionClosed) as info:
+        await client.recv()
+    assert info.value.rcvd.code == 1003
+
+
+async def test_close_while_waiting_for_init_and_healthz(stack):
+    client = await WsClient.open(url(stack))
+    await client.until("session.queue_done")
+    await client.send({"type": "session.close", "reason": "changed_mind"})
+    closed = await client.until("session.closed")
+    assert closed["reason"] == "changed_mind"
+    host_port = stack.url.split("/")[2]
+    with urllib.request.urlopen(f"http://{host_port}/healthz", timeout=scaled(5)) as resp:
+        assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+
+
+async def test_unknown_mode_is_rejected(stack):
+    client = await WsClient.open(url(stack, "hologram"))
+    err = await client.recv()
+    assert err["type"] == "error" and err["error"]["code"] == "invalid_payload"
+
+
+async def test_unknown_path_404(stack):
+    with pytest.raises(InvalidStatus) as info:
+        async with connect(stack.url.replace("/v1/realtime", "/nope")):
+            pass
+    assert info.value.response.status_code == 404

@@ -1,0 +1,237 @@
+"""Queueing, limits and faults across real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from tests.conftest import ROOT, scaled
+from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
+from tests.stack import Stack
+
+
+async def scheduler_status(address: str) -> scheduler_pb.GetStatusResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = scheduler_grpc.SchedulerServiceStub(channel)
+        return await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=scaled(5))
+
+
+async def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
+    """Poll an async predicate until true; returns the seconds it took."""
+    start = time.monotonic()
+    while time.monotonic() - start < scaled(timeout_s):
+        if await predicate():
+            return time.monotonic() - start
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"condition not met within {scaled(timeout_s)} s")
+
+
+@pytest.fixture
+def stack(tmp_path):
+    s = Stack(tmp_path)
+    yield s
+    s.stop()
+
+
+async def test_queue_positions_eta_then_served(stack):
+    stack.start_scheduler("--queue-update-interval", "0.5")
+    stack.start_worker("--slots", "1", "--compute-ms", "5")
+    stack.start_edge()
+    url = f"{stack.url}?mode=audio"
+    holder = await WsClient.open(url)
+    await holder.start()
+    waiting = [await WsClient.open(url) for _ in range(3)]
+    firsts = [await w.until("session.queued") for w in waiting]
+    assert [f["position"] for f in firsts] == [1, 2, 3]
+    assert all(f["estimated_wait_s"] > 0 and f["ticket_id"] and f["queue_length"] >= 1 for f in firsts)
+    # Periodic updates arrive while nothing moves (interval 0.5 s).
+    update = await waiting[2].until("session.queue_update", timeout_s=3)
+    assert update["position"] == 3
+    await holder.send({"type": "session.close"})
+    await holder.until("session.closed")
+    created = await waiting[0].start()
+    assert created["type"] == "session.created"
+    moved = await waiting[2].until("session.queue_update")
+    assert moved["position"] == 2
+    positions = [e["position"] for e in waiting[2].events if e["type"].startswith("session.queue")]
+    assert positions == sorted(positions, reverse=True)
+    for client in waiting:
+        await client.close()
+
+
+async def test_queue_full_closes_1013(stack):
+    stack.start_scheduler("--queue-max", "1")
+    stack.start_worker("--slots", "1", "--compute-ms", "5")
+    stack.start_edge()
+    url = f"{stack.url}?mode=audio"
+    holder = await WsClient.open(url)
+    await holder.start()
+    queued = await WsClient.open(url)
+    await queued.until("session.queued")
+    rejected = await WsClient.open(url)
+    t0 = time.monotonic()
+    err = await rejected.until("error")
+    assert err["error"]["code"] == "queue_full"
+    with pytest.raises(ConnectionClosed) as info:
+        await rejected.recv()
+    assert info.value.rcvd.code == 1013
+    assert time.monotonic() - t0 < scaled(1.0)
+
+
+async def test_service_unavailable_without_workers(stack):
+    stack.start_scheduler()
+    stack.start_edge()
+    client = await WsClient.open(f"{stack.url}?mode=audio")
+    err = await client.until("error")
+    assert err["error"]["code"] == "service_unavailable"
+    with pytest.raises(ConnectionClosed) as info:
+        await client.recv()
+    assert info.value.rcvd.code == 1013
+
+
+async def test_api_key_401_before_upgrade(stack, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nsk-good-one\n")
+    stack.start_scheduler()
+    stack.start_worker("--slots", "1")
+    stack.start_edge("--api-keys-file", str(keys))
+    url = f"{stack.url}?mode=audio"
+    for headers in (None, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-good-one"}):
+        with pytest.raises(InvalidStatus) as info:
+            await WsClient.open(url, additional_headers=headers)
+        assert info.value.response.status_code == 401
+    client = await WsClient.open(url, additional_headers={"Authorization": "Bearer sk-good-one"})
+    await client.start()
+    await client.close()
+    assert "sk-good-one" not in stack.edge.log() and "sk-wrong" not in stack.edge.log()
+
+
+async def test_worker_killed_mid_session(stack):
+    stack.start_scheduler()
+    first = stack.start_worker("--slots", "1", "--compute-ms", "5", name="wa")
+    stack.start_worker("--slots", "1", "--compute-ms", "5", name="wb")
+    stack.start_edge()
+    url = f"{stack.url}?mode=audio"
+    a = await WsClient.open(url)
+    await a.start()
+    b = await WsClient.open(url)
+    await b.start()
+    status = await scheduler_status(stack.scheduler_address)
+    victim_name = first.name
+    assert {w.worker_id for w in status.workers} == {"wa", "wb"}
+    for client in (a, b):
+        await client.append(SILENCE)
+        await client.until("delta.listen")
+    # Which client is on the victim: the scheduler knows.
+    on_victim = {lid for w in status.workers if w.worker_id == victim_name for lid in w.lease_ids}
+    assert len(on_victim) == 1
+    first.kill(signal.SIGKILL)
+    t0 = time.monotonic()
+    closed_clients = []
+
+    async def closed_within(client):
+        try:
+            event = await client.until("session.closed", timeout_s=2)
+            closed_clients.append((client, event, time.monotonic() - t0))
+        except (asyncio.TimeoutError, ConnectionClosed):
+            pass
+
+    await asyncio.gather(closed_within(a), closed_within(b))
+    assert len(closed_clients) == 1, "exactly the victim's client is closed"
+    survivor = b if closed_clients[0][0] is a else a
+    _, event, took = closed_clients[0]
+    assert event["reason"] == "error" and took < 2.0
+    # The other session is untouched.
+    await survivor.append(SPEECH)
+    await survivor.until("delta.listen", "delta.audio")
+    # The next client is served by the surviving worker once its slot frees.
+    await survivor.send({"type": "session.close"})
+    await survivor.until("session.closed")
+    nxt = await WsClient.open(url)
+    await nxt.start()
+    await nxt.append(SILENCE)
+    await nxt.until("delta.listen")
+    status = await scheduler_status(stack.scheduler_address)
+    assert [w.worker_id for w in status.workers] == ["wb"]
+
+
+async def test_edge_killed_returns_lease(stack):
+    stack.start_scheduler()
+    stack.start_worker("--slots", "1", "--compute-ms", "5")
+    edge = stack.start_edge()
+    client = await WsClient.open(f"{stack.url}?mode=audio")
+    await client.start()
+    await client.append(SILENCE)
+    await client.until("delta.listen")
+    status = await scheduler_status(stack.scheduler_address)
+    assert status.leases_active == 1 and status.workers[0].slots_free == 0
+    edge.kill(signal.SIGKILL)
+    t0 = time.monotonic()
+
+    async def lease_back():
+        s = await scheduler_status(stack.scheduler_address)
+        return s.leases_active == 0 and s.workers[0].slots_free == 1
+
+    took = await wait_for(lease_back, 2.0)
+    assert time.monotonic() - t0 < 2.0, took
+
+
+def test_serve_then_probe(tmp_path):
+    """`omnifabric serve --engine synthetic` then `omnifabric probe` prints the exchange."""
+    import wave
+
+    import numpy as np
+
+    wav = tmp_path / "in.wav"
+    audio = np.concatenate([np.zeros(3 * 16000), 0.3 * np.sin(np.arange(32000) / 5), np.zeros(16000)])
+    with wave.open(str(wav), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes((audio * 32767).astype("<i2").tobytes())
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "serve", "--engine", "synthetic", "--workers", "2",
+         "--port", "0", "--grpc-port", "0", "--scheduler-port", "0", "--worker-base-port", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        url = None
+        deadline = time.monotonic() + scaled(60)
+        lines = []
+        while time.monotonic() < deadline:
+            line = serve.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("omnifabric ready: "):
+                url = line.split()[-1]
+                break
+        assert url, "".join(lines)
+        out = tmp_path / "out.wav"
+        probe = subprocess.run(
+            [sys.executable, "-m", "tools.cli", "probe", "--url", url, "--mode", "audio",
+             "--input", str(wav), "--output", str(out), "--fast"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(60),
+        )
+        assert probe.returncode == 0, probe.stdout + probe.stderr
+        assert "listen" in probe.stdout and "text" in probe.stdout
+        assert "lost 0" in probe.stdout
+        with wave.open(str(out)) as w:
+            assert w.getframerate() == 24000 and w.getnframes() > 24000
+    finally:
+        serve.send_signal(signal.SIGINT)
+        rest, _ = serve.communicate(timeout=scaled(30))
+    assert serve.returncode == 0, rest
+    assert "omnifabric stopped" in rest

@@ -1,0 +1,170 @@
+"""Generated-stub contract tests: every RPC against the real services (G1, G2)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omni.realtime.v1 import worker_service_pb2 as worker_pb
+from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+from tests.conftest import scaled
+from tests.stack import Stack
+
+PCM = np.zeros(16000, "<f4").tobytes()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("logs"))
+    try:
+        s.start_scheduler()
+        s.start_worker("--slots", "2", "--compute-ms", "5", name="w0")
+        s.start_edge()
+        yield s
+    finally:
+        s.stop()
+
+
+async def next_msg(call):
+    msg = await asyncio.wait_for(call.read(), scaled(10))
+    assert msg is not grpc.aio.EOF
+    return msg
+
+
+async def test_health_of_every_service(stack):
+    worker_address = None
+    async with grpc.aio.insecure_channel(stack.scheduler_address) as ch:
+        status = await scheduler_grpc.SchedulerServiceStub(ch).GetStatus(scheduler_pb.GetStatusRequest())
+        worker_address = status.workers[0].address
+    for address, service in (
+        (stack.scheduler_address, "omni.realtime.v1.SchedulerService"),
+        (worker_address, "omni.realtime.v1.WorkerService"),
+        (stack.grpc_address, "omni.realtime.v1.RealtimeService"),
+    ):
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            for name in ("", service):
+                resp = await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=scaled(5))
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING, (address, name)
+
+
+async def test_scheduler_get_status(stack):
+    async with grpc.aio.insecure_channel(stack.scheduler_address) as ch:
+        status = await scheduler_grpc.SchedulerServiceStub(ch).GetStatus(scheduler_pb.GetStatusRequest())
+    [w] = status.workers
+    assert w.worker_id == "w0" and w.slots == 2 and w.engine == "synthetic"
+    assert w.health == common_pb2.WORKER_HEALTH_SERVING
+    assert common_pb2.MODE_AUDIO in w.modes and common_pb2.MODE_VIDEO in w.modes
+    assert status.queue_max == 100
+
+
+async def test_scheduler_register_stream(stack):
+    async with grpc.aio.insecure_channel(stack.scheduler_address) as ch:
+        stub = scheduler_grpc.SchedulerServiceStub(ch)
+        call = stub.Register()
+        await call.write(scheduler_pb.RegisterRequest(hello=scheduler_pb.WorkerHello(
+            worker_id="contract-fake", address="127.0.0.1:1", slots=1,
+            modes=[common_pb2.MODE_CHAT], engine="none", health=common_pb2.WORKER_HEALTH_NOT_SERVING)))
+        reply = await next_msg(call)
+        assert reply.WhichOneof("kind") == "registered" and reply.registered.worker_id == "contract-fake"
+        status = await stub.GetStatus(scheduler_pb.GetStatusRequest())
+        assert "contract-fake" in {w.worker_id for w in status.workers}
+        call.cancel()
+        for _ in range(100):
+            status = await stub.GetStatus(scheduler_pb.GetStatusRequest())
+            if "contract-fake" not in {w.worker_id for w in status.workers}:
+                break
+            await asyncio.sleep(0.02)
+        assert "contract-fake" not in {w.worker_id for w in status.workers}
+
+
+async def test_acquire_errors(stack):
+    async with grpc.aio.insecure_channel(stack.scheduler_address) as ch:
+        stub = scheduler_grpc.SchedulerServiceStub(ch)
+        for mode, code in ((common_pb2.MODE_UNSPECIFIED, grpc.StatusCode.INVALID_ARGUMENT),
+                           (common_pb2.MODE_CHAT, grpc.StatusCode.UNAVAILABLE)):
+            call = stub.Acquire(scheduler_pb.AcquireRequest(mode=mode, session_id="x"))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()
+            assert info.value.code() == code
+
+
+async def test_acquire_then_worker_session(stack):
+    async with grpc.aio.insecure_channel(stack.scheduler_address) as ch:
+        stub = scheduler_grpc.SchedulerServiceStub(ch)
+        acquire = stub.Acquire(scheduler_pb.AcquireRequest(mode=common_pb2.MODE_AUDIO, session_id="c1"))
+        msg = await next_msg(acquire)
+        assert msg.WhichOneof("kind") == "lease"
+        lease = msg.lease
+        assert lease.worker_id == "w0" and lease.lease_id
+        async with grpc.aio.insecure_channel(lease.worker_address) as wch:
+            wstub = worker_grpc.WorkerServiceStub(wch)
+            bad = wstub.Session()
+            await bad.write(worker_pb.SessionRequest(start=worker_pb.SessionStart(
+                lease_id="not-a-lease", session_id="c0", mode=common_pb2.MODE_AUDIO)))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(bad.read(), scaled(10))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+            call = wstub.Session()
+            await call.write(worker_pb.SessionRequest(start=worker_pb.SessionStart(
+                lease_id=lease.lease_id, session_id="c1", mode=common_pb2.MODE_AUDIO,
+                system_prompt="contract")))
+            started = await next_msg(call)
+            assert started.WhichOneof("kind") == "started" and started.started.prompt_length > 0
+            await call.write(worker_pb.SessionRequest(unit=worker_pb.Unit(seq=1, pcm=PCM)))
+            result = await next_msg(call)
+            assert result.WhichOneof("kind") == "result"
+            assert result.result.seq == 1 and result.result.is_listen
+            assert result.result.timings.wall_clock_ms > 0 and result.result.kv_cache_length > 0
+            await call.write(worker_pb.SessionRequest(
+                close=worker_pb.SessionClose(reason=common_pb2.CLOSE_REASON_USER_STOP)))
+            ended = await next_msg(call)
+            assert ended.WhichOneof("kind") == "ended"
+            assert ended.ended.reason == common_pb2.CLOSE_REASON_USER_STOP
+            assert ended.ended.units_served == 1
+        acquire.cancel()
+
+
+async def test_realtime_service_connect(stack):
+    async with grpc.aio.insecure_channel(stack.grpc_address) as ch:
+        stub = rt_grpc.RealtimeServiceStub(ch)
+        call = stub.Connect()
+        await call.write(rt_pb.ConnectRequest(init=rt_pb.SessionInit(
+            mode=common_pb2.MODE_AUDIO, system_prompt="internal client")))
+        kinds = []
+        while True:
+            msg = await next_msg(call)
+            kinds.append(msg.WhichOneof("kind"))
+            if kinds[-1] == "created":
+                break
+        assert kinds[-2:] == ["queue_done", "created"]
+        await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=PCM)))
+        out = await next_msg(call)
+        assert out.WhichOneof("kind") == "output" and out.output.seq == 1 and out.output.is_listen
+        await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=b"\x00" * 6)))
+        err = await next_msg(call)
+        assert err.WhichOneof("kind") == "error" and err.error.code == "invalid_payload"
+        await call.write(rt_pb.ConnectRequest(close=rt_pb.SessionCloseRequest(reason="done")))
+        closed = await next_msg(call)
+        assert closed.WhichOneof("kind") == "closed"
+        assert closed.closed.reason == common_pb2.CLOSE_REASON_USER_STOP
+        assert closed.closed.reason_text == "done"
+
+
+async def test_realtime_service_rejects_bad_first_message(stack):
+    async with grpc.aio.insecure_channel(stack.grpc_address) as ch:
+        call = rt_grpc.RealtimeServiceStub(ch).Connect()
+        await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=PCM)))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(call.read(), scaled(10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,72 @@
+"""`python -m worker`: the ready line once serving and registered; SIGTERM drains, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, scaled
+from worker.config import WorkerConfig
+from worker.errors import ConfigError
+from worker.main import build_parser, config_from_args
+
+
+async def test_subprocess_ready_line_and_sigterm(scheduler):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "worker",
+        "--port",
+        "0",
+        "--scheduler",
+        scheduler.address,
+        "--worker-id",
+        "sub1",
+        "--compute-ms",
+        "1",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), scaled(20))).decode()
+        assert line.startswith("omnifabric worker ready: sub1 127.0.0.1:"), line
+        port = int(line.rsplit(":", 1)[1])
+        assert port > 0
+        hello = await asyncio.wait_for(scheduler.hellos.get(), scaled(5))
+        assert (hello.worker_id, hello.address) == ("sub1", f"127.0.0.1:{port}")
+        assert hello.slots == 4 and hello.engine == "synthetic"
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), scaled(10)) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def test_flags_override_env():
+    env = {"OMNI_WORKER_PORT": "23000", "OMNI_WORKER_SLOTS": "2", "OMNI_WORKER_ENGINE": "synthetic"}
+    args = build_parser().parse_args(["--slots", "3", "--audio-limit-s", "5"])
+    os_env = dict(os.environ)
+    try:
+        os.environ.update(env)
+        config = config_from_args(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(os_env)
+    assert (config.port, config.slots, config.audio_limit_s) == (23000, 3, 5.0)
+
+
+def test_env_range_errors_name_the_variable():
+    with pytest.raises(ConfigError, match="OMNI_WORKER_PORT"):
+        WorkerConfig.from_env({"OMNI_WORKER_PORT": "70000"})
+    with pytest.raises(ConfigError, match="OMNI_WORKER_LEASE_WAIT_S"):
+        WorkerConfig.from_env({"OMNI_WORKER_LEASE_WAIT_S": "abc"})
+    config = WorkerConfig.from_env({"OMNI_WORKER_ID": "w7", "OMNI_WORKER_COMPUTE_MS": "0"})
+    assert (config.worker_id, config.synthetic_compute_ms) == ("w7", 0.0)
+    assert WorkerConfig.from_env({}).limit_s("video") == 300.0

@@ -1,0 +1,392 @@
+"""WorkerService.Session through real gRPC servers: the unit loop, limits, leases, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import worker_service_pb2 as worker_pb
+
+from tests.conftest import scaled
+from tests.worker.conftest import SILENCE, SPEECH, SessionClient, pcm_bytes
+from worker.engines.synthetic import SyntheticEngine, SyntheticSession
+
+
+class RecordingSession(SyntheticSession):
+    """A synthetic session that records the order of engine calls."""
+
+    engine: RecordingEngine
+
+    def prefill(self, pcm, frames, max_slice_nums):
+        self.engine.calls.append("prefill")
+        return super().prefill(pcm, frames, max_slice_nums)
+
+    def generate(self, force_listen):
+        self.engine.calls.append("generate")
+        if self.units + 1 == self.engine.fail_at:
+            raise RuntimeError("secret internal detail")
+        return super().generate(force_listen)
+
+    def finalize(self):
+        time.sleep(self.engine.finalize_s)
+        self.engine.calls.append("finalize")
+        super().finalize()
+
+    def close(self):
+        self.engine.calls.append("close")
+        self.engine.closed.set()
+        super().close()
+
+
+class RecordingEngine(SyntheticEngine):
+    session_class = RecordingSession
+
+    def __init__(self, finalize_s: float = 0.0, fail_at: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.finalize_s = finalize_s
+        self.fail_at = fail_at
+        self.calls: list[str] = []
+        self.closed = threading.Event()
+        self.warm_gate = threading.Event()
+        self.warm_gate.set()
+
+    def warmup(self):
+        self.warm_gate.wait(10)
+        result = super().warmup()
+        self.calls.clear()
+        self.closed.clear()
+        return result
+
+
+async def open_session(workers, worker, lease_id="L1", grant=True, **start_fields):
+    if grant:
+        workers.scheduler.grant(worker.worker_id, lease_id)
+    client = SessionClient(workers.stub(worker))
+    client.start(lease_id, **start_fields)
+    started = await client.next()
+    assert started.WhichOneof("kind") == "started", started
+    return client, started.started
+
+
+async def serve_units(client, seqs, pcms=None):
+    """Send units one by one, each after the previous result; returns the results."""
+    results = []
+    for i, seq in enumerate(seqs):
+        client.unit(seq, pcms[i] if pcms else SILENCE)
+        response = await client.next()
+        assert response.WhichOneof("kind") == "result", response
+        results.append(response.result)
+    return results
+
+
+async def test_full_session(workers):
+    worker = await workers.start()
+    client, started = await open_session(workers, worker, system_prompt="x" * 40)
+    assert (started.session_id, started.worker_id, started.prompt_length) == ("s-L1", "w1", 23)
+    pcms = [SILENCE, SILENCE, SILENCE, SPEECH, SILENCE, SILENCE]
+    results = await serve_units(client, range(1, 7), pcms)
+    assert [r.seq for r in results] == [1, 2, 3, 4, 5, 6]
+    assert [r.is_listen for r in results] == [True, True, True, True, False, False]
+    assert results[4].text == "reply 1 part 1 " and len(results[4].pcm) > 0
+    assert np.frombuffer(results[5].pcm, dtype="<f4").size == 24000
+    for r in results:
+        t = r.timings
+        assert t.prefill_ms > 0 and t.generate_ms > 0 and t.wall_clock_ms >= t.prefill_ms
+        assert t.queue_ms >= 0 and t.finalize_wait_ms >= 0 and "llm" in t.engine_costs_ms
+    assert [r.usage.input_audio_tokens for r in results] == [10, 20, 30, 40, 50, 60]
+    assert results[-1].usage.input_text_tokens == 23
+    assert results[-1].usage.output_tokens > 0
+    assert results[-1].usage.total_tokens == (
+        results[-1].usage.input_tokens + results[-1].usage.output_tokens
+    )
+    client.close()
+    (ended,) = await client.until_ended()
+    assert ended.ended.reason == common_pb2.CLOSE_REASON_USER_STOP
+    assert (ended.ended.units_served, ended.ended.units_dropped) == (6, 0)
+    assert ended.ended.usage == results[-1].usage
+    assert await workers.scheduler.next_released() == "L1"
+
+
+async def test_first_request_must_be_start(workers):
+    worker = await workers.start()
+    client = SessionClient(workers.stub(worker))
+    client.unit(1)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.next()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_unknown_lease_is_not_found(workers):
+    worker = await workers.start(lease_wait_s=0.2)
+    client = SessionClient(workers.stub(worker))
+    client.start("nope")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.next()
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_lease_used_twice_is_failed_precondition(workers):
+    worker = await workers.start()
+    first, _ = await open_session(workers, worker)
+    second = SessionClient(workers.stub(worker))
+    second.start("L1")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await second.next()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    await serve_units(first, [1])
+
+
+async def test_mode_mismatch_is_refused(workers):
+    worker = await workers.start()
+    workers.scheduler.grant(worker.worker_id, "L1", mode=common_pb2.MODE_VIDEO)
+    client = SessionClient(workers.stub(worker))
+    client.start("L1", mode=common_pb2.MODE_AUDIO)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.next()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_lease_granted_after_the_session_opens(workers):
+    worker = await workers.start(lease_wait_s=2.0)
+    client = SessionClient(workers.stub(worker))
+    client.start("late")
+    await asyncio.sleep(0.2)
+    workers.scheduler.grant(worker.worker_id, "late")
+    assert (await client.next()).WhichOneof("kind") == "started"
+    await serve_units(client, [1])
+
+
+async def test_newest_unit_wins(workers):
+    worker = await workers.start(synthetic_compute_ms=200)
+    client, _ = await open_session(workers, worker)
+    for seq in range(1, 6):
+        client.unit(seq)
+    results = []
+    while not results or results[-1].seq != 5:
+        response = await client.next()
+        assert response.WhichOneof("kind") == "result"
+        results.append(response.result)
+    client.close()
+    (ended,) = await client.until_ended()
+    answered = [r.seq for r in results]
+    dropped = [seq for r in results for seq in r.dropped_seqs]
+    assert len(answered) < 5
+    assert sorted(answered + dropped) == [1, 2, 3, 4, 5]
+    assert ended.ended.units_dropped == len(dropped)
+    assert ended.ended.units_served == len(answered)
+
+
+async def test_deferred_finalize_runs_before_the_next_prefill(workers):
+    engine = RecordingEngine(finalize_s=0.1, compute_ms=2)
+    worker = await workers.start(engine=engine)
+    client, _ = await open_session(workers, worker)
+    results = await serve_units(client, [1, 2, 3])
+    # Each result was sent before its finalize ran, so the next unit waited for it.
+    assert all(r.timings.finalize_wait_ms > 20 for r in results[1:])
+    client.close()
+    await client.until_ended()
+    assert engine.calls == [
+        "prefill", "generate", "finalize",
+        "prefill", "generate", "finalize",
+        "prefill", "generate", "finalize",
+        "close",
+    ]  # fmt: skip
+
+
+async def test_duration_limit_ends_with_timeout(workers):
+    worker = await workers.start(audio_limit_s=1.0)
+    client, _ = await open_session(workers, worker)
+    await serve_units(client, [1])
+    began = time.monotonic()
+    (ended,) = await client.until_ended(timeout=3)
+    assert ended.ended.reason == common_pb2.CLOSE_REASON_TIMEOUT
+    assert time.monotonic() - began < scaled(1.5)
+    assert await workers.scheduler.next_released() == "L1"
+
+
+async def test_context_limit_sends_the_result_then_context_full(workers):
+    worker = await workers.start()
+    client, _ = await open_session(
+        workers, worker, config=common_pb2.DuplexConfig(max_kv_tokens=60)
+    )
+    for seq in range(1, 5):
+        client.unit(seq)
+        if seq < 4:
+            assert (await client.next()).result.kv_cache_length == 13 + 13 * seq
+    responses = await client.until_ended()
+    assert [r.WhichOneof("kind") for r in responses] == ["result", "ended"]
+    assert responses[0].result.kv_cache_length == 65
+    assert responses[1].ended.reason == common_pb2.CLOSE_REASON_CONTEXT_FULL
+
+
+async def test_engine_failure_ends_with_error_and_the_worker_keeps_serving(workers):
+    engine = RecordingEngine(fail_at=2, compute_ms=2)
+    worker = await workers.start(engine=engine)
+    client, _ = await open_session(workers, worker)
+    await serve_units(client, [1])
+    client.unit(2)
+    (ended,) = await client.until_ended()
+    assert ended.ended.reason == common_pb2.CLOSE_REASON_ERROR
+    assert "secret" not in ended.ended.message
+    assert await workers.scheduler.next_released() == "L1"
+    assert engine.closed.is_set()
+    engine.fail_at = None
+    again, _ = await open_session(workers, worker, lease_id="L2")
+    await serve_units(again, [1, 2])
+
+
+async def test_bad_unit_ends_with_error(workers):
+    worker = await workers.start()
+    client, _ = await open_session(workers, worker)
+    client.unit(1, pcm_bytes(seconds=0.1))
+    (ended,) = await client.until_ended()
+    assert ended.ended.reason == common_pb2.CLOSE_REASON_ERROR
+    assert "samples" in ended.ended.message
+
+
+async def test_client_cancel_frees_the_session_and_releases_the_lease(workers):
+    engine = RecordingEngine(compute_ms=2)
+    worker = await workers.start(engine=engine)
+    client, _ = await open_session(workers, worker)
+    await serve_units(client, [1])
+    began = time.monotonic()
+    client.cancel()
+    assert await workers.scheduler.next_released(timeout=1.0) == "L1"
+    assert time.monotonic() - began < scaled(1.0)
+    assert engine.closed.is_set()
+    assert not worker.runtime.sessions
+
+
+async def test_client_half_close_ends_with_client_closed(workers):
+    worker = await workers.start()
+    client, _ = await open_session(workers, worker)
+    await serve_units(client, [1])
+    client.half_close()
+    (ended,) = await client.until_ended()
+    assert ended.ended.reason == common_pb2.CLOSE_REASON_CLIENT_CLOSED
+
+
+async def test_lease_revoked_ends_the_session_and_releases_it(workers):
+    worker = await workers.start()
+    client, _ = await open_session(workers, worker)
+    await serve_units(client, [1])
+    workers.scheduler.revoke(worker.worker_id, "L1")
+    (ended,) = await client.until_ended()
+    assert ended.ended.reason == common_pb2.CLOSE_REASON_CLIENT_CLOSED
+    assert await workers.scheduler.next_released() == "L1"
+
+
+async def test_unused_lease_revoked_is_released_at_once(workers):
+    worker = await workers.start()
+    workers.scheduler.grant(worker.worker_id, "L9")
+    await asyncio.sleep(0.05)
+    workers.scheduler.revoke(worker.worker_id, "L9")
+    assert await workers.scheduler.next_released() == "L9"
+
+
+async def health_status(worker, service=""):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        response = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+        return response.status
+
+
+async def test_health_serving_only_after_warmup_and_not_after_drain(workers):
+    engine = RecordingEngine(compute_ms=2)
+    engine.warm_gate.clear()
+    worker = await workers.start(engine=engine, wait=False)
+    assert await health_status(worker) == health_pb2.HealthCheckResponse.NOT_SERVING
+    hello = await asyncio.wait_for(workers.scheduler.hellos.get(), scaled(3))
+    assert hello.health == common_pb2.WORKER_HEALTH_NOT_SERVING
+    engine.warm_gate.set()
+    await asyncio.wait_for(worker.wait_ready(), scaled(3))
+    report = await asyncio.wait_for(workers.scheduler.reports.get(), scaled(3))
+    assert report.health == common_pb2.WORKER_HEALTH_SERVING
+    for service in ("", "omni.realtime.v1.WorkerService"):
+        assert await health_status(worker, service) == health_pb2.HealthCheckResponse.SERVING
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service="omni.realtime.v1.WorkerService")
+        )
+        first = await asyncio.wait_for(anext(aiter(watch)), scaled(3))
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        drain = asyncio.ensure_future(worker.drain_and_stop(grace=1.0))
+        second = await asyncio.wait_for(anext(aiter(watch)), scaled(3))
+        assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        report = await asyncio.wait_for(workers.scheduler.reports.get(), scaled(3))
+        assert report.health == common_pb2.WORKER_HEALTH_NOT_SERVING
+        await asyncio.wait_for(drain, scaled(5))
+
+
+async def test_drain_ends_open_sessions_with_server_shutdown(workers):
+    worker = await workers.start()
+    clients = []
+    for lease_id in ("L1", "L2"):
+        client, _ = await open_session(workers, worker, lease_id=lease_id)
+        await serve_units(client, [1])
+        clients.append(client)
+    drain = asyncio.ensure_future(worker.drain_and_stop(grace=2.0))
+    for client in clients:
+        (ended,) = await client.until_ended()
+        assert ended.ended.reason == common_pb2.CLOSE_REASON_SERVER_SHUTDOWN
+    assert {await workers.scheduler.next_released() for _ in clients} == {"L1", "L2"}
+    await asyncio.wait_for(drain, scaled(5))
+
+
+async def test_reregisters_with_active_leases_after_scheduler_restart(workers):
+    worker = await workers.start()
+    client, _ = await open_session(workers, worker)
+    await serve_units(client, [1])
+    port = workers.scheduler.port
+    await workers.scheduler.stop()
+    await workers.scheduler.start(port)
+    hello = await asyncio.wait_for(workers.scheduler.hellos.get(), scaled(5))
+    assert hello.worker_id == worker.worker_id
+    assert list(hello.active_lease_ids) == ["L1"]
+    # The running session was untouched.
+    await serve_units(client, [2])
+    client.close()
+    await client.until_ended()
+    assert await workers.scheduler.next_released() == "L1"
+
+
+async def test_video_session_counts_vision_tokens(workers):
+    worker = await workers.start()
+    workers.scheduler.grant(worker.worker_id, "V1", mode=common_pb2.MODE_VIDEO)
+    client = SessionClient(workers.stub(worker))
+    client.start("V1", mode=common_pb2.MODE_VIDEO, max_slice_nums=2)
+    assert (await client.next()).WhichOneof("kind") == "started"
+    client.requests.put_nowait(
+        worker_pb.SessionRequest(unit=worker_pb.Unit(seq=1, pcm=SILENCE, frames=[b"jpeg"]))
+    )
+    result = (await client.next()).result
+    assert result.usage.input_vision_tokens == 128
+
+
+async def test_output_token_cap_forces_listening(workers):
+    worker = await workers.start()
+    client, _ = await open_session(workers, worker, config=common_pb2.DuplexConfig(max_tokens=3))
+    pcms = [SILENCE, SILENCE, SILENCE, SPEECH, SILENCE, SILENCE]
+    results = await serve_units(client, range(1, 7), pcms)
+    assert not results[4].is_listen
+    assert results[5].is_listen and results[5].end_of_turn
+
+
+async def test_refuses_sessions_while_warming_up(workers):
+    engine = RecordingEngine(compute_ms=2)
+    engine.warm_gate.clear()
+    worker = await workers.start(engine=engine, wait=False)
+    client = SessionClient(workers.stub(worker))
+    client.start("L1")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.next()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    engine.warm_gate.set()
+    await asyncio.wait_for(worker.wait_ready(), scaled(3))

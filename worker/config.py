@@ -1,0 +1,144 @@
+"""Worker settings: a frozen dataclass, read from OMNI_WORKER_* variables, CLI flags on top."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+from worker.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one worker process needs; defaults suit a single-host deployment."""
+
+    host: str = "127.0.0.1"
+    """Interface the WorkerService listens on."""
+    port: int = 22400
+    """TCP port of the WorkerService; 0 picks any free port."""
+    advertise_address: str | None = None
+    """host:port the scheduler hands to edges; None = host:actual port."""
+    scheduler_address: str = "127.0.0.1:50051"
+    """host:port of the SchedulerService to register with."""
+    worker_id: str = field(default_factory=_default_worker_id)
+    """Stable id of this process among live workers (default hostname-pid)."""
+    engine: str = "synthetic"
+    """Engine name: synthetic, reference, minicpmo."""
+    slots: int | None = None
+    """Sessions held at once; None = the engine's default (synthetic: 4)."""
+    audio_limit_s: float = 600.0
+    """Duration limit of an audio session, seconds from its start."""
+    video_limit_s: float = 300.0
+    """Duration limit of a video session, seconds from its start."""
+    max_context_tokens: int = 8192
+    """Context cap in tokens; a session reaching it closes with CONTEXT_FULL."""
+    lease_wait_s: float = 2.0
+    """How long a Session waits for the scheduler's lease_granted to arrive."""
+    register_backoff_s: float = 0.2
+    """First delay before re-registering after the scheduler stream breaks (doubles)."""
+    register_backoff_max_s: float = 5.0
+    """Largest delay between registration attempts."""
+    synthetic_compute_ms: float = 40.0
+    """Busy time per unit of the synthetic engine, milliseconds."""
+    memory_tolerance_mb: float = 16.0
+    """GPU memory above the post-warm-up baseline tolerated once all sessions ended, MiB."""
+    drain_grace_s: float = 10.0
+    """Time open sessions get to end in-band on drain before the server stops."""
+    max_message_bytes: int = 16 * 1024 * 1024
+    """Largest gRPC message sent or received, bytes."""
+
+    def __post_init__(self) -> None:
+        _check_port("port", self.port)
+        _check_range("slots", self.slots, 1, 4096, optional=True)
+        _check_range("audio_limit_s", self.audio_limit_s, 0.001, 86400.0)
+        _check_range("video_limit_s", self.video_limit_s, 0.001, 86400.0)
+        _check_range("max_context_tokens", self.max_context_tokens, 1, 1 << 20)
+        _check_range("lease_wait_s", self.lease_wait_s, 0.0, 60.0)
+        _check_range("register_backoff_s", self.register_backoff_s, 0.001, 60.0)
+        _check_range("register_backoff_max_s", self.register_backoff_max_s, 0.001, 600.0)
+        _check_range("synthetic_compute_ms", self.synthetic_compute_ms, 0.0, 60000.0)
+        _check_range("memory_tolerance_mb", self.memory_tolerance_mb, 0.0, 1 << 20)
+        _check_range("drain_grace_s", self.drain_grace_s, 0.0, 3600.0)
+        _check_range("max_message_bytes", self.max_message_bytes, 1024, 1 << 30)
+        if not self.worker_id:
+            raise ConfigError("worker_id must not be empty")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:
+        """Read OMNI_WORKER_* variables; `overrides` (CLI flags) win. Raises ConfigError."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, (var, parse) in _ENV.items():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            try:
+                values[name] = parse(raw)
+            except ValueError:
+                raise ConfigError(f"{var}={raw!r} is not a valid {name}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            raise ConfigError(_name_variable(str(exc))) from None
+
+    def with_overrides(self, **overrides: Any) -> WorkerConfig:
+        """A copy with the given non-None fields replaced (CLI flags on top of env)."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def limit_s(self, mode: str) -> float:
+        """Duration limit in seconds for a session of `mode` ("audio" or "video")."""
+        return self.video_limit_s if mode == "video" else self.audio_limit_s
+
+
+def _check_port(name: str, value: int) -> None:
+    if not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ConfigError(f"{name} must be in 0..65535, got {value!r}")
+
+
+def _check_range(name: str, value: Any, low: float, high: float, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int | float) or not low <= value <= high:
+        raise ConfigError(f"{name} must be in {low}..{high}, got {value!r}")
+
+
+def _optional_int(raw: str) -> int | None:
+    return None if raw.lower() in ("", "auto", "none") else int(raw)
+
+
+_ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "host": ("OMNI_WORKER_HOST", str),
+    "port": ("OMNI_WORKER_PORT", int),
+    "advertise_address": ("OMNI_WORKER_ADVERTISE", str),
+    "scheduler_address": ("OMNI_WORKER_SCHEDULER", str),
+    "worker_id": ("OMNI_WORKER_ID", str),
+    "engine": ("OMNI_WORKER_ENGINE", str),
+    "slots": ("OMNI_WORKER_SLOTS", _optional_int),
+    "audio_limit_s": ("OMNI_WORKER_AUDIO_LIMIT_S", float),
+    "video_limit_s": ("OMNI_WORKER_VIDEO_LIMIT_S", float),
+    "max_context_tokens": ("OMNI_WORKER_MAX_CONTEXT_TOKENS", int),
+    "lease_wait_s": ("OMNI_WORKER_LEASE_WAIT_S", float),
+    "register_backoff_s": ("OMNI_WORKER_REGISTER_BACKOFF_S", float),
+    "register_backoff_max_s": ("OMNI_WORKER_REGISTER_BACKOFF_MAX_S", float),
+    "synthetic_compute_ms": ("OMNI_WORKER_COMPUTE_MS", float),
+    "memory_tolerance_mb": ("OMNI_WORKER_MEMORY_TOLERANCE_MB", float),
+    "drain_grace_s": ("OMNI_WORKER_DRAIN_GRACE_S", float),
+    "max_message_bytes": ("OMNI_WORKER_MAX_MESSAGE_BYTES", int),
+}
+
+
+def _name_variable(message: str) -> str:
+    """Prefix a range error with the variable that sets the field."""
+    field_name = message.split(" ", 1)[0]
+    var = _ENV.get(field_name, ("", str))[0]
+    return f"{var} ({message})" if var else message

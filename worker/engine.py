@@ -1,0 +1,149 @@
+"""The one narrow engine interface, shaped like MiniCPM-o 4.5's duplex API.
+
+The same unit loop drives every engine (synthetic, reference, minicpmo). Engine calls are
+blocking and run on the worker's engine threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from worker.errors import EngineUnavailable
+
+if TYPE_CHECKING:
+    from worker.config import WorkerConfig
+
+#: Input audio rate (prefill) and output audio rate (generate), Hz.
+INPUT_RATE = 16000
+OUTPUT_RATE = 24000
+
+
+@dataclass(frozen=True)
+class DuplexSettings:
+    """Per-session duplex settings (common.proto DuplexConfig); None = engine default."""
+
+    length_penalty: float | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    listen_prob_scale: float | None = None
+    force_listen_count: int | None = None
+    max_new_speak_tokens_per_chunk: int | None = None
+    max_kv_tokens: int | None = None
+    tts_enabled: bool | None = None
+    max_tokens: int | None = None
+    max_slice_nums: int = 1
+    """Video mode: image slices per frame (1 or 2)."""
+
+
+@dataclass
+class GenerateResult:
+    """What the engine did with one unit (MiniCPM-o's duplex_generate keys)."""
+
+    is_listen: bool
+    text: str = ""
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    """float32 mono at 24 kHz; empty when listening."""
+    end_of_turn: bool = False
+    kv_cache_length: int = 0
+    costs_ms: dict[str, float] = field(default_factory=dict)
+    """Stage costs: llm, tts_prep, tts, token2wav, all (engine-specific keys)."""
+    n_tokens: int = 0
+    n_tts_tokens: int = 0
+    input_audio_tokens: int = 0
+    """Input tokens this unit added to the context, by kind (for usage)."""
+    input_vision_tokens: int = 0
+
+
+class EngineSession(abc.ABC):
+    """One duplex session on an engine. Calls come from one thread at a time, in order:
+    prepare, then (prefill, generate, finalize) per unit, then stop and close."""
+
+    @abc.abstractmethod
+    def prepare(
+        self,
+        system_prompt: str,
+        ref_audio: np.ndarray | None,
+        tts_ref_audio: np.ndarray | None,
+        config: DuplexSettings,
+    ) -> int:
+        """Reset and prefill the system prompt; returns the prompt length in tokens."""
+
+    @abc.abstractmethod
+    def prefill(
+        self, pcm: np.ndarray, frames: list[bytes], max_slice_nums: int
+    ) -> dict[str, float]:
+        """Feed one unit: float32 PCM at 16 kHz and JPEG frames. Returns costs in ms."""
+
+    @abc.abstractmethod
+    def generate(self, force_listen: bool) -> GenerateResult:
+        """Decide to listen or speak for the unit just prefilled."""
+
+    @abc.abstractmethod
+    def finalize(self) -> None:
+        """Close the unit (terminators, sliding window); must precede the next prefill."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop any generation in progress."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free every per-session resource (KV cache, TTS caches). Idempotent."""
+
+
+class Engine(abc.ABC):
+    """A loaded model that opens duplex sessions."""
+
+    name: str = "engine"
+    default_slots: int = 1
+    """Sessions held at once unless the config says otherwise."""
+    concurrency: int = 1
+    """Threads that may call the engine at once (GPU engines: 1)."""
+    modes: frozenset[str] = frozenset({"audio"})
+    """Modes served: "audio", "video"."""
+
+    @abc.abstractmethod
+    def load(self) -> None:
+        """Load weights; blocking, called once before warmup."""
+
+    @abc.abstractmethod
+    def open_session(self, session_id: str, mode: str) -> EngineSession:
+        """A new session in `mode` ("audio" or "video")."""
+
+    def warmup(self) -> GenerateResult:
+        """Run one real unit through a full session (open, prepare, prefill, generate,
+        finalize, stop, close) so the first client does not pay for lazy initialization."""
+        session = self.open_session("warmup", "audio")
+        try:
+            session.prepare("", None, None, DuplexSettings())
+            t = np.arange(INPUT_RATE, dtype=np.float32) / INPUT_RATE
+            session.prefill((0.1 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32), [], 1)
+            result = session.generate(False)
+            session.finalize()
+            session.stop()
+            return result
+        finally:
+            session.close()
+
+
+def load_engine(name: str, config: WorkerConfig) -> Engine:
+    """The engine called `name`, loaded (not yet warmed up). Raises EngineUnavailable."""
+    if name == "synthetic":
+        from worker.engines.synthetic import SyntheticEngine
+
+        engine: Engine = SyntheticEngine(
+            compute_ms=config.synthetic_compute_ms, slots=config.slots or 4
+        )
+    elif name in ("reference", "minicpmo"):
+        raise EngineUnavailable(f"engine {name!r} is not built yet")
+    else:
+        raise EngineUnavailable(
+            f"unknown engine {name!r} (choose synthetic, reference or minicpmo)"
+        )
+    engine.load()
+    return engine

@@ -1,0 +1,214 @@
+"""A model-free, deterministic duplex engine with a configurable compute time.
+
+For fabric tests, load tests and capacity planning: it follows the real model's turn
+taking (startup protection, listen while the user speaks, reply after a silence, barge-in
+and force_listen close the turn) and its context accounting, and answers with a tone.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from worker.engine import OUTPUT_RATE, DuplexSettings, Engine, EngineSession, GenerateResult
+
+#: A unit is speech when its RMS exceeds this.
+SPEECH_RMS = 0.01
+#: Context tokens: system prompt overhead, per listening unit, per speaking unit.
+PROMPT_OVERHEAD_TOKENS = 13
+LISTEN_UNIT_TOKENS = 13
+SPEAK_UNIT_TOKENS = 20
+#: Usage: input audio tokens per unit, vision tokens per frame slice.
+AUDIO_TOKENS_PER_UNIT = 10
+VISION_TOKENS_PER_SLICE = 64
+#: Output audio token rate of the speech tokenizer (one token per 40 ms).
+AUDIO_SAMPLES_PER_TTS_TOKEN = OUTPUT_RATE // 25
+#: Samples of the first and last piece of a reply (onset and tail are shorter than 1 s).
+FIRST_PIECE_SAMPLES = 18000
+LAST_PIECE_SAMPLES = 12000
+MAX_TEXT_CHARS = 28
+
+
+class SyntheticSession(EngineSession):
+    """Per-session state only, so sessions may run on different threads at once."""
+
+    def __init__(self, engine: SyntheticEngine, session_id: str, mode: str) -> None:
+        self.engine = engine
+        self.session_id = session_id
+        self.mode = mode
+        self.settings = DuplexSettings()
+        self.kv_cache_length = 0
+        self.units = 0
+        self.heard_speech = False
+        self.reply_number = 0
+        self.reply_part = 0
+        """Part of the reply spoken by the next speaking unit; 0 = not replying."""
+        self.reply_samples = 0
+        self.pending_rms: float | None = None
+        self.pending_vision_tokens = 0
+        self.needs_finalize = False
+        self.closed = False
+
+    def _busy(self, share: float) -> float:
+        """Spend `share` of the unit's compute time; returns the ms spent."""
+        seconds = self.engine.compute_ms * share / 1000.0
+        if seconds > 0:
+            time.sleep(seconds)
+        return seconds * 1000.0
+
+    def prepare(
+        self,
+        system_prompt: str,
+        ref_audio: np.ndarray | None,
+        tts_ref_audio: np.ndarray | None,
+        config: DuplexSettings,
+    ) -> int:
+        self._check_open()
+        self.settings = config
+        self.kv_cache_length = PROMPT_OVERHEAD_TOKENS + len(system_prompt) // 4
+        return self.kv_cache_length
+
+    def prefill(
+        self, pcm: np.ndarray, frames: list[bytes], max_slice_nums: int
+    ) -> dict[str, float]:
+        self._check_open()
+        if self.needs_finalize:
+            # The real model raises here too: finalize must run between units.
+            raise RuntimeError("prefill before the previous unit was finalized")
+        spent = self._busy(0.5)
+        samples = np.asarray(pcm, dtype=np.float32)
+        self.pending_rms = float(np.sqrt(np.mean(np.square(samples)))) if samples.size else 0.0
+        self.pending_vision_tokens = len(frames) * max(1, max_slice_nums) * VISION_TOKENS_PER_SLICE
+        return {"prefill": spent}
+
+    def generate(self, force_listen: bool) -> GenerateResult:
+        self._check_open()
+        if self.pending_rms is None:
+            raise RuntimeError("generate without a prefilled unit")
+        spent = self._busy(0.5)
+        speech = self.pending_rms > SPEECH_RMS
+        self.pending_rms = None
+        self.needs_finalize = True
+        self.units += 1
+        startup = self.units <= self._force_listen_count()
+
+        if self.reply_part and (force_listen or speech):
+            # force_listen or barge-in: close the turn at once; speech starts a new user turn.
+            self.reply_part = 0
+            self.heard_speech = speech
+            return self._listen(spent, end_of_turn=True)
+        if self.reply_part:
+            return self._speak(spent)
+        if force_listen or startup or speech:
+            self.heard_speech = self.heard_speech or speech
+            return self._listen(spent, end_of_turn=False)
+        if self.heard_speech:
+            self.heard_speech = False
+            self.reply_number += 1
+            self.reply_part = 1
+            self.reply_samples = 0
+            return self._speak(spent)
+        return self._listen(spent, end_of_turn=False)
+
+    def finalize(self) -> None:
+        self._check_open()
+        self.needs_finalize = False
+
+    def stop(self) -> None:
+        self.reply_part = 0
+
+    def close(self) -> None:
+        self.closed = True
+        self.pending_rms = None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("engine session is closed")
+
+    def _force_listen_count(self) -> int:
+        configured = self.settings.force_listen_count
+        return self.engine.force_listen_count if configured is None else configured
+
+    def _listen(self, spent: float, end_of_turn: bool) -> GenerateResult:
+        self.kv_cache_length += LISTEN_UNIT_TOKENS
+        return self._result(True, "", np.zeros(0, dtype=np.float32), end_of_turn, spent, 0)
+
+    def _speak(self, spent: float) -> GenerateResult:
+        part, total = self.reply_part, self.engine.reply_units
+        last = part >= total
+        text = f"reply {self.reply_number} part {part} "[:MAX_TEXT_CHARS]
+        if last:
+            samples = LAST_PIECE_SAMPLES
+        elif part == 1:
+            samples = FIRST_PIECE_SAMPLES
+        else:
+            samples = OUTPUT_RATE
+        audio = np.zeros(0, dtype=np.float32)
+        if self.settings.tts_enabled is not False:
+            audio = _tone(self.reply_number, self.reply_samples, samples)
+        self.reply_samples += samples
+        self.reply_part = 0 if last else part + 1
+        self.kv_cache_length += SPEAK_UNIT_TOKENS
+        n_tokens = len(text.split())
+        return self._result(False, text, audio, last, spent, n_tokens)
+
+    def _result(
+        self,
+        is_listen: bool,
+        text: str,
+        audio: np.ndarray,
+        end_of_turn: bool,
+        spent: float,
+        n_tokens: int,
+    ) -> GenerateResult:
+        vision, self.pending_vision_tokens = self.pending_vision_tokens, 0
+        return GenerateResult(
+            is_listen=is_listen,
+            text=text,
+            audio=audio,
+            end_of_turn=end_of_turn,
+            kv_cache_length=self.kv_cache_length,
+            costs_ms={"llm": spent, "tts": 0.0, "all": spent},
+            n_tokens=n_tokens,
+            n_tts_tokens=audio.size // AUDIO_SAMPLES_PER_TTS_TOKEN,
+            input_audio_tokens=AUDIO_TOKENS_PER_UNIT,
+            input_vision_tokens=vision,
+        )
+
+
+def _tone(reply_number: int, start: int, count: int) -> np.ndarray:
+    """`count` samples of the reply's tone from sample `start` (phase-continuous)."""
+    freq = 220.0 + 20.0 * (reply_number % 10)
+    n = np.arange(start, start + count, dtype=np.float64)
+    return (0.2 * np.sin(2.0 * math.pi * freq * n / OUTPUT_RATE)).astype(np.float32)
+
+
+class SyntheticEngine(Engine):
+    """No model: deterministic replies, `compute_ms` of busy time per unit."""
+
+    name = "synthetic"
+    modes = frozenset({"audio", "video"})
+    session_class: type[SyntheticSession] = SyntheticSession
+
+    def __init__(
+        self,
+        compute_ms: float = 40.0,
+        slots: int = 4,
+        force_listen_count: int = 3,
+        reply_units: int = 3,
+    ) -> None:
+        self.compute_ms = compute_ms
+        self.default_slots = slots
+        self.concurrency = slots
+        self.force_listen_count = force_listen_count
+        self.reply_units = max(1, reply_units)
+
+    def load(self) -> None:
+        """Nothing to load."""
+
+    def open_session(self, session_id: str, mode: str) -> SyntheticSession:
+        if mode not in self.modes:
+            raise ValueError(f"mode {mode!r} not served")
+        return self.session_class(self, session_id, mode)

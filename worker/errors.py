@@ -1,0 +1,43 @@
+"""The worker's error hierarchy; service.py maps it to gRPC status codes in one place."""
+
+from __future__ import annotations
+
+
+class WorkerError(Exception):
+    """Base of every error the worker raises on purpose; the message is safe to show."""
+
+
+class ConfigError(WorkerError, ValueError):
+    """A setting is out of range or malformed; the message names the variable."""
+
+
+class InvalidRequest(WorkerError):
+    """The request is malformed (first message not `start`, bad PCM, bad mode)."""
+
+
+class LeaseNotFound(WorkerError):
+    """The scheduler never granted this lease on this worker (within lease_wait_s)."""
+
+
+class LeaseInUse(WorkerError):
+    """The lease is already held by a session, or was used before."""
+
+
+class ModeMismatch(WorkerError):
+    """The session's mode differs from the mode the lease was granted for."""
+
+
+class NoFreeSlot(WorkerError):
+    """Every slot of this worker is taken."""
+
+
+class NotServing(WorkerError):
+    """The worker is warming up or draining and takes no new sessions."""
+
+
+class EngineUnavailable(WorkerError):
+    """The requested engine does not exist or cannot be loaded here."""
+
+
+class EngineFailure(WorkerError):
+    """The engine raised while serving a session; the session ends with ERROR."""

@@ -1,0 +1,105 @@
+"""`omnifabric worker` / `python -m worker`: run one worker until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from worker.config import WorkerConfig
+from worker.errors import WorkerError
+from worker.server import start_worker
+
+log = logging.getLogger("omnifabric.worker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's command-line flags; each overrides its OMNI_WORKER_* variable."""
+    parser = argparse.ArgumentParser(
+        prog="omnifabric worker", description="Run one omnifabric worker (one engine, one GPU)."
+    )
+    parser.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on, 0 = any free (default 22400)")
+    parser.add_argument("--advertise", help="host:port edges dial (default host:actual port)")
+    parser.add_argument("--scheduler", help="scheduler host:port (default 127.0.0.1:50051)")
+    parser.add_argument("--worker-id", help="stable worker id (default hostname-pid)")
+    parser.add_argument("--engine", help="synthetic, reference or minicpmo (default synthetic)")
+    parser.add_argument("--slots", type=int, help="sessions at once (default: the engine's)")
+    parser.add_argument("--audio-limit-s", type=float, help="audio session limit, s (600)")
+    parser.add_argument("--video-limit-s", type=float, help="video session limit, s (300)")
+    parser.add_argument("--compute-ms", type=float, help="synthetic engine ms per unit (40)")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """OMNI_WORKER_* variables with the given flags on top. Raises ConfigError."""
+    return WorkerConfig.from_env(
+        host=args.host,
+        port=args.port,
+        advertise_address=args.advertise,
+        scheduler_address=args.scheduler,
+        worker_id=args.worker_id,
+        engine=args.engine,
+        slots=args.slots,
+        audio_limit_s=args.audio_limit_s,
+        video_limit_s=args.video_limit_s,
+        synthetic_compute_ms=args.compute_ms,
+    )
+
+
+async def serve(config: WorkerConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain; prints the ready line once serving and registered."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    worker = await start_worker(config)
+    try:
+        ready = asyncio.ensure_future(worker.wait_ready())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready.exception() is None:
+            print(f"omnifabric worker ready: {worker.worker_id} {worker.address}", flush=True)
+            await stopping
+        elif ready.done():
+            log.error("worker failed to start: %s", ready.exception())
+            stopping.cancel()
+            return 1
+        else:
+            ready.cancel()
+        log.info("signal received: draining")
+    finally:
+        await worker.drain_and_stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `omnifabric worker`; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args)
+    except WorkerError as exc:
+        print(f"omnifabric worker: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    try:
+        return runner(serve(config))
+    except WorkerError as exc:
+        print(f"omnifabric worker: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"omnifabric worker: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,195 @@
+"""The worker's side of SchedulerService.Register: hello, reports, lease grants and releases.
+
+The worker is registered while the stream lives. When it breaks (scheduler restart), the
+worker keeps serving its sessions and reconnects with backoff forever, re-sending hello
+with the leases still in use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+
+from worker.leases import LeaseGrant
+from worker.runtime import Health, WorkerRuntime
+
+log = logging.getLogger("omnifabric.worker.registration")
+
+MODE_NAMES = {common_pb2.MODE_AUDIO: "audio", common_pb2.MODE_VIDEO: "video"}
+MODE_VALUES = {name: value for value, name in MODE_NAMES.items()}
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Client channel options: keepalive to notice a dead or hung scheduler within seconds."""
+    return [
+        ("grpc.keepalive_time_ms", 10000),
+        ("grpc.keepalive_timeout_ms", 5000),
+        ("grpc.http2.ping_timeout_ms", 5000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def _health_value(health: Health) -> int:
+    if health.serving:
+        return common_pb2.WORKER_HEALTH_SERVING
+    return common_pb2.WORKER_HEALTH_NOT_SERVING
+
+
+class Registration:
+    """Keeps this worker registered with the scheduler; feeds the runtime's lease book."""
+
+    def __init__(self, runtime: WorkerRuntime, worker_id: str, address: str) -> None:
+        self.runtime = runtime
+        self.worker_id = worker_id
+        self.address = address
+        self.config = runtime.config
+        self.registered = asyncio.Event()
+        """Set while a Register stream is up and the scheduler answered `registered`."""
+        self.registrations = 0
+        """Successful registrations so far (reconnects included)."""
+        self._outbox: asyncio.Queue[scheduler_pb.RegisterRequest | None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        runtime.leases.on_released = self.lease_released
+        runtime.health_listeners.append(self.report)
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self, flush_timeout: float = 1.0) -> None:
+        """Send what is queued (lease releases, last report), then close the stream."""
+        outbox = self._outbox
+        if outbox is not None:
+            outbox.put_nowait(None)
+            try:
+                await asyncio.wait_for(self._wait_empty(outbox), flush_timeout)
+            except TimeoutError:
+                pass
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    @staticmethod
+    async def _wait_empty(outbox: asyncio.Queue[scheduler_pb.RegisterRequest | None]) -> None:
+        while not outbox.empty():
+            await asyncio.sleep(0.01)
+
+    def report(self, health: Health) -> None:
+        """Tell the scheduler the health changed (hello carries it when disconnected)."""
+        self._send(
+            scheduler_pb.RegisterRequest(
+                report=scheduler_pb.WorkerReport(health=_health_value(health), detail=health.detail)
+            )
+        )
+
+    def lease_released(self, lease_id: str) -> None:
+        """Tell the scheduler the lease's session is freed (hello omits it when disconnected)."""
+        self._send(
+            scheduler_pb.RegisterRequest(
+                lease_released=scheduler_pb.LeaseReleased(lease_id=lease_id)
+            )
+        )
+
+    def _send(self, request: scheduler_pb.RegisterRequest) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(request)
+
+    def _hello(self) -> scheduler_pb.RegisterRequest:
+        runtime = self.runtime
+        return scheduler_pb.RegisterRequest(
+            hello=scheduler_pb.WorkerHello(
+                worker_id=self.worker_id,
+                address=self.address,
+                slots=runtime.slots,
+                modes=sorted(MODE_VALUES[m] for m in runtime.engine.modes if m in MODE_VALUES),
+                engine=runtime.engine.name,
+                health=_health_value(runtime.health),
+                active_lease_ids=runtime.leases.active_ids(),
+            )
+        )
+
+    async def _run(self) -> None:
+        backoff = self.config.register_backoff_s
+        while True:
+            try:
+                if await self._connect_once():
+                    backoff = self.config.register_backoff_s
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                log.warning(
+                    "registration with %s broke: %s %s",
+                    self.config.scheduler_address,
+                    exc.code().name,
+                    exc.details() or "",
+                )
+            except Exception:
+                log.exception("registration with %s failed", self.config.scheduler_address)
+            finally:
+                self.registered.clear()
+                self._outbox = None
+            # Grants from a scheduler that lost us are void: their holders were told.
+            dropped = self.runtime.leases.drop_unused()
+            if dropped:
+                log.info("dropped %d unused lease grants", len(dropped))
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.config.register_backoff_max_s)
+
+    async def _connect_once(self) -> bool:
+        """One Register stream from hello to its end; True if it got registered."""
+        outbox: asyncio.Queue[scheduler_pb.RegisterRequest | None] = asyncio.Queue()
+        outbox.put_nowait(self._hello())
+        self._outbox = outbox
+        registered = False
+
+        async def requests() -> AsyncIterator[scheduler_pb.RegisterRequest]:
+            while True:
+                request = await outbox.get()
+                if request is None:
+                    return
+                yield request
+
+        options = channel_options(self.config.max_message_bytes)
+        async with grpc.aio.insecure_channel(self.config.scheduler_address, options=options) as ch:
+            call = scheduler_grpc.SchedulerServiceStub(ch).Register(requests())
+            async for response in call:
+                kind = response.WhichOneof("kind")
+                if kind == "registered":
+                    registered = True
+                    self.registrations += 1
+                    self.registered.set()
+                    log.info(
+                        "registered with scheduler %s as %s",
+                        self.config.scheduler_address,
+                        self.worker_id,
+                    )
+                elif kind == "lease_granted":
+                    self._on_granted(response.lease_granted)
+                elif kind == "lease_revoked":
+                    revoked = response.lease_revoked
+                    self.runtime.leases.revoke(revoked.lease_id, revoked.reason)
+        log.warning("scheduler %s ended the registration stream", self.config.scheduler_address)
+        return registered
+
+    def _on_granted(self, granted: scheduler_pb.LeaseGranted) -> None:
+        mode = MODE_NAMES.get(granted.mode)
+        if mode is None:
+            log.warning("lease %s granted for an unsupported mode", granted.lease_id)
+            self.lease_released(granted.lease_id)
+            return
+        self.runtime.leases.grant(
+            LeaseGrant(
+                lease_id=granted.lease_id,
+                slot=granted.slot,
+                mode=mode,
+                session_id=granted.session_id,
+            )
+        )

@@ -1,0 +1,146 @@
+"""The worker's data plane: engine, engine threads, lease book, live sessions, health.
+
+The gRPC servicer and the registration client call into it; it holds no protobuf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from worker.config import WorkerConfig
+from worker.engine import Engine
+from worker.engines import memory
+from worker.errors import NoFreeSlot, NotServing
+from worker.leases import LeaseBook
+from worker.session import CloseReason, DuplexSession, SessionLimits, SessionSpec
+
+log = logging.getLogger("omnifabric.worker")
+
+
+@dataclass(frozen=True)
+class Health:
+    """Whether the worker takes new sessions, and why not."""
+
+    serving: bool
+    detail: str = ""
+
+
+class WorkerRuntime:
+    """Opens sessions on the engine against granted leases; tracks them until freed."""
+
+    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.slots = config.slots or engine.default_slots
+        self.executor = ThreadPoolExecutor(
+            max_workers=max(1, engine.concurrency), thread_name_prefix="engine"
+        )
+        self.leases = LeaseBook()
+        self.sessions: dict[str, DuplexSession] = {}
+        """Live sessions by lease id."""
+        self._tasks: set[asyncio.Task[object]] = set()
+        self.health = Health(False, "warming up")
+        self.health_listeners: list[Callable[[Health], None]] = []
+        self.baseline: memory.MemoryReport | None = None
+        self.draining = False
+
+    def set_health(self, serving: bool, detail: str = "") -> None:
+        """Change health and tell the listeners (health service, scheduler) on a change."""
+        health = Health(serving, "" if serving else detail)
+        if health == self.health:
+            return
+        self.health = health
+        log.info(
+            "health: %s%s",
+            "SERVING" if serving else "NOT_SERVING",
+            f" ({detail})" if detail else "",
+        )
+        for listener in list(self.health_listeners):
+            listener(health)
+
+    async def warmup(self) -> None:
+        """Run one real unit through the engine, note the memory baseline, then SERVING."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.executor, self.engine.warmup)
+        self.baseline = await loop.run_in_executor(self.executor, memory.cleanup)
+        if not self.draining:
+            self.set_health(True)
+
+    async def open_session(self, spec: SessionSpec) -> DuplexSession:
+        """Claim the lease, open and prepare the engine session, start its unit loop.
+
+        Raises NotServing, LeaseNotFound, LeaseInUse, ModeMismatch, NoFreeSlot, EngineFailure.
+        """
+        if self.draining or self.baseline is None:
+            raise NotServing("worker is not taking sessions (warming up or draining)")
+        holder: list[DuplexSession] = []
+        revoked: list[str] = []
+
+        def on_revoke(reason: str) -> None:
+            revoked.append(reason)
+            if holder:
+                holder[0].close(CloseReason.CLIENT_CLOSED, f"lease revoked: {reason}")
+
+        await self.leases.claim(spec.lease_id, spec.mode, self.config.lease_wait_s, on_revoke)
+        try:
+            if len(self.sessions) >= self.slots:
+                raise NoFreeSlot(f"all {self.slots} slots of this worker are taken")
+            limits = SessionLimits(
+                duration_s=self.config.limit_s(spec.mode),
+                max_context_tokens=self.config.max_context_tokens,
+            )
+            session = DuplexSession(spec, self.engine, self.executor, limits, self._on_freed)
+            holder.append(session)
+            self.sessions[spec.lease_id] = session
+            await session.open()
+        except BaseException:
+            self.sessions.pop(spec.lease_id, None)
+            self.leases.release(spec.lease_id)
+            raise
+        task: asyncio.Task[object] = asyncio.ensure_future(session.run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if revoked:
+            session.close(CloseReason.CLIENT_CLOSED, f"lease revoked: {revoked[0]}")
+        if self.draining:
+            session.close(CloseReason.SERVER_SHUTDOWN, "worker is draining")
+        return session
+
+    def _on_freed(self, session: DuplexSession, report: memory.MemoryReport | None) -> None:
+        self.sessions.pop(session.lease_id, None)
+        self.leases.release(session.lease_id)
+        self._check_memory(report)
+
+    def _check_memory(self, report: memory.MemoryReport | None) -> None:
+        """On CUDA, hold new leases back while memory is not back at the baseline."""
+        if report is None or self.baseline is None or report.device != "cuda" or self.draining:
+            return
+        if self.sessions:
+            return
+        excess = report.after_bytes - self.baseline.after_bytes
+        if excess > self.config.memory_tolerance_mb * 2**20:
+            self.set_health(False, f"memory not back: {excess / 2**20:.0f} MiB over baseline")
+        elif not self.health.serving and self.health.detail.startswith("memory"):
+            self.set_health(True)
+
+    async def drain(self, grace: float) -> None:
+        """NOT_SERVING, end every session in-band with SERVER_SHUTDOWN, wait up to `grace` s."""
+        self.draining = True
+        self.set_health(False, "draining")
+        for session in list(self.sessions.values()):
+            session.close(CloseReason.SERVER_SHUTDOWN, "worker is shutting down")
+        tasks = list(self._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+
+    def shutdown(self) -> None:
+        """Release the engine threads (after drain)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,252 @@
+"""WorkerService over gRPC: a thin servicer converting protobuf <-> domain at the boundary.
+
+Errors raised before `started` map to status codes here, in one place; after `started`
+every end is in-band (`ended` with a reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import worker_service_pb2 as worker_pb
+from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+
+from worker.engine import DuplexSettings
+from worker.errors import (
+    EngineFailure,
+    EngineUnavailable,
+    InvalidRequest,
+    LeaseInUse,
+    LeaseNotFound,
+    ModeMismatch,
+    NoFreeSlot,
+    NotServing,
+    WorkerError,
+)
+from worker.registration import MODE_NAMES
+from worker.runtime import WorkerRuntime
+from worker.session import (
+    CloseReason,
+    DuplexSession,
+    SessionEnd,
+    SessionSpec,
+    UnitInput,
+    UnitOutput,
+    Usage,
+)
+
+log = logging.getLogger("omnifabric.worker.service")
+
+#: Fewest samples a unit may carry (1/4 s at 16 kHz).
+MIN_UNIT_SAMPLES = 4000
+
+#: The one mapping of domain errors to gRPC status codes; anything else is INTERNAL.
+STATUS_CODES: dict[type[WorkerError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    LeaseNotFound: grpc.StatusCode.NOT_FOUND,
+    LeaseInUse: grpc.StatusCode.FAILED_PRECONDITION,
+    ModeMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    NoFreeSlot: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NotServing: grpc.StatusCode.UNAVAILABLE,
+    EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
+    EngineFailure: grpc.StatusCode.INTERNAL,
+}
+
+REASONS_TO_PROTO = {
+    CloseReason.USER_STOP: common_pb2.CLOSE_REASON_USER_STOP,
+    CloseReason.TIMEOUT: common_pb2.CLOSE_REASON_TIMEOUT,
+    CloseReason.CONTEXT_FULL: common_pb2.CLOSE_REASON_CONTEXT_FULL,
+    CloseReason.SERVER_SHUTDOWN: common_pb2.CLOSE_REASON_SERVER_SHUTDOWN,
+    CloseReason.ERROR: common_pb2.CLOSE_REASON_ERROR,
+    CloseReason.CLIENT_CLOSED: common_pb2.CLOSE_REASON_CLIENT_CLOSED,
+}
+REASONS_FROM_PROTO = {value: reason for reason, value in REASONS_TO_PROTO.items()}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message for an error; unknown errors get a generic message."""
+    for cls in type(exc).__mro__:
+        code = STATUS_CODES.get(cls)  # type: ignore[arg-type]
+        if code is not None:
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+def decode_pcm(data: bytes, what: str, min_samples: int = 0) -> np.ndarray:
+    """float32 little-endian PCM bytes as an array. Raises InvalidRequest."""
+    if len(data) % 4:
+        raise InvalidRequest(f"{what}: {len(data)} bytes is not a whole number of float32 samples")
+    pcm = np.frombuffer(data, dtype="<f4")
+    if pcm.size < min_samples:
+        raise InvalidRequest(f"{what}: {pcm.size} samples, at least {min_samples} required")
+    return pcm.astype(np.float32, copy=False)
+
+
+def decode_settings(config: common_pb2.DuplexConfig, max_slice_nums: int) -> DuplexSettings:
+    """DuplexConfig with unset fields left None."""
+    values = {
+        f.name: getattr(config, f.name) for f in config.DESCRIPTOR.fields if config.HasField(f.name)
+    }
+    return DuplexSettings(**values, max_slice_nums=max_slice_nums or 1)
+
+
+def decode_start(start: worker_pb.SessionStart) -> SessionSpec:
+    """SessionStart as a SessionSpec. Raises InvalidRequest."""
+    mode = MODE_NAMES.get(start.mode)
+    if mode is None:
+        raise InvalidRequest("mode must be MODE_AUDIO or MODE_VIDEO")
+    if not start.lease_id:
+        raise InvalidRequest("lease_id is required")
+    if start.max_slice_nums > 2:
+        raise InvalidRequest("max_slice_nums must be 1 or 2")
+    ref_audio = decode_pcm(start.ref_audio_pcm, "ref_audio_pcm") if start.ref_audio_pcm else None
+    tts_ref = (
+        decode_pcm(start.tts_ref_audio_pcm, "tts_ref_audio_pcm")
+        if start.tts_ref_audio_pcm
+        else ref_audio
+    )
+    return SessionSpec(
+        session_id=start.session_id or start.lease_id,
+        lease_id=start.lease_id,
+        mode=mode,
+        system_prompt=start.system_prompt,
+        ref_audio=ref_audio,
+        tts_ref_audio=tts_ref,
+        settings=decode_settings(start.config, start.max_slice_nums),
+    )
+
+
+def decode_unit(unit: worker_pb.Unit) -> UnitInput:
+    """Unit as a UnitInput. Raises InvalidRequest."""
+    return UnitInput(
+        seq=unit.seq,
+        pcm=decode_pcm(unit.pcm, f"unit {unit.seq} pcm", MIN_UNIT_SAMPLES),
+        frames=list(unit.frames),
+        force_listen=unit.force_listen,
+        max_slice_nums=unit.max_slice_nums,
+    )
+
+
+def encode_usage(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        total_tokens=usage.total_tokens,
+        input_text_tokens=usage.input_text_tokens,
+        input_audio_tokens=usage.input_audio_tokens,
+        input_vision_tokens=usage.input_vision_tokens,
+        output_text_tokens=usage.output_text_tokens,
+        output_audio_tokens=usage.output_audio_tokens,
+    )
+
+
+def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
+    """A session event as the SessionResponse that carries it."""
+    if isinstance(event, SessionEnd):
+        return worker_pb.SessionResponse(
+            ended=worker_pb.SessionEnded(
+                reason=REASONS_TO_PROTO[event.reason],
+                message=event.message,
+                usage=encode_usage(event.usage),
+                units_served=event.units_served,
+                units_dropped=event.units_dropped,
+            )
+        )
+    result, timings = event.result, event.timings
+    audio = np.asarray(result.audio, dtype="<f4")
+    return worker_pb.SessionResponse(
+        result=worker_pb.UnitResult(
+            seq=event.seq,
+            is_listen=result.is_listen,
+            text=result.text,
+            pcm=b"" if result.is_listen else audio.tobytes(),
+            end_of_turn=result.end_of_turn,
+            kv_cache_length=result.kv_cache_length,
+            timings=common_pb2.UnitTimings(
+                prefill_ms=timings.prefill_ms,
+                generate_ms=timings.generate_ms,
+                finalize_wait_ms=timings.finalize_wait_ms,
+                wall_clock_ms=timings.wall_clock_ms,
+                queue_ms=timings.queue_ms,
+                engine_costs_ms=timings.engine_costs_ms,
+            ),
+            usage=encode_usage(event.usage),
+            dropped_seqs=event.dropped_seqs,
+            n_tokens=result.n_tokens,
+            n_tts_tokens=result.n_tts_tokens,
+        )
+    )
+
+
+class WorkerServicer(worker_grpc.WorkerServiceServicer):
+    """WorkerService: each Session is one call into the runtime."""
+
+    def __init__(self, runtime: WorkerRuntime, worker_id: str) -> None:
+        self.runtime = runtime
+        self.worker_id = worker_id
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[worker_pb.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb.SessionResponse]:
+        requests = aiter(request_iterator)
+        try:
+            first = await anext(requests, None)
+            if first is None or first.WhichOneof("kind") != "start":
+                raise InvalidRequest("the first request must be start")
+            session = await self.runtime.open_session(decode_start(first.start))
+        except Exception as exc:
+            code, message = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL and not isinstance(exc, WorkerError):
+                log.exception("Session failed before start")
+            await context.abort(code, message)
+            return
+        reader = asyncio.ensure_future(self._read(requests, session))
+        try:
+            yield worker_pb.SessionResponse(
+                started=worker_pb.SessionStarted(
+                    session_id=session.session_id,
+                    worker_id=self.worker_id,
+                    prompt_length=session.prompt_length,
+                )
+            )
+            async for event in session.events():
+                yield encode_event(event)
+        finally:
+            # Also on client cancellation: the unit loop frees the engine session itself.
+            reader.cancel()
+            if session.ended is None:
+                session.close(CloseReason.CLIENT_CLOSED, "client went away")
+
+    async def _read(
+        self, request_iterator: AsyncIterator[worker_pb.SessionRequest], session: DuplexSession
+    ) -> None:
+        """Feed requests into the session until close or the end of the client's stream."""
+        try:
+            async for request in request_iterator:
+                kind = request.WhichOneof("kind")
+                if kind == "unit":
+                    try:
+                        unit = decode_unit(request.unit)
+                    except InvalidRequest as exc:
+                        session.close(CloseReason.ERROR, str(exc))
+                        return
+                    session.submit(unit)
+                elif kind == "close":
+                    reason = REASONS_FROM_PROTO.get(request.close.reason, CloseReason.USER_STOP)
+                    session.close(reason, "closed by the client")
+                    return
+                else:
+                    session.close(CloseReason.ERROR, "start sent twice")
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken client stream ends the session
+            log.info("session %s: request stream failed: %s", session.session_id, exc)
+        session.close(CloseReason.CLIENT_CLOSED, "client stream ended")

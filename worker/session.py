@@ -1,0 +1,425 @@
+"""One duplex session's unit loop: prefill -> generate -> send -> deferred finalize.
+
+A one-slot mailbox holds the next unit (the newest wins); engine calls run on the worker's
+engine threads; the result goes to the sender at once and finalize runs behind it, fenced
+by an asyncio.Event barrier before the next prefill. Every end frees the engine session and
+memory, then emits exactly one SessionEnd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from worker.engine import DuplexSettings, Engine, EngineSession, GenerateResult
+from worker.engines import memory
+from worker.errors import EngineFailure
+
+log = logging.getLogger("omnifabric.worker.session")
+
+
+class CloseReason(enum.Enum):
+    """Why a session ended (common.proto CloseReason)."""
+
+    USER_STOP = "user_stop"
+    TIMEOUT = "timeout"
+    CONTEXT_FULL = "context_full"
+    SERVER_SHUTDOWN = "server_shutdown"
+    ERROR = "error"
+    CLIENT_CLOSED = "client_closed"
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What a session starts with (SessionStart, decoded)."""
+
+    session_id: str
+    lease_id: str
+    mode: str
+    system_prompt: str = ""
+    ref_audio: np.ndarray | None = None
+    tts_ref_audio: np.ndarray | None = None
+    settings: DuplexSettings = field(default_factory=DuplexSettings)
+
+
+@dataclass
+class UnitInput:
+    """One unit of input; `received_at` is time.perf_counter() at receipt."""
+
+    seq: int
+    pcm: np.ndarray
+    frames: list[bytes] = field(default_factory=list)
+    force_listen: bool = False
+    max_slice_nums: int = 0
+    received_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Usage:
+    """Token usage of a session so far."""
+
+    input_text_tokens: int = 0
+    input_audio_tokens: int = 0
+    input_vision_tokens: int = 0
+    output_text_tokens: int = 0
+    output_audio_tokens: int = 0
+
+    @property
+    def input_tokens(self) -> int:
+        return self.input_text_tokens + self.input_audio_tokens + self.input_vision_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        return self.output_text_tokens + self.output_audio_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass
+class UnitTimings:
+    """Milliseconds spent on one unit (common.proto UnitTimings)."""
+
+    prefill_ms: float = 0.0
+    generate_ms: float = 0.0
+    finalize_wait_ms: float = 0.0
+    wall_clock_ms: float = 0.0
+    queue_ms: float = 0.0
+    engine_costs_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class UnitOutput:
+    """The result of one served unit, as handed to the sender."""
+
+    seq: int
+    result: GenerateResult
+    timings: UnitTimings
+    usage: Usage
+    """Cumulative snapshot after this unit."""
+    dropped_seqs: list[int]
+
+
+@dataclass
+class SessionEnd:
+    """The session is over and freed; always the last event."""
+
+    reason: CloseReason
+    message: str
+    usage: Usage
+    units_served: int
+    units_dropped: int
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Limits of one session: duration from its start, and the context cap in tokens."""
+
+    duration_s: float
+    max_context_tokens: int
+
+
+class Mailbox:
+    """One slot for the next unit: a unit that arrives while one waits replaces it."""
+
+    def __init__(self) -> None:
+        self._unit: UnitInput | None = None
+        self.dropped: list[int] = []
+        """Seqs replaced since the last take_dropped()."""
+        self.dropped_total = 0
+
+    def put(self, unit: UnitInput) -> None:
+        if self._unit is not None:
+            self.dropped.append(self._unit.seq)
+            self.dropped_total += 1
+        self._unit = unit
+
+    def take(self) -> UnitInput | None:
+        unit, self._unit = self._unit, None
+        return unit
+
+    def take_dropped(self) -> list[int]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
+    def discard(self) -> None:
+        """Count a unit still waiting at the end as dropped."""
+        if self._unit is not None:
+            self.dropped_total += 1
+            self._unit = None
+
+
+class DuplexSession:
+    """The unit loop of one session. Feed it with submit()/close(); read events()."""
+
+    def __init__(
+        self,
+        spec: SessionSpec,
+        engine: Engine,
+        executor: Executor,
+        limits: SessionLimits,
+        on_freed: Callable[[DuplexSession, memory.MemoryReport | None], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.executor = executor
+        self.limits = limits
+        self.on_freed = on_freed
+        self.prompt_length = 0
+        self.usage = Usage()
+        self.units_served = 0
+        self.ended: SessionEnd | None = None
+        self._mailbox = Mailbox()
+        self._wake = asyncio.Event()
+        self._finalized = asyncio.Event()
+        self._finalized.set()
+        self._finalize_task: asyncio.Task[None] | None = None
+        self._finalize_error: BaseException | None = None
+        self._close_request: tuple[CloseReason, str] | None = None
+        self._events: asyncio.Queue[UnitOutput | SessionEnd] = asyncio.Queue()
+        self._engine_session: EngineSession | None = None
+        self._deadline = 0.0
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def session_id(self) -> str:
+        return self.spec.session_id
+
+    @property
+    def lease_id(self) -> str:
+        return self.spec.lease_id
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking engine call on the engine threads (never on the event loop)."""
+        return await self._loop.run_in_executor(self.executor, fn, *args)
+
+    async def open(self) -> int:
+        """Open the engine session and prepare the prompt; returns the prompt length.
+
+        The duration limit counts from here. Raises EngineFailure (engine session freed).
+        """
+        self._deadline = self._loop.time() + self.limits.duration_s
+        opening = self._loop.run_in_executor(self.executor, self._open_blocking)
+        try:
+            self.prompt_length = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # The engine call goes on in its thread: let it finish, then free what it opened.
+            await asyncio.gather(opening, return_exceptions=True)
+            await self._free()
+            raise
+        except Exception as exc:
+            log.exception("session %s: engine failed to open", self.session_id)
+            await self._free()
+            raise EngineFailure("the engine failed to start the session") from exc
+        self.usage.input_text_tokens = self.prompt_length
+        return self.prompt_length
+
+    def _open_blocking(self) -> int:
+        """open_session + prepare on an engine thread; keeps the engine session for _free."""
+        spec = self.spec
+        self._engine_session = self.engine.open_session(spec.session_id, spec.mode)
+        return int(
+            self._engine_session.prepare(
+                spec.system_prompt, spec.ref_audio, spec.tts_ref_audio, spec.settings
+            )
+        )
+
+    def submit(self, unit: UnitInput) -> None:
+        """Hand a unit to the loop; a unit still waiting is replaced (newest wins)."""
+        if self._close_request is not None or self.ended is not None:
+            return
+        self._mailbox.put(unit)
+        self._wake.set()
+
+    def close(self, reason: CloseReason, message: str = "") -> None:
+        """Ask the loop to end after the unit in progress; the first request wins."""
+        if self._close_request is None:
+            self._close_request = (reason, message)
+        self._wake.set()
+
+    async def events(self) -> AsyncIterator[UnitOutput | SessionEnd]:
+        """Results in order, then exactly one SessionEnd."""
+        while True:
+            event = await self._events.get()
+            yield event
+            if isinstance(event, SessionEnd):
+                return
+
+    async def run(self) -> SessionEnd:
+        """Serve units until an end; frees everything and emits SessionEnd. Never raises."""
+        reason, message = CloseReason.ERROR, "internal error"
+        try:
+            reason, message = await self._serve()
+        except asyncio.CancelledError:
+            reason, message = CloseReason.SERVER_SHUTDOWN, "worker stopped"
+            raise
+        except Exception:
+            log.exception("session %s: engine failure", self.session_id)
+            reason, message = CloseReason.ERROR, "inference failed"
+        finally:
+            end = await asyncio.shield(self._end(reason, message))
+        return end
+
+    async def _serve(self) -> tuple[CloseReason, str]:
+        while True:
+            if self._close_request is not None:
+                return self._close_request
+            remaining = self._deadline - self._loop.time()
+            if remaining <= 0:
+                return (
+                    CloseReason.TIMEOUT,
+                    f"session reached its {self.limits.duration_s:g} s limit",
+                )
+            unit = self._mailbox.take()
+            if unit is None:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), remaining)
+                except TimeoutError:
+                    pass
+                continue
+            result = await self._serve_unit(unit)
+            cap = self._context_cap()
+            if result.kv_cache_length >= cap:
+                return CloseReason.CONTEXT_FULL, f"context reached {cap} tokens"
+
+    def _context_cap(self) -> int:
+        cap = self.limits.max_context_tokens
+        if self.spec.settings.max_kv_tokens:
+            cap = min(cap, self.spec.settings.max_kv_tokens)
+        return cap
+
+    async def _serve_unit(self, unit: UnitInput) -> GenerateResult:
+        taken = time.perf_counter()
+        await self._finalized.wait()
+        finalize_wait_ms = (time.perf_counter() - taken) * 1000.0
+        if self._finalize_error is not None:
+            raise self._finalize_error
+        force_listen = unit.force_listen or self._output_cap_reached()
+        max_slices = unit.max_slice_nums or self.spec.settings.max_slice_nums or 1
+        costs, result, prefill_ms, generate_ms = await self._call(
+            self._infer, unit, force_listen, max_slices
+        )
+        self.units_served += 1
+        self._add_usage(result)
+        timings = UnitTimings(
+            prefill_ms=prefill_ms,
+            generate_ms=generate_ms,
+            finalize_wait_ms=finalize_wait_ms,
+            queue_ms=(taken - unit.received_at) * 1000.0,
+            engine_costs_ms={**costs, **result.costs_ms},
+        )
+        output = UnitOutput(
+            seq=unit.seq,
+            result=result,
+            timings=timings,
+            usage=replace(self.usage),
+            dropped_seqs=self._mailbox.take_dropped(),
+        )
+        timings.wall_clock_ms = (time.perf_counter() - unit.received_at) * 1000.0
+        self._events.put_nowait(output)
+        # Deferred finalize: the result is already on its way; the barrier fences the next prefill.
+        self._finalized.clear()
+        self._finalize_task = asyncio.ensure_future(self._finalize())
+        return result
+
+    def _infer(
+        self, unit: UnitInput, force_listen: bool, max_slices: int
+    ) -> tuple[dict[str, float], GenerateResult, float, float]:
+        """Prefill then generate, on an engine thread; returns costs and both durations."""
+        assert self._engine_session is not None
+        t0 = time.perf_counter()
+        costs = self._engine_session.prefill(unit.pcm, unit.frames, max_slices) or {}
+        t1 = time.perf_counter()
+        result = self._engine_session.generate(force_listen)
+        t2 = time.perf_counter()
+        return dict(costs), result, (t1 - t0) * 1000.0, (t2 - t1) * 1000.0
+
+    async def _finalize(self) -> None:
+        try:
+            assert self._engine_session is not None
+            await self._call(self._engine_session.finalize)
+        except Exception as exc:  # surfaces at the next unit as an engine failure
+            log.exception("session %s: finalize failed", self.session_id)
+            self._finalize_error = exc
+        finally:
+            self._finalized.set()
+
+    def _output_cap_reached(self) -> bool:
+        cap = self.spec.settings.max_tokens
+        return cap is not None and cap > 0 and self.usage.output_tokens >= cap
+
+    def _add_usage(self, result: GenerateResult) -> None:
+        self.usage.input_audio_tokens += result.input_audio_tokens
+        self.usage.input_vision_tokens += result.input_vision_tokens
+        self.usage.output_text_tokens += result.n_tokens
+        self.usage.output_audio_tokens += result.n_tts_tokens
+
+    async def _end(self, reason: CloseReason, message: str) -> SessionEnd:
+        """Free the engine session and memory, then emit the one SessionEnd."""
+        if self.ended is not None:
+            return self.ended
+        report = await self._free()
+        self._mailbox.discard()
+        self.ended = SessionEnd(
+            reason=reason,
+            message=message,
+            usage=replace(self.usage),
+            units_served=self.units_served,
+            units_dropped=self._mailbox.dropped_total,
+        )
+        log.info(
+            "session %s ended: %s (%s), %d units served, %d dropped",
+            self.session_id,
+            reason.value,
+            message,
+            self.units_served,
+            self._mailbox.dropped_total,
+        )
+        self._events.put_nowait(self.ended)
+        if self.on_freed is not None:
+            try:
+                self.on_freed(self, report)
+            except Exception:
+                log.exception("session %s: on_freed failed", self.session_id)
+        return self.ended
+
+    async def _free(self) -> memory.MemoryReport | None:
+        """stop() and close() the engine session, then clean memory. Never raises."""
+        if self._finalize_task is not None:
+            await self._finalize_task
+        engine_session, self._engine_session = self._engine_session, None
+        report = None
+        try:
+            if engine_session is not None:
+                await self._call(_stop_and_close, engine_session, self.session_id)
+            report = await self._call(memory.cleanup)
+            log.info(
+                "session %s memory cleanup (%s): %.1f MiB -> %.1f MiB",
+                self.session_id,
+                report.device,
+                report.before_bytes / 2**20,
+                report.after_bytes / 2**20,
+            )
+        except Exception:
+            log.exception("session %s: cleanup failed", self.session_id)
+        return report
+
+
+def _stop_and_close(engine_session: EngineSession, session_id: str) -> None:
+    """stop() then close(); close() runs even when stop() raises."""
+    try:
+        engine_session.stop()
+    except Exception:
+        log.exception("session %s: engine stop failed", session_id)
+    finally:
+        engine_session.close()
