@@ -132,3 +132,5 @@ class Closed:
     usage: Usage
     message: str = ""
     client_reason: str | None = None
+    error_code: str = ""
+    """Public error code to report before closing (inference_error), or empty."""

@@ -17,6 +17,7 @@ from edge import events as ev
 from edge import pcm
 from edge.errors import (
     EdgeError,
+    InferenceError,
     InvalidPayload,
     MissingField,
     QueueFull,
@@ -153,6 +154,8 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
         holder: list[SessionCore] = []
 
         async def emit(event: object) -> None:
+            if isinstance(event, ev.Closed) and event.error_code == InferenceError.code:
+                await out.put(_error(InferenceError(event.message or "inference failed")))
             await out.put(_event(event, holder[0].session_id))
             if isinstance(event, ev.Closed):
                 await out.put(None)

@@ -264,7 +264,11 @@ class SessionCore:
                     if e.HasField("usage"):
                         self._usage = usage_from(e.usage)
                     closed = ev.Closed(
-                        reason_name(e.reason), self._usage, e.message, self._client_reason
+                        reason_name(e.reason),
+                        self._usage,
+                        e.message,
+                        self._client_reason,
+                        e.error_code,
                     )
                     break
         except grpc.aio.AioRpcError as err:

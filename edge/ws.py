@@ -23,7 +23,14 @@ from websockets.http11 import Request, Response
 from edge import events as ev
 from edge import protocol
 from edge.config import EdgeConfig, hash_key
-from edge.errors import EdgeError, InvalidEvent, InvalidPayload, NotReady, error_event
+from edge.errors import (
+    EdgeError,
+    InferenceError,
+    InvalidEvent,
+    InvalidPayload,
+    NotReady,
+    error_event,
+)
 from edge.fabric import Fabric
 from edge.session import SessionCore
 
@@ -141,6 +148,8 @@ class Connection:
             for item in self.renderer.render(event):
                 await self.send(item)
         elif isinstance(event, ev.Closed):
+            if event.error_code == InferenceError.code:
+                await self.send(error_event(InferenceError(event.message or "inference failed")))
             await self.send(protocol.closed_json(event, self.dialect, self.core.session_id))
             self._done.set()
             asyncio.get_running_loop().call_soon(

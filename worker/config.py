@@ -49,6 +49,8 @@ class WorkerConfig:
     """Largest delay between registration attempts."""
     synthetic_compute_ms: float = 40.0
     """Busy time per unit of the synthetic engine, milliseconds."""
+    synthetic_fail_unit: int | None = None
+    """Fault injection (tests): the synthetic engine fails on this unit of every session."""
     memory_tolerance_mb: float = 16.0
     """GPU memory above the post-warm-up baseline tolerated once all sessions ended, MiB."""
     drain_grace_s: float = 10.0
@@ -131,6 +133,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "register_backoff_s": ("OMNI_WORKER_REGISTER_BACKOFF_S", float),
     "register_backoff_max_s": ("OMNI_WORKER_REGISTER_BACKOFF_MAX_S", float),
     "synthetic_compute_ms": ("OMNI_WORKER_COMPUTE_MS", float),
+    "synthetic_fail_unit": ("OMNI_WORKER_SYNTHETIC_FAIL_UNIT", _optional_int),
     "memory_tolerance_mb": ("OMNI_WORKER_MEMORY_TOLERANCE_MB", float),
     "drain_grace_s": ("OMNI_WORKER_DRAIN_GRACE_S", float),
     "max_message_bytes": ("OMNI_WORKER_MAX_MESSAGE_BYTES", int),

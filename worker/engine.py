@@ -137,7 +137,9 @@ def load_engine(name: str, config: WorkerConfig) -> Engine:
         from worker.engines.synthetic import SyntheticEngine
 
         engine: Engine = SyntheticEngine(
-            compute_ms=config.synthetic_compute_ms, slots=config.slots or 4
+            compute_ms=config.synthetic_compute_ms,
+            slots=config.slots or 4,
+            fail_unit=config.synthetic_fail_unit,
         )
     elif name in ("reference", "minicpmo"):
         raise EngineUnavailable(f"engine {name!r} is not built yet")

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--audio-limit-s", type=float, help="audio session limit, s (600)")
     parser.add_argument("--video-limit-s", type=float, help="video session limit, s (300)")
     parser.add_argument("--compute-ms", type=float, help="synthetic engine ms per unit (40)")
+    parser.add_argument(
+        "--fail-unit", type=int, help="fault injection: synthetic engine fails on unit N"
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
 
@@ -47,6 +50,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         audio_limit_s=args.audio_limit_s,
         video_limit_s=args.video_limit_s,
         synthetic_compute_ms=args.compute_ms,
+        synthetic_fail_unit=args.fail_unit,
     )
 
 

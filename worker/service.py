@@ -155,6 +155,7 @@ def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
                 usage=encode_usage(event.usage),
                 units_served=event.units_served,
                 units_dropped=event.units_dropped,
+                error_code=event.error_code,
             )
         )
     result, timings = event.result, event.timings

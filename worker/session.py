@@ -118,6 +118,8 @@ class SessionEnd:
     usage: Usage
     units_served: int
     units_dropped: int
+    error_code: str = ""
+    """Public error code: "inference_error" when the engine failed on a unit."""
 
 
 @dataclass(frozen=True)
@@ -256,7 +258,7 @@ class DuplexSession:
 
     async def run(self) -> SessionEnd:
         """Serve units until an end; frees everything and emits SessionEnd. Never raises."""
-        reason, message = CloseReason.ERROR, "internal error"
+        reason, message, code = CloseReason.ERROR, "internal error", ""
         try:
             reason, message = await self._serve()
         except asyncio.CancelledError:
@@ -264,9 +266,9 @@ class DuplexSession:
             raise
         except Exception:
             log.exception("session %s: engine failure", self.session_id)
-            reason, message = CloseReason.ERROR, "inference failed"
+            reason, message, code = CloseReason.ERROR, "inference failed", "inference_error"
         finally:
-            end = await asyncio.shield(self._end(reason, message))
+            end = await asyncio.shield(self._end(reason, message, code))
         return end
 
     async def _serve(self) -> tuple[CloseReason, str]:
@@ -364,7 +366,7 @@ class DuplexSession:
         self.usage.output_text_tokens += result.n_tokens
         self.usage.output_audio_tokens += result.n_tts_tokens
 
-    async def _end(self, reason: CloseReason, message: str) -> SessionEnd:
+    async def _end(self, reason: CloseReason, message: str, error_code: str = "") -> SessionEnd:
         """Free the engine session and memory, then emit the one SessionEnd."""
         if self.ended is not None:
             return self.ended
@@ -376,6 +378,7 @@ class DuplexSession:
             usage=replace(self.usage),
             units_served=self.units_served,
             units_dropped=self._mailbox.dropped_total,
+            error_code=error_code,
         )
         log.info(
             "session %s ended: %s (%s), %d units served, %d dropped",

@@ -235,3 +235,25 @@ def test_serve_then_probe(tmp_path):
         rest, _ = serve.communicate(timeout=scaled(30))
     assert serve.returncode == 0, rest
     assert "omnifabric stopped" in rest
+
+
+async def test_inference_error_then_closed_and_worker_keeps_serving(stack):
+    stack.start_scheduler()
+    stack.start_worker("--slots", "1", "--compute-ms", "5", "--fail-unit", "2")
+    stack.start_edge()
+    url = f"{stack.url}?mode=audio"
+    client = await WsClient.open(url)
+    await client.start()
+    await client.append(SILENCE)
+    await client.until("delta.listen")
+    await client.append(SILENCE)
+    err = await client.until("error")
+    assert err["error"] == {"code": "inference_error", "message": "inference failed",
+                            "type": "server_error"}
+    closed = await client.until("session.closed")
+    assert closed["reason"] == "error"
+    # The worker stays healthy: the next session is served (and fails at its unit 2 again).
+    again = await WsClient.open(url)
+    await again.start()
+    await again.append(SILENCE)
+    assert (await again.until("delta.listen"))["metrics"]["seq"] == 1

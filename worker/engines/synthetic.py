@@ -92,6 +92,8 @@ class SyntheticSession(EngineSession):
         self.pending_rms = None
         self.needs_finalize = True
         self.units += 1
+        if self.engine.fail_unit is not None and self.units == self.engine.fail_unit:
+            raise RuntimeError(f"injected failure on unit {self.units}")
         startup = self.units <= self._force_listen_count()
 
         if self.reply_part and (force_listen or speech):
@@ -198,8 +200,11 @@ class SyntheticEngine(Engine):
         slots: int = 4,
         force_listen_count: int = 3,
         reply_units: int = 3,
+        fail_unit: int | None = None,
     ) -> None:
         self.compute_ms = compute_ms
+        self.fail_unit = fail_unit
+        """Fault injection for tests: generate() raises on this unit (1-based) of each session."""
         self.default_slots = slots
         self.concurrency = slots
         self.force_listen_count = force_listen_count

@@ -1,0 +1,72 @@
+"""Fabric overhead under N concurrent real-time audio sessions (a small precursor of
+`omnifabric bench`): per-unit overhead = client send -> client receive minus the
+engine's reported compute (prefill + generate).
+
+    python -m tools.load --url ws://127.0.0.1:8006/v1/realtime --sessions 50 --seconds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import numpy as np
+
+from tools.client import SILENCE_UNIT, percentile, run_session
+
+SPEECH_UNIT = (0.2 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.float32)
+
+
+def script(seconds: int) -> list[np.ndarray]:
+    """Speech then silence, repeated: replies keep coming so speak units are measured too."""
+    pattern = [SILENCE_UNIT, SPEECH_UNIT, SPEECH_UNIT, SILENCE_UNIT, SILENCE_UNIT, SILENCE_UNIT, SILENCE_UNIT]
+    return [pattern[i % len(pattern)] for i in range(seconds)]
+
+
+async def run(url: str, sessions: int, seconds: int) -> dict:
+    units = script(seconds)
+
+    async def one(i: int):
+        await asyncio.sleep(i * 1.0 / max(1, sessions))  # spread the units over the second
+        return await run_session(url, units, pace_s=1.0)
+
+    reports = await asyncio.gather(*(one(i) for i in range(sessions)))
+    overheads = [u.overhead_ms for r in reports for u in r.units.values() if u.overhead_ms is not None]
+    speak = [u.overhead_ms for r in reports for u in r.units.values()
+             if u.kind == "speak" and u.overhead_ms is not None]
+    return {
+        "sessions": sessions,
+        "seconds": seconds,
+        "units_sent": sum(len(r.units) for r in reports),
+        "units_answered": len(overheads),
+        "dropped": sum(u.kind == "dropped" for r in reports for u in r.units.values()),
+        "lost": sum(len(r.lost_units()) for r in reports),
+        "closed_ok": sum(r.closed_reason == "user_stop" for r in reports),
+        "overhead_ms": {"p50": percentile(overheads, 50), "p95": percentile(overheads, 95),
+                        "p99": percentile(overheads, 99), "max": max(overheads, default=float("nan"))},
+        "speak_overhead_ms_p50": percentile(speak, 50),
+        "engine_ms_p50": percentile([u.prefill_ms + u.generate_ms for r in reports
+                                     for u in r.units.values() if u.received_at], 50),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="ws://127.0.0.1:8006/v1/realtime?mode=audio")
+    parser.add_argument("--sessions", type=int, default=1)
+    parser.add_argument("--seconds", type=int, default=20)
+    args = parser.parse_args(argv)
+    try:
+        import uvloop
+
+        result = uvloop.run(run(args.url, args.sessions, args.seconds))
+    except ImportError:
+        result = asyncio.run(run(args.url, args.sessions, args.seconds))
+    print(json.dumps(result, indent=2))
+    return 0 if result["lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
