@@ -96,7 +96,7 @@ class EdgeConfig:
             host=os.environ.get("OMNI_EDGE_HOST", cls.host),
             port=_env_int("OMNI_EDGE_PORT", cls.port, 0, 65535),
             grpc_port=_env_int("OMNI_EDGE_GRPC_PORT", cls.grpc_port, -1, 65535),
-            scheduler=os.environ.get("OMNI_SCHEDULER_ADDRESS", cls.scheduler),
+            scheduler=os.environ.get("OMNI_EDGE_SCHEDULER", cls.scheduler),
             api_key_digests=keys,
             max_frame_bytes=_env_int(
                 "OMNI_EDGE_MAX_FRAME_BYTES", cls.max_frame_bytes, 1024, 1 << 30

@@ -182,3 +182,26 @@ async def test_unknown_path_404(stack):
         async with connect(stack.url.replace("/v1/realtime", "/nope")):
             pass
     assert info.value.response.status_code == 404
+
+
+@pytest.mark.parametrize("dialect", ["current", "first"])
+async def test_context_full_closes_session(stack, dialect):
+    client = await WsClient.open(url(stack))
+    await client.until("session.queue_done")
+    if dialect == "first":
+        await client.send({"type": "session.update",
+                           "session": {"instructions": "x", "config": {"max_kv_tokens": 64}}})
+    else:
+        await client.send({"type": "session.init",
+                           "payload": {"system_prompt": "x", "config": {"max_kv_tokens": 64}}})
+    await client.until("session.created")
+    closed = None
+    for _ in range(10):
+        await client.append(SILENCE, dialect)
+        event = await client.until("session.closed", "response.listen", "delta.listen")
+        if event["type"] == "session.closed":
+            closed = event
+            break
+    assert closed is not None and closed["reason"] == "context_full"
+    kv = [e["metrics"]["kv_cache_length"] for e in client.events if "metrics" in e and "seq" in e["metrics"]]
+    assert kv[-1] >= 64 and kv == sorted(kv)

@@ -257,3 +257,17 @@ async def test_inference_error_then_closed_and_worker_keeps_serving(stack):
     await again.start()
     await again.append(SILENCE)
     assert (await again.until("delta.listen"))["metrics"]["seq"] == 1
+
+
+async def test_duration_limit_closes_with_timeout(stack):
+    stack.start_scheduler()
+    stack.start_worker("--slots", "1", "--compute-ms", "5", "--audio-limit-s", "1.5")
+    stack.start_edge()
+    client = await WsClient.open(f"{stack.url}?mode=audio")
+    await client.start()
+    t0 = time.monotonic()
+    await client.append(SILENCE)
+    closed = await client.until("session.closed", timeout_s=5)
+    assert closed["reason"] == "timeout"
+    assert 1.0 < time.monotonic() - t0 < scaled(3.0)
+    assert sum(e["type"] == "session.closed" for e in client.events) == 1
