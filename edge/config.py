@@ -77,6 +77,8 @@ class EdgeConfig:
     """Time allowed for a worker to prepare a session (system prompt, voices)."""
     close_timeout_s: float = 5.0
     """Time allowed for a worker to confirm a session's end before the edge gives up."""
+    ws_close_timeout_s: float = 2.0
+    """Time a client gets to answer the WebSocket close handshake."""
     grpc_max_message_bytes: int = 16 * 1024 * 1024
     """Largest gRPC message to and from the services."""
     default_mode: str = "video"

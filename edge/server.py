@@ -41,15 +41,26 @@ class RunningEdge:
         self.app.draining = True
         if self.health is not None:
             self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
         closing = [
-            c.core.close(ev.SERVER_SHUTDOWN) for c in list(self.app.connections) if not c.core.closed.is_set()
+            c.core.close(ev.SERVER_SHUTDOWN)
+            for c in list(self.app.connections)
+            if not c.core.closed.is_set()
         ]
         if closing:
-            await asyncio.wait_for(asyncio.gather(*closing, return_exceptions=True), grace_s)
+            try:
+                await asyncio.wait_for(asyncio.gather(*closing, return_exceptions=True), grace_s)
+            except asyncio.TimeoutError:
+                log.warning("drain: %d sessions still open after %.1fs", len(closing), grace_s)
         self.ws_server.close()
-        await self.ws_server.wait_closed()
+        try:
+            # A client that never answers the close handshake must not hold the drain.
+            await asyncio.wait_for(self.ws_server.wait_closed(), max(0.5, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            log.warning("drain: WebSocket connections still closing at the end of the grace")
         if self.grpc_server is not None:
-            await self.grpc_server.stop(grace_s)
+            await self.grpc_server.stop(max(0.1, deadline - loop.time()))
         await self.app.fabric.close()
 
 
@@ -69,6 +80,7 @@ async def start_edge(config: EdgeConfig) -> RunningEdge:
         open_timeout=config.open_timeout_s,
         ping_interval=config.ping_interval_s,
         ping_timeout=config.ping_timeout_s,
+        close_timeout=config.ws_close_timeout_s,
     )
     port = ws_server.sockets[0].getsockname()[1]
     grpc_server = None

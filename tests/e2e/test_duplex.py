@@ -104,27 +104,33 @@ async def test_audio_first_dialect_without_subprotocol(stack):
     assert closed["reason"] == "stopped"
 
 
-def _jpeg() -> str:
+def _jpeg() -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (64, 48), (10, 120, 200)).save(buf, "JPEG")
-    return base64.b64encode(buf.getvalue()).decode()
+    return buf.getvalue()
 
 
-async def test_video_flow_and_broken_jpeg(stack):
+@pytest.mark.parametrize("dialect", ["current", "first"])
+async def test_video_flow_and_broken_jpeg(stack, dialect):
     client = await WsClient.open(url(stack, "video"))
-    await client.start("current")
-    frame = _jpeg()
-    outcomes = await run_script(client, "current", frames=[frame])
-    assert any(e["kind"] == "audio" for e in outcomes)
-    await client.send({"type": "input.append", "input": {"audio": pcm_b64(SILENCE),
-                                                          "video_frames": [frame[: len(frame) // 2]]}})
+    await client.start(dialect)
+    raw = _jpeg()
+    frame = base64.b64encode(raw).decode()
+    broken = base64.b64encode(raw[: len(raw) // 2]).decode()
+    outcomes = await run_script(client, dialect, frames=[frame])
+    assert any(e.get("kind") == "audio" or e["type"] == "response.output_audio.delta" for e in outcomes)
+    speak = [e for e in outcomes if "usage" in e]
+    assert speak[-1]["usage"]["input_tokens_details"]["vision_tokens"] > 0
+    await client.append(SILENCE, dialect, video_frames=[broken])
     err = await client.until("error")
     assert err["error"]["code"] == "invalid_payload"
+    assert err["error"]["message"] == "video_frames[0] is a broken JPEG image"
     # The session stays usable after a client error.
-    await client.append(SILENCE, video_frames=[frame])
-    await client.until("delta.listen", "delta.audio")
+    await client.append(SILENCE, dialect, video_frames=[frame])
+    await client.until("delta.listen", "delta.audio", "response.listen", "response.output_audio.delta")
     await client.send({"type": "session.close"})
-    assert (await client.until("session.closed"))["reason"] == "user_stop"
+    closed = await client.until("session.closed")
+    assert closed["reason"] == ("user_stop" if dialect == "current" else "stopped")
 
 
 async def test_client_errors_keep_session_usable(stack):
@@ -205,3 +211,21 @@ async def test_context_full_closes_session(stack, dialect):
     assert closed is not None and closed["reason"] == "context_full"
     kv = [e["metrics"]["kv_cache_length"] for e in client.events if "metrics" in e and "seq" in e["metrics"]]
     assert kv[-1] >= 64 and kv == sorted(kv)
+
+
+async def test_invalid_utf8_closes_1007(stack):
+    client = await WsClient.open(url(stack))
+    await client.until("session.queue_done")
+    await client.ws.send(b'{"type": "\xff\xfe"}', text=True)
+    with pytest.raises(ConnectionClosed) as info:
+        await client.recv()
+    assert info.value.rcvd.code == 1007
+
+
+async def test_oversized_frame_closes_1009(stack):
+    client = await WsClient.open(url(stack))
+    await client.until("session.queue_done")
+    await client.ws.send('{"type": "input.append", "input": {"audio": "' + "A" * (16 * 1024 * 1024) + '"}}')
+    with pytest.raises(ConnectionClosed) as info:
+        await client.recv()
+    assert info.value.rcvd.code == 1009

@@ -25,6 +25,9 @@ SPEECH = (0.2 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.fl
 class WsClient:
     """One client connection; `events` keeps everything received, in order."""
 
+    #: Every client opened in the running test, closed by the e2e conftest after it.
+    opened: list[WsClient] = []
+
     def __init__(self, ws) -> None:
         self.ws = ws
         self.events: list[dict[str, Any]] = []
@@ -33,7 +36,9 @@ class WsClient:
     async def open(cls, url: str, **kwargs: Any) -> WsClient:
         kwargs.setdefault("compression", None)
         kwargs.setdefault("max_size", None)
-        return cls(await connect(url, **kwargs))
+        client = cls(await connect(url, **kwargs))
+        cls.opened.append(client)
+        return client
 
     async def send(self, event: dict[str, Any]) -> None:
         await self.ws.send(json.dumps(event))
