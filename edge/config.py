@@ -104,9 +104,7 @@ class EdgeConfig:
                 "OMNI_EDGE_MAX_FRAME_BYTES", cls.max_frame_bytes, 1024, 1 << 30
             ),
             open_timeout_s=_env_float("OMNI_EDGE_OPEN_TIMEOUT_S", cls.open_timeout_s, 0.1, 600),
-            ping_interval_s=_env_float(
-                "OMNI_EDGE_PING_INTERVAL_S", cls.ping_interval_s, 0.1, 3600
-            ),
+            ping_interval_s=_env_float("OMNI_EDGE_PING_INTERVAL_S", cls.ping_interval_s, 0.1, 3600),
             ping_timeout_s=_env_float("OMNI_EDGE_PING_TIMEOUT_S", cls.ping_timeout_s, 0.1, 3600),
         )
 

@@ -12,6 +12,9 @@ import asyncio
 import logging
 
 import grpc
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 
 from edge import events as ev
 from edge import pcm
@@ -25,10 +28,7 @@ from edge.errors import (
 )
 from edge.fabric import Fabric
 from edge.protocol import MAX_FRAMES_PER_UNIT
-from edge.session import SessionCore, config_to, reason_name, usage_to
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import realtime_service_pb2 as rt_pb
-from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+from edge.session import SessionCore, reason_name, usage_to
 
 log = logging.getLogger("omnifabric.edge.grpc")
 
@@ -83,12 +83,18 @@ def _event(event: object, session_id: str) -> rt_pb.ConnectResponse:
             ticket_id=event.ticket_id,
             queue_length=event.queue_length,
         )
-        return rt_pb.ConnectResponse(queued=q) if event.first else rt_pb.ConnectResponse(queue_update=q)
+        return (
+            rt_pb.ConnectResponse(queued=q)
+            if event.first
+            else rt_pb.ConnectResponse(queue_update=q)
+        )
     if isinstance(event, ev.QueueDone):
         return rt_pb.ConnectResponse(queue_done=rt_pb.QueueDone())
     if isinstance(event, ev.Created):
         return rt_pb.ConnectResponse(
-            created=rt_pb.SessionCreated(session_id=event.session_id, prompt_length=event.prompt_length)
+            created=rt_pb.SessionCreated(
+                session_id=event.session_id, prompt_length=event.prompt_length
+            )
         )
     if isinstance(event, ev.Output):
         t = event.timings_ms
@@ -144,7 +150,9 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first request must be init")
         mode = _MODE_NAMES.get(first.init.mode)
         if mode is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "init.mode must be AUDIO or VIDEO")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "init.mode must be AUDIO or VIDEO"
+            )
         try:
             init = _init(first.init)
         except EdgeError as err:

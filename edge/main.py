@@ -15,10 +15,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnifabric edge", description=__doc__)
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="WebSocket/HTTP port (default 8006; 0 = any)")
-    parser.add_argument("--grpc-port", type=int, help="RealtimeService port (default 8007; 0 = any; -1 = off)")
+    parser.add_argument(
+        "--grpc-port", type=int, help="RealtimeService port (default 8007; 0 = any; -1 = off)"
+    )
     parser.add_argument("--scheduler", help="scheduler host:port (default 127.0.0.1:50051)")
     parser.add_argument("--api-keys-file", help="file of accepted API keys, one per line")
-    parser.add_argument("--max-frame-bytes", type=int, help="largest WebSocket message (default 16 MiB)")
+    parser.add_argument(
+        "--max-frame-bytes", type=int, help="largest WebSocket message (default 16 MiB)"
+    )
     parser.add_argument("--grace", type=float, default=5.0, help="drain grace period on SIGTERM, s")
     return parser
 
@@ -26,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     try:
         config = EdgeConfig.from_env().with_overrides(

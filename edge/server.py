@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 from websockets.asyncio.server import Server, serve
 
 from edge import events as ev
@@ -15,7 +16,6 @@ from edge.config import EdgeConfig
 from edge.fabric import Fabric, channel_options
 from edge.grpc_api import RealtimeServicer
 from edge.ws import EdgeApp
-from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 
 log = logging.getLogger("omnifabric.edge")
 
@@ -51,13 +51,13 @@ class RunningEdge:
         if closing:
             try:
                 await asyncio.wait_for(asyncio.gather(*closing, return_exceptions=True), grace_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("drain: %d sessions still open after %.1fs", len(closing), grace_s)
         self.ws_server.close()
         try:
             # A client that never answers the close handshake must not hold the drain.
             await asyncio.wait_for(self.ws_server.wait_closed(), max(0.5, deadline - loop.time()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("drain: WebSocket connections still closing at the end of the grace")
         if self.grpc_server is not None:
             await self.grpc_server.stop(max(0.1, deadline - loop.time()))

@@ -15,6 +15,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omni.realtime.v1 import worker_service_pb2 as worker_pb
 
 from edge import events as ev
 from edge.errors import (
@@ -26,9 +29,6 @@ from edge.errors import (
     WorkerConnectFailed,
 )
 from edge.fabric import Fabric
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import worker_service_pb2 as worker_pb
 
 log = logging.getLogger("omnifabric.edge.session")
 
@@ -67,9 +67,7 @@ def usage_to(usage: ev.Usage) -> common_pb2.Usage:
 
 def config_to(settings: ev.DuplexSettings) -> common_pb2.DuplexConfig:
     """Domain duplex settings -> protobuf (unset fields stay unset)."""
-    return common_pb2.DuplexConfig(
-        **{k: v for k, v in settings.__dict__.items() if v is not None}
-    )
+    return common_pb2.DuplexConfig(**{k: v for k, v in settings.__dict__.items() if v is not None})
 
 
 def output_from(result: worker_pb.UnitResult) -> ev.Output:
@@ -164,7 +162,9 @@ class SessionCore:
                 if kind == "queued":
                     q = response.queued
                     await self._emit(
-                        ev.Queued(q.position, q.queue_length, q.estimated_wait_s, q.ticket_id, first)
+                        ev.Queued(
+                            q.position, q.queue_length, q.estimated_wait_s, q.ticket_id, first
+                        )
                     )
                     first = False
                 elif kind == "lease":
@@ -234,7 +234,7 @@ class SessionCore:
         try:
             await call.write(worker_pb.SessionRequest(start=start))
             response = await asyncio.wait_for(call.read(), self._start_timeout_s)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as err:
+        except (TimeoutError, grpc.aio.AioRpcError) as err:
             call.cancel()
             detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else "timed out"
             raise WorkerConnectFailed(f"the worker did not start the session: {detail}") from None
@@ -319,7 +319,7 @@ class SessionCore:
                 )
             await call.done_writing()
             await asyncio.wait_for(self.closed.wait(), self._close_timeout_s)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError):
+        except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await self._finish(ev.Closed(reason, self._usage, client_reason=client_reason))
 
     async def abort(self) -> None:

@@ -80,7 +80,9 @@ class EdgeApp:
         path = urlsplit(request.path).path
         if path == "/healthz":
             if self.draining:
-                return _plain(HTTPStatus.SERVICE_UNAVAILABLE, '{"status":"draining"}', "application/json")
+                return _plain(
+                    HTTPStatus.SERVICE_UNAVAILABLE, '{"status":"draining"}', "application/json"
+                )
             return _plain(HTTPStatus.OK, '{"status":"ok"}', "application/json")
         if path != REALTIME_PATH:
             return _plain(HTTPStatus.NOT_FOUND, f"no such endpoint: {path}\n")
@@ -142,7 +144,9 @@ class Connection:
         elif isinstance(event, ev.QueueDone):
             await self.send(protocol.queue_done_json())
         elif isinstance(event, ev.Created):
-            await self.send(protocol.created_json(event, self.dialect or ev.Dialect.CURRENT, self.mode))
+            await self.send(
+                protocol.created_json(event, self.dialect or ev.Dialect.CURRENT, self.mode)
+            )
         elif isinstance(event, ev.Output):
             assert self.renderer is not None
             for item in self.renderer.render(event):

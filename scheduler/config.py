@@ -87,8 +87,9 @@ def parse_value(field: str, raw: str, source: str) -> Any:
     try:
         value: int | float = int(raw) if kind == "int" else float(raw)
     except ValueError:
-        raise ValueError(f"{source} must be a{'n integer' if kind == 'int' else ' number'}, "
-                         f"got {raw!r}") from None
+        raise ValueError(
+            f"{source} must be a{'n integer' if kind == 'int' else ' number'}, got {raw!r}"
+        ) from None
     check_range(field, value, source)
     return value
 

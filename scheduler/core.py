@@ -139,7 +139,9 @@ class Scheduler:
             if known is not None:
                 log.warning(
                     "worker %s claims lease %s of worker %s; ignored",
-                    worker.worker_id, lease_id, known.worker_id,
+                    worker.worker_id,
+                    lease_id,
+                    known.worker_id,
                 )
                 continue
             orphan = Lease(
@@ -153,8 +155,12 @@ class Scheduler:
             self.leases.add(orphan)
         log.info(
             "worker %s registered at %s: %d slots, modes %s, engine %s, %s",
-            worker.worker_id, worker.address, worker.slots,
-            ",".join(sorted(m.value for m in worker.modes)), worker.engine, worker.health.value,
+            worker.worker_id,
+            worker.address,
+            worker.slots,
+            ",".join(sorted(m.value for m in worker.modes)),
+            worker.engine,
+            worker.health.value,
         )
         self._dispatch()
         return worker
@@ -164,8 +170,12 @@ class Scheduler:
         if not self.registry.is_current(worker):
             return
         if worker.health is not health:
-            log.info("worker %s is %s%s", worker.worker_id, health.value,
-                     f" ({detail})" if detail else "")
+            log.info(
+                "worker %s is %s%s",
+                worker.worker_id,
+                health.value,
+                f" ({detail})" if detail else "",
+            )
         worker.health = health
         worker.detail = detail
         if health is Health.SERVING:
@@ -189,8 +199,9 @@ class Scheduler:
         if not self.registry.remove(worker):
             return
         log.warning("worker %s lost", worker.worker_id)
-        self._drop_leases(self.leases.on_worker(worker.worker_id),
-                          f"worker {worker.worker_id} lost")
+        self._drop_leases(
+            self.leases.on_worker(worker.worker_id), f"worker {worker.worker_id} lost"
+        )
 
     def lease_announced(self, lease: Lease) -> None:
         """The worker's stream has passed on the grant of `lease`."""
@@ -325,8 +336,14 @@ class Scheduler:
         worker.outbox.put_nowait(LeaseGrantNotice(lease))
         ticket.lease = lease
         ticket.changed.set()
-        log.info("lease %s: worker %s slot %d, %s, session %s", lease.lease_id,
-                 worker.worker_id, lease.slot, ticket.mode.value, ticket.session_id or "-")
+        log.info(
+            "lease %s: worker %s slot %d, %s, session %s",
+            lease.lease_id,
+            worker.worker_id,
+            lease.slot,
+            ticket.mode.value,
+            ticket.session_id or "-",
+        )
 
     def _notify_waiting(self) -> None:
         for ticket in self.queue:
@@ -365,7 +382,10 @@ class Scheduler:
         lease.release_timer = None
         log.warning(
             "worker %s did not release lease %s within %.1f s; freeing slot %d anyway",
-            lease.worker_id, lease_id, self.config.release_timeout_s, lease.slot,
+            lease.worker_id,
+            lease_id,
+            self.config.release_timeout_s,
+            lease.slot,
         )
         self._free(lease)
 
@@ -410,4 +430,3 @@ def _check_hello(hello: WorkerHello) -> None:
         raise InvalidRequest("hello.slots must be at least 1")
     if not hello.modes:
         raise InvalidRequest("hello.modes must name at least one mode")
-

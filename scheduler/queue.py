@@ -79,6 +79,7 @@ class WaitQueue:
             self._positions = {tid: n for n, tid in enumerate(self._tickets, start=1)}
         return self._positions
 
+
 def estimate_wait_s(position: int, mean_session_s: float, slots: int) -> float:
     """Seconds until position `position` is served: one mean session per full round of slots."""
     return mean_session_s * math.ceil(position / max(1, slots))

@@ -120,9 +120,13 @@ async def run_session(
                 report.error = event["error"]
                 return report
         if dialect == "first":
-            await ws.send(json.dumps({"type": "session.update", "session": {"instructions": system_prompt}}))
+            await ws.send(
+                json.dumps({"type": "session.update", "session": {"instructions": system_prompt}})
+            )
         else:
-            await ws.send(json.dumps({"type": "session.init", "payload": {"system_prompt": system_prompt}}))
+            await ws.send(
+                json.dumps({"type": "session.init", "payload": {"system_prompt": system_prompt}})
+            )
         event = await next_event()
         if event["type"] != "session.created":
             report.error = event.get("error", {"code": "unexpected", "message": event["type"]})
@@ -157,7 +161,9 @@ async def run_session(
                 # Lockstep: the next unit once the previous one is answered.
                 await _answered(report.units[i], done, settle_s)
             seq = i + 1
-            body: dict[str, Any] = {"audio": base64.b64encode(unit.astype("<f4").tobytes()).decode()}
+            body: dict[str, Any] = {
+                "audio": base64.b64encode(unit.astype("<f4").tobytes()).decode()
+            }
             if frames and i < len(frames) and frames[i]:
                 body["video_frames"] = [base64.b64encode(f).decode() for f in frames[i]]
             report.units[seq] = UnitRecord(seq=seq, sent_at=time.monotonic())
@@ -175,7 +181,7 @@ async def run_session(
             await ws.send(json.dumps({"type": "session.close", "reason": close_reason}))
             try:
                 await asyncio.wait_for(done.wait(), 10)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         receiver.cancel()
     return report
@@ -191,8 +197,17 @@ def _record(event: dict[str, Any], report: SessionReport, dialect: str) -> None:
     kind = _ev_type(event)
     metrics = event.get("metrics") or {}
     seq = metrics.get("seq")
-    if kind not in ("delta.listen", "delta.text", "delta.audio", "response.listen",
-                    "response.output_audio.delta") or seq is None:
+    if (
+        kind
+        not in (
+            "delta.listen",
+            "delta.text",
+            "delta.audio",
+            "response.listen",
+            "response.output_audio.delta",
+        )
+        or seq is None
+    ):
         return
     unit = report.units.get(seq)
     if unit is None:

@@ -21,7 +21,15 @@ SPEECH_UNIT = (0.2 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(
 
 def script(seconds: int) -> list[np.ndarray]:
     """Speech then silence, repeated: replies keep coming so speak units are measured too."""
-    pattern = [SILENCE_UNIT, SPEECH_UNIT, SPEECH_UNIT, SILENCE_UNIT, SILENCE_UNIT, SILENCE_UNIT, SILENCE_UNIT]
+    pattern = [
+        SILENCE_UNIT,
+        SPEECH_UNIT,
+        SPEECH_UNIT,
+        SILENCE_UNIT,
+        SILENCE_UNIT,
+        SILENCE_UNIT,
+        SILENCE_UNIT,
+    ]
     return [pattern[i % len(pattern)] for i in range(seconds)]
 
 
@@ -33,9 +41,15 @@ async def run(url: str, sessions: int, seconds: int) -> dict:
         return await run_session(url, units, pace_s=1.0)
 
     reports = await asyncio.gather(*(one(i) for i in range(sessions)))
-    overheads = [u.overhead_ms for r in reports for u in r.units.values() if u.overhead_ms is not None]
-    speak = [u.overhead_ms for r in reports for u in r.units.values()
-             if u.kind == "speak" and u.overhead_ms is not None]
+    overheads = [
+        u.overhead_ms for r in reports for u in r.units.values() if u.overhead_ms is not None
+    ]
+    speak = [
+        u.overhead_ms
+        for r in reports
+        for u in r.units.values()
+        if u.kind == "speak" and u.overhead_ms is not None
+    ]
     return {
         "sessions": sessions,
         "seconds": seconds,
@@ -44,11 +58,22 @@ async def run(url: str, sessions: int, seconds: int) -> dict:
         "dropped": sum(u.kind == "dropped" for r in reports for u in r.units.values()),
         "lost": sum(len(r.lost_units()) for r in reports),
         "closed_ok": sum(r.closed_reason == "user_stop" for r in reports),
-        "overhead_ms": {"p50": percentile(overheads, 50), "p95": percentile(overheads, 95),
-                        "p99": percentile(overheads, 99), "max": max(overheads, default=float("nan"))},
+        "overhead_ms": {
+            "p50": percentile(overheads, 50),
+            "p95": percentile(overheads, 95),
+            "p99": percentile(overheads, 99),
+            "max": max(overheads, default=float("nan")),
+        },
         "speak_overhead_ms_p50": percentile(speak, 50),
-        "engine_ms_p50": percentile([u.prefill_ms + u.generate_ms for r in reports
-                                     for u in r.units.values() if u.received_at], 50),
+        "engine_ms_p50": percentile(
+            [
+                u.prefill_ms + u.generate_ms
+                for r in reports
+                for u in r.units.values()
+                if u.received_at
+            ],
+            50,
+        ),
     }
 
 

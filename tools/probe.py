@@ -50,9 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnifabric probe", description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="ws://127.0.0.1:8006/v1/realtime")
     parser.add_argument("--mode", default="audio", choices=["audio", "video"])
-    parser.add_argument("--input", required=True, type=Path, help="WAV file (any rate; mono or stereo)")
+    parser.add_argument(
+        "--input", required=True, type=Path, help="WAV file (any rate; mono or stereo)"
+    )
     parser.add_argument("--output", type=Path, help="where to write the reply audio (24 kHz WAV)")
-    parser.add_argument("--fast", action="store_true", help="send each unit once the previous one is answered")
+    parser.add_argument(
+        "--fast", action="store_true", help="send each unit once the previous one is answered"
+    )
     parser.add_argument("--tail", type=int, default=4, help="silent units sent after the input")
     parser.add_argument("--dialect", default="current", choices=["current", "first"])
     parser.add_argument("--system-prompt", default="You are a helpful assistant.")
@@ -79,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         kind = event.get("type")
         metrics = event.get("metrics") or {}
         if kind in ("session.queued", "session.queue_update"):
-            print(f"queue: position {event['position']} of {event['queue_length']}, eta {event['estimated_wait_s']}s")
+            print(
+                f"queue: position {event['position']} of {event['queue_length']}, "
+                f"eta {event['estimated_wait_s']}s"
+            )
         elif kind == "session.queue_done":
             print("queue: done")
         elif kind == "session.created":
@@ -89,14 +96,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"unit {metrics.get('seq')}: text {event['text']!r}")
             elif event["kind"] == "audio":
                 secs = len(event["audio"]) * 3 / 4 / 4 / 24000
-                print(f"unit {metrics.get('seq')}: audio {secs:.2f}s kv={metrics.get('kv_cache_length')} "
-                      f"prefill {metrics.get('prefill_ms')}ms generate {metrics.get('generate_ms')}ms")
+                print(
+                    f"unit {metrics.get('seq')}: audio {secs:.2f}s "
+                    f"kv={metrics.get('kv_cache_length')} "
+                    f"prefill {metrics.get('prefill_ms')}ms generate {metrics.get('generate_ms')}ms"
+                )
             else:
                 print(f"unit {metrics.get('seq')}: listen kv={metrics.get('kv_cache_length')}")
         elif kind == "response.listen":
             print(f"unit {metrics.get('seq')}: listen kv={event.get('kv_cache_length')}")
         elif kind == "response.output_audio.delta":
-            print(f"unit {metrics.get('seq')}: speak {event['text']!r} end_of_turn={event['end_of_turn']}")
+            print(
+                f"unit {metrics.get('seq')}: speak {event['text']!r} "
+                f"end_of_turn={event['end_of_turn']}"
+            )
         elif kind == "session.closed":
             print(f"closed: {event.get('reason')}")
         elif kind == "error":
@@ -127,15 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     for u in units_seen:
         rtt = f"{u.rtt_ms:7.1f}" if u.rtt_ms is not None else "      -"
         ovh = f"{u.overhead_ms:11.1f}" if u.overhead_ms is not None else "          -"
-        print(f"{u.seq:3d}  {u.kind or 'lost':6s} {rtt}  {u.prefill_ms + u.generate_ms:9.1f}  {ovh}  {u.kv_cache_length:4d}  {u.text}")
+        print(
+            f"{u.seq:3d}  {u.kind or 'lost':6s} {rtt}  {u.prefill_ms + u.generate_ms:9.1f}  "
+            f"{ovh}  {u.kv_cache_length:4d}  {u.text}"
+        )
     overheads = [u.overhead_ms for u in units_seen if u.overhead_ms is not None]
     speak = sum(u.kind == "speak" for u in units_seen)
     listen = sum(u.kind == "listen" for u in units_seen)
     dropped = sum(u.kind == "dropped" for u in units_seen)
     lost = report.lost_units()
-    print(f"\nunits {len(units_seen)}: listen {listen}, speak {speak}, dropped {dropped}, lost {len(lost)}; "
-          f"overhead p50 {percentile(overheads, 50):.1f} ms p99 {percentile(overheads, 99):.1f} ms; "
-          f"closed: {report.closed_reason}")
+    print(
+        f"\nunits {len(units_seen)}: listen {listen}, speak {speak}, dropped {dropped}, "
+        f"lost {len(lost)}; "
+        f"overhead p50 {percentile(overheads, 50):.1f} ms p99 {percentile(overheads, 99):.1f} ms; "
+        f"closed: {report.closed_reason}"
+    )
     if args.output:
         write_wav_24k(args.output, report.reply_audio)
         print(f"reply audio: {report.reply_audio.size / 24000:.2f}s -> {args.output}")

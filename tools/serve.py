@@ -45,7 +45,9 @@ class Child:
         deadline = time.monotonic() + timeout_s
         while not self.ready.wait(0.1):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before ready")
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode} before ready"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f}s")
         return self.ready_text
@@ -82,15 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnifabric serve", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
     parser.add_argument("--port", type=int, default=8006, help="edge WebSocket port (0 = any)")
-    parser.add_argument("--grpc-port", type=int, default=8007, help="edge RealtimeService port (0 = any, -1 = off)")
-    parser.add_argument("--scheduler-port", type=int, default=50051, help="scheduler port (0 = any)")
-    parser.add_argument("--worker-base-port", type=int, default=22400, help="worker i listens on base+i (0 = any)")
+    parser.add_argument(
+        "--grpc-port", type=int, default=8007, help="edge RealtimeService port (0 = any, -1 = off)"
+    )
+    parser.add_argument(
+        "--scheduler-port", type=int, default=50051, help="scheduler port (0 = any)"
+    )
+    parser.add_argument(
+        "--worker-base-port", type=int, default=22400, help="worker i listens on base+i (0 = any)"
+    )
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
-    parser.add_argument("--engine", default="synthetic", choices=["synthetic", "reference", "minicpmo"])
+    parser.add_argument(
+        "--engine", default="synthetic", choices=["synthetic", "reference", "minicpmo"]
+    )
     parser.add_argument("--slots", type=int, help="sessions per worker (engine default)")
     parser.add_argument("--compute-ms", type=float, help="synthetic engine: compute time per unit")
-    parser.add_argument("--grace", type=float, default=10.0, help="drain grace per service on stop, s")
-    parser.add_argument("--ready-timeout", type=float, default=120.0, help="max wait for each service, s")
+    parser.add_argument(
+        "--grace", type=float, default=10.0, help="drain grace per service on stop, s"
+    )
+    parser.add_argument(
+        "--ready-timeout", type=float, default=120.0, help="max wait for each service, s"
+    )
     return parser
 
 
@@ -109,14 +123,26 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
-        scheduler = spawn("scheduler", "scheduler", ["--host", args.host, "--port", str(args.scheduler_port)])
+        scheduler = spawn(
+            "scheduler", "scheduler", ["--host", args.host, "--port", str(args.scheduler_port)]
+        )
         children.append(scheduler)
         sched_addr = scheduler.wait_ready(args.ready_timeout).split()[0]
         workers = []
         for i in range(args.workers):
             port = 0 if args.worker_base_port == 0 else args.worker_base_port + i
-            wargs = ["--host", args.host, "--port", str(port), "--scheduler", sched_addr,
-                     "--engine", args.engine, "--worker-id", f"{os.uname().nodename}-w{i}"]
+            wargs = [
+                "--host",
+                args.host,
+                "--port",
+                str(port),
+                "--scheduler",
+                sched_addr,
+                "--engine",
+                args.engine,
+                "--worker-id",
+                f"{os.uname().nodename}-w{i}",
+            ]
             if args.slots is not None:
                 wargs += ["--slots", str(args.slots)]
             if args.compute_ms is not None:
@@ -125,20 +151,38 @@ def main(argv: list[str] | None = None) -> int:
         children.extend(workers)
         for w in workers:
             w.wait_ready(args.ready_timeout)
-        edge = spawn("edge", "edge", ["--host", args.host, "--port", str(args.port),
-                                      "--grpc-port", str(args.grpc_port), "--scheduler", sched_addr])
+        edge = spawn(
+            "edge",
+            "edge",
+            [
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+                "--grpc-port",
+                str(args.grpc_port),
+                "--scheduler",
+                sched_addr,
+            ],
+        )
         children.append(edge)
         url = edge.wait_ready(args.ready_timeout).split()[0]
         print(f"omnifabric ready: {url}", flush=True)
         while not stopping.wait(0.5):
             if scheduler.proc.poll() is not None or edge.proc.poll() is not None:
                 dead = scheduler if scheduler.proc.poll() is not None else edge
-                print(f"omnifabric serve: {dead.name} exited ({dead.proc.returncode}); stopping", file=sys.stderr)
+                print(
+                    f"omnifabric serve: {dead.name} exited ({dead.proc.returncode}); stopping",
+                    file=sys.stderr,
+                )
                 code = 1
                 break
             for w in workers:
                 if w.proc.poll() is not None and not getattr(w, "reported", False):
-                    print(f"omnifabric serve: {w.name} exited ({w.proc.returncode}); serving on", file=sys.stderr)
+                    print(
+                        f"omnifabric serve: {w.name} exited ({w.proc.returncode}); serving on",
+                        file=sys.stderr,
+                    )
                     w.reported = True  # type: ignore[attr-defined]
     except RuntimeError as exc:
         print(f"omnifabric serve: {exc}", file=sys.stderr)

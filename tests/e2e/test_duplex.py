@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import json
 import urllib.request
 
-import numpy as np
 import pytest
 from PIL import Image
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.conftest import scaled
-from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, pcm_b64
+from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
 from tests.stack import Stack
 
 # Units: startup protection (3 listen), speech, then silence for the reply.
@@ -76,11 +74,14 @@ async def test_audio_current_dialect(stack):
     assert texts and all(isinstance(e["text"], str) and e["text"] for e in texts)
     # The turn's last audio delta is followed by a listen delta (turn boundary).
     listen_after_audio = [
-        i for i, e in enumerate(client.events[:-1])
+        i
+        for i, e in enumerate(client.events[:-1])
         if e.get("kind") == "audio" and client.events[i + 1].get("kind") == "listen"
     ]
     assert listen_after_audio
-    assert all(e["metrics"]["kv_cache_length"] > 0 for e in client.events if e.get("kind") == "listen")
+    assert all(
+        e["metrics"]["kv_cache_length"] > 0 for e in client.events if e.get("kind") == "listen"
+    )
     await client.send({"type": "session.close", "reason": "user_stop"})
     closed = await client.until("session.closed")
     assert closed["reason"] == "user_stop"
@@ -118,7 +119,9 @@ async def test_video_flow_and_broken_jpeg(stack, dialect):
     frame = base64.b64encode(raw).decode()
     broken = base64.b64encode(raw[: len(raw) // 2]).decode()
     outcomes = await run_script(client, dialect, frames=[frame])
-    assert any(e.get("kind") == "audio" or e["type"] == "response.output_audio.delta" for e in outcomes)
+    assert any(
+        e.get("kind") == "audio" or e["type"] == "response.output_audio.delta" for e in outcomes
+    )
     speak = [e for e in outcomes if "usage" in e]
     assert speak[-1]["usage"]["input_tokens_details"]["vision_tokens"] > 0
     await client.append(SILENCE, dialect, video_frames=[broken])
@@ -127,7 +130,9 @@ async def test_video_flow_and_broken_jpeg(stack, dialect):
     assert err["error"]["message"] == "video_frames[0] is a broken JPEG image"
     # The session stays usable after a client error.
     await client.append(SILENCE, dialect, video_frames=[frame])
-    await client.until("delta.listen", "delta.audio", "response.listen", "response.output_audio.delta")
+    await client.until(
+        "delta.listen", "delta.audio", "response.listen", "response.output_audio.delta"
+    )
     await client.send({"type": "session.close"})
     closed = await client.until("session.closed")
     assert closed["reason"] == ("user_stop" if dialect == "current" else "stopped")
@@ -148,8 +153,11 @@ async def test_client_errors_keep_session_usable(stack):
     assert (await client.until("error"))["error"]["code"] == "missing_field"
     await client.send({"type": "input.append", "input": {"audio": "%%%"}})
     err = await client.until("error")
-    assert err["error"] == {"code": "invalid_payload", "message": "audio base64 decode failed",
-                            "type": "client_error"}
+    assert err["error"] == {
+        "code": "invalid_payload",
+        "message": "audio base64 decode failed",
+        "type": "client_error",
+    }
     await client.append(SILENCE)
     event = await client.until("delta.listen", "delta.audio")
     assert event["metrics"]["seq"] == 1  # none of the bad units reached the worker
@@ -195,11 +203,19 @@ async def test_context_full_closes_session(stack, dialect):
     client = await WsClient.open(url(stack))
     await client.until("session.queue_done")
     if dialect == "first":
-        await client.send({"type": "session.update",
-                           "session": {"instructions": "x", "config": {"max_kv_tokens": 64}}})
+        await client.send(
+            {
+                "type": "session.update",
+                "session": {"instructions": "x", "config": {"max_kv_tokens": 64}},
+            }
+        )
     else:
-        await client.send({"type": "session.init",
-                           "payload": {"system_prompt": "x", "config": {"max_kv_tokens": 64}}})
+        await client.send(
+            {
+                "type": "session.init",
+                "payload": {"system_prompt": "x", "config": {"max_kv_tokens": 64}},
+            }
+        )
     await client.until("session.created")
     closed = None
     for _ in range(10):
@@ -209,7 +225,11 @@ async def test_context_full_closes_session(stack, dialect):
             closed = event
             break
     assert closed is not None and closed["reason"] == "context_full"
-    kv = [e["metrics"]["kv_cache_length"] for e in client.events if "metrics" in e and "seq" in e["metrics"]]
+    kv = [
+        e["metrics"]["kv_cache_length"]
+        for e in client.events
+        if "metrics" in e and "seq" in e["metrics"]
+    ]
     assert kv[-1] >= 64 and kv == sorted(kv)
 
 
@@ -225,7 +245,9 @@ async def test_invalid_utf8_closes_1007(stack):
 async def test_oversized_frame_closes_1009(stack):
     client = await WsClient.open(url(stack))
     await client.until("session.queue_done")
-    await client.ws.send('{"type": "input.append", "input": {"audio": "' + "A" * (16 * 1024 * 1024) + '"}}')
+    await client.ws.send(
+        '{"type": "input.append", "input": {"audio": "' + "A" * (16 * 1024 * 1024) + '"}}'
+    )
     with pytest.raises(ConnectionClosed) as info:
         await client.recv()
     assert info.value.rcvd.code == 1009

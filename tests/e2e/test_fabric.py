@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -12,10 +11,10 @@ import time
 
 import grpc
 import pytest
-from websockets.exceptions import ConnectionClosed, InvalidStatus
-
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
 from tests.stack import Stack
@@ -54,7 +53,9 @@ async def test_queue_positions_eta_then_served(stack):
     waiting = [await WsClient.open(url) for _ in range(3)]
     firsts = [await w.until("session.queued") for w in waiting]
     assert [f["position"] for f in firsts] == [1, 2, 3]
-    assert all(f["estimated_wait_s"] > 0 and f["ticket_id"] and f["queue_length"] >= 1 for f in firsts)
+    assert all(
+        f["estimated_wait_s"] > 0 and f["ticket_id"] and f["queue_length"] >= 1 for f in firsts
+    )
     # Periodic updates arrive while nothing moves (interval 0.5 s).
     update = await waiting[2].until("session.queue_update", timeout_s=3)
     assert update["position"] == 3
@@ -107,7 +108,11 @@ async def test_api_key_401_before_upgrade(stack, tmp_path):
     stack.start_worker("--slots", "1")
     stack.start_edge("--api-keys-file", str(keys))
     url = f"{stack.url}?mode=audio"
-    for headers in (None, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-good-one"}):
+    for headers in (
+        None,
+        {"Authorization": "Bearer sk-wrong"},
+        {"Authorization": "Basic sk-good-one"},
+    ):
         with pytest.raises(InvalidStatus) as info:
             await WsClient.open(url, additional_headers=headers)
         assert info.value.response.status_code == 401
@@ -144,7 +149,7 @@ async def test_worker_killed_mid_session(stack):
         try:
             event = await client.until("session.closed", timeout_s=2)
             closed_clients.append((client, event, time.monotonic() - t0))
-        except (asyncio.TimeoutError, ConnectionClosed):
+        except (TimeoutError, ConnectionClosed):
             pass
 
     await asyncio.gather(closed_within(a), closed_within(b))
@@ -194,7 +199,9 @@ def test_serve_then_probe(tmp_path):
     import numpy as np
 
     wav = tmp_path / "in.wav"
-    audio = np.concatenate([np.zeros(3 * 16000), 0.3 * np.sin(np.arange(32000) / 5), np.zeros(16000)])
+    audio = np.concatenate(
+        [np.zeros(3 * 16000), 0.3 * np.sin(np.arange(32000) / 5), np.zeros(16000)]
+    )
     with wave.open(str(wav), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
@@ -202,9 +209,29 @@ def test_serve_then_probe(tmp_path):
         w.writeframes((audio * 32767).astype("<i2").tobytes())
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "serve", "--engine", "synthetic", "--workers", "2",
-         "--port", "0", "--grpc-port", "0", "--scheduler-port", "0", "--worker-base-port", "0"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tools.cli",
+            "serve",
+            "--engine",
+            "synthetic",
+            "--workers",
+            "2",
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--scheduler-port",
+            "0",
+            "--worker-base-port",
+            "0",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         url = None
@@ -221,9 +248,26 @@ def test_serve_then_probe(tmp_path):
         assert url, "".join(lines)
         out = tmp_path / "out.wav"
         probe = subprocess.run(
-            [sys.executable, "-m", "tools.cli", "probe", "--url", url, "--mode", "audio",
-             "--input", str(wav), "--output", str(out), "--fast"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(60),
+            [
+                sys.executable,
+                "-m",
+                "tools.cli",
+                "probe",
+                "--url",
+                url,
+                "--mode",
+                "audio",
+                "--input",
+                str(wav),
+                "--output",
+                str(out),
+                "--fast",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=scaled(60),
         )
         assert probe.returncode == 0, probe.stdout + probe.stderr
         assert "listen" in probe.stdout and "text" in probe.stdout
@@ -248,8 +292,11 @@ async def test_inference_error_then_closed_and_worker_keeps_serving(stack):
     await client.until("delta.listen")
     await client.append(SILENCE)
     err = await client.until("error")
-    assert err["error"] == {"code": "inference_error", "message": "inference failed",
-                            "type": "server_error"}
+    assert err["error"] == {
+        "code": "inference_error",
+        "message": "inference failed",
+        "type": "server_error",
+    }
     closed = await client.until("session.closed")
     assert closed["reason"] == "error"
     # The worker stays healthy: the next session is served (and fails at its unit 2 again).

@@ -70,7 +70,9 @@ class WsClient:
 
     async def append(self, samples: np.ndarray, dialect: str = "current", **extra: Any) -> None:
         if dialect == "first":
-            await self.send({"type": "input_audio_buffer.append", "audio": pcm_b64(samples), **extra})
+            await self.send(
+                {"type": "input_audio_buffer.append", "audio": pcm_b64(samples), **extra}
+            )
         else:
             await self.send({"type": "input.append", "input": {"audio": pcm_b64(samples), **extra}})
 

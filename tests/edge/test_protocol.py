@@ -57,8 +57,13 @@ def test_init_current_dialect_maps_sdk_keys():
             "type": "session.init",
             "payload": {
                 "instructions": "be brief",
-                "config": {"max_kv_tokens": 4096, "tts_enabled": False, "vision_hd": True,
-                           "length_penalty": 1.1, "model_extra": "ignored"},
+                "config": {
+                    "max_kv_tokens": 4096,
+                    "tts_enabled": False,
+                    "vision_hd": True,
+                    "length_penalty": 1.1,
+                    "model_extra": "ignored",
+                },
                 "voice": {"ref_audio_base64": ONE_SECOND},
             },
         }
@@ -90,8 +95,14 @@ def test_init_first_dialect_accepts_wav_reference():
     [
         ({"type": "session.init"}, errors.MissingField),
         ({"type": "session.init", "payload": []}, errors.InvalidPayload),
-        ({"type": "session.init", "payload": {"config": {"temperature": "hot"}}}, errors.InvalidPayload),
-        ({"type": "session.init", "payload": {"config": {"max_kv_tokens": 9000}}}, errors.InvalidPayload),
+        (
+            {"type": "session.init", "payload": {"config": {"temperature": "hot"}}},
+            errors.InvalidPayload,
+        ),
+        (
+            {"type": "session.init", "payload": {"config": {"max_kv_tokens": 9000}}},
+            errors.InvalidPayload,
+        ),
         ({"type": "session.init", "payload": {"system_prompt": 3}}, errors.InvalidPayload),
     ],
 )
@@ -131,10 +142,16 @@ def test_reference_audio_rejects_odd_bytes():
 
 
 def _out(**kw) -> ev.Output:
-    base = dict(seq=4, is_listen=False, text="Hi", pcm=np.zeros(24000, "<f4").tobytes(),
-                end_of_turn=False, kv_cache_length=120,
-                timings_ms={"prefill_ms": 10.0, "generate_ms": 20.0, "wall_clock_ms": 31.0},
-                usage=ev.Usage(input_tokens=5, output_tokens=2, total_tokens=7))
+    base = dict(
+        seq=4,
+        is_listen=False,
+        text="Hi",
+        pcm=np.zeros(24000, "<f4").tobytes(),
+        end_of_turn=False,
+        kv_cache_length=120,
+        timings_ms={"prefill_ms": 10.0, "generate_ms": 20.0, "wall_clock_ms": 31.0},
+        usage=ev.Usage(input_tokens=5, output_tokens=2, total_tokens=7),
+    )
     base.update(kw)
     return ev.Output(**base)
 

@@ -21,7 +21,13 @@ async def test_module_prints_ready_line_and_stops_on_sigterm() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_SCHEDULER_")}
     env["OMNI_SCHEDULER_QUEUE_MAX"] = "9"
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "scheduler", "--port", "0", "--queue-update-interval", "1",
+        sys.executable,
+        "-m",
+        "scheduler",
+        "--port",
+        "0",
+        "--queue-update-interval",
+        "1",
         cwd=ROOT,
         env=env,
         stdout=asyncio.subprocess.PIPE,
@@ -54,7 +60,11 @@ async def test_module_prints_ready_line_and_stops_on_sigterm() -> None:
 
 async def test_bad_flag_value_exits_with_usage_error() -> None:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "scheduler", "--queue-max", "0",
+        sys.executable,
+        "-m",
+        "scheduler",
+        "--queue-max",
+        "0",
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

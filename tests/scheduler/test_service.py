@@ -103,7 +103,7 @@ async def test_waiting_client_gets_periodic_updates(start_scheduler: StartSchedu
         queued = (await waiting.expect("queued", timeout=interval * 5)).queued
         assert queued.position == 1
         arrivals.append(time.monotonic())
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     assert all(gap < interval + scaled(0.3) for gap in gaps), gaps
     await worker.close()
 
@@ -147,9 +147,7 @@ async def test_unspecified_mode_is_invalid_argument(start_scheduler: StartSchedu
 async def test_register_must_start_with_hello(start_scheduler: StartScheduler) -> None:
     harness = await start_scheduler()
     call = harness.stub.Register()
-    await call.write(
-        scheduler_pb.RegisterRequest(report=scheduler_pb.WorkerReport(health=SERVING))
-    )
+    await call.write(scheduler_pb.RegisterRequest(report=scheduler_pb.WorkerReport(health=SERVING)))
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await asyncio.wait_for(call.read(), scaled(2))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -231,7 +229,7 @@ async def test_lost_worker_ends_its_leases(start_scheduler: StartScheduler) -> N
     await waiting.expect("queued")
 
     worker.cancel()
-    for holder, lease in zip(holders, leases):
+    for holder, lease in zip(holders, leases, strict=True):
         lost = (await holder.expect("lease_lost")).lease_lost
         assert lost.lease_id == lease.lease_id
         assert lost.reason == "worker w1 lost"
@@ -323,7 +321,10 @@ async def test_status_contents(start_scheduler: StartScheduler) -> None:
     assert list(by_id) == ["w-audio", "w-both"]
     first = by_id["w-audio"]
     assert (first.address, first.engine, first.slots, first.slots_free) == (
-        audio.address, "synthetic", 2, 1,
+        audio.address,
+        "synthetic",
+        2,
+        1,
     )
     assert list(first.modes) == [AUDIO] and first.health == SERVING
     assert list(first.lease_ids) == [lease.lease_id]
