@@ -141,7 +141,11 @@ def load_engine(name: str, config: WorkerConfig) -> Engine:
             slots=config.slots or 4,
             fail_unit=config.synthetic_fail_unit,
         )
-    elif name in ("reference", "minicpmo"):
+    elif name == "reference":
+        from worker.engines.reference.engine import ReferenceEngine
+
+        engine = ReferenceEngine(slots=config.slots or 4)
+    elif name == "minicpmo":
         raise EngineUnavailable(f"engine {name!r} is not built yet")
     else:
         raise EngineUnavailable(

@@ -1,0 +1,72 @@
+"""Drive a reference engine session directly over a fixture, unit by unit (no fabric)."""
+
+from __future__ import annotations
+
+import time
+import wave
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from worker.engine import DuplexSettings, GenerateResult
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "speech"
+
+
+def load_fixture(name: str) -> np.ndarray:
+    """A committed 16 kHz fixture as float32."""
+    with wave.open(str(FIXTURES / f"{name}.wav")) as w:
+        assert w.getframerate() == 16000
+        return np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
+
+
+def units_of(audio: np.ndarray) -> list[np.ndarray]:
+    """1 s units; the last one padded with silence."""
+    out = []
+    for start in range(0, audio.size, 16000):
+        unit = audio[start : start + 16000]
+        out.append(np.pad(unit, (0, 16000 - unit.size)))
+    return out
+
+
+@dataclass
+class Step:
+    seq: int
+    result: GenerateResult
+    compute_ms: float
+
+    @property
+    def kind(self) -> str:
+        if self.result.is_listen:
+            return "L*" if self.result.end_of_turn else "L"
+        return "S*" if self.result.end_of_turn else "S"
+
+
+def drive(
+    engine,
+    name: str,
+    force_listen_at: frozenset[int] = frozenset(),
+    prompt: str = "",
+    settings: DuplexSettings | None = None,
+) -> list[Step]:
+    """Run a whole fixture through one session; returns one Step per unit."""
+    session = engine.open_session(f"test-{name}", "audio")
+    steps = []
+    try:
+        session.prepare(prompt, None, None, settings or DuplexSettings())
+        for seq, unit in enumerate(units_of(load_fixture(name)), start=1):
+            t0 = time.perf_counter()
+            session.prefill(unit, [], 1)
+            result = session.generate(seq in force_listen_at)
+            session.finalize()
+            steps.append(Step(seq, result, (time.perf_counter() - t0) * 1000.0))
+    finally:
+        session.stop()
+        session.close()
+    return steps
+
+
+def timeline(steps: list[Step]) -> str:
+    """Compact listen/speak timeline: L listen, S speak, * end of turn."""
+    return " ".join(s.kind for s in steps)

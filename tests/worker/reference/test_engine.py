@@ -1,0 +1,81 @@
+"""The reference engine on the committed speech fixtures: exact timelines, real models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.signal import resample_poly
+
+from tests.worker.reference.drive import drive, timeline
+from worker.engine import DuplexSettings
+from worker.engines.reference.engine import UNIT_TOKENS, ReferenceEngine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = ReferenceEngine(slots=2)
+    e.load()
+    e.warmup()
+    return e
+
+
+def spoken(steps) -> np.ndarray:
+    return np.concatenate([s.result.audio for s in steps if s.result.audio.size] or [np.zeros(0)])
+
+
+def test_question_timeline_and_answer(engine):
+    steps = drive(engine, "question")
+    # 3 startup units; the question ends in unit 5; unit 6 hears 0.6 s of silence, transcribes
+    # and prefills (listening); the reply is spoken from unit 7 and ends with end_of_turn.
+    assert timeline(steps) == "L L L L L L S S S S S S S S* L"
+    text = "".join(s.result.text for s in steps)
+    assert text.startswith("The capital of France is Paris")
+    middle = [s.result.audio.size for s in steps if not s.result.is_listen][:-1]
+    assert middle and all(n == 24000 for n in middle)  # middle chunks exactly 1 s
+    # The engine's own recognizer hears the answer in the reply audio.
+    heard = engine.asr.transcribe(resample_poly(spoken(steps), 2, 3).astype(np.float32))
+    assert "paris" in heard.lower()
+    # Context grows by 13 tokens per unit plus the real text tokens.
+    kv = [s.result.kv_cache_length for s in steps]
+    assert kv == sorted(kv) and kv[1] - kv[0] == UNIT_TOKENS
+    assert kv[-1] > kv[0] + UNIT_TOKENS * (len(steps) - 1)
+
+
+def test_same_input_same_output(engine):
+    a, b = drive(engine, "question"), drive(engine, "question")
+    assert [s.result.text for s in a] == [s.result.text for s in b]
+    assert all(np.array_equal(x.result.audio, y.result.audio) for x, y in zip(a, b, strict=True))
+    assert [s.result.kv_cache_length for s in a] == [s.result.kv_cache_length for s in b]
+
+
+def test_two_questions_keep_the_conversation(engine):
+    steps = drive(engine, "two_questions")
+    assert timeline(steps) == ("L L L L L L S S S S S S S S* L L L S S S S S S* L L")
+    turns = "".join(s.result.text for s in steps)
+    assert "Paris" in turns and "blue" in turns
+
+
+def test_barge_in_closes_the_turn_at_once(engine):
+    steps = drive(engine, "barge_in")
+    # The second voice starts in unit 8: that unit closes the reply (listen + end_of_turn).
+    assert timeline(steps) == "L L L L L L S L* L L L S S S S* L L L L L"
+
+
+def test_force_listen_closes_the_turn(engine):
+    steps = drive(engine, "question", force_listen_at=frozenset({9}))
+    assert timeline(steps) == "L L L L L L S S L* L L L L L L"
+
+
+def test_text_only_when_tts_disabled(engine):
+    steps = drive(engine, "question", settings=DuplexSettings(tts_enabled=False))
+    speaking = [s for s in steps if not s.result.is_listen]
+    assert speaking and all(s.result.audio.size == 0 for s in speaking)
+    assert "".join(s.result.text for s in speaking).startswith("The capital of France is Paris")
+
+
+def test_unit_compute_recorded(engine):
+    steps = drive(engine, "two_questions")
+    ms = sorted(s.compute_ms for s in steps)
+    # Recorded for the note; a loose bound only catches pathologies (one core, real time).
+    print(f"\nreference per-unit compute ms: p50 {ms[len(ms) // 2]:.0f} max {ms[-1]:.0f}")
+    assert ms[-1] < 5000

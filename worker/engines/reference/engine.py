@@ -1,0 +1,348 @@
+"""The reference engine: a cascaded duplex model on CPU from small packaged models.
+
+Silero VAD on every unit decides turn-taking by rule (the user's turn ends after >= 0.3 s
+of speech followed by >= 0.6 s of silence); Whisper tiny.en transcribes the turn and
+SmolLM2-135M-Instruct prefills it in that unit (listening); from the next unit the reply
+is spoken in pieces of at most ~16 characters (about 1 s of espeak-ng speech at 24 kHz),
+generating just enough tokens for each piece. Speech over the reply (barge-in) and
+force_listen close the turn at once. Context is accounted like MiniCPM-o's: 13 tokens per
+unit plus the real text tokens, so context_full at 8192 comes for real (~10 minutes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.engine import OUTPUT_RATE, DuplexSettings, Engine, EngineSession, GenerateResult
+from worker.engines.reference.vad import WINDOW, WINDOW_S, VoiceActivity
+
+log = logging.getLogger("omnifabric.worker.reference")
+
+#: Context tokens a unit adds in MiniCPM-o 4.5 (<unit>, ~10 audio tokens, a state token, </unit>).
+UNIT_TOKENS = 13
+AUDIO_TOKENS_PER_UNIT = 10
+#: Output audio tokens per second of speech (MiniCPM-o's speech tokenizer rate), for usage.
+TTS_TOKENS_PER_SECOND = 25
+
+
+@dataclass(frozen=True)
+class TurnRules:
+    """Turn-taking by rule (seconds), and reply shaping."""
+
+    min_speech_s: float = 0.3
+    """Speech needed before a pause can end the user's turn."""
+    end_silence_s: float = 0.6
+    """Silence after speech that ends the user's turn."""
+    barge_in_s: float = 0.2
+    """Speech within one unit, while the model speaks, that interrupts it."""
+    piece_chars: int = 16
+    """Characters spoken per unit (~1 s of espeak-ng speech at 160 wpm)."""
+    max_tokens_per_unit: int = 10
+    """LLM tokens generated at most per speaking unit."""
+    max_reply_tokens: int = 60
+    """A reply is cut after this many tokens."""
+    pre_roll_s: float = 0.25
+    """Audio kept before the first speech window, so Whisper hears the onset."""
+    max_utterance_s: float = 25.0
+    """Longer user turns are transcribed once they reach this (Whisper takes 30 s)."""
+
+
+class ReferenceSession(EngineSession):
+    """One conversation: its own VAD state, utterance buffer and LLM KV cache."""
+
+    def __init__(self, engine: ReferenceEngine, session_id: str, mode: str) -> None:
+        self.engine = engine
+        self.rules = engine.rules
+        self.session_id = session_id
+        self.mode = mode
+        self.vad = VoiceActivity(engine.vad_path)
+        self.settings = DuplexSettings()
+        self.conversation = None
+        self.prompt_tokens = 0
+        self.units = 0
+        self.speaking = False
+        self.pending_text = ""
+        self.reply_finished = False
+        self.reply_tokens = 0
+        self.audio = np.zeros(0, np.float32)
+        """Synthesized reply speech not yet sent (24 kHz)."""
+        # The user's current utterance: audio, speech seconds, trailing silence.
+        self.utterance: list[np.ndarray] = []
+        self.pre_roll = np.zeros(0, np.float32)
+        self.speech_s = 0.0
+        self.silence_s = 0.0
+        self.unit_speech_s = 0.0
+        self.turn_ended = False
+        self.needs_finalize = False
+        self.closed = False
+        self.transcripts: list[str] = []
+
+    # ---- prepare / prefill -------------------------------------------------------
+
+    def prepare(self, system_prompt, ref_audio, tts_ref_audio, config: DuplexSettings) -> int:
+        self.settings = config
+        prompt = system_prompt.strip() or self.engine.default_prompt
+        self.conversation = self.engine.llm.conversation(prompt)
+        self.prompt_tokens = self.conversation.context_tokens
+        return self.prompt_tokens
+
+    def prefill(
+        self, pcm: np.ndarray, frames: list[bytes], max_slice_nums: int
+    ) -> dict[str, float]:
+        if self.needs_finalize:
+            raise RuntimeError("prefill before the previous unit was finalized")
+        t0 = time.perf_counter()
+        flags = self.vad.windows(pcm)
+        self.unit_speech_s = float(flags.sum()) * WINDOW_S
+        self._track(pcm, flags)
+        return {"vad": (time.perf_counter() - t0) * 1000.0}
+
+    def _track(self, pcm: np.ndarray, flags: np.ndarray) -> None:
+        """Follow the user's utterance window by window; set turn_ended at its end."""
+        started = bool(self.utterance)
+        for i, speech in enumerate(flags):
+            window = pcm[i * WINDOW : (i + 1) * WINDOW]
+            if not started:
+                if speech:
+                    started = True
+                    self.utterance = [self.pre_roll, window]
+                    self.speech_s, self.silence_s = WINDOW_S, 0.0
+                else:
+                    keep = int(self.rules.pre_roll_s * 16000)
+                    self.pre_roll = np.concatenate([self.pre_roll, window])[-keep:]
+                continue
+            self.utterance.append(window)
+            if speech:
+                self.speech_s += WINDOW_S
+                self.silence_s = 0.0
+            else:
+                self.silence_s += WINDOW_S
+                if (
+                    self.speech_s >= self.rules.min_speech_s
+                    and self.silence_s >= self.rules.end_silence_s
+                ):
+                    self.turn_ended = True
+                elif (
+                    self.speech_s < self.rules.min_speech_s
+                    and self.silence_s >= self.rules.end_silence_s
+                ):
+                    self._reset_utterance()  # a click or breath, not a turn
+                    started = False
+        length_s = sum(a.size for a in self.utterance) / 16000
+        if started and length_s >= self.rules.max_utterance_s:
+            self.turn_ended = True
+
+    def _reset_utterance(self) -> None:
+        self.utterance = []
+        self.speech_s = self.silence_s = 0.0
+
+    # ---- generate ----------------------------------------------------------------
+
+    def generate(self, force_listen: bool) -> GenerateResult:
+        if self.conversation is None:
+            raise RuntimeError("generate before prepare")
+        self.units += 1
+        self.needs_finalize = True
+        costs: dict[str, float] = {}
+        startup = self.units <= self._force_listen_count()
+        if self.speaking:
+            if force_listen or self.unit_speech_s >= self.rules.barge_in_s:
+                return self._close_turn(costs)
+            return self._speak(costs)
+        if self.turn_ended and not startup:
+            self._take_turn(costs)
+        return self._result(is_listen=True, costs=costs)
+
+    def _force_listen_count(self) -> int:
+        count = self.settings.force_listen_count
+        return 3 if count is None else count
+
+    def _take_turn(self, costs: dict[str, float]) -> None:
+        """Transcribe the finished utterance and prefill it (this unit listens)."""
+        audio = np.concatenate(self.utterance)
+        self._reset_utterance()
+        self.turn_ended = False
+        t0 = time.perf_counter()
+        text = self.engine.asr.transcribe(audio)
+        costs["asr"] = (time.perf_counter() - t0) * 1000.0
+        if not text:
+            return
+        self.transcripts.append(text)
+        t1 = time.perf_counter()
+        self.conversation.add_user_turn(text)
+        costs["llm_prefill"] = (time.perf_counter() - t1) * 1000.0
+        self.speaking = True
+        self.pending_text = ""
+        self.reply_finished = False
+        self.reply_tokens = 0
+        self.audio = np.zeros(0, np.float32)
+        log.info("session %s: user said %r", self.session_id, text)
+
+    def _speak(self, costs: dict[str, float]) -> GenerateResult:
+        """Emit up to 1 s of the reply's speech, generating and synthesizing just enough text
+        to fill it; the turn ends with the unit that empties the last audio."""
+        said: list[str] = []
+        n_tokens = 0
+        tts_on = self.settings.tts_enabled is not False
+        while (self.audio.size < OUTPUT_RATE or not tts_on) and len(said) < 2:
+            t0 = time.perf_counter()
+            piece, used = self._next_piece()
+            costs["llm"] = costs.get("llm", 0.0) + (time.perf_counter() - t0) * 1000.0
+            n_tokens += used
+            if not piece:
+                break
+            said.append(piece)
+            if tts_on and piece.strip():
+                t1 = time.perf_counter()
+                self.audio = np.concatenate([self.audio, self.engine.tts.synthesize(piece.strip())])
+                costs["tts"] = costs.get("tts", 0.0) + (time.perf_counter() - t1) * 1000.0
+        take = OUTPUT_RATE
+        if self.reply_finished and not self.pending_text.strip():
+            # A sliver of tail (< 0.1 s) rides with this chunk rather than a unit of its own.
+            take = OUTPUT_RATE if self.audio.size > OUTPUT_RATE * 1.1 else self.audio.size
+        chunk, self.audio = self.audio[:take], self.audio[take:]
+        end = self.reply_finished and not self.pending_text.strip() and self.audio.size == 0
+        if end:
+            self.conversation.end_turn()
+            self.speaking = False
+        return self._result(
+            is_listen=False,
+            text="".join(said),
+            audio=chunk,
+            end_of_turn=end,
+            n_tokens=n_tokens,
+            costs=costs,
+        )
+
+    def _next_piece(self) -> tuple[str, int]:
+        """The next piece of reply text as generated (spacing kept), and the tokens it took;
+        ("", n) when the reply is done."""
+        from worker.engines.reference.tts import split_for_speech
+
+        used = 0
+        while not self.reply_finished and len(self.pending_text) <= self.rules.piece_chars:
+            if used >= self.rules.max_tokens_per_unit:
+                break
+            if self.reply_tokens >= self.rules.max_reply_tokens:
+                self.reply_finished = True  # cut: the turn closes after what was said
+                break
+            before = self.conversation.context_tokens
+            delta, finished = self.conversation.next_tokens(1)
+            step = self.conversation.context_tokens - before
+            used += step
+            self.reply_tokens += step
+            self.pending_text += delta
+            self.reply_finished = finished
+        if not self.pending_text.strip():
+            self.pending_text = "" if self.reply_finished else self.pending_text
+            return "", used
+        _, rest = split_for_speech(self.pending_text, self.rules.piece_chars)
+        cut = len(self.pending_text) - len(rest)
+        piece, self.pending_text = self.pending_text[:cut], rest
+        return piece, used
+
+    def _close_turn(self, costs: dict[str, float]) -> GenerateResult:
+        """force_listen or barge-in: stop the reply now; the turn closes in the context."""
+        self.conversation.end_turn()
+        self.speaking = False
+        self.pending_text = ""
+        self.audio = np.zeros(0, np.float32)
+        return self._result(is_listen=True, end_of_turn=True, costs=costs)
+
+    def _result(
+        self,
+        is_listen: bool,
+        text: str = "",
+        audio: np.ndarray | None = None,
+        end_of_turn: bool = False,
+        n_tokens: int = 0,
+        costs: dict | None = None,
+    ) -> GenerateResult:
+        audio = np.zeros(0, np.float32) if audio is None else audio
+        return GenerateResult(
+            is_listen=is_listen,
+            text=text,
+            audio=audio,
+            end_of_turn=end_of_turn,
+            kv_cache_length=self.kv_cache_length,
+            costs_ms=costs or {},
+            n_tokens=n_tokens,
+            n_tts_tokens=int(round(audio.size / 24000 * TTS_TOKENS_PER_SECOND)),
+            input_audio_tokens=AUDIO_TOKENS_PER_UNIT,
+        )
+
+    @property
+    def kv_cache_length(self) -> int:
+        """Like MiniCPM-o: system prompt, 13 tokens per unit, plus the real text tokens."""
+        text_tokens = (
+            self.conversation.context_tokens - self.prompt_tokens if self.conversation else 0
+        )
+        return self.prompt_tokens + UNIT_TOKENS * self.units + text_tokens
+
+    # ---- unit end and session end ---------------------------------------------------
+
+    def finalize(self) -> None:
+        self.needs_finalize = False
+
+    def stop(self) -> None:
+        if self.speaking and self.conversation is not None:
+            self.conversation.end_turn()
+        self.speaking = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.conversation = None
+        self.utterance = []
+        self.vad = None  # type: ignore[assignment]
+
+
+class ReferenceEngine(Engine):
+    """VAD + Whisper tiny.en + SmolLM2-135M + espeak-ng, all on CPU, loaded once."""
+
+    name = "reference"
+    modes = frozenset({"audio", "video"})
+    default_prompt = "You are a helpful assistant. Answer in one or two short sentences."
+
+    def __init__(
+        self, slots: int = 4, threads: int | None = None, rules: TurnRules | None = None
+    ) -> None:
+        self.default_slots = slots
+        # One torch thread per engine thread keeps outputs bit-identical run to run;
+        # two engine threads use both cores of a small machine.
+        self.concurrency = threads or max(1, min(2, os.cpu_count() or 1))
+        self.rules = rules or TurnRules()
+        self.vad_path = None
+        self.asr = None
+        self.llm = None
+        self.tts = None
+        self._lock = threading.Lock()
+
+    def load(self) -> None:
+        from worker.engines.reference.asr import Transcriber
+        from worker.engines.reference.llm import ReplyModel
+        from worker.engines.reference.tts import Speaker
+        from worker.engines.reference.vad import model_path
+
+        torch.set_num_threads(1)
+        t0 = time.perf_counter()
+        self.vad_path = model_path()
+        self.tts = Speaker()
+        self.asr = Transcriber()
+        t1 = time.perf_counter()
+        self.llm = ReplyModel()
+        t2 = time.perf_counter()
+        log.info("reference engine loaded: asr+tts %.1fs, llm %.1fs", t1 - t0, t2 - t1)
+
+    def open_session(self, session_id: str, mode: str) -> ReferenceSession:
+        if mode not in self.modes:
+            raise ValueError(f"mode {mode!r} not served")
+        return ReferenceSession(self, session_id, mode)
