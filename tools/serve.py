@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
     parser.add_argument(
-        "--engine", default="synthetic", choices=["synthetic", "reference", "minicpmo"]
+        "--engine", default="reference", choices=["synthetic", "reference", "minicpmo"]
     )
     parser.add_argument("--slots", type=int, help="sessions per worker (engine default)")
     parser.add_argument("--compute-ms", type=float, help="synthetic engine: compute time per unit")

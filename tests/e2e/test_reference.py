@@ -1,0 +1,52 @@
+"""The whole stack on the reference engine: a spoken question gets a spoken answer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import wave
+
+import numpy as np
+import pytest
+from scipy.signal import resample_poly
+
+from tests.conftest import ROOT, scaled
+from tests.stack import Stack
+
+FIXTURE = ROOT / "tests" / "fixtures" / "speech" / "question.wav"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("logs"))
+    try:
+        s.start_scheduler()
+        t0 = time.monotonic()
+        s.start_worker("--engine", "reference", "--slots", "2")
+        s.worker_ready_s = time.monotonic() - t0
+        s.start_edge()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_probe_gets_a_spoken_answer(stack, tmp_path):
+    out = tmp_path / "reply.wav"
+    probe = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "probe", "--url", stack.url, "--mode", "audio",
+         "--input", str(FIXTURE), "--output", str(out), "--fast", "--tail", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=scaled(120),
+    )
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    assert "lost 0" in probe.stdout
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 24000
+        reply = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
+    assert reply.size > 24000  # "The capital of France is Paris." is ~2 s of speech
+    # Transcribe the answer with the engine's own recognizer (in this process).
+    from worker.engines.reference.asr import Transcriber
+
+    heard = Transcriber().transcribe(resample_poly(reply, 2, 3).astype(np.float32))
+    assert "paris" in heard.lower(), heard
+    print(f"\nworker ready in {stack.worker_ready_s:.1f}s; reply heard as: {heard!r}")
