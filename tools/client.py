@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 SILENCE_UNIT = np.zeros(16000, dtype=np.float32)
 
@@ -167,10 +168,16 @@ async def run_session(
             if frames and i < len(frames) and frames[i]:
                 body["video_frames"] = [base64.b64encode(f).decode() for f in frames[i]]
             report.units[seq] = UnitRecord(seq=seq, sent_at=time.monotonic())
-            if dialect == "first":
-                await ws.send(json.dumps({"type": "input_audio_buffer.append", **body}))
-            else:
-                await ws.send(json.dumps({"type": "input.append", "input": body}))
+            event = (
+                {"type": "input_audio_buffer.append", **body}
+                if dialect == "first"
+                else {"type": "input.append", "input": body}
+            )
+            try:
+                await ws.send(json.dumps(event))
+            except ConnectionClosed:
+                del report.units[seq]  # never sent
+                break
         # Let the last results arrive, then close.
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline and any(u.kind == "" for u in report.units.values()):

@@ -33,8 +33,16 @@ def script(seconds: int) -> list[np.ndarray]:
     return [pattern[i % len(pattern)] for i in range(seconds)]
 
 
-async def run(url: str, sessions: int, seconds: int) -> dict:
-    units = script(seconds)
+async def run(url: str, sessions: int, seconds: int, wav: str | None = None) -> dict:
+    if wav:
+        from pathlib import Path
+
+        from tools.probe import read_wav_16k, split_units
+
+        speech = split_units(read_wav_16k(Path(wav)), 0)
+        units = [speech[i % len(speech)] for i in range(seconds)]
+    else:
+        units = script(seconds)
 
     async def one(i: int):
         await asyncio.sleep(i * 1.0 / max(1, sessions))  # spread the units over the second
@@ -44,6 +52,9 @@ async def run(url: str, sessions: int, seconds: int) -> dict:
     overheads = [
         u.overhead_ms for r in reports for u in r.units.values() if u.overhead_ms is not None
     ]
+    answered = [u for r in reports for u in r.units.values() if u.received_at is not None]
+    engine_ms = [u.prefill_ms + u.generate_ms for u in answered]
+    rtts = [u.rtt_ms for u in answered]
     speak = [
         u.overhead_ms
         for r in reports
@@ -65,15 +76,16 @@ async def run(url: str, sessions: int, seconds: int) -> dict:
             "max": max(overheads, default=float("nan")),
         },
         "speak_overhead_ms_p50": percentile(speak, 50),
-        "engine_ms_p50": percentile(
-            [
-                u.prefill_ms + u.generate_ms
-                for r in reports
-                for u in r.units.values()
-                if u.received_at
-            ],
-            50,
-        ),
+        "engine_ms": {
+            "p50": percentile(engine_ms, 50),
+            "p99": percentile(engine_ms, 99),
+            "max": max(engine_ms, default=float("nan")),
+        },
+        "rtt_ms": {
+            "p50": percentile(rtts, 50),
+            "p99": percentile(rtts, 99),
+            "max": max(rtts, default=float("nan")),
+        },
     }
 
 
@@ -82,13 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default="ws://127.0.0.1:8006/v1/realtime?mode=audio")
     parser.add_argument("--sessions", type=int, default=1)
     parser.add_argument("--seconds", type=int, default=20)
+    parser.add_argument("--input", help="WAV looped as every session's speech (default: tones)")
     args = parser.parse_args(argv)
     try:
         import uvloop
 
-        result = uvloop.run(run(args.url, args.sessions, args.seconds))
+        result = uvloop.run(run(args.url, args.sessions, args.seconds, args.input))
     except ImportError:
-        result = asyncio.run(run(args.url, args.sessions, args.seconds))
+        result = asyncio.run(run(args.url, args.sessions, args.seconds, args.input))
     print(json.dumps(result, indent=2))
     return 0 if result["lost"] == 0 else 1
 

@@ -144,7 +144,7 @@ def load_engine(name: str, config: WorkerConfig) -> Engine:
     elif name == "reference":
         from worker.engines.reference.engine import ReferenceEngine
 
-        engine = ReferenceEngine(slots=config.slots or 4)
+        engine = ReferenceEngine(slots=config.slots or 5)
     elif name == "minicpmo":
         raise EngineUnavailable(f"engine {name!r} is not built yet")
     else:

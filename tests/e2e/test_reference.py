@@ -34,9 +34,27 @@ def stack(tmp_path_factory):
 def test_probe_gets_a_spoken_answer(stack, tmp_path):
     out = tmp_path / "reply.wav"
     probe = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "probe", "--url", stack.url, "--mode", "audio",
-         "--input", str(FIXTURE), "--output", str(out), "--fast", "--tail", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=scaled(120),
+        [
+            sys.executable,
+            "-m",
+            "tools.cli",
+            "probe",
+            "--url",
+            stack.url,
+            "--mode",
+            "audio",
+            "--input",
+            str(FIXTURE),
+            "--output",
+            str(out),
+            "--fast",
+            "--tail",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
     )
     assert probe.returncode == 0, probe.stdout + probe.stderr
     assert "lost 0" in probe.stdout

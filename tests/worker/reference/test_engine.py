@@ -79,3 +79,15 @@ def test_unit_compute_recorded(engine):
     # Recorded for the note; a loose bound only catches pathologies (one core, real time).
     print(f"\nreference per-unit compute ms: p50 {ms[len(ms) // 2]:.0f} max {ms[-1]:.0f}")
     assert ms[-1] < 5000
+
+
+def test_concurrent_sessions_match_serial(engine):
+    """Two sessions on two engine threads at once (shared models, own state) give the
+    same output as one alone: no shared mutable state, no tokenizer races."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    alone = drive(engine, "two_questions")
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: drive(engine, "two_questions"), range(2)))
+    for steps in both:
+        assert [s.result.text for s in steps] == [s.result.text for s in alone]

@@ -313,7 +313,7 @@ class ReferenceEngine(Engine):
     default_prompt = "You are a helpful assistant. Answer in one or two short sentences."
 
     def __init__(
-        self, slots: int = 4, threads: int | None = None, rules: TurnRules | None = None
+        self, slots: int = 5, threads: int | None = None, rules: TurnRules | None = None
     ) -> None:
         self.default_slots = slots
         # One torch thread per engine thread keeps outputs bit-identical run to run;

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -129,6 +130,9 @@ class ReplyModel:
 
     def __init__(self, cache_dir: str | Path | None = None) -> None:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        # The fast tokenizer mutates its settings on every call ("Already borrowed" when two
+        # engine threads tokenize at once): calls go through this lock.
+        self._tokenizer_lock = threading.Lock()
         prepare_cache(self.cache_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cache_dir, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -144,12 +148,14 @@ class ReplyModel:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special tokens written in it are recognised), no BOS."""
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        with self._tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def turn_ids(self, role: str, content: str) -> list[int]:
         """A ChatML turn. The content is tokenized as plain text, so "<|im_end|>" typed by a
         user or client cannot close the turn or start a role of its own."""
-        plain = self.tokenizer(content, add_special_tokens=False, split_special_tokens=True)
+        with self._tokenizer_lock:
+            plain = self.tokenizer(content, add_special_tokens=False, split_special_tokens=True)
         return [
             *self.encode(f"{IM_START}{role}\n"),
             *plain.input_ids,
@@ -159,9 +165,10 @@ class ReplyModel:
     def decode(self, ids: list[int]) -> str:
         """Exact text of ``ids``, without special tokens and without space clean-up (so a
         prefix of the ids always decodes to a prefix of the text)."""
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(
+                ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
 
     def conversation(self, system_prompt: str) -> Conversation:
         """A new dialogue with its own KV cache, the system prompt already prefilled."""
