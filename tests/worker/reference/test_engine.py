@@ -91,3 +91,28 @@ def test_concurrent_sessions_match_serial(engine):
         both = list(pool.map(lambda _: drive(engine, "two_questions"), range(2)))
     for steps in both:
         assert [s.result.text for s in steps] == [s.result.text for s in alone]
+
+
+def test_chat_with_text_and_audio_parts(engine):
+    from tests.worker.reference.drive import load_fixture
+    from worker.engines.reference.engine import ChatMessage
+
+    question = load_fixture("question")[: 9 * 16000]  # lead-in silence and the question
+    deltas = list(engine.chat([ChatMessage("user", (question,))], speech=True))
+    text = "".join(d.text for d in deltas)
+    assert "Paris" in text
+    assert deltas[-1].done and not any(d.done for d in deltas[:-1])
+    assert deltas[-1].input_tokens > 0 and deltas[-1].output_tokens > 0
+    assert all(d.audio.size > 0 for d in deltas if d.text.strip())
+    # History is honoured; text only when speech is off.
+    history = [
+        ChatMessage("system", ("Answer in one short sentence.",)),
+        ChatMessage("user", ("What is the capital of France?",)),
+        ChatMessage("assistant", ("The capital of France is Paris.",)),
+        ChatMessage("user", ("And of Germany?",)),
+    ]
+    deltas = list(engine.chat(history))
+    assert "Berlin" in "".join(d.text for d in deltas)
+    assert all(d.audio.size == 0 for d in deltas)
+    with pytest.raises(ValueError):
+        list(engine.chat([ChatMessage("assistant", ("hi",))]))

@@ -305,6 +305,25 @@ class ReferenceSession(EngineSession):
         self.vad = None  # type: ignore[assignment]
 
 
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat message: text parts and 16 kHz float32 audio parts, in order."""
+
+    role: str
+    parts: tuple[str | np.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class ChatDelta:
+    """A piece of a chat reply: text and, when speech is on, its 24 kHz audio."""
+
+    text: str
+    audio: np.ndarray
+    done: bool = False
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
 class ReferenceEngine(Engine):
     """VAD + Whisper tiny.en + SmolLM2-135M + espeak-ng, all on CPU, loaded once."""
 
@@ -341,6 +360,59 @@ class ReferenceEngine(Engine):
         self.llm = ReplyModel()
         t2 = time.perf_counter()
         log.info("reference engine loaded: asr+tts %.1fs, llm %.1fs", t1 - t0, t2 - t1)
+
+    def chat(
+        self,
+        messages: list[ChatMessage],
+        max_new_tokens: int = 256,
+        speech: bool = False,
+    ):
+        """Turn-based chat: audio parts are transcribed, the history is prefilled in a fresh
+        conversation, and the reply streams as ChatDeltas of ~16 characters (with speech when
+        asked); the last delta has done=True and the token counts. Raises ValueError when the
+        last message is not the user's."""
+        from worker.engines.reference.tts import split_for_speech
+
+        if not messages or messages[-1].role != "user":
+            raise ValueError("the last message must be the user's")
+        system = [m for m in messages if m.role == "system"]
+        prompt = " ".join(self._text_of(m) for m in system) or self.default_prompt
+        conversation = self.llm.conversation(prompt)
+        turns = [m for m in messages if m.role != "system"]
+        for message in turns[:-1]:
+            conversation.add_history(message.role, self._text_of(message))
+        conversation.add_user_turn(self._text_of(turns[-1]))
+        input_tokens = conversation.context_tokens
+        pending, finished, produced = "", False, 0
+        while not finished or pending:
+            while not finished and len(pending) <= self.rules.piece_chars:
+                if produced >= max_new_tokens:
+                    finished = True
+                    break
+                delta, finished = conversation.next_tokens(1)
+                produced += 1
+                pending += delta
+            _, rest = split_for_speech(pending, self.rules.piece_chars) if pending else ("", "")
+            piece, pending = pending[: len(pending) - len(rest)], rest
+            if not pending.strip() and finished:
+                piece, pending = piece + pending, ""
+            audio = (
+                self.tts.synthesize(piece.strip())
+                if speech and piece.strip()
+                else np.zeros(0, np.float32)
+            )
+            done = finished and not pending
+            yield ChatDelta(piece, audio, done, input_tokens, produced)
+
+    def _text_of(self, message: ChatMessage) -> str:
+        """The message as text: text parts as they are, audio parts transcribed."""
+        pieces = []
+        for part in message.parts:
+            if isinstance(part, str):
+                pieces.append(part)
+            else:
+                pieces.append(self.asr.transcribe(np.asarray(part, dtype=np.float32)))
+        return " ".join(p.strip() for p in pieces if p.strip())
 
     def open_session(self, session_id: str, mode: str) -> ReferenceSession:
         if mode not in self.modes:

@@ -193,6 +193,16 @@ class Conversation:
         self.reply_text = ""
         self._feed(model.turn_ids("system", system_prompt))
 
+    def add_history(self, role: str, text: str) -> int:
+        """Prefill a whole earlier turn (chat history: user or assistant); returns tokens added."""
+        if role not in ("user", "assistant"):
+            raise ValueError(f"role must be user or assistant, got {role!r}")
+        if self._open:
+            self.end_turn()
+        before = self.context_tokens
+        self._feed(self._model.turn_ids(role, text))
+        return self.context_tokens - before
+
     def add_user_turn(self, text: str) -> int:
         """Prefill a user turn and the assistant header; returns the number of tokens added.
 
