@@ -49,6 +49,10 @@ class WorkerConfig:
     """Largest delay between registration attempts."""
     synthetic_compute_ms: float = 40.0
     """Busy time per unit of the synthetic engine, milliseconds."""
+    turn_min_speech_s: float = 0.3
+    """Reference engine: speech needed before a pause can end the user's turn, seconds."""
+    turn_end_silence_s: float = 0.6
+    """Reference engine: silence after speech that ends the user's turn, seconds."""
     synthetic_fail_unit: int | None = None
     """Fault injection (tests): the synthetic engine fails on this unit of every session."""
     memory_tolerance_mb: float = 16.0
@@ -68,6 +72,8 @@ class WorkerConfig:
         _check_range("register_backoff_s", self.register_backoff_s, 0.001, 60.0)
         _check_range("register_backoff_max_s", self.register_backoff_max_s, 0.001, 600.0)
         _check_range("synthetic_compute_ms", self.synthetic_compute_ms, 0.0, 60000.0)
+        _check_range("turn_min_speech_s", self.turn_min_speech_s, 0.032, 10.0)
+        _check_range("turn_end_silence_s", self.turn_end_silence_s, 0.064, 10.0)
         _check_range("memory_tolerance_mb", self.memory_tolerance_mb, 0.0, 1 << 20)
         _check_range("drain_grace_s", self.drain_grace_s, 0.0, 3600.0)
         _check_range("max_message_bytes", self.max_message_bytes, 1024, 1 << 30)
@@ -134,6 +140,8 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "register_backoff_max_s": ("OMNI_WORKER_REGISTER_BACKOFF_MAX_S", float),
     "synthetic_compute_ms": ("OMNI_WORKER_COMPUTE_MS", float),
     "synthetic_fail_unit": ("OMNI_WORKER_SYNTHETIC_FAIL_UNIT", _optional_int),
+    "turn_min_speech_s": ("OMNI_WORKER_TURN_MIN_SPEECH_S", float),
+    "turn_end_silence_s": ("OMNI_WORKER_TURN_END_SILENCE_S", float),
     "memory_tolerance_mb": ("OMNI_WORKER_MEMORY_TOLERANCE_MB", float),
     "drain_grace_s": ("OMNI_WORKER_DRAIN_GRACE_S", float),
     "max_message_bytes": ("OMNI_WORKER_MAX_MESSAGE_BYTES", int),

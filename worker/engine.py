@@ -142,9 +142,12 @@ def load_engine(name: str, config: WorkerConfig) -> Engine:
             fail_unit=config.synthetic_fail_unit,
         )
     elif name == "reference":
-        from worker.engines.reference.engine import ReferenceEngine
+        from worker.engines.reference.engine import ReferenceEngine, TurnRules
 
-        engine = ReferenceEngine(slots=config.slots or 5)
+        rules = TurnRules(
+            min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s
+        )
+        engine = ReferenceEngine(slots=config.slots or 5, rules=rules)
     elif name == "minicpmo":
         raise EngineUnavailable(f"engine {name!r} is not built yet")
     else:
