@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 

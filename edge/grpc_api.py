@@ -12,9 +12,6 @@ import asyncio
 import logging
 
 import grpc
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import realtime_service_pb2 as rt_pb
-from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 
 from edge import events as ev
 from edge import pcm
@@ -29,6 +26,9 @@ from edge.errors import (
 from edge.fabric import Fabric
 from edge.protocol import MAX_FRAMES_PER_UNIT
 from edge.session import SessionCore, reason_name, usage_to
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 
 log = logging.getLogger("omnifabric.edge.grpc")
 

@@ -49,6 +49,16 @@ def parse_frame(text: str) -> dict[str, Any]:
     Raises InvalidJson (close 1003) for text that is not JSON, InvalidPayload for JSON
     that is too deep, uses NaN/Infinity, or is not an object, MissingField without `type`.
     """
+    event = parse_object(text)
+    if "type" not in event:
+        raise MissingField("event has no 'type'")
+    if not isinstance(event["type"], str):
+        raise InvalidPayload("'type' must be a string")
+    return event
+
+
+def parse_object(text: str) -> dict[str, Any]:
+    """Decode a JSON object (no `type` needed); errors as parse_frame."""
     try:
         event = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
@@ -59,10 +69,6 @@ def parse_frame(text: str) -> dict[str, Any]:
         raise InvalidJson(str(exc)) from None
     if not isinstance(event, dict):
         raise InvalidPayload("an event must be a JSON object")
-    if "type" not in event:
-        raise MissingField("event has no 'type'")
-    if not isinstance(event["type"], str):
-        raise InvalidPayload("'type' must be a string")
     return event
 
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 from websockets.asyncio.server import Server, serve
 
 from edge import events as ev
@@ -16,6 +15,7 @@ from edge.config import EdgeConfig
 from edge.fabric import Fabric, channel_options
 from edge.grpc_api import RealtimeServicer
 from edge.ws import EdgeApp
+from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 
 log = logging.getLogger("omnifabric.edge")
 

@@ -15,9 +15,6 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import worker_service_pb2 as worker_pb
 
 from edge import events as ev
 from edge.errors import (
@@ -29,6 +26,9 @@ from edge.errors import (
     WorkerConnectFailed,
 )
 from edge.fabric import Fabric
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omni.realtime.v1 import worker_service_pb2 as worker_pb
 
 log = logging.getLogger("omnifabric.edge.session")
 

@@ -38,6 +38,8 @@ log = logging.getLogger("omnifabric.edge.ws")
 
 SUBPROTOCOL = "map.realtime"
 REALTIME_PATH = "/v1/realtime"
+LEGACY_DUPLEX_PREFIX = "/ws/duplex/"
+LEGACY_CHAT_PATH = "/ws/chat"
 
 
 def select_subprotocol(_conn: ServerConnection, offered: Any) -> str | None:
@@ -84,7 +86,9 @@ class EdgeApp:
                     HTTPStatus.SERVICE_UNAVAILABLE, '{"status":"draining"}', "application/json"
                 )
             return _plain(HTTPStatus.OK, '{"status":"ok"}', "application/json")
-        if path != REALTIME_PATH:
+        if path not in (REALTIME_PATH, LEGACY_CHAT_PATH) and not (
+            path.startswith(LEGACY_DUPLEX_PREFIX) and len(path) > len(LEGACY_DUPLEX_PREFIX)
+        ):
             return _plain(HTTPStatus.NOT_FOUND, f"no such endpoint: {path}\n")
         if self.draining:
             return _plain(HTTPStatus.SERVICE_UNAVAILABLE, "the server is draining\n")
@@ -94,13 +98,26 @@ class EdgeApp:
 
     async def handler(self, ws: ServerConnection) -> None:
         """One client connection, from upgrade to close."""
+        path = urlsplit(ws.request.path).path
+        if path.startswith(LEGACY_DUPLEX_PREFIX):
+            from edge.legacy_duplex import LegacyDuplexConnection
+
+            await LegacyDuplexConnection(self, ws, path[len(LEGACY_DUPLEX_PREFIX) :]).run()
+            return
+        if path == LEGACY_CHAT_PATH:
+            from edge.chat_endpoints import LegacyChatConnection
+
+            await LegacyChatConnection(self, ws).run()
+            return
         query = parse_qs(urlsplit(ws.request.path).query)
         mode = (query.get("mode") or [self.config.default_mode])[0]
+        if mode == "chat":
+            from edge.chat_endpoints import ChatConnection
+
+            await ChatConnection(self, ws).run()
+            return
         if mode not in ev.MODES:
-            if mode == "chat":
-                message = "mode=chat is not served yet"
-            else:
-                message = f"unknown mode {mode[:32]!r}: use audio or video"
+            message = f"unknown mode {mode[:32]!r}: use chat, audio or video"
             await ws.send(json.dumps(error_event(InvalidPayload(message))))
             await ws.close(1008, "unsupported mode")
             return

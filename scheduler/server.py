@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.service import SchedulerServicer

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import grpc
+
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-
 from scheduler.core import (
     AcquireEvent,
     LeaseLoss,

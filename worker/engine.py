@@ -7,6 +7,7 @@ blocking and run on the worker's engine threads, never on the event loop.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,44 @@ class GenerateResult:
     input_audio_tokens: int = 0
     """Input tokens this unit added to the context, by kind (for usage)."""
     input_vision_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat message: parts in order; str = text, np.ndarray = 16 kHz float32 audio,
+    bytes = an image file."""
+
+    role: str
+    parts: tuple[str | np.ndarray | bytes, ...]
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One turn-based request: the whole client-managed history, last message the user's."""
+
+    messages: tuple[ChatMessage, ...]
+    max_new_tokens: int = 512
+    speech: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    length_penalty: float | None = None
+    max_slice_nums: int | None = None
+
+
+@dataclass(frozen=True)
+class ChatChunk:
+    """A piece of a chat reply. The first chunk of a turn has prefilled=True (no text yet);
+    the last has done=True with the token counts and what the engine could not use."""
+
+    text: str = ""
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    prefilled: bool = False
+    done: bool = False
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cut: bool = False
+    """The reply reached max_new_tokens."""
+    ignored: tuple[str, ...] = ()
 
 
 class EngineSession(abc.ABC):
@@ -114,6 +153,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def open_session(self, session_id: str, mode: str) -> EngineSession:
         """A new session in `mode` ("audio" or "video")."""
+
+    def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
+        """Turn-based chat (engines whose `modes` include "chat"): a prefilled chunk, reply
+        chunks, then a done chunk. Blocking; runs on an engine thread."""
+        raise EngineUnavailable(f"engine {self.name!r} does not serve chat")
 
     def warmup(self) -> GenerateResult:
         """Run one real unit through a full session (open, prepare, prefill, generate,

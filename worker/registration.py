@@ -12,16 +12,20 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-
 from worker.leases import LeaseGrant
 from worker.runtime import Health, WorkerRuntime
 
 log = logging.getLogger("omnifabric.worker.registration")
 
-MODE_NAMES = {common_pb2.MODE_AUDIO: "audio", common_pb2.MODE_VIDEO: "video"}
+MODE_NAMES = {
+    common_pb2.MODE_AUDIO: "audio",
+    common_pb2.MODE_VIDEO: "video",
+    common_pb2.MODE_CHAT: "chat",
+}
 MODE_VALUES = {name: value for value, name in MODE_NAMES.items()}
 
 

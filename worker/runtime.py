@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from worker.config import WorkerConfig
-from worker.engine import Engine
+from worker.engine import ChatChunk, ChatTurn, Engine
 from worker.engines import memory
-from worker.errors import NoFreeSlot, NotServing
+from worker.errors import EngineFailure, InvalidRequest, ModeMismatch, NoFreeSlot, NotServing
 from worker.leases import LeaseBook
 from worker.session import CloseReason, DuplexSession, SessionLimits, SessionSpec
 
@@ -42,6 +42,8 @@ class WorkerRuntime:
         self.leases = LeaseBook()
         self.sessions: dict[str, DuplexSession] = {}
         """Live sessions by lease id."""
+        self.chats = 0
+        """Chat turns being generated (each holds a slot)."""
         self._tasks: set[asyncio.Task[object]] = set()
         self.health = Health(False, "warming up")
         self.health_listeners: list[Callable[[Health], None]] = []
@@ -109,6 +111,43 @@ class WorkerRuntime:
         if self.draining:
             session.close(CloseReason.SERVER_SHUTDOWN, "worker is draining")
         return session
+
+    async def chat(self, lease_id: str, turn: ChatTurn) -> AsyncIterator[ChatChunk]:
+        """One chat turn under a chat lease: the engine's chunks, produced on the engine
+        threads; the lease is released (and memory cleaned) when the turn ends or the
+        caller stops iterating. Raises like open_session, and EngineFailure."""
+        if self.draining or self.baseline is None:
+            raise NotServing("worker is not taking sessions (warming up or draining)")
+        if "chat" not in self.engine.modes:
+            raise ModeMismatch(f"engine {self.engine.name!r} does not serve chat")
+        revoked: list[str] = []
+        await self.leases.claim(lease_id, "chat", self.config.lease_wait_s, revoked.append)
+        self.chats += 1
+        loop = asyncio.get_running_loop()
+        done = object()
+        try:
+            if len(self.sessions) + self.chats > self.slots:
+                raise NoFreeSlot(f"all {self.slots} slots of this worker are taken")
+            chunks = iter(await loop.run_in_executor(self.executor, self._open_chat, turn))
+            while not revoked:
+                try:
+                    chunk = await loop.run_in_executor(self.executor, next, chunks, done)
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc)) from None
+                except Exception as exc:
+                    raise EngineFailure("inference failed") from exc
+                if chunk is done:
+                    return
+                yield chunk
+        finally:
+            self.chats -= 1
+            self.leases.release(lease_id)
+            report = await loop.run_in_executor(self.executor, memory.cleanup)
+            self._check_memory(report)
+
+    def _open_chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
+        """The engine's chunk iterator (a generator starts lazily, so nothing runs yet)."""
+        return iter(self.engine.chat(turn))
 
     def _on_freed(self, session: DuplexSession, report: memory.MemoryReport | None) -> None:
         self.sessions.pop(session.lease_id, None)

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
+
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
-
-from worker.engine import DuplexSettings
+from worker.engine import ChatMessage, ChatTurn, DuplexSettings
 from worker.errors import (
     EngineFailure,
     EngineUnavailable,
@@ -98,7 +99,7 @@ def decode_settings(config: common_pb2.DuplexConfig, max_slice_nums: int) -> Dup
 def decode_start(start: worker_pb.SessionStart) -> SessionSpec:
     """SessionStart as a SessionSpec. Raises InvalidRequest."""
     mode = MODE_NAMES.get(start.mode)
-    if mode is None:
+    if mode not in ("audio", "video"):
         raise InvalidRequest("mode must be MODE_AUDIO or MODE_VIDEO")
     if not start.lease_id:
         raise InvalidRequest("lease_id is required")
@@ -129,6 +130,38 @@ def decode_unit(unit: worker_pb.Unit) -> UnitInput:
         frames=list(unit.frames),
         force_listen=unit.force_listen,
         max_slice_nums=unit.max_slice_nums,
+    )
+
+
+def decode_chat(request: worker_pb.ChatRequest) -> ChatTurn:
+    """ChatRequest as a ChatTurn. Raises InvalidRequest."""
+    if not request.lease_id:
+        raise InvalidRequest("lease_id is required")
+    messages = []
+    for i, message in enumerate(request.messages):
+        if message.role not in ("system", "user", "assistant"):
+            raise InvalidRequest(f"messages[{i}].role must be system, user or assistant")
+        parts: list[str | np.ndarray | bytes] = []
+        for part in message.parts:
+            kind = part.WhichOneof("kind")
+            if kind == "text":
+                parts.append(part.text)
+            elif kind == "image":
+                parts.append(part.image)
+            elif kind == "audio_pcm":
+                parts.append(decode_pcm(part.audio_pcm, f"messages[{i}] audio"))
+        messages.append(ChatMessage(message.role, tuple(parts)))
+    if not messages or messages[-1].role != "user":
+        raise InvalidRequest("the last message must be the user's")
+    gen, image = request.generation, request.image
+    return ChatTurn(
+        messages=tuple(messages),
+        max_new_tokens=gen.max_new_tokens if gen.HasField("max_new_tokens") else 512,
+        speech=request.tts.enabled if request.tts.HasField("enabled") else True,
+        temperature=gen.temperature if gen.HasField("temperature") else None,
+        top_p=gen.top_p if gen.HasField("top_p") else None,
+        length_penalty=gen.length_penalty if gen.HasField("length_penalty") else None,
+        max_slice_nums=image.max_slice_nums if image.HasField("max_slice_nums") else None,
     )
 
 
@@ -224,6 +257,61 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             reader.cancel()
             if session.ended is None:
                 session.close(CloseReason.CLIENT_CLOSED, "client went away")
+
+    async def Chat(
+        self, request: worker_pb.ChatRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb.ChatResponse]:
+        try:
+            turn = decode_chat(request)
+            chunks = self.runtime.chat(request.lease_id, turn)
+            first = await anext(chunks)
+        except Exception as exc:
+            code, message = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL and not isinstance(exc, WorkerError):
+                log.exception("Chat failed before prefill")
+            await context.abort(code, message)
+            return
+        text: list[str] = []
+        started = time.perf_counter()
+        yield worker_pb.ChatResponse(
+            prefilled=worker_pb.ChatPrefilled(input_tokens=first.input_tokens)
+        )
+        prefill_ms = first_ms = (time.perf_counter() - started) * 1000.0
+        try:
+            async for chunk in chunks:
+                if chunk.done:
+                    reply = "".join(text)
+                    yield worker_pb.ChatResponse(
+                        done=worker_pb.ChatDone(
+                            text=reply,
+                            input_tokens=chunk.input_tokens,
+                            generated_tokens=chunk.output_tokens,
+                            usage=common_pb2.Usage(
+                                input_tokens=chunk.input_tokens,
+                                input_text_tokens=chunk.input_tokens,
+                                output_tokens=chunk.output_tokens,
+                                output_text_tokens=chunk.output_tokens,
+                                total_tokens=chunk.input_tokens + chunk.output_tokens,
+                            ),
+                            reason="max_tokens" if chunk.cut else "turn_end",
+                            ignored=list(chunk.ignored),
+                            prefill_ms=first_ms,
+                            generate_ms=(time.perf_counter() - started) * 1000.0 - prefill_ms,
+                        )
+                    )
+                    return
+                text.append(chunk.text)
+                yield worker_pb.ChatResponse(
+                    delta=worker_pb.ChatDelta(
+                        text=chunk.text, pcm=np.asarray(chunk.audio, dtype="<f4").tobytes()
+                    )
+                )
+        except Exception as exc:
+            code, message = status_for(exc)
+            log.exception("Chat failed while generating")
+            await context.abort(
+                code, "inference failed" if code == grpc.StatusCode.INTERNAL else message
+            )
 
     async def _read(
         self, request_iterator: AsyncIterator[worker_pb.SessionRequest], session: DuplexSession

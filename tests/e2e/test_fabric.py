@@ -11,10 +11,10 @@ import time
 
 import grpc
 import pytest
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
 from tests.stack import Stack

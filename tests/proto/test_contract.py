@@ -90,8 +90,7 @@ async def test_scheduler_register_stream(stack):
 async def test_acquire_errors(stack):
     async with grpc.aio.insecure_channel(stack.scheduler_address) as ch:
         stub = scheduler_grpc.SchedulerServiceStub(ch)
-        for mode, code in ((common_pb2.MODE_UNSPECIFIED, grpc.StatusCode.INVALID_ARGUMENT),
-                           (common_pb2.MODE_CHAT, grpc.StatusCode.UNAVAILABLE)):
+        for mode, code in ((common_pb2.MODE_UNSPECIFIED, grpc.StatusCode.INVALID_ARGUMENT),):
             call = stub.Acquire(scheduler_pb.AcquireRequest(mode=mode, session_id="x"))
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call.read()
@@ -168,3 +167,34 @@ async def test_realtime_service_rejects_bad_first_message(stack):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await asyncio.wait_for(call.read(), scaled(10))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_worker_chat_under_a_chat_lease(stack):
+    async with grpc.aio.insecure_channel(stack.scheduler_address) as ch:
+        stub = scheduler_grpc.SchedulerServiceStub(ch)
+        acquire = stub.Acquire(scheduler_pb.AcquireRequest(mode=common_pb2.MODE_CHAT, session_id="c"))
+        lease = (await next_msg(acquire)).lease
+        async with grpc.aio.insecure_channel(lease.worker_address) as wch:
+            wstub = worker_grpc.WorkerServiceStub(wch)
+            request = worker_pb.ChatRequest(
+                lease_id=lease.lease_id,
+                session_id="c",
+                messages=[worker_pb.ChatMessage(role="user", parts=[worker_pb.ContentPart(text="hi")])],
+            )
+            request.tts.enabled = False
+            responses = [r async for r in wstub.Chat(request, timeout=scaled(10))]
+            kinds = [r.WhichOneof("kind") for r in responses]
+            assert kinds[0] == "prefilled" and kinds[-1] == "done" and "delta" in kinds
+            done = responses[-1].done
+            assert done.text == "You said: hi" and done.reason == "turn_end"
+            assert done.generated_tokens == 3 and done.usage.total_tokens > 0
+            # The lease was for one turn: using it again is refused.
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [r async for r in wstub.Chat(request, timeout=scaled(10))]
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            # A duplex lease is not a chat lease.
+            request.lease_id = "unknown"
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [r async for r in wstub.Chat(request, timeout=scaled(10))]
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        acquire.cancel()

@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 import pytest
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 
+from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.server import RunningScheduler, start_server

@@ -9,9 +9,9 @@ import signal
 import sys
 
 import grpc
+
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-
 from tests.conftest import ROOT, scaled
 
 READY = re.compile(rb"^omnifabric scheduler ready: 127\.0\.0\.1:(\d+)\n$")

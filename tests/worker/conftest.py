@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 import pytest
+
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
-
 from tests.conftest import scaled
 from worker.config import WorkerConfig
 from worker.engine import Engine

@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
-from worker.engine import OUTPUT_RATE, DuplexSettings, Engine, EngineSession, GenerateResult
+from worker.engine import (
+    OUTPUT_RATE,
+    ChatChunk,
+    ChatTurn,
+    DuplexSettings,
+    Engine,
+    EngineSession,
+    GenerateResult,
+)
 
 #: A unit is speech when its RMS exceeds this.
 SPEECH_RMS = 0.01
@@ -191,7 +200,7 @@ class SyntheticEngine(Engine):
     """No model: deterministic replies, `compute_ms` of busy time per unit."""
 
     name = "synthetic"
-    modes = frozenset({"audio", "video"})
+    modes = frozenset({"audio", "video", "chat"})
     session_class: type[SyntheticSession] = SyntheticSession
 
     def __init__(
@@ -212,6 +221,43 @@ class SyntheticEngine(Engine):
 
     def load(self) -> None:
         """Nothing to load."""
+
+    def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
+        """Deterministic chat: echoes the last user message ("You said: ..."; audio parts
+        as their length, images as their size) in pieces of <= 16 characters, each with
+        0.25 s of tone when speech is on; `compute_ms` of busy time before the reply."""
+        if not turn.messages or turn.messages[-1].role != "user":
+            raise ValueError("the last message must be the user's")
+        said = []
+        for part in turn.messages[-1].parts:
+            if isinstance(part, str):
+                said.append(part)
+            elif isinstance(part, bytes):
+                said.append(f"[image {len(part)} bytes]")
+            else:
+                said.append(f"[audio {part.size / 16000:.1f} s]")
+        words = f"You said: {' '.join(said)}".split()
+        input_tokens = sum(len(str(p).split()) for m in turn.messages for p in m.parts)
+        time.sleep(self.compute_ms / 1000.0)
+        yield ChatChunk(prefilled=True, input_tokens=input_tokens)
+        produced, piece, cut = 0, "", False
+        for word in words:
+            if produced >= turn.max_new_tokens:
+                cut = True
+                break
+            produced += 1
+            if piece and len(piece) + len(word) + 1 > 16:
+                yield self._chat_piece(piece + " ", turn.speech, produced)
+                piece = ""
+            piece = f"{piece} {word}" if piece else word
+        if piece:
+            yield self._chat_piece(piece, turn.speech, produced)
+        yield ChatChunk(done=True, input_tokens=input_tokens, output_tokens=produced, cut=cut)
+
+    @staticmethod
+    def _chat_piece(text: str, speech: bool, n: int) -> ChatChunk:
+        audio = _tone(n, 0, OUTPUT_RATE // 4) if speech else np.zeros(0, np.float32)
+        return ChatChunk(text=text, audio=audio)
 
     def open_session(self, session_id: str, mode: str) -> SyntheticSession:
         if mode not in self.modes:

@@ -95,24 +95,29 @@ def test_concurrent_sessions_match_serial(engine):
 
 def test_chat_with_text_and_audio_parts(engine):
     from tests.worker.reference.drive import load_fixture
-    from worker.engines.reference.engine import ChatMessage
+    from worker.engine import ChatMessage, ChatTurn
 
     question = load_fixture("question")[: 9 * 16000]  # lead-in silence and the question
-    deltas = list(engine.chat([ChatMessage("user", (question,))], speech=True))
-    text = "".join(d.text for d in deltas)
+    chunks = list(engine.chat(ChatTurn((ChatMessage("user", (question,)),), speech=True)))
+    assert chunks[0].prefilled and chunks[0].input_tokens > 0
+    assert chunks[-1].done and not any(c.done for c in chunks[:-1])
+    text = "".join(c.text for c in chunks)
     assert "Paris" in text
-    assert deltas[-1].done and not any(d.done for d in deltas[:-1])
-    assert deltas[-1].input_tokens > 0 and deltas[-1].output_tokens > 0
-    assert all(d.audio.size > 0 for d in deltas if d.text.strip())
-    # History is honoured; text only when speech is off.
-    history = [
+    assert chunks[-1].output_tokens > 0 and not chunks[-1].cut
+    assert all(c.audio.size > 0 for c in chunks if c.text.strip())
+    # History is honoured; text only when speech is off; what cannot be used is reported.
+    history = (
         ChatMessage("system", ("Answer in one short sentence.",)),
         ChatMessage("user", ("What is the capital of France?",)),
         ChatMessage("assistant", ("The capital of France is Paris.",)),
-        ChatMessage("user", ("And of Germany?",)),
-    ]
-    deltas = list(engine.chat(history))
-    assert "Berlin" in "".join(d.text for d in deltas)
-    assert all(d.audio.size == 0 for d in deltas)
+        ChatMessage("user", ("And of Germany?", b"\xff\xd8\xff-an-image")),
+    )
+    chunks = list(engine.chat(ChatTurn(history, temperature=0.7)))
+    assert "Berlin" in "".join(c.text for c in chunks)
+    assert all(c.audio.size == 0 for c in chunks)
+    assert any("image" in note for note in chunks[-1].ignored)
+    assert any("temperature" in note for note in chunks[-1].ignored)
+    short = list(engine.chat(ChatTurn(history, max_new_tokens=3)))
+    assert short[-1].cut and short[-1].output_tokens == 3
     with pytest.raises(ValueError):
-        list(engine.chat([ChatMessage("assistant", ("hi",))]))
+        list(engine.chat(ChatTurn((ChatMessage("assistant", ("hi",)),))))

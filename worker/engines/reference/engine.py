@@ -15,12 +15,22 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from worker.engine import OUTPUT_RATE, DuplexSettings, Engine, EngineSession, GenerateResult
+from worker.engine import (
+    OUTPUT_RATE,
+    ChatChunk,
+    ChatMessage,
+    ChatTurn,
+    DuplexSettings,
+    Engine,
+    EngineSession,
+    GenerateResult,
+)
 from worker.engines.reference.vad import WINDOW, WINDOW_S, VoiceActivity
 
 log = logging.getLogger("omnifabric.worker.reference")
@@ -305,30 +315,11 @@ class ReferenceSession(EngineSession):
         self.vad = None  # type: ignore[assignment]
 
 
-@dataclass(frozen=True)
-class ChatMessage:
-    """One chat message: text parts and 16 kHz float32 audio parts, in order."""
-
-    role: str
-    parts: tuple[str | np.ndarray, ...]
-
-
-@dataclass(frozen=True)
-class ChatDelta:
-    """A piece of a chat reply: text and, when speech is on, its 24 kHz audio."""
-
-    text: str
-    audio: np.ndarray
-    done: bool = False
-    input_tokens: int = 0
-    output_tokens: int = 0
-
-
 class ReferenceEngine(Engine):
     """VAD + Whisper tiny.en + SmolLM2-135M + espeak-ng, all on CPU, loaded once."""
 
     name = "reference"
-    modes = frozenset({"audio", "video"})
+    modes = frozenset({"audio", "video", "chat"})
     default_prompt = "You are a helpful assistant. Answer in one or two short sentences."
 
     def __init__(
@@ -361,20 +352,16 @@ class ReferenceEngine(Engine):
         t2 = time.perf_counter()
         log.info("reference engine loaded: asr+tts %.1fs, llm %.1fs", t1 - t0, t2 - t1)
 
-    def chat(
-        self,
-        messages: list[ChatMessage],
-        max_new_tokens: int = 256,
-        speech: bool = False,
-    ):
+    def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
         """Turn-based chat: audio parts are transcribed, the history is prefilled in a fresh
-        conversation, and the reply streams as ChatDeltas of ~16 characters (with speech when
-        asked); the last delta has done=True and the token counts. Raises ValueError when the
-        last message is not the user's."""
+        conversation, and the reply streams in pieces of ~16 characters (with speech when
+        asked). Raises ValueError when the last message is not the user's."""
         from worker.engines.reference.tts import split_for_speech
 
+        messages = turn.messages
         if not messages or messages[-1].role != "user":
             raise ValueError("the last message must be the user's")
+        ignored = self._ignored(turn)
         system = [m for m in messages if m.role == "system"]
         prompt = " ".join(self._text_of(m) for m in system) or self.default_prompt
         conversation = self.llm.conversation(prompt)
@@ -383,35 +370,52 @@ class ReferenceEngine(Engine):
             conversation.add_history(message.role, self._text_of(message))
         conversation.add_user_turn(self._text_of(turns[-1]))
         input_tokens = conversation.context_tokens
-        pending, finished, produced = "", False, 0
+        yield ChatChunk(prefilled=True, input_tokens=input_tokens)
+        pending, finished, produced, cut = "", False, 0, False
         while not finished or pending:
             while not finished and len(pending) <= self.rules.piece_chars:
-                if produced >= max_new_tokens:
-                    finished = True
+                if produced >= turn.max_new_tokens:
+                    finished = cut = True
                     break
                 delta, finished = conversation.next_tokens(1)
                 produced += 1
                 pending += delta
             _, rest = split_for_speech(pending, self.rules.piece_chars) if pending else ("", "")
             piece, pending = pending[: len(pending) - len(rest)], rest
-            if not pending.strip() and finished:
+            if finished and not pending.strip():
                 piece, pending = piece + pending, ""
-            audio = (
-                self.tts.synthesize(piece.strip())
-                if speech and piece.strip()
-                else np.zeros(0, np.float32)
-            )
-            done = finished and not pending
-            yield ChatDelta(piece, audio, done, input_tokens, produced)
+            audio = np.zeros(0, np.float32)
+            if turn.speech and piece.strip():
+                audio = self.tts.synthesize(piece.strip())
+            if piece or audio.size:
+                yield ChatChunk(text=piece, audio=audio)
+        yield ChatChunk(
+            done=True, input_tokens=input_tokens, output_tokens=produced, cut=cut, ignored=ignored
+        )
+
+    @staticmethod
+    def _ignored(turn: ChatTurn) -> tuple[str, ...]:
+        """What this engine accepts but cannot use, for the response metrics."""
+        notes = []
+        if any(isinstance(p, bytes) for m in turn.messages for p in m.parts):
+            notes.append("image: the reference engine cannot see")
+        if turn.temperature is not None or turn.top_p is not None:
+            notes.append("temperature/top_p: the reference engine decodes greedily")
+        if turn.length_penalty is not None:
+            notes.append("length_penalty: no beam search in the reference engine")
+        if turn.max_slice_nums is not None:
+            notes.append("max_slice_nums: the reference engine has no vision")
+        return tuple(notes)
 
     def _text_of(self, message: ChatMessage) -> str:
-        """The message as text: text parts as they are, audio parts transcribed."""
+        """The message as text: text parts as they are, audio parts transcribed, images
+        left out (no vision)."""
         pieces = []
         for part in message.parts:
             if isinstance(part, str):
                 pieces.append(part)
-            else:
-                pieces.append(self.asr.transcribe(np.asarray(part, dtype=np.float32)))
+            elif isinstance(part, np.ndarray):
+                pieces.append(self.asr.transcribe(part.astype(np.float32, copy=False)))
         return " ".join(p.strip() for p in pieces if p.strip())
 
     def open_session(self, session_id: str, mode: str) -> ReferenceSession:

@@ -1,0 +1,326 @@
+"""Turn-based chat at the edge: validate a chat request, lease a worker slot for the
+turn only, stream the worker's reply. Shared by /v1/realtime?mode=chat and /ws/chat."""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from edge import events as ev
+from edge import pcm
+from edge.errors import (
+    InvalidPayload,
+    MissingField,
+    QueueFull,
+    ServiceUnavailable,
+    WorkerConnectFailed,
+)
+from edge.fabric import Fabric
+from edge.session import usage_from
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omni.realtime.v1 import worker_service_pb2 as worker_pb
+
+log = logging.getLogger("omnifabric.edge.chat")
+
+ROLES = ("system", "user", "assistant")
+TTS_MODES = ("default", "audio_assistant", "omni", "audio_roleplay", "voice_cloning")
+#: Limits of one chat request (documented in the README).
+MAX_MESSAGES = 64
+MAX_AUDIO_SECONDS = 120
+MAX_NEW_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class ChatInput:
+    """A validated chat request, ready for the worker."""
+
+    request: worker_pb.ChatRequest
+    streaming: bool
+    speech: bool
+    notes: tuple[str, ...] = ()
+    """Accepted fields that have no effect at the edge or on any engine, and why."""
+
+
+@dataclass
+class ChatResult:
+    """What one turn produced."""
+
+    text: str = ""
+    audio: list[bytes] = field(default_factory=list)
+    input_tokens: int = 0
+    generated_tokens: int = 0
+    usage: ev.Usage = field(default_factory=ev.Usage)
+    reason: str = "turn_end"
+    ignored: tuple[str, ...] = ()
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def _opt_number(cfg: dict[str, Any], key: str, lo: float, hi: float, where: str) -> float | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidPayload(f"{where}.{key} must be a number")
+    if not lo <= value <= hi:
+        raise InvalidPayload(f"{where}.{key} must be in [{lo}, {hi}]")
+    return float(value)
+
+
+def _opt_int(cfg: dict[str, Any], key: str, lo: int, hi: int, where: str) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidPayload(f"{where}.{key} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def _opt_bool(cfg: dict[str, Any], key: str, where: str) -> bool | None:
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidPayload(f"{where}.{key} must be true or false")
+    return value
+
+
+def _obj(body: dict[str, Any], key: str) -> dict[str, Any]:
+    value = body.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidPayload(f"'{key}' must be an object")
+    return value
+
+
+def _image(data: object, where: str) -> bytes:
+    """A base64 image file (JPEG, PNG, ...), verified by the image parser."""
+    from PIL import Image, UnidentifiedImageError
+
+    raw = pcm.b64decode(data, where)
+    try:
+        with Image.open(io.BytesIO(raw)) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+        raise InvalidPayload(f"{where} is not a readable image") from None
+    return raw
+
+
+def _audio(item: dict[str, Any], where: str) -> bytes:
+    """base64 float32 PCM at `sample_rate` (default 16000) -> float32 16 kHz bytes."""
+    raw = pcm.b64decode(item.get("data"), f"{where}.data")
+    if len(raw) % 4:
+        raise InvalidPayload(f"{where}.data is not a whole number of float32 samples")
+    rate = item.get("sample_rate", 16000)
+    if isinstance(rate, bool) or not isinstance(rate, int) or not 4000 <= rate <= 192000:
+        raise InvalidPayload(f"{where}.sample_rate must be an integer in [4000, 192000]")
+    audio = np.frombuffer(raw, dtype="<f4")
+    if not np.isfinite(audio).all():
+        raise InvalidPayload(f"{where}.data: samples must be finite numbers")
+    if audio.size / rate > MAX_AUDIO_SECONDS:
+        raise InvalidPayload(f"{where}: at most {MAX_AUDIO_SECONDS} s of audio per part")
+    return pcm.resample(audio, rate, 16000).astype("<f4").tobytes()
+
+
+def _parts(content: object, where: str) -> list[worker_pb.ContentPart]:
+    if isinstance(content, str):
+        return [worker_pb.ContentPart(text=content)]
+    if not isinstance(content, list):
+        raise InvalidPayload(f"{where}.content must be a string or a list of parts")
+    parts = []
+    for j, item in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not isinstance(item, dict):
+            raise InvalidPayload(f"{at} must be an object")
+        kind = item.get("type")
+        if kind == "text":
+            if not isinstance(item.get("text"), str):
+                raise MissingField(f"{at}.text is required")
+            parts.append(worker_pb.ContentPart(text=item["text"]))
+        elif kind == "image":
+            parts.append(worker_pb.ContentPart(image=_image(item.get("data"), f"{at}.data")))
+        elif kind == "audio":
+            parts.append(worker_pb.ContentPart(audio_pcm=_audio(item, at)))
+        elif kind == "video":
+            raise InvalidPayload(f"{at}: video content is not supported by this server yet")
+        else:
+            raise InvalidPayload(f"{at}.type must be text, image, audio or video")
+    return parts
+
+
+def parse_chat(body: dict[str, Any]) -> ChatInput:
+    """Validate a chat request body (messages, streaming, generation, tts, image, omni_mode,
+    enable_thinking). Raises MissingField / InvalidPayload naming the field."""
+    messages = body.get("messages")
+    if messages is None:
+        raise MissingField("'messages' is required")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidPayload("'messages' must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidPayload(f"at most {MAX_MESSAGES} messages per request")
+    request = worker_pb.ChatRequest()
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidPayload(f"messages[{i}] must be an object")
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidPayload(f"messages[{i}].role must be system, user or assistant")
+        if "content" not in message:
+            raise MissingField(f"messages[{i}].content is required")
+        request.messages.append(
+            worker_pb.ChatMessage(role=role, parts=_parts(message["content"], f"messages[{i}]"))
+        )
+    if request.messages[-1].role != "user":
+        raise InvalidPayload("the last message must be the user's")
+    streaming = body.get("streaming", True)
+    if not isinstance(streaming, bool):
+        raise InvalidPayload("'streaming' must be true or false")
+    gen = _obj(body, "generation")
+    g = request.generation
+    if (v := _opt_int(gen, "max_new_tokens", 1, MAX_NEW_TOKENS, "generation")) is not None:
+        g.max_new_tokens = v
+    if (v := _opt_number(gen, "temperature", 0.0, 5.0, "generation")) is not None:
+        g.temperature = v
+    if (v := _opt_number(gen, "top_p", 0.0, 1.0, "generation")) is not None:
+        g.top_p = v
+    if (v := _opt_number(gen, "length_penalty", 0.0, 10.0, "generation")) is not None:
+        g.length_penalty = v
+    tts = _obj(body, "tts")
+    enabled = _opt_bool(tts, "enabled", "tts")
+    request.tts.enabled = True if enabled is None else enabled
+    mode = tts.get("mode", "default")
+    if mode not in TTS_MODES:
+        raise InvalidPayload(f"tts.mode must be one of {', '.join(TTS_MODES)}")
+    request.tts.mode = mode
+    notes = []
+    if tts.get("ref_audio_data"):
+        request.tts.ref_audio_pcm = pcm.reference_audio(tts["ref_audio_data"], "tts.ref_audio_data")
+    elif tts.get("ref_audio_path"):
+        if not isinstance(tts["ref_audio_path"], str):
+            raise InvalidPayload("tts.ref_audio_path must be a string")
+        notes.append("tts.ref_audio_path: server-side paths are not read (send ref_audio_data)")
+    if tts.get("language") is not None:
+        if not isinstance(tts["language"], str):
+            raise InvalidPayload("tts.language must be a string")
+        request.tts.language = tts["language"]
+    image = _obj(body, "image")
+    if (v := _opt_int(image, "max_slice_nums", 1, 9, "image")) is not None:
+        request.image.max_slice_nums = v
+    if (v := _opt_bool(image, "use_image_id", "image")) is not None:
+        request.image.use_image_id = v
+    for key in ("omni_mode", "enable_thinking"):
+        value = body.get(key, False)
+        if not isinstance(value, bool):
+            raise InvalidPayload(f"'{key}' must be true or false")
+    request.omni_mode = body.get("omni_mode", False)
+    request.enable_thinking = body.get("enable_thinking", False)
+    return ChatInput(request, streaming, request.tts.enabled, tuple(notes))
+
+
+async def run_turn(
+    fabric: Fabric,
+    chat: ChatInput,
+    session_id: str,
+    on_queued: Callable[[ev.Queued], Awaitable[None]],
+    on_prefilled: Callable[[int], Awaitable[None]],
+    on_delta: Callable[[str, bytes], Awaitable[None]],
+    on_leased: Callable[[], Awaitable[None]] | None = None,
+) -> ChatResult:
+    """Lease a chat slot (queue events via on_queued), run the turn on the worker, stream
+    its deltas; the lease is returned when this returns. Raises QueueFull,
+    ServiceUnavailable, WorkerConnectFailed, InvalidPayload (the worker refused the input)."""
+    acquire = fabric.scheduler.Acquire(
+        scheduler_pb.AcquireRequest(mode=common_pb2.MODE_CHAT, session_id=session_id)
+    )
+    result = ChatResult()
+    t0 = time.monotonic()
+    try:
+        lease = await _lease(acquire, on_queued)
+        result.timings_ms["queue_ms"] = (time.monotonic() - t0) * 1000.0
+        if on_leased is not None:
+            await on_leased()
+        request = worker_pb.ChatRequest()
+        request.CopyFrom(chat.request)
+        request.lease_id, request.session_id = lease.lease_id, session_id
+        call = fabric.worker(lease.worker_address).Chat(request)
+        try:
+            async for response in call:
+                kind = response.WhichOneof("kind")
+                if kind == "prefilled":
+                    await on_prefilled(response.prefilled.input_tokens)
+                elif kind == "delta":
+                    result.audio.append(response.delta.pcm)
+                    await on_delta(response.delta.text, response.delta.pcm)
+                elif kind == "done":
+                    d = response.done
+                    result.text, result.reason = d.text, d.reason or "turn_end"
+                    result.input_tokens, result.generated_tokens = (
+                        d.input_tokens,
+                        d.generated_tokens,
+                    )
+                    result.usage = usage_from(d.usage)
+                    result.ignored = tuple(d.ignored) + chat.notes
+                    result.timings_ms.update(prefill_ms=d.prefill_ms, generate_ms=d.generate_ms)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidPayload(err.details() or "invalid chat request") from None
+            if err.code() == grpc.StatusCode.INTERNAL:
+                from edge.errors import InferenceError
+
+                raise InferenceError(err.details() or "inference failed") from None
+            raise WorkerConnectFailed(f"the worker failed the turn: {err.details()}") from None
+    finally:
+        acquire.cancel()
+    result.timings_ms["wall_clock_ms"] = (time.monotonic() - t0) * 1000.0
+    return result
+
+
+async def _lease(
+    acquire: grpc.aio.UnaryStreamCall, on_queued: Callable[[ev.Queued], Awaitable[None]]
+) -> scheduler_pb.Lease:
+    first = True
+    try:
+        while True:
+            response = await acquire.read()
+            if response is grpc.aio.EOF:
+                raise ServiceUnavailable("the scheduler ended the queue without a lease")
+            kind = response.WhichOneof("kind")
+            if kind == "queued":
+                q = response.queued
+                await on_queued(
+                    ev.Queued(q.position, q.queue_length, q.estimated_wait_s, q.ticket_id, first)
+                )
+                first = False
+            elif kind == "lease":
+                return response.lease
+            else:
+                raise ServiceUnavailable("the worker was lost before the turn started")
+    except grpc.aio.AioRpcError as err:
+        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise QueueFull("the queue is full, try again later") from None
+        raise ServiceUnavailable(err.details() or "no worker available") from None
+
+
+def wav_base64(chunks: list[bytes]) -> str:
+    """The reply audio (float32 24 kHz chunks) as a base64 16-bit WAV file."""
+    import base64
+    import wave
+
+    audio = np.frombuffer(b"".join(chunks), dtype="<f4") if chunks else np.zeros(0, "<f4")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        w.writeframes((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+__all__ = ["ChatInput", "ChatResult", "parse_chat", "run_turn", "wav_base64"]

@@ -1,0 +1,214 @@
+"""Turn-based chat through real processes: /v1/realtime?mode=chat and legacy /ws/chat."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image
+from websockets.asyncio.client import connect
+
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from tests.conftest import scaled
+from tests.e2e.wsclient import WsClient
+from tests.stack import Stack
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("logs"))
+    try:
+        s.start_scheduler()
+        s.start_worker("--slots", "1", "--compute-ms", "5")
+        s.start_edge()
+        yield s
+    finally:
+        s.stop()
+
+
+def chat_url(stack: Stack) -> str:
+    return f"{stack.url}?mode=chat&model=minicpm-o"
+
+
+def legacy_url(stack: Stack) -> str:
+    return stack.url.replace("/v1/realtime", "/ws/chat")
+
+
+async def leases_active(stack: Stack, settle_s: float = 1.0) -> int:
+    """Leases held on the workers, once returns in flight have settled (up to settle_s)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + scaled(settle_s)
+    async with grpc.aio.insecure_channel(stack.scheduler_address) as channel:
+        stub = scheduler_grpc.SchedulerServiceStub(channel)
+        while True:
+            status = await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=scaled(5))
+            held = sum(len(w.lease_ids) for w in status.workers)
+            if held == 0 or loop.time() > deadline:
+                return held
+            await asyncio.sleep(0.02)
+
+
+async def test_chat_mode_streaming_and_non_streaming_turns(stack):
+    client = await WsClient.open(chat_url(stack), subprotocols=["map.realtime"])
+    assert (await client.recv())["type"] == "session.queue_done"
+    await client.send({"type": "session.init", "payload": {}})
+    created = await client.until("session.created")
+    assert created["mode"] == "turn_based"
+    assert await leases_active(stack) == 0  # no slot held between turns
+    await client.send(
+        {
+            "type": "input.append",
+            "input": {
+                "messages": [{"role": "user", "content": "Reply with exactly: test"}],
+                "streaming": True,
+                "generation": {"max_new_tokens": 64, "length_penalty": 1.1},
+                "tts": {"enabled": True},
+            },
+        }
+    )
+    done = await client.until("response.done")
+    deltas = [e for e in client.events if e["type"] == "response.output.delta"]
+    texts = [e["text"] for e in deltas if e["kind"] == "text"]
+    assert len(texts) > 1 and "".join(texts) == done["text"] == "You said: Reply with exactly: test"
+    assert any(e["kind"] == "audio" and base64.b64decode(e["audio"]) for e in deltas)
+    assert done["reason"] == "turn_end" and done["usage"]["output_tokens"] > 0
+    assert done["metrics"]["generated_tokens"] > 0
+    assert await leases_active(stack) == 0
+    # A second turn with the client's history, not streaming, text only.
+    before = len(client.events)
+    await client.send(
+        {
+            "type": "input.append",
+            "input": {
+                "messages": [
+                    {"role": "user", "content": "Reply with exactly: test"},
+                    {"role": "assistant", "content": done["text"]},
+                    {"role": "user", "content": [{"type": "text", "text": "again"}]},
+                ],
+                "streaming": False,
+                "tts": {"enabled": False},
+            },
+        }
+    )
+    done2 = await client.until("response.done")
+    new = [e for e in client.events[before:] if e["type"] == "response.output.delta"]
+    assert [e["kind"] for e in new] == ["text"] and new[0]["text"] == done2[
+        "text"
+    ] == "You said: again"
+    assert done2["usage"]["total_tokens"] > done["usage"]["total_tokens"]  # cumulative
+    await client.send({"type": "session.close", "reason": "user_stop"})
+    closed = await client.until("session.closed")
+    assert closed["reason"] == "user_stop"
+
+
+async def test_chat_content_parts_and_errors(stack):
+    client = await WsClient.open(chat_url(stack))
+    await client.recv()
+    await client.send({"type": "input.append", "input": {"messages": []}})
+    assert (await client.until("error"))["error"]["code"] == "not_ready"
+    await client.send({"type": "session.init", "payload": {}})
+    await client.until("session.created")
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (1, 2, 3)).save(buf, "PNG")
+    audio_8k = base64.b64encode(np.zeros(8000, "<f4").tobytes()).decode()
+    await client.send(
+        {
+            "type": "input.append",
+            "input": {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "data": base64.b64encode(buf.getvalue()).decode()},
+                            {"type": "audio", "data": audio_8k, "sample_rate": 8000},
+                            {"type": "text", "text": "what is this?"},
+                        ],
+                    }
+                ],
+                "image": {"max_slice_nums": 2},
+            },
+        }
+    )
+    done = await client.until("response.done")
+    # The 8 kHz second of audio arrives resampled to 16 kHz (1.0 s); the image is verified.
+    assert "[audio 1.0 s]" in done["text"] and "[image" in done["text"]
+    bad = [
+        ({"messages": "hi"}, "invalid_payload"),
+        ({}, "missing_field"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "invalid_payload"),
+        ({"messages": [{"role": "assistant", "content": "x"}]}, "invalid_payload"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "data": "aGk="}]}]},
+            "invalid_payload",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "generation": {"temperature": "hot"}},
+            "invalid_payload",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tts": {"mode": "karaoke"}},
+            "invalid_payload",
+        ),
+    ]
+    for body, code in bad:
+        await client.send({"type": "input.append", "input": body})
+        assert (await client.until("error"))["error"]["code"] == code, body
+    await client.send({"type": "session.close"})
+    await client.until("session.closed")
+
+
+def without_queue(events: list[dict]) -> list[dict]:
+    """Drop leading queued/queue_update events (the one slot may still be returning)."""
+    while events and events[0]["type"] in ("queued", "queue_update"):
+        assert "session." not in events[0]["type"] and events[0]["position"] >= 1
+        events = events[1:]
+    return events
+
+
+async def test_legacy_ws_chat_streaming(stack):
+    async with connect(legacy_url(stack)) as ws:
+        await ws.send(
+            json.dumps(
+                {
+                    "messages": [{"role": "user", "content": "Hello there!"}],
+                    "streaming": True,
+                    "generation": {"max_new_tokens": 256},
+                    "tts": {"enabled": True},
+                    "image": {"max_slice_nums": None},
+                    "omni_mode": False,
+                    "enable_thinking": False,
+                }
+            )
+        )
+        events = without_queue([json.loads(m) async for m in ws])
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "queue_done" and kinds[1] == "prefill_done" and kinds[-1] == "done"
+    assert set(kinds[2:-1]) == {"chunk"}
+    assert events[1]["input_tokens"] > 0
+    done = events[-1]
+    assert done["text"] == "".join(e["text_delta"] for e in events if e["type"] == "chunk")
+    assert done["text"] == "You said: Hello there!"
+    assert done["generated_tokens"] > 0 and done["input_tokens"] > 0
+    assert done["audio_data"] and "recording_session_id" in done
+
+
+async def test_legacy_ws_chat_non_streaming_and_error(stack):
+    async with connect(legacy_url(stack)) as ws:
+        await ws.send(
+            json.dumps({"messages": [{"role": "user", "content": "Hi"}], "streaming": False})
+        )
+        events = without_queue([json.loads(m) async for m in ws])
+    assert [e["type"] for e in events] == ["queue_done", "prefill_done", "done"]
+    full = np.frombuffer(base64.b64decode(events[-1]["audio_data"]), "<f4")
+    assert full.size > 0  # the whole reply's audio at once
+    async with connect(legacy_url(stack)) as ws:
+        await ws.send(json.dumps({"messages": [{"role": "user"}]}))
+        events = [json.loads(m) async for m in ws]
+    assert [e["type"] for e in events] == ["error"]
+    assert "content" in events[0]["error"]
