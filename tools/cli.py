@@ -12,6 +12,7 @@ commands:
   worker      one worker service: one engine on one device (multi-host)
   edge        one edge: public WebSocket + RealtimeService gRPC (multi-host)
   probe       stream a WAV file to an endpoint and save the reply
+  smoke       check every public surface of a running edge (all modes, legacy endpoints)
   stubs       regenerate the gRPC stubs from proto/ (--check: fail when stale)
 
 `omnifabric COMMAND --help` describes each command's options."""
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         from edge.main import main as run
     elif command == "probe":
         from tools.probe import main as run
+    elif command == "smoke":
+        from tools.smoke import main as run
     elif command == "stubs":
         from tools.gen_stubs import main as run
     else:

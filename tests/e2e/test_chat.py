@@ -212,3 +212,22 @@ async def test_legacy_ws_chat_non_streaming_and_error(stack):
         events = [json.loads(m) async for m in ws]
     assert [e["type"] for e in events] == ["error"]
     assert "content" in events[0]["error"]
+
+
+def test_smoke_script_drives_every_surface(stack):
+    """One script, every surface: the regression guard across all modes and endpoints."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    base = stack.url.split("/v1/")[0]
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "smoke", "--url", base],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "5 passed, 0 failed" in run.stdout

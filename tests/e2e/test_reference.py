@@ -68,3 +68,57 @@ def test_probe_gets_a_spoken_answer(stack, tmp_path):
     heard = Transcriber().transcribe(resample_poly(reply, 2, 3).astype(np.float32))
     assert "paris" in heard.lower(), heard
     print(f"\nworker ready in {stack.worker_ready_s:.1f}s; reply heard as: {heard!r}")
+
+
+def _fixture_pcm(seconds: float) -> str:
+    import base64
+
+    with wave.open(str(FIXTURE)) as w:
+        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
+    return base64.b64encode(pcm[: int(seconds * 16000)].astype("<f4").tobytes()).decode()
+
+
+async def test_chat_text_and_spoken_turns(stack):
+    from tests.e2e.wsclient import WsClient
+
+    client = await WsClient.open(f"{stack.url}?mode=chat")
+    await client.until("session.queue_done")
+    await client.send({"type": "session.init", "payload": {}})
+    await client.until("session.created")
+    # A text turn.
+    await client.send(
+        {
+            "type": "input.append",
+            "input": {
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "streaming": True,
+                "tts": {"enabled": False},
+            },
+        }
+    )
+    done = await client.until("response.done", timeout_s=60)
+    assert "Paris" in done["text"] and done["reason"] == "turn_end"
+    # A spoken turn: the question as audio (with its lead-in), answered with speech.
+    await client.send(
+        {
+            "type": "input.append",
+            "input": {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "audio", "data": _fixture_pcm(9.0), "sample_rate": 16000}
+                        ],
+                    }
+                ],
+                "streaming": False,
+                "tts": {"enabled": True},
+            },
+        }
+    )
+    done = await client.until("response.done", timeout_s=60)
+    assert "Paris" in done["text"]
+    audio = [e for e in client.events if e.get("kind") == "audio"]
+    assert audio and len(audio[-1]["audio"]) > 1000
+    await client.send({"type": "session.close"})
+    await client.until("session.closed")
