@@ -116,7 +116,9 @@ class ChatConnection:
                 raise MissingField("'input' is required")
             if not isinstance(body, dict):
                 raise InvalidPayload("'input' must be an object")
-            chat = parse_chat(body)
+            # Off the loop: base64, audio resampling and video decoding take milliseconds to
+            # seconds, and other sessions share this loop.
+            chat = await asyncio.to_thread(parse_chat, body)
             self.turns += 1
             self.turn = asyncio.create_task(self._turn(chat, self.turns))
         elif kind == "session.close":
@@ -237,7 +239,7 @@ class LegacyChatConnection:
                 body = protocol.parse_object(message)
             except protocol.InvalidJson:
                 raise InvalidPayload("the request is not valid JSON") from None
-            chat = parse_chat(body)
+            chat = await asyncio.to_thread(parse_chat, body)
 
             async def queued(q: ev.Queued) -> None:
                 event = protocol.queued_json(q)

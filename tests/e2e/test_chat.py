@@ -231,3 +231,76 @@ def test_smoke_script_drives_every_surface(stack):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "5 passed, 0 failed" in run.stdout
+
+
+def make_video(seconds: float = 2.5) -> bytes:
+    """A small MP4 (mpeg4 video at 10 fps + AAC audio) made with PyAV."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        video = out.add_stream("mpeg4", rate=10)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = out.add_stream("aac", rate=16000)
+        audio.layout = "mono"
+        for i in range(int(seconds * 10)):
+            img = Image.new("RGB", (64, 48), (i * 9 % 255, 80, 160))
+            for packet in video.encode(av.VideoFrame.from_image(img)):
+                out.mux(packet)
+        tone = (0.2 * np.sin(np.arange(int(seconds * 16000)) / 5)).astype(np.float32)
+        for start in range(0, tone.size, 1024):
+            chunk = tone[start : start + 1024].reshape(1, -1)
+            frame = av.AudioFrame.from_ndarray(chunk, format="flt", layout="mono")
+            frame.sample_rate, frame.pts = 16000, start
+            for packet in audio.encode(frame):
+                out.mux(packet)
+        for stream in (video, audio):
+            for packet in stream.encode(None):
+                out.mux(packet)
+    return buf.getvalue()
+
+
+async def test_chat_video_part_gives_frames_and_audio(stack):
+    client = await WsClient.open(chat_url(stack))
+    await client.recv()
+    await client.send({"type": "session.init", "payload": {}})
+    await client.until("session.created")
+    data = base64.b64encode(make_video(2.5)).decode()
+    await client.send(
+        {
+            "type": "input.append",
+            "input": {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "video", "data": data, "stack_frames": 1}],
+                    }
+                ],
+                "tts": {"enabled": False},
+            },
+        }
+    )
+    done = await client.until("response.done")
+    # One frame per second (t = 0, 1, 2) and the audio track at 16 kHz.
+    assert done["text"].count("[image") == 3, done["text"]
+    assert "[audio 2.5 s]" in done["text"] or "[audio 2.6 s]" in done["text"], done["text"]
+    await client.send(
+        {
+            "type": "input.append",
+            "input": {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "video",
+                                "data": base64.b64encode(b"not a video at all").decode(),
+                            }
+                        ],
+                    }
+                ]
+            },
+        }
+    )
+    err = await client.until("error")
+    assert err["error"]["code"] == "invalid_payload" and "video" in err["error"]["message"]
