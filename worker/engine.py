@@ -80,6 +80,13 @@ class ChatTurn:
     top_p: float | None = None
     length_penalty: float | None = None
     max_slice_nums: int | None = None
+    tts_mode: str = "default"
+    language: str = ""
+    voice: np.ndarray | None = None
+    """TTS reference voice, 16 kHz float32."""
+    use_image_id: bool | None = None
+    omni_mode: bool = False
+    enable_thinking: bool = False
 
 
 @dataclass(frozen=True)

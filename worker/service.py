@@ -162,6 +162,14 @@ def decode_chat(request: worker_pb.ChatRequest) -> ChatTurn:
         top_p=gen.top_p if gen.HasField("top_p") else None,
         length_penalty=gen.length_penalty if gen.HasField("length_penalty") else None,
         max_slice_nums=image.max_slice_nums if image.HasField("max_slice_nums") else None,
+        tts_mode=request.tts.mode or "default",
+        language=request.tts.language,
+        voice=decode_pcm(request.tts.ref_audio_pcm, "tts.ref_audio_pcm")
+        if request.tts.ref_audio_pcm
+        else None,
+        use_image_id=image.use_image_id if image.HasField("use_image_id") else None,
+        omni_mode=request.omni_mode,
+        enable_thinking=request.enable_thinking,
     )
 
 

@@ -121,3 +121,34 @@ def test_chat_with_text_and_audio_parts(engine):
     assert short[-1].cut and short[-1].output_tokens == 3
     with pytest.raises(ValueError):
         list(engine.chat(ChatTurn((ChatMessage("assistant", ("hi",)),))))
+
+
+def test_chat_reports_every_unusable_field(engine):
+    from worker.engine import ChatMessage, ChatTurn
+
+    turn = ChatTurn(
+        (
+            ChatMessage("system", ("Be brief.", np.zeros(16000, np.float32))),
+            ChatMessage("user", ("Hi",)),
+        ),
+        max_new_tokens=4,
+        tts_mode="voice_cloning",
+        language="fr",
+        use_image_id=True,
+        omni_mode=True,
+        enable_thinking=True,
+        top_p=0.8,
+        length_penalty=1.1,
+    )
+    ignored = " ".join(list(engine.chat(turn))[-1].ignored)
+    for word in (
+        "tts mode",
+        "language",
+        "image config",
+        "omni_mode",
+        "enable_thinking",
+        "system audio",
+        "top_p",
+        "length_penalty",
+    ):
+        assert word in ignored, word

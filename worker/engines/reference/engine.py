@@ -403,18 +403,31 @@ class ReferenceEngine(Engine):
             notes.append("temperature/top_p: the reference engine decodes greedily")
         if turn.length_penalty is not None:
             notes.append("length_penalty: no beam search in the reference engine")
-        if turn.max_slice_nums is not None:
-            notes.append("max_slice_nums: the reference engine has no vision")
+        if turn.max_slice_nums is not None or turn.use_image_id is not None:
+            notes.append("image config: the reference engine has no vision")
+        if turn.tts_mode != "default" or turn.voice is not None:
+            notes.append("tts mode/voice: the reference engine has one fixed espeak-ng voice")
+        if turn.language:
+            notes.append("tts.language: the reference engine speaks English only")
+        if turn.omni_mode:
+            notes.append("omni_mode: the reference engine has no vision")
+        if turn.enable_thinking:
+            notes.append("enable_thinking: SmolLM2 has no thinking mode")
+        system_audio = any(
+            isinstance(p, np.ndarray) for m in turn.messages if m.role == "system" for p in m.parts
+        )
+        if system_audio:
+            notes.append("system audio: voice references are not used (one fixed voice)")
         return tuple(notes)
 
     def _text_of(self, message: ChatMessage) -> str:
-        """The message as text: text parts as they are, audio parts transcribed, images
-        left out (no vision)."""
+        """The message as text: text parts as they are, audio parts transcribed (in a system
+        message audio is a voice reference, not speech to read), images left out."""
         pieces = []
         for part in message.parts:
             if isinstance(part, str):
                 pieces.append(part)
-            elif isinstance(part, np.ndarray):
+            elif isinstance(part, np.ndarray) and message.role != "system":
                 pieces.append(self.asr.transcribe(part.astype(np.float32, copy=False)))
         return " ".join(p.strip() for p in pieces if p.strip())
 
