@@ -254,7 +254,7 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
             raise InvalidPayload("tts.language must be a string")
         request.tts.language = tts["language"]
     image = _obj(body, "image")
-    if (v := _opt_int(image, "max_slice_nums", 1, 9, "image")) is not None:
+    if (v := _opt_int(image, "max_slice_nums", 1, 16, "image")) is not None:
         request.image.max_slice_nums = v
     if (v := _opt_bool(image, "use_image_id", "image")) is not None:
         request.image.use_image_id = v
