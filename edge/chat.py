@@ -19,11 +19,9 @@ from edge import pcm
 from edge.errors import (
     InvalidPayload,
     MissingField,
-    QueueFull,
-    ServiceUnavailable,
     WorkerConnectFailed,
 )
-from edge.fabric import Fabric
+from edge.fabric import Fabric, wait_for_lease
 from edge.session import usage_from
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -285,7 +283,7 @@ async def run_turn(
     result = ChatResult()
     t0 = time.monotonic()
     try:
-        lease = await _lease(acquire, on_queued)
+        lease = await wait_for_lease(acquire, on_queued)
         result.timings_ms["queue_ms"] = (time.monotonic() - t0) * 1000.0
         if on_leased is not None:
             await on_leased()
@@ -323,32 +321,6 @@ async def run_turn(
         acquire.cancel()
     result.timings_ms["wall_clock_ms"] = (time.monotonic() - t0) * 1000.0
     return result
-
-
-async def _lease(
-    acquire: grpc.aio.UnaryStreamCall, on_queued: Callable[[ev.Queued], Awaitable[None]]
-) -> scheduler_pb.Lease:
-    first = True
-    try:
-        while True:
-            response = await acquire.read()
-            if response is grpc.aio.EOF:
-                raise ServiceUnavailable("the scheduler ended the queue without a lease")
-            kind = response.WhichOneof("kind")
-            if kind == "queued":
-                q = response.queued
-                await on_queued(
-                    ev.Queued(q.position, q.queue_length, q.estimated_wait_s, q.ticket_id, first)
-                )
-                first = False
-            elif kind == "lease":
-                return response.lease
-            else:
-                raise ServiceUnavailable("the worker was lost before the turn started")
-    except grpc.aio.AioRpcError as err:
-        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            raise QueueFull("the queue is full, try again later") from None
-        raise ServiceUnavailable(err.details() or "no worker available") from None
 
 
 def wav_base64(chunks: list[bytes]) -> str:

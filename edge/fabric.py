@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import grpc
 
+from edge import events as ev
+from edge.errors import QueueFull, ServiceUnavailable
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 
@@ -50,3 +55,40 @@ class Fabric:
         for channel, _ in self._workers.values():
             await channel.close()
         self._workers.clear()
+
+
+async def wait_for_lease(
+    call: grpc.aio.UnaryStreamCall, on_queued: Callable[[ev.Queued], Awaitable[None]]
+) -> scheduler_pb.Lease:
+    """Read an Acquire stream until its lease, reporting queue positions via on_queued.
+
+    The call stays open (the lease lives as long as it); on any error it is cancelled.
+    Raises QueueFull or ServiceUnavailable.
+    """
+    first = True
+    try:
+        while True:
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                raise ServiceUnavailable("the scheduler ended the queue without a lease")
+            kind = response.WhichOneof("kind")
+            if kind == "queued":
+                q = response.queued
+                await on_queued(
+                    ev.Queued(q.position, q.queue_length, q.estimated_wait_s, q.ticket_id, first)
+                )
+                first = False
+            elif kind == "lease":
+                return response.lease
+            else:
+                raise ServiceUnavailable("the worker was lost before the session started")
+    except grpc.aio.AioRpcError as err:
+        call.cancel()
+        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise QueueFull("the queue is full, try again later") from None
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            raise ServiceUnavailable(err.details() or "no worker available") from None
+        raise ServiceUnavailable("the scheduler cannot be reached") from None
+    except BaseException:
+        call.cancel()
+        raise

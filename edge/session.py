@@ -21,11 +21,9 @@ from edge.errors import (
     EdgeError,
     InvalidEvent,
     NotReady,
-    QueueFull,
-    ServiceUnavailable,
     WorkerConnectFailed,
 )
-from edge.fabric import Fabric
+from edge.fabric import Fabric, wait_for_lease
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import worker_service_pb2 as worker_pb
@@ -152,36 +150,7 @@ class SessionCore:
         call = self._fabric.scheduler.Acquire(request)
         self._acquire_call = call
         started = time.monotonic()
-        first = True
-        try:
-            while True:
-                response = await call.read()
-                if response is grpc.aio.EOF:
-                    raise ServiceUnavailable("the scheduler ended the queue without a lease")
-                kind = response.WhichOneof("kind")
-                if kind == "queued":
-                    q = response.queued
-                    await self._emit(
-                        ev.Queued(
-                            q.position, q.queue_length, q.estimated_wait_s, q.ticket_id, first
-                        )
-                    )
-                    first = False
-                elif kind == "lease":
-                    self._lease = response.lease
-                    break
-                elif kind == "lease_lost":
-                    raise ServiceUnavailable("the worker was lost before the session started")
-        except grpc.aio.AioRpcError as err:
-            call.cancel()
-            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise QueueFull("the queue is full, try again later") from None
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                raise ServiceUnavailable(err.details() or "no worker available") from None
-            raise ServiceUnavailable("the scheduler cannot be reached") from None
-        except BaseException:
-            call.cancel()
-            raise
+        self._lease = await wait_for_lease(call, self._emit)
         log.info(
             "session %s leased %s on %s after %.2fs",
             self.session_id,
