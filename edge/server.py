@@ -14,6 +14,7 @@ from edge import events as ev
 from edge.config import EdgeConfig
 from edge.fabric import Fabric, channel_options
 from edge.grpc_api import RealtimeServicer
+from edge.http_api import connection_class
 from edge.ws import EdgeApp
 from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 
@@ -81,6 +82,8 @@ async def start_edge(config: EdgeConfig) -> RunningEdge:
         ping_interval=config.ping_interval_s,
         ping_timeout=config.ping_timeout_s,
         close_timeout=config.ws_close_timeout_s,
+        # Also answers POST /api/chat on this port (websockets parses GET handshakes only).
+        create_connection=connection_class(app),
     )
     port = ws_server.sockets[0].getsockname()[1]
     grpc_server = None

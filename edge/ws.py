@@ -75,7 +75,13 @@ class EdgeApp:
         self.config = config
         self.fabric = fabric
         self.connections: set[Connection] = set()
+        self.http_tasks: set[asyncio.Task] = set()
+        """POST /api/chat exchanges in flight."""
         self.draining = False
+
+    def key_ok(self, headers: Headers) -> bool:
+        """API key check for plain HTTP requests (same rule as the WebSocket upgrade)."""
+        return key_allowed(self.config, headers)
 
     def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         """HTTP before the upgrade: health, routing and API keys (401 before upgrade)."""

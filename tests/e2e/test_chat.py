@@ -304,3 +304,44 @@ async def test_chat_video_part_gives_frames_and_audio(stack):
     )
     err = await client.until("error")
     assert err["error"]["code"] == "invalid_payload" and "video" in err["error"]["message"]
+
+
+def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        url,
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=scaled(60)) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+async def test_post_api_chat_on_the_websocket_port(stack):
+    import wave
+
+    base = stack.url.replace("ws://", "http://").replace("/v1/realtime", "")
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "Hello HTTP"}], "tts": {"enabled": True}}
+    ).encode()
+    status, answer = await asyncio.to_thread(_post, f"{base}/api/chat", body)
+    assert status == 200, answer
+    assert answer["success"] and answer["text"] == "You said: Hello HTTP"
+    assert answer["generated_tokens"] > 0 and answer["input_tokens"] > 0
+    with wave.open(io.BytesIO(base64.b64decode(answer["audio_data"]))) as w:
+        assert w.getframerate() == 24000 and w.getnframes() > 0
+    status, answer = await asyncio.to_thread(_post, f"{base}/api/chat", b"{not json")
+    assert status == 400 and answer["error"] == "invalid_payload"
+    status, answer = await asyncio.to_thread(_post, f"{base}/api/chat", b'{"messages": []}')
+    assert status == 400 and answer["error"] == "invalid_payload"
+    status, answer = await asyncio.to_thread(_post, f"{base}/api/nope", b"{}")
+    assert status == 404
+    # WebSocket clients on the same port are unaffected.
+    client = await WsClient.open(chat_url(stack))
+    assert (await client.recv())["type"] == "session.queue_done"

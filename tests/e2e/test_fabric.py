@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -119,6 +120,17 @@ async def test_api_key_401_before_upgrade(stack, tmp_path):
     client = await WsClient.open(url, additional_headers={"Authorization": "Bearer sk-good-one"})
     await client.start()
     await client.close()
+    # POST /api/chat on the same port checks the same keys.
+    from tests.e2e.test_chat import _post
+
+    api = stack.url.replace("ws://", "http://").replace("/v1/realtime", "/api/chat")
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    status, _ = await asyncio.to_thread(_post, api, body)
+    assert status == 401
+    status, answer = await asyncio.to_thread(
+        _post, api, body, {"Authorization": "Bearer sk-good-one"}
+    )
+    assert status == 200 and answer["text"] == "You said: hi"
     assert "sk-good-one" not in stack.edge.log() and "sk-wrong" not in stack.edge.log()
 
 
@@ -318,3 +330,18 @@ async def test_duration_limit_closes_with_timeout(stack):
     assert closed["reason"] == "timeout"
     assert 1.0 < time.monotonic() - t0 < scaled(3.0)
     assert sum(e["type"] == "session.closed" for e in client.events) == 1
+
+
+async def test_edge_sigterm_closes_sessions_with_server_shutdown(stack):
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    edge = stack.start_edge()
+    current = await WsClient.open(f"{stack.url}?mode=audio")
+    await current.start("current")
+    first = await WsClient.open(f"{stack.url}?mode=audio")
+    await first.start("first")
+    edge.kill(signal.SIGTERM)
+    for client in (current, first):
+        closed = await client.until("session.closed", timeout_s=5)
+        assert closed["reason"] == "server_shutdown"
+    assert edge.proc.wait(timeout=scaled(10)) == 0
