@@ -17,6 +17,7 @@ from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import scaled
 from tests.e2e.wsclient import WsClient
+from tests.e2e.wsclient import post_json as _post
 from tests.stack import Stack
 
 
@@ -304,23 +305,6 @@ async def test_chat_video_part_gives_frames_and_audio(stack):
     )
     err = await client.until("error")
     assert err["error"]["code"] == "invalid_payload" and "video" in err["error"]["message"]
-
-
-def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(
-        url,
-        data=body,
-        method="POST",
-        headers={"Content-Type": "application/json", **(headers or {})},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=scaled(60)) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 async def test_post_api_chat_on_the_websocket_port(stack):

@@ -18,6 +18,7 @@ from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
+from tests.e2e.wsclient import post_json as _post
 from tests.stack import Stack
 
 
@@ -121,8 +122,6 @@ async def test_api_key_401_before_upgrade(stack, tmp_path):
     await client.start()
     await client.close()
     # POST /api/chat on the same port checks the same keys.
-    from tests.e2e.test_chat import _post
-
     api = stack.url.replace("ws://", "http://").replace("/v1/realtime", "/api/chat")
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
     status, _ = await asyncio.to_thread(_post, api, body)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import urllib.error
+import urllib.request
 from typing import Any
 
 import numpy as np
@@ -78,3 +80,18 @@ class WsClient:
 
     async def close(self) -> None:
         await self.ws.close()
+
+
+def post_json(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    """POST a body, return (status, decoded JSON answer); HTTP errors are answers too."""
+    req = urllib.request.Request(
+        url,
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=scaled(60)) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
