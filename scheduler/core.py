@@ -16,7 +16,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.errors import InvalidRequest, NoWorker, QueueFull, UnknownLease
 from scheduler.leases import Lease, LeaseGrantNotice, LeaseRevokeNotice, LeaseState, LeaseTable
 from scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
-from scheduler.registry import Health, Mode, Registry, Worker
+from scheduler.registry import Health, MemoryFigures, Mode, Registry, Worker
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class WorkerSnapshot:
     health: Health
     detail: str
     lease_ids: tuple[str, ...]
+    memory: MemoryFigures | None = None
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,11 @@ class Scheduler:
         self._dispatch()
         return worker
 
-    def report(self, worker: Worker, health: Health, detail: str) -> None:
-        """Record a worker's new health; a SERVING worker may take waiting requests."""
+    def report(
+        self, worker: Worker, health: Health, detail: str, memory: MemoryFigures | None = None
+    ) -> None:
+        """Record a worker's health (and memory figures); a SERVING worker may take
+        waiting requests."""
         if not self.registry.is_current(worker):
             return
         if worker.health is not health:
@@ -178,6 +182,8 @@ class Scheduler:
             )
         worker.health = health
         worker.detail = detail
+        if memory is not None:
+            worker.memory = memory
         if health is Health.SERVING:
             self._dispatch()
 
@@ -297,6 +303,7 @@ class Scheduler:
                 health=w.health,
                 detail=w.detail,
                 lease_ids=tuple(sorted(w.lease_slots, key=w.lease_slots.__getitem__)),
+                memory=w.memory,
             )
             for w in self.registry
         )

@@ -26,6 +26,17 @@ class Health(enum.Enum):
     NOT_SERVING = "not_serving"
 
 
+@dataclass(frozen=True)
+class MemoryFigures:
+    """A worker's memory report: device ("cuda" or "cpu") and bytes held."""
+
+    device: str
+    allocated_bytes: int
+    baseline_bytes: int
+    before_cleanup_bytes: int
+    cleanups: int
+
+
 @dataclass
 class Worker:
     """One live registration: capacity, modes, health and the leases on its slots."""
@@ -37,6 +48,8 @@ class Worker:
     engine: str
     health: Health
     detail: str = ""
+    #: The worker's latest memory report, or None before its first.
+    memory: MemoryFigures | None = None
     #: Registration order; ties between equally free workers go to the older one.
     seq: int = 0
     #: lease id -> slot number, for every lease that occupies a slot.

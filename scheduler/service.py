@@ -23,7 +23,7 @@ from scheduler.core import (
 )
 from scheduler.errors import InvalidRequest, UnknownLease, status_for
 from scheduler.leases import LeaseGrantNotice, LeaseRevokeNotice
-from scheduler.registry import Health, Mode, Worker
+from scheduler.registry import Health, MemoryFigures, Mode, Worker
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,12 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
             async for request in requests:
                 kind = request.WhichOneof("kind")
                 if kind == "report":
+                    report = request.report
                     self._scheduler.report(
-                        worker, _health_from_pb(request.report.health), request.report.detail
+                        worker,
+                        _health_from_pb(report.health),
+                        report.detail,
+                        _memory_from_pb(report.memory) if report.HasField("memory") else None,
                     )
                 elif kind == "lease_released":
                     try:
@@ -157,6 +161,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                     health=_HEALTH_TO_PB[w.health],
                     detail=w.detail,
                     lease_ids=list(w.lease_ids),
+                    memory=_memory_to_pb(w.memory),
                 )
                 for w in status.workers
             ],
@@ -224,4 +229,26 @@ def _acquire_event_to_pb(event: AcquireEvent) -> scheduler_pb.AcquireResponse:
     assert isinstance(event, LeaseLoss)
     return scheduler_pb.AcquireResponse(
         lease_lost=scheduler_pb.LeaseLost(lease_id=event.lease_id, reason=event.reason)
+    )
+
+
+def _memory_from_pb(msg: common_pb2.MemoryStats) -> MemoryFigures:
+    return MemoryFigures(
+        device=msg.device,
+        allocated_bytes=msg.allocated_bytes,
+        baseline_bytes=msg.baseline_bytes,
+        before_cleanup_bytes=msg.before_cleanup_bytes,
+        cleanups=msg.cleanups,
+    )
+
+
+def _memory_to_pb(figures: MemoryFigures | None) -> common_pb2.MemoryStats | None:
+    if figures is None:
+        return None
+    return common_pb2.MemoryStats(
+        device=figures.device,
+        allocated_bytes=figures.allocated_bytes,
+        baseline_bytes=figures.baseline_bytes,
+        before_cleanup_bytes=figures.before_cleanup_bytes,
+        cleanups=figures.cleanups,
     )

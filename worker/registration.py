@@ -64,6 +64,7 @@ class Registration:
         self._task: asyncio.Task[None] | None = None
         runtime.leases.on_released = self.lease_released
         runtime.health_listeners.append(self.report)
+        runtime.memory_listeners.append(lambda: self.report(runtime.health))
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
@@ -90,8 +91,26 @@ class Registration:
         """Tell the scheduler the health changed (hello carries it when disconnected)."""
         self._send(
             scheduler_pb.RegisterRequest(
-                report=scheduler_pb.WorkerReport(health=_health_value(health), detail=health.detail)
+                report=scheduler_pb.WorkerReport(
+                    health=_health_value(health),
+                    detail=health.detail,
+                    memory=self._memory(),
+                )
             )
+        )
+
+    def _memory(self) -> common_pb2.MemoryStats | None:
+        runtime = self.runtime
+        base, last = runtime.baseline, runtime.last_cleanup
+        if base is None:
+            return None
+        current = last or base
+        return common_pb2.MemoryStats(
+            device=current.device,
+            allocated_bytes=current.after_bytes,
+            baseline_bytes=base.after_bytes,
+            before_cleanup_bytes=last.before_bytes if last else 0,
+            cleanups=runtime.cleanups,
         )
 
     def lease_released(self, lease_id: str) -> None:

@@ -48,6 +48,10 @@ class WorkerRuntime:
         self.health = Health(False, "warming up")
         self.health_listeners: list[Callable[[Health], None]] = []
         self.baseline: memory.MemoryReport | None = None
+        self.last_cleanup: memory.MemoryReport | None = None
+        self.cleanups = 0
+        self.memory_listeners: list[Callable[[], None]] = []
+        """Called after warm-up and after every session cleanup (memory figures changed)."""
         self.draining = False
 
     def set_health(self, serving: bool, detail: str = "") -> None:
@@ -70,7 +74,7 @@ class WorkerRuntime:
         await loop.run_in_executor(self.executor, self.engine.warmup)
         self.baseline = await loop.run_in_executor(self.executor, memory.cleanup)
         if not self.draining:
-            self.set_health(True)
+            self.set_health(True)  # the SERVING report carries the baseline figures
 
     async def open_session(self, spec: SessionSpec) -> DuplexSession:
         """Claim the lease, open and prepare the engine session, start its unit loop.
@@ -154,8 +158,17 @@ class WorkerRuntime:
         self.leases.release(session.lease_id)
         self._check_memory(report)
 
+    def _memory_changed(self) -> None:
+        for listener in list(self.memory_listeners):
+            listener()
+
     def _check_memory(self, report: memory.MemoryReport | None) -> None:
-        """On CUDA, hold new leases back while memory is not back at the baseline."""
+        """Record the cleanup's figures; on CUDA, hold new leases back while memory is not
+        back at the baseline."""
+        if report is not None:
+            self.last_cleanup = report
+            self.cleanups += 1
+            self._memory_changed()
         if report is None or self.baseline is None or report.device != "cuda" or self.draining:
             return
         if self.sessions:

@@ -198,3 +198,32 @@ async def test_worker_chat_under_a_chat_lease(stack):
                 [r async for r in wstub.Chat(request, timeout=scaled(10))]
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
         acquire.cancel()
+
+
+async def test_worker_memory_reaches_the_scheduler_status(stack):
+    """Memory after warm-up and after each session's cleanup is exported through the
+    registration stream into GetStatus (device, bytes held, baseline, cleanups)."""
+    async with grpc.aio.insecure_channel(stack.scheduler_address) as ch:
+        stub = scheduler_grpc.SchedulerServiceStub(ch)
+        status = await stub.GetStatus(scheduler_pb.GetStatusRequest())
+        before = status.workers[0].memory
+        assert status.workers[0].HasField("memory") and before.device == "cpu"
+        assert before.baseline_bytes > 0 and before.allocated_bytes > 0
+        acquire = stub.Acquire(scheduler_pb.AcquireRequest(mode=common_pb2.MODE_AUDIO, session_id="m"))
+        lease = (await next_msg(acquire)).lease
+        async with grpc.aio.insecure_channel(lease.worker_address) as wch:
+            call = worker_grpc.WorkerServiceStub(wch).Session()
+            await call.write(worker_pb.SessionRequest(start=worker_pb.SessionStart(
+                lease_id=lease.lease_id, session_id="m", mode=common_pb2.MODE_AUDIO)))
+            await next_msg(call)
+            await call.write(worker_pb.SessionRequest(
+                close=worker_pb.SessionClose(reason=common_pb2.CLOSE_REASON_USER_STOP)))
+            assert (await next_msg(call)).WhichOneof("kind") == "ended"
+        acquire.cancel()
+        for _ in range(100):
+            memory = (await stub.GetStatus(scheduler_pb.GetStatusRequest())).workers[0].memory
+            if memory.cleanups > before.cleanups:
+                break
+            await asyncio.sleep(0.02)
+        assert memory.cleanups == before.cleanups + 1
+        assert memory.before_cleanup_bytes > 0
