@@ -83,9 +83,13 @@ class EdgeApp:
         """API key check for plain HTTP requests (same rule as the WebSocket upgrade)."""
         return key_allowed(self.config, headers)
 
-    def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
-        """HTTP before the upgrade: health, routing and API keys (401 before upgrade)."""
+    async def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        """HTTP before the upgrade: health, status, routing and API keys (401 before upgrade)."""
         path = urlsplit(request.path).path
+        if path == "/status":
+            if not key_allowed(self.config, request.headers):
+                return _plain(HTTPStatus.UNAUTHORIZED, "missing or invalid API key\n")
+            return await self.status_response()
         if path == "/healthz":
             if self.draining:
                 return _plain(
@@ -101,6 +105,21 @@ class EdgeApp:
         if not key_allowed(self.config, request.headers):
             return _plain(HTTPStatus.UNAUTHORIZED, "missing or invalid API key\n")
         return None
+
+    async def status_response(self) -> Response:
+        """GET /status: workers, slots, queue and sessions as JSON (no secrets, no audio)."""
+        from edge.status import edge_status
+
+        try:
+            body = await edge_status(self)
+        except Exception as exc:  # the scheduler is down or slow: say so, keep serving
+            log.warning("status: scheduler unavailable: %s", exc)
+            return _plain(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                json.dumps({"error": "scheduler unavailable"}),
+                "application/json",
+            )
+        return _plain(HTTPStatus.OK, json.dumps(body), "application/json")
 
     async def handler(self, ws: ServerConnection) -> None:
         """One client connection, from upgrade to close."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -251,3 +252,26 @@ async def test_oversized_frame_closes_1009(stack):
     with pytest.raises(ConnectionClosed) as info:
         await client.recv()
     assert info.value.rcvd.code == 1009
+
+
+async def test_status_endpoint(stack):
+    client = await WsClient.open(url(stack))
+    created = await client.start()
+    await client.append(SILENCE)
+    await client.until("delta.listen", "delta.audio")
+    host_port = stack.url.split("/")[2]
+
+    def get():
+        with urllib.request.urlopen(f"http://{host_port}/status", timeout=scaled(5)) as resp:
+            return resp.status, json.loads(resp.read())
+
+    status, body = await asyncio.to_thread(get)
+    assert status == 200
+    [worker] = body["workers"]
+    assert worker["engine"] == "synthetic" and worker["health"] == "serving"
+    assert worker["slots"] == 2 and worker["leases"] >= 1 and "memory" in worker
+    assert body["slots"]["total"] == 2 and body["queue"] == {"length": 0, "max": 100}
+    [mine] = [s for s in body["sessions"] if s["session_id"] == created["session_id"]]
+    assert mine["mode"] == "audio" and mine["units"] == 1
+    assert mine["worker_id"] == worker["worker_id"] and mine["started"] is True
+    assert set(mine) == {"session_id", "mode", "worker_id", "started", "units"}  # no content

@@ -1,0 +1,71 @@
+"""GET /status on the edge: the fabric as operators and the admin page see it.
+
+Workers (engine, slots, health, memory), the queue, and this edge's own sessions; never
+keys, audio or transcripts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+
+STATUS_TIMEOUT_S = 2.0
+
+
+def _name(enum_type, value: int, prefix: str) -> str:
+    return enum_type.Name(value).removeprefix(prefix).lower()
+
+
+async def edge_status(app) -> dict[str, Any]:
+    """Ask the scheduler for its snapshot and add this edge's sessions. Raises on an
+    unreachable scheduler (grpc.aio.AioRpcError)."""
+    snap = await app.fabric.scheduler.GetStatus(
+        scheduler_pb.GetStatusRequest(), timeout=STATUS_TIMEOUT_S
+    )
+    workers = []
+    for w in snap.workers:
+        worker: dict[str, Any] = {
+            "worker_id": w.worker_id,
+            "address": w.address,
+            "engine": w.engine,
+            "slots": w.slots,
+            "slots_free": w.slots_free,
+            "modes": [_name(common_pb2.Mode, m, "MODE_") for m in w.modes],
+            "health": _name(common_pb2.WorkerHealth, w.health, "WORKER_HEALTH_"),
+            "detail": w.detail,
+            "leases": len(w.lease_ids),
+        }
+        if w.HasField("memory"):
+            m = w.memory
+            worker["memory"] = {
+                "device": m.device,
+                "allocated_bytes": m.allocated_bytes,
+                "baseline_bytes": m.baseline_bytes,
+                "before_cleanup_bytes": m.before_cleanup_bytes,
+                "cleanups": m.cleanups,
+            }
+        workers.append(worker)
+    sessions = [
+        {
+            "session_id": c.core.session_id,
+            "mode": c.mode,
+            "worker_id": c.core.worker_id,
+            "started": c.core.started,
+            "units": c.core.units_sent,
+        }
+        for c in list(app.connections)
+    ]
+    return {
+        "edge": {"draining": app.draining, "sessions": len(sessions)},
+        "queue": {"length": snap.queue_length, "max": snap.queue_max},
+        "leases_active": snap.leases_active,
+        "mean_session_s": dict(snap.mean_session_s),
+        "slots": {
+            "total": sum(w.slots for w in snap.workers),
+            "free": sum(w.slots_free for w in snap.workers),
+        },
+        "workers": workers,
+        "sessions": sessions,
+    }
