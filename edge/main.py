@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-frame-bytes", type=int, help="largest WebSocket message (default 16 MiB)"
     )
+    parser.add_argument(
+        "--record-dir", help="record every audio/video session under this folder (user audio!)"
+    )
     parser.add_argument("--grace", type=float, default=5.0, help="drain grace period on SIGTERM, s")
     return parser
 
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             grpc_port=args.grpc_port,
             scheduler=args.scheduler,
             max_frame_bytes=args.max_frame_bytes,
+            record_dir=args.record_dir,
         )
         if args.api_keys_file:
             config = config.with_overrides(
@@ -59,8 +63,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(config: EdgeConfig, grace_s: float) -> None:
+    import os
+    import socket
+
+    from edge import telemetry
     from edge.server import start_edge
 
+    provider = telemetry.setup(f"{socket.gethostname()}-{os.getpid()}")
     edge = await start_edge(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -70,6 +79,8 @@ async def _run(config: EdgeConfig, grace_s: float) -> None:
     await stop.wait()
     logging.getLogger("omnifabric.edge").info("draining")
     await edge.drain_and_stop(grace_s)
+    if provider is not None:
+        provider.shutdown()  # flush the last spans
 
 
 if __name__ == "__main__":

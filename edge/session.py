@@ -15,8 +15,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span
 
 from edge import events as ev
+from edge import telemetry
 from edge.errors import (
     EdgeError,
     InvalidEvent,
@@ -128,6 +131,13 @@ class SessionCore:
         self._client_reason: str | None = None
         self._send_lock = asyncio.Lock()
         self.closed = asyncio.Event()
+        # One trace per session: this span is the root; queue wait, the scheduler's
+        # Acquire and the worker's unit spans hang under it (context in gRPC metadata).
+        self.span = telemetry.tracer.start_span(
+            "session", attributes={"session.id": self.session_id, "session.mode": mode}
+        )
+        self._trace = trace.set_span_in_context(self.span)
+        self._unit_spans: dict[int, Span] = {}
         self.started = False
         self.units_sent = 0
 
@@ -147,10 +157,17 @@ class SessionCore:
         Raises QueueFull or ServiceUnavailable. Emits QueueDone once leased.
         """
         request = scheduler_pb.AcquireRequest(mode=_MODES[self.mode], session_id=self.session_id)
-        call = self._fabric.scheduler.Acquire(request)
+        queue_span = telemetry.tracer.start_span("queue", context=self._trace)
+        call = self._fabric.scheduler.Acquire(
+            request, metadata=telemetry.inject(trace.set_span_in_context(queue_span))
+        )
         self._acquire_call = call
         started = time.monotonic()
-        self._lease = await wait_for_lease(call, self._emit)
+        try:
+            self._lease = await wait_for_lease(call, self._emit)
+        finally:
+            queue_span.end()
+        self.span.set_attribute("worker.id", self._lease.worker_id)
         log.info(
             "session %s leased %s on %s after %.2fs",
             self.session_id,
@@ -188,7 +205,7 @@ class SessionCore:
             raise InvalidEvent("the session is already initialized")
         self.started = True
         stub = self._fabric.worker(self._lease.worker_address)
-        call = stub.Session()
+        call = stub.Session(metadata=telemetry.inject(self._trace))
         self._worker_call = call
         start = worker_pb.SessionStart(
             lease_id=self._lease.lease_id,
@@ -228,6 +245,7 @@ class SessionCore:
                     out = output_from(response.result)
                     self._usage = out.usage
                     await self._emit(out)
+                    self._end_unit_span(out)
                 elif kind == "ended":
                     e = response.ended
                     if e.HasField("usage"):
@@ -247,6 +265,17 @@ class SessionCore:
             return
         await self._finish(closed or ev.Closed(ev.ERROR, self._usage, "the worker was lost"))
 
+    def _end_unit_span(self, out: ev.Output) -> None:
+        span = self._unit_spans.pop(out.seq, None)
+        if span is not None:
+            span.set_attribute("unit.kind", "listen" if out.is_listen else "speak")
+            span.end()
+        for seq in out.dropped_seqs:
+            dropped = self._unit_spans.pop(seq, None)
+            if dropped is not None:
+                dropped.set_attribute("unit.dropped", True)
+                dropped.end()
+
     async def append(self, cmd: ev.AppendCommand) -> int:
         """Forward one unit to the worker; returns its seq. NotReady before start."""
         if not self.started or self._worker_call is None:
@@ -254,6 +283,10 @@ class SessionCore:
         if self.closed.is_set():
             raise NotReady("the session is closed")
         self._seq += 1
+        # Edge-side time of the unit: from the client's append to the result going out.
+        self._unit_spans[self._seq] = telemetry.tracer.start_span(
+            "edge.unit", context=self._trace, attributes={"unit.seq": self._seq}
+        )
         unit = worker_pb.Unit(
             seq=self._seq,
             pcm=cmd.pcm,
@@ -300,6 +333,11 @@ class SessionCore:
         if self.closed.is_set():
             return
         self.closed.set()
+        for span in self._unit_spans.values():
+            span.end()
+        self._unit_spans.clear()
+        self.span.set_attribute("session.close_reason", closed.reason)
+        self.span.end()
         # Cancelling the worker stream frees the engine session; cancelling Acquire
         # returns the lease (the scheduler frees the slot once the worker confirms).
         if self._worker_call is not None:

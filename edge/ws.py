@@ -15,6 +15,7 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from opentelemetry import context as otel_context
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
@@ -32,6 +33,7 @@ from edge.errors import (
     error_event,
 )
 from edge.fabric import Fabric
+from edge.recording import SessionRecorder
 from edge.session import SessionCore
 
 log = logging.getLogger("omnifabric.edge.ws")
@@ -173,8 +175,13 @@ class Connection:
         self._pending_init: ev.InitCommand | None = None
         self._leased = asyncio.Event()
         self._done = asyncio.Event()
+        # Opt-in recording (--record-dir); a disabled recorder ignores every call.
+        self.recorder = SessionRecorder.for_session(
+            app.config, self.core.session_id, mode, ws.request.path
+        )
 
     async def send(self, event: dict[str, Any]) -> None:
+        self.recorder.outbound(event)
         try:
             await self.ws.send(json.dumps(event, separators=(",", ":")))
         except ConnectionClosed:
@@ -191,6 +198,7 @@ class Connection:
             )
         elif isinstance(event, ev.Output):
             assert self.renderer is not None
+            self.recorder.output(event)
             for item in self.renderer.render(event):
                 await self.send(item)
         elif isinstance(event, ev.Closed):
@@ -210,6 +218,9 @@ class Connection:
             await self.ws.close(err.close_code, err.code)
 
     async def run(self) -> None:
+        # The session span is current for everything this connection does (log lines
+        # carry its trace id; tasks created below inherit it).
+        token = otel_context.attach(self.core._trace)
         acquire = asyncio.create_task(self._acquire())
         try:
             await self._read()
@@ -217,6 +228,8 @@ class Connection:
             acquire.cancel()
             if not self.core.closed.is_set():
                 await self.core.abort()
+            self.recorder.finish()
+            otel_context.detach(token)
 
     async def _acquire(self) -> None:
         try:
@@ -232,6 +245,7 @@ class Connection:
     async def _start(self, init: ev.InitCommand) -> None:
         self.dialect = init.dialect
         self.renderer = protocol.OutputRenderer(init.dialect, self.core.session_id)
+        self.recorder.start(init)
         try:
             await self.core.start(init)
         except EdgeError as err:
@@ -273,7 +287,9 @@ class Connection:
         else:
             if not self.core.started:
                 raise NotReady("send session.init (or session.update) after session.queue_done")
+            self.recorder.append(cmd, self.dialect)
             await self.core.append(cmd)
 
     async def _close(self, cmd: ev.CloseCommand) -> None:
+        self.recorder.close_command(cmd)
         await self.core.close(ev.USER_STOP, cmd.reason)

@@ -7,11 +7,12 @@ import asyncio
 import dataclasses
 import logging
 import signal
-import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from scheduler import logs
 from scheduler.config import ENV_VARS, SchedulerConfig, parse_value
+from scheduler.metrics import serve_http
 from scheduler.server import start_server
 
 log = logging.getLogger("scheduler")
@@ -25,6 +26,7 @@ _FLAGS = {
     "--port": "port",
     "--queue-max": "queue_max",
     "--queue-update-interval": "queue_update_interval_s",
+    "--metrics-port": "metrics_port",
 }
 
 
@@ -62,25 +64,41 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     overrides = {f: getattr(args, f) for f in _FLAGS.values() if getattr(args, f) is not None}
     config = dataclasses.replace(config, **overrides)
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(args.log_level)  # JSON lines (OMNI_LOG_FORMAT=text: plain)
     _run(_serve(config))
     return 0
 
 
 async def _serve(config: SchedulerConfig) -> None:
+    import os
+    import socket
+
+    from scheduler import telemetry
+
+    provider = telemetry.setup(f"{socket.gethostname()}-{os.getpid()}")
     running = await start_server(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    print(f"omnifabric scheduler ready: {config.host}:{running.port}", flush=True)
+    metrics_word = ""
+    if config.metrics_port >= 0:
+        try:
+            _, metrics_port = serve_http(
+                running.scheduler.metrics.registry, config.host, config.metrics_port
+            )
+        except OSError as exc:
+            await running.stop(0)
+            raise SystemExit(
+                f"omnifabric scheduler: cannot serve metrics on port {config.metrics_port}: {exc}"
+            ) from None
+        metrics_word = f" metrics={config.host}:{metrics_port}"
+    print(f"omnifabric scheduler ready: {config.host}:{running.port}{metrics_word}", flush=True)
     await stop.wait()
     log.info("stopping")
     await running.stop(STOP_GRACE_S)
+    if provider is not None:
+        provider.shutdown()  # flush the last spans
 
 
 def _run(main_coro: Coroutine[Any, Any, None]) -> None:

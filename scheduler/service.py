@@ -13,6 +13,7 @@ import grpc
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from scheduler import logs, telemetry
 from scheduler.core import (
     AcquireEvent,
     LeaseLoss,
@@ -133,14 +134,28 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
     async def Acquire(
         self, request: scheduler_pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb.AcquireResponse]:
+        logs.bind_session(request.session_id)  # this RPC's task: its log lines name it
+        # "acquire" spans the wait for a lease, under the edge's queue span.
+        span = telemetry.tracer.start_span(
+            "acquire",
+            context=telemetry.extract(context.invocation_metadata()),
+            attributes={"session.id": request.session_id},
+        )
         try:
             mode = _mode_from_pb(request.mode)
             events = self._scheduler.acquire(mode, request.session_id)
             async with contextlib.aclosing(events):
                 async for event in events:
-                    yield _acquire_event_to_pb(event)
+                    message = _acquire_event_to_pb(event)
+                    if message.WhichOneof("kind") == "lease" and span.is_recording():
+                        span.set_attribute("worker.id", message.lease.worker_id)
+                        span.end()
+                    yield message
         except Exception as exc:
             await _abort(context, exc)
+        finally:
+            if span.is_recording():
+                span.end()
 
     async def GetStatus(
         self, request: scheduler_pb.GetStatusRequest, context: grpc.aio.ServicerContext

@@ -70,6 +70,9 @@ async def serve(config: WorkerConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    from worker import telemetry
+
+    provider = telemetry.setup(config.worker_id)
     worker = await start_worker(config)
     try:
         ready = asyncio.ensure_future(worker.wait_ready())
@@ -87,6 +90,8 @@ async def serve(config: WorkerConfig) -> int:
         log.info("signal received: draining")
     finally:
         await worker.drain_and_stop()
+        if provider is not None:
+            provider.shutdown()  # flush the last spans
     return 0
 
 

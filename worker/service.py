@@ -7,6 +7,7 @@ every end is in-band (`ended` with a reason).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ import numpy as np
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+from worker import logs, telemetry
 from worker.engine import ChatMessage, ChatTurn, DuplexSettings
 from worker.errors import (
     EngineFailure,
@@ -242,7 +244,12 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             first = await anext(requests, None)
             if first is None or first.WhichOneof("kind") != "start":
                 raise InvalidRequest("the first request must be start")
-            session = await self.runtime.open_session(decode_start(first.start))
+            spec = dataclasses.replace(
+                decode_start(first.start),
+                trace_context=telemetry.extract(context.invocation_metadata()),
+            )
+            logs.bind_session(spec.session_id)  # this task and the unit loop it starts
+            session = await self.runtime.open_session(spec)
         except Exception as exc:
             code, message = status_for(exc)
             if code == grpc.StatusCode.INTERNAL and not isinstance(exc, WorkerError):
@@ -259,6 +266,8 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 )
             )
             async for event in session.events():
+                if isinstance(event, UnitOutput):
+                    self.runtime.metrics.observe_unit(event, session.spec.mode)
                 yield encode_event(event)
         finally:
             # Also on client cancellation: the unit loop frees the engine session itself.

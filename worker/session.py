@@ -18,7 +18,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from opentelemetry import trace
 
+from worker import telemetry
 from worker.engine import DuplexSettings, Engine, EngineSession, GenerateResult
 from worker.engines import memory
 from worker.errors import EngineFailure
@@ -48,6 +50,8 @@ class SessionSpec:
     ref_audio: np.ndarray | None = None
     tts_ref_audio: np.ndarray | None = None
     settings: DuplexSettings = field(default_factory=DuplexSettings)
+    trace_context: Any = None
+    """OpenTelemetry context of the caller (the edge's session span), or None."""
 
 
 @dataclass
@@ -120,6 +124,25 @@ class SessionEnd:
     units_dropped: int
     error_code: str = ""
     """Public error code: "inference_error" when the engine failed on a unit."""
+
+
+@dataclass(frozen=True)
+class UnitTrace:
+    """What a unit's spans are built from once its finalize is done."""
+
+    received_at: float
+    started: float
+    output: UnitOutput
+
+
+#: A unit's result is due within one second of its arrival (the next unit is coming).
+UNIT_DEADLINE_MS = 1000.0
+#: perf_counter -> epoch nanoseconds, for spans built from measured times.
+_EPOCH_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
+
+
+def _ns(perf: float) -> int:
+    return int(perf * 1e9) + _EPOCH_OFFSET_NS
 
 
 @dataclass(frozen=True)
@@ -308,7 +331,7 @@ class DuplexSession:
             raise self._finalize_error
         force_listen = unit.force_listen or self._output_cap_reached()
         max_slices = unit.max_slice_nums or self.spec.settings.max_slice_nums or 1
-        costs, result, prefill_ms, generate_ms = await self._call(
+        costs, result, prefill_ms, generate_ms, started = await self._call(
             self._infer, unit, force_listen, max_slices
         )
         self.units_served += 1
@@ -331,22 +354,26 @@ class DuplexSession:
         self._events.put_nowait(output)
         # Deferred finalize: the result is already on its way; the barrier fences the next prefill.
         self._finalized.clear()
-        self._finalize_task = asyncio.ensure_future(self._finalize())
+        self._finalize_task = asyncio.ensure_future(
+            self._finalize(UnitTrace(unit.received_at, started, output))
+        )
         return result
 
     def _infer(
         self, unit: UnitInput, force_listen: bool, max_slices: int
-    ) -> tuple[dict[str, float], GenerateResult, float, float]:
-        """Prefill then generate, on an engine thread; returns costs and both durations."""
+    ) -> tuple[dict[str, float], GenerateResult, float, float, float]:
+        """Prefill then generate, on an engine thread; returns costs, both durations (ms)
+        and when prefill started (perf_counter)."""
         assert self._engine_session is not None
         t0 = time.perf_counter()
         costs = self._engine_session.prefill(unit.pcm, unit.frames, max_slices) or {}
         t1 = time.perf_counter()
         result = self._engine_session.generate(force_listen)
         t2 = time.perf_counter()
-        return dict(costs), result, (t1 - t0) * 1000.0, (t2 - t1) * 1000.0
+        return dict(costs), result, (t1 - t0) * 1000.0, (t2 - t1) * 1000.0, t0
 
-    async def _finalize(self) -> None:
+    async def _finalize(self, unit: UnitTrace) -> None:
+        f0 = time.perf_counter()
         try:
             assert self._engine_session is not None
             await self._call(self._engine_session.finalize)
@@ -355,6 +382,40 @@ class DuplexSession:
             self._finalize_error = exc
         finally:
             self._finalized.set()
+            self._trace_unit(unit, f0, time.perf_counter())
+
+    def _trace_unit(self, unit: UnitTrace, f0: float, f1: float) -> None:
+        """One span per unit (receive -> finalize done) under the session's trace, with
+        prefill / generate / finalize children, built from the measured times."""
+        parent = self.spec.trace_context
+        if parent is None:
+            return
+        out = unit.output
+        result, timings = out.result, out.timings
+        attributes = {
+            "session.id": self.session_id,
+            "unit.seq": out.seq,
+            "unit.kind": "listen" if result.is_listen else "speak",
+            "unit.kv_cache_length": result.kv_cache_length,
+            "unit.n_tokens": result.n_tokens,
+            "unit.n_tts_tokens": result.n_tts_tokens,
+            "unit.end_of_turn": result.end_of_turn,
+            "unit.deadline_missed": timings.wall_clock_ms > UNIT_DEADLINE_MS,
+            "unit.dropped_before": len(out.dropped_seqs),
+        }
+        span = telemetry.tracer.start_span(
+            "unit", context=parent, start_time=_ns(unit.received_at), attributes=attributes
+        )
+        ctx = trace.set_span_in_context(span)
+        p1 = unit.started + timings.prefill_ms / 1000.0
+        g1 = p1 + timings.generate_ms / 1000.0
+        for name, a, b in (
+            ("prefill", unit.started, p1),
+            ("generate", p1, g1),
+            ("finalize", f0, f1),
+        ):
+            telemetry.tracer.start_span(name, context=ctx, start_time=_ns(a)).end(end_time=_ns(b))
+        span.end(end_time=_ns(f1))
 
     def _output_cap_reached(self) -> bool:
         cap = self.spec.settings.max_tokens

@@ -1,0 +1,53 @@
+"""OpenTelemetry tracing for the edge: the SDK with service.name and instance id,
+exporting over OTLP when the standard OTEL_EXPORTER_OTLP_* variables are set.
+
+W3C traceparent crosses every gRPC hop in metadata: inject() for outgoing calls,
+extract() for incoming ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+
+log = logging.getLogger("omnifabric.edge.telemetry")
+
+SERVICE_NAME = "omnifabric-edge"
+tracer = trace.get_tracer("omnifabric.edge")
+
+
+def setup(instance_id: str):
+    """Install a TracerProvider exporting over OTLP/gRPC when OTEL_EXPORTER_OTLP_ENDPOINT
+    (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set; returns it (call shutdown() to flush),
+    or None when tracing is off (spans are then no-ops)."""
+    if not (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
+        return None
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    resource = Resource.create({"service.name": SERVICE_NAME, "service.instance.id": instance_id})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    log.info("tracing: exporting spans over OTLP as %s/%s", SERVICE_NAME, instance_id)
+    return provider
+
+
+def inject(context: Context | None = None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying the trace context (traceparent, tracestate)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=context)
+    return tuple(carrier.items())
+
+
+def extract(metadata) -> Context:
+    """The trace context an incoming call carried in its metadata."""
+    return propagate.extract({k: v for k, v in (metadata or ()) if isinstance(v, str)})
