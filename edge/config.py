@@ -83,6 +83,12 @@ class EdgeConfig:
     """Largest gRPC message to and from the services."""
     default_mode: str = "video"
     """Mode of /v1/realtime when the URL names none (the spec's default)."""
+    record_dir: str | None = None
+    """Record every /v1/realtime audio/video session under this folder (edge/recording.py)."""
+    record_max_age_days: float = 7.0
+    """Recordings older than this are deleted (at start, then hourly)."""
+    record_max_bytes: int = 10 * 1024**3
+    """Then the oldest recordings are deleted until the rest fit in this many bytes."""
 
     @classmethod
     def from_env(cls) -> EdgeConfig:
@@ -106,6 +112,13 @@ class EdgeConfig:
             open_timeout_s=_env_float("OMNI_EDGE_OPEN_TIMEOUT_S", cls.open_timeout_s, 0.1, 600),
             ping_interval_s=_env_float("OMNI_EDGE_PING_INTERVAL_S", cls.ping_interval_s, 0.1, 3600),
             ping_timeout_s=_env_float("OMNI_EDGE_PING_TIMEOUT_S", cls.ping_timeout_s, 0.1, 3600),
+            record_dir=os.environ.get("OMNI_EDGE_RECORD_DIR") or None,
+            record_max_age_days=_env_float(
+                "OMNI_EDGE_RECORD_MAX_AGE_DAYS", cls.record_max_age_days, 0.001, 36500
+            ),
+            record_max_bytes=_env_int(
+                "OMNI_EDGE_RECORD_MAX_BYTES", cls.record_max_bytes, 1 << 20, 1 << 50
+            ),
         )
 
     def with_overrides(self, **changes: object) -> EdgeConfig:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from edge.metrics import METRICS
+
 
 class EdgeError(Exception):
     """An error the client is told about as an `error` event."""
@@ -67,4 +69,5 @@ class InferenceError(EdgeError):
 
 def error_event(err: EdgeError) -> dict:
     """The JSON `error` event for an error (same shape in both dialects)."""
+    METRICS.client_error(err.code)  # built only to be sent
     return {"type": "error", "error": {"code": err.code, "message": err.message, "type": err.kind}}

@@ -24,6 +24,7 @@ from edge.errors import (
     ServiceUnavailable,
 )
 from edge.fabric import Fabric
+from edge.metrics import METRICS
 from edge.protocol import MAX_FRAMES_PER_UNIT
 from edge.session import SessionCore, reason_name, usage_to
 from omni.realtime.v1 import common_pb2
@@ -131,6 +132,7 @@ def _event(event: object, session_id: str) -> rt_pb.ConnectResponse:
 
 
 def _error(err: EdgeError) -> rt_pb.ConnectResponse:
+    METRICS.client_error(err.code)
     return rt_pb.ConnectResponse(
         error=rt_pb.ErrorEvent(code=err.code, message=err.message, type=err.kind)
     )

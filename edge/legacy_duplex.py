@@ -57,6 +57,7 @@ from edge.errors import (
     NotReady,
     UnknownEvent,
 )
+from edge.metrics import METRICS
 from edge.session import SessionCore
 
 if TYPE_CHECKING:
@@ -269,6 +270,7 @@ class LegacyDuplexConnection:
 
     async def fail(self, err: EdgeError) -> None:
         """Tell the client; errors with a close code also close the connection."""
+        METRICS.client_error(err.code)
         await self.send(_error(err.message))
         if err.close_code is not None:
             self._done.set()

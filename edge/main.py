@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 
+from edge import logs
 from edge.config import EdgeConfig, load_key_file
 
 
@@ -32,11 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    logs.configure(logging.INFO)  # JSON lines on stderr (OMNI_LOG_FORMAT=text: plain)
     try:
         config = EdgeConfig.from_env().with_overrides(
             host=args.host,

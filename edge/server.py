@@ -69,6 +69,10 @@ async def start_edge(config: EdgeConfig) -> RunningEdge:
     """Bind both servers and return once they accept connections."""
     fabric = Fabric(config.scheduler, config.grpc_max_message_bytes)
     app = EdgeApp(config, fabric)
+    if config.record_dir:  # opt-in recording: retention now, then hourly
+        from edge.recording import start_retention
+
+        start_retention(config)
     ws_server = await serve(
         app.handler,
         config.host,

@@ -19,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from edge import events as ev
-from edge import telemetry
+from edge import logs, telemetry
 from edge.errors import (
     EdgeError,
     InvalidEvent,
@@ -27,6 +27,7 @@ from edge.errors import (
     WorkerConnectFailed,
 )
 from edge.fabric import Fabric, wait_for_lease
+from edge.metrics import METRICS
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import worker_service_pb2 as worker_pb
@@ -140,6 +141,12 @@ class SessionCore:
         self._unit_spans: dict[int, Span] = {}
         self.started = False
         self.units_sent = 0
+        self._unit_sent_at: dict[int, float] = {}
+        """perf_counter() when each unit in flight went to the worker (metrics)."""
+        METRICS.track(self)
+        # Built in the transport's own task (one per connection or RPC): its log lines,
+        # and those of the tasks started below, carry the session id.
+        logs.bind_session(self.session_id)
 
     @property
     def leased(self) -> bool:
@@ -176,6 +183,7 @@ class SessionCore:
             time.monotonic() - started,
         )
         self._tasks.append(asyncio.create_task(self._watch_lease(call)))
+        METRICS.leased(self.mode, time.monotonic() - started)
         await self._emit(ev.QueueDone(queue_wait_s=time.monotonic() - started))
 
     async def _watch_lease(self, call: grpc.aio.UnaryStreamCall) -> None:
@@ -245,6 +253,7 @@ class SessionCore:
                     out = output_from(response.result)
                     self._usage = out.usage
                     await self._emit(out)
+                    METRICS.output(self.mode, out, self._unit_sent_at)
                     self._end_unit_span(out)
                 elif kind == "ended":
                     e = response.ended
@@ -287,6 +296,7 @@ class SessionCore:
         self._unit_spans[self._seq] = telemetry.tracer.start_span(
             "edge.unit", context=self._trace, attributes={"unit.seq": self._seq}
         )
+        METRICS.unit_forwarded(self.mode, self._seq, self._unit_sent_at)
         unit = worker_pb.Unit(
             seq=self._seq,
             pcm=cmd.pcm,
@@ -333,6 +343,7 @@ class SessionCore:
         if self.closed.is_set():
             return
         self.closed.set()
+        METRICS.session_closed(self.mode, closed.reason)
         for span in self._unit_spans.values():
             span.end()
         self._unit_spans.clear()

@@ -33,6 +33,8 @@ from edge.errors import (
     error_event,
 )
 from edge.fabric import Fabric
+from edge.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from edge.metrics import METRICS
 from edge.recording import SessionRecorder
 from edge.session import SessionCore
 
@@ -98,6 +100,10 @@ class EdgeApp:
                     HTTPStatus.SERVICE_UNAVAILABLE, '{"status":"draining"}', "application/json"
                 )
             return _plain(HTTPStatus.OK, '{"status":"ok"}', "application/json")
+        if path == "/metrics":
+            # Prometheus scrape: counts and timings only (no ids, keys or content).
+            headers = Headers([("Content-Type", METRICS_CONTENT_TYPE)])
+            return Response(200, "OK", headers, METRICS.exposition())
         if path not in (REALTIME_PATH, LEGACY_CHAT_PATH) and not (
             path.startswith(LEGACY_DUPLEX_PREFIX) and len(path) > len(LEGACY_DUPLEX_PREFIX)
         ):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from scheduler.config import SchedulerConfig
 from scheduler.errors import InvalidRequest, NoWorker, QueueFull, UnknownLease
 from scheduler.leases import Lease, LeaseGrantNotice, LeaseRevokeNotice, LeaseState, LeaseTable
+from scheduler.metrics import SchedulerMetrics
 from scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
 from scheduler.registry import Health, MemoryFigures, Mode, Registry, Worker
 
@@ -75,6 +76,8 @@ class Counters:
     leases_returned: int = 0
     leases_lost: int = 0
     queue_full_rejections: int = 0
+    leases_expired: int = 0
+    """Returned leases freed by the release timeout (the worker never confirmed)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class Scheduler:
         self.leases = LeaseTable()
         self.sessions = SessionLengths(config.eta_alpha, config.eta_initial_s)
         self.counters = Counters()
+        self.metrics = SchedulerMetrics(self)
 
     # --- workers ---------------------------------------------------------------------
 
@@ -340,6 +344,7 @@ class Scheduler:
         lease.slot = worker.take_slot(lease.lease_id)
         self.leases.add(lease)
         self.counters.leases_granted += 1
+        self.metrics.observe_queue_wait(ticket.mode.value, lease.granted_at - ticket.enqueued_at)
         worker.outbox.put_nowait(LeaseGrantNotice(lease))
         ticket.lease = lease
         ticket.changed.set()
@@ -350,6 +355,8 @@ class Scheduler:
             lease.slot,
             ticket.mode.value,
             ticket.session_id or "-",
+            # Granted from whichever task freed the slot: name the session explicitly.
+            extra={"session_id": ticket.session_id or None},
         )
 
     def _notify_waiting(self) -> None:
@@ -387,6 +394,7 @@ class Scheduler:
         if lease is None or lease.state is not LeaseState.RETURNING:
             return
         lease.release_timer = None
+        self.counters.leases_expired += 1
         log.warning(
             "worker %s did not release lease %s within %.1f s; freeing slot %d anyway",
             lease.worker_id,

@@ -47,6 +47,13 @@ class Service:
                 raise RuntimeError(f"{self.name} not ready:\n{self.log()}")
         return self.ready_words
 
+    def metrics_address(self) -> str:
+        """host:port of the /metrics server its ready line named (metrics=...), or ""."""
+        for word in self.ready_words:
+            if word.startswith("metrics="):
+                return word.removeprefix("metrics=")
+        return ""
+
     def log(self) -> str:
         return self.log_path.read_text()[-4000:] if self.log_path.exists() else ""
 
@@ -95,14 +102,16 @@ class Stack:
         self.grpc_address = ""
 
     def start_scheduler(self, *extra: str) -> Service:
-        svc = start_service("scheduler", "scheduler", ["--port", "0", *extra], self.log_dir)
+        args = ["--port", "0", "--metrics-port", "0", *extra]
+        svc = start_service("scheduler", "scheduler", args, self.log_dir)
         self.services.append(svc)
         self.scheduler_address = svc.wait_ready()[0]
         return svc
 
     def start_worker(self, *extra: str, name: str | None = None) -> Service:
         name = name or f"worker{len(self.workers)}"
-        args = ["--port", "0", "--scheduler", self.scheduler_address, "--worker-id", name, *extra]
+        args = ["--port", "0", "--metrics-port", "0", "--scheduler", self.scheduler_address]
+        args += ["--worker-id", name, *extra]
         svc = start_service(name, "worker", args, self.log_dir)
         self.services.append(svc)
         self.workers.append(svc)

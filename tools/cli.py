@@ -12,6 +12,7 @@ commands:
   worker      one worker service: one engine on one device (multi-host)
   edge        one edge: public WebSocket + RealtimeService gRPC (multi-host)
   probe       stream a WAV file to an endpoint and save the reply
+  replay      replay a recorded session (edge --record-dir) and compare the answers
   smoke       check every public surface of a running edge (all modes, legacy endpoints)
   stubs       regenerate the gRPC stubs from proto/ (--check: fail when stale)
 
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         from edge.main import main as run
     elif command == "probe":
         from tools.probe import main as run
+    elif command == "replay":
+        from tools.replay import main as run
     elif command == "smoke":
         from tools.smoke import main as run
     elif command == "stubs":

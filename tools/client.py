@@ -87,11 +87,15 @@ async def run_session(
     on_event=None,
     close_reason: str = "user_stop",
     settle_s: float = 5.0,
+    init_extra: dict[str, Any] | None = None,
+    unit_extra: list[dict[str, Any]] | None = None,
 ) -> SessionReport:
     """Run one full-duplex session: queue, init, units at `pace_s`, close.
 
     `pace_s` = 0 sends each unit once the previous one is answered (lockstep).
     `on_event(event, report)` is called for every server event (e.g. to print it).
+    `init_extra` adds fields to the init body (`payload` / `session`: config, voice...),
+    `unit_extra[i]` to unit i's append body (force_listen, max_slice_nums).
     """
     report = SessionReport()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -121,13 +125,11 @@ async def run_session(
                 report.error = event["error"]
                 return report
         if dialect == "first":
-            await ws.send(
-                json.dumps({"type": "session.update", "session": {"instructions": system_prompt}})
-            )
+            session = {"instructions": system_prompt, **(init_extra or {})}
+            await ws.send(json.dumps({"type": "session.update", "session": session}))
         else:
-            await ws.send(
-                json.dumps({"type": "session.init", "payload": {"system_prompt": system_prompt}})
-            )
+            payload = {"system_prompt": system_prompt, **(init_extra or {})}
+            await ws.send(json.dumps({"type": "session.init", "payload": payload}))
         event = await next_event()
         if event["type"] != "session.created":
             report.error = event.get("error", {"code": "unexpected", "message": event["type"]})
@@ -167,6 +169,8 @@ async def run_session(
             }
             if frames and i < len(frames) and frames[i]:
                 body["video_frames"] = [base64.b64encode(f).decode() for f in frames[i]]
+            if unit_extra and i < len(unit_extra):
+                body.update(unit_extra[i])
             report.units[seq] = UnitRecord(seq=seq, sent_at=time.monotonic())
             event = (
                 {"type": "input_audio_buffer.append", **body}

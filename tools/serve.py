@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 
 READY = re.compile(r"^omnifabric (scheduler|worker|edge) ready: (.*)$")
+#: The workers' default metrics port (worker i of serve gets this + i).
+WORKER_METRICS_PORT = 9160
 
 
 @dataclass
@@ -105,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ready-timeout", type=float, default=120.0, help="max wait for each service, s"
     )
+    parser.add_argument(
+        "--record-dir", help="the edge records every audio/video session here (user audio!)"
+    )
     return parser
 
 
@@ -123,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
-        scheduler = spawn(
-            "scheduler", "scheduler", ["--host", args.host, "--port", str(args.scheduler_port)]
-        )
+        sched_args = ["--host", args.host, "--port", str(args.scheduler_port)]
+        if args.scheduler_port == 0:
+            sched_args += ["--metrics-port", "0"]  # its default metrics port otherwise
+        scheduler = spawn("scheduler", "scheduler", sched_args)
         children.append(scheduler)
         sched_addr = scheduler.wait_ready(args.ready_timeout).split()[0]
         workers = []
@@ -142,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.engine,
                 "--worker-id",
                 f"{os.uname().nodename}-w{i}",
+                # Each worker its own metrics port: default+i, or any free with base 0.
+                "--metrics-port",
+                str(0 if args.worker_base_port == 0 else WORKER_METRICS_PORT + i),
             ]
             if args.slots is not None:
                 wargs += ["--slots", str(args.slots)]
@@ -163,11 +172,13 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.grpc_port),
                 "--scheduler",
                 sched_addr,
+                *(["--record-dir", args.record_dir] if args.record_dir else []),
             ],
         )
         children.append(edge)
         url = edge.wait_ready(args.ready_timeout).split()[0]
         print(f"omnifabric ready: {url}", flush=True)
+        print(f"omnifabric metrics: {_metrics_urls(scheduler, workers, url)}", flush=True)
         while not stopping.wait(0.5):
             if scheduler.proc.poll() is not None or edge.proc.poll() is not None:
                 dead = scheduler if scheduler.proc.poll() is not None else edge
@@ -193,3 +204,16 @@ def main(argv: list[str] | None = None) -> int:
             stop(child, args.grace)
     print("omnifabric stopped", flush=True)
     return code
+
+
+def _metrics_urls(scheduler: Child, workers: list[Child], edge_url: str) -> str:
+    """name=URL for every /metrics endpoint (scheduler and workers: their ready lines'
+    metrics= word; edge: its WebSocket port)."""
+    urls = []
+    for child in (scheduler, *workers):
+        for word in child.ready_text.split():
+            if word.startswith("metrics="):
+                urls.append(f"{child.name}=http://{word.removeprefix('metrics=')}/metrics")
+    host_port = edge_url.split("://", 1)[-1].split("/", 1)[0]
+    urls.append(f"edge=http://{host_port}/metrics")
+    return " ".join(urls)

@@ -70,6 +70,8 @@ class WorkerConfig:
     """Time open sessions get to end in-band on drain before the server stops."""
     max_message_bytes: int = 16 * 1024 * 1024
     """Largest gRPC message sent or received, bytes."""
+    metrics_port: int = 9160
+    """Port of the Prometheus /metrics HTTP server (on `host`); 0 = any free port, -1 = off."""
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
@@ -86,6 +88,8 @@ class WorkerConfig:
         _check_range("memory_tolerance_mb", self.memory_tolerance_mb, 0.0, 1 << 20)
         _check_range("drain_grace_s", self.drain_grace_s, 0.0, 3600.0)
         _check_range("max_message_bytes", self.max_message_bytes, 1024, 1 << 30)
+        if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be in -1..65535, got {self.metrics_port!r}")
         if not self.worker_id:
             raise ConfigError("worker_id must not be empty")
         if self.attn not in ("sdpa", "flash_attention_2", "eager"):
@@ -171,6 +175,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "memory_tolerance_mb": ("OMNI_WORKER_MEMORY_TOLERANCE_MB", float),
     "drain_grace_s": ("OMNI_WORKER_DRAIN_GRACE_S", float),
     "max_message_bytes": ("OMNI_WORKER_MAX_MESSAGE_BYTES", int),
+    "metrics_port": ("OMNI_WORKER_METRICS_PORT", int),
 }
 
 

@@ -8,8 +8,10 @@ import logging
 import signal
 import sys
 
+from worker import logs
 from worker.config import WorkerConfig
 from worker.errors import WorkerError
+from worker.metrics import serve_http
 from worker.server import start_worker
 
 log = logging.getLogger("omnifabric.worker")
@@ -40,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--fail-unit", type=int, help="fault injection: synthetic engine fails on unit N"
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument(
+        "--metrics-port", type=int, help="Prometheus /metrics port, 0 = any free, -1 = off (9160)"
+    )
     return parser
 
 
@@ -61,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         device=args.device,
         attn=args.attn,
         compile=args.compile,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -75,11 +81,20 @@ async def serve(config: WorkerConfig) -> int:
     provider = telemetry.setup(config.worker_id)
     worker = await start_worker(config)
     try:
+        metrics_word = ""
+        if config.metrics_port >= 0:
+            _, metrics_port = serve_http(
+                worker.runtime.metrics.registry, config.host, config.metrics_port
+            )
+            metrics_word = f" metrics={config.host}:{metrics_port}"
         ready = asyncio.ensure_future(worker.wait_ready())
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and ready.exception() is None:
-            print(f"omnifabric worker ready: {worker.worker_id} {worker.address}", flush=True)
+            print(
+                f"omnifabric worker ready: {worker.worker_id} {worker.address}{metrics_word}",
+                flush=True,
+            )
             await stopping
         elif ready.done():
             log.error("worker failed to start: %s", ready.exception())
@@ -98,11 +113,8 @@ async def serve(config: WorkerConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `omnifabric worker`; returns the exit status."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # JSON lines on stderr (OMNI_LOG_FORMAT=text: plain text).
+    logs.configure(getattr(logging, str(args.log_level).upper(), logging.INFO))
     try:
         config = config_from_args(args)
     except WorkerError as exc:

@@ -16,6 +16,7 @@ from worker.engine import ChatChunk, ChatTurn, Engine
 from worker.engines import memory
 from worker.errors import EngineFailure, InvalidRequest, ModeMismatch, NoFreeSlot, NotServing
 from worker.leases import LeaseBook
+from worker.metrics import WorkerMetrics
 from worker.session import CloseReason, DuplexSession, SessionLimits, SessionSpec
 
 log = logging.getLogger("omnifabric.worker")
@@ -53,6 +54,8 @@ class WorkerRuntime:
         self.memory_listeners: list[Callable[[], None]] = []
         """Called after warm-up and after every session cleanup (memory figures changed)."""
         self.draining = False
+        self.metrics = WorkerMetrics(self)
+        """Prometheus instruments (served on --metrics-port by worker.main)."""
 
     def set_health(self, serving: bool, detail: str = "") -> None:
         """Change health and tell the listeners (health service, scheduler) on a change."""
@@ -156,6 +159,8 @@ class WorkerRuntime:
     def _on_freed(self, session: DuplexSession, report: memory.MemoryReport | None) -> None:
         self.sessions.pop(session.lease_id, None)
         self.leases.release(session.lease_id)
+        if session.ended is not None:
+            self.metrics.observe_end(session.ended)
         self._check_memory(report)
 
     def _memory_changed(self) -> None:

@@ -14,7 +14,7 @@ from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
 
-READY = re.compile(rb"^omnifabric scheduler ready: 127\.0\.0\.1:(\d+)\n$")
+READY = re.compile(rb"^omnifabric scheduler ready: 127\.0\.0\.1:(\d+) metrics=127\.0\.0\.1:\d+\n$")
 
 
 async def test_module_prints_ready_line_and_stops_on_sigterm() -> None:
@@ -28,6 +28,8 @@ async def test_module_prints_ready_line_and_stops_on_sigterm() -> None:
         "0",
         "--queue-update-interval",
         "1",
+        "--metrics-port",
+        "0",
         cwd=ROOT,
         env=env,
         stdout=asyncio.subprocess.PIPE,
@@ -51,7 +53,8 @@ async def test_module_prints_ready_line_and_stops_on_sigterm() -> None:
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), scaled(5)) == 0
         stderr = await process.stderr.read()
-        assert b"INFO scheduler" in stderr
+        # JSON log lines (the default format)
+        assert b'"level": "INFO", "logger": "scheduler"' in stderr
     finally:
         if process.returncode is None:
             process.kill()

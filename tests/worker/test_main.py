@@ -28,6 +28,8 @@ async def test_subprocess_ready_line_and_sigterm(scheduler):
         "sub1",
         "--compute-ms",
         "1",
+        "--metrics-port",
+        "0",
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -36,7 +38,7 @@ async def test_subprocess_ready_line_and_sigterm(scheduler):
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), scaled(20))).decode()
         assert line.startswith("omnifabric worker ready: sub1 127.0.0.1:"), line
-        port = int(line.rsplit(":", 1)[1])
+        port = int(line.split()[4].rsplit(":", 1)[1])  # the words after: metrics=...
         assert port > 0
         hello = await asyncio.wait_for(scheduler.hellos.get(), scaled(5))
         assert (hello.worker_id, hello.address) == ("sub1", f"127.0.0.1:{port}")

@@ -1,0 +1,150 @@
+"""Prometheus metrics of the edge, in the edge's own CollectorRegistry.
+
+One `EdgeMetrics` per process (`METRICS`): the session code (SessionCore, shared by the
+WebSocket, legacy and gRPC surfaces) feeds it through small hooks, and
+`EdgeApp.process_request` serves it as `GET /metrics` on the WebSocket port.
+Live sessions are counted at scrape time from the SessionCores themselves (a weak
+set), so the gauge cannot drift when a session ends in an unusual way.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from edge.events import Output
+    from edge.session import SessionCore
+
+#: Content type of GET /metrics (the Prometheus text format 0.0.4).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+#: Queue waits, seconds.
+QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+#: Edge-side time of a unit (forwarded -> result emitted), seconds.
+UNIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+class EdgeMetrics:
+    """The edge's instruments; `registry` is what /metrics serves."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._sessions: weakref.WeakSet[SessionCore] = weakref.WeakSet()
+        self.sessions_total = Counter(
+            "omni_edge_sessions",
+            "Duplex sessions ended, by mode and close reason (user_stop, client_closed, "
+            "timeout, context_full, server_shutdown, error).",
+            ["mode", "reason"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "omni_edge_queue_wait_seconds",
+            "Time from the scheduler Acquire to the lease, as the edge saw it, by mode.",
+            ["mode"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.units_forwarded = Counter(
+            "omni_edge_units_forwarded",
+            "Units of client input forwarded to a worker, by mode.",
+            ["mode"],
+            registry=r,
+        )
+        self.outputs = Counter(
+            "omni_edge_outputs",
+            "Unit results sent to clients, by mode and kind (listen or speak).",
+            ["mode", "kind"],
+            registry=r,
+        )
+        self.unit_seconds = Histogram(
+            "omni_edge_unit_seconds",
+            "Edge-side time of a unit: forwarded to the worker -> its result handed to the "
+            "client's transport, by mode.",
+            ["mode"],
+            buckets=UNIT_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter(
+            "omni_edge_client_errors",
+            "Error events sent to clients, by public error code.",
+            ["code"],
+            registry=r,
+        )
+        r.register(_SessionCollector(self._sessions))
+
+    # ---- hooks --------------------------------------------------------------------
+
+    def track(self, core: SessionCore) -> None:
+        """Count `core` in the live sessions gauge until it is closed (or collected)."""
+        self._sessions.add(core)
+
+    def session_closed(self, mode: str, reason: str) -> None:
+        self.sessions_total.labels(mode, reason).inc()
+
+    def leased(self, mode: str, queue_wait_s: float) -> None:
+        self.queue_wait.labels(mode).observe(max(0.0, queue_wait_s))
+
+    def unit_forwarded(self, mode: str, seq: int, sent_at: dict[int, float]) -> None:
+        """A unit went to the worker; `sent_at` (the session's) remembers when."""
+        sent_at[seq] = time.perf_counter()
+        self.units_forwarded.labels(mode).inc()
+
+    def output(self, mode: str, out: Output, sent_at: dict[int, float]) -> None:
+        """A result went to the client: count it and time its unit (replaced ones are
+        forgotten)."""
+        self.outputs.labels(mode, "listen" if out.is_listen else "speak").inc()
+        for seq in out.dropped_seqs:
+            sent_at.pop(seq, None)
+        started = sent_at.pop(out.seq, None)
+        if started is not None:
+            self.unit_seconds.labels(mode).observe(time.perf_counter() - started)
+
+    def client_error(self, code: str) -> None:
+        self.errors.labels(code).inc()
+
+    # ---- exposition ---------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format 0.0.4."""
+        return generate_latest(self.registry)
+
+
+class _SessionCollector(Collector):
+    """omni_edge_sessions_active{mode,state}, from the live SessionCores."""
+
+    def __init__(self, sessions: weakref.WeakSet[SessionCore]) -> None:
+        self._sessions = sessions
+
+    def collect(self) -> Iterator[Any]:
+        counts: dict[tuple[str, str], int] = {
+            (mode, state): 0 for mode in ("audio", "video") for state in _STATES
+        }
+        for core in list(self._sessions):
+            if core.closed.is_set():
+                continue
+            state = "active" if core.started else "leased" if core.leased else "queued"
+            key = (core.mode, state)
+            counts[key] = counts.get(key, 0) + 1
+        gauge = GaugeMetricFamily(
+            "omni_edge_sessions_active",
+            "Open duplex sessions on this edge, by mode and state (queued: waiting for a "
+            "slot; leased: slot held, not initialized; active: streaming units).",
+            labels=["mode", "state"],
+        )
+        for (mode, state), value in sorted(counts.items()):
+            gauge.add_metric([mode, state], value)
+        yield gauge
+
+
+_STATES = ("queued", "leased", "active")
+
+#: The edge process's metrics.
+METRICS = EdgeMetrics()

@@ -1,0 +1,480 @@
+"""Opt-in session recording (`omnifabric edge --record-dir DIR`) and its retention.
+
+One folder per /v1/realtime audio/video session, `DIR/<session_id>/`:
+
+- `meta.json`: session id, mode, dialect, URL path and query (keys that look like
+  secrets dropped), start/end times, close reason, the client's own close reason,
+  system prompt, duplex config, max_slice_nums, unit count, file formats.
+- `events.jsonl`: every command in (init, append, close) and every event out, one JSON
+  object a line: `{"t": seconds since the recorder opened (monotonic), "wall": unix time,
+  "dir": "in"|"out", "event": {...}}`. Audio is never inline: an input unit's audio is
+  `{"wav": "in/000001.wav", "samples": N}`, an output's `{"wav": "model.wav", "start":
+  sample offset, "samples": N}`; video frames are counted, not stored.
+- `user.wav`: the user's audio, all units back to back, 16 kHz mono 16-bit PCM.
+- `model.wav`: the model's speech, all speaking units back to back, 24 kHz mono 16-bit.
+- `in/<seq>.wav`: each unit's input exactly as received: 16 kHz mono 32-bit IEEE float WAV
+  (WAVE_FORMAT_IEEE_FLOAT, written here: the `wave` module only writes integer PCM), so a
+  replay sends bit-identical samples. `ref_audio.wav` / `tts_ref_audio.wav` likewise when
+  the client sent reference voices.
+- `units.jsonl`: per unit answered: seq, kind (listen/speak/dropped), text, end_of_turn,
+  kv, prefill_ms, generate_ms, wall_clock_ms, edge_ms (edge receive -> send).
+
+Writes happen on the event loop but stay small (appends, one ~64 KB file per unit, no
+fsync). Any failure logs once and turns the recorder off: recording never breaks a session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+import time
+import wave
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
+
+from edge import events as ev
+
+log = logging.getLogger("omnifabric.edge.recording")
+
+USER_RATE = 16000
+MODEL_RATE = 24000
+FORMAT_VERSION = 1
+#: Query keys never written to meta.json.
+_SECRET = re.compile(r"key|token|secret|auth|pass|sig|cred", re.IGNORECASE)
+#: Events kept in memory before the session starts (queue updates), at most.
+_MAX_PENDING = 256
+#: Recording folders still being written (retention never removes them).
+_ACTIVE: set[Path] = set()
+#: Background retention tasks (kept referenced).
+_TASKS: set[asyncio.Task] = set()
+
+
+# ---- float32 WAV ------------------------------------------------------------------
+
+
+def float32_wav(pcm: bytes, rate: int = USER_RATE) -> bytes:
+    """Mono 32-bit IEEE float WAV (format 3) around raw little-endian float32 bytes."""
+    n = len(pcm) // 4
+    fmt = struct.pack("<HHIIHHH", 3, 1, rate, rate * 4, 4, 32, 0)
+    fact = struct.pack("<I", n)
+    body = (
+        b"WAVE"
+        + b"fmt "
+        + struct.pack("<I", len(fmt))
+        + fmt
+        + b"fact"
+        + struct.pack("<I", 4)
+        + fact
+        + b"data"
+        + struct.pack("<I", len(pcm))
+        + pcm
+    )
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def read_float32_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """(samples, rate) of a mono float32 WAV written by `float32_wav`; ValueError otherwise."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise ValueError("not a WAV file")
+    pos, fmt, samples = 12, None, None
+    while pos + 8 <= len(data):
+        cid, size = data[pos : pos + 4], struct.unpack("<I", data[pos + 4 : pos + 8])[0]
+        chunk = data[pos + 8 : pos + 8 + size]
+        if cid == b"fmt ":
+            fmt = struct.unpack("<HHIIHH", chunk[:16])
+        elif cid == b"data":
+            samples = chunk
+        pos += 8 + size + (size & 1)
+    if fmt is None or samples is None:
+        raise ValueError("WAV without fmt or data chunk")
+    tag, channels, rate, _, _, bits = fmt
+    if tag != 3 or channels != 1 or bits != 32:
+        raise ValueError(f"not mono float32 (format {tag}, {channels} ch, {bits} bit)")
+    return np.frombuffer(samples, dtype="<f4").copy(), rate
+
+
+def _pcm16(samples: np.ndarray) -> bytes:
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+def _b64_len(value: str) -> int:
+    """Decoded byte length of a base64 string, without decoding it."""
+    pad = 2 if value.endswith("==") else 1 if value.endswith("=") else 0
+    return len(value) * 3 // 4 - pad
+
+
+def public_query(path: str) -> dict[str, list[str]]:
+    """The URL query without keys that look like secrets (api_key, token, ...)."""
+    query = parse_qs(urlsplit(path).query)
+    return {k: v for k, v in query.items() if not _SECRET.search(k)}
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")
+
+
+# ---- the recorder -----------------------------------------------------------------
+
+
+def _guarded(method):
+    """Run a recorder method only while enabled; any failure disables the recorder."""
+
+    @functools.wraps(method)
+    def wrapper(self: SessionRecorder, *args: Any, **kwargs: Any) -> Any:
+        if not self.enabled:
+            return None
+        try:
+            return method(self, *args, **kwargs)
+        except Exception:
+            log.exception("session %s: recording failed; recording off", self.session_id)
+            self._disable()
+            return None
+
+    return wrapper
+
+
+class SessionRecorder:
+    """Records one session; every public method is safe to call when disabled."""
+
+    def __init__(self, root: Path | None, session_id: str, mode: str, path: str) -> None:
+        self.root = root
+        self.session_id = session_id
+        self.mode = mode
+        self.path = urlsplit(path).path
+        self.query = public_query(path)
+        self.enabled = root is not None
+        self.folder: Path | None = None
+        self._t0 = time.monotonic()
+        self._wall0 = time.time()
+        self._pending: list[str] = []
+        self._meta: dict[str, Any] = {}
+        self._events = None
+        self._units = None
+        self._user: wave.Wave_write | None = None
+        self._model: wave.Wave_write | None = None
+        self._model_samples = 0
+        self._model_refs: dict[int, tuple[int, int]] = {}
+        self._received: dict[int, float] = {}
+        self._seq = 0
+        self._closed_reason: str | None = None
+        self._client_reason: str | None = None
+        self._last_flush = self._t0
+
+    @classmethod
+    def for_session(cls, config: Any, session_id: str, mode: str, path: str) -> SessionRecorder:
+        """A recorder for this session; a disabled one when the edge does not record."""
+        root = getattr(config, "record_dir", None)
+        return cls(Path(root) if root else None, session_id, mode, path)
+
+    # ---- hooks -----------------------------------------------------------------
+
+    @_guarded
+    def start(self, init: ev.InitCommand) -> None:
+        """The session is initialized (dialect known): open the folder, write meta."""
+        assert self.root is not None
+        folder = self.root / self.session_id
+        (folder / "in").mkdir(parents=True, exist_ok=False)
+        self.folder = folder
+        _ACTIVE.add(folder)
+        self._events = open(folder / "events.jsonl", "w", encoding="utf-8")
+        self._units = open(folder / "units.jsonl", "w", encoding="utf-8")
+        self._user = _open_wav(folder / "user.wav", USER_RATE)
+        self._model = _open_wav(folder / "model.wav", MODEL_RATE)
+        dialect = "first" if init.dialect is ev.Dialect.FIRST else "current"
+        config = {k: v for k, v in init.config.__dict__.items() if v is not None}
+        voices: dict[str, str] = {}
+        for name, pcm in (("ref_audio", init.ref_audio), ("tts_ref_audio", init.tts_ref_audio)):
+            if pcm:
+                (folder / f"{name}.wav").write_bytes(float32_wav(pcm))
+                voices[name] = f"{name}.wav"
+        self._meta = {
+            "format": FORMAT_VERSION,
+            "session_id": self.session_id,
+            "mode": self.mode,
+            "dialect": dialect,
+            "path": self.path,
+            "query": self.query,
+            "started_at": _iso(self._wall0),
+            "started_unix": round(self._wall0, 3),
+            "ended_at": None,
+            "ended_unix": None,
+            "close_reason": None,
+            "client_close_reason": None,
+            "system_prompt": init.system_prompt,
+            "config": config,
+            "max_slice_nums": init.max_slice_nums,
+            "voices": voices,
+            "units": 0,
+            "files": {
+                "user.wav": "user audio, 16 kHz mono 16-bit PCM, units back to back",
+                "model.wav": "model speech, 24 kHz mono 16-bit PCM, speaking units back to back",
+                "in/<seq>.wav": "each unit's exact input, 16 kHz mono 32-bit float WAV",
+                "events.jsonl": "every command in and event out; audio as file references",
+                "units.jsonl": "per-unit kind, text, end_of_turn, kv and timings",
+            },
+        }
+        self._write_meta()
+        for line in self._pending:
+            self._events.write(line)
+        self._pending.clear()
+        init_event: dict[str, Any] = {
+            "type": init.dialect.value,
+            "system_prompt": init.system_prompt,
+            "config": config,
+            "max_slice_nums": init.max_slice_nums,
+        }
+        init_event.update({k: {"wav": v} for k, v in voices.items()})
+        self._log("in", init_event)
+
+    @_guarded
+    def append(self, cmd: ev.AppendCommand, dialect: ev.Dialect | None) -> None:
+        """One input unit, before it goes to the worker (its seq is the next one)."""
+        if self.folder is None:
+            return
+        self._seq += 1
+        seq = self._seq
+        self._received[seq] = time.monotonic()
+        name = f"in/{seq:06d}.wav"
+        (self.folder / name).write_bytes(float32_wav(cmd.pcm))
+        assert self._user is not None
+        self._user.writeframes(_pcm16(np.frombuffer(cmd.pcm, dtype="<f4")))
+        kind = "input_audio_buffer.append" if dialect is ev.Dialect.FIRST else "input.append"
+        self._log(
+            "in",
+            {
+                "type": kind,
+                "seq": seq,
+                "audio": {"wav": name, "samples": len(cmd.pcm) // 4},
+                "frames": len(cmd.frames),
+                "force_listen": cmd.force_listen,
+                "max_slice_nums": cmd.max_slice_nums,
+            },
+        )
+
+    @_guarded
+    def close_command(self, cmd: ev.CloseCommand) -> None:
+        """The client asked to close."""
+        self._client_reason = cmd.reason
+        self._log("in", {"type": "session.close", "reason": cmd.reason})
+
+    @_guarded
+    def output(self, out: ev.Output) -> None:
+        """One unit's result, before it is rendered and sent: model audio and timings."""
+        if self.folder is None:
+            return
+        now = time.monotonic()
+        if out.pcm:
+            n = len(out.pcm) // 4
+            self._model_refs[out.seq] = (self._model_samples, n)
+            assert self._model is not None
+            self._model.writeframes(_pcm16(np.frombuffer(out.pcm, dtype="<f4")))
+            self._model_samples += n
+        assert self._units is not None
+        for dropped in out.dropped_seqs:
+            self._units.write(json.dumps({"seq": dropped, "kind": "dropped"}) + "\n")
+        received = self._received.pop(out.seq, None)
+        t = out.timings_ms
+        unit = {
+            "seq": out.seq,
+            "kind": "listen" if out.is_listen else "speak",
+            "text": out.text,
+            "end_of_turn": out.end_of_turn,
+            "kv": out.kv_cache_length,
+            "prefill_ms": round(t.get("prefill_ms", 0.0), 2),
+            "generate_ms": round(t.get("generate_ms", 0.0), 2),
+            "wall_clock_ms": round(t.get("wall_clock_ms", 0.0), 2),
+            "edge_ms": None if received is None else round((now - received) * 1000.0, 2),
+            "audio_samples": len(out.pcm) // 4,
+        }
+        self._units.write(json.dumps(unit, ensure_ascii=False) + "\n")
+        if now - self._last_flush > 5.0:  # bounded loss on a crash, no fsync
+            self._last_flush = now
+            self._events.flush()
+            self._units.flush()
+
+    @_guarded
+    def outbound(self, event: dict[str, Any]) -> None:
+        """An event as sent to the client (not modified; audio replaced in the copy)."""
+        if event.get("type") == "session.closed":
+            self._closed_reason = event.get("reason")
+        audio = event.get("audio")
+        if isinstance(audio, str):
+            event = dict(event)
+            seq = (event.get("metrics") or {}).get("seq")
+            ref = self._model_refs.get(seq) if isinstance(seq, int) else None
+            if ref is not None:
+                event["audio"] = {"wav": "model.wav", "start": ref[0], "samples": ref[1]}
+            else:
+                event["audio"] = {"omitted_bytes": _b64_len(audio)}
+        self._log("out", event)
+
+    def finish(self) -> None:
+        """The connection is over: close the files, complete meta.json."""
+        if self.enabled and self.folder is not None:
+            try:
+                now = time.time()
+                self._meta.update(
+                    ended_at=_iso(now),
+                    ended_unix=round(now, 3),
+                    close_reason=self._closed_reason or ev.CLIENT_CLOSED,
+                    client_close_reason=self._client_reason,
+                    units=self._seq,
+                )
+                self._close_files()
+                self._write_meta()
+                log.info("session %s recorded in %s", self.session_id, self.folder)
+            except Exception:
+                log.exception("session %s: recording not finished", self.session_id)
+        self._disable()
+
+    # ---- internals -------------------------------------------------------------
+
+    def _log(self, direction: str, event: dict[str, Any]) -> None:
+        now = time.monotonic()
+        line = (
+            json.dumps(
+                {
+                    "t": round(now - self._t0, 6),
+                    "wall": round(time.time(), 6),
+                    "dir": direction,
+                    "event": event,
+                },
+                ensure_ascii=False,
+                separators=(",", ":"),
+            )
+            + "\n"
+        )
+        if self._events is None:
+            if len(self._pending) < _MAX_PENDING:
+                self._pending.append(line)
+            return
+        self._events.write(line)
+
+    def _write_meta(self) -> None:
+        assert self.folder is not None
+        tmp = self.folder / "meta.json.tmp"
+        tmp.write_text(json.dumps(self._meta, indent=2, ensure_ascii=False) + "\n")
+        os.replace(tmp, self.folder / "meta.json")
+
+    def _close_files(self) -> None:
+        for f in (self._events, self._units, self._user, self._model):
+            if f is not None:
+                try:
+                    f.close()
+                except Exception:
+                    log.debug("session %s: closing a recording file failed", self.session_id)
+        self._events = self._units = self._user = self._model = None
+
+    def _disable(self) -> None:
+        self.enabled = False
+        self._pending.clear()
+        self._close_files()
+        if self.folder is not None:
+            _ACTIVE.discard(self.folder)
+
+
+def _open_wav(path: Path, rate: int) -> wave.Wave_write:
+    w = wave.open(str(path), "wb")
+    w.setnchannels(1)
+    w.setsampwidth(2)
+    w.setframerate(rate)
+    return w
+
+
+# ---- retention --------------------------------------------------------------------
+
+
+def _folder_usage(folder: Path) -> tuple[int, float]:
+    """(bytes, newest modification time) of everything under a folder."""
+    size, newest = 0, 0.0
+    for dirpath, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                st = os.stat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            size += st.st_size
+            newest = max(newest, st.st_mtime)
+    return size, newest or folder.stat().st_mtime
+
+
+def prune(
+    root: Path,
+    max_age_s: float,
+    max_bytes: int,
+    now: float | None = None,
+    active: set[Path] | None = None,
+) -> list[str]:
+    """Delete recordings (folders holding a meta.json) older than `max_age_s` (by their
+    newest file), then the oldest until the rest fit in `max_bytes`. Folders still being
+    recorded are never deleted. Returns the names removed."""
+    now = time.time() if now is None else now
+    active = _ACTIVE if active is None else active
+    if not root.is_dir():
+        return []
+    entries = []
+    for child in root.iterdir():
+        if child.is_symlink() or not child.is_dir() or not (child / "meta.json").is_file():
+            continue  # not a recording: never touched
+        size, newest = _folder_usage(child)
+        entries.append((newest, child.name, size, child))
+    entries.sort()
+    removed: list[str] = []
+    kept = []
+    for newest, name, size, child in entries:
+        if now - newest > max_age_s and child not in active:
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(name)
+        else:
+            kept.append((newest, name, size, child))
+    total = sum(e[2] for e in kept)
+    for _newest, name, size, child in kept:
+        if total <= max_bytes:
+            break
+        if child in active:
+            continue
+        shutil.rmtree(child, ignore_errors=True)
+        removed.append(name)
+        total -= size
+    return removed
+
+
+def start_retention(config: Any, interval_s: float = 3600.0) -> asyncio.Task | None:
+    """When the edge records: prune now (off the loop), then every `interval_s`."""
+    if not getattr(config, "record_dir", None):
+        return None
+    root = Path(config.record_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    max_age_s = config.record_max_age_days * 86400.0
+    max_bytes = config.record_max_bytes
+
+    async def loop() -> None:
+        while True:
+            try:
+                removed = await asyncio.to_thread(prune, root, max_age_s, max_bytes)
+                if removed:
+                    log.info("retention: removed %d recordings from %s", len(removed), root)
+            except Exception:
+                log.exception("retention: pruning %s failed", root)
+            await asyncio.sleep(interval_s)
+
+    task = asyncio.get_running_loop().create_task(loop())
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
+    log.info(
+        "recording sessions into %s (max age %.1f days, max %d bytes)",
+        root,
+        config.record_max_age_days,
+        max_bytes,
+    )
+    return task

@@ -1,0 +1,142 @@
+"""Prometheus metrics of one scheduler, in its own CollectorRegistry.
+
+Queue, leases and workers are read from the Scheduler's state at scrape time (a custom
+collector, so nothing can drift); only the queue-wait histogram is fed by a hook in the
+core (`observe_queue_wait`, at every grant). Served by `serve_http` on
+`--metrics-port` (a prometheus_client HTTP server on its own thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from scheduler.core import Scheduler
+
+#: Queue waits, seconds: from immediate grants to the long waits of a full fleet.
+QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class SchedulerMetrics:
+    """The scheduler's instruments; `registry` is what /metrics serves."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.registry = CollectorRegistry()
+        self.queue_wait = Histogram(
+            "omni_scheduler_queue_wait_seconds",
+            "Time from a session's Acquire to its lease grant (0 when a slot was free), by mode.",
+            ["mode"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_StateCollector(scheduler))
+
+    def observe_queue_wait(self, mode: str, seconds: float) -> None:
+        self.queue_wait.labels(mode).observe(max(0.0, seconds))
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format (what a scrape returns)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    """Gauges and counters read from the Scheduler when scraped.
+
+    Runs on the HTTP server's thread: it only copies containers (list(), len()) and
+    reads attributes, which the GIL keeps consistent enough for monitoring.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    def collect(self) -> Iterator[Any]:
+        s = self._scheduler
+        counters = s.counters
+        yield _gauge("omni_scheduler_queue_length", "Sessions waiting in the queue.", len(s.queue))
+        yield _gauge(
+            "omni_scheduler_queue_max", "Queue length beyond which queue_full.", s.queue.queue_max
+        )
+        for name, help_text, value in (
+            ("leases_granted", "Leases granted since start.", counters.leases_granted),
+            (
+                "leases_returned",
+                "Leases whose holder ended its Acquire stream (session over).",
+                counters.leases_returned,
+            ),
+            (
+                "leases_lost",
+                "Active leases that ended with their worker (lost or re-registered without it).",
+                counters.leases_lost,
+            ),
+            (
+                "leases_expired",
+                "Returned leases whose slot was freed by the release timeout because the "
+                "worker never confirmed the release.",
+                counters.leases_expired,
+            ),
+            (
+                "queue_full_rejections",
+                "Acquire requests rejected with queue_full.",
+                counters.queue_full_rejections,
+            ),
+        ):
+            yield CounterMetricFamily(f"omni_scheduler_{name}", help_text, value=value)
+        leases = list(s.leases)
+        yield _gauge(
+            "omni_scheduler_leases_active",
+            "Leases whose holder still holds them.",
+            sum(1 for lease in leases if lease.state.value == "active"),
+        )
+        yield _gauge(
+            "omni_scheduler_leases_occupying",
+            "Leases occupying a slot (active, returning or orphan).",
+            len(leases),
+        )
+        workers = list(s.registry)
+        by_health = GaugeMetricFamily(
+            "omni_scheduler_workers", "Registered workers by health.", labels=["health"]
+        )
+        for health in ("serving", "not_serving", "unknown"):
+            by_health.add_metric([health], sum(1 for w in workers if w.health.value == health))
+        yield by_health
+        slots = GaugeMetricFamily(
+            "omni_scheduler_worker_slots", "Slots a worker advertises.", labels=["worker_id"]
+        )
+        free = GaugeMetricFamily(
+            "omni_scheduler_worker_slots_free",
+            "Slots of a worker not occupied by any lease.",
+            labels=["worker_id"],
+        )
+        up = GaugeMetricFamily(
+            "omni_scheduler_worker_serving",
+            "1 while the worker reports SERVING, else 0.",
+            labels=["worker_id", "engine"],
+        )
+        for w in workers:
+            slots.add_metric([w.worker_id], w.slots)
+            free.add_metric([w.worker_id], w.slots_free)
+            up.add_metric([w.worker_id, w.engine], 1 if w.health.value == "serving" else 0)
+        yield slots
+        yield free
+        yield up
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, value=value)
+
+
+def serve_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
+    """Serve `registry` over HTTP on host:port (0: any free port) from a daemon thread.
+
+    Every GET path answers with the metrics (/metrics; /healthz too, as a liveness
+    probe). Returns the server and its bound port. Raises OSError when it cannot bind.
+    """
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, int(server.server_address[1])

@@ -1,0 +1,236 @@
+"""Session recording (edge --record-dir) and `omnifabric replay`, through real processes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge.recording import float32_wav, prune, read_float32_wav
+from tests.conftest import ROOT, scaled
+from tests.stack import Stack
+
+FIXTURE = ROOT / "tests" / "fixtures" / "speech" / "question.wav"
+
+
+@pytest.fixture(scope="module")
+def record_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("recordings")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, record_dir):
+    s = Stack(tmp_path_factory.mktemp("logs"))
+    try:
+        s.start_scheduler()
+        s.start_worker("--engine", "reference", "--slots", "2")
+        s.start_edge("--record-dir", str(record_dir))
+        yield s
+    finally:
+        s.stop()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tools.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+
+
+def _finished(folder: Path) -> dict:
+    """meta.json once the edge has finished the recording (after the connection ended)."""
+    deadline = time.monotonic() + scaled(10)
+    while True:
+        meta = json.loads((folder / "meta.json").read_text())
+        if meta.get("ended_at") or time.monotonic() > deadline:
+            return meta
+        time.sleep(0.05)
+
+
+def _strings(value, out: list[str]) -> list[str]:
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _strings(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            _strings(v, out)
+    return out
+
+
+async def test_no_record_dir_writes_nothing(tmp_path):
+    # First in the file: it runs before the module's recording stack starts (default ports).
+    from tools.client import SILENCE_UNIT, run_session
+
+    s = Stack(tmp_path / "logs")
+    (tmp_path / "logs").mkdir()
+    try:
+        s.start_scheduler()
+        s.start_worker("--engine", "synthetic", "--compute-ms", "5")
+        s.start_edge()
+        report = await run_session(f"{s.url}?mode=audio", [SILENCE_UNIT] * 3, pace_s=0)
+    finally:
+        s.stop()
+    assert report.session_id and report.closed_reason == "user_stop"
+    assert not (ROOT / report.session_id).exists()
+    assert not any(p.name == report.session_id for p in tmp_path.rglob("*"))
+    assert "recording" not in s.edge.log().lower()
+
+
+def test_record_then_replay(stack, record_dir, tmp_path):
+    probe = _cli(
+        *("probe", "--url", stack.url, "--mode", "audio", "--input", str(FIXTURE)),
+        *("--fast", "--tail", "2", "--quiet"),
+    )
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    folders = [p for p in record_dir.iterdir() if p.is_dir()]
+    assert len(folders) == 1, folders
+    folder = folders[0]
+    meta = _finished(folder)
+    assert meta["session_id"] == folder.name
+    assert meta["mode"] == "audio" and meta["dialect"] == "current"
+    assert meta["system_prompt"] == "You are a helpful assistant."
+    assert meta["close_reason"] == "user_stop" and meta["ended_at"]
+    n_units = 15 + 2  # 14.03 s of question (the last unit padded) + 2 silent units
+    assert meta["units"] == n_units
+
+    # events.jsonl: every line timestamped, directions both ways, never inline audio.
+    lines = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    assert {rec["dir"] for rec in lines} == {"in", "out"}
+    assert all({"t", "wall", "dir", "event"} <= rec.keys() for rec in lines)
+    assert max(len(s) for rec in lines for s in _strings(rec, [])) < 1000
+    types = [rec["event"]["type"] for rec in lines]
+    assert types[0] == "session.queue_done" and "session.init" in types
+    assert types.count("input.append") == n_units and types[-1] == "session.closed"
+    audio_refs = [rec["event"]["audio"] for rec in lines if rec["event"].get("kind") == "audio"]
+    assert audio_refs and all(ref["wav"] == "model.wav" for ref in audio_refs)
+
+    # Audio: user.wav 16 kHz, model.wav 24 kHz, each unit's exact input.
+    with wave.open(str(folder / "user.wav")) as w:
+        assert (w.getframerate(), w.getsampwidth(), w.getnchannels()) == (16000, 2, 1)
+        assert w.getnframes() == n_units * 16000
+    with wave.open(str(folder / "model.wav")) as w:
+        assert (w.getframerate(), w.getsampwidth(), w.getnchannels()) == (24000, 2, 1)
+        assert 24000 < w.getnframes() == sum(ref["samples"] for ref in audio_refs)
+    first, rate = read_float32_wav((folder / "in" / "000001.wav").read_bytes())
+    with wave.open(str(FIXTURE)) as w:
+        source = np.frombuffer(w.readframes(16000), "<i2").astype(np.float32) / 32768.0
+    assert rate == 16000 and np.array_equal(first, source)
+    assert len(list((folder / "in").glob("*.wav"))) == n_units
+
+    # units.jsonl: one line per unit, with timings; the answer is spoken.
+    units = [json.loads(line) for line in (folder / "units.jsonl").read_text().splitlines()]
+    assert [u["seq"] for u in units] == list(range(1, n_units + 1))
+    assert {"kind", "text", "end_of_turn", "kv", "prefill_ms", "edge_ms"} <= units[0].keys()
+    speak = [u for u in units if u["kind"] == "speak"]
+    assert speak and speak[-1]["end_of_turn"]
+    assert "paris" in "".join(u["text"] for u in speak).lower()
+    assert all(u["edge_ms"] is not None and u["edge_ms"] >= 0 for u in units)
+
+    # The reference engine is deterministic: the replay matches unit for unit.
+    replay = _cli("replay", str(folder), "--url", stack.url, "--fast")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert "timeline: match" in replay.stdout and "text: match" in replay.stdout
+
+    # A recording whose text differs in one unit fails the replay, naming that unit.
+    edited = tmp_path / folder.name
+    shutil.copytree(folder, edited)
+    target = speak[0]["seq"]
+    with open(edited / "units.jsonl", "w") as f:
+        for u in units:
+            if u["seq"] == target:
+                u = dict(u, text="Something else entirely.")
+            f.write(json.dumps(u) + "\n")
+    replay = _cli("replay", str(edited), "--url", stack.url, "--fast")
+    assert replay.returncode == 1, replay.stdout + replay.stderr
+    assert f"unit {target}: text differs" in replay.stdout
+    assert "text: 1 units differ" in replay.stdout
+    assert (
+        _cli("replay", str(edited), "--url", stack.url, "--fast", "--tolerance", "1").returncode
+        == 0
+    )
+
+
+def _fake(root: Path, name: str, size: int, age_s: float, now: float) -> Path:
+    folder = root / name
+    (folder / "in").mkdir(parents=True)
+    (folder / "meta.json").write_text("{}")
+    (folder / "in" / "000001.wav").write_bytes(b"\0" * size)
+    for path in (folder / "meta.json", folder / "in" / "000001.wav"):
+        os.utime(path, (now - age_s, now - age_s))
+    return folder
+
+
+def test_retention_by_age_then_size(tmp_path):
+    now = time.time()
+    _fake(tmp_path, "ancient", 100, 10 * 86400, now)
+    _fake(tmp_path, "old", 4000, 3000, now)
+    _fake(tmp_path, "mid", 4000, 2000, now)
+    _fake(tmp_path, "new", 4000, 1000, now)
+    active = _fake(tmp_path, "active", 4000, 5000, now)
+    (tmp_path / "not-a-recording").mkdir()
+    (tmp_path / "not-a-recording" / "data").write_bytes(b"\0" * 100_000)
+    # Older than a day goes; then oldest first until under 12.1 kB; active folders stay.
+    removed = prune(tmp_path, 86400, 12_100, now=now, active={active})
+    assert removed == ["ancient", "old"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["active", "mid", "new", "not-a-recording"]
+    assert prune(tmp_path, 1500, 10**9, now=now, active=set()) == ["active", "mid"]
+    assert prune(tmp_path / "missing", 1, 1) == []
+
+
+def test_float32_wav_round_trip():
+    samples = np.random.default_rng(3).standard_normal(16000).astype("<f4")
+    data = float32_wav(samples.tobytes())
+    back, rate = read_float32_wav(data)
+    assert rate == 16000 and back.dtype == np.float32 and np.array_equal(back, samples)
+    from scipy.io import wavfile  # an independent reader agrees
+
+    rate2, back2 = wavfile.read(io.BytesIO(data))
+    assert rate2 == 16000 and np.array_equal(back2, samples)
+
+
+async def test_first_dialect_recorded_and_replayed(stack, record_dir):
+    from tools.client import run_session
+    from tools.probe import read_wav_16k, split_units
+
+    before = {p.name for p in record_dir.iterdir()}
+    units = split_units(read_wav_16k(FIXTURE), 2)
+    report = await run_session(f"{stack.url}?mode=audio", units, pace_s=0, dialect="first")
+    assert report.closed_reason == "stopped" and report.session_id not in before
+    folder = record_dir / report.session_id
+    meta = _finished(folder)
+    assert meta["dialect"] == "first" and meta["close_reason"] == "stopped"
+    types = {json.loads(line)["event"]["type"] for line in open(folder / "events.jsonl")}
+    assert {"session.update", "input_audio_buffer.append", "response.listen"} <= types
+    replay = _cli("replay", str(folder), "--url", stack.url, "--fast")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert "timeline: match" in replay.stdout and "text: match" in replay.stdout
+
+
+def test_recording_failure_disables_the_recorder(tmp_path):
+    from edge import events as ev
+    from edge.recording import SessionRecorder
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    rec = SessionRecorder(blocker, "rt_1_abc", "audio", "/v1/realtime?mode=audio&api_key=x")
+    assert rec.query == {"mode": ["audio"]}  # secrets never reach meta.json
+    rec.start(ev.InitCommand(dialect=ev.Dialect.CURRENT))  # cannot create the folder
+    assert not rec.enabled
+    rec.append(ev.AppendCommand(pcm=b"\0" * 64000), ev.Dialect.CURRENT)
+    rec.outbound({"type": "session.closed"})
+    rec.finish()

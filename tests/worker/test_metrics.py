@@ -1,0 +1,107 @@
+"""Worker metrics: the hooks move the instruments; the runtime's state is read at scrape
+time; a real session through WorkerService is counted; /metrics over HTTP."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import urllib.request
+
+from omni.realtime.v1 import common_pb2
+from tests.worker.conftest import SessionClient
+from worker import logs
+from worker.engine import GenerateResult
+from worker.metrics import WorkerMetrics, serve_http
+from worker.session import CloseReason, SessionEnd, UnitOutput, UnitTimings, Usage
+
+
+def _output(seq: int, wall_clock_ms: float, is_listen: bool = True, kv: int = 300) -> UnitOutput:
+    result = GenerateResult(is_listen=is_listen, text="" if is_listen else "hi", kv_cache_length=kv)
+    timings = UnitTimings(
+        prefill_ms=20.0, generate_ms=30.0, finalize_wait_ms=1.0, wall_clock_ms=wall_clock_ms
+    )
+    return UnitOutput(seq=seq, result=result, timings=timings, usage=Usage(), dropped_seqs=[])
+
+
+def test_observe_unit_and_end_move_the_instruments():
+    metrics = WorkerMetrics()
+    value = metrics.registry.get_sample_value
+    metrics.observe_unit(_output(1, 60.0), "audio")
+    metrics.observe_unit(_output(2, 1500.0, is_listen=False, kv=700), "audio")
+    assert value("omni_worker_units_total", {"mode": "audio", "kind": "listen"}) == 1
+    assert value("omni_worker_units_total", {"mode": "audio", "kind": "speak"}) == 1
+    assert value("omni_worker_unit_deadline_misses_total") == 1
+    assert value("omni_worker_unit_stage_seconds_count", {"stage": "prefill"}) == 2
+    assert value("omni_worker_unit_stage_seconds_sum", {"stage": "generate"}) == 0.06
+    assert value("omni_worker_unit_stage_seconds_bucket", {"stage": "wall_clock", "le": "1.0"}) == 1
+    assert value("omni_worker_unit_context_tokens_sum") == 1000
+    end = SessionEnd(CloseReason.USER_STOP, "closed", Usage(), units_served=2, units_dropped=3)
+    metrics.observe_end(end)
+    assert value("omni_worker_sessions_ended_total", {"reason": "user_stop"}) == 1
+    assert value("omni_worker_units_dropped_total") == 3
+
+
+async def test_runtime_state_and_a_served_session(scheduler, workers):
+    worker = await workers.start(slots=2)
+    value = worker.runtime.metrics.registry.get_sample_value
+    assert value("omni_worker_slots") == 2
+    assert value("omni_worker_slots_free") == 2
+    assert value("omni_worker_serving") == 1
+    assert value("omni_worker_info", {"worker_id": worker.worker_id, "engine": "synthetic"}) == 1
+    # Memory figures exist for every engine (cpu here: process RSS).
+    assert value("omni_worker_memory_baseline_bytes", {"device": "cpu"}) > 0
+    assert value("omni_worker_memory_allocated_bytes", {"device": "cpu"}) > 0
+
+    scheduler.grant(worker.worker_id, "L1")
+    client = SessionClient(workers.stub(worker))
+    client.start("L1")
+    assert (await client.next()).WhichOneof("kind") == "started"
+    assert value("omni_worker_sessions_active", {"mode": "audio"}) == 1
+    assert value("omni_worker_slots_free") == 1
+    for seq in (1, 2, 3):
+        client.unit(seq)
+        assert (await client.next()).WhichOneof("kind") == "result"
+    client.close(common_pb2.CLOSE_REASON_USER_STOP)
+    await client.until_ended()
+    assert value("omni_worker_units_total", {"mode": "audio", "kind": "listen"}) == 3
+    assert value("omni_worker_sessions_ended_total", {"reason": "user_stop"}) == 1
+    assert value("omni_worker_sessions_active", {"mode": "audio"}) == 0
+    assert value("omni_worker_memory_cleanups_total") == 1
+
+
+def test_serve_http_answers_metrics():
+    metrics = WorkerMetrics()
+    metrics.observe_unit(_output(1, 10.0), "video")
+    server, port = serve_http(metrics.registry, "127.0.0.1", 0)
+    try:
+        assert port > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            body = reply.read().decode()
+        assert 'omni_worker_units_total{kind="listen",mode="video"} 1.0' in body
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as reply:
+            assert reply.status == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_json_log_lines_carry_the_session_id():
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logs.JsonFormatter())
+    logger = logging.getLogger("test.worker.metrics.logs")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    token = logs.bind_session("rt_1")
+    try:
+        logger.info("unit %d served", 7, extra={"seq": 7})
+    finally:
+        logs.SESSION_ID.reset(token)
+    logger.info("no session")
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert first["msg"] == "unit 7 served" and first["session_id"] == "rt_1"
+    assert (first["service"], first["level"], first["seq"]) == ("worker", "INFO", 7)
+    assert first["ts"].endswith("Z") and "trace_id" not in first
+    assert "session_id" not in second

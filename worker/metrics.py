@@ -1,0 +1,200 @@
+"""Prometheus metrics of one worker, in its own CollectorRegistry.
+
+Per-unit figures are fed by `observe_unit` (one call where a UnitOutput goes out) and
+session ends by `observe_end` (when the runtime frees a session); sessions, slots,
+health and memory are read from the WorkerRuntime at scrape time. Served by
+`serve_http` on `--metrics-port` (a prometheus_client HTTP server on its own thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from worker.engines import memory
+
+if TYPE_CHECKING:
+    from worker.runtime import WorkerRuntime
+    from worker.session import SessionEnd, UnitOutput
+
+#: Stage latencies, seconds; the unit loop runs at one unit per second.
+STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+#: Context length, tokens (the cap is 8192 by default).
+CONTEXT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 16384)
+#: A unit whose wall clock exceeds this missed its real-time deadline.
+DEADLINE_S = 1.0
+#: UnitTimings field -> stage label.
+STAGES = {
+    "prefill_ms": "prefill",
+    "generate_ms": "generate",
+    "finalize_wait_ms": "finalize_wait",
+    "wall_clock_ms": "wall_clock",
+    "queue_ms": "queue",
+}
+
+
+class WorkerMetrics:
+    """The worker's instruments; `registry` is what /metrics serves."""
+
+    def __init__(self, runtime: WorkerRuntime | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.units = Counter(
+            "omni_worker_units",
+            "Units served (one result each), by mode and kind (listen or speak).",
+            ["mode", "kind"],
+            registry=r,
+        )
+        self.unit_seconds = Histogram(
+            "omni_worker_unit_stage_seconds",
+            "Time per served unit by stage: prefill, generate, finalize_wait (waiting for "
+            "the previous unit's deferred finalize), queue (receipt to start), wall_clock "
+            "(receipt to result).",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.deadline_misses = Counter(
+            "omni_worker_unit_deadline_misses",
+            f"Units whose wall clock exceeded {DEADLINE_S:g} s (slower than real time).",
+            registry=r,
+        )
+        self.units_dropped = Counter(
+            "omni_worker_units_dropped",
+            "Units replaced by a newer one before they were served (newest wins), "
+            "counted when their session ends.",
+            registry=r,
+        )
+        self.context_tokens = Histogram(
+            "omni_worker_unit_context_tokens",
+            "Context (KV cache) length after each served unit, tokens.",
+            buckets=CONTEXT_BUCKETS,
+            registry=r,
+        )
+        self.sessions_ended = Counter(
+            "omni_worker_sessions_ended",
+            "Duplex sessions ended, by close reason.",
+            ["reason"],
+            registry=r,
+        )
+        if runtime is not None:
+            r.register(_RuntimeCollector(runtime))
+
+    def observe_unit(self, output: UnitOutput, mode: str = "") -> None:
+        """One served unit: its stage times, kind, context length, deadline."""
+        timings = output.timings
+        for field, stage in STAGES.items():
+            self.unit_seconds.labels(stage).observe(max(0.0, getattr(timings, field)) / 1000.0)
+        if timings.wall_clock_ms > DEADLINE_S * 1000.0:
+            self.deadline_misses.inc()
+        result = output.result
+        self.units.labels(mode, "listen" if result.is_listen else "speak").inc()
+        self.context_tokens.observe(result.kv_cache_length)
+
+    def observe_end(self, end: SessionEnd) -> None:
+        """A session ended (after its engine session and memory were freed)."""
+        self.sessions_ended.labels(end.reason.value).inc()
+        if end.units_dropped:
+            self.units_dropped.inc(end.units_dropped)
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format (what a scrape returns)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class _RuntimeCollector(Collector):
+    """Gauges read from the WorkerRuntime when scraped (on the HTTP server's thread:
+    containers are copied with list()/len() before use)."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self._runtime = runtime
+
+    def collect(self) -> Iterator[Any]:
+        rt = self._runtime
+        sessions = list(rt.sessions.values())
+        active = GaugeMetricFamily(
+            "omni_worker_sessions_active", "Duplex sessions open, by mode.", labels=["mode"]
+        )
+        for mode in ("audio", "video"):
+            active.add_metric([mode], sum(1 for s in sessions if s.spec.mode == mode))
+        yield active
+        yield GaugeMetricFamily(
+            "omni_worker_chat_turns_active", "Chat turns being generated.", value=rt.chats
+        )
+        yield GaugeMetricFamily("omni_worker_slots", "Sessions this worker takes.", value=rt.slots)
+        yield GaugeMetricFamily(
+            "omni_worker_slots_free",
+            "Slots not held by a session or chat turn.",
+            value=max(0, rt.slots - len(sessions) - rt.chats),
+        )
+        yield GaugeMetricFamily(
+            "omni_worker_serving",
+            "1 while the worker takes new sessions (SERVING), else 0.",
+            value=1 if rt.health.serving else 0,
+        )
+        info = GaugeMetricFamily(
+            "omni_worker_info",
+            "Always 1: the worker's id and engine.",
+            labels=["worker_id", "engine"],
+        )
+        info.add_metric([rt.config.worker_id, rt.engine.name], 1)
+        yield info
+        yield from self._memory()
+
+    def _memory(self) -> Iterator[Any]:
+        """Memory figures, for every engine: device "cuda" (torch.cuda.memory_allocated)
+        or "cpu" (process RSS)."""
+        rt = self._runtime
+        base, last = rt.baseline, rt.last_cleanup
+        in_use, device = memory.measure()
+        labels = ["device"]
+        now = GaugeMetricFamily(
+            "omni_worker_memory_allocated_bytes",
+            "Memory in use now: CUDA allocated bytes, or RSS on CPU.",
+            labels=labels,
+        )
+        now.add_metric([device], in_use)
+        yield now
+        if base is not None:
+            baseline = GaugeMetricFamily(
+                "omni_worker_memory_baseline_bytes",
+                "Memory in use after the warm-up unit (what cleanups return to).",
+                labels=labels,
+            )
+            baseline.add_metric([base.device], base.after_bytes)
+            yield baseline
+        report = last or base
+        if report is not None:
+            after = GaugeMetricFamily(
+                "omni_worker_memory_after_cleanup_bytes",
+                "Memory in use after the last cleanup (session end, or warm-up before any).",
+                labels=labels,
+            )
+            after.add_metric([report.device], report.after_bytes)
+            yield after
+            before = GaugeMetricFamily(
+                "omni_worker_memory_before_cleanup_bytes",
+                "Memory in use just before the last cleanup.",
+                labels=labels,
+            )
+            before.add_metric([report.device], report.before_bytes)
+            yield before
+        yield CounterMetricFamily(
+            "omni_worker_memory_cleanups", "Memory cleanups after sessions.", value=rt.cleanups
+        )
+
+
+def serve_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
+    """Serve `registry` over HTTP on host:port (0: any free port) from a daemon thread.
+
+    Every GET path answers with the metrics (/metrics; /healthz too, as a liveness
+    probe). Returns the server and its bound port. Raises OSError when it cannot bind.
+    """
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, int(server.server_address[1])
