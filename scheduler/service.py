@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -141,6 +143,8 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
             context=telemetry.extract(context.invocation_metadata()),
             attributes={"session.id": request.session_id},
         )
+        # Current for this RPC's task, so its log lines carry the session's trace id.
+        token = otel_context.attach(trace.set_span_in_context(span))
         try:
             mode = _mode_from_pb(request.mode)
             events = self._scheduler.acquire(mode, request.session_id)
@@ -156,6 +160,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
         finally:
             if span.is_recording():
                 span.end()
+            otel_context.detach(token)
 
     async def GetStatus(
         self, request: scheduler_pb.GetStatusRequest, context: grpc.aio.ServicerContext

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
+from opentelemetry import context as otel_context
 
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import worker_service_pb2 as worker_pb
@@ -249,6 +250,10 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 trace_context=telemetry.extract(context.invocation_metadata()),
             )
             logs.bind_session(spec.session_id)  # this task and the unit loop it starts
+            # The caller's trace is current for this RPC's task (and the unit loop's task
+            # created from it), so their log lines carry its trace id; the task ends with
+            # the RPC, so nothing needs detaching.
+            otel_context.attach(spec.trace_context)
             session = await self.runtime.open_session(spec)
         except Exception as exc:
             code, message = status_for(exc)

@@ -4,6 +4,7 @@ definition) collects the spans that edge, scheduler and worker export for one se
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import defaultdict
 
 import grpc
@@ -72,6 +73,7 @@ async def test_one_trace_per_session_across_processes(receiver, tmp_path, monkey
             await asyncio.sleep(0.1)
     finally:
         stack.stop()
+    logs = {svc.name: svc.log_path.read_text() for svc in stack.services}
     spans = collector.spans
     by_name = defaultdict(list)
     for service, attrs, span in spans:
@@ -110,6 +112,13 @@ async def test_one_trace_per_session_across_processes(receiver, tmp_path, monkey
     edge_units = by_name["edge.unit"]
     assert len(edge_units) == len(UNITS)
     assert all(s.parent_span_id == session.span_id for _, _, s in edge_units)
+    # JSON log lines about the session carry its trace id in every service.
+    trace_hex = trace_id.hex()
+    for name in ("scheduler", "traced-worker", "edge"):
+        lines = [json.loads(line) for line in logs[name].splitlines() if line.startswith("{")]
+        about = [entry for entry in lines if entry.get("session_id")]
+        assert about, name
+        assert any(entry.get("trace_id") == trace_hex for entry in about), name
     # For the note: one real trace's unit spans with their timings.
     for u in sorted(units, key=lambda s: s.start_time_unix_nano):
         kids = {
