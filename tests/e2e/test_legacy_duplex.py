@@ -230,9 +230,12 @@ async def test_pause_timeout_releases_slot(one_slot):
     with pytest.raises(ConnectionClosed) as info:
         await client.recv()
     assert info.value.rcvd.code == 1000
-    # The only slot is free again: the next session is served without waiting.
+    # The only slot is free again: the next session gets it within moments (the release
+    # goes edge -> scheduler -> worker and back, so it may queue very briefly).
     nxt = await WsClient.open(duplex_url(one_slot))
-    assert (await nxt.recv(timeout_s=5))["type"] == "queue_done"
+    t1 = time.monotonic()
+    await nxt.until("queue_done", timeout_s=5)
+    assert time.monotonic() - t1 < scaled(2.0)
     await prepared(nxt)
     await stop(nxt)
 
