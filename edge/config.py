@@ -75,6 +75,9 @@ class EdgeConfig:
     """A client that does not answer a ping within this is closed."""
     worker_start_timeout_s: float = 30.0
     """Time allowed for a worker to prepare a session (system prompt, voices)."""
+    unit_timeout_s: float = 3.0
+    """A unit with no result (nor a counted drop) after this long means the worker is hung:
+    the session closes with error (RELIABILITY.md F2 asks for detection within 5 s)."""
     close_timeout_s: float = 5.0
     """Time allowed for a worker to confirm a session's end before the edge gives up."""
     ws_close_timeout_s: float = 2.0
@@ -112,6 +115,7 @@ class EdgeConfig:
             open_timeout_s=_env_float("OMNI_EDGE_OPEN_TIMEOUT_S", cls.open_timeout_s, 0.1, 600),
             ping_interval_s=_env_float("OMNI_EDGE_PING_INTERVAL_S", cls.ping_interval_s, 0.1, 3600),
             ping_timeout_s=_env_float("OMNI_EDGE_PING_TIMEOUT_S", cls.ping_timeout_s, 0.1, 3600),
+            unit_timeout_s=_env_float("OMNI_EDGE_UNIT_TIMEOUT_S", cls.unit_timeout_s, 0.5, 600),
             record_dir=os.environ.get("OMNI_EDGE_RECORD_DIR") or None,
             record_max_age_days=_env_float(
                 "OMNI_EDGE_RECORD_MAX_AGE_DAYS", cls.record_max_age_days, 0.001, 36500

@@ -208,6 +208,7 @@ class LegacyDuplexConnection:
             self._on_event,
             start_timeout_s=app.config.worker_start_timeout_s,
             close_timeout_s=app.config.close_timeout_s,
+            unit_timeout_s=app.config.unit_timeout_s,
             session_id=session_id,
         )
         self._pending: ev.InitCommand | None = None

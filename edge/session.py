@@ -114,6 +114,7 @@ class SessionCore:
         start_timeout_s: float = 30.0,
         close_timeout_s: float = 5.0,
         session_id: str | None = None,
+        unit_timeout_s: float = 3.0,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {sorted(_MODES)}")
@@ -123,6 +124,9 @@ class SessionCore:
         self._emit = emit
         self._start_timeout_s = start_timeout_s
         self._close_timeout_s = close_timeout_s
+        self._unit_timeout_s = unit_timeout_s
+        self._waiting: dict[int, float] = {}
+        """Units sent and not yet answered (nor reported dropped): seq -> send time."""
         self._acquire_call: grpc.aio.UnaryStreamCall | None = None
         self._worker_call: grpc.aio.StreamStreamCall | None = None
         self._lease: scheduler_pb.Lease | None = None
@@ -238,7 +242,27 @@ class SessionCore:
         created = ev.Created(self.session_id, response.started.prompt_length)
         await self._emit(created)
         self._tasks.append(asyncio.create_task(self._pump(call)))
+        self._tasks.append(asyncio.create_task(self._watchdog()))
         return created
+
+    async def _watchdog(self) -> None:
+        """A worker that stops answering (hung process, stuck GPU) ends the session: the
+        transport's keepalive would take far longer to notice a peer that is alive but stuck."""
+        interval = min(0.5, self._unit_timeout_s / 4)
+        while not self.closed.is_set():
+            await asyncio.sleep(interval)
+            if self._waiting:
+                oldest = min(self._waiting.values())
+                if time.monotonic() - oldest > self._unit_timeout_s:
+                    log.warning(
+                        "session %s: no result for %.1fs: the worker is not responding",
+                        self.session_id,
+                        time.monotonic() - oldest,
+                    )
+                    await self._finish(
+                        ev.Closed(ev.ERROR, self._usage, "the worker stopped responding")
+                    )
+                    return
 
     async def _pump(self, call: grpc.aio.StreamStreamCall) -> None:
         """Worker responses -> events, until the session's end."""
@@ -252,6 +276,7 @@ class SessionCore:
                 if kind == "result":
                     out = output_from(response.result)
                     self._usage = out.usage
+                    self._answered(out)
                     await self._emit(out)
                     METRICS.output(self.mode, out, self._unit_sent_at)
                     self._end_unit_span(out)
@@ -274,6 +299,11 @@ class SessionCore:
             return
         await self._finish(closed or ev.Closed(ev.ERROR, self._usage, "the worker was lost"))
 
+    def _answered(self, out: ev.Output) -> None:
+        self._waiting.pop(out.seq, None)
+        for seq in out.dropped_seqs:
+            self._waiting.pop(seq, None)
+
     def _end_unit_span(self, out: ev.Output) -> None:
         span = self._unit_spans.pop(out.seq, None)
         if span is not None:
@@ -292,6 +322,7 @@ class SessionCore:
         if self.closed.is_set():
             raise NotReady("the session is closed")
         self._seq += 1
+        self._waiting[self._seq] = time.monotonic()
         # Edge-side time of the unit: from the client's append to the result going out.
         self._unit_spans[self._seq] = telemetry.tracer.start_span(
             "edge.unit", context=self._trace, attributes={"unit.seq": self._seq}

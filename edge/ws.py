@@ -176,6 +176,7 @@ class Connection:
             self._on_event,
             start_timeout_s=app.config.worker_start_timeout_s,
             close_timeout_s=app.config.close_timeout_s,
+            unit_timeout_s=app.config.unit_timeout_s,
         )
         self.renderer: protocol.OutputRenderer | None = None
         self._pending_init: ev.InitCommand | None = None

@@ -18,6 +18,7 @@ ENV_VARS: dict[str, str] = {
     "eta_alpha": "OMNI_SCHEDULER_ETA_ALPHA",
     "eta_initial_s": "OMNI_SCHEDULER_ETA_INITIAL_S",
     "release_timeout_s": "OMNI_SCHEDULER_RELEASE_TIMEOUT_S",
+    "worker_timeout_s": "OMNI_SCHEDULER_WORKER_TIMEOUT_S",
     "metrics_port": "OMNI_SCHEDULER_METRICS_PORT",
 }
 
@@ -29,6 +30,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "eta_alpha": (0.001, 1.0),
     "eta_initial_s": (0.001, 86_400.0),
     "release_timeout_s": (0.01, 3600.0),
+    "worker_timeout_s": (0.1, 3600.0),
     "metrics_port": (-1, 65535),
 }
 
@@ -57,6 +59,10 @@ class SchedulerConfig:
 
     release_timeout_s: float = 10.0
     """Seconds a worker gets to answer a revocation before its slot is freed anyway."""
+
+    worker_timeout_s: float = 3.0
+    """A worker silent this long on its Register stream (workers report every second) is
+    hung: its registration ends and its leases are lost (RELIABILITY.md F2)."""
 
     metrics_port: int = 9150
     """Port of the Prometheus /metrics HTTP server (same host); 0 = any free port, -1 = off."""

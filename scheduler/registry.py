@@ -48,6 +48,8 @@ class Worker:
     engine: str
     health: Health
     detail: str = ""
+    #: Event-loop time of the worker's last message (its liveness).
+    last_seen: float = 0.0
     #: The worker's latest memory report, or None before its first.
     memory: MemoryFigures | None = None
     #: Registration order; ties between equally free workers go to the older one.

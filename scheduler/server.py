@@ -27,8 +27,10 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    # The server pings too: a hung worker (SIGSTOP, stuck kernel) stops acking, its
+    # Register stream breaks within ~4 s and its leases end (RELIABILITY.md F2).
+    ("grpc.keepalive_time_ms", 2_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),

@@ -21,6 +21,9 @@ from worker.runtime import Health, WorkerRuntime
 
 log = logging.getLogger("omnifabric.worker.registration")
 
+#: Seconds between reports sent even when nothing changed: the scheduler's liveness signal.
+HEARTBEAT_S = 1.0
+
 MODE_NAMES = {
     common_pb2.MODE_AUDIO: "audio",
     common_pb2.MODE_VIDEO: "video",
@@ -89,13 +92,12 @@ class Registration:
 
     def report(self, health: Health) -> None:
         """Tell the scheduler the health changed (hello carries it when disconnected)."""
-        self._send(
-            scheduler_pb.RegisterRequest(
-                report=scheduler_pb.WorkerReport(
-                    health=_health_value(health),
-                    detail=health.detail,
-                    memory=self._memory(),
-                )
+        self._send(self._report_request(health))
+
+    def _report_request(self, health: Health) -> scheduler_pb.RegisterRequest:
+        return scheduler_pb.RegisterRequest(
+            report=scheduler_pb.WorkerReport(
+                health=_health_value(health), detail=health.detail, memory=self._memory()
             )
         )
 
@@ -171,7 +173,6 @@ class Registration:
         outbox: asyncio.Queue[scheduler_pb.RegisterRequest | None] = asyncio.Queue()
         outbox.put_nowait(self._hello())
         self._outbox = outbox
-        registered = False
 
         async def requests() -> AsyncIterator[scheduler_pb.RegisterRequest]:
             while True:
@@ -180,25 +181,45 @@ class Registration:
                     return
                 yield request
 
+        async def heartbeat() -> None:
+            # The scheduler drops a worker whose reports stop (hung process): report every
+            # HEARTBEAT_S even when nothing changed.
+            while True:
+                await asyncio.sleep(HEARTBEAT_S)
+                outbox.put_nowait(self._report_request(self.runtime.health))
+
+        beats = asyncio.ensure_future(heartbeat())
         options = channel_options(self.config.max_message_bytes)
-        async with grpc.aio.insecure_channel(self.config.scheduler_address, options=options) as ch:
-            call = scheduler_grpc.SchedulerServiceStub(ch).Register(requests())
-            async for response in call:
-                kind = response.WhichOneof("kind")
-                if kind == "registered":
-                    registered = True
-                    self.registrations += 1
-                    self.registered.set()
-                    log.info(
-                        "registered with scheduler %s as %s",
-                        self.config.scheduler_address,
-                        self.worker_id,
-                    )
-                elif kind == "lease_granted":
-                    self._on_granted(response.lease_granted)
-                elif kind == "lease_revoked":
-                    revoked = response.lease_revoked
-                    self.runtime.leases.revoke(revoked.lease_id, revoked.reason)
+        try:
+            async with grpc.aio.insecure_channel(
+                self.config.scheduler_address, options=options
+            ) as ch:
+                return await self._serve_stream(ch, requests())
+        finally:
+            beats.cancel()
+
+    async def _serve_stream(
+        self, ch: grpc.aio.Channel, requests: AsyncIterator[scheduler_pb.RegisterRequest]
+    ) -> bool:
+        """Read the Register stream until it ends; True if it got registered."""
+        registered = False
+        call = scheduler_grpc.SchedulerServiceStub(ch).Register(requests)
+        async for response in call:
+            kind = response.WhichOneof("kind")
+            if kind == "registered":
+                registered = True
+                self.registrations += 1
+                self.registered.set()
+                log.info(
+                    "registered with scheduler %s as %s",
+                    self.config.scheduler_address,
+                    self.worker_id,
+                )
+            elif kind == "lease_granted":
+                self._on_granted(response.lease_granted)
+            elif kind == "lease_revoked":
+                revoked = response.lease_revoked
+                self.runtime.leases.revoke(revoked.lease_id, revoked.reason)
         log.warning("scheduler %s ended the registration stream", self.config.scheduler_address)
         return registered
 

@@ -344,3 +344,69 @@ async def test_edge_sigterm_closes_sessions_with_server_shutdown(stack):
         closed = await client.until("session.closed", timeout_s=5)
         assert closed["reason"] == "server_shutdown"
     assert edge.proc.wait(timeout=scaled(10)) == 0
+
+
+async def test_hung_worker_detected_within_5s(stack):
+    """F2: SIGSTOP a worker mid-session: its client is closed with error within 5 s (edge
+    unit watchdog), the scheduler drops the worker (server keepalive) and the next client
+    is served by the other worker."""
+    stack.start_scheduler()
+    victim = stack.start_worker("--slots", "1", "--compute-ms", "5", name="hung")
+    stack.start_worker("--slots", "1", "--compute-ms", "5", name="healthy")
+    stack.start_edge()
+    url = f"{stack.url}?mode=audio"
+    # Fill both slots, then find the session on the victim.
+    a, b = await WsClient.open(url), await WsClient.open(url)
+    await a.start()
+    await b.start()
+    status = await scheduler_status(stack.scheduler_address)
+    hung_leases = {lid for w in status.workers if w.worker_id == "hung" for lid in w.lease_ids}
+    assert len(hung_leases) == 1
+    victim.kill(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        closed = {}
+
+        async def feed(client, name):
+            # A client keeps streaming 1 unit per 0.5 s until its session ends (~7 s).
+            for _ in range(12):
+                try:
+                    await client.append(SILENCE)
+                    event = await client.until("delta.listen", "session.closed", timeout_s=1.5)
+                except (TimeoutError, ConnectionClosed):
+                    continue
+                if event["type"] == "session.closed":
+                    closed[name] = (event, time.monotonic() - t0)
+                    return
+                await asyncio.sleep(0.5)
+
+        drop_time = []
+
+        async def watch_drop():
+            async def dropped():
+                s = await scheduler_status(stack.scheduler_address)
+                return "hung" not in {w.worker_id for w in s.workers}
+
+            await wait_for(dropped, 8.0)
+            drop_time.append(time.monotonic() - t0)
+
+        await asyncio.gather(feed(a, "a"), feed(b, "b"), watch_drop())
+        assert len(closed) == 1, closed  # only the hung worker's client
+        [(event, took)] = closed.values()
+        assert event["reason"] == "error" and took < 5.0, took
+        print(
+            f"hung worker: client closed after {took:.2f}s, dropped by the scheduler "
+            f"after {drop_time[0]:.2f}s"
+        )
+        assert drop_time[0] < 5.0
+        # The next client is served by the healthy worker once the survivor's client leaves.
+        survivor = b if "a" in closed else a
+        await survivor.send({"type": "session.close"})
+        await survivor.until("session.closed")
+        nxt = await WsClient.open(url)
+        await nxt.start()
+        await nxt.append(SILENCE)
+        await nxt.until("delta.listen")
+    finally:
+        victim.kill(signal.SIGCONT)
+        victim.kill(signal.SIGKILL)
