@@ -75,6 +75,9 @@ class EdgeConfig:
     """A client that does not answer a ping within this is closed."""
     worker_start_timeout_s: float = 30.0
     """Time allowed for a worker to prepare a session (system prompt, voices)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser Origins allowed to open WebSockets (empty = any). Clients sending no Origin
+    header (SDKs, scripts) are always allowed; a listed-out Origin gets HTTP 403."""
     unit_timeout_s: float = 3.0
     """A unit with no result (nor a counted drop) after this long means the worker is hung:
     the session closes with error (RELIABILITY.md F2 asks for detection within 5 s)."""
@@ -116,6 +119,11 @@ class EdgeConfig:
             ping_interval_s=_env_float("OMNI_EDGE_PING_INTERVAL_S", cls.ping_interval_s, 0.1, 3600),
             ping_timeout_s=_env_float("OMNI_EDGE_PING_TIMEOUT_S", cls.ping_timeout_s, 0.1, 3600),
             unit_timeout_s=_env_float("OMNI_EDGE_UNIT_TIMEOUT_S", cls.unit_timeout_s, 0.5, 600),
+            allowed_origins=tuple(
+                o.strip()
+                for o in os.environ.get("OMNI_EDGE_ALLOWED_ORIGINS", "").split(",")
+                if o.strip()
+            ),
             record_dir=os.environ.get("OMNI_EDGE_RECORD_DIR") or None,
             record_max_age_days=_env_float(
                 "OMNI_EDGE_RECORD_MAX_AGE_DAYS", cls.record_max_age_days, 0.001, 36500

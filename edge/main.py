@@ -22,6 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scheduler", help="scheduler host:port (default 127.0.0.1:50051)")
     parser.add_argument("--api-keys-file", help="file of accepted API keys, one per line")
     parser.add_argument(
+        "--allowed-origin",
+        action="append",
+        help="browser Origin allowed to connect (repeatable; default: any)",
+    )
+    parser.add_argument(
         "--max-frame-bytes", type=int, help="largest WebSocket message (default 16 MiB)"
     )
     parser.add_argument(
@@ -42,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             scheduler=args.scheduler,
             max_frame_bytes=args.max_frame_bytes,
             record_dir=args.record_dir,
+            allowed_origins=tuple(args.allowed_origin) if args.allowed_origin else None,
         )
         if args.api_keys_file:
             config = config.with_overrides(

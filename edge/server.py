@@ -78,6 +78,8 @@ async def start_edge(config: EdgeConfig) -> RunningEdge:
         config.host,
         config.port,
         select_subprotocol=_select,
+        # None keeps clients without an Origin header (SDKs, scripts) allowed.
+        origins=[*config.allowed_origins, None] if config.allowed_origins else None,
         process_request=app.process_request,
         # Audio frames barely compress and deflate costs ms per frame on each side.
         compression=None,

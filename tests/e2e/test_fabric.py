@@ -410,3 +410,18 @@ async def test_hung_worker_detected_within_5s(stack):
     finally:
         victim.kill(signal.SIGCONT)
         victim.kill(signal.SIGKILL)
+
+
+async def test_origin_allow_list(stack):
+    stack.start_scheduler()
+    stack.start_worker("--slots", "1", "--compute-ms", "5")
+    stack.start_edge("--allowed-origin", "https://app.example")
+    url = f"{stack.url}?mode=audio"
+    with pytest.raises(InvalidStatus) as info:
+        await WsClient.open(url, origin="https://evil.example")
+    assert info.value.response.status_code == 403
+    browser = await WsClient.open(url, origin="https://app.example")
+    await browser.until("session.queue_done")
+    await browser.close()
+    script = await WsClient.open(url)  # no Origin header: SDKs and scripts
+    await script.until("session.queue_done")
