@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import ssl
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -39,16 +40,72 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def load_key_file(path: str) -> frozenset[str]:
-    """Digests of the keys in a file: one key per line, '#' comments and blanks ignored."""
+KeyLimits = tuple[tuple[str, int], ...]
+"""Per-key session limits: (key digest, max sessions) pairs."""
+
+
+def parse_key_entry(entry: str, where: str) -> tuple[str, int | None]:
+    """`KEY [max_sessions=N]` -> (digest, limit or None). Errors name `where`, never the key."""
+    key, *options = entry.split()
+    limit = None
+    for option in options:
+        name, sep, value = option.partition("=")
+        if name != "max_sessions" or not sep:
+            raise ValueError(f"{where}: expected 'KEY [max_sessions=N]'")
+        try:
+            limit = int(value)
+        except ValueError:
+            raise ValueError(f"{where}: max_sessions must be an integer") from None
+        if not 0 <= limit <= 1_000_000:
+            raise ValueError(f"{where}: max_sessions must be in [0, 1000000]")
+    return hash_key(key), limit
+
+
+def read_key_file(path: str) -> tuple[frozenset[str], KeyLimits]:
+    """Digests and per-key session limits of a key file: one `KEY [max_sessions=N]` a
+    line, '#' comments and blanks ignored. Raises ValueError or OSError."""
     keys = set()
-    for line in Path(path).read_text().splitlines():
+    limits = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()
         if line and not line.startswith("#"):
-            keys.add(hash_key(line))
+            digest, limit = parse_key_entry(line, f"API key file {path} line {number}")
+            keys.add(digest)
+            if limit is not None:
+                limits[digest] = limit
     if not keys:
         raise ValueError(f"API key file {path} holds no key")
-    return frozenset(keys)
+    return frozenset(keys), tuple(sorted(limits.items()))
+
+
+def load_key_file(path: str) -> frozenset[str]:
+    """Digests of the keys in a file (see read_key_file)."""
+    return read_key_file(path)[0]
+
+
+def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """Server TLS context from PEM files, or None for plain TCP. Raises ValueError when
+    only one is given, or a file is unreadable or not a valid certificate/key."""
+    if cert is None and key is None:
+        return None
+    if not cert or not key:
+        raise ValueError(
+            "TLS needs both a certificate and a key: OMNI_EDGE_TLS_CERT and OMNI_EDGE_TLS_KEY "
+            "(--tls-cert, --tls-key), or neither"
+        )
+    for what, path in (("certificate", cert), ("key", key)):
+        try:
+            Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"TLS {what} {path} cannot be read: {exc.strerror or exc}") from None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ValueError(
+            f"TLS certificate {cert} / key {key} is not a valid PEM pair: {exc.reason or exc}"
+        ) from None
+    return context
 
 
 @dataclass(frozen=True)
@@ -65,6 +122,11 @@ class EdgeConfig:
     """host:port of the scheduler."""
     api_key_digests: frozenset[str] = field(default_factory=frozenset)
     """SHA-256 digests of accepted API keys; empty = no authentication."""
+    api_key_limits: KeyLimits = ()
+    """Per-key session limits from the key file (`KEY max_sessions=N`), by digest."""
+    max_sessions_per_key: int = 0
+    """Open sessions one API key may hold at once, over every WebSocket endpoint and the
+    gRPC RealtimeService (0 = unlimited; a key file entry overrides it for its key)."""
     max_frame_bytes: int = 16 * 1024 * 1024
     """Largest WebSocket message accepted; larger ones close the connection with 1009."""
     open_timeout_s: float = 10.0
@@ -72,7 +134,28 @@ class EdgeConfig:
     ping_interval_s: float = 20.0
     """WebSocket keepalive ping interval."""
     ping_timeout_s: float = 20.0
-    """A client that does not answer a ping within this is closed."""
+    """A client that does not answer a ping within this is closed (also when the ping
+    cannot even be written because the client stopped reading)."""
+    inbound_queue_max: int = 16
+    """Received WebSocket messages buffered per connection before reading pauses."""
+    outbound_queue_max: int = 64
+    """Events queued per connection for a client that reads slower than they come; one
+    more closes the connection (slow_client, 1008)."""
+    outbound_queue_bytes: int = 2 * 1024 * 1024
+    """The same bound in bytes of JSON (one event always fits an empty queue)."""
+    drain_grace_s: float = 5.0
+    """On SIGTERM: time open sessions get to end with server_shutdown before the stop."""
+    tls_cert: str | None = None
+    """PEM certificate (chain) for wss:// and TLS on the gRPC port; needs tls_key."""
+    tls_key: str | None = None
+    """PEM private key of tls_cert."""
+    fabric_tls_ca: str | None = None
+    """PEM CA the scheduler's and workers' certificates are checked against; set = the
+    edge dials them over TLS (edge/fabric.py), unset = plaintext."""
+    fabric_tls_cert: str | None = None
+    """PEM client certificate the edge presents to them (mutual TLS); needs fabric_tls_key."""
+    fabric_tls_key: str | None = None
+    """PEM private key of fabric_tls_cert."""
     worker_start_timeout_s: float = 30.0
     """Time allowed for a worker to prepare a session (system prompt, voices)."""
     allowed_origins: tuple[str, ...] = ()
@@ -100,24 +183,49 @@ class EdgeConfig:
     def from_env(cls) -> EdgeConfig:
         """Defaults overridden by OMNI_EDGE_* variables (range-checked)."""
         keys: frozenset[str] = frozenset()
+        limits: dict[str, int] = {}
         if os.environ.get("OMNI_API_KEYS"):
-            keys = frozenset(
-                hash_key(k.strip()) for k in os.environ["OMNI_API_KEYS"].split(",") if k.strip()
-            )
+            entries = [k for k in os.environ["OMNI_API_KEYS"].split(",") if k.strip()]
+            for i, entry in enumerate(entries, 1):
+                digest, limit = parse_key_entry(entry, f"OMNI_API_KEYS entry {i}")
+                keys = keys | {digest}
+                if limit is not None:
+                    limits[digest] = limit
         if os.environ.get("OMNI_API_KEYS_FILE"):
-            keys = keys | load_key_file(os.environ["OMNI_API_KEYS_FILE"])
+            file_keys, file_limits = read_key_file(os.environ["OMNI_API_KEYS_FILE"])
+            keys = keys | file_keys
+            limits.update(file_limits)
         return cls(
             host=os.environ.get("OMNI_EDGE_HOST", cls.host),
             port=_env_int("OMNI_EDGE_PORT", cls.port, 0, 65535),
             grpc_port=_env_int("OMNI_EDGE_GRPC_PORT", cls.grpc_port, -1, 65535),
             scheduler=os.environ.get("OMNI_EDGE_SCHEDULER", cls.scheduler),
             api_key_digests=keys,
+            api_key_limits=tuple(sorted(limits.items())),
+            max_sessions_per_key=_env_int(
+                "OMNI_EDGE_MAX_SESSIONS_PER_KEY", cls.max_sessions_per_key, 0, 1_000_000
+            ),
             max_frame_bytes=_env_int(
                 "OMNI_EDGE_MAX_FRAME_BYTES", cls.max_frame_bytes, 1024, 1 << 30
             ),
             open_timeout_s=_env_float("OMNI_EDGE_OPEN_TIMEOUT_S", cls.open_timeout_s, 0.1, 600),
             ping_interval_s=_env_float("OMNI_EDGE_PING_INTERVAL_S", cls.ping_interval_s, 0.1, 3600),
             ping_timeout_s=_env_float("OMNI_EDGE_PING_TIMEOUT_S", cls.ping_timeout_s, 0.1, 3600),
+            inbound_queue_max=_env_int(
+                "OMNI_EDGE_INBOUND_QUEUE_MAX", cls.inbound_queue_max, 1, 1024
+            ),
+            outbound_queue_max=_env_int(
+                "OMNI_EDGE_OUTBOUND_QUEUE_MAX", cls.outbound_queue_max, 1, 100_000
+            ),
+            outbound_queue_bytes=_env_int(
+                "OMNI_EDGE_OUTBOUND_QUEUE_BYTES", cls.outbound_queue_bytes, 64 * 1024, 1 << 30
+            ),
+            drain_grace_s=_env_float("OMNI_EDGE_DRAIN_GRACE_S", cls.drain_grace_s, 0, 3600),
+            tls_cert=os.environ.get("OMNI_EDGE_TLS_CERT") or None,
+            tls_key=os.environ.get("OMNI_EDGE_TLS_KEY") or None,
+            fabric_tls_ca=os.environ.get("OMNI_FABRIC_TLS_CA") or None,
+            fabric_tls_cert=os.environ.get("OMNI_FABRIC_TLS_CERT") or None,
+            fabric_tls_key=os.environ.get("OMNI_FABRIC_TLS_KEY") or None,
             unit_timeout_s=_env_float("OMNI_EDGE_UNIT_TIMEOUT_S", cls.unit_timeout_s, 0.5, 600),
             allowed_origins=tuple(
                 o.strip()
@@ -136,3 +244,11 @@ class EdgeConfig:
     def with_overrides(self, **changes: object) -> EdgeConfig:
         """A copy with the given fields replaced (None values are ignored)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def session_limit(self, digest: str) -> int:
+        """Open sessions the key with this digest may hold (0 = unlimited)."""
+        return dict(self.api_key_limits).get(digest, self.max_sessions_per_key)
+
+    def tls(self) -> ssl.SSLContext | None:
+        """The server TLS context, or None without TLS; ValueError for a bad setup."""
+        return tls_context(self.tls_cert, self.tls_key)

@@ -61,6 +61,14 @@ class WorkerConnectFailed(EdgeError):
     close_code = 1013
 
 
+class SlowClient(ClientError):
+    """The client stopped reading: its outbound queue overflowed. 1008 (policy violation),
+    not 1011: the fault is the client's read rate, not a server condition to retry on."""
+
+    code = "slow_client"
+    close_code = 1008
+
+
 class InferenceError(EdgeError):
     """The engine failed on one unit; the session may go on."""
 

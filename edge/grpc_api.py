@@ -1,20 +1,26 @@
 """RealtimeService: the public session events in protobuf, for internal gRPC clients.
 
 Same state machine and session core as the WebSocket path; audio travels as raw
-bytes. Fatal errors end the call with a status code (RESOURCE_EXHAUSTED for a full
-queue, UNAVAILABLE for no service, INVALID_ARGUMENT for a bad first message); client
+bytes. Fatal errors end the call with a status code (UNAUTHENTICATED without a valid
+`authorization: Bearer KEY` when keys are configured, RESOURCE_EXHAUSTED for a full
+queue or a key at its session limit, UNAVAILABLE for no service, INVALID_ARGUMENT for a
+bad first message, INTERNAL with a generic message for anything unexpected); client
 mistakes during a session arrive as `error` events and the stream stays usable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from typing import Any
 
 import grpc
 
 from edge import events as ev
 from edge import pcm
+from edge.access import KeySessions, key_digest
+from edge.config import EdgeConfig
 from edge.errors import (
     EdgeError,
     InferenceError,
@@ -138,15 +144,57 @@ def _error(err: EdgeError) -> rt_pb.ConnectResponse:
     )
 
 
+def _authorization(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str):
+            return value
+    return ""
+
+
 class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
     """Thin servicer: protobuf <-> session commands and events."""
 
-    def __init__(self, fabric: Fabric, start_timeout_s: float, close_timeout_s: float) -> None:
+    def __init__(self, fabric: Fabric, config: EdgeConfig, keys: KeySessions) -> None:
         self._fabric = fabric
-        self._start_timeout_s = start_timeout_s
-        self._close_timeout_s = close_timeout_s
+        self._config = config
+        self._keys = keys
+        self._live: dict[SessionCore, Any] = {}
+        """Open sessions and their emit callbacks (the drain ends them)."""
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Drain: end every open session with server_shutdown (see edge.ws.shutdown_core)."""
+        from edge.ws import shutdown_core
+
+        await asyncio.gather(
+            *(shutdown_core(core, emit, timeout_s) for core, emit in list(self._live.items())),
+            return_exceptions=True,
+        )
 
     async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
+        digest = key_digest(self._config, _authorization(context))
+        if digest is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
+        if digest and not self._keys.take(digest):
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "this API key holds as many open sessions as its limit allows",
+            )
+        try:
+            # aclosing: the session's cleanup runs at once, whichever way the call ends.
+            async with contextlib.aclosing(self._connect(request_iterator, context)) as stream:
+                async for response in stream:
+                    yield response
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception:
+            # Internals (exception text, paths) stay in the log, not in the status.
+            log.exception("RealtimeService.Connect failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+        finally:
+            if digest:
+                self._keys.give_back(digest)
+
+    async def _connect(self, request_iterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "init":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first request must be init")
@@ -174,10 +222,12 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
             mode,
             self._fabric,
             emit,
-            start_timeout_s=self._start_timeout_s,
-            close_timeout_s=self._close_timeout_s,
+            start_timeout_s=self._config.worker_start_timeout_s,
+            close_timeout_s=self._config.close_timeout_s,
+            unit_timeout_s=self._config.unit_timeout_s,
         )
         holder.append(core)
+        self._live[core] = emit
 
         async def drive() -> None:
             await core.acquire()
@@ -222,6 +272,7 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
                     yield item
                 return
         finally:
+            self._live.pop(core, None)
             driver.cancel()
             if not core.closed.is_set():
                 await core.abort()

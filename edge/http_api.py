@@ -166,6 +166,8 @@ def connection_class(app) -> type[ServerConnection]:
     class EdgeConnection(ServerConnection):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             self._sniffed = b""
+            self.held_key: str | None = None
+            """Digest of the API key whose session slot this connection holds."""
             self._http: HttpExchange | None = None
             self._decided = asyncio.get_running_loop().create_future()
             super().connection_made(transport)
@@ -194,6 +196,10 @@ def connection_class(app) -> type[ServerConnection]:
                 self._decided.set_result(False)
             if self._http is not None:
                 self._http.lost()
+            # Called once whatever ends the connection: the key's session slot comes back.
+            held, self.held_key = self.held_key, None
+            if held is not None:
+                app.key_sessions.give_back(held)
             super().connection_lost(exc)
 
         async def handshake(self, *args: Any, **kwargs: Any) -> None:
@@ -213,8 +219,8 @@ def connection_class(app) -> type[ServerConnection]:
             exchange = self._http
             assert exchange is not None
             try:
-                problem = await exchange.ready
-            except ConnectionError:
+                problem = await self._request(exchange)
+            except (ConnectionError, TimeoutError):
                 transport.abort()
                 return
             if problem is not None:
@@ -233,5 +239,23 @@ def connection_class(app) -> type[ServerConnection]:
                 status, body = await generation
             transport.write(response_bytes(status, body))
             transport.close()  # close() flushes the buffered response first
+
+        async def _request(self, exchange: HttpExchange) -> tuple[HTTPStatus, str] | None:
+            """Wait for the whole request: the head within the open timeout, like a
+            WebSocket handshake (a trickled head is dropped), the body within 6 times it.
+            Raises TimeoutError (head) or ConnectionError."""
+            limit = app.config.open_timeout_s
+            try:
+                return await asyncio.wait_for(asyncio.shield(exchange.ready), limit)
+            except TimeoutError:
+                if not exchange.head_done:
+                    log.info("HTTP request head not received within %.1fs: dropped", limit)
+                    exchange.ready.cancel()  # nothing waits on it any more
+                    raise
+            try:
+                return await asyncio.wait_for(asyncio.shield(exchange.ready), 5 * limit)
+            except TimeoutError:
+                exchange.ready.cancel()
+                return HTTPStatus.REQUEST_TIMEOUT, "request body not received in time"
 
     return EdgeConnection

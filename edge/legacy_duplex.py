@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import re
@@ -59,6 +58,7 @@ from edge.errors import (
 )
 from edge.metrics import METRICS
 from edge.session import SessionCore
+from edge.ws import finish_timeout_s, outbox_for, shutdown_core
 
 if TYPE_CHECKING:
     from edge.ws import EdgeApp
@@ -218,7 +218,9 @@ class LegacyDuplexConnection:
         #: The message that confirms an end this side asked for (stop, pause timeout).
         self._ending: dict[str, Any] | None = None
         self._watchdog: asyncio.Task | None = None
-        self._closing: asyncio.Task | None = None
+        self.outbox = outbox_for(app, ws, self.core, self._done)
+        self.finished = asyncio.Event()
+        """Set once the connection is over and its last frames went out (drain waits)."""
         #: Input received up to each unit still in flight, ms, by seq.
         self._input_ms: dict[int, int] = {}
         self._input_total_ms = 0
@@ -228,10 +230,8 @@ class LegacyDuplexConnection:
         return self._watchdog is not None
 
     async def send(self, event: dict[str, Any]) -> None:
-        try:
-            await self.ws.send(json.dumps(event, separators=(",", ":")))
-        except ConnectionClosed:
-            pass
+        """Queue one message for the client (never waits on the client's socket)."""
+        self.outbox.send(event)
 
     # ---- session events --------------------------------------------------------
 
@@ -266,8 +266,7 @@ class LegacyDuplexConnection:
             self._stop_watchdog()
             self._done.set()
             await self.send(self._ending or end_json(event))
-            # Closing waits for the client's handshake: not on the core's own task.
-            self._closing = asyncio.ensure_future(self.ws.close(1000, event.reason))
+            self.outbox.close(1000, event.reason)
 
     async def fail(self, err: EdgeError) -> None:
         """Tell the client; errors with a close code also close the connection."""
@@ -275,7 +274,11 @@ class LegacyDuplexConnection:
         await self.send(_error(err.message))
         if err.close_code is not None:
             self._done.set()
-            await self.ws.close(err.close_code, err.code)
+            self.outbox.close(err.close_code, err.code)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Drain: end the session with server_shutdown (see edge.ws.shutdown_core)."""
+        await shutdown_core(self.core, self._on_event, timeout_s)
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -283,7 +286,9 @@ class LegacyDuplexConnection:
         """Serve the client until either side ends; the lease is always returned."""
         if not _SESSION_ID.fullmatch(self.session_id):
             await self.send(_error("the session id must be 1-128 letters, digits or _.:-"))
-            await self.ws.close(1008, "invalid session id")
+            self.outbox.close(1008, "invalid session id")
+            await self.outbox.finish(self._finish_timeout_s())
+            self.finished.set()
             return
         # Registered so that a draining edge ends this session like a realtime one
         # (the drain only touches `.core`).
@@ -297,8 +302,11 @@ class LegacyDuplexConnection:
             self._stop_watchdog()
             if not self.core.closed.is_set():
                 await self.core.abort()
-            if self._closing is not None:
-                await asyncio.gather(self._closing, return_exceptions=True)
+            await self.outbox.finish(self._finish_timeout_s())
+            self.finished.set()
+
+    def _finish_timeout_s(self) -> float:
+        return finish_timeout_s(self.app.config)
 
     async def _acquire(self) -> None:
         try:
@@ -330,7 +338,7 @@ class LegacyDuplexConnection:
                 try:
                     await self._handle(protocol.parse_frame(message))
                 except protocol.InvalidJson:
-                    await self.ws.close(1003, "invalid JSON")
+                    self.outbox.close(1003, "invalid JSON")
                     return
                 except EdgeError as err:
                     await self.fail(err)

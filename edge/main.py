@@ -9,7 +9,7 @@ import signal
 import sys
 
 from edge import logs
-from edge.config import EdgeConfig, load_key_file
+from edge.config import EdgeConfig, read_key_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +32,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--record-dir", help="record every audio/video session under this folder (user audio!)"
     )
-    parser.add_argument("--grace", type=float, default=5.0, help="drain grace period on SIGTERM, s")
+    parser.add_argument("--grace", type=float, help="drain grace period on SIGTERM, s (default 5)")
+    parser.add_argument(
+        "--open-timeout", type=float, help="seconds to finish the opening handshake (default 10)"
+    )
+    parser.add_argument("--ping-interval", type=float, help="keepalive ping interval, s (20)")
+    parser.add_argument("--ping-timeout", type=float, help="keepalive pong timeout, s (20)")
+    parser.add_argument(
+        "--max-sessions-per-key",
+        type=int,
+        help="open sessions one API key may hold (default 0 = unlimited)",
+    )
+    parser.add_argument("--tls-cert", help="PEM certificate: wss:// and TLS on the gRPC port")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--fabric-tls-ca", help="PEM CA of the scheduler's and workers' certificates (TLS)"
+    )
+    parser.add_argument("--fabric-tls-cert", help="PEM client certificate for the fabric (mTLS)")
+    parser.add_argument("--fabric-tls-key", help="PEM private key of --fabric-tls-cert")
     return parser
 
 
@@ -48,21 +65,49 @@ def main(argv: list[str] | None = None) -> int:
             max_frame_bytes=args.max_frame_bytes,
             record_dir=args.record_dir,
             allowed_origins=tuple(args.allowed_origin) if args.allowed_origin else None,
+            drain_grace_s=args.grace,
+            open_timeout_s=args.open_timeout,
+            ping_interval_s=args.ping_interval,
+            ping_timeout_s=args.ping_timeout,
+            max_sessions_per_key=args.max_sessions_per_key,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            fabric_tls_ca=args.fabric_tls_ca,
+            fabric_tls_cert=args.fabric_tls_cert,
+            fabric_tls_key=args.fabric_tls_key,
         )
         if args.api_keys_file:
+            keys, limits = read_key_file(args.api_keys_file)
+            merged = {**dict(config.api_key_limits), **dict(limits)}
             config = config.with_overrides(
-                api_key_digests=config.api_key_digests | load_key_file(args.api_keys_file)
+                api_key_digests=config.api_key_digests | keys,
+                api_key_limits=tuple(sorted(merged.items())),
             )
+        _check_flags(args)
+        config.tls()  # both files or neither, readable, a valid pair: fail before binding
     except (ValueError, OSError) as exc:
         print(f"omnifabric edge: {exc}", file=sys.stderr)
         return 2
     try:
         import uvloop
 
-        uvloop.run(_run(config, args.grace))
+        uvloop.run(_run(config, config.drain_grace_s))
     except ImportError:
-        asyncio.run(_run(config, args.grace))
+        asyncio.run(_run(config, config.drain_grace_s))
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Range checks of the flags that override range-checked variables."""
+    for flag, value, lo, hi in (
+        ("--grace", args.grace, 0, 3600),
+        ("--open-timeout", args.open_timeout, 0.1, 600),
+        ("--ping-interval", args.ping_interval, 0.1, 3600),
+        ("--ping-timeout", args.ping_timeout, 0.1, 3600),
+        ("--max-sessions-per-key", args.max_sessions_per_key, 0, 1_000_000),
+    ):
+        if value is not None and not lo <= value <= hi:
+            raise ValueError(f"{flag} must be in [{lo}, {hi}], got {value}")
 
 
 async def _run(config: EdgeConfig, grace_s: float) -> None:

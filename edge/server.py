@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from websockets.asyncio.server import Server, serve
 
-from edge import events as ev
 from edge.config import EdgeConfig
 from edge.fabric import Fabric, channel_options
 from edge.grpc_api import RealtimeServicer
@@ -33,27 +33,40 @@ class RunningEdge:
     port: int
     grpc_port: int
 
+    servicer: RealtimeServicer | None = None
+
     @property
     def url(self) -> str:
-        return f"ws://{self.config.host}:{self.port}/v1/realtime"
+        scheme = "wss" if self.config.tls_cert else "ws"
+        return f"{scheme}://{self.config.host}:{self.port}/v1/realtime"
 
-    async def drain_and_stop(self, grace_s: float = 5.0) -> None:
-        """Refuse new sessions, close open ones with server_shutdown, then stop."""
+    async def drain_and_stop(self, grace_s: float | None = None) -> None:
+        """Refuse new sessions, end open ones with server_shutdown within the grace
+        (config.drain_grace_s by default), then stop both servers."""
+        # First, before any await: /healthz answers 503 and new sessions get 503 from now.
         self.app.draining = True
         if self.health is not None:
             self.health.enter_graceful_shutdown()
+        grace_s = self.config.drain_grace_s if grace_s is None else grace_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        closing = [
-            c.core.close(ev.SERVER_SHUTDOWN)
-            for c in list(self.app.connections)
-            if not c.core.closed.is_set()
-        ]
-        if closing:
-            try:
-                await asyncio.wait_for(asyncio.gather(*closing, return_exceptions=True), grace_s)
-            except TimeoutError:
-                log.warning("drain: %d sessions still open after %.1fs", len(closing), grace_s)
+        # Workers get most of the grace to confirm each end (with its usage); the rest is
+        # for session.closed to reach the client and the close handshake.
+        confirm_s = 0.8 * grace_s
+        connections = list(self.app.connections)
+        ending = [c.shutdown(confirm_s) for c in connections]
+        if self.servicer is not None:
+            ending.append(self.servicer.shutdown(confirm_s))
+        if ending:
+            log.info("drain: ending %d sessions (grace %.1fs)", len(connections), grace_s)
+            await asyncio.gather(*ending, return_exceptions=True)
+        finished = [asyncio.ensure_future(c.finished.wait()) for c in connections]
+        if finished:
+            _, pending = await asyncio.wait(finished, timeout=max(0.1, deadline - loop.time()))
+            for waiter in pending:
+                waiter.cancel()
+            if pending:
+                log.warning("drain: %d connections open at the end of the grace", len(pending))
         self.ws_server.close()
         try:
             # A client that never answers the close handshake must not hold the drain.
@@ -67,7 +80,14 @@ class RunningEdge:
 
 async def start_edge(config: EdgeConfig) -> RunningEdge:
     """Bind both servers and return once they accept connections."""
-    fabric = Fabric(config.scheduler, config.grpc_max_message_bytes)
+    tls = config.tls()
+    fabric = Fabric(
+        config.scheduler,
+        config.grpc_max_message_bytes,
+        tls_ca=config.fabric_tls_ca,
+        tls_cert=config.fabric_tls_cert,
+        tls_key=config.fabric_tls_key,
+    )
     app = EdgeApp(config, fabric)
     if config.record_dir:  # opt-in recording: retention now, then hourly
         from edge.recording import start_retention
@@ -84,30 +104,42 @@ async def start_edge(config: EdgeConfig) -> RunningEdge:
         # Audio frames barely compress and deflate costs ms per frame on each side.
         compression=None,
         max_size=config.max_frame_bytes,
+        max_queue=config.inbound_queue_max,
+        # Bounds the TCP and the TLS handshake (websockets passes it as the SSL timeout).
         open_timeout=config.open_timeout_s,
-        ping_interval=config.ping_interval_s,
-        ping_timeout=config.ping_timeout_s,
+        # The edge runs its own keepalive (edge.outbox): websockets' waits for a full
+        # send buffer to drain before timing the pong, so a client that stops reading
+        # would never be dropped.
+        ping_interval=None,
         close_timeout=config.ws_close_timeout_s,
         # Also answers POST /api/chat on this port (websockets parses GET handshakes only).
         create_connection=connection_class(app),
+        ssl=tls,
     )
     port = ws_server.sockets[0].getsockname()[1]
     grpc_server = None
     health_servicer = None
+    servicer = None
     grpc_port = -1
     if config.grpc_port >= 0:
         grpc_server = grpc.aio.server(options=channel_options(config.grpc_max_message_bytes))
-        rt_grpc.add_RealtimeServiceServicer_to_server(
-            RealtimeServicer(fabric, config.worker_start_timeout_s, config.close_timeout_s),
-            grpc_server,
-        )
+        servicer = RealtimeServicer(fabric, config, app.key_sessions)
+        rt_grpc.add_RealtimeServiceServicer_to_server(servicer, grpc_server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-        grpc_port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        address = f"{config.host}:{config.grpc_port}"
+        if tls is not None:
+            assert config.tls_cert and config.tls_key  # config.tls() checked both
+            pair = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())
+            grpc_port = grpc_server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
+        else:
+            grpc_port = grpc_server.add_insecure_port(address)
         await grpc_server.start()
         for name in ("", "omni.realtime.v1.RealtimeService"):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningEdge(config, app, ws_server, grpc_server, health_servicer, port, grpc_port)
+    return RunningEdge(
+        config, app, ws_server, grpc_server, health_servicer, port, grpc_port, servicer
+    )
 
 
 def _select(conn, offered):

@@ -8,7 +8,6 @@ dialect the client's first init chose.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from http import HTTPStatus
@@ -23,7 +22,8 @@ from websockets.http11 import Request, Response
 
 from edge import events as ev
 from edge import protocol
-from edge.config import EdgeConfig, hash_key
+from edge.access import KeySessions, key_digest
+from edge.config import EdgeConfig
 from edge.errors import (
     EdgeError,
     InferenceError,
@@ -35,6 +35,7 @@ from edge.errors import (
 from edge.fabric import Fabric
 from edge.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from edge.metrics import METRICS
+from edge.outbox import Outbox, keepalive
 from edge.recording import SessionRecorder
 from edge.session import SessionCore
 
@@ -53,18 +54,30 @@ def select_subprotocol(_conn: ServerConnection, offered: Any) -> str | None:
 
 def key_allowed(config: EdgeConfig, headers: Headers) -> bool:
     """Bearer key check against the configured digests (constant-time compare)."""
-    if not config.api_key_digests:
-        return True
-    auth = headers.get("Authorization", "")
-    scheme, _, key = auth.partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        return False
-    digest = hash_key(key.strip())
-    # Compare against every digest so timing does not reveal which one matched.
-    matched = False
-    for allowed in config.api_key_digests:
-        matched |= hmac.compare_digest(digest, allowed)
-    return matched
+    return key_digest(config, headers.get("Authorization", "")) is not None
+
+
+def outbox_for(
+    app: EdgeApp, ws: ServerConnection, core: SessionCore, done: asyncio.Event
+) -> Outbox:
+    """The bounded outbound queue of one session's connection, sized by the edge's config.
+    On overflow the session ends at once (`done` set, worker stream and lease dropped)."""
+    ending: list[asyncio.Future] = []
+
+    def overflowed() -> None:
+        done.set()
+        ending.append(asyncio.ensure_future(core.abort()))
+
+    c = app.config
+    return Outbox(
+        ws, c.outbound_queue_max, c.outbound_queue_bytes, c.ws_close_timeout_s, overflowed
+    )
+
+
+def finish_timeout_s(config: EdgeConfig) -> float:
+    """Longest a connection's last frames may take to go out: past it the keepalive would
+    have dropped a client that does not read."""
+    return config.ping_interval_s + config.ping_timeout_s + config.ws_close_timeout_s
 
 
 def _plain(status: HTTPStatus, body: str, content_type: str = "text/plain") -> Response:
@@ -82,6 +95,8 @@ class EdgeApp:
         self.http_tasks: set[asyncio.Task] = set()
         """POST /api/chat exchanges in flight."""
         self.draining = False
+        self.key_sessions = KeySessions(config)
+        """Open sessions per API key, held from the upgrade to the connection's end."""
 
     def key_ok(self, headers: Headers) -> bool:
         """API key check for plain HTTP requests (same rule as the WebSocket upgrade)."""
@@ -110,8 +125,19 @@ class EdgeApp:
             return _plain(HTTPStatus.NOT_FOUND, f"no such endpoint: {path}\n")
         if self.draining:
             return _plain(HTTPStatus.SERVICE_UNAVAILABLE, "the server is draining\n")
-        if not key_allowed(self.config, request.headers):
+        digest = key_digest(self.config, request.headers.get("Authorization", ""))
+        if digest is None:
             return _plain(HTTPStatus.UNAUTHORIZED, "missing or invalid API key\n")
+        if digest:
+            if not self.key_sessions.take(digest):
+                limit = self.key_sessions.limit(digest)
+                return _plain(
+                    HTTPStatus.TOO_MANY_REQUESTS,
+                    f"this API key already holds {limit} open sessions, its limit: "
+                    "close one and retry\n",
+                )
+            # Given back when the TCP connection ends, whatever ends it (http_api).
+            conn.held_key = digest  # type: ignore[union-attr]
         return None
 
     async def status_response(self) -> Response:
@@ -130,7 +156,19 @@ class EdgeApp:
         return _plain(HTTPStatus.OK, json.dumps(body), "application/json")
 
     async def handler(self, ws: ServerConnection) -> None:
-        """One client connection, from upgrade to close."""
+        """One client connection, from upgrade to close, under the edge's keepalive."""
+        if self.draining:  # upgraded in the instant before the drain began
+            await ws.close(1001, "the server is shutting down")
+            return
+        pinger = asyncio.create_task(
+            keepalive(ws, self.config.ping_interval_s, self.config.ping_timeout_s)
+        )
+        try:
+            await self._route(ws)
+        finally:
+            pinger.cancel()
+
+    async def _route(self, ws: ServerConnection) -> None:
         path = urlsplit(ws.request.path).path
         if path.startswith(LEGACY_DUPLEX_PREFIX):
             from edge.legacy_duplex import LegacyDuplexConnection
@@ -182,17 +220,18 @@ class Connection:
         self._pending_init: ev.InitCommand | None = None
         self._leased = asyncio.Event()
         self._done = asyncio.Event()
+        self.outbox = outbox_for(app, ws, self.core, self._done)
+        self.finished = asyncio.Event()
+        """Set once the connection is over and its last frames went out (drain waits)."""
         # Opt-in recording (--record-dir); a disabled recorder ignores every call.
         self.recorder = SessionRecorder.for_session(
             app.config, self.core.session_id, mode, ws.request.path
         )
 
     async def send(self, event: dict[str, Any]) -> None:
+        """Queue one event for the client (never waits on the client's socket)."""
         self.recorder.outbound(event)
-        try:
-            await self.ws.send(json.dumps(event, separators=(",", ":")))
-        except ConnectionClosed:
-            pass
+        self.outbox.send(event)
 
     async def _on_event(self, event: Any) -> None:
         if isinstance(event, ev.Queued):
@@ -213,16 +252,19 @@ class Connection:
                 await self.send(error_event(InferenceError(event.message or "inference failed")))
             await self.send(protocol.closed_json(event, self.dialect, self.core.session_id))
             self._done.set()
-            asyncio.get_running_loop().call_soon(
-                lambda: asyncio.ensure_future(self.ws.close(1000, event.reason))
-            )
+            self.outbox.close(1000, event.reason)
 
     async def fail(self, err: EdgeError) -> None:
         """Tell the client about an error; fatal ones close the connection with their code."""
         await self.send(error_event(err))
         if err.close_code is not None:
             self._done.set()
-            await self.ws.close(err.close_code, err.code)
+            self.outbox.close(err.close_code, err.code)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Drain: end the session with server_shutdown. Without the worker's confirmation
+        within timeout_s the session ends here (usage then unknown)."""
+        await shutdown_core(self.core, self._on_event, timeout_s)
 
     async def run(self) -> None:
         # The session span is current for everything this connection does (log lines
@@ -235,8 +277,10 @@ class Connection:
             acquire.cancel()
             if not self.core.closed.is_set():
                 await self.core.abort()
+            await self.outbox.finish(finish_timeout_s(self.app.config))
             self.recorder.finish()
             otel_context.detach(token)
+            self.finished.set()
 
     async def _acquire(self) -> None:
         try:
@@ -273,7 +317,7 @@ class Connection:
                     cmd = protocol.command(event)
                     await self._handle(cmd)
                 except protocol.InvalidJson:
-                    await self.ws.close(1003, "invalid JSON")
+                    self.outbox.close(1003, "invalid JSON")
                     return
                 except EdgeError as err:
                     await self.fail(err)
@@ -300,3 +344,18 @@ class Connection:
     async def _close(self, cmd: ev.CloseCommand) -> None:
         self.recorder.close_command(cmd)
         await self.core.close(ev.USER_STOP, cmd.reason)
+
+
+async def shutdown_core(core: SessionCore, emit: Any, timeout_s: float) -> None:
+    """End a session with server_shutdown, confirmed by its worker; if the worker does not
+    confirm within timeout_s, drop the worker stream and emit the Closed event here."""
+    if core.closed.is_set():
+        return
+    try:
+        await asyncio.wait_for(core.close(ev.SERVER_SHUTDOWN), timeout_s)
+    except TimeoutError:
+        pass
+    if not core.closed.is_set():
+        log.warning("session %s: no end confirmed by the worker: closed here", core.session_id)
+        await core.abort()
+        await emit(ev.Closed(ev.SERVER_SHUTDOWN, ev.Usage(), "the worker did not confirm the end"))

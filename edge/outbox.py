@@ -1,0 +1,172 @@
+"""Flow control of one WebSocket client: a bounded outbound queue and the keepalive.
+
+Session code never awaits the client's socket: events go into the connection's `Outbox`
+and one sender task writes them out. A client that stops reading fills the outbox, not
+the edge's memory: past its bound the connection closes with `slow_client` (1008). The
+keepalive drops a client whose pong does not come in time, also when the ping itself
+cannot be written because the client's buffers are full (websockets' own keepalive waits
+for the buffers to drain before it starts its timeout, so it never fires then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from edge.errors import SlowClient, error_event
+
+log = logging.getLogger("omnifabric.edge.outbox")
+
+
+async def cut_off(ws: ServerConnection, code: int, reason: str) -> None:
+    """End a connection whose client does not answer: the close frame if the socket still
+    takes it, then the TCP connection at once (no close handshake to wait for)."""
+    closing = asyncio.ensure_future(ws.close(code, reason))
+    # One loop turn lets the close task write its frame before the transport goes.
+    await asyncio.sleep(0)
+    ws.transport.abort()
+    await asyncio.gather(closing, return_exceptions=True)
+
+
+async def keepalive(ws: ServerConnection, interval_s: float, timeout_s: float) -> None:
+    """Ping every interval_s; no pong within timeout_s (writing the ping included): close
+    1011 and drop the connection. Returns when the connection closes."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            async with asyncio.timeout(timeout_s):
+                pong = await ws.ping()
+                await pong
+        except TimeoutError:
+            log.warning("client answered no ping within %.1fs: connection dropped", timeout_s)
+            await cut_off(ws, 1011, "keepalive ping timeout")
+            return
+        except ConnectionClosed:
+            return
+
+
+class Outbox:
+    """Events to one client, sent in order by one task; bounded in events and in bytes.
+
+    `send` and `close` never block. One event always fits an empty queue, so the byte
+    bound limits the backlog, not the size of an event.
+    """
+
+    def __init__(
+        self,
+        ws: ServerConnection,
+        max_events: int,
+        max_bytes: int,
+        close_grace_s: float,
+        on_overflow: Callable[[], None] | None = None,
+    ) -> None:
+        self.ws = ws
+        self.on_overflow = on_overflow
+        """Called once on overflow: the session ends there, not at the close handshake."""
+        self.max_events = max_events
+        self.max_bytes = max_bytes
+        self.close_grace_s = close_grace_s
+        self.overflowed = False
+        self._items: deque[str | tuple[int, str]] = deque()
+        self._bytes = 0
+        self._ready = asyncio.Event()
+        self._closing = False
+        """A close is queued: later events are dropped."""
+        self._finishing = False
+        """The connection is over: the sender stops once the queue is empty."""
+        self._sender = asyncio.create_task(self._run())
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    def send(self, event: dict[str, Any]) -> None:
+        """Queue one event; on overflow the queue is replaced by slow_client and a close."""
+        if self._closing:
+            return
+        text = json.dumps(event, separators=(",", ":"))
+        if self._items and (
+            len(self._items) >= self.max_events or self._bytes + len(text) > self.max_bytes
+        ):
+            self._overflow()
+            return
+        self._items.append(text)
+        self._bytes += len(text)
+        self._ready.set()
+
+    def close(self, code: int, reason: str) -> None:
+        """Close the connection once everything queued before was sent."""
+        if self._closing:
+            return
+        self._closing = True
+        self._items.append((code, reason))
+        self._ready.set()
+
+    async def finish(self, timeout_s: float) -> None:
+        """Send what is queued (a queued close included), at most timeout_s, then stop the
+        sender; a client that does not take it by then is cut off."""
+        self._finishing = True
+        self._ready.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._sender), timeout_s)
+        except TimeoutError:
+            self.ws.transport.abort()
+            self._sender.cancel()
+            await asyncio.gather(self._sender, return_exceptions=True)
+
+    def _overflow(self) -> None:
+        self.overflowed = True
+        log.warning(
+            "client not reading: %d events (%d bytes) waiting, bound %d events / %d bytes: "
+            "closing with 1008",
+            len(self._items),
+            self._bytes,
+            self.max_events,
+            self.max_bytes,
+        )
+        # What was queued is stale and is what costs memory: drop it, keep the reason.
+        self._items.clear()
+        self._bytes = 0
+        err = SlowClient(
+            f"the client is not reading: over {self.max_events} events or "
+            f"{self.max_bytes} bytes were waiting to be sent"
+        )
+        self._items.append(json.dumps(error_event(err), separators=(",", ":")))
+        self._items.append((1008, err.code))
+        self._closing = True
+        self._ready.set()
+        # A client that cannot take even these two frames is cut off after the grace.
+        asyncio.get_running_loop().call_later(self.close_grace_s, self._abort_if_open)
+        if self.on_overflow is not None:
+            self.on_overflow()
+
+    def _abort_if_open(self) -> None:
+        if not self._sender.done():
+            self.ws.transport.abort()
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                while not self._items:
+                    if self._finishing:
+                        return
+                    self._ready.clear()
+                    await self._ready.wait()
+                item = self._items.popleft()
+                if isinstance(item, tuple):
+                    await self.ws.close(*item)
+                    return
+                self._bytes -= len(item)
+                await self.ws.send(item)
+        except ConnectionClosed:
+            pass
+        finally:
+            self._items.clear()
+            self._bytes = 0

@@ -1,0 +1,423 @@
+"""The public edge's limits on real processes (RELIABILITY.md E1, E7, E8, E10, E11)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import signal
+import statistics
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+from tests.conftest import scaled
+from tests.e2e.wsclient import (
+    SILENCE,
+    SPEECH,
+    RawWs,
+    WsClient,
+    metric,
+    pcm_b64,
+    rss_bytes,
+    scrape_metrics,
+)
+from tests.stack import Stack
+
+
+@pytest.fixture
+def stack(tmp_path):
+    s = Stack(tmp_path)
+    yield s
+    s.stop()
+
+
+def edge_address(stack: Stack) -> str:
+    return stack.url.split("://", 1)[1].split("/", 1)[0]
+
+
+async def edge_metrics(stack: Stack) -> dict:
+    return await asyncio.to_thread(scrape_metrics, edge_address(stack))
+
+
+async def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> float:
+    """Poll an async predicate until true; returns the seconds it took."""
+    start = time.monotonic()
+    while not await predicate():
+        if time.monotonic() - start > scaled(timeout_s):
+            raise AssertionError(f"condition not met within {scaled(timeout_s)} s")
+        await asyncio.sleep(interval_s)
+    return time.monotonic() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+# ---- E1 -------------------------------------------------------------------------------
+
+
+async def test_e1_oversized_frame_closes_1009_and_forwards_nothing(stack):
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    stack.start_edge("--max-frame-bytes", "100000")
+    url = f"{stack.url}?mode=audio"
+    client = await WsClient.open(url)
+    await client.start()
+    # 2 s of speech: a valid unit, but its frame (~170 KB) is over the 100 KB limit.
+    big = np.concatenate([SPEECH, SPEECH])
+    await client.send({"type": "input.append", "input": {"audio": pcm_b64(big)}})
+    with pytest.raises(ConnectionClosed) as info:
+        await client.until("response.output.delta", timeout_s=5)
+    assert info.value.rcvd is not None and info.value.rcvd.code == 1009
+    samples = await edge_metrics(stack)
+    assert metric(samples, "omni_edge_units_forwarded_total") == 0
+    # The counter does move for a unit that fits: the assertion above can fail.
+    other = await WsClient.open(url)
+    await other.start()
+    await other.append(SILENCE)
+    await other.until("delta.listen")
+    samples = await edge_metrics(stack)
+    assert metric(samples, "omni_edge_units_forwarded_total") == 1
+
+
+# ---- E7 -------------------------------------------------------------------------------
+
+HALF_OPEN = 200
+OPEN_TIMEOUT_S = 2.0
+
+
+async def test_e7_half_open_handshakes_dropped_at_open_timeout(stack):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4 * HALF_OPEN:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4 * HALF_OPEN), hard))
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    stack.start_edge("--open-timeout", str(OPEN_TIMEOUT_S))
+    host, port = edge_address(stack).split(":")
+    # Three kinds of slow request: a WebSocket upgrade, a POST (the HTTP path owns the
+    # socket after the first bytes), and a few bytes without a line end (still sniffed).
+    heads = [
+        b"GET /v1/realtime?mode=audio HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n",
+        b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n",
+        b"GE",
+    ]
+    opened: list[float] = []
+    closed: list[float | None] = [None] * HALF_OPEN
+    streams = []
+    for i in range(HALF_OPEN):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        opened.append(time.monotonic())
+        writer.write(heads[i % 3])
+        streams.append((reader, writer))
+
+    async def trickle(i: int) -> None:
+        reader, writer = streams[i]
+        while True:
+            try:
+                data = await asyncio.wait_for(reader.read(4096), 0.3)
+            except TimeoutError:
+                if i % 3 != 2:  # one more header byte, never the blank line
+                    writer.write(b"X")
+                continue
+            except ConnectionError:
+                data = b""
+            if not data:
+                closed[i] = time.monotonic()
+                return
+
+    tricklers = [asyncio.create_task(trickle(i)) for i in range(HALF_OPEN)]
+    try:
+        # Meanwhile real clients connect.
+        connects = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            client = await WsClient.open(f"{stack.url}?mode=audio")
+            connects.append((time.perf_counter() - t0) * 1000.0)
+            await client.close()
+        measured_at = time.monotonic()
+        assert all(c is None for c in closed), "half-open sockets closed before the timeout"
+        assert measured_at - opened[-1] < OPEN_TIMEOUT_S
+        done, pending = await asyncio.wait(tricklers, timeout=scaled(OPEN_TIMEOUT_S + 5))
+        assert not pending, f"{len(pending)} half-open sockets still open"
+    finally:
+        for task in tricklers:
+            task.cancel()
+        for _, writer in streams:
+            writer.close()
+    lived = [c - o for c, o in zip(closed, opened, strict=True) if c is not None]
+    p50, p99 = statistics.median(connects), percentile(connects, 0.99)
+    print(
+        f"E7: {HALF_OPEN} half-open sockets closed after {min(lived):.2f}-{max(lived):.2f} s "
+        f"(open timeout {OPEN_TIMEOUT_S} s); 30 real connects p50 {p50:.1f} ms, "
+        f"p99 {p99:.1f} ms, max {max(connects):.1f} ms"
+    )
+    assert min(lived) >= OPEN_TIMEOUT_S - 0.05
+    assert max(lived) <= OPEN_TIMEOUT_S + scaled(1.0)
+    assert p99 < scaled(200)
+
+
+# ---- E8 -------------------------------------------------------------------------------
+
+STUCK = 10
+PING_S = 1.5
+
+
+def unit_frames() -> list[bytes]:
+    """Speech then silence: the synthetic engine answers the silences with speech audio,
+    so the edge has ~100 KB to send per unit."""
+    speech = RawWs.frame(json.dumps({"type": "input.append", "input": {"audio": pcm_b64(SPEECH)}}))
+    silence = RawWs.frame(
+        json.dumps({"type": "input.append", "input": {"audio": pcm_b64(SILENCE)}})
+    )
+    return [speech, silence, silence, silence]
+
+
+async def open_stuck(stack: Stack, n: int, rcvbuf: int) -> list[RawWs]:
+    """n clients that send session.init and never read again; returns once all are active."""
+    host, port = edge_address(stack).split(":")
+    clients = []
+    for _ in range(n):
+        raw = await RawWs.open(host, int(port), "/v1/realtime?mode=audio", rcvbuf=rcvbuf)
+        await raw.send({"type": "session.init", "payload": {"system_prompt": "stuck"}})
+        clients.append(raw)
+
+    async def all_active() -> bool:
+        samples = await edge_metrics(stack)
+        return metric(samples, "omni_edge_sessions_active", state="active") == n
+
+    await wait_until(all_active, 10)
+    return clients
+
+
+async def stream_until_closed(raw: RawWs, frames: list[bytes], limit_s: float) -> float | None:
+    """Send a unit every 0.1 s until a send fails; the time it failed (None: never)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    i = 0
+    while loop.time() < end:
+        try:
+            await asyncio.wait_for(raw.send_raw(frames[i % len(frames)]), 1.0)
+        except (ConnectionError, OSError, TimeoutError):
+            return time.monotonic()
+        i += 1
+        await asyncio.sleep(0.1)
+    return None
+
+
+async def warm_up(stack: Stack) -> None:
+    """One ordinary session, so the edge's code paths and channels exist before RSS."""
+    client = await WsClient.open(f"{stack.url}?mode=audio")
+    await client.start()
+    for samples in (SPEECH, SILENCE, SILENCE):
+        await client.append(samples)
+        await client.until("delta.listen", "delta.audio")
+    await client.send({"type": "session.close"})
+    await client.until("session.closed")
+    await client.close()
+
+
+async def test_e8_clients_that_stop_reading_are_dropped_by_the_keepalive(stack):
+    stack.start_scheduler()
+    stack.start_worker("--slots", str(STUCK + 1), "--compute-ms", "5")
+    edge = stack.start_edge("--ping-interval", str(PING_S), "--ping-timeout", str(PING_S))
+    await warm_up(stack)
+    before = rss_bytes(edge.proc.pid)
+    clients = await open_stuck(stack, STUCK, rcvbuf=16384)
+    peak = before
+    sampling = True
+
+    async def sample_rss() -> None:
+        nonlocal peak
+        while sampling:
+            peak = max(peak, rss_bytes(edge.proc.pid))
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.create_task(sample_rss())
+    frames = unit_frames()
+    try:
+        failed = await asyncio.gather(
+            *(stream_until_closed(c, frames, scaled(3 * PING_S + 5)) for c in clients)
+        )
+    finally:
+        sampling = False
+        await sampler
+
+    async def none_active() -> bool:
+        samples = await edge_metrics(stack)
+        return metric(samples, "omni_edge_sessions_active") == 0
+
+    await wait_until(none_active, 5)
+    assert all(f is not None for f in failed), "a client that stopped reading stayed connected"
+    # From each client's handshake: the edge's keepalive starts with the connection.
+    took = [f - c.opened_at for f, c in zip(failed, clients, strict=True) if f is not None]
+    # The socket really is closed by the server: reading ends (EOF or reset), no hang.
+    for c in clients:
+        await c.read_frames(timeout_s=5)
+        c.close()
+    after = rss_bytes(edge.proc.pid)
+    growth = (peak - before) / STUCK / 2**20
+    print(
+        f"E8 keepalive: {STUCK} stuck clients saw their connection gone {min(took):.2f}-"
+        f"{max(took):.2f} s after their handshake (ping interval {PING_S} + timeout {PING_S} "
+        f"s; the client notices on its next send); edge RSS "
+        f"{before / 2**20:.1f} MiB before, peak {peak / 2**20:.1f}, after {after / 2**20:.1f}: "
+        f"{growth:.2f} MiB per client at the peak"
+    )
+    # The first ping goes at PING_S; its pong is due PING_S later. Up to two sends (one
+    # answered by a reset, the next failing) are the client's own detection lag.
+    assert max(took) <= 2 * PING_S + scaled(0.6)
+    assert growth < 5.0
+
+
+async def test_e8_outbound_queue_overflow_closes_1008_with_a_reason(stack, monkeypatch):
+    monkeypatch.setenv("OMNI_EDGE_OUTBOUND_QUEUE_MAX", "16")
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    # Keepalive out of the way: only the outbound bound can end this session.
+    stack.start_edge("--ping-interval", "60", "--ping-timeout", "60")
+    [raw] = await open_stuck(stack, 1, rcvbuf=4096)
+    frames = unit_frames()
+    t0 = time.monotonic()
+
+    async def overflowed() -> bool:
+        samples = await edge_metrics(stack)
+        return metric(samples, "omni_edge_client_errors_total", code="slow_client") >= 1
+
+    streamer = asyncio.create_task(stream_until_closed(raw, frames, scaled(30)))
+    try:
+        took = await wait_until(overflowed, 30)
+    finally:
+        streamer.cancel()
+        await asyncio.gather(streamer, return_exceptions=True)
+    # The client reads again at once: what was already in flight, then the reason.
+    events, code = await raw.read_frames(timeout_s=5)
+    raw.close()
+    errors = [e for e in events if e["type"] == "error"]
+    print(
+        f"E8 overflow: slow_client after {took:.2f} s of streaming; the client then read "
+        f"{len(events)} events and close code {code}"
+    )
+    assert errors and errors[-1]["error"]["code"] == "slow_client"
+    assert code == 1008
+    assert time.monotonic() - t0 < 60  # not the keepalive
+
+    async def none_active() -> bool:
+        samples = await edge_metrics(stack)
+        return metric(samples, "omni_edge_sessions_active") == 0
+
+    await wait_until(none_active, 5)
+
+
+# ---- E10 ------------------------------------------------------------------------------
+
+
+async def test_e10_queue_full_closes_1013_within_100ms(stack):
+    stack.start_scheduler("--queue-max", "1")
+    stack.start_worker("--slots", "1", "--compute-ms", "5")
+    stack.start_edge()
+    url = f"{stack.url}?mode=audio"
+    holder = await WsClient.open(url)
+    await holder.start()
+    queued = await WsClient.open(url)
+    await queued.until("session.queued")
+    to_close, to_error = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        rejected = await WsClient.open(url)
+        err = await rejected.until("error")
+        to_error.append((time.perf_counter() - t0) * 1000.0)
+        assert err["error"]["code"] == "queue_full"
+        with pytest.raises(ConnectionClosed) as info:
+            await rejected.recv()
+        to_close.append((time.perf_counter() - t0) * 1000.0)
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1013
+    print(
+        f"E10: open -> queue_full median {statistics.median(to_error):.1f} ms; open -> close "
+        f"1013 median {statistics.median(to_close):.1f} ms, max {max(to_close):.1f} ms"
+    )
+    assert statistics.median(to_close) < scaled(100)
+
+
+# ---- E11 ------------------------------------------------------------------------------
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=scaled(5)) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+async def test_e11_sigterm_drains(stack):
+    """SIGTERM with sessions whose worker cannot confirm (SIGSTOP): /healthz is 503 at
+    once, new sessions get 503, every open session (both dialects, legacy duplex, gRPC)
+    gets server_shutdown within the grace, and only then does the edge exit."""
+    grace = 2.0
+    stack.start_scheduler()
+    worker = stack.start_worker("--slots", "4", "--compute-ms", "5")
+    edge = stack.start_edge("--grace", str(grace))
+    base = stack.url.split("/v1/")[0]
+    healthz = base.replace("ws://", "http://") + "/healthz"
+    assert await asyncio.to_thread(http_status, healthz) == 200
+    current = await WsClient.open(f"{stack.url}?mode=audio")
+    await current.start("current")
+    first = await WsClient.open(f"{stack.url}?mode=audio")
+    await first.start("first")
+    legacy = await WsClient.open(f"{base}/ws/duplex/adx_drain")
+    await legacy.until("queue_done")
+    await legacy.send({"type": "prepare", "system_prompt": "hi"})
+    await legacy.until("prepared")
+    channel = grpc.aio.insecure_channel(stack.grpc_address)
+    call = rt_grpc.RealtimeServiceStub(channel).Connect()
+    await call.write(rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO)))
+    while (await asyncio.wait_for(call.read(), scaled(10))).WhichOneof("kind") != "created":
+        pass
+    worker.kill(signal.SIGSTOP)
+    try:
+        edge.kill(signal.SIGTERM)
+        t0 = time.monotonic()
+        while await asyncio.to_thread(http_status, healthz) != 503:
+            assert time.monotonic() - t0 < scaled(1)
+        unhealthy = time.monotonic() - t0
+        with pytest.raises(InvalidStatus) as info:
+            await WsClient.open(f"{stack.url}?mode=audio")
+        assert info.value.response.status_code == 503
+        refused = time.monotonic() - t0
+        # The drain is still waiting on the sessions at this point.
+        assert not any(e["type"] == "session.closed" for e in current.events + first.events)
+        assert edge.proc.poll() is None
+
+        async def closed_reason(client: WsClient) -> str:
+            return (await client.until("session.closed", timeout_s=grace + 2))["reason"]
+
+        reasons = await asyncio.gather(closed_reason(current), closed_reason(first))
+        assert reasons == ["server_shutdown", "server_shutdown"]
+        shut = time.monotonic() - t0
+        legacy_end = await legacy.until("error", timeout_s=grace + 2)
+        assert legacy_end["error"] == "the server is shutting down"
+        msg = await asyncio.wait_for(call.read(), scaled(grace + 2))
+        assert msg.WhichOneof("kind") == "closed"
+        assert msg.closed.reason == common_pb2.CLOSE_REASON_SERVER_SHUTDOWN
+        assert await asyncio.to_thread(edge.proc.wait, scaled(10)) == 0
+        exited = time.monotonic() - t0
+    finally:
+        worker.kill(signal.SIGCONT)
+        await channel.close()
+    print(
+        f"E11: /healthz 503 after {unhealthy * 1000:.1f} ms, new session refused at "
+        f"{refused * 1000:.0f} ms, session.closed{{server_shutdown}} at {shut:.2f} s, "
+        f"edge exited at {exited:.2f} s (grace {grace} s, worker stopped)"
+    )
+    assert unhealthy < scaled(0.1)
+    assert shut <= scaled(grace)

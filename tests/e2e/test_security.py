@@ -1,0 +1,354 @@
+"""Security of the public edge on real processes: per-key session limits, gRPC
+RealtimeService authentication, and TLS (wss:// and gRPC over TLS)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import shutil
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+import wave
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from websockets.exceptions import InvalidStatus
+
+from edge.config import EdgeConfig, hash_key
+from edge.grpc_api import RealtimeServicer
+from edge.ws import EdgeApp
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+from tests.conftest import ROOT, scaled
+from tests.e2e.wsclient import SILENCE, WsClient
+from tests.stack import Stack
+
+PCM = SILENCE.astype("<f4").tobytes()
+
+
+@pytest.fixture
+def stack(tmp_path):
+    s = Stack(tmp_path)
+    yield s
+    s.stop()
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def refused(url: str, key: str) -> tuple[int, str]:
+    """Open a connection that must be refused before the upgrade: (status, body)."""
+    with pytest.raises(InvalidStatus) as info:
+        await WsClient.open(url, additional_headers=bearer(key))
+    response = info.value.response
+    return response.status_code, response.body.decode()
+
+
+async def grpc_session(address: str, metadata=None, credentials=None) -> rt_pb.ConnectResponse:
+    """Open a RealtimeService session, run one unit, close it; returns the closed message.
+    Raises grpc.aio.AioRpcError when the edge refuses the call."""
+    if credentials is None:
+        channel = grpc.aio.insecure_channel(address)
+    else:
+        channel = grpc.aio.secure_channel(address, credentials)
+    async with channel:
+        call = rt_grpc.RealtimeServiceStub(channel).Connect(metadata=metadata)
+        await call.write(rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO)))
+        while (await asyncio.wait_for(call.read(), scaled(10))).WhichOneof("kind") != "created":
+            pass
+        await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=PCM)))
+        out = await asyncio.wait_for(call.read(), scaled(10))
+        assert out.WhichOneof("kind") == "output" and out.output.seq == 1
+        await call.write(rt_pb.ConnectRequest(close=rt_pb.SessionCloseRequest(reason="done")))
+        closed = await asyncio.wait_for(call.read(), scaled(10))
+        assert closed.WhichOneof("kind") == "closed"
+        return closed
+
+
+async def grpc_refusal(address: str, metadata=None) -> tuple[grpc.StatusCode, str]:
+    """Start a RealtimeService session that the edge must refuse: (status code, details)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = rt_grpc.RealtimeServiceStub(channel).Connect(metadata=metadata)
+        init = rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO))
+        try:
+            await call.write(init)
+        except grpc.aio.AioRpcError:
+            pass  # refused before the edge read the init: the call's status tells why
+        code = await asyncio.wait_for(call.code(), scaled(10))
+        return code, await call.details()
+
+
+# ---- per-key session limits ------------------------------------------------------------
+
+
+async def test_per_key_session_limit_across_endpoints(stack, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# team\nsk-team-alpha max_sessions=2\nsk-solo-beta\n")
+    stack.start_scheduler()
+    stack.start_worker("--slots", "4", "--compute-ms", "5")
+    stack.start_edge("--api-keys-file", str(keys), "--max-sessions-per-key", "1")
+    base = stack.url.split("/v1/")[0]
+    audio = f"{stack.url}?mode=audio"
+    # The team key (limit 2 from its line): one realtime and one legacy duplex session.
+    a = await WsClient.open(audio, additional_headers=bearer("sk-team-alpha"))
+    await a.start()
+    legacy = f"{base}/ws/duplex/adx_keyed"
+    b = await WsClient.open(legacy, additional_headers=bearer("sk-team-alpha"))
+    await b.until("queue_done")
+    # A third one, on any endpoint, is refused before the upgrade with a reason.
+    for url in (audio, f"{stack.url}?mode=chat", f"{base}/ws/chat"):
+        status, body = await refused(url, "sk-team-alpha")
+        assert status == 429 and "limit" in body
+    # ... and so is a gRPC RealtimeService session with that key.
+    code, _ = await grpc_refusal(stack.grpc_address, (("authorization", "Bearer sk-team-alpha"),))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # The other key has the edge-wide limit (1), counted on its own.
+    solo = await WsClient.open(audio, additional_headers=bearer("sk-solo-beta"))
+    await solo.until("session.queue_done")
+    status, _ = await refused(f"{stack.url}?mode=chat", "sk-solo-beta")
+    assert status == 429
+    # A slot comes back when its connection ends.
+    await a.close()
+    deadline = time.monotonic() + scaled(2)
+    while True:
+        try:
+            c = await WsClient.open(audio, additional_headers=bearer("sk-team-alpha"))
+            break
+        except InvalidStatus as exc:
+            assert exc.response.status_code == 429
+            assert time.monotonic() < deadline, "the closed session's slot never came back"
+            await asyncio.sleep(0.05)
+    await c.start()
+    await c.close()
+    await b.close()
+    # With both closed, the gRPC surface takes the key again (and counts it too).
+    closed = await grpc_session(stack.grpc_address, (("authorization", "Bearer sk-team-alpha"),))
+    assert closed.closed.reason == common_pb2.CLOSE_REASON_USER_STOP
+    log = stack.edge.log_path.read_text()
+    for key in ("sk-team-alpha", "sk-solo-beta"):
+        assert key not in log
+    assert f"sha256:{hash_key('sk-team-alpha')[:8]}" in log  # a digest prefix at most
+
+
+def test_key_file_errors_name_the_line_not_the_key(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-fine\nsk-secret-gamma max_sessions=lots\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "edge", "--api-keys-file", str(keys), "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(30),
+    )
+    assert run.returncode == 2
+    assert "line 2" in run.stderr and "max_sessions" in run.stderr
+    assert "sk-secret-gamma" not in run.stderr
+
+
+# ---- gRPC RealtimeService authentication (G2) -----------------------------------------
+
+
+async def test_grpc_realtime_requires_a_bearer_key(stack, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-grpc-delta\n")
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    stack.start_edge("--api-keys-file", str(keys))
+    for metadata in (
+        None,
+        (("authorization", "Bearer sk-wrong"),),
+        (("authorization", "Basic sk-grpc-delta"),),
+    ):
+        code, details = await grpc_refusal(stack.grpc_address, metadata)
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        assert details == "missing or invalid API key"
+    closed = await grpc_session(stack.grpc_address, (("authorization", "Bearer sk-grpc-delta"),))
+    assert closed.closed.reason_text == "done"
+    assert "sk-grpc-delta" not in stack.edge.log() and "sk-wrong" not in stack.edge.log()
+
+
+async def test_grpc_bad_voice_is_invalid_argument(stack):
+    """A reference voice WAV with a 0 Hz rate: INVALID_ARGUMENT naming the field and the
+    rate, no exception text, and the edge keeps serving."""
+    stack.start_scheduler()
+    stack.start_worker("--slots", "1", "--compute-ms", "5")
+    stack.start_edge()
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(np.zeros(1600, "<i2").tobytes())
+    voice = bytearray(buf.getvalue())
+    voice[24:28] = (0).to_bytes(4, "little")  # the sample rate field
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        call = rt_grpc.RealtimeServiceStub(channel).Connect()
+        init = rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, ref_audio=bytes(voice))
+        await call.write(rt_pb.ConnectRequest(init=init))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(call.read(), scaled(10))
+    code, details = info.value.code(), info.value.details()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert "ref_audio" in details and "0 Hz" in details, details
+    assert "Error" not in details and "Traceback" not in details
+    # The edge keeps serving.
+    closed = await grpc_session(stack.grpc_address)
+    assert closed.closed.reason == common_pb2.CLOSE_REASON_USER_STOP
+
+
+async def test_grpc_internal_error_is_generic():
+    """A servicer whose fabric is missing fails inside the session: INTERNAL, 'internal
+    error', and nothing about the exception (real gRPC server and generated stub)."""
+    config = EdgeConfig()
+    app = EdgeApp(config, fabric=None)  # type: ignore[arg-type]
+    server = grpc.aio.server()
+    rt_grpc.add_RealtimeServiceServicer_to_server(
+        RealtimeServicer(None, config, app.key_sessions),  # type: ignore[arg-type]
+        server,
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        code, details = await grpc_refusal(f"127.0.0.1:{port}")
+    finally:
+        await server.stop(None)
+    assert code == grpc.StatusCode.INTERNAL
+    assert details == "internal error"
+
+
+# ---- TLS ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cert_pair(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=scaled(30),
+    )
+    return cert, key
+
+
+def https_get(url: str, context: ssl.SSLContext) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=scaled(10), context=context) as reply:
+        return reply.status, reply.read().decode()
+
+
+def https_post(url: str, body: bytes, context: ssl.SSLContext) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=scaled(60), context=context) as reply:
+        return reply.status, json.loads(reply.read())
+
+
+async def test_tls_on_websocket_http_and_grpc(stack, cert_pair):
+    cert, key = cert_pair
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    stack.start_edge("--tls-cert", str(cert), "--tls-key", str(key))
+    assert stack.url.startswith("wss://127.0.0.1:")
+    context = ssl.create_default_context(cafile=str(cert))
+    client = await WsClient.open(f"{stack.url}?mode=audio", ssl=context)
+    await client.start()
+    await client.append(SILENCE)
+    await client.until("delta.listen")
+    await client.send({"type": "session.close"})
+    assert (await client.until("session.closed"))["reason"] == "user_stop"
+    # Plain ws:// to the TLS port does not get a WebSocket.
+    with pytest.raises(Exception) as info:  # noqa: B017 - any failure to open will do
+        await WsClient.open(f"{stack.url.replace('wss://', 'ws://')}?mode=audio", open_timeout=5)
+    assert not isinstance(info.value, AssertionError)
+    # The HTTP surfaces on the same port, over TLS (the POST sniffing included).
+    https = stack.url.replace("wss://", "https://").split("/v1/")[0]
+    assert await asyncio.to_thread(https_get, f"{https}/healthz", context) == (
+        200,
+        '{"status":"ok"}',
+    )
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    status, answer = await asyncio.to_thread(https_post, f"{https}/api/chat", body, context)
+    assert status == 200 and answer["text"] == "You said: hi"
+    # gRPC on the edge's port: TLS with the certificate as root works, plaintext does not.
+    credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    closed = await grpc_session(stack.grpc_address, credentials=credentials)
+    assert closed.closed.reason == common_pb2.CLOSE_REASON_USER_STOP
+    async with grpc.aio.secure_channel(stack.grpc_address, credentials) as channel:
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=scaled(5)
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as rpc:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=scaled(2)
+            )
+        assert rpc.value.code() in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
+
+
+@pytest.mark.parametrize(
+    "case", ["cert only", "key only", "missing file", "not a certificate", "key mismatch"]
+)
+def test_tls_setup_errors_are_clear(tmp_path, cert_pair, case):
+    cert, key = cert_pair
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a PEM file\n")
+    other_key = tmp_path / "other.pem"
+    subprocess.run(
+        ["openssl", "genpkey", "-algorithm", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"],
+        check=True,
+        stdout=other_key.open("wb"),
+        timeout=scaled(30),
+    )
+    args, expect = {
+        "cert only": (["--tls-cert", str(cert)], "both"),
+        "key only": (["--tls-key", str(key)], "both"),
+        "missing file": (
+            ["--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(key)],
+            "cannot be read",
+        ),
+        "not a certificate": (["--tls-cert", str(junk), "--tls-key", str(key)], "not a valid"),
+        "key mismatch": (["--tls-cert", str(cert), "--tls-key", str(other_key)], "not a valid"),
+    }[case]
+    run = subprocess.run(
+        [sys.executable, "-m", "edge", "--port", "0", "--grpc-port", "-1", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(30),
+    )
+    assert run.returncode == 2, run.stderr
+    assert expect in run.stderr and "Traceback" not in run.stderr
