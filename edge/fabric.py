@@ -1,8 +1,15 @@
-"""gRPC clients of the fabric: one channel to the scheduler, one per worker address."""
+"""gRPC clients of the fabric: one channel to the scheduler, one per worker address.
+
+TLS (OMNI_FABRIC_TLS_*): with a CA the edge dials the scheduler and the workers over TLS
+and checks their certificates against that CA; with a certificate and key as well it
+presents them (servers that were given a CA require that). Without a CA: plaintext.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 
@@ -11,6 +18,10 @@ from edge.errors import QueueFull, ServiceUnavailable
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+
+#: The scheduler answers an Acquire at once (a queue position or a lease); no answer by
+#: then means it cannot be reached (a host that drops packets never refuses the connect).
+FIRST_REPLY_TIMEOUT_S = 5.0
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -28,23 +39,75 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 0),
+        # A lost scheduler is dialled again within 2 s of coming back (gRPC's default
+        # backoff grows to 120 s, refusing every new session meanwhile).
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
+
+
+def channel_credentials(
+    ca: str | None, cert: str | None, key: str | None
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials for the fabric's channels, or None for plaintext (no CA).
+
+    Raises ValueError when cert and key are not set together or are set without a CA,
+    OSError naming a file that cannot be read.
+    """
+    if (cert is None) != (key is None):
+        raise ValueError(
+            "OMNI_FABRIC_TLS_CERT and OMNI_FABRIC_TLS_KEY "
+            "(--fabric-tls-cert, --fabric-tls-key) must be set together"
+        )
+    if ca is None:
+        if cert is not None:
+            raise ValueError(
+                "OMNI_FABRIC_TLS_CERT needs OMNI_FABRIC_TLS_CA (--fabric-tls-ca) on the edge"
+            )
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca, "CA"),
+        private_key=_read(key, "key") if key else None,
+        certificate_chain=_read(cert, "certificate") if cert else None,
+    )
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise OSError(f"cannot read the fabric TLS {what} {path}: {exc.strerror}") from None
 
 
 class Fabric:
     """The edge's connections into the fabric, shared by all its sessions."""
 
-    def __init__(self, scheduler_address: str, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        scheduler_address: str,
+        max_message_bytes: int,
+        *,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
+        """Raises ValueError or OSError for a bad TLS setting (see channel_credentials)."""
         self._options = channel_options(max_message_bytes)
-        self._scheduler_channel = grpc.aio.insecure_channel(scheduler_address, self._options)
+        self._credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+        self._scheduler_channel = self._channel(scheduler_address)
         self.scheduler = scheduler_grpc.SchedulerServiceStub(self._scheduler_channel)
         self._workers: dict[str, tuple[grpc.aio.Channel, worker_grpc.WorkerServiceStub]] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(address, self._options)
+        return grpc.aio.secure_channel(address, self._credentials, self._options)
 
     def worker(self, address: str) -> worker_grpc.WorkerServiceStub:
         """The stub for a worker; channels are cached and multiplex all its sessions."""
         entry = self._workers.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, self._options)
+            channel = self._channel(address)
             entry = (channel, worker_grpc.WorkerServiceStub(channel))
             self._workers[address] = entry
         return entry[1]
@@ -63,12 +126,19 @@ async def wait_for_lease(
     """Read an Acquire stream until its lease, reporting queue positions via on_queued.
 
     The call stays open (the lease lives as long as it); on any error it is cancelled.
-    Raises QueueFull or ServiceUnavailable.
+    Raises QueueFull or ServiceUnavailable (also when the scheduler does not answer
+    within FIRST_REPLY_TIMEOUT_S).
     """
     first = True
     try:
         while True:
-            response = await call.read()
+            if first:
+                try:
+                    response = await asyncio.wait_for(call.read(), FIRST_REPLY_TIMEOUT_S)
+                except TimeoutError:
+                    raise ServiceUnavailable("the scheduler cannot be reached") from None
+            else:
+                response = await call.read()
             if response is grpc.aio.EOF:
                 raise ServiceUnavailable("the scheduler ended the queue without a lease")
             kind = response.WhichOneof("kind")
@@ -86,9 +156,19 @@ async def wait_for_lease(
         call.cancel()
         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise QueueFull("the queue is full, try again later") from None
-        if err.code() == grpc.StatusCode.UNAVAILABLE:
+        if err.code() == grpc.StatusCode.UNAVAILABLE and _from_scheduler(err):
+            # The scheduler's own refusal: no worker for the mode, or shutting down.
             raise ServiceUnavailable(err.details() or "no worker available") from None
+        # Transport failures: their details name addresses and are not for clients.
         raise ServiceUnavailable("the scheduler cannot be reached") from None
     except BaseException:
         call.cancel()
         raise
+
+
+def _from_scheduler(err: grpc.aio.AioRpcError) -> bool:
+    """True when the status came from the scheduler's handlers, not from the transport."""
+    return any(
+        key == "omni-error-source" and value == "scheduler"
+        for key, value in (err.trailing_metadata() or ())
+    )

@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         _check_flags(args)
         config.tls()  # both files or neither, readable, a valid pair: fail before binding
+        from edge.fabric import channel_credentials
+
+        channel_credentials(config.fabric_tls_ca, config.fabric_tls_cert, config.fabric_tls_key)
     except (ValueError, OSError) as exc:
         print(f"omnifabric edge: {exc}", file=sys.stderr)
         return 2

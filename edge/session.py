@@ -42,6 +42,7 @@ _REASONS = {
     ev.USER_STOP: common_pb2.CLOSE_REASON_USER_STOP,
     ev.CLIENT_CLOSED: common_pb2.CLOSE_REASON_CLIENT_CLOSED,
     ev.SERVER_SHUTDOWN: common_pb2.CLOSE_REASON_SERVER_SHUTDOWN,
+    ev.ERROR: common_pb2.CLOSE_REASON_ERROR,
 }
 
 
@@ -191,15 +192,31 @@ class SessionCore:
         await self._emit(ev.QueueDone(queue_wait_s=time.monotonic() - started))
 
     async def _watch_lease(self, call: grpc.aio.UnaryStreamCall) -> None:
-        """The lease ends when its worker is lost: the session ends with an error."""
+        """End the session when the scheduler says its worker was lost.
+
+        A live scheduler reports a lost worker in-band: `lease_lost`, then the stream's
+        end. A broken stream (an error status: the scheduler was killed, restarts or
+        drains) tells nothing about the worker; the session keeps its worker stream,
+        which alone then ends it (and the edge's unit watchdog watches it).
+        """
         try:
             while True:
                 response = await call.read()
                 if response is grpc.aio.EOF or response.WhichOneof("kind") == "lease_lost":
                     break
-        except (grpc.aio.AioRpcError, asyncio.CancelledError):
-            if self.closed.is_set():
-                return
+        except asyncio.CancelledError:
+            return
+        except grpc.aio.AioRpcError as err:
+            if not self.closed.is_set():
+                log.warning(
+                    "session %s: scheduler stream ended (%s %s); the session goes on with "
+                    "worker %s",
+                    self.session_id,
+                    err.code().name,
+                    err.details() or "",
+                    self.worker_id,
+                )
+            return
         if not self.closed.is_set():
             await self._finish(ev.Closed(ev.ERROR, self._usage, "the worker was lost"))
 

@@ -20,6 +20,11 @@ ENV_VARS: dict[str, str] = {
     "release_timeout_s": "OMNI_SCHEDULER_RELEASE_TIMEOUT_S",
     "worker_timeout_s": "OMNI_SCHEDULER_WORKER_TIMEOUT_S",
     "metrics_port": "OMNI_SCHEDULER_METRICS_PORT",
+    "drain_grace_s": "OMNI_SCHEDULER_DRAIN_GRACE_S",
+    "max_message_bytes": "OMNI_SCHEDULER_MAX_MESSAGE_BYTES",
+    "tls_ca": "OMNI_FABRIC_TLS_CA",
+    "tls_cert": "OMNI_FABRIC_TLS_CERT",
+    "tls_key": "OMNI_FABRIC_TLS_KEY",
 }
 
 # Inclusive bounds of each numeric field.
@@ -32,6 +37,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "release_timeout_s": (0.01, 3600.0),
     "worker_timeout_s": (0.1, 3600.0),
     "metrics_port": (-1, 65535),
+    "drain_grace_s": (0.0, 3600.0),
+    "max_message_bytes": (1024, 1 << 30),
 }
 
 
@@ -67,11 +74,32 @@ class SchedulerConfig:
     metrics_port: int = 9150
     """Port of the Prometheus /metrics HTTP server (same host); 0 = any free port, -1 = off."""
 
+    drain_grace_s: float = 5.0
+    """On SIGTERM: the longest wait, in seconds, for open RPCs to end before the server
+    stops (queued requests are refused and lease streams ended at once; sessions go on)."""
+
+    max_message_bytes: int = 8 * 1024 * 1024
+    """Largest gRPC message either way; a larger one fails with RESOURCE_EXHAUSTED."""
+
+    tls_ca: str | None = None
+    """PEM CA file: with tls_cert/tls_key set, clients must present a certificate it signed."""
+
+    tls_cert: str | None = None
+    """PEM certificate of this server; with tls_key, the server speaks TLS only."""
+
+    tls_key: str | None = None
+    """PEM private key of tls_cert."""
+
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must not be empty")
         for name in _RANGES:
             check_range(name, getattr(self, name), name)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                f"{ENV_VARS['tls_cert']} and {ENV_VARS['tls_key']} "
+                "(--fabric-tls-cert, --fabric-tls-key) must be set together"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SchedulerConfig:
@@ -91,7 +119,7 @@ class SchedulerConfig:
 def parse_value(field: str, raw: str, source: str) -> Any:
     """Convert `raw` to `field`'s type and check its range; errors name `source`."""
     kind = {f.name: f.type for f in dataclasses.fields(SchedulerConfig)}[field]
-    if kind == "str":
+    if kind.startswith("str"):
         if not raw:
             raise ValueError(f"{source} must not be empty")
         return raw

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig
-from scheduler.errors import InvalidRequest, NoWorker, QueueFull, UnknownLease
+from scheduler.errors import InvalidRequest, NoWorker, QueueFull, ShuttingDown, UnknownLease
 from scheduler.leases import Lease, LeaseGrantNotice, LeaseRevokeNotice, LeaseState, LeaseTable
 from scheduler.metrics import SchedulerMetrics
 from scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
@@ -114,14 +114,19 @@ class Scheduler:
         self.sessions = SessionLengths(config.eta_alpha, config.eta_initial_s)
         self.counters = Counters()
         self.metrics = SchedulerMetrics(self)
+        self.draining = False
+        """Set by drain(): no new registrations, requests or grants; leases stay as they are."""
+        self._stopping = asyncio.Event()
 
     # --- workers ---------------------------------------------------------------------
 
     def register(self, hello: WorkerHello) -> Worker:
         """Add a worker (replacing a live one with the same id); returns its record.
 
-        Raises InvalidRequest when the hello is incomplete.
+        Raises InvalidRequest when the hello is incomplete, ShuttingDown while draining.
         """
+        if self.draining:
+            raise ShuttingDown()
         _check_hello(hello)
         worker = Worker(
             worker_id=hello.worker_id,
@@ -208,6 +213,9 @@ class Scheduler:
         worker.outbox.put_nowait(None)
         if not self.registry.remove(worker):
             return
+        if self.draining:
+            # This scheduler ended the stream: the worker lives on, and so do its sessions.
+            return
         log.warning("worker %s lost", worker.worker_id)
         self._drop_leases(
             self.leases.on_worker(worker.worker_id), f"worker {worker.worker_id} lost"
@@ -222,8 +230,11 @@ class Scheduler:
     async def acquire(self, mode: Mode, session_id: str) -> AsyncIterator[AcquireEvent]:
         """Queue updates, then the lease, then (if its worker is lost) the loss.
 
-        The lease lasts until this generator is closed. Raises NoWorker or QueueFull.
+        The lease lasts until this generator is closed. Raises NoWorker or QueueFull, and
+        ShuttingDown when the scheduler drains (the lease, if any, stays with its worker).
         """
+        if self.draining:
+            raise ShuttingDown()
         if not self.registry.serves(mode):
             raise NoWorker(mode.value)
         ticket = Ticket(mode=mode, session_id=session_id)
@@ -243,7 +254,8 @@ class Scheduler:
             lease = ticket.lease
             assert lease is not None
             # The worker must know the lease before the holder can present it.
-            await lease.announced.wait()
+            if not await self._unless_stopping(lease.announced):
+                raise ShuttingDown()
             if lease.lost_reason is None:
                 worker = self.registry.get(lease.worker_id)
                 yield LeaseOffer(
@@ -254,7 +266,8 @@ class Scheduler:
                     ticket_id=ticket.ticket_id,
                     queue_wait_s=lease.granted_at - ticket.enqueued_at,
                 )
-                await lease.lost.wait()
+                if not await self._unless_stopping(lease.lost):
+                    raise ShuttingDown()
             yield LeaseLoss(lease.lease_id, lease.lost_reason or "lease lost")
         finally:
             if ticket.lease is not None:
@@ -262,12 +275,29 @@ class Scheduler:
             elif self.queue.remove(ticket):
                 self._notify_waiting()
 
+    async def _unless_stopping(self, event: asyncio.Event) -> bool:
+        """Wait for `event`; False if the scheduler starts draining first."""
+        if event.is_set():
+            return True
+        waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stopping.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+        return event.is_set()
+
     async def _wait(self, ticket: Ticket) -> AsyncIterator[QueueUpdate]:
-        """Updates while `ticket` waits: on every position change and at least every interval."""
+        """Updates while `ticket` waits: on every position change and at least every interval.
+
+        Raises ShuttingDown when the scheduler drains before the ticket is granted.
+        """
         interval = self.config.queue_update_interval_s
         last_position = 0
         last_sent = 0.0
         while ticket.lease is None:
+            if self.draining:
+                raise ShuttingDown()
             ticket.changed.clear()
             position = self.queue.position(ticket)
             if position != last_position or time.monotonic() - last_sent >= interval:
@@ -291,6 +321,25 @@ class Scheduler:
             ),
             ticket_id=ticket.ticket_id,
         )
+
+    def drain(self) -> None:
+        """Stop for good: refuse new registrations and requests, end every Acquire stream
+        (waiting ones with ShuttingDown, lease holders too) and every Register stream,
+        without revoking or losing any lease: running sessions go on with their workers,
+        which re-register with them at the next scheduler."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info(
+            "draining: %d waiting requests refused, %d leases left to their workers",
+            len(self.queue),
+            self.leases.count(LeaseState.ACTIVE),
+        )
+        self._stopping.set()
+        for ticket in self.queue:
+            ticket.changed.set()
+        for worker in self.registry:
+            worker.outbox.put_nowait(None)
 
     # --- status ----------------------------------------------------------------------
 
@@ -323,6 +372,8 @@ class Scheduler:
 
     def _dispatch(self) -> None:
         """Grant, in FIFO order, every waiting request that a free slot can serve."""
+        if self.draining:
+            return
         granted = False
         for ticket in self.queue:
             worker = self.registry.pick(ticket.mode)
@@ -365,6 +416,8 @@ class Scheduler:
 
     def _holder_gone(self, lease: Lease) -> None:
         """The holder's stream ended: ask the worker to release the lease."""
+        if self.draining:
+            return  # the stream was ended by the drain: the session goes on
         if lease.state is not LeaseState.ACTIVE or self.leases.get(lease.lease_id) is not lease:
             return
         assert lease.mode is not None

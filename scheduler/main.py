@@ -17,9 +17,6 @@ from scheduler.server import start_server
 
 log = logging.getLogger("scheduler")
 
-#: Seconds open streams get to finish on shutdown.
-STOP_GRACE_S = 1.0
-
 # CLI flag -> config field; flags override the environment.
 _FLAGS = {
     "--host": "host",
@@ -27,6 +24,11 @@ _FLAGS = {
     "--queue-max": "queue_max",
     "--queue-update-interval": "queue_update_interval_s",
     "--metrics-port": "metrics_port",
+    "--grace": "drain_grace_s",
+    "--max-message-bytes": "max_message_bytes",
+    "--fabric-tls-ca": "tls_ca",
+    "--fabric-tls-cert": "tls_cert",
+    "--fabric-tls-key": "tls_key",
 }
 
 
@@ -63,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     overrides = {f: getattr(args, f) for f in _FLAGS.values() if getattr(args, f) is not None}
-    config = dataclasses.replace(config, **overrides)
+    try:
+        config = dataclasses.replace(config, **overrides)
+    except ValueError as exc:
+        parser.error(str(exc))
     logs.configure(args.log_level)  # JSON lines (OMNI_LOG_FORMAT=text: plain)
     _run(_serve(config))
     return 0
@@ -76,7 +81,10 @@ async def _serve(config: SchedulerConfig) -> None:
     from scheduler import telemetry
 
     provider = telemetry.setup(f"{socket.gethostname()}-{os.getpid()}")
-    running = await start_server(config)
+    try:
+        running = await start_server(config)
+    except OSError as exc:
+        raise SystemExit(f"omnifabric scheduler: {exc}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -95,8 +103,8 @@ async def _serve(config: SchedulerConfig) -> None:
         metrics_word = f" metrics={config.host}:{metrics_port}"
     print(f"omnifabric scheduler ready: {config.host}:{running.port}{metrics_word}", flush=True)
     await stop.wait()
-    log.info("stopping")
-    await running.stop(STOP_GRACE_S)
+    log.info("draining (grace %.1f s)", config.drain_grace_s)
+    await running.drain(config.drain_grace_s)
     if provider is not None:
         provider.shutdown()  # flush the last spans
 

@@ -12,29 +12,39 @@ from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
+from scheduler.errors import ErrorInterceptor
 from scheduler.service import SchedulerServicer
+from scheduler.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
 #: Full name of the service, as the health service knows it.
 SERVICE_NAME = scheduler_pb.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 
-#: Largest message either way; status snapshots are the biggest and stay far below.
+#: Largest message either way by default (status snapshots are the biggest and stay far
+#: below); OMNI_SCHEDULER_MAX_MESSAGE_BYTES changes it.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
-# Clients ping every few seconds to notice a dead scheduler quickly; the server must
-# accept those pings (even without calls in flight) instead of answering GOAWAY.
-SERVER_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # The server pings too: a hung worker (SIGSTOP, stuck kernel) stops acking, its
-    # Register stream breaks within ~4 s and its leases end (RELIABILITY.md F2).
-    ("grpc.keepalive_time_ms", 2_000),
-    ("grpc.keepalive_timeout_ms", 2_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Message limits, keepalive, and an exclusive port."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Clients ping every few seconds to notice a dead scheduler quickly; the server
+        # must accept those pings (even without calls in flight) instead of answering GOAWAY.
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # The server pings too: a hung worker (SIGSTOP, stuck kernel) stops acking, its
+        # Register stream breaks within ~4 s and its leases end (RELIABILITY.md F2).
+        ("grpc.keepalive_time_ms", 2_000),
+        ("grpc.keepalive_timeout_ms", 2_000),
+        ("grpc.http2.ping_timeout_ms", 2_000),
+        # gRPC shares ports (SO_REUSEPORT) by default: a second scheduler started on the
+        # same port would silently split the workers and the queue. Fail to bind instead.
+        ("grpc.so_reuseport", 0),
+    ]
 
 
 @dataclass
@@ -63,6 +73,15 @@ class RunningScheduler:
         await self.server.stop(grace)
         log.info("scheduler stopped")
 
+    async def drain(self, grace: float) -> None:
+        """NOT_SERVING at once; refuse new requests and tell the queued ones (UNAVAILABLE);
+        end the lease holders' and workers' streams without ending any lease, so running
+        sessions go on with their workers; then stop, giving open RPCs `grace` seconds."""
+        await self.set_serving(False)
+        self.scheduler.drain()
+        await self.server.stop(grace)
+        log.info("scheduler drained and stopped")
+
     async def wait_for_termination(self) -> None:
         """Return once the server has stopped."""
         await self.server.wait_for_termination()
@@ -70,18 +89,35 @@ class RunningScheduler:
 
 async def start_server(config: SchedulerConfig) -> RunningScheduler:
     """Bind host:port (0: any free port), start serving and report SERVING."""
+    credentials = server_credentials(config.tls_ca, config.tls_cert, config.tls_key)
     scheduler = Scheduler(config)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(
+        options=server_options(config.max_message_bytes), interceptors=[ErrorInterceptor()]
+    )
     scheduler_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(scheduler), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{_host_for_bind(config.host)}:{config.port}")
+    target = f"{_host_for_bind(config.host)}:{config.port}"
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(target)
+        else:
+            port = server.add_secure_port(target, credentials)
+    except RuntimeError:
+        port = 0  # grpc raises instead of returning 0 when the port is taken
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     await server.start()
     running = RunningScheduler(server, scheduler, health_servicer, config.host, port)
     await running.set_serving(True)
-    log.info("scheduler listening on %s:%d", config.host, port)
+    log.info(
+        "scheduler listening on %s:%d (%s)",
+        config.host,
+        port,
+        "plaintext"
+        if credentials is None
+        else "TLS" + (", client certificates required" if config.tls_ca else ""),
+    )
     return running
 
 

@@ -24,7 +24,13 @@ from scheduler.core import (
     Scheduler,
     WorkerHello,
 )
-from scheduler.errors import InvalidRequest, UnknownLease, status_for
+from scheduler.errors import (
+    SOURCE_METADATA,
+    InvalidRequest,
+    ShuttingDown,
+    UnknownLease,
+    status_for,
+)
 from scheduler.leases import LeaseGrantNotice, LeaseRevokeNotice
 from scheduler.registry import Health, MemoryFigures, Mode, Worker
 
@@ -95,6 +101,8 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                     )
             if reader.done() and not reader.cancelled():
                 failure = reader.result()
+            if failure is None and self._scheduler.draining:
+                failure = ShuttingDown()  # the worker logs why and registers again later
         finally:
             reader.cancel()
             watchdog.cancel()
@@ -217,7 +225,7 @@ async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> NoR
     code, details = status_for(error)
     if code is grpc.StatusCode.INTERNAL:
         log.error("internal error in scheduler RPC", exc_info=error)
-    await context.abort(code, details)
+    await context.abort(code, details, trailing_metadata=SOURCE_METADATA)
     raise AssertionError("context.abort returned")  # abort always raises
 
 

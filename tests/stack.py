@@ -108,6 +108,16 @@ class Stack:
         self.scheduler_address = svc.wait_ready()[0]
         return svc
 
+    def restart_scheduler(self, *extra: str, name: str = "scheduler-restarted") -> Service:
+        """A new scheduler on the port of the previous one (which must have exited), so
+        that workers and edges find it again by themselves."""
+        port = self.scheduler_address.rsplit(":", 1)[1]
+        args = ["--port", port, "--metrics-port", "0", *extra]
+        svc = start_service(name, "scheduler", args, self.log_dir)
+        self.services.append(svc)
+        svc.wait_ready()
+        return svc
+
     def start_worker(self, *extra: str, name: str | None = None) -> Service:
         name = name or f"worker{len(self.workers)}"
         args = ["--port", "0", "--metrics-port", "0", "--scheduler", self.scheduler_address]

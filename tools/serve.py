@@ -2,7 +2,10 @@
 
 Starts the scheduler, N workers and the edge (in that order, each once the previous
 reported ready), prints `omnifabric ready: ws://HOST:PORT/v1/realtime`, and on
-Ctrl-C/SIGTERM drains them in reverse order (edge, workers, scheduler).
+Ctrl-C/SIGTERM drains them in reverse order: the edge (clients get
+session.closed{server_shutdown}), then every worker at once, then the scheduler. Each
+child gets `--grace` as its own drain grace and is killed only if it is still running
+STOP_MARGIN_S after it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field
 READY = re.compile(r"^omnifabric (scheduler|worker|edge) ready: (.*)$")
 #: The workers' default metrics port (worker i of serve gets this + i).
 WORKER_METRICS_PORT = 9160
+#: Time a child gets after its own drain grace to exit before it is killed.
+STOP_MARGIN_S = 5.0
 
 
 @dataclass
@@ -70,16 +75,28 @@ def spawn(name: str, module: str, args: list[str]) -> Child:
     return child
 
 
-def stop(child: Child, grace_s: float) -> None:
-    """SIGTERM, then SIGKILL after the grace period."""
-    if child.proc.poll() is not None:
+def stop(children: list[Child], grace_s: float) -> None:
+    """SIGTERM every child at once (each drains within its own grace), wait, and SIGKILL
+    a child still running STOP_MARGIN_S after the grace."""
+    running = [c for c in children if c.proc.poll() is None]
+    if not running:
         return
-    child.proc.send_signal(signal.SIGTERM)
-    try:
-        child.proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        child.proc.kill()
-        child.proc.wait()
+    print(
+        f"omnifabric serve: draining {', '.join(c.name for c in running)} (grace {grace_s:g} s)",
+        flush=True,
+    )
+    for child in running:
+        child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s + STOP_MARGIN_S
+    for child in running:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"omnifabric serve: {child.name} still running: killed", flush=True)
+            child.proc.kill()
+            child.proc.wait()
+        else:
+            print(f"omnifabric serve: {child.name} exited ({child.proc.returncode})", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
-        sched_args = ["--host", args.host, "--port", str(args.scheduler_port)]
+        grace = ["--grace", str(args.grace)]
+        sched_args = ["--host", args.host, "--port", str(args.scheduler_port), *grace]
         if args.scheduler_port == 0:
             sched_args += ["--metrics-port", "0"]  # its default metrics port otherwise
         scheduler = spawn("scheduler", "scheduler", sched_args)
@@ -151,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 # Each worker its own metrics port: default+i, or any free with base 0.
                 "--metrics-port",
                 str(0 if args.worker_base_port == 0 else WORKER_METRICS_PORT + i),
+                *grace,
             ]
             if args.slots is not None:
                 wargs += ["--slots", str(args.slots)]
@@ -172,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.grpc_port),
                 "--scheduler",
                 sched_addr,
+                *grace,
                 *(["--record-dir", args.record_dir] if args.record_dir else []),
             ],
         )
@@ -199,9 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"omnifabric serve: {exc}", file=sys.stderr)
         code = 1
     finally:
-        # Edge first (clients get session.closed), then workers, then the scheduler.
-        for child in reversed(children):
-            stop(child, args.grace)
+        # Edge first (clients get session.closed), then the workers together (their
+        # sessions are closed already; their leases go back), then the scheduler.
+        by_kind = {
+            kind: [c for c in children if c.name.rstrip("0123456789") == kind]
+            for kind in ("edge", "worker", "scheduler")
+        }
+        for kind in ("edge", "worker", "scheduler"):
+            stop(by_kind[kind], args.grace)
     print("omnifabric stopped", flush=True)
     return code
 

@@ -45,8 +45,9 @@ class WorkerConfig:
     """How long a Session waits for the scheduler's lease_granted to arrive."""
     register_backoff_s: float = 0.2
     """First delay before re-registering after the scheduler stream breaks (doubles)."""
-    register_backoff_max_s: float = 5.0
-    """Largest delay between registration attempts."""
+    register_backoff_max_s: float = 2.0
+    """Largest delay between registration attempts: a scheduler back after an outage has
+    every worker again within this (plus one connect)."""
     synthetic_compute_ms: float = 40.0
     """Busy time per unit of the synthetic engine, milliseconds."""
     device: str | None = None
@@ -64,6 +65,13 @@ class WorkerConfig:
     """Reference engine: silence after speech that ends the user's turn, seconds."""
     synthetic_fail_unit: int | None = None
     """Fault injection (tests): the synthetic engine fails on this unit of every session."""
+    synthetic_hang_unit: int | None = None
+    """Fault injection (tests): the synthetic engine hangs (for an hour) in this unit of
+    every session."""
+    unit_timeout_s: float = 5.0
+    """An engine call of one unit (prefill + generate, or finalize) running longer ends its
+    session with error/inference_error, and the worker reports NOT_SERVING until the call
+    returns (a stuck engine thread cannot be killed)."""
     memory_tolerance_mb: float = 16.0
     """GPU memory above the post-warm-up baseline tolerated once all sessions ended, MiB."""
     drain_grace_s: float = 10.0
@@ -72,6 +80,13 @@ class WorkerConfig:
     """Largest gRPC message sent or received, bytes."""
     metrics_port: int = 9160
     """Port of the Prometheus /metrics HTTP server (on `host`); 0 = any free port, -1 = off."""
+    tls_ca: str | None = None
+    """PEM CA: the scheduler's certificate is checked against it (TLS to the scheduler);
+    with tls_cert/tls_key also set, edges must present a certificate it signed."""
+    tls_cert: str | None = None
+    """PEM certificate: the WorkerService speaks TLS only; also presented to a TLS scheduler."""
+    tls_key: str | None = None
+    """PEM private key of tls_cert."""
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
@@ -87,11 +102,18 @@ class WorkerConfig:
         _check_range("turn_end_silence_s", self.turn_end_silence_s, 0.064, 10.0)
         _check_range("memory_tolerance_mb", self.memory_tolerance_mb, 0.0, 1 << 20)
         _check_range("drain_grace_s", self.drain_grace_s, 0.0, 3600.0)
+        _check_range("unit_timeout_s", self.unit_timeout_s, 0.05, 3600.0)
+        _check_range("synthetic_hang_unit", self.synthetic_hang_unit, 1, 1 << 30, optional=True)
         _check_range("max_message_bytes", self.max_message_bytes, 1024, 1 << 30)
         if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be in -1..65535, got {self.metrics_port!r}")
         if not self.worker_id:
             raise ConfigError("worker_id must not be empty")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError(
+                "OMNI_FABRIC_TLS_CERT and OMNI_FABRIC_TLS_KEY "
+                "(--fabric-tls-cert, --fabric-tls-key) must be set together"
+            )
         if self.attn not in ("sdpa", "flash_attention_2", "eager"):
             raise ConfigError(f"attn must be sdpa, flash_attention_2 or eager, got {self.attn!r}")
         device = self.device
@@ -166,6 +188,8 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "register_backoff_max_s": ("OMNI_WORKER_REGISTER_BACKOFF_MAX_S", float),
     "synthetic_compute_ms": ("OMNI_WORKER_COMPUTE_MS", float),
     "synthetic_fail_unit": ("OMNI_WORKER_SYNTHETIC_FAIL_UNIT", _optional_int),
+    "synthetic_hang_unit": ("OMNI_WORKER_SYNTHETIC_HANG_UNIT", _optional_int),
+    "unit_timeout_s": ("OMNI_WORKER_UNIT_TIMEOUT_S", float),
     "turn_min_speech_s": ("OMNI_WORKER_TURN_MIN_SPEECH_S", float),
     "device": ("OMNI_WORKER_DEVICE", str),
     "model_path": ("OMNI_WORKER_MODEL_PATH", str),
@@ -176,6 +200,9 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "drain_grace_s": ("OMNI_WORKER_DRAIN_GRACE_S", float),
     "max_message_bytes": ("OMNI_WORKER_MAX_MESSAGE_BYTES", int),
     "metrics_port": ("OMNI_WORKER_METRICS_PORT", int),
+    "tls_ca": ("OMNI_FABRIC_TLS_CA", str),
+    "tls_cert": ("OMNI_FABRIC_TLS_CERT", str),
+    "tls_key": ("OMNI_FABRIC_TLS_KEY", str),
 }
 
 

@@ -191,6 +191,7 @@ def load_engine(name: str, config: WorkerConfig) -> Engine:
             compute_ms=config.synthetic_compute_ms,
             slots=config.slots or 4,
             fail_unit=config.synthetic_fail_unit,
+            hang_unit=config.synthetic_hang_unit,
         )
     elif name == "reference":
         from worker.engines.reference.engine import ReferenceEngine, TurnRules

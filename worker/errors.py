@@ -41,3 +41,7 @@ class EngineUnavailable(WorkerError):
 
 class EngineFailure(WorkerError):
     """The engine raised while serving a session; the session ends with ERROR."""
+
+
+class EngineStuck(EngineFailure):
+    """An engine call overran the unit timeout; its thread is still inside it."""

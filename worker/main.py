@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -41,6 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fail-unit", type=int, help="fault injection: synthetic engine fails on unit N"
     )
+    parser.add_argument(
+        "--hang-unit", type=int, help="fault injection: synthetic engine hangs in unit N"
+    )
+    parser.add_argument(
+        "--unit-timeout", type=float, help="engine call of one unit longer than this: stuck, s (5)"
+    )
+    parser.add_argument(
+        "--grace", type=float, help="on SIGTERM: time sessions get to end in-band, s (10)"
+    )
+    parser.add_argument(
+        "--max-message-bytes", type=int, help="largest gRPC message either way (16 MiB)"
+    )
+    parser.add_argument("--fabric-tls-ca", help="PEM CA: TLS to the scheduler; with a cert: mTLS")
+    parser.add_argument("--fabric-tls-cert", help="PEM certificate: the worker serves TLS")
+    parser.add_argument("--fabric-tls-key", help="PEM private key of --fabric-tls-cert")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument(
         "--metrics-port", type=int, help="Prometheus /metrics port, 0 = any free, -1 = off (9160)"
@@ -62,6 +78,13 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         video_limit_s=args.video_limit_s,
         synthetic_compute_ms=args.compute_ms,
         synthetic_fail_unit=args.fail_unit,
+        synthetic_hang_unit=args.hang_unit,
+        unit_timeout_s=args.unit_timeout,
+        drain_grace_s=args.grace,
+        max_message_bytes=args.max_message_bytes,
+        tls_ca=args.fabric_tls_ca,
+        tls_cert=args.fabric_tls_cert,
+        tls_key=args.fabric_tls_key,
         model_path=args.model_path,
         device=args.device,
         attn=args.attn,
@@ -107,6 +130,16 @@ async def serve(config: WorkerConfig) -> int:
         await worker.drain_and_stop()
         if provider is not None:
             provider.shutdown()  # flush the last spans
+        if worker.runtime.stuck:
+            # Interpreter exit joins the engine threads, and a stuck one never returns.
+            log.warning(
+                "exiting with %d engine calls still stuck: %s",
+                len(worker.runtime.stuck),
+                "; ".join(worker.runtime.stuck.values()),
+            )
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(0)
     return 0
 
 

@@ -54,8 +54,16 @@ def _health_value(health: Health) -> int:
 class Registration:
     """Keeps this worker registered with the scheduler; feeds the runtime's lease book."""
 
-    def __init__(self, runtime: WorkerRuntime, worker_id: str, address: str) -> None:
+    def __init__(
+        self,
+        runtime: WorkerRuntime,
+        worker_id: str,
+        address: str,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.runtime = runtime
+        self.credentials = credentials
+        """TLS credentials for the scheduler channel; None = plaintext."""
         self.worker_id = worker_id
         self.address = address
         self.config = runtime.config
@@ -151,10 +159,12 @@ class Registration:
                 raise
             except grpc.aio.AioRpcError as exc:
                 log.warning(
-                    "registration with %s broke: %s %s",
+                    "registration with %s %s: %s %s%s",
                     self.config.scheduler_address,
+                    "broke" if self.registered.is_set() else "failed",
                     exc.code().name,
                     exc.details() or "",
+                    self._tls_hint(exc),
                 )
             except Exception:
                 log.exception("registration with %s failed", self.config.scheduler_address)
@@ -167,6 +177,18 @@ class Registration:
                 log.info("dropped %d unused lease grants", len(dropped))
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.config.register_backoff_max_s)
+
+    def _tls_hint(self, exc: grpc.aio.AioRpcError) -> str:
+        """A hint for the log when a connection failure may be a TLS mismatch."""
+        refused = "connection refused" in (exc.details() or "").lower()
+        if exc.code() is not grpc.StatusCode.UNAVAILABLE or self.registered.is_set() or refused:
+            return ""  # not a handshake problem: nobody listens there (yet)
+        if self.credentials is None:
+            return (
+                " (plaintext channel: a scheduler that speaks TLS refuses it; "
+                "set OMNI_FABRIC_TLS_CA / --fabric-tls-ca)"
+            )
+        return " (TLS channel: check that the scheduler's certificate is signed by the CA)"
 
     async def _connect_once(self) -> bool:
         """One Register stream from hello to its end; True if it got registered."""
@@ -190,10 +212,13 @@ class Registration:
 
         beats = asyncio.ensure_future(heartbeat())
         options = channel_options(self.config.max_message_bytes)
+        address = self.config.scheduler_address
+        if self.credentials is None:
+            channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            channel = grpc.aio.secure_channel(address, self.credentials, options=options)
         try:
-            async with grpc.aio.insecure_channel(
-                self.config.scheduler_address, options=options
-            ) as ch:
+            async with channel as ch:
                 return await self._serve_stream(ch, requests())
         finally:
             beats.cancel()

@@ -54,6 +54,10 @@ class WorkerRuntime:
         self.memory_listeners: list[Callable[[], None]] = []
         """Called after warm-up and after every session cleanup (memory figures changed)."""
         self.draining = False
+        self.stuck: dict[str, str] = {}
+        """Sessions whose engine call overran the unit timeout and has not returned yet:
+        session id -> detail. The worker is NOT_SERVING while any is stuck. After a drain,
+        "drain" marks sessions that outlived the grace (their calls may never return)."""
         self.metrics = WorkerMetrics(self)
         """Prometheus instruments (served on --metrics-port by worker.main)."""
 
@@ -86,6 +90,8 @@ class WorkerRuntime:
         """
         if self.draining or self.baseline is None:
             raise NotServing("worker is not taking sessions (warming up or draining)")
+        if self.stuck:
+            raise NotServing("worker is not taking sessions (an engine call is stuck)")
         holder: list[DuplexSession] = []
         revoked: list[str] = []
 
@@ -101,8 +107,17 @@ class WorkerRuntime:
             limits = SessionLimits(
                 duration_s=self.config.limit_s(spec.mode),
                 max_context_tokens=self.config.max_context_tokens,
+                unit_timeout_s=self.config.unit_timeout_s,
             )
-            session = DuplexSession(spec, self.engine, self.executor, limits, self._on_freed)
+            session = DuplexSession(
+                spec,
+                self.engine,
+                self.executor,
+                limits,
+                self._on_freed,
+                on_stuck=self._on_stuck,
+                on_unstuck=self._on_unstuck,
+            )
             holder.append(session)
             self.sessions[spec.lease_id] = session
             await session.open()
@@ -125,6 +140,8 @@ class WorkerRuntime:
         caller stops iterating. Raises like open_session, and EngineFailure."""
         if self.draining or self.baseline is None:
             raise NotServing("worker is not taking sessions (warming up or draining)")
+        if self.stuck:
+            raise NotServing("worker is not taking sessions (an engine call is stuck)")
         if "chat" not in self.engine.modes:
             raise ModeMismatch(f"engine {self.engine.name!r} does not serve chat")
         revoked: list[str] = []
@@ -163,6 +180,23 @@ class WorkerRuntime:
             self.metrics.observe_end(session.ended)
         self._check_memory(report)
 
+    def _on_stuck(self, session: DuplexSession, detail: str) -> None:
+        """An engine call hangs: no new leases until it returns (it cannot be killed)."""
+        self.stuck[session.session_id] = detail
+        if not self.draining:
+            self.set_health(False, detail)
+
+    def _on_unstuck(self, session: DuplexSession, report: memory.MemoryReport | None) -> None:
+        """The stuck call returned and its engine session is freed: serve again when no
+        other call is stuck (and, on CUDA, memory is back at the baseline)."""
+        self.stuck.pop(session.session_id, None)
+        if not self.draining and self.health.detail.startswith("engine stuck"):
+            if self.stuck:
+                self.set_health(False, next(iter(self.stuck.values())))
+            else:
+                self.set_health(True)
+        self._check_memory(report)
+
     def _memory_changed(self) -> None:
         for listener in list(self.memory_listeners):
             listener()
@@ -193,6 +227,9 @@ class WorkerRuntime:
         tasks = list(self._tasks)
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=grace)
+            if pending:
+                # Their engine calls may never return: the process must not wait for them.
+                self.stuck["drain"] = f"{len(pending)} sessions still running after the grace"
             for task in pending:
                 task.cancel()
             if pending:

@@ -17,7 +17,8 @@ from worker.config import WorkerConfig
 from worker.engine import Engine, load_engine
 from worker.registration import Registration
 from worker.runtime import Health, WorkerRuntime
-from worker.service import WorkerServicer
+from worker.service import ErrorInterceptor, WorkerServicer
+from worker.tls import channel_credentials, server_credentials
 
 log = logging.getLogger("omnifabric.worker")
 
@@ -28,7 +29,8 @@ HEALTH_SERVICES = ("", "omni.realtime.v1.WorkerService")
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Server options: explicit message limits; accept the edge's keepalive pings."""
+    """Server options: explicit message limits (larger: RESOURCE_EXHAUSTED); accept the
+    edge's keepalive pings; ping idle edges; an exclusive port."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -37,6 +39,10 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_time_ms", 10000),
         ("grpc.keepalive_timeout_ms", 5000),
+        ("grpc.http2.ping_timeout_ms", 5000),
+        # gRPC shares ports (SO_REUSEPORT) by default: a second worker on the same port
+        # would take half of the edges' sessions. Fail to bind instead.
+        ("grpc.so_reuseport", 0),
     ]
 
 
@@ -120,28 +126,43 @@ async def start_worker(config: WorkerConfig, engine: Engine | None = None) -> Ru
 
     runtime.health_listeners.append(on_health)
 
-    server = grpc.aio.server(options=server_options(config.max_message_bytes))
+    credentials = server_credentials(config)
+    server = grpc.aio.server(
+        options=server_options(config.max_message_bytes), interceptors=[ErrorInterceptor()]
+    )
     worker_grpc.add_WorkerServiceServicer_to_server(
         WorkerServicer(runtime, config.worker_id), server
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    target = f"{config.host}:{config.port}"
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(target)
+        else:
+            port = server.add_secure_port(target, credentials)
+    except RuntimeError:
+        port = 0  # grpc raises instead of returning 0 when the port is taken
     if port == 0:
         raise OSError(f"cannot listen on {config.host}:{config.port}")
     await server.start()
     address = config.advertise_address or f"{_host_for_address(config.host)}:{port}"
 
-    registration = Registration(runtime, config.worker_id, address)
+    registration = Registration(
+        runtime, config.worker_id, address, credentials=channel_credentials(config)
+    )
     registration.start()
     worker = RunningWorker(config, runtime, server, health_servicer, registration, port, address)
     worker._warmup = asyncio.ensure_future(_warm(runtime))
     log.info(
-        "worker %s listening on %s:%d (engine %s, %d slots), advertised as %s",
+        "worker %s listening on %s:%d (engine %s, %d slots, %s), advertised as %s",
         config.worker_id,
         config.host,
         port,
         engine.name,
         runtime.slots,
+        "plaintext"
+        if credentials is None
+        else "TLS" + (", client certificates required" if config.tls_ca else ""),
         address,
     )
     return worker

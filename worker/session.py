@@ -23,7 +23,7 @@ from opentelemetry import trace
 from worker import telemetry
 from worker.engine import DuplexSettings, Engine, EngineSession, GenerateResult
 from worker.engines import memory
-from worker.errors import EngineFailure
+from worker.errors import EngineFailure, EngineStuck
 
 log = logging.getLogger("omnifabric.worker.session")
 
@@ -147,10 +147,12 @@ def _ns(perf: float) -> int:
 
 @dataclass(frozen=True)
 class SessionLimits:
-    """Limits of one session: duration from its start, and the context cap in tokens."""
+    """Limits of one session: duration from its start, the context cap in tokens, and the
+    longest engine call of one unit (None: unbounded)."""
 
     duration_s: float
     max_context_tokens: int
+    unit_timeout_s: float | None = None
 
 
 class Mailbox:
@@ -193,12 +195,20 @@ class DuplexSession:
         executor: Executor,
         limits: SessionLimits,
         on_freed: Callable[[DuplexSession, memory.MemoryReport | None], None] | None = None,
+        on_stuck: Callable[[DuplexSession, str], None] | None = None,
+        on_unstuck: Callable[[DuplexSession, memory.MemoryReport | None], None] | None = None,
     ) -> None:
         self.spec = spec
         self.engine = engine
         self.executor = executor
         self.limits = limits
         self.on_freed = on_freed
+        self.on_stuck = on_stuck
+        """Called with a detail when an engine call overran the unit timeout."""
+        self.on_unstuck = on_unstuck
+        """Called once that call returned and the engine session was freed after all."""
+        self._stuck: asyncio.Future[Any] | None = None
+        self._late_free: asyncio.Task[None] | None = None
         self.prompt_length = 0
         self.usage = Usage()
         self.units_served = 0
@@ -226,6 +236,28 @@ class DuplexSession:
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking engine call on the engine threads (never on the event loop)."""
         return await self._loop.run_in_executor(self.executor, fn, *args)
+
+    async def _watched(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """An engine call bounded by the unit timeout. Raises EngineStuck when it overruns:
+        the thread cannot be interrupted, so the call is left running (and the engine
+        session is freed only once it returns, see _free)."""
+        timeout = self.limits.unit_timeout_s
+        future = self._loop.run_in_executor(self.executor, fn, *args)
+        if timeout is None:
+            return await future
+        try:
+            done, _ = await asyncio.wait({future}, timeout=timeout)
+        except asyncio.CancelledError:
+            future.cancel()  # as an awaited call would be (the thread runs on regardless)
+            raise
+        if not done:
+            self._stuck = future
+            detail = f"engine stuck: {what} of session {self.session_id} over {timeout:g} s"
+            log.error("session %s: %s", self.session_id, detail)
+            if self.on_stuck is not None:
+                self.on_stuck(self, detail)
+            raise EngineStuck(f"the engine did not finish {what} within {timeout:g} s")
+        return future.result()
 
     async def open(self) -> int:
         """Open the engine session and prepare the prompt; returns the prompt length.
@@ -287,6 +319,8 @@ class DuplexSession:
         except asyncio.CancelledError:
             reason, message = CloseReason.SERVER_SHUTDOWN, "worker stopped"
             raise
+        except EngineStuck as exc:
+            reason, message, code = CloseReason.ERROR, str(exc), "inference_error"
         except Exception:
             log.exception("session %s: engine failure", self.session_id)
             reason, message, code = CloseReason.ERROR, "inference failed", "inference_error"
@@ -296,6 +330,8 @@ class DuplexSession:
 
     async def _serve(self) -> tuple[CloseReason, str]:
         while True:
+            if isinstance(self._finalize_error, EngineStuck):
+                raise self._finalize_error  # at once: no unit may follow a stuck finalize
             if self._close_request is not None:
                 return self._close_request
             remaining = self._deadline - self._loop.time()
@@ -331,8 +367,8 @@ class DuplexSession:
             raise self._finalize_error
         force_listen = unit.force_listen or self._output_cap_reached()
         max_slices = unit.max_slice_nums or self.spec.settings.max_slice_nums or 1
-        costs, result, prefill_ms, generate_ms, started = await self._call(
-            self._infer, unit, force_listen, max_slices
+        costs, result, prefill_ms, generate_ms, started = await self._watched(
+            f"unit {unit.seq}", self._infer, unit, force_listen, max_slices
         )
         self.units_served += 1
         self._add_usage(result)
@@ -376,7 +412,12 @@ class DuplexSession:
         f0 = time.perf_counter()
         try:
             assert self._engine_session is not None
-            await self._call(self._engine_session.finalize)
+            await self._watched(
+                f"finalize of unit {unit.output.seq}", self._engine_session.finalize
+            )
+        except EngineStuck as exc:
+            self._finalize_error = exc
+            self._wake.set()
         except Exception as exc:  # surfaces at the next unit as an engine failure
             log.exception("session %s: finalize failed", self.session_id)
             self._finalize_error = exc
@@ -458,10 +499,40 @@ class DuplexSession:
         return self.ended
 
     async def _free(self) -> memory.MemoryReport | None:
-        """stop() and close() the engine session, then clean memory. Never raises."""
+        """stop() and close() the engine session, then clean memory. Never raises.
+
+        After a stuck engine call this returns None at once and frees the engine session
+        once that call returns (the engine must not be called while it runs)."""
         if self._finalize_task is not None:
             await self._finalize_task
         engine_session, self._engine_session = self._engine_session, None
+        if self._stuck is not None:
+            if self._late_free is None:
+                self._late_free = asyncio.ensure_future(
+                    self._free_after(self._stuck, engine_session)
+                )
+            return None
+        return await self._release(engine_session)
+
+    async def _free_after(
+        self, stuck: asyncio.Future[Any], engine_session: EngineSession | None
+    ) -> None:
+        """Free the engine session once the stuck call returned (it may never)."""
+        started = self._loop.time()
+        await asyncio.wait({stuck})
+        if not stuck.cancelled():
+            stuck.exception()  # retrieved: its outcome no longer matters
+        log.warning(
+            "session %s: the stuck engine call returned after %.1f s more; freeing it",
+            self.session_id,
+            self._loop.time() - started,
+        )
+        report = await self._release(engine_session)
+        if self.on_unstuck is not None:
+            self.on_unstuck(self, report)
+
+    async def _release(self, engine_session: EngineSession | None) -> memory.MemoryReport | None:
+        """stop() and close() `engine_session`, then clean memory. Never raises."""
         report = None
         try:
             if engine_session is not None:

@@ -227,3 +227,43 @@ async def test_worker_memory_reaches_the_scheduler_status(stack):
             await asyncio.sleep(0.02)
         assert memory.cleanups == before.cleanups + 1
         assert memory.before_cleanup_bytes > 0
+
+
+async def test_oversized_messages_are_resource_exhausted(stack):
+    """G6: over the explicit limits (scheduler 8 MiB, worker 16 MiB) a call fails with
+    RESOURCE_EXHAUSTED, and each server goes on serving the next call."""
+    audio = common_pb2.MODE_AUDIO
+    over_8_mib = "x" * (8 * 1024 * 1024 + 1)
+    async with grpc.aio.insecure_channel(stack.scheduler_address) as ch:
+        stub = scheduler_grpc.SchedulerServiceStub(ch)
+        call = stub.Acquire(scheduler_pb.AcquireRequest(mode=audio, session_id=over_8_mib))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(call.read(), scaled(10))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        register = stub.Register()
+        hello = scheduler_pb.WorkerHello(worker_id="huge", address=over_8_mib, slots=1)
+        await register.write(scheduler_pb.RegisterRequest(hello=hello))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(register.read(), scaled(10))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        over_16_mib = b"\0" * (16 * 1024 * 1024 + 4)
+        for session_id, pcm, ok in (("g6", over_16_mib, False), ("g6b", PCM, True)):
+            acquire = stub.Acquire(scheduler_pb.AcquireRequest(mode=audio, session_id=session_id))
+            lease = (await next_msg(acquire)).lease
+            async with grpc.aio.insecure_channel(lease.worker_address) as wch:
+                call = worker_grpc.WorkerServiceStub(wch).Session()
+                start = worker_pb.SessionStart(
+                    lease_id=lease.lease_id, session_id=session_id, mode=audio
+                )
+                await call.write(worker_pb.SessionRequest(start=start))
+                assert (await next_msg(call)).WhichOneof("kind") == "started"
+                await call.write(worker_pb.SessionRequest(unit=worker_pb.Unit(seq=1, pcm=pcm)))
+                if ok:  # the worker serves the session after the oversized one
+                    assert (await next_msg(call)).WhichOneof("kind") == "result"
+                    call.cancel()
+                else:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await asyncio.wait_for(call.read(), scaled(10))
+                    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            acquire.cancel()

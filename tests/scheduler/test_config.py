@@ -41,3 +41,30 @@ def test_from_env_reads_variables() -> None:
 def test_bad_value_names_variable(var: str, raw: str) -> None:
     with pytest.raises(ValueError, match=var):
         SchedulerConfig.from_env({var: raw})
+
+
+def test_drain_limits_and_tls_settings() -> None:
+    config = SchedulerConfig.from_env(
+        {
+            "OMNI_SCHEDULER_DRAIN_GRACE_S": "2.5",
+            "OMNI_SCHEDULER_MAX_MESSAGE_BYTES": "65536",
+            "OMNI_FABRIC_TLS_CA": "/etc/omni/ca.pem",
+            "OMNI_FABRIC_TLS_CERT": "/etc/omni/node.pem",
+            "OMNI_FABRIC_TLS_KEY": "/etc/omni/node.key",
+        }
+    )
+    assert (config.drain_grace_s, config.max_message_bytes) == (2.5, 65536)
+    assert (config.tls_ca, config.tls_cert, config.tls_key) == (
+        "/etc/omni/ca.pem",
+        "/etc/omni/node.pem",
+        "/etc/omni/node.key",
+    )
+    defaults = SchedulerConfig.from_env({})
+    assert (defaults.drain_grace_s, defaults.max_message_bytes) == (5.0, 8 * 1024 * 1024)
+    assert defaults.tls_cert is None
+    with pytest.raises(ValueError, match="OMNI_SCHEDULER_MAX_MESSAGE_BYTES"):
+        SchedulerConfig.from_env({"OMNI_SCHEDULER_MAX_MESSAGE_BYTES": "10"})
+    with pytest.raises(ValueError, match="OMNI_SCHEDULER_DRAIN_GRACE_S"):
+        SchedulerConfig.from_env({"OMNI_SCHEDULER_DRAIN_GRACE_S": "-1"})
+    with pytest.raises(ValueError, match="OMNI_FABRIC_TLS_CERT and OMNI_FABRIC_TLS_KEY"):
+        SchedulerConfig.from_env({"OMNI_FABRIC_TLS_CERT": "/etc/omni/node.pem"})

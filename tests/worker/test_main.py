@@ -72,3 +72,22 @@ def test_env_range_errors_name_the_variable():
     config = WorkerConfig.from_env({"OMNI_WORKER_ID": "w7", "OMNI_WORKER_COMPUTE_MS": "0"})
     assert (config.worker_id, config.synthetic_compute_ms) == ("w7", 0.0)
     assert WorkerConfig.from_env({}).limit_s("video") == 300.0
+
+
+def test_drain_fault_limit_and_tls_flags():
+    args = build_parser().parse_args(
+        [
+            "--grace", "3", "--unit-timeout", "1.5", "--hang-unit", "2",
+            "--max-message-bytes", "65536", "--fabric-tls-ca", "ca.pem",
+            "--fabric-tls-cert", "node.pem", "--fabric-tls-key", "node.key",
+        ]
+    )  # fmt: skip
+    config = config_from_args(args)
+    assert (config.drain_grace_s, config.unit_timeout_s) == (3.0, 1.5)
+    assert (config.synthetic_hang_unit, config.max_message_bytes) == (2, 65536)
+    assert (config.tls_ca, config.tls_cert, config.tls_key) == ("ca.pem", "node.pem", "node.key")
+    assert WorkerConfig.from_env({}).unit_timeout_s == 5.0
+    with pytest.raises(ConfigError, match="OMNI_WORKER_UNIT_TIMEOUT_S"):
+        WorkerConfig.from_env({"OMNI_WORKER_UNIT_TIMEOUT_S": "0"})
+    with pytest.raises(ConfigError, match="OMNI_FABRIC_TLS_CERT and OMNI_FABRIC_TLS_KEY"):
+        WorkerConfig.from_env({"OMNI_FABRIC_TLS_KEY": "node.key"})

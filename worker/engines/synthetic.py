@@ -103,6 +103,9 @@ class SyntheticSession(EngineSession):
         self.units += 1
         if self.engine.fail_unit is not None and self.units == self.engine.fail_unit:
             raise RuntimeError(f"injected failure on unit {self.units}")
+        if self.engine.hang_unit is not None and self.units == self.engine.hang_unit:
+            # Like a stuck kernel: the calling thread does not come back for a long time.
+            time.sleep(self.engine.hang_s)
         startup = self.units <= self._force_listen_count()
 
         if self.reply_part and (force_listen or speech):
@@ -210,10 +213,15 @@ class SyntheticEngine(Engine):
         force_listen_count: int = 3,
         reply_units: int = 3,
         fail_unit: int | None = None,
+        hang_unit: int | None = None,
+        hang_s: float = 3600.0,
     ) -> None:
         self.compute_ms = compute_ms
         self.fail_unit = fail_unit
         """Fault injection for tests: generate() raises on this unit (1-based) of each session."""
+        self.hang_unit = hang_unit
+        """Fault injection for tests: generate() blocks `hang_s` seconds on this unit."""
+        self.hang_s = hang_s
         self.default_slots = slots
         self.concurrency = slots
         self.force_listen_count = force_listen_count

@@ -1,0 +1,172 @@
+"""Worker faults through real gRPC servers: a hung engine call (F5), message limits (G6),
+unexpected errors (G2)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from omni.realtime.v1 import common_pb2
+from tests.conftest import scaled
+from tests.worker.conftest import SILENCE, SessionClient, pcm_bytes
+from worker.engines.synthetic import SyntheticEngine, SyntheticSession
+
+SERVING = common_pb2.WORKER_HEALTH_SERVING
+NOT_SERVING = common_pb2.WORKER_HEALTH_NOT_SERVING
+
+
+class SlowFinalizeSession(SyntheticSession):
+    engine: SlowFinalizeEngine
+
+    def finalize(self) -> None:
+        time.sleep(self.engine.finalize_s)
+        super().finalize()
+
+
+class SlowFinalizeEngine(SyntheticEngine):
+    """finalize() blocks finalize_s seconds (0 during warm-up)."""
+
+    session_class = SlowFinalizeSession
+    finalize_s = 0.0
+
+
+async def open_session(workers, worker, lease_id):
+    workers.scheduler.grant(worker.worker_id, lease_id)
+    client = SessionClient(workers.stub(worker))
+    client.start(lease_id)
+    started = await client.next()
+    assert started.WhichOneof("kind") == "started", started
+    return client
+
+
+async def serve_unit(client, seq):
+    client.unit(seq, SILENCE)
+    response = await client.next()
+    assert response.WhichOneof("kind") == "result", response
+    return response.result
+
+
+async def report_where(workers, predicate, timeout_s=3.0):
+    """The next report to the scheduler that matches (reports also come every second)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + scaled(timeout_s)
+    while True:
+        remaining = deadline - loop.time()
+        report = await asyncio.wait_for(workers.scheduler.reports.get(), max(0.01, remaining))
+        if predicate(report):
+            return report
+
+
+async def health(worker):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="omni.realtime.v1.WorkerService")
+        )
+    return reply.status
+
+
+async def test_hung_unit_ends_its_session_and_the_worker_serves_again_once_it_returns(workers):
+    engine = SyntheticEngine(compute_ms=2, slots=3, hang_unit=3, hang_s=1.5)
+    worker = await workers.start(engine=engine, unit_timeout_s=0.3)
+    hung = await open_session(workers, worker, "L1")
+    other = await open_session(workers, worker, "L2")
+    for seq in (1, 2):
+        await serve_unit(hung, seq)
+    await serve_unit(other, 1)
+
+    hung.unit(3)
+    began = time.monotonic()
+    (ended,) = await hung.until_ended()
+    took = time.monotonic() - began
+    assert ended.ended.reason == common_pb2.CLOSE_REASON_ERROR
+    assert ended.ended.error_code == "inference_error"
+    assert ended.ended.message == "the engine did not finish unit 3 within 0.3 s"
+    assert 0.25 < took < scaled(1.0)
+    assert await workers.scheduler.next_released() == "L1"
+    report = await report_where(workers, lambda r: r.health == NOT_SERVING)
+    assert report.detail == "engine stuck: unit 3 of session s-L1 over 0.3 s"
+    assert await health(worker) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    # The other session runs on another engine thread, untouched.
+    await serve_unit(other, 2)
+    # No new session while the call is stuck.
+    refused = SessionClient(workers.stub(worker))
+    refused.start("L3")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await refused.next()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    # Once the call returns, its engine session is freed and the worker serves again.
+    await report_where(workers, lambda r: r.health == SERVING)
+    assert time.monotonic() - began > 1.4
+    assert await health(worker) == health_pb2.HealthCheckResponse.SERVING
+    assert not worker.runtime.stuck
+    again = await open_session(workers, worker, "L4")
+    await serve_unit(again, 1)
+    other.close()
+    await other.until_ended()
+
+
+async def test_hung_finalize_ends_the_session_at_once(workers):
+    engine = SlowFinalizeEngine(compute_ms=2, slots=2)
+    worker = await workers.start(engine=engine, unit_timeout_s=0.3)
+    engine.finalize_s = 1.0
+    client = await open_session(workers, worker, "L1")
+    began = time.monotonic()
+    await serve_unit(client, 1)
+    # No further unit: the stuck finalize alone ends the session.
+    (ended,) = await client.until_ended()
+    assert ended.ended.error_code == "inference_error"
+    assert ended.ended.message == "the engine did not finish finalize of unit 1 within 0.3 s"
+    assert time.monotonic() - began < scaled(0.9)
+    await report_where(workers, lambda r: r.health == NOT_SERVING)
+    engine.finalize_s = 0.0
+    await report_where(workers, lambda r: r.health == SERVING)
+
+
+async def test_oversized_unit_is_resource_exhausted_and_the_worker_goes_on(workers):
+    """G6: a message over max_message_bytes fails its call; the lease comes back and the
+    next session is served."""
+    worker = await workers.start(max_message_bytes=64 * 1024)
+    client = await open_session(workers, worker, "L1")
+    client.unit(1, pcm_bytes(seconds=2.0))  # 128 KB
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.next()
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert await workers.scheduler.next_released() == "L1"
+    again = await open_session(workers, worker, "L2")
+    await serve_unit(again, 1)
+
+
+async def test_unexpected_errors_are_internal_without_details(workers):
+    """G2: an exception nobody foresaw becomes INTERNAL "internal error", before the
+    session starts (the servicer's mapping) and after (the interceptor); the worker
+    serves the next session."""
+    worker = await workers.start()
+    runtime = worker.runtime
+    leases, runtime.leases = runtime.leases, None
+    client = SessionClient(workers.stub(worker))
+    client.start("L1")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.next()
+    runtime.leases = leases
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert info.value.details() == "internal error"
+
+    client = await open_session(workers, worker, "L2")
+    metrics, runtime.metrics = runtime.metrics, None
+    try:
+        client.unit(1, SILENCE)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.next()
+    finally:
+        runtime.metrics = metrics
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert info.value.details() == "internal error"
+    assert await workers.scheduler.next_released() == "L2"
+    again = await open_session(workers, worker, "L3")
+    await serve_unit(again, 1)
