@@ -227,6 +227,9 @@ class EdgeConfig:
             fabric_tls_cert=os.environ.get("OMNI_FABRIC_TLS_CERT") or None,
             fabric_tls_key=os.environ.get("OMNI_FABRIC_TLS_KEY") or None,
             unit_timeout_s=_env_float("OMNI_EDGE_UNIT_TIMEOUT_S", cls.unit_timeout_s, 0.5, 600),
+            grpc_max_message_bytes=_env_int(
+                "OMNI_EDGE_GRPC_MAX_MESSAGE_BYTES", cls.grpc_max_message_bytes, 1 << 16, 1 << 30
+            ),
             allowed_origins=tuple(
                 o.strip()
                 for o in os.environ.get("OMNI_EDGE_ALLOWED_ORIGINS", "").split(",")
