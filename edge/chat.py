@@ -274,9 +274,9 @@ async def run_turn(
     on_delta: Callable[[str, bytes], Awaitable[None]],
     on_leased: Callable[[], Awaitable[None]] | None = None,
 ) -> ChatResult:
-    """Lease a chat slot (queue events via on_queued), run the turn on the worker, stream
-    its deltas; the lease is returned when this returns. Raises QueueFull,
-    ServiceUnavailable, WorkerConnectFailed, InvalidPayload (the worker refused the input)."""
+    """Lease a chat slot (queue events via on_queued), run the turn, stream its deltas; the
+    lease and the worker's call end with it, also when it is cancelled. Raises QueueFull,
+    ServiceUnavailable, WorkerConnectFailed, InvalidPayload, InferenceError."""
     acquire = fabric.scheduler.Acquire(
         scheduler_pb.AcquireRequest(mode=common_pb2.MODE_CHAT, session_id=session_id)
     )
@@ -317,6 +317,10 @@ async def run_turn(
 
                 raise InferenceError(err.details() or "inference failed") from None
             raise WorkerConnectFailed(f"the worker failed the turn: {err.details()}") from None
+        finally:
+            # A turn cancelled mid-stream (client gone, slow client, drain) must stop the
+            # worker's generation now, not when the call object is collected.
+            call.cancel()
     finally:
         acquire.cancel()
     result.timings_ms["wall_clock_ms"] = (time.monotonic() - t0) * 1000.0

@@ -3,9 +3,11 @@
 Same state machine and session core as the WebSocket path; audio travels as raw
 bytes. Fatal errors end the call with a status code (UNAUTHENTICATED without a valid
 `authorization: Bearer KEY` when keys are configured, RESOURCE_EXHAUSTED for a full
-queue or a key at its session limit, UNAVAILABLE for no service, INVALID_ARGUMENT for a
-bad first message, INTERNAL with a generic message for anything unexpected); client
-mistakes during a session arrive as `error` events and the stream stays usable.
+queue, a key at its session limit, or a client too slow to read (`slow_client`: responses
+are bounded like a WebSocket client's outbox), UNAVAILABLE for no service,
+INVALID_ARGUMENT for a bad first message, INTERNAL with a generic message for anything
+unexpected); client mistakes during a session arrive as `error` events and the stream
+stays usable.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -28,6 +32,7 @@ from edge.errors import (
     MissingField,
     QueueFull,
     ServiceUnavailable,
+    SlowClient,
 )
 from edge.fabric import Fabric
 from edge.metrics import METRICS
@@ -144,6 +149,72 @@ def _error(err: EdgeError) -> rt_pb.ConnectResponse:
     )
 
 
+class Outbound:
+    """Responses to one RealtimeService client, bounded in messages and serialized bytes
+    by the same limits as a WebSocket client's outbox (edge.outbox).
+
+    `put` never blocks. A client that stops reading stops the call's writes (HTTP/2 flow
+    control), then fills this queue: past its bound the queue is dropped, `on_overflow`
+    runs once, and `get` answers OVERFLOW from then on.
+    """
+
+    OVERFLOW = object()
+    """What `get` returns once the bound was passed."""
+
+    def __init__(self, max_messages: int, max_bytes: int, on_overflow: Callable[[], None]) -> None:
+        self.max_messages = max_messages
+        self.max_bytes = max_bytes
+        self.on_overflow = on_overflow
+        self.overflowed = False
+        self._items: deque[tuple[rt_pb.ConnectResponse | None, int]] = deque()
+        self._bytes = 0
+        self._ready = asyncio.Event()
+
+    def put(self, item: rt_pb.ConnectResponse | None) -> None:
+        """Queue one response (None: the stream's end, which always fits, as one response
+        always fits an empty queue)."""
+        if self.overflowed:
+            return
+        size = 0 if item is None else item.ByteSize()
+        if (
+            item is not None
+            and self._items
+            and (len(self._items) >= self.max_messages or self._bytes + size > self.max_bytes)
+        ):
+            self._overflow()
+            return
+        self._items.append((item, size))
+        self._bytes += size
+        self._ready.set()
+
+    async def get(self) -> rt_pb.ConnectResponse | None | object:
+        """The next response, None at the end, or OVERFLOW."""
+        while not self._items and not self.overflowed:
+            self._ready.clear()
+            await self._ready.wait()
+        if self.overflowed:
+            return self.OVERFLOW
+        item, size = self._items.popleft()
+        self._bytes -= size
+        return item
+
+    def _overflow(self) -> None:
+        log.warning(
+            "gRPC client not reading: %d messages (%d bytes) waiting, bound %d messages / "
+            "%d bytes: ending the call with RESOURCE_EXHAUSTED",
+            len(self._items),
+            self._bytes,
+            self.max_messages,
+            self.max_bytes,
+        )
+        self.overflowed = True
+        # What was queued is what costs memory, and the client will not get it.
+        self._items.clear()
+        self._bytes = 0
+        self._ready.set()
+        self.on_overflow()
+
+
 def _authorization(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == "authorization" and isinstance(value, str):
@@ -208,15 +279,30 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
         except EdgeError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err.message)
 
-        out: asyncio.Queue[rt_pb.ConnectResponse | None] = asyncio.Queue()
         holder: list[SessionCore] = []
+        ending: list[asyncio.Future] = []
+        slow = SlowClient(
+            f"the client is not reading: over {self._config.outbound_queue_max} messages or "
+            f"{self._config.outbound_queue_bytes} bytes were waiting to be sent"
+        )
+
+        def overflowed() -> None:
+            # The session ends now (worker stream and lease dropped); the status goes out
+            # once the client takes what its HTTP/2 window already holds.
+            METRICS.client_error(slow.code)
+            driver.cancel()
+            ending.append(asyncio.ensure_future(holder[0].abort()))
+
+        out = Outbound(
+            self._config.outbound_queue_max, self._config.outbound_queue_bytes, overflowed
+        )
 
         async def emit(event: object) -> None:
             if isinstance(event, ev.Closed) and event.error_code == InferenceError.code:
-                await out.put(_error(InferenceError(event.message or "inference failed")))
-            await out.put(_event(event, holder[0].session_id))
+                out.put(_error(InferenceError(event.message or "inference failed")))
+            out.put(_event(event, holder[0].session_id))
             if isinstance(event, ev.Closed):
-                await out.put(None)
+                out.put(None)
 
         core = SessionCore(
             mode,
@@ -243,8 +329,11 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
                     else:
                         raise InvalidPayload("init may be sent only once")
                 except EdgeError as err:
-                    await out.put(_error(err))
+                    out.put(_error(err))
             await core.close(ev.CLIENT_CLOSED)
+
+        async def too_slow() -> None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{slow.code}: {slow.message}")
 
         driver = asyncio.create_task(drive())
         try:
@@ -253,11 +342,15 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
                 done, _ = await asyncio.wait({getter, driver}, return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
                     item = getter.result()
+                    if item is Outbound.OVERFLOW:
+                        await too_slow()
                     if item is None:
                         return
                     yield item
                     continue
                 getter.cancel()
+                if out.overflowed:  # the overflow cancelled the driver
+                    await too_slow()
                 exc = driver.exception()
                 if isinstance(exc, EdgeError):
                     code = _STATUS.get(type(exc), grpc.StatusCode.UNAVAILABLE)
@@ -269,6 +362,8 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, "internal error")
                 # The driver returned: drain what is left until Closed.
                 while (item := await out.get()) is not None:
+                    if item is Outbound.OVERFLOW:
+                        await too_slow()
                     yield item
                 return
         finally:

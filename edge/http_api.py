@@ -2,7 +2,9 @@
 
 The websockets server only parses body-less GET handshakes, so the connection class
 sniffs the first bytes: a `POST` is taken over by a small HTTP/1.1 exchange (one request,
-`Connection: close`); anything else goes to the WebSocket handshake untouched.
+`Connection: close`); anything else goes to the WebSocket handshake untouched. With API
+keys configured a request needs a valid key (401) and holds one of the key's sessions while
+its turn runs (429 at the key's limit, as the WebSocket endpoints answer before the upgrade).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 
+from edge.access import key_digest
 from edge.errors import EdgeError, QueueFull, ServiceUnavailable
 
 log = logging.getLogger("omnifabric.edge.http")
@@ -227,18 +230,33 @@ def connection_class(app) -> type[ServerConnection]:
                 status, body = problem[0], {"success": False, "error": problem[1]}
             elif exchange.path.split("?")[0] != "/api/chat":
                 status, body = HTTPStatus.NOT_FOUND, {"success": False, "error": "not found"}
-            elif not app.key_ok(exchange.headers):
-                status, body = (
-                    HTTPStatus.UNAUTHORIZED,
-                    {"success": False, "error": "missing or invalid API key"},
-                )
             else:
-                generation = asyncio.ensure_future(
-                    api_chat(app, exchange.buffer[: exchange.length])
-                )
-                status, body = await generation
+                status, body = await self._chat(exchange)
             transport.write(response_bytes(status, body))
             transport.close()  # close() flushes the buffered response first
+
+        async def _chat(self, exchange: HttpExchange) -> tuple[HTTPStatus, dict[str, Any]]:
+            """The API key check (401), the key's session limit (429, as on the WebSocket
+            endpoints: the turn holds one of its sessions while it runs), then the turn."""
+            digest = key_digest(app.config, exchange.headers.get("Authorization", ""))
+            if digest is None:
+                return HTTPStatus.UNAUTHORIZED, {
+                    "success": False,
+                    "error": "missing or invalid API key",
+                }
+            if digest and not app.key_sessions.take(digest):
+                limit = app.key_sessions.limit(digest)
+                return HTTPStatus.TOO_MANY_REQUESTS, {
+                    "success": False,
+                    "error": "too_many_sessions",
+                    "message": f"this API key already holds {limit} open sessions, its "
+                    "limit: close one and retry",
+                }
+            try:
+                return await api_chat(app, exchange.buffer[: exchange.length])
+            finally:
+                if digest:
+                    app.key_sessions.give_back(digest)
 
         async def _request(self, exchange: HttpExchange) -> tuple[HTTPStatus, str] | None:
             """Wait for the whole request: the head within the open timeout, like a

@@ -53,7 +53,7 @@ class RunningEdge:
         # Workers get most of the grace to confirm each end (with its usage); the rest is
         # for session.closed to reach the client and the close handshake.
         confirm_s = 0.8 * grace_s
-        connections = list(self.app.connections)
+        connections = [*self.app.connections, *self.app.chats]
         ending = [c.shutdown(confirm_s) for c in connections]
         if self.servicer is not None:
             ending.append(self.servicer.shutdown(confirm_s))

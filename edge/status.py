@@ -58,7 +58,11 @@ async def edge_status(app) -> dict[str, Any]:
         for c in list(app.connections)
     ]
     return {
-        "edge": {"draining": app.draining, "sessions": len(sessions)},
+        "edge": {
+            "draining": app.draining,
+            "sessions": len(sessions),
+            "chat_sessions": len(app.chats),
+        },
         "queue": {"length": snap.queue_length, "max": snap.queue_max},
         "leases_active": snap.leases_active,
         "mean_session_s": dict(snap.mean_session_s),

@@ -92,6 +92,9 @@ class EdgeApp:
         self.config = config
         self.fabric = fabric
         self.connections: set[Connection] = set()
+        self.chats: set[Any] = set()
+        """Chat connections (mode=chat, /ws/chat; edge.chat_endpoints): the drain ends them
+        in-band too."""
         self.http_tasks: set[asyncio.Task] = set()
         """POST /api/chat exchanges in flight."""
         self.draining = False

@@ -421,3 +421,271 @@ async def test_e11_sigterm_drains(stack):
     )
     assert unhealthy < scaled(0.1)
     assert shut <= scaled(grace)
+
+
+# ---- chat and gRPC clients: E8 (outbound bound) and E11 (drain) ---------------------------
+
+
+async def scheduler_leases(stack: Stack) -> int:
+    """Leases the scheduler holds on its workers now."""
+    from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+    from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+
+    async with grpc.aio.insecure_channel(stack.scheduler_address) as channel:
+        stub = scheduler_grpc.SchedulerServiceStub(channel)
+        status = await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=scaled(5))
+    return sum(len(w.lease_ids) for w in status.workers)
+
+
+async def edge_status(stack: Stack) -> dict:
+    """GET /status on the edge."""
+
+    def get() -> dict:
+        url = f"http://{edge_address(stack)}/status"
+        with urllib.request.urlopen(url, timeout=scaled(5)) as reply:
+            return json.loads(reply.read())
+
+    return await asyncio.to_thread(get)
+
+
+def long_chat(words: int) -> dict:
+    """A chat request the synthetic engine answers with one text and one audio delta (0.25 s
+    of 24 kHz float32: ~32 KB of JSON) per two of these words."""
+    return {
+        "messages": [{"role": "user", "content": " ".join(f"w{i:06d}" for i in range(words))}],
+        "streaming": True,
+        "generation": {"max_new_tokens": 4096},
+        "tts": {"enabled": True},
+    }
+
+
+async def chat_turn(url: str, request: dict) -> tuple[dict, list[dict]]:
+    """One mode=chat turn by a client that reads everything: (response.done, deltas)."""
+    client = await WsClient.open(url)
+    await client.until("session.queue_done")
+    await client.send({"type": "session.init", "payload": {}})
+    await client.until("session.created")
+    await client.send({"type": "input.append", "input": request})
+    done = await client.until("response.done", timeout_s=60)
+    await client.close()
+    return done, [e for e in client.events if e["type"] == "response.output.delta"]
+
+
+async def test_e8_chat_client_that_stops_reading_gets_slow_client(stack, monkeypatch):
+    """A mode=chat and a /ws/chat client that never read, with a streaming reply far larger
+    than the socket buffers: slow_client and close 1008 instead of a turn that waits on the
+    client (holding its worker slot) until the keepalive; leases, sessions and the edge's
+    tasks are all back afterwards."""
+    monkeypatch.setenv("OMNI_EDGE_OUTBOUND_QUEUE_MAX", "8")
+    words = 1200
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    # Keepalive out of the way: only the outbound bound can end these sessions.
+    edge = stack.start_edge("--ping-interval", "60", "--ping-timeout", "60")
+    chat_url = f"{stack.url}?mode=chat"
+    await chat_turn(chat_url, long_chat(4))  # warm-up: channels and code paths exist
+
+    async def nothing_open() -> bool:
+        status = await edge_status(stack)
+        return status["edge"]["chat_sessions"] == 0 and status["leases_active"] == 0
+
+    await wait_until(nothing_open, 5)
+    tasks_before = metric(await edge_metrics(stack), "omni_edge_asyncio_tasks")
+    rss_before = rss_bytes(edge.proc.pid)
+    host, port = edge_address(stack).split(":")
+    realtime = await RawWs.open(host, int(port), "/v1/realtime?mode=chat", rcvbuf=4096)
+    await realtime.send({"type": "session.init", "payload": {}})
+    await realtime.send({"type": "input.append", "input": long_chat(words)})
+    legacy = await RawWs.open(host, int(port), "/ws/chat", rcvbuf=4096)
+    await legacy.send(long_chat(words))
+    peak = rss_before
+
+    async def overflowed() -> bool:
+        nonlocal peak
+        peak = max(peak, rss_bytes(edge.proc.pid))
+        samples = await edge_metrics(stack)
+        return metric(samples, "omni_edge_client_errors_total", code="slow_client") >= 2
+
+    took = await wait_until(overflowed, 30)
+    # The clients read again at once: what was already in flight, then the reason.
+    read = []
+    for raw, last in ((realtime, "response.done"), (legacy, "done")):
+        events, code = await raw.read_frames(timeout_s=5)
+        raw.close()
+        types = [e["type"] for e in events]
+        assert types[-1] == "error" and "slow_client" in json.dumps(events[-1]), types[-5:]
+        assert code == 1008
+        assert last not in types
+        read.append(sum(1 for t in types if t in ("response.output.delta", "chunk")))
+    ended = await wait_until(nothing_open, 5)
+    status = await edge_status(stack)
+    assert status["edge"]["sessions"] == 0
+
+    async def tasks_back() -> bool:
+        return metric(await edge_metrics(stack), "omni_edge_asyncio_tasks") <= tasks_before
+
+    await wait_until(tasks_back, 5)
+    # The same reply to a client that reads: what the stuck ones would have had to hold.
+    done, deltas = await chat_turn(chat_url, long_chat(words))
+    assert done["reason"] == "turn_end" and done["text"].endswith(f"w{words - 1:06d}")
+    reply_bytes = sum(len(json.dumps(e, separators=(",", ":"))) for e in deltas)
+    growth = (peak - rss_before) / 2 / 2**20
+    print(
+        f"E8 chat: slow_client on both after {took:.2f} s; the stuck clients had read "
+        f"{read[0]} (mode=chat) and {read[1]} (/ws/chat) of {len(deltas)} deltas "
+        f"({reply_bytes / 2**20:.1f} MiB of JSON in the whole reply); leases and sessions "
+        f"gone {ended:.2f} s after they read; edge RSS growth at the peak {growth:.2f} MiB "
+        "per client"
+    )
+    # Larger than every buffer on the way (Linux grows a socket's send buffer to 4 MiB).
+    assert reply_bytes > 12 * 2**20
+    assert max(read) < len(deltas) / 2
+    assert growth < 5.0
+
+
+async def test_e8_grpc_client_that_stops_reading_gets_resource_exhausted(stack, monkeypatch):
+    """A RealtimeService client that keeps sending units and never reads: once the edge's
+    writes stop (HTTP/2 flow control) and its bounded queue fills, the session ends at once
+    (lease back, no session left) and the call ends with RESOURCE_EXHAUSTED slow_client
+    after what the client's window already held."""
+    monkeypatch.setenv("OMNI_EDGE_OUTBOUND_QUEUE_MAX", "4")
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    stack.start_edge("--ping-interval", "60", "--ping-timeout", "60")
+    # Without BDP probing the client's receive window stays at 64 KiB, so the edge's
+    # writes stop after about one second of reply audio (with it: megabytes later).
+    channel = grpc.aio.insecure_channel(stack.grpc_address, options=[("grpc.http2.bdp_probe", 0)])
+    call = rt_grpc.RealtimeServiceStub(channel).Connect()
+    await call.write(rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO)))
+    while (await asyncio.wait_for(call.read(), scaled(10))).WhichOneof("kind") != "created":
+        pass
+    # Quarter-second units (16 KB): few are in flight when the edge stops reading them.
+    units = [SPEECH[:4000], SILENCE[:4000], SILENCE[:4000], SILENCE[:4000]]
+    stop = asyncio.Event()
+    sent = 0
+
+    async def stream() -> None:
+        nonlocal sent
+        while not stop.is_set():
+            audio = units[sent % len(units)].astype("<f4").tobytes()
+            write = asyncio.shield(
+                call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=audio)))
+            )
+            try:
+                await asyncio.wait_for(write, scaled(1))
+            except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                return  # the edge no longer reads: nothing more to send
+            sent += 1
+            await asyncio.sleep(0.05)
+
+    async def overflowed() -> bool:
+        samples = await edge_metrics(stack)
+        return metric(samples, "omni_edge_client_errors_total", code="slow_client") >= 1
+
+    streamer = asyncio.create_task(stream())
+    try:
+        took = await wait_until(overflowed, 30)
+
+        # Still not reading: the overflow alone ended the session and returned its lease.
+        async def ended() -> bool:
+            samples = await edge_metrics(stack)
+            return (
+                metric(samples, "omni_edge_sessions_active") == 0
+                and await scheduler_leases(stack) == 0
+            )
+
+        freed = await wait_until(ended, 5)
+    finally:
+        stop.set()
+        await asyncio.wait({streamer}, timeout=scaled(2))
+    read = 0
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        while True:
+            msg = await asyncio.wait_for(call.read(), scaled(10))
+            assert msg is not grpc.aio.EOF, "the call ended without a status"
+            read += 1
+    await channel.close()
+    print(
+        f"E8 gRPC: {sent} units sent; slow_client after {took:.2f} s; lease back "
+        f"{freed:.2f} s later with the client still not reading; it then read {read} "
+        f"messages and {info.value.code().name}"
+    )
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.details().startswith("slow_client: ")
+
+
+async def test_e11_sigterm_ends_chat_sessions_in_band(stack):
+    """SIGTERM with chat clients in every state: an idle mode=chat session and a /ws/chat
+    that sent nothing end at once in-band (session.closed{server_shutdown} / error), a turn
+    that finishes within the grace still delivers its reply first, one that cannot is cut;
+    each then gets close 1001."""
+    grace, compute_ms = 3.5, 2000
+    stack.start_scheduler()
+    # One slot: the second turn waits for the first, so it cannot finish within the grace
+    # (2 x 2 s of compute > 0.8 x 3.5 s for the sessions to end), while the first can.
+    stack.start_worker("--slots", "1", "--compute-ms", str(compute_ms))
+    edge = stack.start_edge("--grace", str(grace))
+    base = stack.url.split("/v1/")[0]
+
+    async def chat_session() -> WsClient:
+        client = await WsClient.open(f"{stack.url}?mode=chat")
+        await client.until("session.queue_done")
+        await client.send({"type": "session.init", "payload": {}})
+        await client.until("session.created")
+        return client
+
+    idle = await chat_session()
+    busy = await chat_session()
+    silent = await WsClient.open(f"{base}/ws/chat")  # never sends its request
+    waiting = await WsClient.open(f"{base}/ws/chat")
+    await busy.send(
+        {"type": "input.append", "input": {"messages": [{"role": "user", "content": "first"}]}}
+    )
+
+    async def turn_running() -> bool:
+        return await scheduler_leases(stack) == 1
+
+    await wait_until(turn_running, 10)
+    await waiting.send({"messages": [{"role": "user", "content": "second"}]})
+    await waiting.until("queued")
+    edge.kill(signal.SIGTERM)
+    t0 = time.monotonic()
+
+    async def close_code(client: WsClient) -> int | None:
+        with pytest.raises(ConnectionClosed) as info:
+            while True:
+                await client.recv(timeout_s=grace + 2)
+        return info.value.rcvd.code if info.value.rcvd else None
+
+    closed = await idle.until("session.closed", timeout_s=grace + 2)
+    idle_s = time.monotonic() - t0
+    assert closed["reason"] == "server_shutdown" and closed["usage"]["total_tokens"] == 0
+    silent_end = await silent.until("error", timeout_s=grace + 2)
+    silent_s = time.monotonic() - t0
+    assert silent_end["error"] == "the server is shutting down"
+    done = await busy.until("response.done", timeout_s=grace + 2)
+    assert done["text"] == "You said: first"
+    busy_closed = await busy.until("session.closed", timeout_s=grace + 2)
+    busy_s = time.monotonic() - t0
+    assert busy_closed["reason"] == "server_shutdown"
+    assert busy_closed["usage"]["total_tokens"] == done["usage"]["total_tokens"] > 0
+    cut = await waiting.until("error", "done", timeout_s=grace + 2)
+    cut_s = time.monotonic() - t0
+    assert cut == {"type": "error", "error": "the server is shutting down"}
+    codes = [await close_code(c) for c in (idle, silent, busy, waiting)]
+    assert codes == [1001, 1001, 1001, 1001]
+    assert await asyncio.to_thread(edge.proc.wait, scaled(10)) == 0
+    exited = time.monotonic() - t0
+    print(
+        f"E11 chat: idle session.closed{{server_shutdown}} at {idle_s * 1000:.0f} ms, silent "
+        f"/ws/chat error at {silent_s * 1000:.0f} ms, the running turn's response.done then "
+        f"session.closed at {busy_s:.2f} s, the waiting turn cut at {cut_s:.2f} s, edge "
+        f"exited at {exited:.2f} s (grace {grace} s, {compute_ms} ms per turn)"
+    )
+    assert idle_s < scaled(0.5) and silent_s < scaled(0.5)
+    assert cut_s <= scaled(grace)
+
+    async def no_lease() -> bool:
+        return await scheduler_leases(stack) == 0
+
+    await wait_until(no_lease, 5)

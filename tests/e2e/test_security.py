@@ -73,15 +73,21 @@ async def grpc_session(address: str, metadata=None, credentials=None) -> rt_pb.C
         return closed
 
 
-async def grpc_refusal(address: str, metadata=None) -> tuple[grpc.StatusCode, str]:
-    """Start a RealtimeService session that the edge must refuse: (status code, details)."""
+async def grpc_refusal(
+    address: str, metadata=None, send_init: bool = False
+) -> tuple[grpc.StatusCode, str]:
+    """Open a RealtimeService call the edge must refuse: (status code, details).
+
+    Refusals decided from the metadata alone are read without writing anything: with
+    grpcio's asyncio client a write that races the server's early status replaces that
+    status with INTERNAL "Internal error from Core" (grpc/grpc#36066). `send_init` writes
+    the init first, for refusals the edge decides after reading it.
+    """
     async with grpc.aio.insecure_channel(address) as channel:
         call = rt_grpc.RealtimeServiceStub(channel).Connect(metadata=metadata)
-        init = rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO))
-        try:
-            await call.write(init)
-        except grpc.aio.AioRpcError:
-            pass  # refused before the edge read the init: the call's status tells why
+        if send_init:
+            init = rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO)
+            await call.write(rt_pb.ConnectRequest(init=init))
         code = await asyncio.wait_for(call.code(), scaled(10))
         return code, await call.details()
 
@@ -217,7 +223,7 @@ async def test_grpc_internal_error_is_generic():
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        code, details = await grpc_refusal(f"127.0.0.1:{port}")
+        code, details = await grpc_refusal(f"127.0.0.1:{port}", send_init=True)
     finally:
         await server.stop(None)
     assert code == grpc.StatusCode.INTERNAL
@@ -352,3 +358,71 @@ def test_tls_setup_errors_are_clear(tmp_path, cert_pair, case):
     )
     assert run.returncode == 2, run.stderr
     assert expect in run.stderr and "Traceback" not in run.stderr
+
+
+async def scheduler_leases(stack: Stack) -> int:
+    """Leases the scheduler holds on its workers now."""
+    from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+    from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+
+    async with grpc.aio.insecure_channel(stack.scheduler_address) as channel:
+        stub = scheduler_grpc.SchedulerServiceStub(channel)
+        status = await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=scaled(5))
+    return sum(len(w.lease_ids) for w in status.workers)
+
+
+async def test_post_api_chat_counts_against_the_key_session_limit(stack, tmp_path):
+    """POST /api/chat holds one of its key's sessions while its turn runs: over the limit
+    it gets 429 (as the WebSocket endpoints do), and while it runs the key's other
+    requests are refused; the slot comes back when the answer is sent."""
+    from tests.e2e.wsclient import post_json
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-post-epsilon max_sessions=1\n")
+    stack.start_scheduler()
+    # Each chat turn computes for 1.5 s: long enough to look at the key while it runs.
+    stack.start_worker("--slots", "2", "--compute-ms", "1500")
+    stack.start_edge("--api-keys-file", str(keys))
+    base = stack.url.split("/v1/")[0]
+    api = base.replace("ws://", "http://") + "/api/chat"
+    chat = f"{stack.url}?mode=chat"
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "hello"}], "tts": {"enabled": False}}
+    ).encode()
+    key = bearer("sk-post-epsilon")
+
+    def post(headers: dict[str, str] | None = None) -> tuple[int, dict]:
+        return post_json(api, body, headers)
+
+    # No key, or a wrong one: 401 as before.
+    assert (await asyncio.to_thread(post))[0] == 401
+    assert (await asyncio.to_thread(post, bearer("sk-wrong")))[0] == 401
+    # A WebSocket session holds the key's only slot: the POST is refused with a reason.
+    holder = await WsClient.open(chat, additional_headers=key)
+    await holder.until("session.queue_done")
+    status, answer = await asyncio.to_thread(post, key)
+    assert status == 429, answer
+    assert answer["success"] is False and answer["error"] == "too_many_sessions"
+    assert "limit" in answer["message"]
+    await holder.close()
+    # While a POST's turn runs (its worker lease is out), the key is at its limit.
+    deadline = time.monotonic() + scaled(5)
+    while True:
+        running = asyncio.ensure_future(asyncio.to_thread(post, key))
+        while not running.done() and await scheduler_leases(stack) == 0:
+            await asyncio.sleep(0.02)
+        if not running.done():
+            break
+        # The holder's slot was not back yet when this POST came: it was refused.
+        assert running.result()[0] == 429 and time.monotonic() < deadline
+    status, body_text = await refused(chat, "sk-post-epsilon")
+    assert status == 429 and "limit" in body_text
+    assert (await asyncio.to_thread(post, key))[0] == 429
+    assert not running.done(), "the turn ended before the checks: they proved nothing"
+    status, answer = await running
+    assert status == 200 and answer["text"] == "You said: hello"
+    # Its slot is back once the answer is out.
+    again = await WsClient.open(chat, additional_headers=key)
+    await again.until("session.queue_done")
+    await again.close()
+    assert "sk-post-epsilon" not in stack.edge.log()
