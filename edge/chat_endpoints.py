@@ -29,6 +29,7 @@ from edge.errors import (
     NotReady,
     UnknownEvent,
     error_event,
+    legacy_error_event,
 )
 from edge.outbox import Outbox
 from edge.pcm import encode_pcm
@@ -53,10 +54,16 @@ def _metrics(result: ChatResult) -> dict[str, Any]:
     return metrics
 
 
-def _outbox(app: EdgeApp, ws: ServerConnection, on_overflow: Any) -> Outbox:
+def _outbox(app: EdgeApp, ws: ServerConnection, on_overflow: Any, legacy: bool = False) -> Outbox:
     c = app.config
     return Outbox(
-        ws, c.outbound_queue_max, c.outbound_queue_bytes, c.ws_close_timeout_s, on_overflow
+        ws,
+        c.outbound_queue_max,
+        c.outbound_queue_bytes,
+        c.ws_close_timeout_s,
+        on_overflow,
+        # /ws/chat's error carries a plain string, the current protocol an object.
+        legacy_error_event if legacy else error_event,
     )
 
 
@@ -316,7 +323,7 @@ class LegacyChatConnection:
         self.requested = False
         """The request arrived: a turn is being served."""
         self.work: asyncio.Task | None = None
-        self.outbox = _outbox(app, ws, self._overflowed)
+        self.outbox = _outbox(app, ws, self._overflowed, legacy=True)
         self.finished = asyncio.Event()
         """Set once the connection is over and its last frames went out (drain waits)."""
 

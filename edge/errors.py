@@ -79,3 +79,10 @@ def error_event(err: EdgeError) -> dict:
     """The JSON `error` event for an error (same shape in both dialects)."""
     METRICS.client_error(err.code)  # built only to be sent
     return {"type": "error", "error": {"code": err.code, "message": err.message, "type": err.kind}}
+
+
+def legacy_error_event(err: EdgeError) -> dict:
+    """The legacy endpoints' `error` message (/ws/duplex, /ws/chat): a plain string."""
+    METRICS.client_error(err.code)  # built only to be sent
+    text = f"{err.code}: {err.message}"
+    return {"type": "error", "error": text, "message": text}

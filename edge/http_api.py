@@ -238,6 +238,11 @@ def connection_class(app) -> type[ServerConnection]:
         async def _chat(self, exchange: HttpExchange) -> tuple[HTTPStatus, dict[str, Any]]:
             """The API key check (401), the key's session limit (429, as on the WebSocket
             endpoints: the turn holds one of its sessions while it runs), then the turn."""
+            if app.draining:
+                return HTTPStatus.SERVICE_UNAVAILABLE, {
+                    "success": False,
+                    "error": "the server is draining",
+                }
             digest = key_digest(app.config, exchange.headers.get("Authorization", ""))
             if digest is None:
                 return HTTPStatus.UNAUTHORIZED, {

@@ -55,6 +55,7 @@ from edge.errors import (
     MissingField,
     NotReady,
     UnknownEvent,
+    legacy_error_event,
 )
 from edge.metrics import METRICS
 from edge.session import SessionCore
@@ -218,7 +219,7 @@ class LegacyDuplexConnection:
         #: The message that confirms an end this side asked for (stop, pause timeout).
         self._ending: dict[str, Any] | None = None
         self._watchdog: asyncio.Task | None = None
-        self.outbox = outbox_for(app, ws, self.core, self._done)
+        self.outbox = outbox_for(app, ws, self.core, self._done, legacy_error_event)
         self.finished = asyncio.Event()
         """Set once the connection is over and its last frames went out (drain waits)."""
         #: Input received up to each unit still in flight, ms, by seq.

@@ -20,7 +20,7 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from edge.errors import SlowClient, error_event
+from edge.errors import EdgeError, SlowClient, error_event
 
 log = logging.getLogger("omnifabric.edge.outbox")
 
@@ -66,8 +66,11 @@ class Outbox:
         max_bytes: int,
         close_grace_s: float,
         on_overflow: Callable[[], None] | None = None,
+        render_error: Callable[[EdgeError], dict[str, Any]] = error_event,
     ) -> None:
         self.ws = ws
+        self.render_error = render_error
+        """The endpoint's own error message shape (legacy endpoints carry a plain string)."""
         self.on_overflow = on_overflow
         """Called once on overflow: the session ends there, not at the close handshake."""
         self.max_events = max_events
@@ -138,7 +141,7 @@ class Outbox:
             f"the client is not reading: over {self.max_events} events or "
             f"{self.max_bytes} bytes were waiting to be sent"
         )
-        self._items.append(json.dumps(error_event(err), separators=(",", ":")))
+        self._items.append(json.dumps(self.render_error(err), separators=(",", ":")))
         self._items.append((1008, err.code))
         self._closing = True
         self._ready.set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -58,7 +59,11 @@ def key_allowed(config: EdgeConfig, headers: Headers) -> bool:
 
 
 def outbox_for(
-    app: EdgeApp, ws: ServerConnection, core: SessionCore, done: asyncio.Event
+    app: EdgeApp,
+    ws: ServerConnection,
+    core: SessionCore,
+    done: asyncio.Event,
+    render_error: Callable[[EdgeError], dict[str, Any]] = error_event,
 ) -> Outbox:
     """The bounded outbound queue of one session's connection, sized by the edge's config.
     On overflow the session ends at once (`done` set, worker stream and lease dropped)."""
@@ -70,7 +75,12 @@ def outbox_for(
 
     c = app.config
     return Outbox(
-        ws, c.outbound_queue_max, c.outbound_queue_bytes, c.ws_close_timeout_s, overflowed
+        ws,
+        c.outbound_queue_max,
+        c.outbound_queue_bytes,
+        c.ws_close_timeout_s,
+        overflowed,
+        render_error,
     )
 
 
