@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import struct
 import wave
 
 import numpy as np
@@ -15,6 +16,8 @@ from edge.errors import InvalidPayload
 MIN_UNIT_SAMPLES = 4000
 #: A unit may carry at most this many samples (4 s): more is not one unit of input.
 MAX_UNIT_SAMPLES = 64000
+#: WAV sample rates accepted (reference voices, probe input), Hz.
+MIN_WAV_RATE, MAX_WAV_RATE = 4000, 384000
 
 
 def b64decode(value: object, what: str) -> bytes:
@@ -65,14 +68,23 @@ def wav_to_pcm16k(data: bytes, what: str) -> bytes:
         with wave.open(io.BytesIO(data)) as wav:
             channels, width, rate = wav.getnchannels(), wav.getsampwidth(), wav.getframerate()
             frames = wav.readframes(wav.getnframes())
-    except (wave.Error, EOFError) as exc:
-        raise InvalidPayload(f"{what}: unreadable WAV ({exc})") from None
+    except (wave.Error, EOFError, RuntimeError, struct.error) as exc:
+        # The wave module raises RuntimeError for a chunk size past the end of the data.
+        raise InvalidPayload(f"{what}: unreadable WAV ({exc or type(exc).__name__})") from None
+    frames = frames[: len(frames) - len(frames) % width] if width else frames
     if width == 2:
         audio = np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0
     elif width == 4:
         audio = np.frombuffer(frames, dtype="<i4").astype(np.float32) / 2147483648.0
     else:
         raise InvalidPayload(f"{what}: {8 * width}-bit WAV not supported (use 16 or 32 bit)")
+    # Bounded: resampling a 1 Hz file to 16 kHz would multiply its size by 16000.
+    if not MIN_WAV_RATE <= rate <= MAX_WAV_RATE:
+        raise InvalidPayload(
+            f"{what}: WAV sample rate {rate} Hz (use {MIN_WAV_RATE} to {MAX_WAV_RATE})"
+        )
+    # A file cut inside its last frame: keep the whole frames.
+    audio = audio[: audio.size - audio.size % channels]
     audio = audio.reshape(-1, channels).mean(axis=1)
     return resample(audio, rate, 16000).astype("<f4").tobytes()
 
@@ -102,6 +114,8 @@ def check_jpeg(raw: bytes, what: str) -> bytes:
             if image.format != "JPEG":
                 raise InvalidPayload(f"{what} is not a JPEG image")
             image.verify()
+    except Image.DecompressionBombError:
+        raise InvalidPayload(f"{what}: JPEG dimensions too large") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
         raise InvalidPayload(f"{what} is a broken JPEG image") from None
     return raw

@@ -65,8 +65,11 @@ def parse_object(text: str) -> dict[str, Any]:
         raise InvalidPayload("JSON nesting too deep") from None
     except _NonFinite as exc:
         raise InvalidPayload(f"{exc} is not allowed in events") from None
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         raise InvalidJson(str(exc)) from None
+    except ValueError:
+        # Valid JSON all the same: an integer past Python's digit limit (4300 digits).
+        raise InvalidPayload("a number in the event is too long") from None
     if not isinstance(event, dict):
         raise InvalidPayload("an event must be a JSON object")
     return event
@@ -108,7 +111,12 @@ def _number(cfg: dict[str, Any], key: str, lo: float, hi: float) -> float | None
     value = cfg.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    # An int is compared as it is: math.isfinite() overflows on one beyond float range.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
         raise InvalidPayload(f"config.{key} must be a number")
     if not lo <= value <= hi:
         raise InvalidPayload(f"config.{key} must be in [{lo}, {hi}]")

@@ -4,15 +4,21 @@ Per-unit figures are fed by `observe_unit` (one call where a UnitOutput goes out
 session ends by `observe_end` (when the runtime frees a session); sessions, slots,
 health and memory are read from the WorkerRuntime at scrape time. Served by
 `serve_http` on `--metrics-port` (a prometheus_client HTTP server on its own thread).
+Process figures (process_resident_memory_bytes, process_open_fds, ...) and the live
+asyncio tasks (omni_worker_asyncio_tasks) show leaks in long runs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics import Gauge
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from worker.engines import memory
@@ -83,6 +89,17 @@ class WorkerMetrics:
         )
         if runtime is not None:
             r.register(_RuntimeCollector(runtime))
+        ProcessCollector(registry=r)
+        tasks = Gauge(
+            "omni_worker_asyncio_tasks",
+            "Live asyncio tasks on the worker's event loop, counted at scrape time.",
+            registry=r,
+        )
+        with contextlib.suppress(RuntimeError):  # built outside a loop: the gauge stays 0
+            loop = asyncio.get_running_loop()
+            # Read on the metrics server's thread; safe because all_tasks(loop) copies the
+            # weak set of tasks with retries for exactly that case (bpo-36607).
+            tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
 
     def observe_unit(self, output: UnitOutput, mode: str = "") -> None:
         """One served unit: its stage times, kind, context length, deadline."""

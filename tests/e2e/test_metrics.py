@@ -126,6 +126,25 @@ async def test_metrics_of_every_service_after_a_session(stack):
     assert granted and granted[0]["session_id"] == session_id
 
 
+async def test_process_gauges_of_every_service(stack):
+    """RSS, open fds and live asyncio tasks on every /metrics, with plausible values."""
+    addresses = {
+        "edge": stack.url.removeprefix("ws://").split("/", 1)[0],
+        "scheduler": stack.services[0].metrics_address(),
+        "worker": stack.workers[0].metrics_address(),
+    }
+    for service, address in addresses.items():
+        samples = await asyncio.to_thread(scrape, address)
+        rss = total(samples, "process_resident_memory_bytes")
+        # A Python service with grpc and numpy loaded: tens of MiB, not bytes or terabytes.
+        assert 10 * 2**20 < rss < 4 * 2**30, (service, rss)
+        fds = total(samples, "process_open_fds")
+        assert 3 < fds < total(samples, "process_max_fds"), (service, fds)
+        tasks = total(samples, f"omni_{service}_asyncio_tasks")
+        # At least the service's own serving task; a leak would be thousands.
+        assert 1 <= tasks < 1000, (service, tasks)
+
+
 def _json_lines(text: str) -> list[dict]:
     """The JSON objects among a service log's lines (the ready line is plain text)."""
     lines = []
