@@ -1,0 +1,4 @@
+// Entry point of chat.html.
+import { startChatPage } from './chat-page.js';
+
+startChatPage();
