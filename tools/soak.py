@@ -165,6 +165,7 @@ async def _progress(row: str, every_s: float, line: Callable[[], str]) -> None:
 
 
 async def row_l1(args: argparse.Namespace, log_dir: Path) -> RowResult:
+    """L1: a warm-up round, the baseline, N sessions x S s, then the same figures again."""
     from tools.load import run as load
 
     target = (
@@ -290,6 +291,7 @@ def _delta(before: dict, after: dict, key: str) -> str:
 
 
 async def row_l2(args: argparse.Namespace, log_dir: Path) -> RowResult:
+    """L2: one silent session until the worker's audio limit ends it."""
     from tools.client import SILENCE_UNIT, run_session
 
     limit = args.l2_seconds
@@ -365,6 +367,7 @@ async def row_l2(args: argparse.Namespace, log_dir: Path) -> RowResult:
 
 
 async def row_l3(args: argparse.Namespace, log_dir: Path) -> RowResult:
+    """L3: speech sessions one after another on one reference worker; its RSS after each."""
     from tools.client import run_session
     from tools.probe import read_wav_16k, split_units
 
@@ -446,6 +449,7 @@ class DrivenSession:
 
     @classmethod
     async def open(cls, url: str, pace_s: float) -> DrivenSession:
+        """Connect, wait for the lease, init, and start feeding units."""
         from tests.e2e.wsclient import WsClient
 
         client = await WsClient.open(url)
@@ -459,9 +463,11 @@ class DrivenSession:
         return session
 
     def results_since(self, t: float) -> int:
+        """Results (output deltas) received at or after monotonic time `t`."""
         return sum(1 for at, e in self.events if at >= t and e["type"] == "response.output.delta")
 
     def bad_events(self) -> list[dict]:
+        """Errors and closes received so far."""
         return [e for _, e in self.events if e["type"] in ("error", "session.closed")]
 
     async def _read(self) -> None:
@@ -499,12 +505,14 @@ class DrivenSession:
         return next((e for _, e in self.events if e["type"] == "session.closed"), None)
 
     async def shutdown(self) -> None:
+        """Stop feeding and reading; close the connection."""
         for task in self._tasks:
             task.cancel()
         await self.client.ws.close()
 
 
 async def row_f1(args: argparse.Namespace, log_dir: Path) -> RowResult:
+    """F1: two sessions on two workers, SIGKILL one worker, restart it; repeated."""
     import grpc
 
     from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -641,6 +649,7 @@ async def _results(session: DrivenSession, count: int, since: float = 0.0) -> bo
 
 
 async def row_fuzz(args: argparse.Namespace, log_dir: Path) -> RowResult:
+    """FUZZ: pytest tests/fuzz in a subprocess with OMNI_FUZZ_EXAMPLES set."""
     target = "only documented errors and status codes; servers healthy after"
     env = dict(os.environ, OMNI_FUZZ_EXAMPLES=str(args.fuzz_examples), PYTHONUNBUFFERED="1")
     command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
@@ -663,7 +672,8 @@ async def row_fuzz(args: argparse.Namespace, log_dir: Path) -> RowResult:
     code = await proc.wait()
     (log_dir / "fuzz.log").write_text("\n".join(lines) + "\n")
     summary = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln), "")
-    servicer = next((ln for ln in lines if ln.startswith("servicer fuzz:")), "")
+    servicer = next((ln for ln in lines if "servicer fuzz:" in ln), "")
+    servicer = servicer[servicer.find("servicer fuzz:") :]
     return RowResult(
         "FUZZ",
         code == 0,
@@ -686,6 +696,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path], Awaitable[RowResult]]] =
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags of `omnifabric soak`: rows, and a short form for each row's size."""
     parser = argparse.ArgumentParser(prog="omnifabric soak", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
     parser.add_argument("--json", type=Path, help="write every figure to this JSON file")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -318,3 +319,59 @@ def test_only_documented_errors_escape(frame):
     text, is_json = frame
     outcome = feed(text)
     assert not (is_json and outcome == "invalid_json"), text[:200]
+
+
+def _wav(channels: int, width: int, rate: int, data: bytes, data_len: int | None = None) -> bytes:
+    fmt = struct.pack(
+        "<HHIIHH", 1, channels, rate, rate * channels * width, channels * width, 8 * width
+    )
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", len(data) if data_len is None else data_len) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def _huge_jpeg() -> bytes:
+    data = bytearray(JPEG)
+    sof = data.find(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = struct.pack(">HH", 65535, 65535)
+    return bytes(data)
+
+
+def _voice(wav: bytes) -> str:
+    return encode({"type": "session.init", "payload": {"voice": {"ref_audio_base64": _b64(wav)}}})
+
+
+@pytest.mark.parametrize(
+    "text, outcome",
+    [
+        # OverflowError: math.isfinite() of an int beyond float range.
+        (
+            encode({"type": "session.init", "payload": {"config": {"temperature": 10**400}}}),
+            "invalid_payload",
+        ),
+        # ValueError past Python's 4300-digit limit: valid JSON, was "not JSON" (1003).
+        (encode({"type": "session.close", "reason": Raw("1" * 5000)}), "invalid_payload"),
+        # ZeroDivisionError: a WAV header with a 0 Hz sample rate.
+        (_voice(_wav(1, 2, 0, b"\0\0\0\0")), "invalid_payload"),
+        # ValueError: a WAV cut short inside a sample, or inside a stereo frame (the
+        # whole samples and frames are kept).
+        (_voice(_wav(1, 2, 16000, b"\0\0\0", data_len=4)), "ok"),
+        (_voice(_wav(2, 2, 16000, b"\0" * 6, data_len=8)), "ok"),
+        # RuntimeError from the wave module: a chunk size past the end of the file.
+        (_voice(_wav(1, 2, 16000, b"\0\0")[:36] + b"LIST\x10\0\0\0/"), "invalid_payload"),
+        # DecompressionBombError from PIL: a JPEG frame claiming 65535 x 65535 pixels.
+        (
+            encode(
+                {
+                    "type": "input.append",
+                    "input": {"audio": GOOD_AUDIO, "video_frames": [_b64(_huge_jpeg())]},
+                }
+            ),
+            "invalid_payload",
+        ),
+    ],
+)
+def test_inputs_the_fuzzer_found(text, outcome):
+    """Each of these once escaped the parser as a crash of the connection handler (or,
+    the long number, closed the connection as "not JSON")."""
+    assert feed(text) == outcome
