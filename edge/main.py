@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -122,6 +123,10 @@ async def _run(config: EdgeConfig, grace_s: float) -> None:
 
     provider = telemetry.setup(f"{socket.gethostname()}-{os.getpid()}")
     edge = await start_edge(config)
+    # Modules and servers live as long as the process: keep them out of full collections,
+    # which otherwise walk the whole heap (~0.2 s) while sessions wait for their units.
+    gc.collect()
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import logging
 import signal
 from collections.abc import Callable, Coroutine
@@ -83,6 +84,9 @@ async def _serve(config: SchedulerConfig) -> None:
     provider = telemetry.setup(f"{socket.gethostname()}-{os.getpid()}")
     try:
         running = await start_server(config)
+        # Long-lived from here on (modules, server): out of the full collections' walk.
+        gc.collect()
+        gc.freeze()
     except OSError as exc:
         raise SystemExit(f"omnifabric scheduler: {exc}") from None
     stop = asyncio.Event()

@@ -80,6 +80,7 @@ class WorkerRuntime:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.executor, self.engine.warmup)
         self.baseline = await loop.run_in_executor(self.executor, memory.cleanup)
+        await loop.run_in_executor(self.executor, memory.freeze_long_lived)
         if not self.draining:
             self.set_health(True)  # the SERVING report carries the baseline figures
 
