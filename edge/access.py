@@ -31,6 +31,19 @@ def key_digest(config: EdgeConfig, authorization: str) -> str | None:
     return digest if matched else None
 
 
+#: Browsers cannot set Authorization on a WebSocket: they offer `bearer.<key>` as a
+#: subprotocol instead, which the edge never selects (so never echoes).
+SUBPROTOCOL_KEY_PREFIX = "bearer."
+
+
+def subprotocol_key(offered: list[str]) -> str | None:
+    """The API key in the first `bearer.<key>` subprotocol offered, or None."""
+    for name in offered:
+        if name.lower().startswith(SUBPROTOCOL_KEY_PREFIX):
+            return name[len(SUBPROTOCOL_KEY_PREFIX) :] or None
+    return None
+
+
 def key_label(digest: str) -> str:
     """How logs name a key: a short prefix of its digest, never the key."""
     return f"sha256:{digest[:8]}"

@@ -18,12 +18,13 @@ from urllib.parse import parse_qs, urlsplit
 from opentelemetry import context as otel_context
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidHeader
+from websockets.headers import parse_subprotocol
 from websockets.http11 import Request, Response
 
 from edge import events as ev
-from edge import protocol
-from edge.access import KeySessions, key_digest
+from edge import protocol, static
+from edge.access import KeySessions, key_digest, subprotocol_key
 from edge.config import EdgeConfig
 from edge.errors import (
     EdgeError,
@@ -49,8 +50,31 @@ LEGACY_CHAT_PATH = "/ws/chat"
 
 
 def select_subprotocol(_conn: ServerConnection, offered: Any) -> str | None:
-    """Pick map.realtime when offered; clients that offer none still connect."""
+    """Pick map.realtime when offered; clients that offer none still connect. A
+    `bearer.<key>` offer is never selected, so the key is never echoed."""
     return SUBPROTOCOL if SUBPROTOCOL in offered else None
+
+
+def offered_subprotocols(headers: Headers) -> list[str]:
+    """The subprotocols an upgrade request offers; [] when none or malformed (the
+    handshake then refuses a malformed header itself)."""
+    offered: list[str] = []
+    try:
+        for value in headers.get_all("Sec-WebSocket-Protocol"):
+            offered.extend(parse_subprotocol(value))
+    except InvalidHeader:
+        return []
+    return offered
+
+
+def request_authorization(headers: Headers) -> str:
+    """The credentials of an upgrade request as an Authorization value: the header, else
+    `Bearer <key>` from a `bearer.<key>` subprotocol (browsers cannot set the header)."""
+    authorization = headers.get("Authorization", "")
+    if authorization:
+        return authorization
+    key = subprotocol_key(offered_subprotocols(headers))
+    return f"Bearer {key}" if key else ""
 
 
 def key_allowed(config: EdgeConfig, headers: Headers) -> bool:
@@ -132,13 +156,23 @@ class EdgeApp:
             # Prometheus scrape: counts and timings only (no ids, keys or content).
             headers = Headers([("Content-Type", METRICS_CONTENT_TYPE)])
             return Response(200, "OK", headers, METRICS.exposition())
+        if static.is_static(path):
+            # The web client's pages hold no data: no key. What they open or fetch needs one.
+            return static.static_response(request, path)
         if path not in (REALTIME_PATH, LEGACY_CHAT_PATH) and not (
             path.startswith(LEGACY_DUPLEX_PREFIX) and len(path) > len(LEGACY_DUPLEX_PREFIX)
         ):
             return _plain(HTTPStatus.NOT_FOUND, f"no such endpoint: {path}\n")
         if self.draining:
             return _plain(HTTPStatus.SERVICE_UNAVAILABLE, "the server is draining\n")
-        digest = key_digest(self.config, request.headers.get("Authorization", ""))
+        offered = offered_subprotocols(request.headers)
+        if subprotocol_key(offered) is not None and SUBPROTOCOL not in offered:
+            # Otherwise no subprotocol is selected and browsers fail the connection silently.
+            return _plain(
+                HTTPStatus.BAD_REQUEST,
+                f"offer the {SUBPROTOCOL} subprotocol along with bearer.<key>\n",
+            )
+        digest = key_digest(self.config, request_authorization(request.headers))
         if digest is None:
             return _plain(HTTPStatus.UNAUTHORIZED, "missing or invalid API key\n")
         if digest:

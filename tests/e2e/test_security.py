@@ -426,3 +426,65 @@ async def test_post_api_chat_counts_against_the_key_session_limit(stack, tmp_pat
     await again.until("session.queue_done")
     await again.close()
     assert "sk-post-epsilon" not in stack.edge.log()
+
+
+# ---- browser keys: `bearer.<key>` subprotocol, pages without a key --------------------
+
+
+async def test_browser_key_as_bearer_subprotocol(stack, tmp_path):
+    """Browsers cannot set Authorization on a WebSocket: a `bearer.<key>` subprotocol
+    counts as the header does (401 unknown, per-key limit), only map.realtime is selected
+    (the key is never echoed), and the web client's pages load without a key while
+    /status still needs one."""
+    import http.client
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-browser-zeta max_sessions=1\n")
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    stack.start_edge("--api-keys-file", str(keys))
+    audio = f"{stack.url}?mode=audio"
+    offer = ["map.realtime", "bearer.sk-browser-zeta"]
+    client = await WsClient.open(audio, subprotocols=offer)
+    assert client.ws.subprotocol == "map.realtime"
+    assert client.ws.response.headers["Sec-WebSocket-Protocol"] == "map.realtime"
+    await client.start()
+    await client.append(SILENCE)
+    # A unit goes through: the session runs on the subprotocol key.
+    await client.until("delta.listen", "delta.text", "delta.audio")
+    # The subprotocol key holds the key's only session, as a header key would.
+    for kwargs in ({"subprotocols": offer}, {"additional_headers": bearer("sk-browser-zeta")}):
+        with pytest.raises(InvalidStatus) as info:
+            await WsClient.open(audio, **kwargs)
+        assert info.value.response.status_code == 429
+    # Unknown key, or none: refused before the upgrade.
+    for protocols in (["map.realtime", "bearer.sk-wrong"], ["map.realtime"]):
+        with pytest.raises(InvalidStatus) as info:
+            await WsClient.open(audio, subprotocols=protocols)
+        assert info.value.response.status_code == 401
+    # A key without map.realtime would get no subprotocol back, which browsers reject
+    # without a word: the edge says why instead.
+    with pytest.raises(InvalidStatus) as info:
+        await WsClient.open(audio, subprotocols=["bearer.sk-browser-zeta"])
+    assert info.value.response.status_code == 400
+    assert b"map.realtime" in info.value.response.body
+    await client.close()
+
+    host, port = stack.url.split("//")[1].split("/")[0].rsplit(":", 1)
+
+    def get(path: str, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=scaled(10))
+        try:
+            conn.request("GET", path, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, resp.getheader("Content-Type") or "", resp.read()
+        finally:
+            conn.close()
+
+    status, ctype, body = await asyncio.to_thread(get, "/admin")
+    assert status == 200 and ctype.startswith("text/html") and b"admin.js" in body
+    status, ctype, _ = await asyncio.to_thread(get, "/static/js/admin.js")
+    assert status == 200 and ctype.startswith("text/javascript")
+    assert (await asyncio.to_thread(get, "/status"))[0] == 401
+    assert (await asyncio.to_thread(get, "/status", bearer("sk-browser-zeta")))[0] == 200
+    assert "sk-browser-zeta" not in stack.edge.log_path.read_text()

@@ -1,0 +1,217 @@
+"""The web client in a real browser against a stack on the reference engine: the audio page
+answers the fake microphone's question aloud, the chat page a typed one, the video page
+sends camera frames, and the admin page shows the fabric."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from websockets.sync.client import connect
+
+from tests.browser.conftest import QUESTION, http_base
+from tests.conftest import scaled
+from tests.stack import Stack
+
+# Reference worker start-up is part of the first test's time.
+pytestmark = pytest.mark.timeout(scaled(180))
+
+
+def assert_clean(bp) -> None:
+    """No uncaught exception, no failed request, no error event the page recorded."""
+    state = bp.omni()
+    assert bp.page_errors == [], f"page errors: {bp.page_errors}"
+    assert bp.failed_requests == [], f"failed requests: {bp.failed_requests}"
+    assert state["errors"] == [], f"window.omni.errors: {state['errors']}"
+
+
+def test_landing_page_links_every_mode(stack, open_page):
+    bp = open_page(f"{http_base(stack.url)}/")
+    links = bp.page.eval_on_selector_all("main a", "as => as.map(a => a.getAttribute('href'))")
+    assert {"/audio", "/video", "/chat", "/admin"} <= set(links), links
+    bp.page.click("main a[href='/chat']")
+    bp.page.wait_for_url("**/chat")
+    assert bp.page_errors == [] and bp.failed_requests == [], bp.failed_requests
+    bp.page.go_back()
+    bp.shot()
+
+
+def test_audio_page_answers_the_spoken_question(stack, open_page):
+    bp = open_page(f"{http_base(stack.url)}/audio")
+    bp.wait("omni => omni.state === 'idle'", "idle on load", 10)
+    bp.page.click("#start")
+    bp.wait("omni => omni.state === 'active'", "active", 30)
+    # The microphone says the question after 3 s of silence; the reply is text and speech.
+    bp.wait(
+        "omni => omni.captions.length > 0 && omni.audioSamplesPlayed > 0 "
+        "&& /paris/i.test(omni.captions)",
+        "answered aloud with captions mentioning Paris",
+        60,
+    )
+    bp.wait("omni => omni.phase === 'listening'", "listening again after the reply", 20)
+    state = bp.omni()
+    assert "Paris" in state["captions"], state["captions"]
+    assert state["sessionId"] and state["unitsSent"] > 0 and state["unitsAnswered"] > 0
+    assert state["audioSamplesReceived"] >= state["audioSamplesPlayed"] > 0
+    assert "Paris" in bp.page.inner_text("#captions")
+    assert_clean(bp)
+    bp.shot()
+    print(
+        f"captions: {state['captions']!r}; units sent {state['unitsSent']}, "
+        f"answered {state['unitsAnswered']}, samples played {state['audioSamplesPlayed']}"
+    )
+    bp.page.click("#stop")
+    bp.wait("omni => omni.state === 'closed'", "closed after Stop", 15)
+    assert_clean(bp)
+
+
+def test_chat_page_answers_a_typed_question(stack, open_page):
+    bp = open_page(f"{http_base(stack.url)}/chat")
+    bp.page.fill("#text", QUESTION)
+    bp.page.click("#send")
+    bp.wait(
+        "omni => omni.turns.length > 0 && omni.turns[omni.turns.length - 1].done",
+        "done with the turn",
+        60,
+    )
+    state = bp.omni()
+    turn = state["turns"][-1]
+    assert turn["user"] == QUESTION
+    assert "Paris" in turn["assistant"], turn
+    assert "Paris" in bp.page.inner_text("#transcript")
+    assert_clean(bp)
+    bp.shot()
+
+
+def test_video_page_sends_frames_and_is_answered(stack, open_page):
+    bp = open_page(f"{http_base(stack.url)}/video")
+    bp.page.click("#start")
+    bp.wait("omni => omni.state === 'active'", "active", 30)
+    # One JPEG per second from chromium's fake camera; the reference engine ignores frames.
+    bp.wait(
+        "omni => omni.framesSent > 0 && omni.unitsAnswered >= 2",
+        "sending frames with units answered",
+        30,
+    )
+    state = bp.omni()
+    assert state["unitsSent"] >= state["unitsAnswered"] >= 2
+    assert_clean(bp)
+    bp.shot()
+    bp.page.click("#stop")
+    bp.wait("omni => omni.state === 'closed'", "closed after Stop", 15)
+
+
+@contextmanager
+def held_session(url: str) -> Iterator[str]:
+    """A running audio session from a plain client, two units sent; yields its id."""
+    with connect(f"{url}?mode=audio", subprotocols=["map.realtime"], compression=None) as ws:
+        deadline = time.monotonic() + scaled(30)
+
+        def until(kind: str) -> dict:
+            while True:
+                event = json.loads(ws.recv(timeout=max(0.01, deadline - time.monotonic())))
+                if event["type"] == kind:
+                    return event
+
+        until("session.queue_done")
+        ws.send(json.dumps({"type": "session.init", "payload": {}}))
+        created = until("session.created")
+        audio = base64.b64encode(np.zeros(16000, "<f4").tobytes()).decode()
+        for _ in range(2):
+            ws.send(json.dumps({"type": "input.append", "input": {"audio": audio}}))
+        yield created["session_id"]
+
+
+def test_admin_page_shows_the_worker_and_a_running_session(stack, open_page):
+    with held_session(stack.url) as session_id:
+        bp = open_page(f"{http_base(stack.url)}/admin")
+        bp.wait(
+            "omni => omni.state === 'ok' && omni.status.workers.some(w => w.worker_id === "
+            f"'worker0') && omni.status.sessions.some(s => s.session_id === '{session_id}' "
+            "&& s.units >= 2)",
+            "showing worker0 and the held session with its units",
+            15,
+        )
+        workers = bp.page.inner_text("#workers")
+        assert "worker0" in workers and "reference" in workers and "serving" in workers
+        sessions = bp.page.inner_text("#sessions")
+        assert session_id in sessions and "audio" in sessions
+        assert "queued" in bp.page.inner_text("#queue")
+        assert bp.page_errors == []
+        bp.shot()
+    # The page refreshes by itself: the ended session leaves the table.
+    bp.wait(
+        f"omni => omni.state === 'ok' && !omni.status.sessions.some(s => s.session_id === "
+        f"'{session_id}')",
+        "refreshed without the closed session",
+        10,
+    )
+    assert session_id not in bp.page.inner_text("#sessions")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_admin_page_explains_401_and_503_and_keys_work_from_a_browser(stack, open_page, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-browser-admin\n")
+    keyed = Stack(tmp_path / "keyed")
+    keyed.log_dir.mkdir()
+    keyed.scheduler_address = stack.scheduler_address
+    orphan = Stack(tmp_path / "orphan")
+    orphan.log_dir.mkdir()
+    orphan.scheduler_address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    try:
+        keyed.start_edge("--api-keys-file", str(keys))
+        orphan.start_edge()
+        # Keys on: the page loads without one, and says /status needs one.
+        bp = open_page(f"{http_base(keyed.url)}/admin", name="admin_401")
+        bp.wait("omni => omni.state === 'unauthorized'", "asking for a key", 10)
+        assert "API key" in bp.page.inner_text("#status")
+        bp.shot()
+        # With the key typed in, the same page shows the fabric (and keeps the key).
+        bp.page.fill("#apikey", "sk-browser-admin")
+        bp.page.click("#refresh")
+        bp.wait("omni => omni.state === 'ok'", "showing the status with the key", 10)
+        assert "worker0" in bp.page.inner_text("#workers")
+        assert bp.page.evaluate("() => localStorage.getItem('omni.apiKey')") == "sk-browser-admin"
+        # A browser WebSocket with the key as a `bearer.` subprotocol is let in and gets
+        # map.realtime back; an unknown key is refused before the upgrade.
+        opened = bp.page.evaluate(
+            """async ([url, key]) => await new Promise(resolve => {
+                 const ws = new WebSocket(url, ["map.realtime", "bearer." + key]);
+                 ws.onopen = () => { resolve(ws.protocol); ws.close(); };
+                 ws.onerror = () => resolve("refused");
+               })""",
+            [f"{keyed.url}?mode=chat", "sk-browser-admin"],
+        )
+        assert opened == "map.realtime"
+        wrong = bp.page.evaluate(
+            """async ([url, key]) => await new Promise(resolve => {
+                 const ws = new WebSocket(url, ["map.realtime", "bearer." + key]);
+                 ws.onopen = () => { resolve(ws.protocol); ws.close(); };
+                 ws.onerror = () => resolve("refused");
+               })""",
+            [f"{keyed.url}?mode=chat", "sk-not-a-key"],
+        )
+        assert wrong == "refused"
+        # An edge that cannot reach its scheduler: the page says so instead of going blank.
+        down = open_page(f"{http_base(orphan.url)}/admin", name="admin_503")
+        down.wait("omni => omni.state === 'unavailable'", "reporting the scheduler down", 15)
+        assert "scheduler" in down.page.inner_text("#status")
+        down.shot()
+        assert bp.page_errors == [] and down.page_errors == []
+        assert keyed.edge is not None
+        assert "sk-browser-admin" not in keyed.edge.log_path.read_text()
+    finally:
+        keyed.stop()
+        orphan.stop()
