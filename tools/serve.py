@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         children.append(edge)
         url = edge.wait_ready(args.ready_timeout).split()[0]
         print(f"omnifabric ready: {url}", flush=True)
+        web = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1)
+        print(f"omnifabric web client: {web.removesuffix('/v1/realtime')}/", flush=True)
         print(f"omnifabric metrics: {_metrics_urls(scheduler, workers, url)}", flush=True)
         while not stopping.wait(0.5):
             if scheduler.proc.poll() is not None or edge.proc.poll() is not None:

@@ -257,6 +257,12 @@ def test_serve_then_probe(tmp_path):
                 url = line.split()[-1]
                 break
         assert url, "".join(lines)
+        web = serve.stdout.readline()
+        assert web.startswith("omnifabric web client: http://"), web
+        import urllib.request
+
+        with urllib.request.urlopen(web.split()[-1], timeout=scaled(10)) as page:
+            assert page.status == 200 and b"/audio" in page.read()
         out = tmp_path / "out.wav"
         probe = subprocess.run(
             [
