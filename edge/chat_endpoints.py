@@ -54,19 +54,6 @@ def _metrics(result: ChatResult) -> dict[str, Any]:
     return metrics
 
 
-def _outbox(app: EdgeApp, ws: ServerConnection, on_overflow: Any, legacy: bool = False) -> Outbox:
-    c = app.config
-    return Outbox(
-        ws,
-        c.outbound_queue_max,
-        c.outbound_queue_bytes,
-        c.ws_close_timeout_s,
-        on_overflow,
-        # /ws/chat's error carries a plain string, the current protocol an object.
-        legacy_error_event if legacy else error_event,
-    )
-
-
 async def _settle(task: asyncio.Task | None, timeout_s: float) -> None:
     """Give a turn in progress up to timeout_s to finish, then cancel it; returns once it
     has stopped."""
@@ -93,7 +80,7 @@ class ChatConnection:
         self.ended = False
         """A close is queued (client close, fatal error, overflow, drain): no more turns."""
         self.draining = False
-        self.outbox = _outbox(app, ws, self._overflowed)
+        self.outbox = Outbox.sized_by(app.config, ws, self._overflowed)
         self.finished = asyncio.Event()
         """Set once the connection is over and its last frames went out (drain waits)."""
 
@@ -323,7 +310,8 @@ class LegacyChatConnection:
         self.requested = False
         """The request arrived: a turn is being served."""
         self.work: asyncio.Task | None = None
-        self.outbox = _outbox(app, ws, self._overflowed, legacy=True)
+        # /ws/chat's error carries a plain string, the current protocol an object.
+        self.outbox = Outbox.sized_by(app.config, ws, self._overflowed, legacy_error_event)
         self.finished = asyncio.Event()
         """Set once the connection is over and its last frames went out (drain waits)."""
 

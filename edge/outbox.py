@@ -86,6 +86,24 @@ class Outbox:
         """The connection is over: the sender stops once the queue is empty."""
         self._sender = asyncio.create_task(self._run())
 
+    @classmethod
+    def sized_by(
+        cls,
+        config: Any,
+        ws: ServerConnection,
+        on_overflow: Callable[[], None] | None = None,
+        render_error: Callable[[EdgeError], dict[str, Any]] = error_event,
+    ) -> Outbox:
+        """An Outbox bounded as the edge's config says (OMNI_EDGE_OUTBOUND_QUEUE_*)."""
+        return cls(
+            ws,
+            config.outbound_queue_max,
+            config.outbound_queue_bytes,
+            config.ws_close_timeout_s,
+            on_overflow,
+            render_error,
+        )
+
     @property
     def queued_bytes(self) -> int:
         return self._bytes

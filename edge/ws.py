@@ -97,15 +97,7 @@ def outbox_for(
         done.set()
         ending.append(asyncio.ensure_future(core.abort()))
 
-    c = app.config
-    return Outbox(
-        ws,
-        c.outbound_queue_max,
-        c.outbound_queue_bytes,
-        c.ws_close_timeout_s,
-        overflowed,
-        render_error,
-    )
+    return Outbox.sized_by(app.config, ws, overflowed, render_error)
 
 
 def finish_timeout_s(config: EdgeConfig) -> float:

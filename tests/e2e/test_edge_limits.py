@@ -29,6 +29,7 @@ from tests.e2e.wsclient import (
     pcm_b64,
     rss_bytes,
     scrape_metrics,
+    wait_for,
 )
 from tests.stack import Stack
 
@@ -46,16 +47,6 @@ def edge_address(stack: Stack) -> str:
 
 async def edge_metrics(stack: Stack) -> dict:
     return await asyncio.to_thread(scrape_metrics, edge_address(stack))
-
-
-async def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> float:
-    """Poll an async predicate until true; returns the seconds it took."""
-    start = time.monotonic()
-    while not await predicate():
-        if time.monotonic() - start > scaled(timeout_s):
-            raise AssertionError(f"condition not met within {scaled(timeout_s)} s")
-        await asyncio.sleep(interval_s)
-    return time.monotonic() - start
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -195,7 +186,7 @@ async def open_stuck(stack: Stack, n: int, rcvbuf: int) -> list[RawWs]:
         samples = await edge_metrics(stack)
         return metric(samples, "omni_edge_sessions_active", state="active") == n
 
-    await wait_until(all_active, 10)
+    await wait_for(all_active, 10)
     return clients
 
 
@@ -256,7 +247,7 @@ async def test_e8_clients_that_stop_reading_are_dropped_by_the_keepalive(stack):
         samples = await edge_metrics(stack)
         return metric(samples, "omni_edge_sessions_active") == 0
 
-    await wait_until(none_active, 5)
+    await wait_for(none_active, 5)
     assert all(f is not None for f in failed), "a client that stopped reading stayed connected"
     # From each client's handshake: the edge's keepalive starts with the connection.
     took = [f - c.opened_at for f, c in zip(failed, clients, strict=True) if f is not None]
@@ -295,7 +286,7 @@ async def test_e8_outbound_queue_overflow_closes_1008_with_a_reason(stack, monke
 
     streamer = asyncio.create_task(stream_until_closed(raw, frames, scaled(30)))
     try:
-        took = await wait_until(overflowed, 30)
+        took = await wait_for(overflowed, 30)
     finally:
         streamer.cancel()
         await asyncio.gather(streamer, return_exceptions=True)
@@ -315,7 +306,7 @@ async def test_e8_outbound_queue_overflow_closes_1008_with_a_reason(stack, monke
         samples = await edge_metrics(stack)
         return metric(samples, "omni_edge_sessions_active") == 0
 
-    await wait_until(none_active, 5)
+    await wait_for(none_active, 5)
 
 
 # ---- E10 ------------------------------------------------------------------------------
@@ -492,7 +483,7 @@ async def test_e8_chat_client_that_stops_reading_gets_slow_client(stack, monkeyp
         status = await edge_status(stack)
         return status["edge"]["chat_sessions"] == 0 and status["leases_active"] == 0
 
-    await wait_until(nothing_open, 5)
+    await wait_for(nothing_open, 5)
     tasks_before = metric(await edge_metrics(stack), "omni_edge_asyncio_tasks")
     rss_before = rss_bytes(edge.proc.pid)
     host, port = edge_address(stack).split(":")
@@ -509,7 +500,7 @@ async def test_e8_chat_client_that_stops_reading_gets_slow_client(stack, monkeyp
         samples = await edge_metrics(stack)
         return metric(samples, "omni_edge_client_errors_total", code="slow_client") >= 2
 
-    took = await wait_until(overflowed, 30)
+    took = await wait_for(overflowed, 30)
     # The clients read again at once: what was already in flight, then the reason.
     read = []
     for raw, last in ((realtime, "response.done"), (legacy, "done")):
@@ -522,14 +513,14 @@ async def test_e8_chat_client_that_stops_reading_gets_slow_client(stack, monkeyp
         assert code == 1008
         assert last not in types
         read.append(sum(1 for t in types if t in ("response.output.delta", "chunk")))
-    ended = await wait_until(nothing_open, 5)
+    ended = await wait_for(nothing_open, 5)
     status = await edge_status(stack)
     assert status["edge"]["sessions"] == 0
 
     async def tasks_back() -> bool:
         return metric(await edge_metrics(stack), "omni_edge_asyncio_tasks") <= tasks_before
 
-    await wait_until(tasks_back, 5)
+    await wait_for(tasks_back, 5)
     assert done["reason"] == "turn_end" and done["text"].endswith(f"w{words - 1:06d}")
     reply_bytes = sum(len(json.dumps(e, separators=(",", ":"))) for e in deltas)
     growth = (peak - rss_before) / 2 / 2**20
@@ -587,7 +578,7 @@ async def test_e8_grpc_client_that_stops_reading_gets_resource_exhausted(stack, 
 
     streamer = asyncio.create_task(stream())
     try:
-        took = await wait_until(overflowed, 30)
+        took = await wait_for(overflowed, 30)
 
         # Still not reading: the overflow alone ended the session and returned its lease.
         async def ended() -> bool:
@@ -597,7 +588,7 @@ async def test_e8_grpc_client_that_stops_reading_gets_resource_exhausted(stack, 
                 and await scheduler_leases(stack) == 0
             )
 
-        freed = await wait_until(ended, 5)
+        freed = await wait_for(ended, 5)
     finally:
         stop.set()
         await asyncio.wait({streamer}, timeout=scaled(2))
@@ -648,7 +639,7 @@ async def test_e11_sigterm_ends_chat_sessions_in_band(stack):
     async def turn_running() -> bool:
         return await scheduler_leases(stack) == 1
 
-    await wait_until(turn_running, 10)
+    await wait_for(turn_running, 10)
     await waiting.send({"messages": [{"role": "user", "content": "second"}]})
     await waiting.until("queued")
     edge.kill(signal.SIGTERM)
@@ -691,4 +682,4 @@ async def test_e11_sigterm_ends_chat_sessions_in_band(stack):
     async def no_lease() -> bool:
         return await scheduler_leases(stack) == 0
 
-    await wait_until(no_lease, 5)
+    await wait_for(no_lease, 5)

@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
-from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
+from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, wait_for
 from tests.e2e.wsclient import post_json as _post
 from tests.stack import Stack
 
@@ -26,16 +26,6 @@ async def scheduler_status(address: str) -> scheduler_pb.GetStatusResponse:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = scheduler_grpc.SchedulerServiceStub(channel)
         return await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=scaled(5))
-
-
-async def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
-    """Poll an async predicate until true; returns the seconds it took."""
-    start = time.monotonic()
-    while time.monotonic() - start < scaled(timeout_s):
-        if await predicate():
-            return time.monotonic() - start
-        await asyncio.sleep(interval_s)
-    raise AssertionError(f"condition not met within {scaled(timeout_s)} s")
 
 
 @pytest.fixture

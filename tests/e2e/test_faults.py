@@ -20,7 +20,7 @@ from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
-from tests.e2e.wsclient import SILENCE, WsClient
+from tests.e2e.wsclient import SILENCE, WsClient, wait_for
 from tests.stack import Stack, start_service
 
 
@@ -44,16 +44,6 @@ async def status(address: str, credentials=None) -> scheduler_pb.GetStatusRespon
 
 def worker_of(snapshot: scheduler_pb.GetStatusResponse, worker_id: str):
     return next((w for w in snapshot.workers if w.worker_id == worker_id), None)
-
-
-async def wait_for(predicate, timeout_s: float, interval_s: float = 0.02) -> float:
-    """Poll an async predicate until true; returns the seconds it took."""
-    start = time.monotonic()
-    while time.monotonic() - start < scaled(timeout_s):
-        if await predicate():
-            return time.monotonic() - start
-        await asyncio.sleep(interval_s)
-    raise AssertionError(f"condition not met within {scaled(timeout_s)} s")
 
 
 async def served_unit(client: WsClient) -> dict:

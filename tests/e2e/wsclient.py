@@ -233,3 +233,14 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> float:
+    """Poll an async predicate until true; returns the seconds it took. AssertionError
+    after timeout_s (scaled)."""
+    start = time.monotonic()
+    while not await predicate():
+        if time.monotonic() - start > scaled(timeout_s):
+            raise AssertionError(f"condition not met within {scaled(timeout_s)} s")
+        await asyncio.sleep(interval_s)
+    return time.monotonic() - start
