@@ -57,9 +57,12 @@ async def test_one_trace_per_session_across_processes(receiver, tmp_path, monkey
         stack.start_edge()
         client = await WsClient.open(f"{stack.url}?mode=audio")
         await client.start()
-        for unit in UNITS:
+        for seq, unit in enumerate(UNITS, 1):
             await client.append(unit)
-            await client.until("delta.listen", "delta.audio")
+            # Wait for this unit's own result: a turn's last unit also sends a listen
+            # delta after its audio, which must not be taken for the next unit's.
+            while (await client.until("delta.listen", "delta.audio"))["metrics"]["seq"] != seq:
+                pass
         await client.send({"type": "session.close"})
         await client.until("session.closed")
 
