@@ -63,25 +63,6 @@ async def test_queue_positions_eta_then_served(stack):
         await client.close()
 
 
-async def test_queue_full_closes_1013(stack):
-    stack.start_scheduler("--queue-max", "1")
-    stack.start_worker("--slots", "1", "--compute-ms", "5")
-    stack.start_edge()
-    url = f"{stack.url}?mode=audio"
-    holder = await WsClient.open(url)
-    await holder.start()
-    queued = await WsClient.open(url)
-    await queued.until("session.queued")
-    rejected = await WsClient.open(url)
-    t0 = time.monotonic()
-    err = await rejected.until("error")
-    assert err["error"]["code"] == "queue_full"
-    with pytest.raises(ConnectionClosed) as info:
-        await rejected.recv()
-    assert info.value.rcvd.code == 1013
-    assert time.monotonic() - t0 < scaled(1.0)
-
-
 async def test_service_unavailable_without_workers(stack):
     stack.start_scheduler()
     stack.start_edge()
