@@ -78,6 +78,11 @@ class _StateCollector(Collector):
         counters = s.counters
         yield _gauge("omni_scheduler_queue_length", "Sessions waiting in the queue.", len(s.queue))
         yield _gauge(
+            "omni_scheduler_draining",
+            "1 from SIGTERM on: no new leases or registrations, running sessions go on.",
+            1 if s.draining else 0,
+        )
+        yield _gauge(
             "omni_scheduler_queue_max", "Queue length beyond which queue_full.", s.queue.queue_max
         )
         for name, help_text, value in (

@@ -155,6 +155,12 @@ class _RuntimeCollector(Collector):
             "1 while the worker takes new sessions (SERVING), else 0.",
             value=1 if rt.health.serving else 0,
         )
+        yield GaugeMetricFamily(
+            "omni_worker_engine_stuck",
+            "Engine calls past the unit timeout that have not returned yet (the worker is "
+            "NOT_SERVING while any is).",
+            value=len(dict(rt.stuck)),
+        )
         info = GaugeMetricFamily(
             "omni_worker_info",
             "Always 1: the worker's id and engine.",

@@ -58,7 +58,10 @@ async def test_draining_core_refuses_acquire_and_register(
 ) -> None:
     harness = await start_scheduler()
     worker = await WorkerStream(harness.stub, "w1", slots=1).start()
+    value = harness.core.metrics.registry.get_sample_value
+    assert value("omni_scheduler_draining") == 0
     harness.core.drain()
+    assert value("omni_scheduler_draining") == 1
     await asyncio.wait_for(worker.ended.wait(), scaled(2))
     late = await Holder(harness.stub, AUDIO, "late").error()
     with pytest.raises(grpc.aio.AioRpcError) as info:

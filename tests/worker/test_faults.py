@@ -92,6 +92,8 @@ async def test_hung_unit_ends_its_session_and_the_worker_serves_again_once_it_re
         workers, lambda r: r.health == NOT_SERVING and r.detail.startswith("engine stuck")
     )
     assert report.detail == "engine stuck: unit 3 of session s-L1 over 0.3 s"
+    stuck_gauge = worker.runtime.metrics.registry.get_sample_value
+    assert stuck_gauge("omni_worker_engine_stuck") == 1
     assert await health(worker) == health_pb2.HealthCheckResponse.NOT_SERVING
 
     # The other session runs on another engine thread, untouched.
@@ -105,6 +107,7 @@ async def test_hung_unit_ends_its_session_and_the_worker_serves_again_once_it_re
 
     # Once the call returns, its engine session is freed and the worker serves again.
     await report_where(workers, lambda r: r.health == SERVING)
+    assert stuck_gauge("omni_worker_engine_stuck") == 0
     assert time.monotonic() - began > 1.4
     assert await health(worker) == health_pb2.HealthCheckResponse.SERVING
     assert not worker.runtime.stuck

@@ -48,6 +48,7 @@ async def test_runtime_state_and_a_served_session(scheduler, workers):
     assert value("omni_worker_slots") == 2
     assert value("omni_worker_slots_free") == 2
     assert value("omni_worker_serving") == 1
+    assert value("omni_worker_engine_stuck") == 0
     assert value("omni_worker_info", {"worker_id": worker.worker_id, "engine": "synthetic"}) == 1
     # Memory figures exist for every engine (cpu here: process RSS).
     assert value("omni_worker_memory_baseline_bytes", {"device": "cpu"}) > 0
