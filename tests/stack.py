@@ -141,3 +141,19 @@ class Stack:
     def stop(self) -> None:
         for svc in reversed(self.services):
             svc.stop()
+
+
+def read_until_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 60.0) -> str:
+    """Read a child's text stdout until a line starting with `prefix`; returns that line.
+    AssertionError with everything read when the child ends or the (scaled) time is up."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + scaled(timeout_s)
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"no line starting {prefix!r}:\n" + "".join(lines))

@@ -19,7 +19,7 @@ from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, wait_for
 from tests.e2e.wsclient import post_json as _post
-from tests.stack import Stack
+from tests.stack import Stack, read_until_line
 
 
 async def scheduler_status(address: str) -> scheduler_pb.GetStatusResponse:
@@ -216,18 +216,7 @@ def test_serve_then_probe(tmp_path):
         text=True,
     )
     try:
-        url = None
-        deadline = time.monotonic() + scaled(60)
-        lines = []
-        while time.monotonic() < deadline:
-            line = serve.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("omnifabric ready: "):
-                url = line.split()[-1]
-                break
-        assert url, "".join(lines)
+        url = read_until_line(serve, "omnifabric ready: ").split()[-1]
         web = serve.stdout.readline()
         assert web.startswith("omnifabric web client: http://"), web
         import urllib.request

@@ -21,7 +21,7 @@ from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, WsClient, wait_for
-from tests.stack import Stack, start_service
+from tests.stack import Stack, read_until_line, start_service
 
 
 @pytest.fixture
@@ -460,17 +460,7 @@ def test_serve_drains_edge_then_workers_then_scheduler(tmp_path):
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
-        lines: list[str] = []
-        url = None
-        deadline = time.monotonic() + scaled(60)
-        while time.monotonic() < deadline and url is None:
-            line = serve.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("omnifabric ready: "):
-                url = line.split()[-1]
-        assert url, "".join(lines)
+        url = read_until_line(serve, "omnifabric ready: ").split()[-1]
         children = subprocess.run(
             ["ps", "-ww", "-o", "args=", "--ppid", str(serve.pid)], capture_output=True, text=True
         ).stdout.splitlines()
