@@ -73,6 +73,7 @@ class Registration:
         """Successful registrations so far (reconnects included)."""
         self._outbox: asyncio.Queue[scheduler_pb.RegisterRequest | None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         runtime.leases.on_released = self.lease_released
         runtime.health_listeners.append(self.report)
         runtime.memory_listeners.append(lambda: self.report(runtime.health))
@@ -80,23 +81,25 @@ class Registration:
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
 
-    async def stop(self, flush_timeout: float = 1.0) -> None:
-        """Send what is queued (lease releases, last report), then close the stream."""
-        outbox = self._outbox
-        if outbox is not None:
+    async def stop(self, flush_timeout: float = 2.0) -> None:
+        """Send what is queued (lease releases, last report), half-close the stream and
+        wait up to `flush_timeout` s for the scheduler to end it, then cancel what is left.
+
+        An empty outbox is not proof of delivery: gRPC may still hold the last messages,
+        and cancelling the call then drops them (a lease the scheduler never sees back)."""
+        self._stopping = True
+        outbox, task = self._outbox, self._task
+        if outbox is not None and task is not None and not task.done():
             outbox.put_nowait(None)
             try:
-                await asyncio.wait_for(self._wait_empty(outbox), flush_timeout)
+                await asyncio.wait_for(asyncio.shield(task), flush_timeout)
             except TimeoutError:
-                pass
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    @staticmethod
-    async def _wait_empty(outbox: asyncio.Queue[scheduler_pb.RegisterRequest | None]) -> None:
-        while not outbox.empty():
-            await asyncio.sleep(0.01)
+                log.warning("scheduler did not end the registration within %.1f s", flush_timeout)
+            except Exception:
+                pass  # _run logged it
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     def report(self, health: Health) -> None:
         """Tell the scheduler the health changed (hello carries it when disconnected)."""
@@ -171,6 +174,8 @@ class Registration:
             finally:
                 self.registered.clear()
                 self._outbox = None
+            if self._stopping:
+                return
             # Grants from a scheduler that lost us are void: their holders were told.
             dropped = self.runtime.leases.drop_unused()
             if dropped:
@@ -245,7 +250,8 @@ class Registration:
             elif kind == "lease_revoked":
                 revoked = response.lease_revoked
                 self.runtime.leases.revoke(revoked.lease_id, revoked.reason)
-        log.warning("scheduler %s ended the registration stream", self.config.scheduler_address)
+        if not self._stopping:
+            log.warning("scheduler %s ended the registration stream", self.config.scheduler_address)
         return registered
 
     def _on_granted(self, granted: scheduler_pb.LeaseGranted) -> None:

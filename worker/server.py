@@ -98,7 +98,9 @@ class RunningWorker:
         # Sessions have ended in-band; this short grace lets their `ended` reach the edges
         # without waiting on long-lived calls such as health watches.
         await self.server.stop(FLUSH_GRACE_S)
-        await self.registration.stop()
+        # Lease releases queued by the drain must reach the scheduler: wait for it to end
+        # the stream (usually milliseconds), never longer than the grace.
+        await self.registration.stop(flush_timeout=max(1.0, grace))
         self.runtime.shutdown()
         log.info("worker %s stopped", self.worker_id)
 
