@@ -29,3 +29,19 @@ def test_services_do_not_import_torch():
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_every_package_is_installed():
+    """A package missing from pyproject's list works in the source tree but not in a wheel
+    (worker.engines.reference once did: a `pip install .` had no reference engine)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ("edge", "scheduler", "worker", "tools")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert found - listed == set()

@@ -1,4 +1,4 @@
-"""The `omnifabric` command: serve, scheduler, worker, edge, probe, soak, stubs."""
+"""The `omnifabric` command: serve, scheduler, worker, edge, probe, bench, soak, stubs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ commands:
   probe       stream a WAV file to an endpoint and save the reply
   replay      replay a recorded session (edge --record-dir) and compare the answers
   smoke       check every public surface of a running edge (all modes, legacy endpoints)
+  bench       fabric overhead per unit vs a websockets echo and direct gRPC, same run
   soak        the long-run reliability rows (L1 L2 L3 F1 FUZZ) on their own local stack
   stubs       regenerate the gRPC stubs from proto/ (--check: fail when stale)
 
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         from tools.replay import main as run
     elif command == "smoke":
         from tools.smoke import main as run
+    elif command == "bench":
+        from tools.bench import main as run
     elif command == "soak":
         from tools.soak import main as run
     elif command == "stubs":

@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
 
 READY = re.compile(r"^omnifabric (scheduler|worker|edge) ready: (.*)$")
 #: The workers' default metrics port (worker i of serve gets this + i).
@@ -35,18 +37,26 @@ class Child:
     proc: subprocess.Popen
     ready: threading.Event = field(default_factory=threading.Event)
     ready_text: str = ""
+    log: TextIO | None = None
+    """Where its output goes (None: our stdout, each line prefixed with its name)."""
 
     def pump(self) -> None:
-        """Forward the child's stdout; note its ready line."""
+        """Forward the child's output; note its ready line."""
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             match = READY.match(line.strip())
-            if match and not self.ready.is_set():
+            first_ready = bool(match) and not self.ready.is_set()
+            if match and first_ready:
                 self.ready_text = match.group(2)
                 self.ready.set()
-            else:
+            if self.log is not None:
+                self.log.write(line)
+                self.log.flush()
+            elif not first_ready:
                 sys.stdout.write(f"[{self.name}] {line}")
                 sys.stdout.flush()
+        if self.log is not None:
+            self.log.close()
 
     def wait_ready(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -60,29 +70,31 @@ class Child:
         return self.ready_text
 
 
-def spawn(name: str, module: str, args: list[str]) -> Child:
+def spawn(name: str, module: str, args: list[str], log_path: Path | None = None) -> Child:
+    """Start `python -m module args`; its stdout (and stderr, with `log_path`) is pumped
+    to our stdout or to `log_path`."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE,
-        stderr=None,
+        stderr=None if log_path is None else subprocess.STDOUT,
         text=True,
         env=env,
         start_new_session=True,  # Ctrl-C reaches us only; we stop children in order.
     )
-    child = Child(name, proc)
+    child = Child(name, proc, log=None if log_path is None else open(log_path, "a"))
     threading.Thread(target=child.pump, name=f"pump-{name}", daemon=True).start()
     return child
 
 
-def stop(children: list[Child], grace_s: float) -> None:
+def stop(children: list[Child], grace_s: float, who: str = "omnifabric serve") -> None:
     """SIGTERM every child at once (each drains within its own grace), wait, and SIGKILL
     a child still running STOP_MARGIN_S after the grace."""
     running = [c for c in children if c.proc.poll() is None]
     if not running:
         return
     print(
-        f"omnifabric serve: draining {', '.join(c.name for c in running)} (grace {grace_s:g} s)",
+        f"{who}: draining {', '.join(c.name for c in running)} (grace {grace_s:g} s)",
         flush=True,
     )
     for child in running:
@@ -92,11 +104,11 @@ def stop(children: list[Child], grace_s: float) -> None:
         try:
             child.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"omnifabric serve: {child.name} still running: killed", flush=True)
+            print(f"{who}: {child.name} still running: killed", flush=True)
             child.proc.kill()
             child.proc.wait()
         else:
-            print(f"omnifabric serve: {child.name} exited ({child.proc.returncode})", flush=True)
+            print(f"{who}: {child.name} exited ({child.proc.returncode})", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,120 @@
+"""`omnifabric bench`: a short run of every path on its own stack, a run against a URL, the
+max search's steps and the refusals of bad arguments."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, scaled
+from tests.stack import Stack
+from tools.bench import main as bench_main
+from tools.bench import next_probe
+
+BENCH = [sys.executable, "-m", "tools.cli", "bench"]
+
+
+def run_bench(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*BENCH, *args], cwd=ROOT, capture_output=True, text=True, timeout=scaled(timeout_s)
+    )
+
+
+def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    result = run_bench(
+        *("--sessions", "1,3", "--seconds", "3", "--warmup-seconds", "0"),
+        *("--workers", "1", "--slots", "4", "--progress-every", "1", "--out", str(out)),
+        *("--target-sessions", "3", "--compute-ms", "20"),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # Progress while it runs: a line per level start and per second of it.
+    assert "fabric x3: 3 sessions x 3 s" in result.stdout
+    assert "/3 s," in result.stdout
+    doc = json.loads((out / "bench.json").read_text())
+    levels = {(lv["path"], lv["sessions"]): lv for lv in doc["levels"]}
+    assert set(levels) == {(p, n) for p in ("fabric", "ws-echo", "grpc-direct") for n in (1, 3)}
+    for (path, n), lv in levels.items():
+        assert lv["units_sent"] == 3 * n, (path, n, lv)
+        assert lv["answered"] == lv["units_sent"] and lv["lost"] == 0, (path, n, lv)
+        assert lv["lost_sessions"] == 0 and lv["errors"] == [], (path, n, lv)
+        o = lv["overhead_ms"]
+        assert 0 <= o["p50"] <= o["p95"] <= o["p99"] <= o["max"] < 2000, (path, n, o)
+        assert lv["processes"]["client"]["rss_mib_peak"] > 10
+    fabric = levels[("fabric", 3)]
+    # The engine's compute (20 ms a unit) is taken out of the round trip, not counted twice.
+    assert fabric["engine_ms"]["p50"] >= 19.0
+    assert fabric["rtt_ms"]["p50"] - fabric["engine_ms"]["p50"] == pytest.approx(
+        fabric["overhead_ms"]["p50"], abs=5.0
+    )
+    assert {"edge", "scheduler", "worker0", "client"} <= set(fabric["processes"])
+    assert set(levels[("ws-echo", 3)]["processes"]) == {"echo", "client"}
+    assert "edge" not in levels[("grpc-direct", 3)]["processes"]
+    assert fabric["edge_cpu_us_per_unit"] > 0
+    assert fabric["queue_wait_ms"]["p99"] >= 0
+    ratios = {row["sessions"]: row for row in doc["ratios"]}
+    for key in ("p50_vs_ws-echo", "p99_vs_ws-echo", "p50_vs_grpc-direct", "p99_vs_grpc-direct"):
+        assert math.isfinite(ratios[3][key]) and ratios[3][key] > 0, ratios
+    assert doc["targets"]["at_target_sessions"]["sessions"] == 3
+    table = (out / "bench.md").read_text()
+    assert "| 3 | fabric | 9 | 9 | 0 | 0 |" in table
+    assert "p99 / gRPC direct" in table
+    assert table in result.stdout
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_against_a_running_edge(tmp_path):
+    stack = Stack(tmp_path)
+    try:
+        stack.start_scheduler()
+        stack.start_worker("--compute-ms", "10")
+        edge = stack.start_edge()
+        result = run_bench(
+            *("--url", stack.url, "--edge-pid", str(edge.proc.pid), "--paths", "fabric"),
+            *("--sessions", "2", "--seconds", "3", "--warmup-seconds", "0"),
+            *("--out", str(tmp_path / "out")),
+        )
+    finally:
+        stack.stop()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (level,) = json.loads((tmp_path / "out" / "bench.json").read_text())["levels"]
+    assert level["path"] == "fabric" and level["answered"] == 6 and level["lost"] == 0
+    # Only the edge it was given and itself: no service of its own was started.
+    assert set(level["processes"]) == {"edge", "client"}
+    assert not (tmp_path / "out" / "logs" / "scheduler.log").exists()
+
+
+def test_max_search_grows_then_bisects():
+    steps, passed, failed = [], 100, None
+    limit_ok = 260  # a fabric that holds up to 260 sessions
+    while (n := next_probe(passed, failed, limit=1000, resolution=0.1)) is not None:
+        steps.append(n)
+        if n <= limit_ok:
+            passed = n
+        else:
+            failed = n
+    assert steps[:3] == [150, 225, 337]
+    assert passed <= limit_ok < failed and failed - passed <= max(5, passed // 10)
+    # The cap ends the growth: a fabric that never fails stops at --max-sessions.
+    assert next_probe(600, None, limit=600, resolution=0.1) is None
+    assert next_probe(500, None, limit=600, resolution=0.1) == 600
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sessions", "ten"], "not a list of integers"),
+        (["--sessions", "0"], "--sessions >= 1"),
+        (["--paths", "fabric,carrier-pigeon"], "carrier-pigeon"),
+        (["--sessions", "50", "--workers", "1", "--slots", "8"], "cannot hold every session"),
+        (["--paths", "ws-echo", "--find-max"], "--find-max measures the fabric"),
+    ],
+)
+def test_bad_arguments_refused_before_anything_starts(args, message, capsys):
+    assert bench_main(args) == 2
+    assert message in capsys.readouterr().err
