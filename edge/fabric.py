@@ -19,6 +19,8 @@ from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 
+#: A forgotten worker channel stays open this long for the calls still on it.
+CHANNEL_LINGER_S = 30.0
 #: The scheduler answers an Acquire at once (a queue position or a lease); no answer by
 #: then means it cannot be reached (a host that drops packets never refuses the connect).
 FIRST_REPLY_TIMEOUT_S = 5.0
@@ -97,6 +99,7 @@ class Fabric:
         self._scheduler_channel = self._channel(scheduler_address)
         self.scheduler = scheduler_grpc.SchedulerServiceStub(self._scheduler_channel)
         self._workers: dict[str, tuple[grpc.aio.Channel, worker_grpc.WorkerServiceStub]] = {}
+        self._retired: set[grpc.aio.Channel] = set()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if self._credentials is None:
@@ -112,12 +115,32 @@ class Fabric:
             self._workers[address] = entry
         return entry[1]
 
+    def forget_worker(self, address: str) -> None:
+        """Drop the cached channel to a worker that was lost, so the next session dials it
+        anew: a channel that lived through a cut link can stall a new call until its
+        keepalive declares the connection dead (up to 10 s). Calls still on the old channel
+        keep it until they end; it is closed after CHANNEL_LINGER_S."""
+        entry = self._workers.pop(address, None)
+        if entry is None:
+            return
+        channel = entry[0]
+        self._retired.add(channel)
+
+        async def close_later() -> None:
+            await asyncio.sleep(CHANNEL_LINGER_S)
+            if channel in self._retired:
+                self._retired.discard(channel)
+                await channel.close()
+
+        asyncio.ensure_future(close_later())
+
     async def close(self) -> None:
         """Close every channel."""
         await self._scheduler_channel.close()
-        for channel, _ in self._workers.values():
+        for channel in [*(c for c, _ in self._workers.values()), *self._retired]:
             await channel.close()
         self._workers.clear()
+        self._retired.clear()
 
 
 async def wait_for_lease(

@@ -218,6 +218,8 @@ class SessionCore:
                 )
             return
         if not self.closed.is_set():
+            if self._lease is not None:
+                self._fabric.forget_worker(self._lease.worker_address)
             await self._finish(ev.Closed(ev.ERROR, self._usage, "the worker was lost"))
 
     # ---- worker session --------------------------------------------------------
@@ -233,9 +235,7 @@ class SessionCore:
         if self.started:
             raise InvalidEvent("the session is already initialized")
         self.started = True
-        stub = self._fabric.worker(self._lease.worker_address)
-        call = stub.Session(metadata=telemetry.inject(self._trace))
-        self._worker_call = call
+        address = self._lease.worker_address
         start = worker_pb.SessionStart(
             lease_id=self._lease.lease_id,
             session_id=self.session_id,
@@ -246,13 +246,34 @@ class SessionCore:
             config=config_to(init.config),
             max_slice_nums=init.max_slice_nums,
         )
-        try:
-            await call.write(worker_pb.SessionRequest(start=start))
-            response = await asyncio.wait_for(call.read(), self._start_timeout_s)
-        except (TimeoutError, grpc.aio.AioRpcError) as err:
-            call.cancel()
-            detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else "timed out"
-            raise WorkerConnectFailed(f"the worker did not start the session: {detail}") from None
+        for attempt in (1, 2):
+            call = self._fabric.worker(address).Session(metadata=telemetry.inject(self._trace))
+            self._worker_call = call
+            try:
+                await call.write(worker_pb.SessionRequest(start=start))
+                response = await asyncio.wait_for(call.read(), self._start_timeout_s)
+                break
+            except grpc.aio.AioRpcError as err:
+                call.cancel()
+                if attempt == 1 and err.code() == grpc.StatusCode.UNAVAILABLE:
+                    # The transport, not the worker, failed before any answer (a connection
+                    # that died with a cut link): once more on a fresh channel.
+                    log.info(
+                        "session %s: worker %s unreachable (%s); dialling it again",
+                        self.session_id,
+                        address,
+                        err.details() or "",
+                    )
+                    self._fabric.forget_worker(address)
+                    continue
+                raise WorkerConnectFailed(
+                    f"the worker did not start the session: {err.details()}"
+                ) from None
+            except TimeoutError:
+                call.cancel()
+                raise WorkerConnectFailed(
+                    "the worker did not start the session: timed out"
+                ) from None
         if response is grpc.aio.EOF or response.WhichOneof("kind") != "started":
             call.cancel()
             raise WorkerConnectFailed("the worker did not start the session")
