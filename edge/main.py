@@ -119,6 +119,7 @@ async def _run(config: EdgeConfig, grace_s: float) -> None:
     import socket
 
     from edge import telemetry
+    from edge.metrics import METRICS
     from edge.server import start_edge
 
     provider = telemetry.setup(f"{socket.gethostname()}-{os.getpid()}")
@@ -127,6 +128,7 @@ async def _run(config: EdgeConfig, grace_s: float) -> None:
     # which otherwise walk the whole heap (~0.2 s) while sessions wait for their units.
     gc.collect()
     gc.freeze()
+    METRICS.time_gc()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

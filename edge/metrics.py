@@ -12,6 +12,7 @@ set), so the gauge cannot drift when a session ends in an unusual way. Process f
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 import weakref
 from collections.abc import Iterator
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 #: Queue waits, seconds.
 QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+#: Garbage-collector pauses, seconds.
+GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 #: Edge-side time of a unit (forwarded -> result emitted), seconds.
 UNIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
@@ -83,6 +86,14 @@ class EdgeMetrics:
             ["code"],
             registry=r,
         )
+        self.gc_pause = Histogram(
+            "omni_edge_gc_pause_seconds",
+            "Garbage-collector pauses of the edge process, by generation: the event loop and "
+            "every session stand still meanwhile.",
+            ["generation"],
+            buckets=GC_BUCKETS,
+            registry=r,
+        )
         r.register(_SessionCollector(self._sessions))
         ProcessCollector(registry=r)
         Gauge(
@@ -90,6 +101,19 @@ class EdgeMetrics:
             "Live asyncio tasks on the edge's event loop, counted at scrape time.",
             registry=r,
         ).set_function(_live_tasks)
+
+    def time_gc(self) -> None:
+        """Observe every garbage-collector pause from now on (gc.callbacks)."""
+        started = [0.0]
+        by_generation = {g: self.gc_pause.labels(str(g)) for g in range(3)}
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                by_generation[info["generation"]].observe(time.perf_counter() - started[0])
+
+        gc.callbacks.append(on_gc)
 
     # ---- hooks --------------------------------------------------------------------
 

@@ -64,11 +64,14 @@ def _proc_sample(pid: int) -> tuple[float, float] | None:
     return cpu, pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _machine_busy_s() -> float:
-    """CPU seconds the whole machine has been busy since boot (all cores)."""
+def _machine_busy_s() -> tuple[float, float]:
+    """CPU seconds the whole machine has been busy since boot (all cores), and of those the
+    steal (a virtual machine's cores taken by its host)."""
     with open("/proc/stat") as stat:
         ticks = [int(v) for v in stat.readline().split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    hz = os.sysconf("SC_CLK_TCK")
+    steal = ticks[7] if len(ticks) > 7 else 0
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / hz, steal / hz
 
 
 class ProcessWatch:
@@ -82,9 +85,10 @@ class ProcessWatch:
         self.peak_rss: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._t0 = 0.0
-        self._busy0 = 0.0
+        self._busy0 = (0.0, 0.0)
         self.wall_s = 0.0
         self.machine_cores = 0.0
+        self.steal_cores = 0.0
 
     def _sample(self) -> None:
         for name, pid in self.pids.items():
@@ -112,7 +116,9 @@ class ProcessWatch:
             await asyncio.gather(self._task, return_exceptions=True)
         self._sample()
         self.wall_s = max(1e-9, time.monotonic() - self._t0)
-        self.machine_cores = (_machine_busy_s() - self._busy0) / self.wall_s
+        busy, steal = _machine_busy_s()
+        self.machine_cores = (busy - self._busy0[0]) / self.wall_s
+        self.steal_cores = (steal - self._busy0[1]) / self.wall_s
         out = {}
         for name in self.last:
             cpu_s = self.last[name][0] - self.first[name][0]
@@ -142,11 +148,19 @@ class Level:
     lost_sessions: int = 0
     errors: list[str] = field(default_factory=list)
     overhead_ms: dict[str, float] = field(default_factory=dict)
+    overhead_streaming_ms: dict[str, float] = field(default_factory=dict)
+    """Units sent while every session streams (session opens and closes left out)."""
     rtt_ms: dict[str, float] = field(default_factory=dict)
     engine_ms: dict[str, float] = field(default_factory=dict)
     queue_wait_ms: dict[str, float] = field(default_factory=dict)
+    in_worker_ms: dict[str, float] = field(default_factory=dict)
+    """The part of the overhead spent inside the worker (its wall clock minus compute)."""
+    client_loop_lag_ms: dict[str, float] = field(default_factory=dict)
+    """How late the measuring client's event loop woke up (its own share of the overhead)."""
     processes: dict[str, dict[str, float]] = field(default_factory=dict)
     machine_cores: float = 0.0
+    """Cores busy on the whole machine during the level (ours, others' and steal)."""
+    steal_cores: float = 0.0
     wall_s: float = 0.0
     edge_cpu_us_per_unit: float | None = None
     """Edge CPU over the whole level (session opens and closes included) per answered unit."""
@@ -177,16 +191,25 @@ class Samples:
     rtt: list[float] = field(default_factory=list)
     engine: list[float] = field(default_factory=list)
     queue_wait: list[float] = field(default_factory=list)
+    in_worker: list[float] = field(default_factory=list)
+    """Worker receive -> result send minus the engine's compute (paths that report it)."""
+    sent_at: list[float] = field(default_factory=list)
+    """When each answered unit was sent (monotonic), parallel to `overhead`."""
     sent: int = 0
     dropped: int = 0
     lost: int = 0
     lost_sessions: int = 0
     errors: list[str] = field(default_factory=list)
 
-    def answer(self, rtt_ms: float, engine_ms: float) -> None:
+    def answer(
+        self, sent_at: float, rtt_ms: float, engine_ms: float, worker_wall_ms: float | None = None
+    ) -> None:
+        self.sent_at.append(sent_at)
         self.rtt.append(rtt_ms)
         self.engine.append(engine_ms)
         self.overhead.append(rtt_ms - engine_ms)
+        if worker_wall_ms is not None:
+            self.in_worker.append(worker_wall_ms - engine_ms)
 
     def fill(self, level: Level) -> Level:
         level.units_sent = self.sent
@@ -197,6 +220,7 @@ class Samples:
         level.rtt_ms = _stats(self.rtt)
         level.engine_ms = _stats(self.engine)
         level.queue_wait_ms = _stats(self.queue_wait)
+        level.in_worker_ms = _stats(self.in_worker)
         return level
 
 
@@ -295,7 +319,9 @@ async def fabric_session(
                 if seq in sent and seq not in answered and seq not in dropped:
                     answered.add(seq)
                     engine = metrics.get("prefill_ms", 0.0) + metrics.get("generate_ms", 0.0)
-                    s.answer((now - sent[seq]) * 1000.0, engine)
+                    s.answer(
+                        sent[seq], (now - sent[seq]) * 1000.0, engine, metrics.get("wall_clock_ms")
+                    )
                 return True
 
             receiver = asyncio.create_task(receive())
@@ -367,7 +393,7 @@ async def echo_session(
                 nonlocal answered
                 async for _ in ws:
                     now = time.monotonic()
-                    s.answer((now - pending[answered]) * 1000.0, 0.0)
+                    s.answer(pending[answered], (now - pending[answered]) * 1000.0, 0.0)
                     answered += 1
 
             receiver = asyncio.create_task(receive())
@@ -485,8 +511,11 @@ class GrpcDirect:
                     seq = result.seq
                     if seq in sent and seq not in answered and seq not in dropped:
                         answered.add(seq)
-                        engine = result.timings.prefill_ms + result.timings.generate_ms
-                        s.answer((now - sent[seq]) * 1000.0, engine)
+                        timings = result.timings
+                        engine = timings.prefill_ms + timings.generate_ms
+                        s.answer(
+                            sent[seq], (now - sent[seq]) * 1000.0, engine, timings.wall_clock_ms
+                        )
 
             async def receive_all() -> None:
                 try:
@@ -694,22 +723,34 @@ async def run_level(
                 f"{p99:.1f} ms"
             )
 
-    steady: list[tuple[float, int]] = []  # (edge CPU s, units answered) at both ends
+    # The streaming window: from the moment every session has sent its first unit to the
+    # moment one sends its last. Both ends: (time, edge CPU s or None, units answered).
+    steady: list[tuple[float, float | None, int]] = []
 
     async def steady_window() -> None:
-        pid = stack.pids.get("edge")
-        if pid is None or path != "fabric" or args.seconds < 3:
+        pid = stack.pids.get("edge") if path == "fabric" else None
+        if args.seconds < 3:
             return
         for mark in (sessions, sessions * (args.seconds - 1)):
             while samples.sent < mark:
                 await asyncio.sleep(0.02)
-            sample = _proc_sample(pid)
-            if sample is None:
-                return
-            steady.append((sample[0], len(samples.overhead)))
+            sample = _proc_sample(pid) if pid else None
+            cpu = sample[0] if sample else None
+            steady.append((time.monotonic(), cpu, len(samples.overhead)))
+
+    lags: list[float] = []
+
+    async def loop_lag() -> None:
+        # The client's own event loop: a late wake-up here delays every timestamp it takes,
+        # so a high lag means the measurement, not the fabric, is the bottleneck.
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            lags.append((time.monotonic() - before - 0.01) * 1000.0)
 
     say(f"{path} x{sessions}: {sessions} sessions x {args.seconds} s")
     watch.start()
+    lagger = asyncio.create_task(loop_lag())
     ticker = asyncio.create_task(progress())
     window = asyncio.create_task(steady_window())
     try:
@@ -717,21 +758,40 @@ async def run_level(
     finally:
         ticker.cancel()
         window.cancel()
+        lagger.cancel()
     level = samples.fill(Level(path, sessions, args.seconds))
+    level.client_loop_lag_ms = _stats(lags)
     level.processes = await watch.stop()
     level.wall_s = round(watch.wall_s, 2)
     level.machine_cores = round(watch.machine_cores, 2)
+    level.steal_cores = round(watch.steal_cores, 2)
     edge = level.processes.get("edge")
     if edge and level.answered:
         level.edge_cpu_us_per_unit = round(edge["cpu_s"] / level.answered * 1e6, 1)
-    if len(steady) == 2 and steady[1][1] > steady[0][1]:
-        cpu_s = steady[1][0] - steady[0][0]
-        level.edge_cpu_us_per_unit_steady = round(cpu_s / (steady[1][1] - steady[0][1]) * 1e6, 1)
+    if len(steady) == 2:
+        (t0, cpu0, n0), (t1, cpu1, n1) = steady
+        level.overhead_streaming_ms = _stats(
+            [o for o, at in zip(samples.overhead, samples.sent_at, strict=True) if t0 <= at < t1]
+        )
+        if cpu0 is not None and cpu1 is not None and n1 > n0:
+            level.edge_cpu_us_per_unit_steady = round((cpu1 - cpu0) / (n1 - n0) * 1e6, 1)
     o = level.overhead_ms
     say(
         f"{path} x{sessions}: {level.answered}/{level.units_sent} answered, lost {level.lost}, "
         f"dropped {level.dropped}, lost sessions {level.lost_sessions}; overhead p50 "
         f"{o['p50']:.2f} / p95 {o['p95']:.2f} / p99 {o['p99']:.2f} ms"
+        + (
+            f", while all stream p99 {level.overhead_streaming_ms['p99']:.2f}"
+            if level.overhead_streaming_ms
+            else ""
+        )
+        + (
+            f" (in the worker p50 {level.in_worker_ms['p50']:.2f} / p99 "
+            f"{level.in_worker_ms['p99']:.2f}; client loop lag p99 "
+            f"{level.client_loop_lag_ms['p99']:.2f})"
+            if math.isfinite(level.in_worker_ms["p50"])
+            else ""
+        )
         + (
             f"; edge CPU per unit {level.edge_cpu_us_per_unit:.0f} us "
             f"(streaming only: {level.edge_cpu_us_per_unit_steady or math.nan:.0f} us)"
@@ -780,9 +840,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         )
         if args.warmup_seconds > 0:
             warm = argparse.Namespace(**{**vars(args), "seconds": args.warmup_seconds})
-            say(f"warm-up: {min(counts + [10])} sessions x {args.warmup_seconds} s per path")
+            warm_n = min(max(counts), 10)
+            say(f"warm-up: {warm_n} sessions x {args.warmup_seconds} s per path (not reported)")
             for path in paths:
-                await run_level(path, min(counts + [10]), warm, stack, grpc_direct)
+                await run_level(path, warm_n, warm, stack, grpc_direct)
         for n in counts:
             for path in paths:
                 levels.append(await run_level(path, n, args, stack, grpc_direct))
@@ -901,11 +962,17 @@ def markdown(result: dict[str, Any]) -> str:
     levels = result["levels"]
     lines = [
         "| sessions | path | units | answered | lost | dropped | overhead p50 | p95 | p99 "
-        "| max | queue wait p99 | edge CPU per unit (level / streaming) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| max | p99 while all stream | in worker p99 | client lag p99 | queue wait p99 "
+        "| edge CPU per unit (level / streaming) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def ms(stats: dict[str, float], key: str = "p99") -> str:
+        value = stats.get(key, math.nan) if stats else math.nan
+        return f"{value:.2f}" if math.isfinite(value) else "-"
+
     for lv in sorted(levels, key=lambda x: (x["sessions"], PATHS.index(x["path"]))):
-        o, q = lv["overhead_ms"], lv["queue_wait_ms"]
+        o = lv["overhead_ms"]
         edge, steady = lv["edge_cpu_us_per_unit"], lv["edge_cpu_us_per_unit_steady"]
         edge_text = (
             "-" if not edge else f"{edge:.0f} us" + (f" / {steady:.0f} us" if steady else "")
@@ -914,8 +981,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {lv['sessions']} | {lv['path']} | {lv['units_sent']} | {lv['answered']} | "
             f"{lv['lost'] + lv['lost_sessions']} | {lv['dropped']} | {o['p50']:.2f} ms | "
             f"{o['p95']:.2f} | {o['p99']:.2f} | {o['max']:.1f} | "
-            + (f"{q['p99']:.1f} ms" if math.isfinite(q["p99"]) else "-")
-            + f" | {edge_text} |"
+            f"{ms(lv['overhead_streaming_ms'])} | {ms(lv['in_worker_ms'])} | "
+            f"{ms(lv['client_loop_lag_ms'])} | {ms(lv['queue_wait_ms'])} | {edge_text} |"
         )
     lines += [
         "",
@@ -1035,7 +1102,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address the started services bind")
     p.add_argument("--workers", type=int, default=4, help="synthetic workers")
-    p.add_argument("--slots", type=int, default=128, help="slots per worker")
+    p.add_argument("--slots", type=int, default=150, help="slots per worker")
     p.add_argument("--compute-ms", type=float, default=40.0, help="synthetic compute per unit")
     p.add_argument("--warmup-seconds", type=int, default=5, help="0: no warm-up round")
     p.add_argument(

@@ -143,6 +143,10 @@ async def test_process_gauges_of_every_service(stack):
         tasks = total(samples, f"omni_{service}_asyncio_tasks")
         # At least the service's own serving task; a leak would be thousands.
         assert 1 <= tasks < 1000, (service, tasks)
+    # The edge times its garbage-collector pauses (its event loop stands still meanwhile).
+    edge = await asyncio.to_thread(scrape, addresses["edge"])
+    generations = {lbl["generation"] for lbl, _ in edge["omni_edge_gc_pause_seconds_count"]}
+    assert generations == {"0", "1", "2"}
 
 
 def _json_lines(text: str) -> list[dict]:

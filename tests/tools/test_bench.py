@@ -61,9 +61,13 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
         assert math.isfinite(ratios[3][key]) and ratios[3][key] > 0, ratios
     assert doc["targets"]["at_target_sessions"]["sessions"] == 3
     table = (out / "bench.md").read_text()
-    assert "| 3 | fabric | 9 | 9 | 0 | 0 |" in table
+    assert "| 3 | fabric | 9 | 9 | 0 | 0 |" in table, table
     assert "p99 / gRPC direct" in table
     assert table in result.stdout
+    # Where the overhead goes: inside the worker, in the measuring client, while all stream.
+    assert 0 <= fabric["in_worker_ms"]["p50"] <= fabric["overhead_ms"]["p50"]
+    assert fabric["client_loop_lag_ms"]["p50"] >= 0
+    assert fabric["overhead_streaming_ms"]["p50"] > 0
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
