@@ -749,6 +749,7 @@ async def run_level(
             lags.append((time.monotonic() - before - 0.01) * 1000.0)
 
     say(f"{path} x{sessions}: {sessions} sessions x {args.seconds} s")
+    profiler = _start_profile(args, stack, path, sessions)
     watch.start()
     lagger = asyncio.create_task(loop_lag())
     ticker = asyncio.create_task(progress())
@@ -759,6 +760,8 @@ async def run_level(
         ticker.cancel()
         window.cancel()
         lagger.cancel()
+        if profiler is not None:
+            await _finish_profile(profiler)
     level = samples.fill(Level(path, sessions, args.seconds))
     level.client_loop_lag_ms = _stats(lags)
     level.processes = await watch.stop()
@@ -803,6 +806,38 @@ async def run_level(
     if path == "fabric" and stack.url:
         await _edge_idle(stack.url, 30)
     return level
+
+
+def _start_profile(args: argparse.Namespace, stack: Stack, path: str, sessions: int):
+    """py-spy on the edge for a fabric level (--profile): a flame graph SVG in --out."""
+    import shutil
+    import subprocess
+
+    pid = stack.pids.get("edge")
+    if not args.profile or path != "fabric" or pid is None:
+        return None
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        say("--profile: py-spy is not installed (pip install py-spy); not profiling")
+        return None
+    target = args.out / f"profile-edge-x{sessions}.svg"
+    say(f"profiling the edge (pid {pid}) with py-spy into {target}")
+    return subprocess.Popen(
+        [spy, "record", "-p", str(pid), "-r", "200", "--nonblocking", "-o", str(target)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(args.out / "logs" / f"py-spy-x{sessions}.log", "w"),
+    )
+
+
+async def _finish_profile(proc) -> None:
+    """Stop py-spy with SIGINT: it writes the flame graph on the way out."""
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        await asyncio.to_thread(proc.wait, 30)
+    except Exception:
+        proc.kill()
 
 
 def next_probe(passed: int, failed: int | None, limit: int, resolution: float) -> int | None:
@@ -1117,6 +1152,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="output folder (default: a new temp folder)")
     p.add_argument("--progress-every", type=float, default=5.0, help="seconds")
     p.add_argument("--ready-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="record the edge with py-spy during each fabric level (flame graph SVGs)",
+    )
     p.add_argument(
         "--check", action="store_true", help="exit 1 when the target at --target-sessions is missed"
     )
