@@ -1104,7 +1104,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
             va="bottom",
             color="grey",
         )
-    ax.set_xscale("symlog", linthresh=10)
+    probes = result.get("max_search") or []
+    if probes:
+        ax.scatter(
+            [p["sessions"] for p in probes],
+            [p["p99_ms"] for p in probes],
+            marker="x",
+            color="black",
+            zorder=3,
+            label="max search: fabric p99 per probe",
+        )
+    ax.set_xscale("log")
     ax.set_xlabel("concurrent sessions (1 unit/s each)")
     ax.set_ylabel("overhead per unit, ms (round trip - engine compute)")
     ax.set_title("omnifabric bench: fabric overhead vs baselines, same run")
