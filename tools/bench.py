@@ -161,6 +161,8 @@ class Level:
     machine_cores: float = 0.0
     """Cores busy on the whole machine during the level (ours, others' and steal)."""
     steal_cores: float = 0.0
+    noisy_attempts: list[dict[str, Any]] = field(default_factory=list)
+    """Earlier attempts of this level set aside for steal above --max-steal."""
     wall_s: float = 0.0
     edge_cpu_us_per_unit: float | None = None
     """Edge CPU over the whole level (session opens and closes included) per answered unit."""
@@ -808,6 +810,33 @@ async def run_level(
     return level
 
 
+async def measure(
+    path: str, sessions: int, args: argparse.Namespace, stack: Stack, grpc_direct: GrpcDirect
+) -> Level:
+    """run_level, again (up to --noisy-retries times) when the machine's host took more than
+    --max-steal cores meanwhile: on a shared virtual machine, steal alone moves the tail
+    several-fold. The attempts set aside stay in the result (`noisy_attempts`)."""
+    noisy: list[dict[str, Any]] = []
+    while True:
+        level = await run_level(path, sessions, args, stack, grpc_direct)
+        if level.steal_cores <= args.max_steal or len(noisy) >= args.noisy_retries:
+            level.noisy_attempts = noisy
+            return level
+        say(
+            f"{path} x{sessions}: the host took {level.steal_cores:.2f} cores (steal) meanwhile, "
+            f"more than --max-steal {args.max_steal:g}: measuring it again"
+        )
+        noisy.append(
+            {
+                "steal_cores": level.steal_cores,
+                "overhead_ms": level.overhead_ms,
+                "lost": level.lost,
+                "lost_sessions": level.lost_sessions,
+                "dropped": level.dropped,
+            }
+        )
+
+
 def _start_profile(args: argparse.Namespace, stack: Stack, path: str, sessions: int):
     """py-spy on the edge for a fabric level (--profile): a flame graph SVG in --out."""
     import shutil
@@ -881,7 +910,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 await run_level(path, warm_n, warm, stack, grpc_direct)
         for n in counts:
             for path in paths:
-                levels.append(await run_level(path, n, args, stack, grpc_direct))
+                levels.append(await measure(path, n, args, stack, grpc_direct))
         if args.find_max:
             fabric = {lv.sessions: lv for lv in levels if lv.path == "fabric"}
             passed = max((n for n, lv in fabric.items() if _within(lv, args.max_p99_ms)), default=0)
@@ -891,7 +920,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             )
             while (n := next_probe(passed, failed, args.max_sessions, 0.1)) is not None:
                 say(f"max search: {passed} passed, {failed or '-'} failed; trying {n}")
-                level = await run_level("fabric", n, args, stack, grpc_direct)
+                level = await measure("fabric", n, args, stack, grpc_direct)
                 ok = _within(level, args.max_p99_ms)
                 max_search.append(
                     {
@@ -909,7 +938,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             if passed and passed not in counts:
                 say(f"max {passed} sessions: measuring it on every path")
                 for path in paths:
-                    levels.append(await run_level(path, passed, args, stack, grpc_direct))
+                    levels.append(await measure(path, passed, args, stack, grpc_direct))
             max_sessions = passed
         else:
             max_sessions = None
@@ -956,7 +985,14 @@ def summarize(
             "sessions": args.target_sessions,
             "p99_ms": at.overhead_ms["p99"],
             "lost": at.lost + at.lost_sessions,
-            "passed": at.ok and at.overhead_ms["p99"] <= args.target_p99_ms,
+            # A unit lost in an attempt set aside for steal is lost all the same.
+            "lost_in_noisy_attempts": sum(
+                a["lost"] + a["lost_sessions"] for a in at.noisy_attempts
+            ),
+            "steal_cores": at.steal_cores,
+            "passed": at.ok
+            and not any(a["lost"] + a["lost_sessions"] for a in at.noisy_attempts)
+            and at.overhead_ms["p99"] <= args.target_p99_ms,
             "target": f"p99 <= {args.target_p99_ms:g} ms and 0 lost",
         }
     if max_sessions is not None:
@@ -998,8 +1034,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "| sessions | path | units | answered | lost | dropped | overhead p50 | p95 | p99 "
         "| max | p99 while all stream | in worker p99 | client lag p99 | queue wait p99 "
-        "| edge CPU per unit (level / streaming) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| edge CPU per unit (level / streaming) | steal (cores) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def ms(stats: dict[str, float], key: str = "p99") -> str:
@@ -1017,7 +1053,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"{lv['lost'] + lv['lost_sessions']} | {lv['dropped']} | {o['p50']:.2f} ms | "
             f"{o['p95']:.2f} | {o['p99']:.2f} | {o['max']:.1f} | "
             f"{ms(lv['overhead_streaming_ms'])} | {ms(lv['in_worker_ms'])} | "
-            f"{ms(lv['client_loop_lag_ms'])} | {ms(lv['queue_wait_ms'])} | {edge_text} |"
+            f"{ms(lv['client_loop_lag_ms'])} | {ms(lv['queue_wait_ms'])} | {edge_text} | "
+            f"{lv['steal_cores']:.2f}"
+            + (f" ({len(lv['noisy_attempts'])} set aside)" if lv["noisy_attempts"] else "")
+            + " |"
         )
     lines += [
         "",
@@ -1052,6 +1091,8 @@ def markdown(result: dict[str, Any]) -> str:
         if at:
             lines.append(
                 f"- {at['sessions']} sessions: p99 {at['p99_ms']:.2f} ms, lost {at['lost']} "
+                f"(+{at['lost_in_noisy_attempts']} in attempts set aside), steal "
+                f"{at['steal_cores']:.2f} cores "
                 f"(target {at['target']}): {'PASS' if at['passed'] else 'MISS'}"
             )
         mx = targets.get("max_sessions_within")
@@ -1157,6 +1198,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-p99-ms", type=float, default=50.0)
     p.add_argument("--max-sessions", type=int, default=600, help="the max search's cap")
+    p.add_argument(
+        "--max-steal",
+        type=float,
+        default=0.1,
+        help="cores taken by the host (steal) above which a level is measured again",
+    )
+    p.add_argument("--noisy-retries", type=int, default=2, help="0: keep every first attempt")
     p.add_argument("--target-sessions", type=int, default=100)
     p.add_argument("--target-p99-ms", type=float, default=20.0)
     p.add_argument("--out", type=Path, help="output folder (default: a new temp folder)")

@@ -29,7 +29,7 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     result = run_bench(
         *("--sessions", "1,3", "--seconds", "3", "--warmup-seconds", "0"),
         *("--workers", "1", "--slots", "4", "--progress-every", "1", "--out", str(out)),
-        *("--target-sessions", "3", "--compute-ms", "20"),
+        *("--target-sessions", "3", "--compute-ms", "20", "--noisy-retries", "0"),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # Progress while it runs: a line per level start and per second of it.
@@ -81,7 +81,8 @@ def test_against_a_running_edge(tmp_path):
         result = run_bench(
             *("--url", stack.url, "--edge-pid", str(edge.proc.pid), "--paths", "fabric"),
             *("--sessions", "2", "--seconds", "3", "--warmup-seconds", "0"),
-            *("--out", str(tmp_path / "out")),
+            # Every attempt counts as noisy: measured twice, the first set aside.
+            *("--max-steal", "-1", "--noisy-retries", "1", "--out", str(tmp_path / "out")),
         )
     finally:
         stack.stop()
@@ -90,6 +91,9 @@ def test_against_a_running_edge(tmp_path):
     assert level["path"] == "fabric" and level["answered"] == 6 and level["lost"] == 0
     # Only the edge it was given and itself: no service of its own was started.
     assert set(level["processes"]) == {"edge", "client"}
+    (noisy,) = level["noisy_attempts"]
+    assert noisy["lost"] == 0 and noisy["overhead_ms"]["p50"] > 0
+    assert "measuring it again" in result.stdout
     assert not (tmp_path / "out" / "logs" / "scheduler.log").exists()
 
 
