@@ -20,7 +20,7 @@ from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
-from tests.e2e.wsclient import SILENCE, WsClient, wait_for
+from tests.e2e.wsclient import SILENCE, WsClient, served_unit, wait_for
 from tests.stack import Stack, read_until_line, start_service
 
 
@@ -44,11 +44,6 @@ async def status(address: str, credentials=None) -> scheduler_pb.GetStatusRespon
 
 def worker_of(snapshot: scheduler_pb.GetStatusResponse, worker_id: str):
     return next((w for w in snapshot.workers if w.worker_id == worker_id), None)
-
-
-async def served_unit(client: WsClient) -> dict:
-    await client.append(SILENCE)
-    return await client.until("delta.listen")
 
 
 async def started(url: str) -> WsClient:

@@ -19,7 +19,14 @@ from websockets.exceptions import ConnectionClosed
 
 from tests import netns
 from tests.conftest import ROOT, scaled
-from tests.e2e.wsclient import SILENCE, WsClient, metric, scrape_metrics, wait_for
+from tests.e2e.wsclient import (
+    SILENCE,
+    WsClient,
+    metric,
+    scrape_metrics,
+    served_unit,
+    wait_for,
+)
 from tests.stack import Service
 
 HOSTS = ["sched", "w1", "w2", "edge", "client"]
@@ -119,12 +126,6 @@ def registered(scheduler_metrics: str) -> dict[str, float]:
 def sessions_on(worker: Service) -> float:
     """Sessions the worker itself has open (its own /metrics, on its host's address)."""
     return metric(scrape_metrics(worker.metrics_address()), "omni_worker_sessions_active")
-
-
-async def served_unit(client: WsClient) -> dict:
-    """Send one 1 s unit of silence and await its listen result."""
-    await client.append(SILENCE)
-    return await client.until("delta.listen")
 
 
 async def started(url: str) -> WsClient:

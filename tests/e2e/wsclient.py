@@ -206,6 +206,12 @@ class RawWs:
         self.sock.close()
 
 
+async def served_unit(client: WsClient) -> dict:
+    """Send one 1 s unit of silence and await its listen result."""
+    await client.append(SILENCE)
+    return await client.until("delta.listen")
+
+
 def scrape_metrics(address: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """GET http://address/metrics: sample name -> [(labels, value)]."""
     from prometheus_client.parser import text_string_to_metric_families
