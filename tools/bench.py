@@ -996,11 +996,18 @@ def summarize(
             "target": f"p99 <= {args.target_p99_ms:g} ms and 0 lost",
         }
     if max_sessions is not None:
-        targets["max_sessions_within"] = {
+        found = {
             "max_p99_ms": args.max_p99_ms,
             "sessions": max_sessions,
             "capped": max_sessions >= args.max_sessions,
         }
+        again = by.get(("fabric", max_sessions))
+        if again is not None:
+            # Measured once more with the baselines: near the knee the tail moves by run.
+            found["remeasured_p99_ms"] = again.overhead_ms["p99"]
+            found["remeasured_streaming_p99_ms"] = again.overhead_streaming_ms.get("p99")
+            found["remeasured_within"] = _within(again, args.max_p99_ms)
+        targets["max_sessions_within"] = found
     edge_us = [lv.edge_cpu_us_per_unit for lv in levels if lv.edge_cpu_us_per_unit]
     if edge_us:
         targets["edge_cpu_us_per_unit"] = {
@@ -1098,9 +1105,15 @@ def markdown(result: dict[str, Any]) -> str:
         mx = targets.get("max_sessions_within")
         if mx:
             capped = " (the search's cap: --max-sessions)" if mx["capped"] else ""
+            again = ""
+            if "remeasured_p99_ms" in mx:
+                again = (
+                    f"; measured again with the baselines: p99 {mx['remeasured_p99_ms']:.2f} ms"
+                    f" ({'within' if mx['remeasured_within'] else 'over'} the limit)"
+                )
             lines.append(
                 f"- largest session count with p99 <= {mx['max_p99_ms']:g} ms and nothing "
-                f"lost: {mx['sessions']}{capped}"
+                f"lost: {mx['sessions']}{capped}{again}"
             )
     return "\n".join(lines) + "\n"
 
