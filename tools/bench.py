@@ -249,9 +249,9 @@ def append_frame(unit: np.ndarray) -> str:
     )
 
 
-async def _paced(i: int, sessions: int, seconds: int, send: Callable[[int], Awaitable[bool]]):
-    """Session i's sends: spread over the first second, then one per second."""
-    start = time.monotonic() + i / max(1, sessions)
+async def _paced(seconds: int, send: Callable[[int], Awaitable[bool]]) -> None:
+    """One send a second from now, `seconds` times, until `send` returns False."""
+    start = time.monotonic()
     for k in range(seconds):
         delay = start + k - time.monotonic()
         if delay > 0:
@@ -264,9 +264,9 @@ async def _paced(i: int, sessions: int, seconds: int, send: Callable[[int], Awai
 
 
 async def fabric_session(
-    url: str, i: int, sessions: int, units: list[np.ndarray], frames: list[str], s: Samples
+    url: str, delay_s: float, units: list[np.ndarray], frames: list[str], s: Samples
 ) -> None:
-    """One session over the public protocol; its figures go into `s`."""
+    """One session over the public protocol, opened after `delay_s`; figures into `s`."""
     from websockets.asyncio.client import connect
 
     sent: dict[int, float] = {}
@@ -274,7 +274,7 @@ async def fabric_session(
     dropped: set[int] = set()
     closed = asyncio.Event()
     reason: list[str] = []
-    await asyncio.sleep(i / max(1, sessions))  # connects spread like the units
+    await asyncio.sleep(delay_s)  # opens spread over --ramp-s
     t0 = time.monotonic()
     try:
         async with connect(
@@ -336,7 +336,7 @@ async def fabric_session(
                 await ws.send(frames[k])
                 return True
 
-            await _paced(0, 1, len(units), send)
+            await _paced(len(units), send)
             await _settle(lambda: len(answered) + len(dropped) >= len(sent), closed, 5.0)
             if not closed.is_set():
                 await ws.send(json.dumps({"type": "session.close", "reason": "user_stop"}))
@@ -380,14 +380,14 @@ def echo_server_main(host: str) -> int:
 
 
 async def echo_session(
-    url: str, i: int, sessions: int, units: list[np.ndarray], frames: list[str], s: Samples
+    url: str, delay_s: float, units: list[np.ndarray], frames: list[str], s: Samples
 ) -> None:
     """One session of the same frames against the echo server (order preserved: FIFO)."""
     from websockets.asyncio.client import connect
 
     pending: list[float] = []
     answered = 0
-    await asyncio.sleep(i / max(1, sessions))
+    await asyncio.sleep(delay_s)
     try:
         async with connect(url, compression=None, max_size=None, open_timeout=60) as ws:
 
@@ -406,7 +406,7 @@ async def echo_session(
                 await ws.send(frames[k])
                 return True
 
-            await _paced(0, 1, len(units), send)
+            await _paced(len(units), send)
             await _settle(lambda: answered >= len(pending), asyncio.Event(), 5.0)
             receiver.cancel()
     except Exception as exc:
@@ -449,14 +449,14 @@ class GrpcDirect:
         await self._sched_channel.close()
 
     async def session(
-        self, i: int, sessions: int, units: list[np.ndarray], pcms: list[bytes], s: Samples
+        self, delay_s: float, units: list[np.ndarray], pcms: list[bytes], s: Samples
     ) -> None:
         """One session: Acquire (held open: the lease lives with it), Session, units, close."""
         from omni.realtime.v1 import common_pb2
         from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
         from omni.realtime.v1 import worker_service_pb2 as worker_pb
 
-        await asyncio.sleep(i / max(1, sessions))
+        await asyncio.sleep(delay_s)
         session_id = f"bench-{uuid.uuid4().hex[:12]}"
         sent: dict[int, float] = {}
         answered: set[int] = set()
@@ -539,7 +539,7 @@ class GrpcDirect:
                 )
                 return True
 
-            await _paced(0, 1, len(units), send)
+            await _paced(len(units), send)
             await _settle(lambda: len(answered) + len(dropped) >= len(sent), done, 5.0)
             requests.put_nowait(
                 worker_pb.SessionRequest(
@@ -693,24 +693,24 @@ async def run_level(
     """N concurrent sessions over one path, with a progress line every --progress-every s."""
     units = unit_script(args.seconds)
     samples = Samples()
+    # Session i opens at i * ramp / N s; its units follow once a second from then on, so
+    # the units of all sessions stay spread over each second whatever the ramp.
+    delays = [i * args.ramp_s / sessions for i in range(sessions)]
     if path == "fabric":
         frames = [append_frame(u) for u in units]
         url = f"{stack.url}?mode=audio"
-        runs = [fabric_session(url, i, sessions, units, frames, samples) for i in range(sessions)]
+        runs = [fabric_session(url, d, units, frames, samples) for d in delays]
         # A fabric of its own: every service; a --url fabric: the client (and --edge-pid).
         watched = [
             n for n in stack.pids if n != "echo" and (not args.url or n in ("client", "edge"))
         ]
     elif path == "ws-echo":
         frames = [append_frame(u) for u in units]
-        runs = [
-            echo_session(stack.echo_url, i, sessions, units, frames, samples)
-            for i in range(sessions)
-        ]
+        runs = [echo_session(stack.echo_url, d, units, frames, samples) for d in delays]
         watched = ["echo", "client"]
     else:
         pcms = [_pcm(u) for u in units]
-        runs = [grpc_direct.session(i, sessions, units, pcms, samples) for i in range(sessions)]
+        runs = [grpc_direct.session(d, units, pcms, samples) for d in delays]
         watched = [n for n in stack.pids if n.startswith(("worker", "scheduler")) or n == "client"]
     watch = ProcessWatch({n: stack.pids[n] for n in watched})
     started = time.monotonic()
@@ -1192,6 +1192,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=int, default=30, help="units (seconds) per session")
     p.add_argument("--paths", default=",".join(PATHS), help="paths to measure")
     p.add_argument(
+        "--ramp-s",
+        type=float,
+        default=1.0,
+        help="open the sessions over this many seconds (1: all within the first second)",
+    )
+    p.add_argument(
         "--url",
         help="a running edge (ws://HOST:PORT/v1/realtime) instead of "
         "the fabric stack this command starts; baselines still run locally",
@@ -1257,6 +1263,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     bad = [p for p in args.paths.split(",") if p and p not in PATHS]
+    if args.ramp_s < 0 or args.ramp_s >= args.seconds:
+        print("omnifabric bench: --ramp-s must be >= 0 and shorter than --seconds", file=sys.stderr)
+        return 2
     if not counts or min(counts) < 1 or bad or args.seconds < 1:
         print(
             f"omnifabric bench: need --sessions >= 1, --seconds >= 1 and paths among "

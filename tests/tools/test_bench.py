@@ -80,7 +80,7 @@ def test_against_a_running_edge(tmp_path):
         edge = stack.start_edge()
         result = run_bench(
             *("--url", stack.url, "--edge-pid", str(edge.proc.pid), "--paths", "fabric"),
-            *("--sessions", "2", "--seconds", "3", "--warmup-seconds", "0"),
+            *("--sessions", "2", "--seconds", "4", "--warmup-seconds", "0", "--ramp-s", "2"),
             # Every attempt counts as noisy: measured twice, the first set aside.
             *("--max-steal", "-1", "--noisy-retries", "1", "--out", str(tmp_path / "out")),
         )
@@ -88,7 +88,10 @@ def test_against_a_running_edge(tmp_path):
         stack.stop()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (level,) = json.loads((tmp_path / "out" / "bench.json").read_text())["levels"]
-    assert level["path"] == "fabric" and level["answered"] == 6 and level["lost"] == 0
+    assert level["path"] == "fabric" and level["answered"] == 8 and level["lost"] == 0
+    # The second session opened 1 s after the first (--ramp-s 2 over 2 sessions), and
+    # each sent 4 units a second apart: the level lasts at least 1 + 3 s.
+    assert level["wall_s"] >= 4.0
     # Only the edge it was given and itself: no service of its own was started.
     assert set(level["processes"]) == {"edge", "client"}
     (noisy,) = level["noisy_attempts"]
@@ -121,6 +124,7 @@ def test_max_search_grows_then_bisects():
         (["--paths", "fabric,carrier-pigeon"], "carrier-pigeon"),
         (["--sessions", "50", "--workers", "1", "--slots", "8"], "cannot hold every session"),
         (["--paths", "ws-echo", "--find-max"], "--find-max measures the fabric"),
+        (["--seconds", "5", "--ramp-s", "5"], "--ramp-s must be"),
     ],
 )
 def test_bad_arguments_refused_before_anything_starts(args, message, capsys):
