@@ -688,7 +688,11 @@ async def _edge_idle(url: str, timeout_s: float) -> bool:
 
 
 async def run_level(
-    path: str, sessions: int, args: argparse.Namespace, stack: Stack, grpc_direct: GrpcDirect
+    path: str,
+    sessions: int,
+    args: argparse.Namespace,
+    stack: Stack,
+    grpc_direct: GrpcDirect | None,
 ) -> Level:
     """N concurrent sessions over one path, with a progress line every --progress-every s."""
     units = unit_script(args.seconds)
@@ -710,6 +714,7 @@ async def run_level(
         watched = ["echo", "client"]
     else:
         pcms = [_pcm(u) for u in units]
+        assert grpc_direct is not None  # started whenever the path is measured
         runs = [grpc_direct.session(d, units, pcms, samples) for d in delays]
         watched = [n for n in stack.pids if n.startswith(("worker", "scheduler")) or n == "client"]
     watch = ProcessWatch({n: stack.pids[n] for n in watched})
@@ -811,7 +816,11 @@ async def run_level(
 
 
 async def measure(
-    path: str, sessions: int, args: argparse.Namespace, stack: Stack, grpc_direct: GrpcDirect
+    path: str,
+    sessions: int,
+    args: argparse.Namespace,
+    stack: Stack,
+    grpc_direct: GrpcDirect | None,
 ) -> Level:
     """run_level, again (up to --noisy-retries times) when the machine's host took more than
     --max-steal cores meanwhile: on a shared virtual machine, steal alone moves the tail
@@ -894,7 +903,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     paths = [p for p in args.paths.split(",") if p]
     say(f"starting the stack (logs in {log_dir})")
     stack = await asyncio.to_thread(start_stack, args, paths, log_dir)
-    grpc_direct = GrpcDirect(stack.scheduler or "127.0.0.1:1")
+    grpc_direct = GrpcDirect(stack.scheduler) if "grpc-direct" in paths else None
     levels: list[Level] = []
     max_search: list[dict[str, Any]] = []
     try:
@@ -943,7 +952,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         else:
             max_sessions = None
     finally:
-        await grpc_direct.close()
+        if grpc_direct is not None:
+            await grpc_direct.close()
         await asyncio.to_thread(stack.stop)
     return summarize(args, levels, max_sessions, max_search)
 
