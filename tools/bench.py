@@ -260,6 +260,50 @@ async def _paced(seconds: int, send: Callable[[int], Awaitable[bool]]) -> None:
             return
 
 
+class UnitLedger:
+    """One session's units by seq: when each was sent, which got a result, which the
+    worker reported dropped. Both result-bearing paths (fabric, grpc-direct) keep one."""
+
+    def __init__(self, samples: Samples) -> None:
+        self.samples = samples
+        self.sent: dict[int, float] = {}
+        self.answered: set[int] = set()
+        self.dropped: set[int] = set()
+
+    def send(self, seq: int) -> None:
+        self.sent[seq] = time.monotonic()
+        self.samples.sent += 1
+
+    def result(
+        self,
+        seq: int,
+        dropped_seqs,
+        now: float,
+        engine_ms: float,
+        worker_wall_ms: float | None,
+    ) -> None:
+        """A unit's result: its first one counts; the drops it reports are noted first."""
+        for gone in dropped_seqs:
+            if gone in self.sent and gone not in self.answered:
+                self.dropped.add(gone)
+        if seq in self.sent and seq not in self.answered and seq not in self.dropped:
+            self.answered.add(seq)
+            sent_at = self.sent[seq]
+            self.samples.answer(sent_at, (now - sent_at) * 1000.0, engine_ms, worker_wall_ms)
+
+    def settled(self) -> bool:
+        """Every unit sent has a result or a reported drop."""
+        return len(self.answered) + len(self.dropped) >= len(self.sent)
+
+    def tally(self, closed_cleanly: bool) -> None:
+        """Add this session's drops, lost units and (unless `closed_cleanly`) itself as lost."""
+        s = self.samples
+        s.dropped += len(self.dropped)
+        s.lost += len(self.sent) - len(self.answered) - len(self.dropped)
+        if not closed_cleanly:
+            s.lost_sessions += 1
+
+
 # ---- path: fabric (public WebSocket protocol through the edge) ----------------------------
 
 
@@ -269,9 +313,7 @@ async def fabric_session(
     """One session over the public protocol, opened after `delay_s`; figures into `s`."""
     from websockets.asyncio.client import connect
 
-    sent: dict[int, float] = {}
-    answered: set[int] = set()
-    dropped: set[int] = set()
+    units_by_seq = UnitLedger(s)
     closed = asyncio.Event()
     reason: list[str] = []
     await asyncio.sleep(delay_s)  # opens spread over --ramp-s
@@ -314,16 +356,13 @@ async def fabric_session(
                 if kind not in RESULT_TYPES:
                     return True
                 metrics = event.get("metrics") or {}
-                for seq in metrics.get("dropped_seqs", ()):
-                    if seq in sent and seq not in answered:
-                        dropped.add(seq)
-                seq = metrics.get("seq")
-                if seq in sent and seq not in answered and seq not in dropped:
-                    answered.add(seq)
-                    engine = metrics.get("prefill_ms", 0.0) + metrics.get("generate_ms", 0.0)
-                    s.answer(
-                        sent[seq], (now - sent[seq]) * 1000.0, engine, metrics.get("wall_clock_ms")
-                    )
+                units_by_seq.result(
+                    metrics.get("seq"),
+                    metrics.get("dropped_seqs", ()),
+                    now,
+                    metrics.get("prefill_ms", 0.0) + metrics.get("generate_ms", 0.0),
+                    metrics.get("wall_clock_ms"),
+                )
                 return True
 
             receiver = asyncio.create_task(receive())
@@ -331,23 +370,19 @@ async def fabric_session(
             async def send(k: int) -> bool:
                 if closed.is_set():
                     return False
-                sent[k + 1] = time.monotonic()
-                s.sent += 1
+                units_by_seq.send(k + 1)
                 await ws.send(frames[k])
                 return True
 
             await _paced(len(units), send)
-            await _settle(lambda: len(answered) + len(dropped) >= len(sent), closed, 5.0)
+            await _settle(units_by_seq.settled, closed, 5.0)
             if not closed.is_set():
                 await ws.send(json.dumps({"type": "session.close", "reason": "user_stop"}))
                 await asyncio.wait_for(closed.wait(), 15)
             receiver.cancel()
     except Exception as exc:  # the session is counted lost; the run goes on
         s.errors.append(f"{type(exc).__name__}: {exc}"[:120])
-    s.dropped += len(dropped)
-    s.lost += len(sent) - len(answered) - len(dropped)
-    if reason != ["user_stop"]:
-        s.lost_sessions += 1
+    units_by_seq.tally(closed_cleanly=reason == ["user_stop"])
 
 
 async def _settle(done: Callable[[], bool], closed: asyncio.Event, timeout_s: float) -> None:
@@ -458,9 +493,7 @@ class GrpcDirect:
 
         await asyncio.sleep(delay_s)
         session_id = f"bench-{uuid.uuid4().hex[:12]}"
-        sent: dict[int, float] = {}
-        answered: set[int] = set()
-        dropped: set[int] = set()
+        units_by_seq = UnitLedger(s)
         ended: list[int] = []
         acquire = self.scheduler.Acquire(
             scheduler_pb.AcquireRequest(mode=common_pb2.MODE_AUDIO, session_id=session_id)
@@ -506,18 +539,14 @@ class GrpcDirect:
                         break
                     if kind != "result":
                         continue
-                    result = response.result
-                    for seq in result.dropped_seqs:
-                        if seq in sent and seq not in answered:
-                            dropped.add(seq)
-                    seq = result.seq
-                    if seq in sent and seq not in answered and seq not in dropped:
-                        answered.add(seq)
-                        timings = result.timings
-                        engine = timings.prefill_ms + timings.generate_ms
-                        s.answer(
-                            sent[seq], (now - sent[seq]) * 1000.0, engine, timings.wall_clock_ms
-                        )
+                    result, timings = response.result, response.result.timings
+                    units_by_seq.result(
+                        result.seq,
+                        result.dropped_seqs,
+                        now,
+                        timings.prefill_ms + timings.generate_ms,
+                        timings.wall_clock_ms,
+                    )
 
             async def receive_all() -> None:
                 try:
@@ -532,15 +561,14 @@ class GrpcDirect:
             async def send(k: int) -> bool:
                 if done.is_set():
                     return False
-                sent[k + 1] = time.monotonic()
-                s.sent += 1
+                units_by_seq.send(k + 1)
                 requests.put_nowait(
                     worker_pb.SessionRequest(unit=worker_pb.Unit(seq=k + 1, pcm=pcms[k]))
                 )
                 return True
 
             await _paced(len(units), send)
-            await _settle(lambda: len(answered) + len(dropped) >= len(sent), done, 5.0)
+            await _settle(units_by_seq.settled, done, 5.0)
             requests.put_nowait(
                 worker_pb.SessionRequest(
                     close=worker_pb.SessionClose(reason=common_pb2.CLOSE_REASON_USER_STOP)
@@ -553,10 +581,7 @@ class GrpcDirect:
             s.errors.append(f"{type(exc).__name__}: {str(exc)[:100]}")
         finally:
             acquire.cancel()
-        s.dropped += len(dropped)
-        s.lost += len(sent) - len(answered) - len(dropped)
-        if ended != [common_pb2.CLOSE_REASON_USER_STOP]:
-            s.lost_sessions += 1
+        units_by_seq.tally(closed_cleanly=ended == [common_pb2.CLOSE_REASON_USER_STOP])
 
 
 # ---- the stack this command starts --------------------------------------------------------
