@@ -52,7 +52,7 @@ def say(text: str) -> None:
 # ---- processes: CPU and memory from /proc -------------------------------------------------
 
 
-def _proc_sample(pid: int) -> tuple[float, float] | None:
+def proc_sample(pid: int) -> tuple[float, float] | None:
     """(CPU seconds used so far, RSS MiB) of a live process, None when it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -64,7 +64,7 @@ def _proc_sample(pid: int) -> tuple[float, float] | None:
     return cpu, pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _machine_busy_s() -> tuple[float, float]:
+def machine_busy_s() -> tuple[float, float]:
     """CPU seconds the whole machine has been busy since boot (all cores), and of those the
     steal (a virtual machine's cores taken by its host)."""
     with open("/proc/stat") as stat:
@@ -92,7 +92,7 @@ class ProcessWatch:
 
     def _sample(self) -> None:
         for name, pid in self.pids.items():
-            sample = _proc_sample(pid)
+            sample = proc_sample(pid)
             if sample is None:
                 continue
             self.first.setdefault(name, sample)
@@ -105,7 +105,7 @@ class ProcessWatch:
             self._sample()
 
     def start(self) -> None:
-        self._t0, self._busy0 = time.monotonic(), _machine_busy_s()
+        self._t0, self._busy0 = time.monotonic(), machine_busy_s()
         self._sample()
         self._task = asyncio.ensure_future(self._run())
 
@@ -116,7 +116,7 @@ class ProcessWatch:
             await asyncio.gather(self._task, return_exceptions=True)
         self._sample()
         self.wall_s = max(1e-9, time.monotonic() - self._t0)
-        busy, steal = _machine_busy_s()
+        busy, steal = machine_busy_s()
         self.machine_cores = (busy - self._busy0[0]) / self.wall_s
         self.steal_cores = (steal - self._busy0[1]) / self.wall_s
         out = {}
@@ -766,7 +766,7 @@ async def run_level(
         for mark in (sessions, sessions * (args.seconds - 1)):
             while samples.sent < mark:
                 await asyncio.sleep(0.02)
-            sample = _proc_sample(pid) if pid else None
+            sample = proc_sample(pid) if pid else None
             cpu = sample[0] if sample else None
             steady.append((time.monotonic(), cpu, len(samples.overhead)))
 

@@ -124,18 +124,14 @@ def _idle(stack) -> bool:
 def cpu_seconds(pids: list[int]) -> tuple[float, float]:
     """(CPU seconds the whole machine was busy, CPU seconds of `pids`) since boot, from
     /proc: the difference over a run is the load of processes not ours."""
-    hz = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as stat:
-        ticks = [int(v) for v in stat.readline().split()[1:]]
-    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
-    ours = 0
+    from tools.bench import machine_busy_s, proc_sample
+
+    ours = 0.0
     for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ours += int(fields[11]) + int(fields[12])  # utime + stime
-    return busy / hz, ours / hz
+        sample = proc_sample(pid)
+        if sample is not None:
+            ours += sample[0]
+    return machine_busy_s()[0], ours
 
 
 async def wait_until(check: Callable[[], bool], timeout_s: float, every_s: float = 0.25) -> bool:
