@@ -100,6 +100,7 @@ class Fabric:
         self.scheduler = scheduler_grpc.SchedulerServiceStub(self._scheduler_channel)
         self._workers: dict[str, tuple[grpc.aio.Channel, worker_grpc.WorkerServiceStub]] = {}
         self._retired: set[grpc.aio.Channel] = set()
+        self._closing: set[asyncio.Task[None]] = set()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if self._credentials is None:
@@ -132,7 +133,10 @@ class Fabric:
                 self._retired.discard(channel)
                 await channel.close()
 
-        asyncio.ensure_future(close_later())
+        # Held until done: the loop keeps only a weak reference to a task.
+        task = asyncio.ensure_future(close_later())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         """Close every channel."""
@@ -141,6 +145,8 @@ class Fabric:
             await channel.close()
         self._workers.clear()
         self._retired.clear()
+        for task in self._closing:
+            task.cancel()
 
 
 async def wait_for_lease(
