@@ -311,7 +311,9 @@ class SessionCore:
                 if response is grpc.aio.EOF:
                     break
                 kind = response.WhichOneof("kind")
-                if kind == "result":
+                if kind == "result" and response.result.buffered:
+                    self._buffered(response.result)
+                elif kind == "result":
                     out = output_from(response.result)
                     self._usage = out.usage
                     self._answered(out)
@@ -336,6 +338,16 @@ class SessionCore:
         except asyncio.CancelledError:
             return
         await self._finish(closed or ev.Closed(ev.ERROR, self._usage, "the worker was lost"))
+
+    def _buffered(self, result: worker_pb.UnitResult) -> None:
+        """The worker kept a unit's audio for its next model unit: answered, no event."""
+        self._waiting.pop(result.seq, None)
+        for seq in result.dropped_seqs:
+            self._waiting.pop(seq, None)
+        span = self._unit_spans.pop(result.seq, None)
+        if span is not None:
+            span.set_attribute("unit.buffered", True)
+            span.end()
 
     def _answered(self, out: ev.Output) -> None:
         self._waiting.pop(out.seq, None)

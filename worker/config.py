@@ -59,6 +59,15 @@ class WorkerConfig:
     """minicpmo: attention implementation, sdpa or flash_attention_2."""
     compile: bool = False
     """minicpmo: wrap the LLM forward in torch.compile (slower start, faster units)."""
+    minicpmo_api: str = "auto"
+    """minicpmo: which of the model code's layouts to drive: auto (the best the directory
+    offers), unified, as_duplex or duplex."""
+    text_only: bool = False
+    """minicpmo: no speech output even where the vocoder could run (it is off by itself
+    where it cannot: no CUDA, no minicpmo-utils, no assets/token2wav)."""
+    default_voice: str | None = None
+    """minicpmo: WAV of the voice for sessions without reference audio; None = the model
+    directory's own reference audio, else a clip the project renders with espeak-ng."""
     turn_min_speech_s: float = 0.3
     """Reference engine: speech needed before a pause can end the user's turn, seconds."""
     turn_end_silence_s: float = 0.6
@@ -113,6 +122,10 @@ class WorkerConfig:
             raise ConfigError(
                 "OMNI_FABRIC_TLS_CERT and OMNI_FABRIC_TLS_KEY "
                 "(--fabric-tls-cert, --fabric-tls-key) must be set together"
+            )
+        if self.minicpmo_api not in ("auto", "unified", "as_duplex", "duplex"):
+            raise ConfigError(
+                f"minicpmo_api must be auto, unified, as_duplex or duplex, got {self.minicpmo_api!r}"
             )
         if self.attn not in ("sdpa", "flash_attention_2", "eager"):
             raise ConfigError(f"attn must be sdpa, flash_attention_2 or eager, got {self.attn!r}")
@@ -195,6 +208,9 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "model_path": ("OMNI_WORKER_MODEL_PATH", str),
     "attn": ("OMNI_WORKER_ATTN", str),
     "compile": ("OMNI_WORKER_COMPILE", _flag),
+    "minicpmo_api": ("OMNI_WORKER_MINICPMO_API", str),
+    "text_only": ("OMNI_WORKER_TEXT_ONLY", _flag),
+    "default_voice": ("OMNI_WORKER_DEFAULT_VOICE", str),
     "turn_end_silence_s": ("OMNI_WORKER_TURN_END_SILENCE_S", float),
     "memory_tolerance_mb": ("OMNI_WORKER_MEMORY_TOLERANCE_MB", float),
     "drain_grace_s": ("OMNI_WORKER_DRAIN_GRACE_S", float),

@@ -109,6 +109,11 @@ class EngineSession(abc.ABC):
     """One duplex session on an engine. Calls come from one thread at a time, in order:
     prepare, then (prefill, generate, finalize) per unit, then stop and close."""
 
+    def unit_samples(self) -> tuple[int, int] | None:
+        """(first, every later) unit length in 16 kHz samples the engine needs exactly, or
+        None when it takes any length. The worker re-chunks client units to it."""
+        return None
+
     @abc.abstractmethod
     def prepare(
         self,

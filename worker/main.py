@@ -33,7 +33,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--audio-limit-s", type=float, help="audio session limit, s (600)")
     parser.add_argument("--video-limit-s", type=float, help="video session limit, s (300)")
     parser.add_argument("--compute-ms", type=float, help="synthetic engine ms per unit (40)")
-    parser.add_argument("--model-path", help="minicpmo: local MiniCPM-o 4.5 checkpoint directory")
+    parser.add_argument(
+        "--model-dir", "--model-path", dest="model_path",
+        help="minicpmo: local MiniCPM-o 4.5 checkpoint directory",
+    )
+    parser.add_argument(
+        "--minicpmo-api",
+        choices=["auto", "unified", "as_duplex", "duplex"],
+        help="minicpmo: the model code layout to drive (auto: the best offered)",
+    )
+    parser.add_argument(
+        "--text-only", action="store_true", default=None, help="minicpmo: no speech output"
+    )
+    parser.add_argument(
+        "--default-voice", help="minicpmo: WAV voice for sessions without reference audio"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the engine's model directory and environment, print the report, exit",
+    )
     parser.add_argument("--device", help="cpu, cuda or cuda:N (minicpmo: cuda by default)")
     parser.add_argument("--attn", choices=["sdpa", "flash_attention_2", "eager"], help="minicpmo")
     parser.add_argument(
@@ -89,6 +108,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         device=args.device,
         attn=args.attn,
         compile=args.compile,
+        minicpmo_api=args.minicpmo_api,
+        text_only=args.text_only,
+        default_voice=args.default_voice,
         metrics_port=args.metrics_port,
     )
 

@@ -261,6 +261,12 @@ def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
                 error_code=event.error_code,
             )
         )
+    if event.buffered:
+        return worker_pb.SessionResponse(
+            result=worker_pb.UnitResult(
+                seq=event.seq, buffered=True, dropped_seqs=event.dropped_seqs
+            )
+        )
     result, timings = event.result, event.timings
     audio = np.asarray(result.audio, dtype="<f4")
     return worker_pb.SessionResponse(
@@ -330,7 +336,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 )
             )
             async for event in session.events():
-                if isinstance(event, UnitOutput):
+                if isinstance(event, UnitOutput) and not event.buffered:
                     self.runtime.metrics.observe_unit(event, session.spec.mode)
                 yield encode_event(event)
         finally:

@@ -24,6 +24,7 @@ from worker import telemetry
 from worker.engine import DuplexSettings, Engine, EngineSession, GenerateResult
 from worker.engines import memory
 from worker.errors import EngineFailure, EngineStuck
+from worker.rechunk import Rechunker
 
 log = logging.getLogger("omnifabric.worker.session")
 
@@ -111,6 +112,8 @@ class UnitOutput:
     usage: Usage
     """Cumulative snapshot after this unit."""
     dropped_seqs: list[int]
+    buffered: bool = False
+    """The unit's audio waits for the next model unit (re-chunking): no model step ran."""
 
 
 @dataclass
@@ -222,6 +225,8 @@ class DuplexSession:
         self._close_request: tuple[CloseReason, str] | None = None
         self._events: asyncio.Queue[UnitOutput | SessionEnd] = asyncio.Queue()
         self._engine_session: EngineSession | None = None
+        self._chunker: Rechunker | None = None
+        """Set when the engine needs exact unit lengths: client units are re-chunked."""
         self._deadline = 0.0
         self._loop = asyncio.get_running_loop()
 
@@ -284,6 +289,8 @@ class DuplexSession:
         """open_session + prepare on an engine thread; keeps the engine session for _free."""
         spec = self.spec
         self._engine_session = self.engine.open_session(spec.session_id, spec.mode)
+        sizes = self._engine_session.unit_samples()
+        self._chunker = Rechunker(*sizes) if sizes else None
         return int(
             self._engine_session.prepare(
                 spec.system_prompt, spec.ref_audio, spec.tts_ref_audio, spec.settings
@@ -348,10 +355,29 @@ class DuplexSession:
                 except TimeoutError:
                     pass
                 continue
-            result = await self._serve_unit(unit)
-            cap = self._context_cap()
-            if result.kv_cache_length >= cap:
-                return CloseReason.CONTEXT_FULL, f"context reached {cap} tokens"
+            pieces = [unit] if self._chunker is None else self._chunker.push(unit)
+            if not pieces:
+                self._buffered(unit)
+            for piece in pieces:
+                result = await self._serve_unit(piece)
+                cap = self._context_cap()
+                if result.kv_cache_length >= cap:
+                    return CloseReason.CONTEXT_FULL, f"context reached {cap} tokens"
+                if self._close_request is not None:
+                    return self._close_request
+
+    def _buffered(self, unit: UnitInput) -> None:
+        """Answer a unit whose audio waits for more (it filled no model unit yet)."""
+        self._events.put_nowait(
+            UnitOutput(
+                seq=unit.seq,
+                result=GenerateResult(is_listen=True),
+                timings=UnitTimings(),
+                usage=replace(self.usage),
+                dropped_seqs=self._mailbox.take_dropped(),
+                buffered=True,
+            )
+        )
 
     def _context_cap(self) -> int:
         cap = self.limits.max_context_tokens

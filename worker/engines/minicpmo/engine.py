@@ -1,0 +1,511 @@
+"""The MiniCPM-o 4.5 engine: the production model, driven through its own public code.
+
+Nothing of the model is copied here. The checkpoint directory carries the model's code;
+`layouts` finds which of its three public layouts the directory offers and wraps one duplex
+state per slot; `state` moves the per-stream state the code keeps on the shared model in
+and out around each call, so several sessions share one copy of the weights.
+Calls run on the worker's single engine thread; the engine lock also keeps one session's
+prepare or close out of another's unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import io
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from worker.engine import (
+    ChatChunk,
+    ChatMessage,
+    ChatTurn,
+    DuplexSettings,
+    Engine,
+    EngineSession,
+    GenerateResult,
+)
+from worker.engines.minicpmo import layouts, voice
+from worker.engines.minicpmo.code import import_module
+from worker.engines.minicpmo.state import SharedState
+from worker.errors import EngineUnavailable
+
+log = logging.getLogger("omnifabric.worker.minicpmo")
+
+#: The model's code needs transformers 4.51.x (it fails on 5.x).
+TRANSFORMERS_SERIES = "4.51."
+#: How the reference server wraps the system prompt around the LLM reference audio.
+PREFIX_TEMPLATE = "<|im_start|>system\n{text}\n<|audio_start|>"
+SUFFIX = "<|audio_end|><|im_end|>"
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+#: Per unit the model speaks at most this many tokens (MODELS.md: 20 tokens, 28 chars).
+MAX_SPEAK_TOKENS = 20
+#: Startup protection: the model's first units listen.
+FORCE_LISTEN_COUNT = 3
+#: Sampling defaults of the reference server (every argument explicit).
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "decode_mode": "sampling",
+    "temperature": 0.7,
+    "top_k": 20,
+    "top_p": 0.8,
+    "listen_prob_scale": 1.0,
+    "listen_top_k": None,
+    "text_repetition_penalty": 1.05,
+    "text_repetition_window_size": 512,
+    "length_penalty": 1.1,
+}
+#: The vocoder package (minicpmo-utils) the model's init_tts imports.
+VOCODER_MODULE = "stepaudio2"
+#: Python packages the model code imports at load.
+CODE_REQUIREMENTS = ("librosa", "soundfile", "tqdm", "PIL", "transformers")
+
+
+def check_model_dir(path: str | Path | None) -> Path:
+    """The checkpoint directory, checked for what loading needs. Raises EngineUnavailable
+    naming the first thing missing."""
+    if not path:
+        raise EngineUnavailable("engine 'minicpmo' needs --model-dir DIR (the checkpoint)")
+    root = Path(path)
+    if not root.is_dir():
+        raise EngineUnavailable(f"model directory {root} is not a directory")
+    if not (root / "config.json").is_file():
+        raise EngineUnavailable(f"{root} has no config.json: not a Hugging Face checkpoint")
+    if not any(root.glob("*.safetensors")) and not (root / "model.safetensors.index.json").exists():
+        raise EngineUnavailable(f"{root} has no *.safetensors weights")
+    if not (root / "modeling_minicpmo.py").is_file():
+        raise EngineUnavailable(f"{root} has no modeling_minicpmo.py: the model's own code")
+    return root
+
+
+def check_runtime(device: str, transformers_version: str | None = None) -> None:
+    """transformers 4.51.x, the model code's imports, and a usable device. Raises
+    EngineUnavailable."""
+    version = transformers_version or importlib.metadata.version("transformers")
+    if not version.startswith(TRANSFORMERS_SERIES):
+        raise EngineUnavailable(
+            f"MiniCPM-o 4.5 needs transformers {TRANSFORMERS_SERIES}x, found {version}"
+        )
+    missing = [m for m in CODE_REQUIREMENTS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise EngineUnavailable(
+            f"the MiniCPM-o code needs {', '.join(missing)}: pip install '.[minicpmo]'"
+        )
+    if device == "cpu":
+        return
+    if not device.startswith("cuda"):
+        raise EngineUnavailable(f"engine 'minicpmo' runs on cuda or cpu, not on {device!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EngineUnavailable("engine 'minicpmo' needs CUDA: torch.cuda.is_available() is False")
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise EngineUnavailable(
+            f"device {device} does not exist ({torch.cuda.device_count()} CUDA devices)"
+        )
+
+
+def vocoder_problem(root: Path, device: str) -> str | None:
+    """Why speech output cannot run here, or None when it can."""
+    if not device.startswith("cuda"):
+        return "the vocoder (Token2wav) needs CUDA"
+    if importlib.util.find_spec(VOCODER_MODULE) is None:
+        return f"the vocoder package is not installed ({VOCODER_MODULE}: minicpmo-utils)"
+    if not (root / "assets" / "token2wav").is_dir():
+        return f"{root}/assets/token2wav is missing (the vocoder's weights)"
+    return None
+
+
+def _ms(costs: dict[str, Any], rename_all: str | None = None) -> dict[str, float]:
+    """cost_* seconds as milliseconds keyed without the prefix (cost_all -> rename_all)."""
+    out = {}
+    for key, value in costs.items():
+        if key.startswith("cost_") and isinstance(value, int | float):
+            name = key[5:]
+            if name == "all" and rename_all:
+                name = rename_all
+            out[name] = float(value) * 1000.0
+    return out
+
+
+def _images(frames: list[bytes]) -> list[Any]:
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(f)).convert("RGB") for f in frames]
+
+
+class MiniCPMOSession(EngineSession):
+    """One duplex session on one slot's duplex handle."""
+
+    def __init__(self, engine: MiniCPMOEngine, handle: layouts.Handle, session_id: str, mode: str):
+        self.engine = engine
+        self.handle = handle
+        self.session_id = session_id
+        self.mode = mode
+        self.settings = DuplexSettings()
+        self.shared = engine.state.fresh()
+        """This session's values of the state kept on the shared model."""
+        self.units = 0
+        self.output_tokens = 0
+        self.voice_path: str | None = None
+        self._own_voice = False
+        self.vision_tokens = 0
+        self.input_tokens = 0
+        self.closed = False
+
+    def unit_samples(self) -> tuple[int, int]:
+        return self.engine.first_unit_samples, self.engine.unit_samples
+
+    def prepare(self, system_prompt, ref_audio, tts_ref_audio, config: DuplexSettings) -> int:
+        self.settings = config
+        engine = self.engine
+        with engine.using(self):
+            self.handle.reset()
+            speech = engine.audio_on and config.tts_enabled is not False
+            self.handle.duplex.generate_audio = speech
+            voice_pcm = tts_ref_audio if tts_ref_audio is not None and tts_ref_audio.size else None
+            if voice_pcm is None and ref_audio is not None and ref_audio.size:
+                voice_pcm = ref_audio
+            if speech and voice_pcm is not None:
+                self.voice_path, self._own_voice = voice.write_wav(voice_pcm), True
+            elif speech:
+                self.voice_path = str(engine.default_voice)
+            self.handle.prepare(
+                PREFIX_TEMPLATE.format(text=system_prompt.strip() or DEFAULT_SYSTEM_PROMPT),
+                SUFFIX,
+                ref_audio if ref_audio is not None and ref_audio.size else None,
+                self.voice_path,
+            )
+            return self.handle.kv_length()
+
+    def prefill(
+        self, pcm: np.ndarray, frames: list[bytes], max_slice_nums: int
+    ) -> dict[str, float]:
+        with self.engine.using(self):
+            images = _images(frames) if frames else []
+            slices = max(1, max_slice_nums)
+            self.vision_tokens = self.engine.vision_tokens(images, slices)
+            before = self.handle.kv_length()
+            out = self.handle.prefill(pcm.astype(np.float32, copy=False), images, slices)
+            if isinstance(out, dict) and out.get("success") is False:
+                raise RuntimeError(f"prefill failed: {out.get('reason') or 'no reason given'}")
+            self.input_tokens = self.handle.kv_length() - before
+            return _ms(out, rename_all="prefill_all") if isinstance(out, dict) else {}
+
+    def generate(self, force_listen: bool) -> GenerateResult:
+        with self.engine.using(self):
+            self.units += 1
+            s = self.settings
+            startup = s.force_listen_count if s.force_listen_count is not None else FORCE_LISTEN_COUNT
+            capped = s.max_tokens is not None and 0 < s.max_tokens <= self.output_tokens
+            force = force_listen or self.units <= startup or capped
+            if force and self.handle.speaking:
+                self.handle.end_turn()  # the turn closes in the context; speech stops
+            out = self.handle.generate(self.sampling(), force)
+            is_listen = bool(out.get("is_listen", True))
+            audio = out.get("audio_waveform")
+            if is_listen or audio is None or not self.handle.duplex.generate_audio:
+                wave_out = np.zeros(0, np.float32)  # a listening unit carries 1 s of zeros
+            else:
+                wave_out = np.asarray(audio, dtype=np.float32).reshape(-1)
+            n_tokens = int(out.get("n_tokens", 0) or 0)
+            self.output_tokens += n_tokens
+            return GenerateResult(
+                is_listen=is_listen,
+                text="" if is_listen else str(out.get("text", "") or ""),
+                audio=wave_out,
+                end_of_turn=bool(out.get("end_of_turn", False)),
+                kv_cache_length=self.handle.kv_length(),
+                costs_ms=_ms(out, rename_all="generate_all"),
+                n_tokens=n_tokens,
+                n_tts_tokens=int(out.get("n_tts_tokens", 0) or 0),
+                input_audio_tokens=max(0, self.input_tokens - self.vision_tokens),
+                input_vision_tokens=self.vision_tokens,
+            )
+
+    def sampling(self) -> dict[str, Any]:
+        """Every streaming_generate argument, explicit: session settings over the defaults;
+        temperature 0 means greedy decoding."""
+        s = self.settings
+        args = dict(SAMPLING_DEFAULTS)
+        for key in ("temperature", "top_k", "top_p", "listen_prob_scale", "length_penalty"):
+            value = getattr(s, key)
+            if value is not None:
+                args[key] = value
+        if args["temperature"] == 0:
+            args["decode_mode"], args["temperature"] = "greedy", SAMPLING_DEFAULTS["temperature"]
+        args["max_new_speak_tokens_per_chunk"] = (
+            s.max_new_speak_tokens_per_chunk or MAX_SPEAK_TOKENS
+        )
+        args["prompt_wav_path"] = self.voice_path
+        return args
+
+    def finalize(self) -> None:
+        with self.engine.using(self):
+            self.handle.finalize()
+
+    def stop(self) -> None:
+        """Nothing is generated outside a unit call: the next call simply never comes."""
+
+    def close(self) -> None:
+        """Free everything the session allocated (duplex state, KV cache, decoder and
+        vocoder caches, the state on the shared model, its voice file); the worker then runs
+        gc and torch.cuda.empty_cache() and checks memory."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            with self.engine.using(self):
+                self.handle.reset()
+                self.engine.state.clear()
+                self.engine.forget(self)
+        finally:
+            self.shared = {}
+            if self._own_voice and self.voice_path:
+                Path(self.voice_path).unlink(missing_ok=True)
+            self.engine.release(self)
+
+
+class MiniCPMOEngine(Engine):
+    """MiniCPM-o 4.5 from a local checkpoint directory: one copy of the weights, one duplex
+    handle per slot."""
+
+    name = "minicpmo"
+    modes = frozenset({"audio", "video", "chat"})
+    default_slots = 1
+    concurrency = 1
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        device: str = "cuda",
+        attn: str = "sdpa",
+        compile: bool = False,
+        slots: int = 1,
+        api: str = "auto",
+        text_only: bool = False,
+        default_voice: str | None = None,
+    ) -> None:
+        self.model_path = model_path
+        self.device = device
+        self.attn = attn
+        self.compile = compile
+        self.slots = slots
+        self.api = api
+        self.text_only = text_only
+        self.default_voice_setting = default_voice
+        self.default_voice: Path | None = None
+        self.layout = ""
+        self.audio_on = False
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.state: SharedState = SharedState(None)
+        self.first_unit_samples = 16560
+        self.unit_samples = 16000
+        self._free: list[layouts.Handle] = []
+        self._sessions: dict[int, MiniCPMOSession] = {}
+        self._lock = threading.RLock()
+        self._resident: MiniCPMOSession | None = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> MiniCPMOEngine:
+        return cls(
+            config.model_path,
+            config.device or "cuda",
+            config.attn,
+            config.compile,
+            slots=config.slots or cls.default_slots,
+            api=config.minicpmo_api,
+            text_only=config.text_only,
+            default_voice=config.default_voice,
+        )
+
+    # ---- loading -------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Check the directory and the runtime, load the model with the layout its code
+        offers, build one duplex handle per slot. Raises EngineUnavailable."""
+        if self.model is not None:
+            return
+        root = check_model_dir(self.model_path)
+        check_runtime(self.device)
+        self.layout = layouts.choose(root, self.api)
+        problem = "disabled by --text-only" if self.text_only else vocoder_problem(root, self.device)
+        self.audio_on = problem is None
+        if problem:
+            log.warning("minicpmo: text only, no audio deltas (%s)", problem)
+        log.info(
+            "minicpmo: loading %s on %s (%s); driving %s; %d slots",
+            root, self.device, self.attn, layouts.DESCRIPTION[self.layout], self.slots,
+        )
+        import torch
+
+        dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        try:
+            first = getattr(self, f"_load_{self.layout}")(root, dtype)
+        except ImportError as exc:
+            raise EngineUnavailable(f"the model code in {root} cannot be imported: {exc}") from exc
+        self.model = first.model
+        self.tokenizer = first.tokenizer
+        handles = [first] + [
+            type(first)(layouts.clone_duplex(first.duplex)) for _ in range(self.slots - 1)
+        ]
+        self._free = handles
+        self.state = SharedState(self.model)
+        first_ms = int(getattr(first.duplex, "FIRST_CHUNK_MS", 1035))
+        unit_ms = int(getattr(first.duplex, "CHUNK_MS", 1000))
+        rate = int(getattr(first.duplex, "SAMPLE_RATE", 16000))
+        self.first_unit_samples = rate * first_ms // 1000
+        self.unit_samples = rate * unit_ms // 1000
+        if self.audio_on:
+            try:
+                path, source = voice.resolve(self.default_voice_setting, root)
+            except RuntimeError as exc:
+                raise EngineUnavailable(f"no default voice: {exc}") from exc
+            self.default_voice = path
+            log.info("minicpmo: default voice %s (%s)", path, source)
+        if self.compile:
+            self.model.llm.forward = torch.compile(self.model.llm.forward)
+
+    def _load_unified(self, root: Path, dtype: Any) -> layouts.Handle:
+        module = import_module(root, "modeling_minicpmo_unified")
+        model = self._from_pretrained(root, module.MiniCPMO, dtype)
+        with contextlib.ExitStack() as stack:
+            if not self.audio_on:
+                stack.enter_context(layouts.suppressed(module.MiniCPMO, "init_token2wav"))
+            model.init_unified(
+                pt_path=None,
+                preload_both_tts=False,
+                duplex_config={
+                    "generate_audio": self.audio_on,
+                    "max_new_speak_tokens_per_chunk": MAX_SPEAK_TOKENS,
+                },
+                device=self.device,
+                chat_vocoder="token2wav",
+            )
+        return layouts.UnifiedHandle(model.duplex)
+
+    def _load_as_duplex(self, root: Path, dtype: Any) -> layouts.Handle:
+        module = import_module(root, "modeling_minicpmo")
+        model = self._from_pretrained(root, module.MiniCPMO, dtype)
+        if self.audio_on:
+            model.init_tts()
+        # as_duplex() builds the vocoder again: the one just built is shared instead.
+        with layouts.suppressed(module.MiniCPMO, "init_tts"):
+            duplex = model.as_duplex(device=self.device)
+        return layouts.AsDuplexHandle(duplex)
+
+    def _load_duplex(self, root: Path, dtype: Any) -> layouts.Handle:
+        module = import_module(root, "modeling_minicpmo")
+        with contextlib.ExitStack() as stack:
+            if not self.audio_on:
+                stack.enter_context(layouts.suppressed(module.MiniCPMO, "init_tts"))
+            # This class loads the weights itself (the only copy: nothing else is built).
+            duplex = module.MiniCPMODuplex(
+                name_or_path=str(root),
+                device=self.device,
+                generate_audio=self.audio_on,
+                attn_implementation=self.attn,
+            )
+        if dtype != duplex.model.dtype:
+            duplex.model.to(dtype)
+        return layouts.DuplexHandle(duplex)
+
+    def _from_pretrained(self, root: Path, cls: type, dtype: Any) -> Any:
+        config_module = import_module(root, "configuration_minicpmo")
+        config = config_module.MiniCPMOConfig.from_pretrained(str(root))
+        model = cls.from_pretrained(
+            str(root), config=config, torch_dtype=dtype, attn_implementation=self.attn
+        )
+        return model.eval().to(self.device)
+
+    # ---- sessions --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def using(self, session: MiniCPMOSession) -> Iterator[None]:
+        """Hold the engine with `session`'s state on the shared model."""
+        with self._lock:
+            if self._resident is not session:
+                if self._resident is not None:
+                    self._resident.shared = self.state.save()
+                self.state.load(session.shared)
+                self._resident = session
+            yield
+
+    def forget(self, session: MiniCPMOSession) -> None:
+        """`session` leaves the model (its state was cleared, nothing to save)."""
+        with self._lock:
+            if self._resident is session:
+                self._resident = None
+
+    def open_session(self, session_id: str, mode: str) -> MiniCPMOSession:
+        if mode not in ("audio", "video"):
+            raise ValueError(f"mode {mode!r} not served by a duplex session")
+        with self._lock:
+            if not self._free:
+                raise RuntimeError(f"all {self.slots} duplex slots of the model are in use")
+            session = MiniCPMOSession(self, self._free.pop(), session_id, mode)
+            self._sessions[id(session)] = session
+            return session
+
+    def release(self, session: MiniCPMOSession) -> None:
+        with self._lock:
+            if self._sessions.pop(id(session), None) is not None:
+                self._free.append(session.handle)
+
+    def vision_tokens(self, images: list[Any], max_slice_nums: int) -> int:
+        """Context tokens the images take: per image 1 + M*N slices from the processor's
+        slice grid, each the resampler's queries plus two markers."""
+        if not images:
+            return 0
+        processor = getattr(self.model, "processor", None)
+        image_processor = getattr(processor, "image_processor", None)
+        per_slice = int(getattr(self.model.config, "query_num", 64)) + 2
+        total = 0
+        for image in images:
+            grid = None
+            if image_processor is not None:
+                grid = image_processor.get_sliced_grid(image.size, max_slice_nums)
+            total += (1 + (grid[0] * grid[1] if grid else 0)) * per_slice
+        return total
+
+    # ---- chat --------------------------------------------------------------------------
+
+    def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
+        """One chat turn through the model's streaming path: streaming_prefill per message,
+        then streaming_generate, text (and speech) as it comes."""
+        from worker.engines.minicpmo.chat import stream_turn
+
+        if not turn.messages or turn.messages[-1].role != "user":
+            raise ValueError("the last message must be the user's")
+        with self._lock:
+            if self._resident is not None:
+                self._resident.shared = self.state.save()
+                self._resident = None
+            self.state.clear()
+        # Chat state lives on the model (its own KV cache), not in the duplex handles; a
+        # chat turn holds a slot, so it never runs beside a duplex session on one slot.
+        try:
+            yield from stream_turn(self, turn)
+        finally:
+            with self._lock:
+                self.state.clear()
+                self.model.reset_session(reset_token2wav_cache=True)
+
+    @staticmethod
+    def chat_content(message: ChatMessage) -> list[Any]:
+        from PIL import Image
+
+        content: list[Any] = []
+        for part in message.parts:
+            if isinstance(part, bytes):
+                content.append(Image.open(io.BytesIO(part)).convert("RGB"))
+            else:
+                content.append(part)  # text, or 16 kHz float32 audio as the model takes it
+        return content

@@ -1,0 +1,91 @@
+"""Per-session state that the model code keeps on the shared model, swapped per session.
+
+Each duplex handle has its own LLM decoder and KV cache, but three pieces of per-stream
+state live on the one model object: the audio encoder's streaming cache
+(`model.audio_past_key_values`, with `audio_chunk_idx`), the streaming mel processor
+(`model.processor._streaming_mel_processor`, replaced by every prepare) and the vocoder's
+stream caches (`model.tts.audio_tokenizer`). The global torch RNG is shared too. A session's
+values are put on the model before each of its calls and taken back when another session's
+call comes, under the engine's lock; nothing is copied, only references move.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: (path from the model, attribute, value of a fresh session).
+FIELDS: tuple[tuple[str, str, Any], ...] = (
+    ("", "audio_past_key_values", None),
+    ("", "audio_chunk_idx", 0),
+    ("processor", "_streaming_mel_processor", None),
+    ("tts.audio_tokenizer", "stream_cache", None),
+    ("tts.audio_tokenizer", "hift_cache_dict", None),
+    ("tts.audio_tokenizer", "_stream_prompt", None),
+    ("tts.audio_tokenizer", "cache", None),
+)
+RNG = "rng"
+
+
+def _owner(model: Any, path: str) -> Any:
+    owner = model
+    for part in filter(None, path.split(".")):
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    return owner
+
+
+class SharedState:
+    """Moves per-session values on and off the shared model. Not thread-safe: the engine
+    calls it under its lock."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def fresh(self) -> dict[str, Any]:
+        """The values a new session starts from (the RNG as it is now)."""
+        values = {f"{path}:{name}": value for path, name, value in FIELDS}
+        values[RNG] = self._rng()
+        return values
+
+    def load(self, values: dict[str, Any]) -> None:
+        """Put a session's values on the model."""
+        for path, name, _ in FIELDS:
+            owner = _owner(self.model, path)
+            if owner is not None:
+                setattr(owner, name, values.get(f"{path}:{name}"))
+        rng = values.get(RNG)
+        if rng is not None:
+            self._set_rng(rng)
+
+    def save(self) -> dict[str, Any]:
+        """The session values now on the model."""
+        values: dict[str, Any] = {}
+        for path, name, default in FIELDS:
+            owner = _owner(self.model, path)
+            values[f"{path}:{name}"] = getattr(owner, name, default) if owner is not None else None
+        values[RNG] = self._rng()
+        return values
+
+    def clear(self) -> None:
+        """Drop whatever a session left on the model (its caches become garbage)."""
+        for path, name, value in FIELDS:
+            owner = _owner(self.model, path)
+            if owner is not None and hasattr(owner, name):
+                setattr(owner, name, value)
+
+    @staticmethod
+    def _rng() -> tuple[Any, Any]:
+        import torch
+
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        return torch.get_rng_state(), cuda
+
+    @staticmethod
+    def _set_rng(state: tuple[Any, Any]) -> None:
+        import torch
+
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state(cuda)
