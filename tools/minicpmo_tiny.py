@@ -127,6 +127,7 @@ def copy_code(code_dir: Path, out: Path) -> list[str]:
 
 def build(code_dir: Path, out: Path, sdk: str | None = None, seed: int = 0) -> dict[str, Any]:
     """Write the tiny checkpoint to `out`; returns a summary (parameters, files)."""
+    code_dir, out = Path(code_dir), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     copied = copy_code(code_dir, out)
     real = json.loads(read_sdk(sdk, "config.json"))

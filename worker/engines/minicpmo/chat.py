@@ -3,6 +3,7 @@ is broken): streaming_prefill once per message, then iterate streaming_generate.
 
 from __future__ import annotations
 
+import inspect
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -72,26 +73,40 @@ def stream_turn(engine: MiniCPMOEngine, turn: ChatTurn) -> Iterator[ChatChunk]:
             kwargs["temperature"] = turn.temperature
         if turn.top_p is not None:
             kwargs["top_p"] = turn.top_p
-        text_parts: list[str] = []
-        finished = False
-        for first, second in model.streaming_generate(tokenizer=tokenizer, **kwargs):
-            if speech:
-                wave = first.numpy() if hasattr(first, "numpy") else np.asarray(first)
-                piece = _clean(str(second or ""))
-                text_parts.append(piece)
-                yield ChatChunk(text=piece, audio=np.asarray(wave, np.float32).reshape(-1))
-            else:
-                piece = _clean(str(first or ""))
-                finished = finished or bool(second)
-                text_parts.append(piece)
-                if piece:
-                    yield ChatChunk(text=piece)
-    text = "".join(text_parts)
+        if "tokenizer" in inspect.signature(model.streaming_generate).parameters:
+            kwargs["tokenizer"] = tokenizer  # the HF code takes it; the demo's uses its own
+        text = ""
+        finished = cut = False
+        stream = model.streaming_generate(**kwargs)
+        try:
+            for first, second in stream:
+                wave = None
+                if speech:
+                    wave = first.numpy() if hasattr(first, "numpy") else np.asarray(first)
+                    piece = _clean(str(second or ""))
+                else:
+                    piece = _clean(str(first or ""))
+                    finished = finished or bool(second)
+                # The model generates in chunks of several tokens: hold it to the limit.
+                ids = tokenizer.encode(text + piece, add_special_tokens=False)
+                if len(ids) > turn.max_new_tokens:
+                    piece = tokenizer.decode(ids[: turn.max_new_tokens])[len(text) :]
+                    cut = True
+                text += piece
+                if piece or wave is not None:
+                    audio = np.zeros(0, np.float32)
+                    if wave is not None:
+                        audio = np.asarray(wave, np.float32).reshape(-1)
+                    yield ChatChunk(text=piece, audio=audio)
+                if cut:
+                    break
+        finally:
+            stream.close()
     output_tokens = len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
     yield ChatChunk(
         done=True,
         input_tokens=input_tokens,
         output_tokens=output_tokens,
-        cut=output_tokens >= turn.max_new_tokens or (not speech and not finished),
+        cut=cut or output_tokens >= turn.max_new_tokens or (not speech and not finished),
         ignored=tuple(ignored),
     )

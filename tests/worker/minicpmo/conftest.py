@@ -1,0 +1,49 @@
+"""Opt-in fixtures: tiny random-weight checkpoints built from the public MiniCPM-o code.
+
+Set OMNI_MINICPMO_CODE_DIR to one or more folders of the public model code (os.pathsep
+between them; e.g. a checkout's MiniCPMO45/), and OMNI_MINICPMO_SDK to the
+minicpm-o5-sdk 0.0.6 wheel (or install that package). Without OMNI_MINICPMO_CODE_DIR every
+test here skips. Checkpoints are built once per run (tools.minicpmo_tiny, ~10 s each).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tools import minicpmo_tiny
+from worker.engines.minicpmo import layouts
+
+CODE_DIRS = [Path(p) for p in os.environ.get("OMNI_MINICPMO_CODE_DIR", "").split(os.pathsep) if p]
+SDK = os.environ.get("OMNI_MINICPMO_SDK") or None
+
+
+def offered() -> list[tuple[str, Path]]:
+    """(layout, code dir) for every layout the configured code folders offer."""
+    out: list[tuple[str, Path]] = []
+    seen: set[str] = set()
+    for code in CODE_DIRS:
+        for layout in layouts.detect(code):
+            if layout not in seen:
+                seen.add(layout)
+                out.append((layout, code))
+    return out
+
+
+LAYOUTS = offered()
+needs_code = pytest.mark.skipif(
+    not CODE_DIRS, reason="set OMNI_MINICPMO_CODE_DIR to the public MiniCPM-o code to run these"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[Path, Path]:
+    """Code folder -> its tiny checkpoint."""
+    built = {}
+    for i, code in enumerate(CODE_DIRS):
+        out = tmp_path_factory.mktemp(f"minicpmo-tiny-{i}")
+        minicpmo_tiny.build(code, out, SDK)
+        built[code] = out
+    return built

@@ -1,0 +1,323 @@
+"""The minicpmo engine on tiny random-weight checkpoints of the real public model code, for
+every layout the configured code offers (opt-in: OMNI_MINICPMO_CODE_DIR, see conftest).
+
+Random weights speak gibberish; what is checked is the engine's contract with the code:
+loading, every setting reaching the model, accounting from the model's real numbers,
+cleanup, re-chunking, and sessions on one model not seeing each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
+from worker.engine import ChatMessage, ChatTurn, DuplexSettings
+from worker.engines.minicpmo import MiniCPMOEngine
+from worker.session import (
+    CloseReason,
+    DuplexSession,
+    SessionEnd,
+    SessionLimits,
+    SessionSpec,
+    UnitInput,
+)
+
+pytestmark = [needs_code, pytest.mark.timeout(600)]
+GREEDY = DuplexSettings(temperature=0, force_listen_count=0)
+
+
+def noise(seed: int, seconds: float = 1.0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (0.05 * rng.standard_normal(int(seconds * 16000))).astype(np.float32)
+
+
+def jpeg(width: int, height: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module", params=[layout for layout, _ in LAYOUTS] or ["none"])
+def engine(request, tiny_dirs):
+    layout = request.param
+    code = dict(LAYOUTS)[layout]
+    eng = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", slots=2, api=layout)
+    eng.load()
+    assert eng.layout == layout
+    return eng
+
+
+def run_units(engine, settings, inputs, force=()):
+    """Open a session, feed (pcm, frames) per unit on the engine directly; returns the
+    results and the session (closed)."""
+    s = engine.open_session("s", "audio")
+    try:
+        s.prepare("Be brief.", None, None, settings)
+        results = []
+        for i, (pcm, frames) in enumerate(inputs):
+            s.prefill(pcm, frames, 1)
+            results.append(s.generate(i in force))
+            s.finalize()
+        return results, s
+    finally:
+        s.close()
+
+
+def test_load_logs_the_layout(tiny_dirs, caplog):
+    for layout, code in LAYOUTS:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, "omnifabric.worker.minicpmo"):
+            eng = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", api=layout)
+            eng.load()
+        assert any(f"driving {layout_text(layout)}" in r.getMessage() for r in caplog.records)
+        # No CUDA here: the vocoder cannot run, the engine says so and runs text-only.
+        assert eng.audio_on is False
+        assert any("text only" in r.getMessage() for r in caplog.records)
+
+
+def layout_text(layout: str) -> str:
+    from worker.engines.minicpmo.layouts import DESCRIPTION
+
+    return DESCRIPTION[layout]
+
+
+def test_audio_video_session_through_the_unit_loop(engine):
+    """Video units with frames of two sizes: the vision tokens reported are what the
+    context grew by beyond an audio-only unit (slice grid: 1 + M*N slices of 66)."""
+
+    async def main():
+        spec = SessionSpec("v1", "l1", "video", system_prompt="Describe.", settings=GREEDY)
+        session = DuplexSession(spec, engine, ThreadPoolExecutor(1), SessionLimits(300, 8192))
+        await session.open()
+        task = asyncio.ensure_future(session.run())
+        session.submit(UnitInput(1, noise(1)))
+        session.submit_later = None
+        outs = []
+        async for event in session.events():
+            outs.append(event)
+            if len(outs) == 1:
+                session.submit(UnitInput(2, noise(2), frames=[jpeg(64, 64)]))
+            elif len(outs) == 2:
+                session.submit(UnitInput(3, noise(3), frames=[jpeg(1344, 448)], max_slice_nums=9))
+            elif len(outs) == 3:
+                session.close(CloseReason.USER_STOP)
+            if isinstance(event, SessionEnd):
+                break
+        await task
+        return outs
+
+    outs = asyncio.run(main())
+    results = [o.result for o in outs[:3]]
+    assert isinstance(outs[-1], SessionEnd) and outs[-1].reason is CloseReason.USER_STOP
+    audio_only = results[0].input_audio_tokens
+    assert results[0].input_vision_tokens == 0 and audio_only > 0
+    assert results[1].input_vision_tokens == 66  # one slice
+    assert results[2].input_vision_tokens == 66 * 4  # 1 + a 1x3 grid
+    for r in results[1:]:
+        assert r.input_audio_tokens == audio_only  # the rest of the growth was the image
+    assert outs[-1].usage.input_vision_tokens == 66 * 5
+
+
+def test_force_listen_closes_the_turn(engine):
+    results, _ = run_units(engine, GREEDY, [(noise(i), []) for i in range(4)], force={2})
+    assert not results[0].is_listen  # random weights speak at once with startup listen off
+    assert results[2].is_listen and results[2].text == ""
+    assert results[2].audio.size == 0
+
+
+def test_force_listen_count_and_no_carry_over(engine):
+    results, _ = run_units(engine, DuplexSettings(temperature=0, force_listen_count=3),
+                           [(noise(i), []) for i in range(4)])
+    assert [r.is_listen for r in results[:3]] == [True, True, True]
+    again, _ = run_units(engine, GREEDY, [(noise(i), []) for i in range(2)])
+    assert not again[0].is_listen  # the next session does not inherit the count
+
+
+def test_speak_tokens_per_unit_reach_the_model(engine):
+    results, _ = run_units(
+        engine,
+        DuplexSettings(temperature=0, force_listen_count=0, max_new_speak_tokens_per_chunk=3),
+        [(noise(i), []) for i in range(3)],
+    )
+    spoken = [r for r in results if not r.is_listen]
+    assert spoken and all(r.n_tokens <= 3 for r in spoken)
+    default, _ = run_units(engine, GREEDY, [(noise(i), []) for i in range(3)])
+    assert max(r.n_tokens for r in default) > 3
+
+
+def test_listen_scale_and_sampling_reach_the_model(engine):
+    inputs = [(noise(i), []) for i in range(3)]
+    scaled = {}
+    for scale in (1e6, -1e6):  # the listen logit is multiplied by it
+        results, _ = run_units(
+            engine, DuplexSettings(temperature=0, force_listen_count=0, listen_prob_scale=scale),
+            inputs,
+        )
+        scaled[scale] = [(r.is_listen, r.text) for r in results]
+    assert scaled[1e6] != scaled[-1e6]
+    a, _ = run_units(engine, DuplexSettings(temperature=5.0, top_k=1000, top_p=1.0,
+                                            force_listen_count=0), [(noise(1), [])] * 3)
+    b, _ = run_units(engine, GREEDY, [(noise(1), [])] * 3)
+    assert [r.text for r in a] != [r.text for r in b]
+
+
+def test_system_prompt_and_reference_audio_reach_the_model(engine):
+    s = engine.open_session("p", "audio")
+    try:
+        short = s.prepare("Hi.", None, None, GREEDY)
+        s.close()
+        s = engine.open_session("p", "audio")
+        long = s.prepare("Hi. " * 20, None, None, GREEDY)
+        s.close()
+        s = engine.open_session("p", "audio")
+        with_ref = s.prepare("Hi.", noise(5, 2.0), None, GREEDY)
+    finally:
+        s.close()
+    assert long > short + 20
+    assert with_ref > short  # the reference audio's embeddings are in the prompt
+
+
+def test_close_frees_every_cache(engine):
+    _, session = run_units(engine, GREEDY, [(noise(i), []) for i in range(3)])
+    handle = session.handle
+    assert handle.kv_length() == 0
+    assert handle.duplex.decoder.cache is None
+    model = engine.model
+    assert model.audio_past_key_values is None
+    assert model.processor._streaming_mel_processor is None
+    assert session.shared == {}
+    # The next session starts from nothing of this one: same input, same output.
+    first, _ = run_units(engine, GREEDY, [(noise(9), [])] * 3)
+    second, _ = run_units(engine, GREEDY, [(noise(9), [])] * 3)
+    assert [r.text for r in first] == [r.text for r in second]
+    assert [r.kv_cache_length for r in first] == [r.kv_cache_length for r in second]
+
+
+@pytest.mark.parametrize("seconds", [0.5, 1.0, 1.5, 3.0])
+def test_unit_lengths_through_the_unit_loop(engine, seconds):
+    """Client units of any length become model units of exactly 1 s (the first padded to
+    1.035 s): every client unit is answered, the model sees every second of audio."""
+    count = 6
+    expected = int(count * seconds)  # model units in count * seconds of audio
+
+    async def main():
+        spec = SessionSpec("u", "l", "audio", settings=GREEDY)
+        session = DuplexSession(spec, engine, ThreadPoolExecutor(1), SessionLimits(600, 8192))
+        await session.open()
+        task = asyncio.ensure_future(session.run())
+        outs, sent, served = [], 1, 0
+        session.submit(UnitInput(1, noise(1, seconds)))
+        async for event in session.events():
+            outs.append(event)
+            if isinstance(event, SessionEnd):
+                break
+            served += not event.buffered
+            if event.seq == sent and sent < count:
+                sent += 1  # the next client unit, once this one was taken
+                session.submit(UnitInput(sent, noise(sent, seconds)))
+            if served == expected:
+                session.close(CloseReason.USER_STOP)
+        await task
+        return outs
+
+    outs = asyncio.run(main())
+    end = outs[-1]
+    assert isinstance(end, SessionEnd) and end.reason is CloseReason.USER_STOP, end
+    results = outs[:-1]
+    assert {o.seq for o in results} == set(range(1, count + 1))  # every unit answered
+    assert sum(not o.buffered for o in results) == expected == end.units_served
+    assert end.units_dropped == 0
+    # Each model unit adds the same audio tokens: the model got whole 1 s units.
+    assert len({o.result.input_audio_tokens for o in results if not o.buffered}) == 1
+
+
+def kv_fingerprint(session) -> float:
+    """A sum over the session's LLM KV cache: equal caches, equal sums."""
+    cache = session.handle.duplex.decoder.cache
+    keys = getattr(cache, "key_cache", None)
+    if keys is None:
+        keys = [layer[0] for layer in cache]
+    return float(sum(k.double().sum().item() for k in keys))
+
+
+def interleave(engine, a_in, b_in):
+    sa, sb = engine.open_session("a", "audio"), engine.open_session("b", "audio")
+    out_a, out_b = [], []
+    try:
+        sa.prepare("Be brief.", None, None, GREEDY)
+        sb.prepare("Answer in French.", None, None, GREEDY)
+        for x, y in zip(a_in, b_in, strict=True):
+            for s, pcm, out in ((sa, x, out_a), (sb, y, out_b)):
+                s.prefill(pcm, [], 1)
+                r = s.generate(False)
+                s.finalize()
+                out.append((r.text, r.kv_cache_length, kv_fingerprint(s)))
+    finally:
+        sa.close()
+        sb.close()
+    return out_a, out_b
+
+
+def solo(engine, prompt, inputs):
+    s = engine.open_session("solo", "audio")
+    out = []
+    try:
+        s.prepare(prompt, None, None, GREEDY)
+        for pcm in inputs:
+            s.prefill(pcm, [], 1)
+            r = s.generate(False)
+            s.finalize()
+            out.append((r.text, r.kv_cache_length, kv_fingerprint(s)))
+    finally:
+        s.close()
+    return out
+
+
+def test_two_sessions_interleaved_match_solo(engine, monkeypatch):
+    """Two sessions on one model, unit by unit in turn, give exactly what each gives alone
+    (text, cache length, and the KV cache itself); without the per-session swap of the
+    state kept on the shared model they do not."""
+    a_in = [noise(100 + i) for i in range(4)]
+    b_in = [noise(200 + i) for i in range(4)]
+    solo_a = solo(engine, "Be brief.", a_in)
+    solo_b = solo(engine, "Answer in French.", b_in)
+    inter_a, inter_b = interleave(engine, a_in, b_in)
+    assert inter_a == solo_a
+    assert inter_b == solo_b
+
+    from worker.engines.minicpmo.state import SharedState
+
+    monkeypatch.setattr(SharedState, "load", lambda self, values: None)
+    monkeypatch.setattr(SharedState, "save", lambda self: {})
+    bad_a, _ = interleave(engine, a_in, b_in)
+    assert [x[2] for x in bad_a] != [x[2] for x in solo_a]
+
+
+@pytest.mark.parametrize("max_new_tokens", [6, 40])
+def test_chat_streams_with_real_counts(engine, max_new_tokens):
+    turn = ChatTurn(
+        messages=(
+            ChatMessage("system", ("You are terse.",)),
+            ChatMessage("user", ("Name a colour.", noise(7, 1.0))),
+        ),
+        max_new_tokens=max_new_tokens,
+        temperature=0,
+    )
+    chunks = list(engine.chat(turn))
+    assert chunks[0].prefilled and chunks[0].input_tokens > 10
+    done = chunks[-1]
+    assert done.done and done.input_tokens == chunks[0].input_tokens
+    text = "".join(c.text for c in chunks[1:-1])
+    assert done.output_tokens > 0 and text
+    assert done.output_tokens <= max_new_tokens
+    if max_new_tokens == 6:
+        assert done.cut and done.output_tokens == 6
