@@ -334,8 +334,8 @@ class MiniCPMOEngine(Engine):
         if self.model is not None:
             return
         root = check_model_dir(self.model_path)
-        check_runtime(self.device)
         self.layout = layouts.choose(root, self.api)
+        check_runtime(self.device)
         problem = "disabled by --text-only" if self.text_only else vocoder_problem(root, self.device)
         self.audio_on = problem is None
         if problem:
