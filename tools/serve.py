@@ -129,6 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine", default="reference", choices=["synthetic", "reference", "minicpmo"]
     )
     parser.add_argument("--slots", type=int, help="sessions per worker (engine default)")
+    parser.add_argument("--model-dir", help="minicpmo: the MiniCPM-o 4.5 checkpoint directory")
+    parser.add_argument("--device", help="engine device: cpu, cuda or cuda:N (engine default)")
+    parser.add_argument(
+        "--minicpmo-api",
+        choices=["auto", "unified", "as_duplex", "duplex"],
+        help="minicpmo: the model code layout to drive (auto)",
+    )
+    parser.add_argument(
+        "--text-only", action="store_true", help="minicpmo: no speech output"
+    )
+    parser.add_argument(
+        "--default-voice", help="WAV voice for sessions without reference audio (minicpmo)"
+    )
     parser.add_argument("--compute-ms", type=float, help="synthetic engine: compute time per unit")
     parser.add_argument(
         "--grace", type=float, default=10.0, help="drain grace per service on stop, s"
@@ -187,6 +200,16 @@ def main(argv: list[str] | None = None) -> int:
                 wargs += ["--slots", str(args.slots)]
             if args.compute_ms is not None:
                 wargs += ["--compute-ms", str(args.compute_ms)]
+            for flag, value in (
+                ("--model-dir", args.model_dir),
+                ("--device", args.device),
+                ("--minicpmo-api", args.minicpmo_api),
+                ("--default-voice", args.default_voice),
+            ):
+                if value is not None:
+                    wargs += [flag, value]
+            if args.text_only:
+                wargs.append("--text-only")
             workers.append(spawn(f"worker{i}", "worker", wargs))
         children.extend(workers)
         for w in workers:

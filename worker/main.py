@@ -165,6 +165,26 @@ async def serve(config: WorkerConfig) -> int:
     return 0
 
 
+def check(config: WorkerConfig) -> int:
+    """--check: report what the engine needs and lacks; 0 when it can start."""
+    if config.engine == "minicpmo":
+        from worker.engines.minicpmo.check import report
+
+        ok, lines = report(config.model_path, config.device or "cuda", config.minicpmo_api)
+        print("\n".join(lines))
+        print("ready to start" if ok else "cannot start: see MISSING above")
+        return 0 if ok else 1
+    from worker.engine import load_engine
+
+    try:
+        load_engine(config.engine, config)
+    except WorkerError as exc:
+        print(f"cannot start: {exc}")
+        return 1
+    print(f"ready to start: engine {config.engine} loaded")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `omnifabric worker`; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -175,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerError as exc:
         print(f"omnifabric worker: {exc}", file=sys.stderr)
         return 2
+    if args.check:
+        return check(config)
     try:
         import uvloop
     except ImportError:

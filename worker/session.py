@@ -159,33 +159,45 @@ class SessionLimits:
 
 
 class Mailbox:
-    """One slot for the next unit: a unit that arrives while one waits replaces it."""
+    """The next unit: one slot where a unit that arrives while one waits replaces it (the
+    newest wins); with `join`, every waiting unit is kept for the re-chunker instead."""
 
     def __init__(self) -> None:
-        self._unit: UnitInput | None = None
+        self._units: list[UnitInput] = []
+        self.join = False
         self.dropped: list[int] = []
         """Seqs replaced since the last take_dropped()."""
         self.dropped_total = 0
 
     def put(self, unit: UnitInput) -> None:
-        if self._unit is not None:
-            self.dropped.append(self._unit.seq)
-            self.dropped_total += 1
-        self._unit = unit
+        if self._units and not self.join:
+            self.drop(self._units.pop().seq)
+        self._units.append(unit)
+
+    def drop(self, seq: int) -> None:
+        self.dropped.append(seq)
+        self.dropped_total += 1
 
     def take(self) -> UnitInput | None:
-        unit, self._unit = self._unit, None
-        return unit
+        return self._units.pop(0) if self._units else None
+
+    def take_all(self) -> list[UnitInput]:
+        units, self._units = self._units, []
+        return units
 
     def take_dropped(self) -> list[int]:
         dropped, self.dropped = self.dropped, []
         return dropped
 
     def discard(self) -> None:
-        """Count a unit still waiting at the end as dropped."""
-        if self._unit is not None:
-            self.dropped_total += 1
-            self._unit = None
+        """Count units still waiting at the end as dropped."""
+        self.dropped_total += len(self._units)
+        self._units = []
+
+
+#: Re-chunked sessions: model units that may wait at once; older audio beyond them is
+#: dropped (counted) so an engine slower than real time builds no backlog.
+MAX_WAITING_MODEL_UNITS = 4
 
 
 class DuplexSession:
@@ -291,6 +303,7 @@ class DuplexSession:
         self._engine_session = self.engine.open_session(spec.session_id, spec.mode)
         sizes = self._engine_session.unit_samples()
         self._chunker = Rechunker(*sizes) if sizes else None
+        self._mailbox.join = self._chunker is not None
         return int(
             self._engine_session.prepare(
                 spec.system_prompt, spec.ref_audio, spec.tts_ref_audio, spec.settings
@@ -347,24 +360,45 @@ class DuplexSession:
                     CloseReason.TIMEOUT,
                     f"session reached its {self.limits.duration_s:g} s limit",
                 )
-            unit = self._mailbox.take()
-            if unit is None:
+            units = self._mailbox.take_all()
+            if not units:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), remaining)
                 except TimeoutError:
                     pass
                 continue
-            pieces = [unit] if self._chunker is None else self._chunker.push(unit)
-            if not pieces:
-                self._buffered(unit)
-            for piece in pieces:
+            for piece in self._model_units(units):
                 result = await self._serve_unit(piece)
                 cap = self._context_cap()
                 if result.kv_cache_length >= cap:
                     return CloseReason.CONTEXT_FULL, f"context reached {cap} tokens"
                 if self._close_request is not None:
                     return self._close_request
+
+    def _model_units(self, units: list[UnitInput]) -> list[UnitInput]:
+        """The model units to serve for the client units taken: the units themselves, or
+        re-chunked (client units that complete none are answered as buffered; beyond
+        MAX_WAITING_MODEL_UNITS the oldest audio is dropped and its units reported)."""
+        if self._chunker is None:
+            return units
+        pieces: list[UnitInput] = []
+        for unit in units:
+            made = self._chunker.push(unit)
+            if not made:
+                self._buffered(unit)
+            pieces += made
+        excess = len(pieces) - MAX_WAITING_MODEL_UNITS
+        if excess > 0:
+            dropped, pieces = pieces[:excess], pieces[excess:]
+            kept = {p.seq for p in pieces}
+            for seq in sorted({p.seq for p in dropped} - kept):
+                self._mailbox.drop(seq)
+            log.warning(
+                "session %s: %d s of audio behind: the oldest %d dropped",
+                self.session_id, excess + len(pieces), excess,
+            )
+        return pieces
 
     def _buffered(self, unit: UnitInput) -> None:
         """Answer a unit whose audio waits for more (it filled no model unit yet)."""

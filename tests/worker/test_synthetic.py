@@ -119,7 +119,7 @@ def test_load_engine_by_name():
     engine = load_engine("synthetic", WorkerConfig(slots=3, synthetic_compute_ms=1))
     assert (engine.name, engine.default_slots, engine.concurrency) == ("synthetic", 3, 3)
     assert load_engine("synthetic", WorkerConfig()).default_slots == 4
-    with pytest.raises(EngineUnavailable, match="--model-path"):
+    with pytest.raises(EngineUnavailable, match="--model-dir"):
         load_engine("minicpmo", WorkerConfig())
     with pytest.raises(EngineUnavailable):
         load_engine("nope", WorkerConfig())

@@ -1,0 +1,89 @@
+"""`omnifabric serve --engine minicpmo --model-dir <tiny> --device cpu` end to end (opt-in):
+an SDK-style audio session (subprotocol map.realtime, session.init after queue_done, half-
+second appends that the worker joins into model units) and a chat turn."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, scaled
+from tests.e2e.wsclient import WsClient
+from tests.stack import read_until_line
+from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
+
+pytestmark = [needs_code, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dirs):
+    layout, code = LAYOUTS[0]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "serve", "--engine", "minicpmo",
+         "--model-dir", str(tiny_dirs[code]), "--device", "cpu", "--minicpmo-api", layout,
+         "--port", "0", "--grpc-port", "0", "--scheduler-port", "0", "--worker-base-port", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        url = read_until_line(proc, "omnifabric ready: ", timeout_s=scaled(180)).split()[-1]
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=scaled(60))
+    assert proc.returncode == 0, rest
+
+
+def test_audio_session_sdk_style(served):
+    async def main():
+        client = await WsClient.open(f"{served}?mode=audio&model=minicpm-o",
+                                     subprotocols=["map.realtime"])
+        await client.until("session.queue_done", timeout_s=60)
+        await client.send({"type": "session.init", "payload": {
+            "system_prompt": "Be brief.", "config": {"temperature": 0}}})
+        created = await client.until("session.created", timeout_s=60)
+        rng = np.random.default_rng(3)
+        for _ in range(8):  # 4 s of audio in half-second appends
+            await client.append((0.05 * rng.standard_normal(8000)).astype(np.float32))
+        deltas = []
+        while len([d for d in deltas if d.get("kind") in ("listen", "text")]) < 4:
+            event = await client.until("response.output.delta", timeout_s=60)
+            deltas.append(event)
+        await client.send({"type": "session.close", "payload": {"reason": "user_stop"}})
+        closed = await client.until("session.closed", timeout_s=30)
+        await client.close()
+        return created, deltas, closed
+
+    created, deltas, closed = asyncio.run(main())
+    assert created["type"] == "session.created"
+    assert closed["reason"] == "user_stop"
+    assert not [e for e in deltas if e["type"] == "error"]
+    # Startup protection: the model's first units listen; every listen carries its text.
+    assert deltas[0]["kind"] == "listen" and deltas[0]["text"] == ""
+    assert closed["usage"]["input_tokens_details"]["audio_tokens"] > 0
+
+
+def test_chat_turn(served):
+    async def main():
+        client = await WsClient.open(f"{served}?mode=chat&model=minicpm-o")
+        await client.until("session.queue_done", timeout_s=60)
+        await client.send({"type": "input.append", "input": {
+            "messages": [{"role": "user", "content": "Say hi."}],
+            "streaming": True, "generation": {"max_new_tokens": 8, "temperature": 0}}})
+        done = await client.until("response.done", timeout_s=120)
+        await client.close()
+        return client.events, done
+
+    events, done = asyncio.run(main())
+    assert not [e for e in events if e["type"] == "error"], events
+    texts = [e for e in events if e.get("kind") == "text"]
+    assert texts and done["text"]
+    assert done["usage"]["output_tokens"] <= 8 and done["usage"]["input_tokens"] > 0
+
+
