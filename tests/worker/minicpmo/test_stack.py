@@ -73,6 +73,8 @@ def test_chat_turn(served):
     async def main():
         client = await WsClient.open(f"{served}?mode=chat&model=minicpm-o")
         await client.until("session.queue_done", timeout_s=60)
+        await client.send({"type": "session.init", "payload": {}})
+        await client.until("session.created", timeout_s=60)
         await client.send({"type": "input.append", "input": {
             "messages": [{"role": "user", "content": "Say hi."}],
             "streaming": True, "generation": {"max_new_tokens": 8, "temperature": 0}}})
