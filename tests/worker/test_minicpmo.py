@@ -66,7 +66,7 @@ def checkpoint(tmp_path: Path, modeling: str = DEMO_STOCK, unified: str | None =
 @pytest.mark.parametrize(
     "modeling, unified, found",
     [
-        (STOCK_HF, None, [layouts.AS_DUPLEX, layouts.DUPLEX]),
+        (STOCK_HF, None, [layouts.AS_DUPLEX]),
         (DEMO_STOCK, None, [layouts.DUPLEX]),
         (DEMO_STOCK, DEMO_UNIFIED, [layouts.UNIFIED, layouts.DUPLEX]),
         (CHAT_ONLY, None, []),

@@ -40,9 +40,6 @@ log = logging.getLogger("omnifabric.worker.minicpmo")
 
 #: The model's code needs transformers 4.51.x (it fails on 5.x).
 TRANSFORMERS_SERIES = "4.51."
-#: How the reference server wraps the system prompt around the LLM reference audio.
-PREFIX_TEMPLATE = "<|im_start|>system\n{text}\n<|audio_start|>"
-SUFFIX = "<|audio_end|><|im_end|>"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 #: Per unit the model speaks at most this many tokens (MODELS.md: 20 tokens, 28 chars).
 MAX_SPEAK_TOKENS = 20
@@ -177,8 +174,7 @@ class MiniCPMOSession(EngineSession):
             elif speech:
                 self.voice_path = str(engine.default_voice)
             self.handle.prepare(
-                PREFIX_TEMPLATE.format(text=system_prompt.strip() or DEFAULT_SYSTEM_PROMPT),
-                SUFFIX,
+                system_prompt.strip() or DEFAULT_SYSTEM_PROMPT,
                 ref_audio if ref_audio is not None and ref_audio.size else None,
                 self.voice_path,
             )

@@ -22,6 +22,11 @@ import numpy as np
 
 from worker.errors import EngineUnavailable
 
+#: How the reference server wraps the system prompt around the LLM reference audio (the
+#: layouts whose prepare takes the prefix and suffix as given).
+PREFIX_TEMPLATE = "<|im_start|>system\n{text}\n<|audio_start|>"
+SUFFIX = "<|audio_end|><|im_end|>"
+
 UNIFIED = "unified"
 AS_DUPLEX = "as_duplex"
 DUPLEX = "duplex"
@@ -61,9 +66,8 @@ def detect(root: Path) -> list[str]:
         found.append(UNIFIED)
     if "as_duplex" in stock.get("MiniCPMO", set()) and "MiniCPMODuplex" in stock:
         found.append(AS_DUPLEX)
-    if "MiniCPMODuplex" in stock and {"prepare", "streaming_prefill", "streaming_generate"} <= (
-        stock["MiniCPMODuplex"]
-    ):
+    duplex_api = {"__init__", "prepare", "streaming_prefill", "streaming_generate"}
+    if duplex_api <= stock.get("MiniCPMODuplex", set()):  # it builds its own model
         found.append(DUPLEX)
     return found
 
@@ -125,10 +129,12 @@ class Handle:
     def tokenizer(self) -> Any:
         return self.duplex.tokenizer
 
-    def prepare(self, prefix: str, suffix: str, ref_audio: np.ndarray | None, voice: str | None):
+    def prepare(self, system_prompt: str, ref_audio: np.ndarray | None, voice: str | None):
+        """Reset and prefill the system prompt (plain text), the LLM reference audio and
+        the TTS voice (a WAV path)."""
         self.duplex.prepare(
-            prefix_system_prompt=prefix,
-            suffix_system_prompt=suffix,
+            prefix_system_prompt=PREFIX_TEMPLATE.format(text=system_prompt),
+            suffix_system_prompt=SUFFIX,
             ref_audio=ref_audio,
             prompt_wav_path=voice,
         )
@@ -214,7 +220,14 @@ class DuplexHandle(Handle):
 
 
 class AsDuplexHandle(DuplexHandle):
+    """The HF checkpoint's as_duplex object: its prepare wraps the prompt itself."""
+
     layout = AS_DUPLEX
+
+    def prepare(self, system_prompt: str, ref_audio: np.ndarray | None, voice: str | None):
+        self.duplex.prepare(
+            prefix_system_prompt=system_prompt, ref_audio=ref_audio, prompt_wav_path=voice
+        )
 
 
 def clone_duplex(first: Any) -> Any:
