@@ -172,6 +172,9 @@ class EdgeConfig:
     """Largest gRPC message to and from the services."""
     default_mode: str = "video"
     """Mode of /v1/realtime when the URL names none (the spec's default)."""
+    default_ref_audio: str | None = None
+    """WAV file served at GET /api/default_ref_audio (the workers' default voice; `omnifabric
+    serve` passes the one its workers use). None: that endpoint answers 404."""
     record_dir: str | None = None
     """Record every /v1/realtime audio/video session under this folder (edge/recording.py)."""
     record_max_age_days: float = 7.0
@@ -236,6 +239,7 @@ class EdgeConfig:
                 if o.strip()
             ),
             record_dir=os.environ.get("OMNI_EDGE_RECORD_DIR") or None,
+            default_ref_audio=os.environ.get("OMNI_EDGE_DEFAULT_REF_AUDIO") or None,
             record_max_age_days=_env_float(
                 "OMNI_EDGE_RECORD_MAX_AGE_DAYS", cls.record_max_age_days, 0.001, 36500
             ),

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--record-dir", help="record every audio/video session under this folder (user audio!)"
     )
+    parser.add_argument(
+        "--default-ref-audio", help="WAV served at GET /api/default_ref_audio (the default voice)"
+    )
     parser.add_argument("--grace", type=float, help="drain grace period on SIGTERM, s (default 5)")
     parser.add_argument(
         "--open-timeout", type=float, help="seconds to finish the opening handshake (default 10)"
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             scheduler=args.scheduler,
             max_frame_bytes=args.max_frame_bytes,
             record_dir=args.record_dir,
+            default_ref_audio=args.default_ref_audio,
             allowed_origins=tuple(args.allowed_origin) if args.allowed_origin else None,
             drain_grace_s=args.grace,
             open_timeout_s=args.open_timeout,

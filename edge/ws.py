@@ -106,6 +106,35 @@ def finish_timeout_s(config: EdgeConfig) -> float:
     return config.ping_interval_s + config.ping_timeout_s + config.ws_close_timeout_s
 
 
+#: The default voice, as the reference server serves it.
+DEFAULT_REF_AUDIO_PATH = "/api/default_ref_audio"
+
+
+def default_ref_audio_body(path: str | None) -> dict[str, Any] | None:
+    """The endpoint's JSON for the WAV at `path`, or None when there is none (a file that
+    cannot be read is logged)."""
+    import base64
+    from pathlib import Path
+
+    from edge.pcm import wav_to_pcm16k
+
+    if not path:
+        return None
+    try:
+        pcm = wav_to_pcm16k(Path(path).read_bytes(), "default reference audio")
+    except (OSError, InvalidPayload) as exc:
+        log.error("default reference audio %s unusable: %s", path, exc)
+        return None
+    samples = len(pcm) // 4
+    return {
+        "name": Path(path).name,
+        "duration": round(samples / 16000, 1),
+        "sample_rate": 16000,
+        "samples": samples,
+        "base64": base64.b64encode(pcm).decode("ascii"),
+    }
+
+
 def _plain(status: HTTPStatus, body: str, content_type: str = "text/plain") -> Response:
     headers = Headers([("Content-Type", f"{content_type}; charset=utf-8")])
     return Response(status.value, status.phrase, headers, body.encode())
@@ -124,6 +153,8 @@ class EdgeApp:
         self.http_tasks: set[asyncio.Task] = set()
         """POST /api/chat exchanges in flight."""
         self.draining = False
+        self._default_ref_audio: str | None = None
+        """GET /api/default_ref_audio's body, made at the first request."""
         self.key_sessions = KeySessions(config)
         """Open sessions per API key, held from the upgrade to the connection's end."""
 
@@ -148,6 +179,9 @@ class EdgeApp:
             # Prometheus scrape: counts and timings only (no ids, keys or content).
             headers = Headers([("Content-Type", METRICS_CONTENT_TYPE)])
             return Response(200, "OK", headers, METRICS.exposition())
+        if path == DEFAULT_REF_AUDIO_PATH:
+            # The server's own voice, what the pages load before a session: no key.
+            return self.default_ref_audio_response()
         if static.is_static(path):
             # The web client's pages hold no data: no key. What they open or fetch needs one.
             return static.static_response(request, path)
@@ -178,6 +212,20 @@ class EdgeApp:
             # Given back when the TCP connection ends, whatever ends it (http_api).
             conn.held_key = digest  # type: ignore[union-attr]
         return None
+
+    def default_ref_audio_response(self) -> Response:
+        """GET /api/default_ref_audio: the default voice as float32 16 kHz PCM in base64
+        with its name, duration and length (read once); 404 when none is configured."""
+        if self._default_ref_audio is None:
+            body = default_ref_audio_body(self.config.default_ref_audio)
+            if body is None:
+                return _plain(
+                    HTTPStatus.NOT_FOUND,
+                    json.dumps({"error": "no default reference audio configured"}),
+                    "application/json",
+                )
+            self._default_ref_audio = json.dumps(body)
+        return _plain(HTTPStatus.OK, self._default_ref_audio, "application/json")
 
     async def status_response(self) -> Response:
         """GET /status: workers, slots, queue and sessions as JSON (no secrets, no audio)."""

@@ -32,7 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", default="reference", choices=("reference", "minicpmo"))
     parser.add_argument("--device", default="cuda:0", help="cpu, cuda or cuda:N (cuda:0)")
     parser.add_argument("--sessions", type=int, default=3, help="sessions, one after another")
-    parser.add_argument("--model-dir", "--model-path", dest="model_path", default=None, help="model folder (minicpmo)")
+    parser.add_argument(
+        "--model-dir",
+        "--model-path",
+        dest="model_path",
+        default=None,
+        help="model folder (minicpmo)",
+    )
     parser.add_argument("--attn", default=None, help="attention implementation (minicpmo)")
     parser.add_argument("--compile", action="store_true", help="torch.compile (minicpmo)")
     parser.add_argument("--fixture", default=DEFAULT_FIXTURE, help="16 kHz speech WAV")

@@ -136,9 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "unified", "as_duplex", "duplex"],
         help="minicpmo: the model code layout to drive (auto)",
     )
-    parser.add_argument(
-        "--text-only", action="store_true", help="minicpmo: no speech output"
-    )
+    parser.add_argument("--text-only", action="store_true", help="minicpmo: no speech output")
     parser.add_argument(
         "--default-voice", help="WAV voice for sessions without reference audio (minicpmo)"
     )
@@ -171,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         grace = ["--grace", str(args.grace)]
+        voice = default_voice(args)
         sched_args = ["--host", args.host, "--port", str(args.scheduler_port), *grace]
         if args.scheduler_port == 0:
             sched_args += ["--metrics-port", "0"]  # its default metrics port otherwise
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("--model-dir", args.model_dir),
                 ("--device", args.device),
                 ("--minicpmo-api", args.minicpmo_api),
-                ("--default-voice", args.default_voice),
+                ("--default-voice", voice),
             ):
                 if value is not None:
                     wargs += [flag, value]
@@ -228,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 sched_addr,
                 *grace,
                 *(["--record-dir", args.record_dir] if args.record_dir else []),
+                *(["--default-ref-audio", voice] if voice else []),
             ],
         )
         children.append(edge)
@@ -266,6 +266,22 @@ def main(argv: list[str] | None = None) -> int:
             stop(by_kind[kind], args.grace)
     print("omnifabric stopped", flush=True)
     return code
+
+
+def default_voice(args: argparse.Namespace) -> str | None:
+    """The voice sessions without reference audio get (workers) and that the edge serves at
+    /api/default_ref_audio: --default-voice, else the model directory's own, else the
+    project's clip; None (with a warning) when none can be had."""
+    from worker.engines.minicpmo import voice
+
+    try:
+        path, _ = voice.resolve(
+            args.default_voice, Path(args.model_dir) if args.model_dir else None
+        )
+    except RuntimeError as exc:
+        print(f"omnifabric serve: no default voice: {exc}", file=sys.stderr)
+        return None
+    return str(path)
 
 
 def _metrics_urls(scheduler: Child, workers: list[Child], edge_url: str) -> str:

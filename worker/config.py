@@ -125,7 +125,8 @@ class WorkerConfig:
             )
         if self.minicpmo_api not in ("auto", "unified", "as_duplex", "duplex"):
             raise ConfigError(
-                f"minicpmo_api must be auto, unified, as_duplex or duplex, got {self.minicpmo_api!r}"
+                "minicpmo_api must be auto, unified, as_duplex or duplex, "
+                f"got {self.minicpmo_api!r}"
             )
         if self.attn not in ("sdpa", "flash_attention_2", "eager"):
             raise ConfigError(f"attn must be sdpa, flash_attention_2 or eager, got {self.attn!r}")

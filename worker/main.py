@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--video-limit-s", type=float, help="video session limit, s (300)")
     parser.add_argument("--compute-ms", type=float, help="synthetic engine ms per unit (40)")
     parser.add_argument(
-        "--model-dir", "--model-path", dest="model_path",
+        "--model-dir",
+        "--model-path",
+        dest="model_path",
         help="minicpmo: local MiniCPM-o 4.5 checkpoint directory",
     )
     parser.add_argument(

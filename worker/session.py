@@ -396,7 +396,9 @@ class DuplexSession:
                 self._mailbox.drop(seq)
             log.warning(
                 "session %s: %d s of audio behind: the oldest %d dropped",
-                self.session_id, excess + len(pieces), excess,
+                self.session_id,
+                excess + len(pieces),
+                excess,
             )
         return pieces
 

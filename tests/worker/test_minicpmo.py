@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import ROOT, scaled
 from worker.config import WorkerConfig
-from worker.engine import load_engine
+from worker.engine import DuplexSettings, load_engine
 from worker.engines.minicpmo import MiniCPMOEngine, check_model_dir, check_runtime, layouts
 from worker.engines.minicpmo.state import SharedState
 from worker.errors import EngineUnavailable
@@ -55,7 +55,9 @@ class MiniCPMO:
 
 
 def checkpoint(tmp_path: Path, modeling: str = DEMO_STOCK, unified: str | None = None) -> Path:
-    (tmp_path / "config.json").write_text('{"auto_map": {"AutoModel": "modeling_minicpmo.MiniCPMO"}}')
+    (tmp_path / "config.json").write_text(
+        '{"auto_map": {"AutoModel": "modeling_minicpmo.MiniCPMO"}}'
+    )
     (tmp_path / "model.safetensors").write_text("")
     (tmp_path / "modeling_minicpmo.py").write_text(modeling)
     if unified is not None:
@@ -138,16 +140,32 @@ def test_missing_model_code_packages_are_named(monkeypatch):
     from worker.engines.minicpmo import engine as engine_module
 
     monkeypatch.setattr(engine_module, "CODE_REQUIREMENTS", ("numpy", "no_such_package_x"))
-    with pytest.raises(EngineUnavailable, match=r"needs no_such_package_x: pip install '\.\[minicpmo\]'"):
+    with pytest.raises(
+        EngineUnavailable, match=r"needs no_such_package_x: pip install '\.\[minicpmo\]'"
+    ):
         check_runtime("cpu")
 
 
 def test_worker_process_reports_the_startup_error(tmp_path):
     """`omnifabric worker --engine minicpmo` fails early and says why (exit code != 0)."""
     run = subprocess.run(
-        [sys.executable, "-m", "worker", "--engine", "minicpmo", "--model-dir",
-         str(tmp_path / "missing"), "--port", "0", "--metrics-port", "-1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=scaled(60),
+        [
+            sys.executable,
+            "-m",
+            "worker",
+            "--engine",
+            "minicpmo",
+            "--model-dir",
+            str(tmp_path / "missing"),
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
     )
     assert run.returncode != 0
     assert "is not a directory" in run.stdout + run.stderr
@@ -196,10 +214,12 @@ def test_rechunker_carries_frames_and_force_listen_to_the_next_unit():
 
 
 def test_shared_state_moves_each_sessions_values_on_and_off():
-    vocoder = types.SimpleNamespace(stream_cache=None, hift_cache_dict=None, _stream_prompt=None,
-                                    cache=None)
+    vocoder = types.SimpleNamespace(
+        stream_cache=None, hift_cache_dict=None, _stream_prompt=None, cache=None
+    )
     model = types.SimpleNamespace(
-        audio_past_key_values=None, audio_chunk_idx=0,
+        audio_past_key_values=None,
+        audio_chunk_idx=0,
         processor=types.SimpleNamespace(_streaming_mel_processor=None),
         tts=types.SimpleNamespace(audio_tokenizer=vocoder),
     )
@@ -220,3 +240,70 @@ def test_shared_state_moves_each_sessions_values_on_and_off():
     state.clear()
     assert model.audio_past_key_values is None and vocoder.cache is None
     assert b[":audio_past_key_values"] == "B-audio"
+
+
+# ---- the default voice ---------------------------------------------------------------
+
+
+def test_default_voice_sources(tmp_path, monkeypatch):
+    from worker.engines.minicpmo import voice
+
+    clip = voice.write_wav(np.zeros(1600, np.float32), tmp_path / "mine.wav")
+    assert voice.resolve(clip, None) == (Path(clip), "configured")
+    with pytest.raises(RuntimeError, match="does not exist"):
+        voice.resolve(str(tmp_path / "nope.wav"), None)
+    model = tmp_path / "model"
+    (model / "assets" / "token2wav").mkdir(parents=True)
+    voice.write_wav(np.zeros(1600, np.float32), model / "assets" / "token2wav" / "x.wav")
+    monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path / "cache"))
+    path, source = voice.resolve(None, model)  # the vocoder's own files are not voices
+    assert source == "project" and path.parent == tmp_path / "cache"
+    speech = voice.read_wav(path)
+    assert speech.size > 16000 and np.abs(speech).max() > 0.05  # spoken, not silence
+    voice.write_wav(np.zeros(1600, np.float32), model / "assets" / "sys_ref_audio.wav")
+    assert voice.resolve(None, model) == (model / "assets" / "sys_ref_audio.wav", "model")
+
+
+class VoiceHandle(layouts.Handle):
+    """Records what prepare and generate are given (the real code: tests/worker/minicpmo)."""
+
+    def __init__(self):
+        super().__init__(types.SimpleNamespace(generate_audio=True, current_turn_ended=True))
+        self.prepared = self.args = None
+
+    def reset(self):
+        pass
+
+    def prepare(self, system_prompt, ref_audio, voice):
+        self.prepared = (system_prompt, voice)
+
+    def generate(self, args, force_listen):
+        self.args = args
+        return {"is_listen": True}
+
+    def kv_length(self):
+        return 7
+
+
+def test_sessions_without_a_voice_speak_in_the_default_one(tmp_path):
+    engine = MiniCPMOEngine(str(tmp_path), device="cpu")
+    engine.audio_on, engine.default_voice = True, tmp_path / "default.wav"
+    engine.state = SharedState(types.SimpleNamespace())
+    handle = VoiceHandle()
+    engine._free = [handle]
+    session = engine.open_session("s", "audio")
+    assert session.prepare("", None, None, DuplexSettings()) == 7
+    assert handle.prepared == ("You are a helpful assistant.", str(tmp_path / "default.wav"))
+    session.generate(False)
+    assert handle.args["prompt_wav_path"] == str(tmp_path / "default.wav")
+    session.close()
+    session = engine.open_session("s2", "audio")
+    session.prepare("Hi.", None, np.full(8000, 0.1, np.float32), DuplexSettings())
+    own = handle.prepared[1]
+    assert own != str(tmp_path / "default.wav") and Path(own).is_file()
+    session.close()
+    assert not Path(own).exists()  # the session's voice file goes with it
+    session = engine.open_session("s3", "audio")
+    session.prepare("Hi.", None, None, DuplexSettings(tts_enabled=False))
+    assert handle.prepared[1] is None and handle.duplex.generate_audio is False
+    session.close()

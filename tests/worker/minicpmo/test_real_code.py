@@ -135,8 +135,11 @@ def test_force_listen_closes_the_turn(engine):
 
 
 def test_force_listen_count_and_no_carry_over(engine):
-    results, _ = run_units(engine, DuplexSettings(temperature=0, force_listen_count=3),
-                           [(noise(i), []) for i in range(4)])
+    results, _ = run_units(
+        engine,
+        DuplexSettings(temperature=0, force_listen_count=3),
+        [(noise(i), []) for i in range(4)],
+    )
     assert [r.is_listen for r in results[:3]] == [True, True, True]
     again, _ = run_units(engine, GREEDY, [(noise(i), []) for i in range(2)])
     assert not again[0].is_listen  # the next session does not inherit the count
@@ -159,13 +162,17 @@ def test_listen_scale_and_sampling_reach_the_model(engine):
     scaled = {}
     for scale in (1e6, -1e6):  # the listen logit is multiplied by it
         results, _ = run_units(
-            engine, DuplexSettings(temperature=0, force_listen_count=0, listen_prob_scale=scale),
+            engine,
+            DuplexSettings(temperature=0, force_listen_count=0, listen_prob_scale=scale),
             inputs,
         )
         scaled[scale] = [(r.is_listen, r.text) for r in results]
     assert scaled[1e6] != scaled[-1e6]
-    a, _ = run_units(engine, DuplexSettings(temperature=5.0, top_k=1000, top_p=1.0,
-                                            force_listen_count=0), [(noise(1), [])] * 3)
+    a, _ = run_units(
+        engine,
+        DuplexSettings(temperature=5.0, top_k=1000, top_p=1.0, force_listen_count=0),
+        [(noise(1), [])] * 3,
+    )
     b, _ = run_units(engine, GREEDY, [(noise(1), [])] * 3)
     assert [r.text for r in a] != [r.text for r in b]
 

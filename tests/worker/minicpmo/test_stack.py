@@ -26,10 +26,33 @@ def served(tiny_dirs):
     layout, code = LAYOUTS[0]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "serve", "--engine", "minicpmo",
-         "--model-dir", str(tiny_dirs[code]), "--device", "cpu", "--minicpmo-api", layout,
-         "--port", "0", "--grpc-port", "0", "--scheduler-port", "0", "--worker-base-port", "0"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tools.cli",
+            "serve",
+            "--engine",
+            "minicpmo",
+            "--model-dir",
+            str(tiny_dirs[code]),
+            "--device",
+            "cpu",
+            "--minicpmo-api",
+            layout,
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--scheduler-port",
+            "0",
+            "--worker-base-port",
+            "0",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         url = read_until_line(proc, "omnifabric ready: ", timeout_s=scaled(180)).split()[-1]
@@ -42,11 +65,16 @@ def served(tiny_dirs):
 
 def test_audio_session_sdk_style(served):
     async def main():
-        client = await WsClient.open(f"{served}?mode=audio&model=minicpm-o",
-                                     subprotocols=["map.realtime"])
+        client = await WsClient.open(
+            f"{served}?mode=audio&model=minicpm-o", subprotocols=["map.realtime"]
+        )
         await client.until("session.queue_done", timeout_s=60)
-        await client.send({"type": "session.init", "payload": {
-            "system_prompt": "Be brief.", "config": {"temperature": 0}}})
+        await client.send(
+            {
+                "type": "session.init",
+                "payload": {"system_prompt": "Be brief.", "config": {"temperature": 0}},
+            }
+        )
         created = await client.until("session.created", timeout_s=60)
         rng = np.random.default_rng(3)
         for _ in range(8):  # 4 s of audio in half-second appends
@@ -75,9 +103,16 @@ def test_chat_turn(served):
         await client.until("session.queue_done", timeout_s=60)
         await client.send({"type": "session.init", "payload": {}})
         await client.until("session.created", timeout_s=60)
-        await client.send({"type": "input.append", "input": {
-            "messages": [{"role": "user", "content": "Say hi."}],
-            "streaming": True, "generation": {"max_new_tokens": 8, "temperature": 0}}})
+        await client.send(
+            {
+                "type": "input.append",
+                "input": {
+                    "messages": [{"role": "user", "content": "Say hi."}],
+                    "streaming": True,
+                    "generation": {"max_new_tokens": 8, "temperature": 0},
+                },
+            }
+        )
         done = await client.until("response.done", timeout_s=120)
         await client.close()
         return client.events, done
@@ -87,5 +122,3 @@ def test_chat_turn(served):
     texts = [e for e in events if e.get("kind") == "text"]
     assert texts and done["text"]
     assert done["usage"]["output_tokens"] <= 8 and done["usage"]["input_tokens"] > 0
-
-

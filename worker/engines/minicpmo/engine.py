@@ -198,7 +198,9 @@ class MiniCPMOSession(EngineSession):
         with self.engine.using(self):
             self.units += 1
             s = self.settings
-            startup = s.force_listen_count if s.force_listen_count is not None else FORCE_LISTEN_COUNT
+            startup = (
+                s.force_listen_count if s.force_listen_count is not None else FORCE_LISTEN_COUNT
+            )
             capped = s.max_tokens is not None and 0 < s.max_tokens <= self.output_tokens
             force = force_listen or self.units <= startup or capped
             if force and self.handle.speaking:
@@ -332,13 +334,19 @@ class MiniCPMOEngine(Engine):
         root = check_model_dir(self.model_path)
         self.layout = layouts.choose(root, self.api)
         check_runtime(self.device)
-        problem = "disabled by --text-only" if self.text_only else vocoder_problem(root, self.device)
+        problem = (
+            "disabled by --text-only" if self.text_only else vocoder_problem(root, self.device)
+        )
         self.audio_on = problem is None
         if problem:
             log.warning("minicpmo: text only, no audio deltas (%s)", problem)
         log.info(
             "minicpmo: loading %s on %s (%s); driving %s; %d slots",
-            root, self.device, self.attn, layouts.DESCRIPTION[self.layout], self.slots,
+            root,
+            self.device,
+            self.attn,
+            layouts.DESCRIPTION[self.layout],
+            self.slots,
         )
         import torch
 
