@@ -23,6 +23,7 @@ from edge import logs, telemetry
 from edge.errors import (
     EdgeError,
     InvalidEvent,
+    InvalidPayload,
     NotReady,
     WorkerConnectFailed,
 )
@@ -71,6 +72,14 @@ def usage_to(usage: ev.Usage) -> common_pb2.Usage:
 def config_to(settings: ev.DuplexSettings) -> common_pb2.DuplexConfig:
     """Domain duplex settings -> protobuf (unset fields stay unset)."""
     return common_pb2.DuplexConfig(**{k: v for k, v in settings.__dict__.items() if v is not None})
+
+
+def check_unit_length(samples: int, fewest: int, most: int) -> None:
+    """A unit's length against what the worker serves. Raises InvalidPayload."""
+    if not fewest <= samples <= most:
+        raise InvalidPayload(
+            f"audio: {samples} samples; this server takes {fewest} to {most} per unit"
+        )
 
 
 def output_from(result: worker_pb.UnitResult) -> ev.Output:
@@ -126,6 +135,8 @@ class SessionCore:
         self._start_timeout_s = start_timeout_s
         self._close_timeout_s = close_timeout_s
         self._unit_timeout_s = unit_timeout_s
+        self.unit_samples: tuple[int, int] | None = None
+        """(fewest, most) samples per unit the worker serves, from its SessionStarted."""
         self._waiting: dict[int, float] = {}
         """Units sent and not yet answered (nor reported dropped): seq -> send time."""
         self._acquire_call: grpc.aio.UnaryStreamCall | None = None
@@ -277,7 +288,10 @@ class SessionCore:
         if response is grpc.aio.EOF or response.WhichOneof("kind") != "started":
             call.cancel()
             raise WorkerConnectFailed("the worker did not start the session")
-        created = ev.Created(self.session_id, response.started.prompt_length)
+        started = response.started
+        if started.max_unit_samples:  # what this worker serves (older workers send none)
+            self.unit_samples = (started.min_unit_samples, started.max_unit_samples)
+        created = ev.Created(self.session_id, started.prompt_length)
         await self._emit(created)
         self._tasks.append(asyncio.create_task(self._pump(call)))
         self._tasks.append(asyncio.create_task(self._watchdog()))
@@ -371,6 +385,8 @@ class SessionCore:
             raise NotReady("send session.init (or session.update) first")
         if self.closed.is_set():
             raise NotReady("the session is closed")
+        if self.unit_samples is not None:
+            check_unit_length(len(cmd.pcm) // 4, *self.unit_samples)
         self._seq += 1
         self._waiting[self._seq] = time.monotonic()
         # Edge-side time of the unit: from the client's append to the result going out.

@@ -49,8 +49,10 @@ from worker.session import (
 
 log = logging.getLogger("omnifabric.worker.service")
 
-#: Fewest samples a unit may carry (1/4 s at 16 kHz).
+#: Unit lengths the worker serves, 16 kHz samples (1/4 s to 4 s; engines with a fixed unit
+#: length re-chunk). Advertised to the sender in SessionStarted.
 MIN_UNIT_SAMPLES = 4000
+MAX_UNIT_SAMPLES = 64000
 
 #: The one mapping of domain errors to gRPC status codes; anything else is INTERNAL.
 STATUS_CODES: dict[type[WorkerError], grpc.StatusCode] = {
@@ -140,13 +142,17 @@ async def _abort_unexpected(
     await context.abort(code, details)
 
 
-def decode_pcm(data: bytes, what: str, min_samples: int = 0) -> np.ndarray:
+def decode_pcm(
+    data: bytes, what: str, min_samples: int = 0, max_samples: int | None = None
+) -> np.ndarray:
     """float32 little-endian PCM bytes as an array. Raises InvalidRequest."""
     if len(data) % 4:
         raise InvalidRequest(f"{what}: {len(data)} bytes is not a whole number of float32 samples")
     pcm = np.frombuffer(data, dtype="<f4")
     if pcm.size < min_samples:
         raise InvalidRequest(f"{what}: {pcm.size} samples, at least {min_samples} required")
+    if max_samples is not None and pcm.size > max_samples:
+        raise InvalidRequest(f"{what}: {pcm.size} samples, at most {max_samples} per unit")
     return pcm.astype(np.float32, copy=False)
 
 
@@ -188,7 +194,7 @@ def decode_unit(unit: worker_pb.Unit) -> UnitInput:
     """Unit as a UnitInput. Raises InvalidRequest."""
     return UnitInput(
         seq=unit.seq,
-        pcm=decode_pcm(unit.pcm, f"unit {unit.seq} pcm", MIN_UNIT_SAMPLES),
+        pcm=decode_pcm(unit.pcm, f"unit {unit.seq} pcm", MIN_UNIT_SAMPLES, MAX_UNIT_SAMPLES),
         frames=list(unit.frames),
         force_listen=unit.force_listen,
         max_slice_nums=unit.max_slice_nums,
@@ -333,6 +339,8 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                     session_id=session.session_id,
                     worker_id=self.worker_id,
                     prompt_length=session.prompt_length,
+                    min_unit_samples=MIN_UNIT_SAMPLES,
+                    max_unit_samples=MAX_UNIT_SAMPLES,
                 )
             )
             async for event in session.events():
