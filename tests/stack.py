@@ -157,3 +157,17 @@ def read_until_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 60.0
         if line.startswith(prefix):
             return line
     raise AssertionError(f"no line starting {prefix!r}:\n" + "".join(lines))
+
+
+def start_serve(*extra: str) -> subprocess.Popen:
+    """`omnifabric serve` on free ports (every service), output on its stdout pipe."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    ports = ["--port", "0", "--grpc-port", "0", "--scheduler-port", "0"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "serve", *extra, *ports, "--worker-base-port", "0"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )

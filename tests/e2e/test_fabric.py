@@ -19,7 +19,7 @@ from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, wait_for
 from tests.e2e.wsclient import post_json as _post
-from tests.stack import Stack, read_until_line
+from tests.stack import Stack, read_until_line, start_serve
 
 
 async def scheduler_status(address: str) -> scheduler_pb.GetStatusResponse:
@@ -190,31 +190,7 @@ def test_serve_then_probe(tmp_path):
         w.setframerate(16000)
         w.writeframes((audio * 32767).astype("<i2").tobytes())
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tools.cli",
-            "serve",
-            "--engine",
-            "synthetic",
-            "--workers",
-            "2",
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--scheduler-port",
-            "0",
-            "--worker-base-port",
-            "0",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    serve = start_serve("--engine", "synthetic", "--workers", "2")
     try:
         url = read_until_line(serve, "omnifabric ready: ").split()[-1]
         web = serve.stdout.readline()

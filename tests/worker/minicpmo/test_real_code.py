@@ -256,6 +256,14 @@ def kv_fingerprint(session) -> float:
     return float(sum(k.double().sum().item() for k in keys))
 
 
+def step(session, pcm) -> tuple[str, int, float]:
+    """One unit: its text, the cache length and the KV cache's fingerprint after it."""
+    session.prefill(pcm, [], 1)
+    result = session.generate(False)
+    session.finalize()
+    return result.text, result.kv_cache_length, kv_fingerprint(session)
+
+
 def interleave(engine, a_in, b_in):
     sa, sb = engine.open_session("a", "audio"), engine.open_session("b", "audio")
     out_a, out_b = [], []
@@ -263,11 +271,8 @@ def interleave(engine, a_in, b_in):
         sa.prepare("Be brief.", None, None, GREEDY)
         sb.prepare("Answer in French.", None, None, GREEDY)
         for x, y in zip(a_in, b_in, strict=True):
-            for s, pcm, out in ((sa, x, out_a), (sb, y, out_b)):
-                s.prefill(pcm, [], 1)
-                r = s.generate(False)
-                s.finalize()
-                out.append((r.text, r.kv_cache_length, kv_fingerprint(s)))
+            out_a.append(step(sa, x))
+            out_b.append(step(sb, y))
     finally:
         sa.close()
         sb.close()
@@ -276,14 +281,9 @@ def interleave(engine, a_in, b_in):
 
 def solo(engine, prompt, inputs):
     s = engine.open_session("solo", "audio")
-    out = []
     try:
         s.prepare(prompt, None, None, GREEDY)
-        for pcm in inputs:
-            s.prefill(pcm, [], 1)
-            r = s.generate(False)
-            s.finalize()
-            out.append((r.text, r.kv_cache_length, kv_fingerprint(s)))
+        out = [step(s, pcm) for pcm in inputs]
     finally:
         s.close()
     return out

@@ -5,17 +5,14 @@ second appends that the worker joins into model units) and a chat turn."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, scaled
+from tests.conftest import scaled
 from tests.e2e.wsclient import WsClient
-from tests.stack import read_until_line
+from tests.stack import read_until_line, start_serve
 from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
 
 pytestmark = [needs_code, pytest.mark.timeout(600)]
@@ -24,35 +21,15 @@ pytestmark = [needs_code, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def served(tiny_dirs):
     layout, code = LAYOUTS[0]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tools.cli",
-            "serve",
-            "--engine",
-            "minicpmo",
-            "--model-dir",
-            str(tiny_dirs[code]),
-            "--device",
-            "cpu",
-            "--minicpmo-api",
-            layout,
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--scheduler-port",
-            "0",
-            "--worker-base-port",
-            "0",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = start_serve(
+        "--engine",
+        "minicpmo",
+        "--model-dir",
+        str(tiny_dirs[code]),
+        "--device",
+        "cpu",
+        "--minicpmo-api",
+        layout,
     )
     try:
         url = read_until_line(proc, "omnifabric ready: ", timeout_s=scaled(180)).split()[-1]
