@@ -74,6 +74,37 @@ def test_audio_session_sdk_style(served):
     assert closed["usage"]["input_tokens_details"]["audio_tokens"] > 0
 
 
+def test_video_session(served):
+    """Audio with a camera frame per second; the vision tokens reach the usage."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(out, format="JPEG")
+    frame = base64.b64encode(out.getvalue()).decode()
+
+    async def main():
+        client = await WsClient.open(f"{served}?mode=video", subprotocols=["map.realtime"])
+        await client.until("session.queue_done", timeout_s=60)
+        await client.send({"type": "session.init", "payload": {"system_prompt": "Look."}})
+        await client.until("session.created", timeout_s=60)
+        rng = np.random.default_rng(5)
+        for _ in range(3):
+            pcm = (0.05 * rng.standard_normal(16000)).astype(np.float32)
+            await client.append(pcm, video_frames=[frame])
+            await client.until("delta.listen", "delta.text", timeout_s=60)
+        await client.send({"type": "session.close", "payload": {"reason": "user_stop"}})
+        closed = await client.until("session.closed", timeout_s=30)
+        await client.close()
+        return client.events, closed
+
+    events, closed = asyncio.run(main())
+    assert not [e for e in events if e["type"] == "error"], events
+    assert closed["usage"]["input_tokens_details"]["vision_tokens"] == 3 * 66
+
+
 def test_chat_turn(served):
     async def main():
         client = await WsClient.open(f"{served}?mode=chat&model=minicpm-o")
