@@ -125,6 +125,9 @@ def test_audio_video_session_through_the_unit_loop(engine):
     for r in results[1:]:
         assert r.input_audio_tokens == audio_only  # the rest of the growth was the image
     assert outs[-1].usage.input_vision_tokens == 66 * 5
+    # Both stages' totals are kept (generate's no longer overwrites prefill's).
+    costs = outs[0].timings.engine_costs_ms
+    assert costs["prefill_all"] > 0 and costs["generate_all"] > 0
 
 
 def test_force_listen_closes_the_turn(engine):
