@@ -21,37 +21,28 @@ from worker.errors import EngineUnavailable
 from worker.rechunk import Rechunker
 from worker.session import UnitInput
 
-# Skeletons of the three public layouts: only the shapes detection reads.
-STOCK_HF = """
-class MiniCPMO:
-    def as_duplex(self, device=None, **kwargs): ...
-class MiniCPMODuplex:
-    @classmethod
-    def from_existing_model(cls, model, device=None, **kwargs): ...
-    def prepare(self, prefix_system_prompt=None, ref_audio=None, prompt_wav_path=None): ...
-    def streaming_prefill(self, audio_waveform=None, frame_list=None): ...
-    def streaming_generate(self, prompt_wav_path=None): ...
-"""
-DEMO_STOCK = """
-class MiniCPMO:
-    def chat(self): ...
-class MiniCPMODuplex:
-    def __init__(self, name_or_path, device="cuda", **kwargs): ...
-    def prepare(self, prefix_system_prompt=None, suffix_system_prompt=None): ...
-    def streaming_prefill(self, audio_waveform=None): ...
-    def streaming_generate(self, prompt_wav_path=None): ...
-"""
-DEMO_UNIFIED = """
-class MiniCPMO:
-    def init_unified(self, pt_path=None, **kwargs): ...
-class DuplexCapability:
-    def prepare(self): ...
-"""
-CHAT_ONLY = """
-class MiniCPMO:
-    def chat(self): ...
-    def init_tts(self): ...
-"""
+
+def skeleton(classes: dict[str, list[str]]) -> str:
+    """Python source with these classes and method names (bodies `...`): only the shapes
+    layout detection reads, nothing of the model code."""
+    lines = []
+    for name, methods in classes.items():
+        lines.append(f"class {name}:")
+        lines += [f"    def {method}(self, *args, **kwargs): ..." for method in methods]
+    return "\n".join(lines) + "\n"
+
+
+DUPLEX_METHODS = ["prepare", "streaming_prefill", "streaming_generate"]
+# The HF checkpoint's code: MiniCPMO.as_duplex, a duplex class built from the model.
+STOCK_HF = skeleton(
+    {"MiniCPMO": ["as_duplex"], "MiniCPMODuplex": ["from_existing_model", *DUPLEX_METHODS]}
+)
+# The demo repositories' modeling_minicpmo.py: a duplex class that loads the model itself.
+DEMO_STOCK = skeleton({"MiniCPMO": ["chat"], "MiniCPMODuplex": ["__init__", *DUPLEX_METHODS]})
+# The demo repositories' modeling_minicpmo_unified.py.
+DEMO_UNIFIED = skeleton({"MiniCPMO": ["init_unified"], "DuplexCapability": ["prepare"]})
+# A model class with no duplex API at all.
+CHAT_ONLY = skeleton({"MiniCPMO": ["chat", "init_tts"]})
 
 
 def checkpoint(tmp_path: Path, modeling: str = DEMO_STOCK, unified: str | None = None) -> Path:
