@@ -312,6 +312,25 @@ def test_two_sessions_interleaved_match_solo(engine, monkeypatch):
     assert [x[2] for x in bad_a] != [x[2] for x in solo_a]
 
 
+def test_a_chat_between_units_leaves_a_session_untouched(engine):
+    """A chat turn on another slot, its chunks between a duplex session's units."""
+    a_in = [noise(300 + i) for i in range(4)]
+    alone = solo(engine, "Be brief.", a_in)
+    turn = ChatTurn(messages=(ChatMessage("user", ("Hi.", noise(8))),), max_new_tokens=30)
+    s = engine.open_session("a", "audio")
+    chat = engine.chat(turn)
+    try:
+        s.prepare("Be brief.", None, None, GREEDY)
+        mixed = []
+        for pcm in a_in:
+            next(chat, None)
+            mixed.append(step(s, pcm))
+    finally:
+        list(chat)
+        s.close()
+    assert mixed == alone
+
+
 @pytest.mark.parametrize("max_new_tokens", [6, 40])
 def test_chat_streams_with_real_counts(engine, max_new_tokens):
     turn = ChatTurn(

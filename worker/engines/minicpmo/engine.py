@@ -270,6 +270,13 @@ class MiniCPMOSession(EngineSession):
             self.engine.release(self)
 
 
+class _ChatState:
+    """A chat turn's values of the state kept on the shared model (see `using`)."""
+
+    def __init__(self, shared: dict[str, Any]) -> None:
+        self.shared = shared
+
+
 class MiniCPMOEngine(Engine):
     """MiniCPM-o 4.5 from a local checkpoint directory: one copy of the weights, one duplex
     handle per slot."""
@@ -309,7 +316,7 @@ class MiniCPMOEngine(Engine):
         self._free: list[layouts.Handle] = []
         self._sessions: dict[int, MiniCPMOSession] = {}
         self._lock = threading.RLock()
-        self._resident: MiniCPMOSession | None = None
+        self._resident: MiniCPMOSession | _ChatState | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> MiniCPMOEngine:
@@ -432,7 +439,7 @@ class MiniCPMOEngine(Engine):
     # ---- sessions --------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def using(self, session: MiniCPMOSession) -> Iterator[None]:
+    def using(self, session: MiniCPMOSession | _ChatState) -> Iterator[None]:
         """Hold the engine with `session`'s state on the shared model."""
         with self._lock:
             if self._resident is not session:
@@ -442,7 +449,7 @@ class MiniCPMOEngine(Engine):
                 self._resident = session
             yield
 
-    def forget(self, session: MiniCPMOSession) -> None:
+    def forget(self, session: MiniCPMOSession | _ChatState) -> None:
         """`session` leaves the model (its state was cleared, nothing to save)."""
         with self._lock:
             if self._resident is session:
@@ -488,19 +495,23 @@ class MiniCPMOEngine(Engine):
 
         if not turn.messages or turn.messages[-1].role != "user":
             raise ValueError("the last message must be the user's")
-        with self._lock:
-            if self._resident is not None:
-                self._resident.shared = self.state.save()
-                self._resident = None
-            self.state.clear()
-        # Chat state lives on the model (its own KV cache), not in the duplex handles; a
-        # chat turn holds a slot, so it never runs beside a duplex session on one slot.
+        # The chat's own values of the shared-model state, swapped like a session's, so a
+        # duplex unit of another slot between two chunks sees nothing of the chat.
+        holder = _ChatState(self.state.fresh())
+        stream = stream_turn(self, turn)
         try:
-            yield from stream_turn(self, turn)
+            while True:
+                with self.using(holder):
+                    chunk = next(stream, None)
+                if chunk is None:
+                    return
+                yield chunk
         finally:
-            with self._lock:
+            with self.using(holder):
+                stream.close()
                 self.state.clear()
                 self.model.reset_session(reset_token2wav_cache=True)
+                self.forget(holder)
 
     @staticmethod
     def chat_content(message: ChatMessage) -> list[Any]:

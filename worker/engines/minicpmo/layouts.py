@@ -14,7 +14,6 @@ import contextlib
 import copy
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,13 +103,6 @@ def suppressed(cls: type, name: str, result: Any = None) -> Iterator[None]:
             delattr(cls, name)
         else:
             setattr(cls, name, original)
-
-
-@dataclass
-class Step:
-    """What the model returned for one unit, normalized across layouts."""
-
-    raw: dict[str, Any]
 
 
 class Handle:
