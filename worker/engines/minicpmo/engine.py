@@ -88,6 +88,8 @@ def check_runtime(device: str, transformers_version: str | None = None) -> None:
         raise EngineUnavailable(
             f"MiniCPM-o 4.5 needs transformers {TRANSFORMERS_SERIES}x, found {version}"
         )
+    if device != "cpu" and not device.startswith("cuda"):
+        raise EngineUnavailable(f"engine 'minicpmo' runs on cuda or cpu, not on {device!r}")
     missing = [m for m in CODE_REQUIREMENTS if importlib.util.find_spec(m) is None]
     if missing:
         raise EngineUnavailable(
@@ -95,8 +97,6 @@ def check_runtime(device: str, transformers_version: str | None = None) -> None:
         )
     if device == "cpu":
         return
-    if not device.startswith("cuda"):
-        raise EngineUnavailable(f"engine 'minicpmo' runs on cuda or cpu, not on {device!r}")
     import torch
 
     if not torch.cuda.is_available():
