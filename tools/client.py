@@ -64,6 +64,18 @@ class SessionReport:
     def reply_audio(self) -> np.ndarray:
         return np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
 
+    def reply_done(self) -> bool:
+        """The model spoke and its turn has ended (end_of_turn, or a listen after speech)."""
+        spoke = False
+        for unit in sorted(self.units.values(), key=lambda u: u.seq):
+            if unit.kind == "speak":
+                spoke = True
+                if unit.end_of_turn:
+                    return True
+            elif unit.kind == "listen" and spoke:
+                return True
+        return False
+
     def lost_units(self) -> list[int]:
         """Units with neither a result nor a counted drop."""
         return [u.seq for u in self.units.values() if u.kind == ""]
@@ -89,8 +101,12 @@ async def run_session(
     settle_s: float = 5.0,
     init_extra: dict[str, Any] | None = None,
     unit_extra: list[dict[str, Any]] | None = None,
+    reply_tail_s: int = 0,
 ) -> SessionReport:
     """Run one full-duplex session: queue, init, units at `pace_s`, close.
+
+    After the units, up to `reply_tail_s` silent units more while the model's reply has not
+    ended (so the whole answer is heard).
 
     `pace_s` = 0 sends each unit once the previous one is answered (lockstep).
     `on_event(event, report)` is called for every server event (e.g. to print it).
@@ -153,8 +169,13 @@ async def run_session(
 
         receiver = asyncio.create_task(receive())
         start = time.monotonic()
-        for i, unit in enumerate(units):
-            if done.is_set():
+        i = 0
+        while not done.is_set():
+            if i < len(units):
+                unit = units[i]
+            elif i < len(units) + reply_tail_s and not report.reply_done():
+                unit = SILENCE_UNIT  # the reply is still coming: keep the line open
+            else:
                 break
             if pace_s > 0:
                 delay = start + i * pace_s - time.monotonic()
@@ -163,6 +184,8 @@ async def run_session(
             elif i:
                 # Lockstep: the next unit once the previous one is answered.
                 await _answered(report.units[i], done, settle_s)
+            if i >= len(units) and report.reply_done():
+                break
             seq = i + 1
             body: dict[str, Any] = {
                 "audio": base64.b64encode(unit.astype("<f4").tobytes()).decode()
@@ -182,6 +205,7 @@ async def run_session(
             except ConnectionClosed:
                 del report.units[seq]  # never sent
                 break
+            i += 1
         # Let the last results arrive, then close.
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline and any(u.kind == "" for u in report.units.values()):

@@ -1,8 +1,9 @@
 """`omnifabric probe`: stream a WAV file to a Realtime endpoint like a real client.
 
 Sends 1 s of 16 kHz audio per second (`--fast`: each unit as soon as the previous one
-is answered), writes the reply audio as a 24 kHz WAV, prints the events' text and a
-per-unit summary.
+is answered), then silence until the model's reply has ended (`--tail-s`, at most 20 s),
+writes the reply audio as a 24 kHz WAV, prints the events' text and a per-unit summary,
+and with `--transcribe` what the reply says.
 """
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ def split_units(audio: np.ndarray, tail_s: int) -> list[np.ndarray]:
     return units + [SILENCE_UNIT] * tail_s
 
 
+def transcribe_24k(audio: np.ndarray) -> str:
+    """What 24 kHz reply audio says, by Whisper tiny.en (loads the model: a few seconds)."""
+    if audio.size == 0:
+        return ""
+    from scipy.signal import resample_poly
+
+    from worker.engines.reference.asr import Transcriber
+
+    return Transcriber().transcribe(resample_poly(audio, 2, 3).astype(np.float32))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnifabric probe", description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="ws://127.0.0.1:8006/v1/realtime")
@@ -57,7 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fast", action="store_true", help="send each unit once the previous one is answered"
     )
-    parser.add_argument("--tail", type=int, default=4, help="silent units sent after the input")
+    parser.add_argument(
+        "--tail-s",
+        type=int,
+        default=20,
+        help="after the input, send silence until the reply's turn ends, at most this many s",
+    )
+    parser.add_argument(
+        "--tail", type=int, help="instead: exactly this many silent units after the input"
+    )
+    parser.add_argument(
+        "--transcribe",
+        action="store_true",
+        help="print what the reply says (Whisper tiny.en, the reference engine's recognizer)",
+    )
     parser.add_argument("--dialect", default="current", choices=["current", "first"])
     parser.add_argument("--system-prompt", default="You are a helpful assistant.")
     parser.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
@@ -72,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, Exception) as exc:  # InvalidPayload carries the reason
         print(f"omnifabric probe: cannot read {args.input}: {exc}", file=sys.stderr)
         return 2
-    units = split_units(audio, args.tail)
+    units = split_units(audio, args.tail or 0)
+    reply_tail_s = 0 if args.tail is not None else max(0, args.tail_s)
     url = args.url
     if "mode=" not in url:
         url += ("&" if "?" in url else "?") + f"mode={args.mode}"
@@ -125,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 system_prompt=args.system_prompt,
                 api_key=args.api_key,
                 on_event=show,
+                reply_tail_s=reply_tail_s,
             )
         )
     except OSError as exc:
@@ -155,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         f"overhead p50 {percentile(overheads, 50):.1f} ms p99 {percentile(overheads, 99):.1f} ms; "
         f"closed: {report.closed_reason}"
     )
+    if reply_tail_s and not report.reply_done():
+        print(f"the reply had not ended after {reply_tail_s} s of silence (--tail-s)")
     if args.output:
         write_wav_24k(args.output, report.reply_audio)
         print(f"reply audio: {report.reply_audio.size / 24000:.2f}s -> {args.output}")
+    if args.transcribe:
+        print(f"reply heard as: {transcribe_24k(report.reply_audio)!r}")
     return 0 if report.closed_reason and not report.error else 1

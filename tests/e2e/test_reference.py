@@ -9,7 +9,6 @@ import wave
 
 import numpy as np
 import pytest
-from scipy.signal import resample_poly
 
 from tests.conftest import ROOT, scaled
 from tests.stack import Stack
@@ -48,8 +47,7 @@ def test_probe_gets_a_spoken_answer(stack, tmp_path):
             "--output",
             str(out),
             "--fast",
-            "--tail",
-            "2",
+            "--transcribe",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -62,10 +60,12 @@ def test_probe_gets_a_spoken_answer(stack, tmp_path):
         assert w.getframerate() == 24000
         reply = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
     assert reply.size > 24000  # "The capital of France is Paris." is ~2 s of speech
-    # Transcribe the answer with the engine's own recognizer (in this process).
-    from worker.engines.reference.asr import Transcriber
-
-    heard = Transcriber().transcribe(resample_poly(reply, 2, 3).astype(np.float32))
+    # The probe kept sending silence until the reply's turn ended, then stopped (not the
+    # 20 s limit), and transcribed the whole answer.
+    assert "had not ended" not in probe.stdout
+    units = int(probe.stdout.split("\nunits ", 1)[1].split(":", 1)[0])
+    assert units < 15 + 20
+    heard = probe.stdout.split("reply heard as: ", 1)[1].splitlines()[0]
     assert "paris" in heard.lower(), heard
     print(f"\nworker ready in {stack.worker_ready_s:.1f}s; reply heard as: {heard!r}")
 
