@@ -178,9 +178,6 @@ class Mailbox:
         self.dropped.append(seq)
         self.dropped_total += 1
 
-    def take(self) -> UnitInput | None:
-        return self._units.pop(0) if self._units else None
-
     def take_all(self) -> list[UnitInput]:
         units, self._units = self._units, []
         return units

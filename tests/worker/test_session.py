@@ -29,12 +29,16 @@ def test_mailbox_newest_wins():
     box = Mailbox()
     for seq in (1, 2, 3):
         box.put(UnitInput(seq=seq, pcm=SILENCE))
-    assert box.take().seq == 3
-    assert box.take() is None
+    assert [u.seq for u in box.take_all()] == [3]
+    assert box.take_all() == []
     assert box.take_dropped() == [1, 2] and box.take_dropped() == []
     box.put(UnitInput(seq=4, pcm=SILENCE))
     box.discard()
     assert box.dropped_total == 3
+    box.join = True  # re-chunked sessions keep every waiting unit
+    for seq in (5, 6):
+        box.put(UnitInput(seq=seq, pcm=SILENCE))
+    assert [u.seq for u in box.take_all()] == [5, 6] and box.take_dropped() == []
 
 
 async def test_lease_book_claims():

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from worker.engines.cache import cache_root
+
 #: What the project's own clip says (about 4 s at 160 words per minute).
 CLIP_TEXT = "Hello, I am your voice assistant. How can I help you today?"
 RATE = 16000
@@ -77,11 +79,6 @@ def project_clip(cache_dir: Path) -> Path:
     return path
 
 
-def cache_dir() -> Path:
-    """Where made files are kept: $OMNI_CACHE_DIR or ~/.cache/omnifabric."""
-    return Path(os.environ.get("OMNI_CACHE_DIR") or Path.home() / ".cache" / "omnifabric")
-
-
 def resolve(configured: str | None, model_root: Path | None) -> tuple[Path, str]:
     """The default voice file and where it came from ("configured", "model", "project").
     Raises RuntimeError when none can be had."""
@@ -94,4 +91,4 @@ def resolve(configured: str | None, model_root: Path | None) -> tuple[Path, str]
         found = model_dir_voice(model_root)
         if found is not None:
             return found, "model"
-    return project_clip(cache_dir()), "project"
+    return project_clip(cache_root()), "project"

@@ -28,6 +28,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
+from worker.engines.cache import cache_root  # noqa: E402
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
 STAMP_NAME = "omnifabric-stamp.json"
@@ -53,8 +55,7 @@ def gguf_path() -> Path:
 
 def default_cache_dir() -> Path:
     """``$OMNI_CACHE_DIR/smollm2-135m-instruct``, else ``~/.cache/omnifabric/smollm2-...``."""
-    root = os.environ.get("OMNI_CACHE_DIR") or Path.home() / ".cache" / "omnifabric"
-    return Path(root) / CACHE_NAME
+    return cache_root() / CACHE_NAME
 
 
 def gguf_stamp(path: Path) -> dict[str, object]:
