@@ -88,6 +88,7 @@ class QueueDone:
 class Created:
     session_id: str
     prompt_length: int
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class Output:
     dropped_seqs: tuple[int, ...] = ()
     n_tokens: int = 0
     n_tts_tokens: int = 0
+    input_transcript: str = ""
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,9 @@ def _event(event: object, session_id: str) -> rt_pb.ConnectResponse:
     if isinstance(event, ev.Created):
         return rt_pb.ConnectResponse(
             created=rt_pb.SessionCreated(
-                session_id=event.session_id, prompt_length=event.prompt_length
+                session_id=event.session_id,
+                prompt_length=event.prompt_length,
+                notes=list(event.notes),
             )
         )
     if isinstance(event, ev.Output):
@@ -128,6 +130,7 @@ def _event(event: object, session_id: str) -> rt_pb.ConnectResponse:
                 timings=timings,
                 usage=usage_to(event.usage),
                 dropped_seqs=list(event.dropped_seqs),
+                input_transcript=event.input_transcript,
             )
         )
     assert isinstance(event, ev.Closed)

@@ -263,17 +263,24 @@ def queue_done_json() -> dict[str, Any]:
 
 def created_json(event: Created, dialect: Dialect, mode: str) -> dict[str, Any]:
     if dialect is Dialect.FIRST:
-        return {
+        created: dict[str, Any] = {
             "type": "session.created",
             "session_id": event.session_id,
             "prompt_length": event.prompt_length,
         }
-    return {
-        "type": "session.created",
-        "session_id": event.session_id,
-        "mode": "full_duplex",
-        "metrics": {"prompt_length": event.prompt_length, "kv_cache_length": event.prompt_length},
-    }
+    else:
+        created = {
+            "type": "session.created",
+            "session_id": event.session_id,
+            "mode": "full_duplex",
+            "metrics": {
+                "prompt_length": event.prompt_length,
+                "kv_cache_length": event.prompt_length,
+            },
+        }
+    if event.notes:
+        created["notes"] = list(event.notes)
+    return created
 
 
 def metrics_json(out: Output) -> dict[str, Any]:
@@ -303,10 +310,12 @@ class OutputRenderer:
         self._in_turn = False
 
     def render(self, out: Output) -> list[dict[str, Any]]:
-        """The events for one unit's output, in send order."""
-        if self.dialect is Dialect.FIRST:
-            return self._first(out)
-        return self._current(out)
+        """The events for one unit's output, in send order. What the engine heard the user
+        say rides on the unit's first event as `input_transcript`."""
+        events = self._first(out) if self.dialect is Dialect.FIRST else self._current(out)
+        if out.input_transcript and events:
+            events[0]["input_transcript"] = out.input_transcript
+        return events
 
     def _first(self, out: Output) -> list[dict[str, Any]]:
         if out.is_listen:

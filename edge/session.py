@@ -105,6 +105,7 @@ def output_from(result: worker_pb.UnitResult) -> ev.Output:
         dropped_seqs=tuple(result.dropped_seqs),
         n_tokens=result.n_tokens,
         n_tts_tokens=result.n_tts_tokens,
+        input_transcript=result.input_transcript,
     )
 
 
@@ -291,7 +292,7 @@ class SessionCore:
         started = response.started
         if started.max_unit_samples:  # what this worker serves (older workers send none)
             self.unit_samples = (started.min_unit_samples, started.max_unit_samples)
-        created = ev.Created(self.session_id, started.prompt_length)
+        created = ev.Created(self.session_id, started.prompt_length, tuple(started.notes))
         await self._emit(created)
         self._tasks.append(asyncio.create_task(self._pump(call)))
         self._tasks.append(asyncio.create_task(self._watchdog()))

@@ -49,7 +49,7 @@ SCENARIOS: dict[str, list[tuple]] = {
 }
 
 
-def espeak(text: str, voice: str) -> np.ndarray:
+def espeak(text: str, voice: str, rate_wpm: int = 160) -> np.ndarray:
     """espeak-ng speech at 16 kHz float32 (rendered at 22050 Hz, resampled)."""
     from scipy.signal import resample_poly
 
@@ -57,7 +57,7 @@ def espeak(text: str, voice: str) -> np.ndarray:
     if exe is None:
         raise SystemExit("espeak-ng not found: apt-get install espeak-ng")
     wav = subprocess.run(
-        [exe, "-v", voice, "-s", "160", "--stdout", "--", text],
+        [exe, "-v", voice, "-s", str(rate_wpm), "--stdout", "--", text],
         check=True,
         capture_output=True,
         timeout=30,

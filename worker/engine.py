@@ -58,6 +58,9 @@ class GenerateResult:
     input_audio_tokens: int = 0
     """Input tokens this unit added to the context, by kind (for usage)."""
     input_vision_tokens: int = 0
+    input_transcript: str = ""
+    """What the engine heard the user say, on the unit where it took the user's turn
+    (engines with a recognizer of their own; empty otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,10 @@ class ChatChunk:
 class EngineSession(abc.ABC):
     """One duplex session on an engine. Calls come from one thread at a time, in order:
     prepare, then (prefill, generate, finalize) per unit, then stop and close."""
+
+    notes: tuple[str, ...] = ()
+    """Set by prepare: what the engine could not do as the session asked (said once in
+    session.created), for example a reference voice it cannot clone."""
 
     def unit_samples(self) -> tuple[int, int] | None:
         """(first, every later) unit length in 16 kHz samples the engine needs exactly, or

@@ -295,6 +295,7 @@ def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
             dropped_seqs=event.dropped_seqs,
             n_tokens=result.n_tokens,
             n_tts_tokens=result.n_tts_tokens,
+            input_transcript=result.input_transcript,
         )
     )
 
@@ -341,6 +342,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                     prompt_length=session.prompt_length,
                     min_unit_samples=MIN_UNIT_SAMPLES,
                     max_unit_samples=MAX_UNIT_SAMPLES,
+                    notes=list(session.notes),
                 )
             )
             async for event in session.events():

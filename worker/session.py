@@ -222,6 +222,8 @@ class DuplexSession:
         self._stuck: asyncio.Future[Any] | None = None
         self._late_free: asyncio.Task[None] | None = None
         self.prompt_length = 0
+        self.notes: tuple[str, ...] = ()
+        """What the engine could not do as the session asked (for session.created)."""
         self.usage = Usage()
         self.units_served = 0
         self.ended: SessionEnd | None = None
@@ -292,6 +294,7 @@ class DuplexSession:
             await self._free()
             raise EngineFailure("the engine failed to start the session") from exc
         self.usage.input_text_tokens = self.prompt_length
+        self.notes = tuple(self._engine_session.notes) if self._engine_session else ()
         return self.prompt_length
 
     def _open_blocking(self) -> int:

@@ -36,6 +36,14 @@ from worker.engine import (
     EngineSession,
     GenerateResult,
 )
+from worker.engines.reference.tts import split_for_speech
+from worker.engines.reference.turns import (
+    TurnRules,
+    TurnTracker,
+    cut_at_limit,
+    looks_finished,
+    reply_cut,
+)
 from worker.engines.reference.vad import WINDOW, WINDOW_S, VoiceActivity
 
 log = logging.getLogger("omnifabric.worker.reference")
@@ -47,30 +55,14 @@ AUDIO_TOKENS_PER_UNIT = 10
 TTS_TOKENS_PER_SECOND = 25
 
 
-@dataclass(frozen=True)
-class TurnRules:
-    """Turn-taking by rule (seconds), and reply shaping."""
-
-    min_speech_s: float = 0.3
-    """Speech needed before a pause can end the user's turn."""
-    end_silence_s: float = 0.6
-    """Silence after speech that ends the user's turn."""
-    barge_in_s: float = 0.2
-    """Speech within one unit, while the model speaks, that interrupts it."""
-    piece_chars: int = 16
-    """Characters spoken per unit (~1 s of espeak-ng speech at 160 wpm)."""
-    max_tokens_per_unit: int = 10
-    """LLM tokens generated at most per speaking unit."""
-    max_reply_tokens: int = 60
-    """A reply is cut after this many tokens."""
-    pre_roll_s: float = 0.25
-    """Audio kept before the first speech window, so Whisper hears the onset."""
-    max_utterance_s: float = 25.0
-    """Longer user turns are transcribed once they reach this (Whisper takes 30 s)."""
+#: What the engine says when it heard speech but could not make out words it trusts.
+REPAIR_TEXT = "Sorry, I did not catch that. Could you say it again?"
+#: Added to every session's system prompt: the reply is spoken, so it must be short.
+SPOKEN_STYLE = "Reply in one or two short spoken sentences, without lists or markup."
 
 
 class ReferenceSession(EngineSession):
-    """One conversation: its own VAD state, utterance buffer and LLM KV cache."""
+    """One conversation: its own VAD state, utterance tracker and LLM context."""
 
     def __init__(self, engine: ReferenceEngine, session_id: str, mode: str) -> None:
         self.engine = engine
@@ -78,6 +70,7 @@ class ReferenceSession(EngineSession):
         self.session_id = session_id
         self.mode = mode
         self.vad = VoiceActivity(engine.vad_path)
+        self.turn = TurnTracker(engine.rules, WINDOW)
         self.settings = DuplexSettings()
         self.conversation = None
         self.prompt_tokens = 0
@@ -86,26 +79,28 @@ class ReferenceSession(EngineSession):
         self.pending_text = ""
         self.reply_finished = False
         self.reply_tokens = 0
+        self.scripted = False
+        """The reply is fixed text (a repair), not the model's."""
         self.audio = np.zeros(0, np.float32)
         """Synthesized reply speech not yet sent (24 kHz)."""
-        # The user's current utterance: audio, speech seconds, trailing silence.
-        self.utterance: list[np.ndarray] = []
-        self.pre_roll = np.zeros(0, np.float32)
-        self.speech_s = 0.0
-        self.silence_s = 0.0
         self.unit_speech_s = 0.0
-        self.turn_ended = False
+        self.heard: tuple[int, str, float] | None = None
+        """(utterance samples, transcript, mean log-probability) of the current utterance,
+        kept so the unit that ends the turn does not transcribe the same audio again."""
         self.needs_finalize = False
         self.closed = False
         self.transcripts: list[str] = []
+        self.notes: tuple[str, ...] = ()
 
     # ---- prepare / prefill -------------------------------------------------------
 
     def prepare(self, system_prompt, ref_audio, tts_ref_audio, config: DuplexSettings) -> int:
         self.settings = config
         prompt = system_prompt.strip() or self.engine.default_prompt
-        self.conversation = self.engine.llm.conversation(prompt)
+        self.conversation = self.engine.llm.conversation(f"{prompt}\n{SPOKEN_STYLE}")
         self.prompt_tokens = self.conversation.context_tokens
+        voice = tts_ref_audio if tts_ref_audio is not None else ref_audio
+        self.notes = self.engine.voice_notes(voice)
         return self.prompt_tokens
 
     def prefill(
@@ -116,47 +111,8 @@ class ReferenceSession(EngineSession):
         t0 = time.perf_counter()
         flags = self.vad.windows(pcm)
         self.unit_speech_s = float(flags.sum()) * WINDOW_S
-        self._track(pcm, flags)
+        self.turn.feed(pcm, flags)
         return {"vad": (time.perf_counter() - t0) * 1000.0}
-
-    def _track(self, pcm: np.ndarray, flags: np.ndarray) -> None:
-        """Follow the user's utterance window by window; set turn_ended at its end."""
-        started = bool(self.utterance)
-        for i, speech in enumerate(flags):
-            window = pcm[i * WINDOW : (i + 1) * WINDOW]
-            if not started:
-                if speech:
-                    started = True
-                    self.utterance = [self.pre_roll, window]
-                    self.speech_s, self.silence_s = WINDOW_S, 0.0
-                else:
-                    keep = int(self.rules.pre_roll_s * 16000)
-                    self.pre_roll = np.concatenate([self.pre_roll, window])[-keep:]
-                continue
-            self.utterance.append(window)
-            if speech:
-                self.speech_s += WINDOW_S
-                self.silence_s = 0.0
-            else:
-                self.silence_s += WINDOW_S
-                if (
-                    self.speech_s >= self.rules.min_speech_s
-                    and self.silence_s >= self.rules.end_silence_s
-                ):
-                    self.turn_ended = True
-                elif (
-                    self.speech_s < self.rules.min_speech_s
-                    and self.silence_s >= self.rules.end_silence_s
-                ):
-                    self._reset_utterance()  # a click or breath, not a turn
-                    started = False
-        length_s = sum(a.size for a in self.utterance) / 16000
-        if started and length_s >= self.rules.max_utterance_s:
-            self.turn_ended = True
-
-    def _reset_utterance(self) -> None:
-        self.utterance = []
-        self.speech_s = self.silence_s = 0.0
 
     # ---- generate ----------------------------------------------------------------
 
@@ -166,41 +122,74 @@ class ReferenceSession(EngineSession):
         self.units += 1
         self.needs_finalize = True
         costs: dict[str, float] = {}
-        startup = self.units <= self._force_listen_count()
         if self.speaking:
             if force_listen or self.unit_speech_s >= self.rules.barge_in_s:
                 return self._close_turn(costs)
             return self._speak(costs)
-        if self.turn_ended and not startup:
-            self._take_turn(costs)
-        return self._result(is_listen=True, costs=costs)
+        startup = self.units <= self._force_listen_count()
+        if force_listen or startup:
+            return self._result(is_listen=True, costs=costs)
+        heard = self._user_turn(costs)
+        if heard is None:
+            return self._result(is_listen=True, costs=costs)
+        text, logprob = heard
+        self._start_reply(text, logprob, costs)
+        return self._speak(costs, heard=text)
 
     def _force_listen_count(self) -> int:
+        # The reference engine needs no warm-up units (MiniCPM-o's first 3 are forced to
+        # listen); a client's force_listen_count is honoured.
         count = self.settings.force_listen_count
-        return 3 if count is None else count
+        return 0 if count is None else count
 
-    def _take_turn(self, costs: dict[str, float]) -> None:
-        """Transcribe the finished utterance and prefill it (this unit listens)."""
-        audio = np.concatenate(self.utterance)
-        self._reset_utterance()
-        self.turn_ended = False
-        t0 = time.perf_counter()
-        text = self.engine.asr.transcribe(audio)
-        costs["asr"] = (time.perf_counter() - t0) * 1000.0
+    def _user_turn(self, costs: dict[str, float]) -> tuple[str, float] | None:
+        """The user's finished turn as (transcript, mean log-probability), or None while the
+        user has not finished (or said nothing the recognizer could make words of)."""
+        audio = self.turn.take_ended()
+        if audio is None and self.turn.may_end():
+            text, logprob = self._transcribe(self.turn.audio(), costs)
+            if looks_finished(text):
+                audio = self.turn.take_current()
+        if audio is None:
+            return None
+        text, logprob = self._transcribe(audio, costs)
+        self.heard = None
         if not text:
-            return
+            return None
+        return text, logprob
+
+    def _transcribe(self, audio: np.ndarray, costs: dict[str, float]) -> tuple[str, float]:
+        """Transcript of the current utterance's audio, reused while only silence was added."""
+        if self.heard is not None and self.heard[0] == audio.size:
+            return self.heard[1], self.heard[2]
+        t0 = time.perf_counter()
+        asr = self.engine.asr
+        text = asr.transcribe(audio)
+        logprob = float(getattr(asr, "last_avg_logprob", 0.0))
+        costs["asr"] = costs.get("asr", 0.0) + (time.perf_counter() - t0) * 1000.0
+        self.heard = (audio.size, text, logprob)
+        return text, logprob
+
+    def _start_reply(self, text: str, logprob: float, costs: dict[str, float]) -> None:
+        """Begin the reply to what the user said: the model's, or a request to say it again
+        when the words are too unsure to answer."""
         self.transcripts.append(text)
-        t1 = time.perf_counter()
-        self.conversation.add_user_turn(text)
-        costs["llm_prefill"] = (time.perf_counter() - t1) * 1000.0
         self.speaking = True
         self.pending_text = ""
         self.reply_finished = False
         self.reply_tokens = 0
         self.audio = np.zeros(0, np.float32)
-        log.info("session %s: user said %r", self.session_id, text)
+        self.scripted = logprob < self.engine.repair_below
+        log.info("session %s: user said %r (logprob %.2f)", self.session_id, text, logprob)
+        if self.scripted:
+            self.pending_text = REPAIR_TEXT
+            self.reply_finished = True
+            return
+        t1 = time.perf_counter()
+        self.conversation.add_user_turn(text)
+        costs["llm_prefill"] = (time.perf_counter() - t1) * 1000.0
 
-    def _speak(self, costs: dict[str, float]) -> GenerateResult:
+    def _speak(self, costs: dict[str, float], heard: str = "") -> GenerateResult:
         """Emit up to 1 s of the reply's speech, generating and synthesizing just enough text
         to fill it; the turn ends with the unit that empties the last audio."""
         said: list[str] = []
@@ -225,8 +214,7 @@ class ReferenceSession(EngineSession):
         chunk, self.audio = self.audio[:take], self.audio[take:]
         end = self.reply_finished and not self.pending_text.strip() and self.audio.size == 0
         if end:
-            self.conversation.end_turn()
-            self.speaking = False
+            self._end_reply()
         return self._result(
             is_listen=False,
             text="".join(said),
@@ -234,19 +222,20 @@ class ReferenceSession(EngineSession):
             end_of_turn=end,
             n_tokens=n_tokens,
             costs=costs,
+            heard=heard,
         )
 
     def _next_piece(self) -> tuple[str, int]:
         """The next piece of reply text as generated (spacing kept), and the tokens it took;
         ("", n) when the reply is done."""
-        from worker.engines.reference.tts import split_for_speech
-
         used = 0
-        while not self.reply_finished and len(self.pending_text) <= self.rules.piece_chars:
-            if used >= self.rules.max_tokens_per_unit:
+        rules = self.rules
+        while not self.reply_finished and len(self.pending_text) <= rules.piece_chars:
+            if used >= rules.max_tokens_per_unit:
                 break
-            if self.reply_tokens >= self.rules.max_reply_tokens:
-                self.reply_finished = True  # cut: the turn closes after what was said
+            reply = self.conversation.reply_text
+            if self.reply_tokens >= rules.max_reply_tokens:
+                self._cut_reply(cut_at_limit(reply))
                 break
             before = self.conversation.context_tokens
             delta, finished = self.conversation.next_tokens(1)
@@ -255,18 +244,36 @@ class ReferenceSession(EngineSession):
             self.reply_tokens += step
             self.pending_text += delta
             self.reply_finished = finished
+            cut = reply_cut(self.conversation.reply_text, finished, rules)
+            if cut is not None:
+                self._cut_reply(cut)
         if not self.pending_text.strip():
             self.pending_text = "" if self.reply_finished else self.pending_text
             return "", used
-        _, rest = split_for_speech(self.pending_text, self.rules.piece_chars)
+        if self.reply_finished and len(self.pending_text) <= rules.piece_chars * 1.5:
+            piece, self.pending_text = self.pending_text, ""  # no short orphan piece at the end
+            return piece, used
+        _, rest = split_for_speech(self.pending_text, rules.piece_chars)
         cut = len(self.pending_text) - len(rest)
         piece, self.pending_text = self.pending_text[:cut], rest
         return piece, used
 
+    def _cut_reply(self, end: int) -> None:
+        """End the reply at ``end`` (a position in the whole reply text): what is not yet
+        said beyond it is dropped."""
+        said = len(self.conversation.reply_text) - len(self.pending_text)
+        self.pending_text = self.pending_text[: max(0, end - said)]
+        self.reply_finished = True
+
+    def _end_reply(self) -> None:
+        if not self.scripted:
+            self.conversation.end_turn()
+        self.speaking = False
+        self.scripted = False
+
     def _close_turn(self, costs: dict[str, float]) -> GenerateResult:
         """force_listen or barge-in: stop the reply now; the turn closes in the context."""
-        self.conversation.end_turn()
-        self.speaking = False
+        self._end_reply()
         self.pending_text = ""
         self.audio = np.zeros(0, np.float32)
         return self._result(is_listen=True, end_of_turn=True, costs=costs)
@@ -279,6 +286,7 @@ class ReferenceSession(EngineSession):
         end_of_turn: bool = False,
         n_tokens: int = 0,
         costs: dict | None = None,
+        heard: str = "",
     ) -> GenerateResult:
         audio = np.zeros(0, np.float32) if audio is None else audio
         return GenerateResult(
@@ -291,6 +299,7 @@ class ReferenceSession(EngineSession):
             n_tokens=n_tokens,
             n_tts_tokens=int(round(audio.size / 24000 * TTS_TOKENS_PER_SECOND)),
             input_audio_tokens=AUDIO_TOKENS_PER_UNIT,
+            input_transcript=heard,
         )
 
     @property
@@ -308,7 +317,7 @@ class ReferenceSession(EngineSession):
 
     def stop(self) -> None:
         if self.speaking and self.conversation is not None:
-            self.conversation.end_turn()
+            self._end_reply()
         self.speaking = False
 
     def close(self) -> None:
@@ -316,7 +325,7 @@ class ReferenceSession(EngineSession):
             return
         self.closed = True
         self.conversation = None
-        self.utterance = []
+        self.turn.reset()
         self.vad = None  # type: ignore[assignment]
 
 
@@ -345,7 +354,10 @@ class ReferenceEngine(Engine):
 
     name = "reference"
     modes = frozenset({"audio", "video", "chat"})
-    default_prompt = "You are a helpful assistant. Answer in one or two short sentences."
+    default_prompt = "You are a helpful voice assistant. Answer in English."
+    repair_below = -1.0
+    """A transcript whose mean token log-probability is below this is too unsure to answer:
+    the engine asks the user to say it again (Whisper's own threshold for a failed decode)."""
 
     def __init__(
         self,
@@ -394,12 +406,19 @@ class ReferenceEngine(Engine):
             "reference engine loaded on %s: asr+tts %.1fs, llm %.1fs", self.device, t1 - t0, t2 - t1
         )
 
+    def voice_notes(self, ref_audio: np.ndarray | None) -> tuple[str, ...]:
+        """What a session's reference voice leads to, said once in session.created."""
+        if ref_audio is None or not np.asarray(ref_audio).size:
+            return ()
+        chooser = getattr(self.tts, "voice_for", None)
+        if chooser is None:
+            return ("reference voice: not cloned; the reference engine speaks with one voice",)
+        return (chooser(ref_audio),)
+
     def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
         """Turn-based chat: audio parts are transcribed, the history is prefilled in a fresh
         conversation, and the reply streams in pieces of ~16 characters (with speech when
         asked). Raises ValueError when the last message is not the user's."""
-        from worker.engines.reference.tts import split_for_speech
-
         messages = turn.messages
         if not messages or messages[-1].role != "user":
             raise ValueError("the last message must be the user's")

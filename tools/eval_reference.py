@@ -1,0 +1,378 @@
+"""Ask a running stack spoken questions as a real client and score the spoken answers.
+
+    omnifabric eval [--url ws://HOST:PORT/v1/realtime] [--voices piper,espeak] [--out DIR]
+
+Questions are rendered with several voices (Piper's neural voices, espeak-ng's robotic
+ones) at several speaking rates, after lead-in silences of 0.3-1.5 s, with low seeded noise;
+each goes through the whole stack in its own real-time session (1 s units, silence after
+the question until the reply ends). The replies are transcribed by a recognizer other than
+the engine's own (Whisper tiny.en here; the engine says what it heard in
+`input_transcript`), and a reply is correct when it names the expected answer.
+
+Printed: a progress line per session, then one table row per voice kind: correct answers,
+question word error rate (the engine's transcript against the question), reply length,
+replies over 3 sentences or repeating themselves, first reply audio after the end of the
+question (p50/p90), and unit round trips (p50/p99). `--out` also gets every session as JSON.
+Without `--url` it starts `omnifabric serve` on free ports and stops it afterwards.
+
+The question set here is small on purpose: acceptance uses questions, voices and timings
+that are not in the repo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+RATE = 16000
+LEAD_INS_S = (0.3, 0.7, 1.1, 1.5)
+#: Seconds between the end of one turn's question and the next turn's (a reply fits).
+TURN_GAP_S = 8.0
+NOISE_SIGMA = 0.002
+
+
+@dataclass(frozen=True)
+class Item:
+    """One conversation: what the user says, turn by turn, and the answer to the last turn
+    (any of the words, as the recognizer writes them)."""
+
+    turns: tuple[str, ...]
+    expect: tuple[str, ...]
+
+
+ITEMS = (
+    Item(("What is the capital of France?",), ("paris",)),
+    Item(("How many legs does a spider have?",), ("eight", "8")),
+    Item(("What is two plus two?",), ("four", "4")),
+    Item(("What color is the sky on a clear day?",), ("blue",)),
+    Item(("Which animal barks?",), ("dog",)),
+    Item(("What is the opposite of hot?",), ("cold",)),
+    Item(("How many days are there in a week?",), ("seven", "7")),
+    Item(("What is the capital of Japan?",), ("tokyo",)),
+    Item(("What do bees make?",), ("honey",)),
+    Item(("What is ten minus three?",), ("seven", "7")),
+    Item(("What is the largest planet in our solar system?",), ("jupiter",)),
+    Item(("My name is Anna.", "What is my name?"), ("anna",)),
+)
+
+#: voice kind -> (voice, speaking-rate setting) variants; piper: length scale, espeak: wpm.
+VOICES = {
+    "piper": (("joe", 1.0), ("joe", 0.85), ("joe", 1.2)),
+    "espeak": (("en-us", 165), ("en-us+f3", 150), ("en-gb", 180)),
+}
+
+
+@dataclass
+class Outcome:
+    """One session's scores."""
+
+    kind: str
+    voice: str
+    rate: float
+    lead_in_s: float
+    question: str
+    heard: str = ""
+    reply_text: str = ""
+    reply_heard: str = ""
+    correct: bool = False
+    question_wer: float | None = None
+    sentences: int = 0
+    words: int = 0
+    loops: bool = False
+    first_audio_s: float | None = None
+    unit_rtt_ms: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+# ---- speech ------------------------------------------------------------------------------
+
+
+def render(kind: str, voice: str, rate: float, text: str) -> np.ndarray:
+    """``text`` spoken at 16 kHz float32 (trimmed of the synthesizer's own silence)."""
+    from scipy.signal import resample_poly
+
+    if kind == "espeak":
+        from tools.make_fixtures import espeak
+
+        audio = espeak(text, voice, int(rate))
+    elif kind == "piper":
+        from worker.engines.reference.piper import render as piper_render
+
+        audio, native = piper_render(text, voice, length_scale=rate)
+        g = np.gcd(int(native), RATE)
+        audio = resample_poly(audio, RATE // g, int(native) // g).astype(np.float32)
+    else:
+        raise ValueError(f"unknown voice kind {kind!r} (piper or espeak)")
+    loud = np.flatnonzero(np.abs(audio) > 0.01)
+    return audio[loud[0] : loud[-1] + 1] if loud.size else audio
+
+
+def compose(item: Item, kind: str, voice: str, rate: float, lead_in_s: float, seed: int):
+    """The session's input audio (1 s units) and the stream times where the last question
+    starts and ends, in seconds."""
+    pieces = [np.zeros(int(lead_in_s * RATE), np.float32)]
+    start_s = end_s = lead_in_s
+    for i, turn in enumerate(item.turns):
+        start_s = sum(p.size for p in pieces) / RATE
+        pieces.append(render(kind, voice, rate, turn))
+        end_s = sum(p.size for p in pieces) / RATE
+        if i < len(item.turns) - 1:
+            pieces.append(np.zeros(int(TURN_GAP_S * RATE), np.float32))
+    pieces.append(np.zeros(RATE, np.float32))
+    audio = np.concatenate(pieces)
+    audio = audio + np.random.default_rng(seed).normal(0, NOISE_SIGMA, audio.size)
+    audio = np.clip(audio, -1, 1).astype(np.float32)
+    n = -(-audio.size // RATE)
+    audio = np.pad(audio, (0, n * RATE - audio.size))
+    return [audio[i * RATE : (i + 1) * RATE] for i in range(n)], start_s, end_s
+
+
+# ---- scoring -----------------------------------------------------------------------------
+
+_NUMBERS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty"
+).split()
+
+
+def words_of(text: str) -> list[str]:
+    """Lower-case words, digits spelled out (0-20), punctuation dropped."""
+    out = []
+    for w in re.findall(r"[a-z0-9']+", text.lower()):
+        out.append(_NUMBERS[int(w)] if w.isdigit() and int(w) < len(_NUMBERS) else w)
+    return out
+
+
+def wer(reference: str, hypothesis: str) -> float:
+    """Word error rate of ``hypothesis`` against ``reference`` (edit distance / words)."""
+    ref, hyp = words_of(reference), words_of(hypothesis)
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1] / max(1, len(ref))
+
+
+def names_answer(text: str, expect: tuple[str, ...]) -> bool:
+    said = set(words_of(text))
+    return any(set(words_of(e)) <= said for e in expect)
+
+
+# ---- one session -------------------------------------------------------------------------
+
+
+async def ask(url: str, item: Item, kind: str, voice: str, rate: float, lead_in_s: float,
+              seed: int, tail_s: int, hearer) -> Outcome:
+    from scipy.signal import resample_poly
+
+    from tools.client import run_session
+    from worker.engines.reference.turns import repeated_from, sentence_ends
+
+    units, start_s, end_s = compose(item, kind, voice, rate, lead_in_s, seed)
+    out = Outcome(kind, voice, rate, lead_in_s, " / ".join(item.turns))
+    try:
+        report = await run_session(url, units, pace_s=1.0, reply_tail_s=tail_s)
+    except Exception as exc:  # a broken stack is a result too
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    if report.error:
+        out.error = str(report.error)
+    heard = [e["input_transcript"] for e in report.events if e.get("input_transcript")]
+    out.heard = " / ".join(heard)
+    if heard:
+        out.question_wer = wer(" ".join(item.turns), " ".join(heard))
+    records = sorted(report.units.values(), key=lambda u: u.seq)
+    out.unit_rtt_ms = [u.rtt_ms for u in records if u.rtt_ms is not None]
+    if not records:
+        return out
+    # Unit n carries the audio of stream seconds [n-1, n): it is complete (and sent) at n.
+    origin = records[0].sent_at - 1.0
+    # The reply scored is the one to the last turn (earlier turns get replies of their own).
+    replies = [u for u in records if u.kind == "speak" and u.sent_at - origin > start_s]
+    out.reply_text = "".join(u.text for u in replies).strip()
+    first = next((u for u in replies if u.audio_samples and u.received_at), None)
+    if first is not None:
+        out.first_audio_s = first.received_at - (origin + end_s)
+    audio = np.concatenate([np.zeros(0, np.float32), *_reply_audio(report, replies)])
+    if audio.size:
+        out.reply_heard = hearer(resample_poly(audio, 2, 3).astype(np.float32))
+    out.correct = names_answer(out.reply_heard, item.expect)
+    out.sentences = len(sentence_ends(out.reply_text + " "))
+    out.words = len(words_of(out.reply_text))
+    out.loops = repeated_from(out.reply_text) is not None
+    return out
+
+
+def _reply_audio(report, replies) -> list[np.ndarray]:
+    """The reply's audio chunks, in arrival order, for the scored units only."""
+    wanted = {u.seq for u in replies}
+    chunks = []
+    for event in report.events:
+        seq = (event.get("metrics") or {}).get("seq")
+        if seq in wanted and event.get("audio"):
+            chunks.append(np.frombuffer(base64.b64decode(event["audio"]), "<f4"))
+    return chunks
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+
+def plan(kinds: list[str], items: tuple[Item, ...], repeat: int) -> list[tuple]:
+    """(item, kind, voice, rate, lead-in) for every session, deterministic."""
+    runs = []
+    for kind in kinds:
+        for r in range(repeat):
+            for i, item in enumerate(items):
+                voice, rate = VOICES[kind][(i + r) % len(VOICES[kind])]
+                lead = LEAD_INS_S[(i + 2 * r) % len(LEAD_INS_S)]
+                runs.append((item, kind, voice, rate, lead))
+    return runs
+
+
+def progress(done: int, total: int, last: Outcome, started: float) -> None:
+    width = 24
+    filled = int(width * done / total)
+    verdict = "error" if last.error else ("right" if last.correct else "wrong")
+    eta = (time.monotonic() - started) / done * (total - done)
+    line = (
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} eta {eta:4.0f}s "
+        f"{last.kind}:{last.voice} {verdict:5} {last.question[:40]!r:44}"
+    )
+    print(line, end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """The summary, one row per voice kind and one for all."""
+    from tools.client import percentile
+
+    groups: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        groups.setdefault(o.kind, []).append(o)
+    groups["all"] = outcomes
+    head = (
+        "| voices | sessions | correct | question WER | reply words (mean) | over 3 sentences "
+        "| loops | first audio p50 / p90 s | unit p50 / p99 ms | errors |"
+    )
+    rows = [head, "|" + "---|" * 10]
+    for name, group in groups.items():
+        n = len(group)
+        right = sum(o.correct for o in group)
+        wers = [o.question_wer for o in group if o.question_wer is not None]
+        firsts = [o.first_audio_s for o in group if o.first_audio_s is not None]
+        rtts = [ms for o in group for ms in o.unit_rtt_ms]
+        words = [o.words for o in group if o.reply_text]
+        question_wer = f"{100 * np.mean(wers):.0f}%" if wers else "n/a"
+        rows.append(
+            f"| {name} | {n} | {right}/{n} ({100 * right / max(1, n):.0f}%) | {question_wer} "
+            f"| {np.mean(words) if words else 0:.1f} | {sum(o.sentences > 3 for o in group)} "
+            f"| {sum(o.loops for o in group)} "
+            f"| {percentile(firsts, 50):.2f} / {percentile(firsts, 90):.2f} "
+            f"({len(firsts)} replied) "
+            f"| {percentile(rtts, 50):.0f} / {percentile(rtts, 99):.0f} "
+            f"| {sum(bool(o.error) for o in group)} |"
+        )
+    return "\n".join(rows)
+
+
+def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
+    """`omnifabric serve` on free ports; (process, ws url) once it is ready."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    ports = ["--port", "0", "--grpc-port", "0", "--scheduler-port", "0", "--worker-base-port", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "serve", *extra, *ports],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        match = re.match(r"omnifabric ready: (\S+)", line)
+        if match:
+            import threading
+
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc, match.group(1)
+    raise SystemExit(f"omnifabric serve exited ({proc.wait()}) before it was ready")
+
+
+async def run_all(args, runs, hearer) -> list[Outcome]:
+    outcomes: list[Outcome] = []
+    started = time.monotonic()
+    sem = asyncio.Semaphore(args.parallel)
+
+    async def one(i, spec):
+        async with sem:
+            item, kind, voice, rate, lead = spec
+            outcome = await ask(args.url, item, kind, voice, rate, lead, 1000 + i, args.tail_s,
+                                hearer)
+            outcomes.append(outcome)
+            progress(len(outcomes), len(runs), outcome, started)
+
+    await asyncio.gather(*(one(i, spec) for i, spec in enumerate(runs)))
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omnifabric eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="a running edge (default: start omnifabric serve here)")
+    parser.add_argument("--voices", default="piper,espeak", help="voice kinds: piper, espeak")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over the question set")
+    parser.add_argument("--limit", type=int, help="only the first N questions")
+    parser.add_argument("--parallel", type=int, default=1, help="sessions at once")
+    parser.add_argument("--tail-s", type=int, default=15, help="silence after the question, max s")
+    parser.add_argument("--out", type=Path, help="folder for results.json and table.md")
+    parser.add_argument("--label", default="", help="name of this run in the table")
+    parser.add_argument("serve_args", nargs="*", help="extra `omnifabric serve` flags (after --)")
+    args = parser.parse_args(argv)
+    kinds = [k.strip() for k in args.voices.split(",") if k.strip()]
+    for kind in kinds:
+        if kind not in VOICES:
+            parser.error(f"unknown voice kind {kind!r}: choose from {', '.join(VOICES)}")
+    items = ITEMS[: args.limit] if args.limit else ITEMS
+    runs = plan(kinds, items, args.repeat)
+    print(f"rendering {len(runs)} spoken questions ...", file=sys.stderr)
+    for item, kind, voice, rate, _ in runs:  # fail early (a missing voice) and warm caches
+        render(kind, voice, rate, item.turns[0])
+    from worker.engines.reference.asr import Transcriber
+
+    hearer = Transcriber(model="tiny.en").transcribe
+    proc = None
+    if not args.url:
+        print("starting omnifabric serve ...", file=sys.stderr)
+        proc, args.url = start_stack(args.serve_args)
+    try:
+        outcomes = asyncio.run(run_all(args, runs, hearer))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    summary = table(outcomes)
+    print(f"\n{args.label}\n{summary}" if args.label else f"\n{summary}")
+    wrong = [o for o in outcomes if not o.correct]
+    for o in wrong:
+        print(f"- {o.kind}:{o.voice}@{o.rate} lead {o.lead_in_s}s: {o.question!r} heard "
+              f"{o.heard!r} -> {o.reply_text!r} (reply heard as {o.reply_heard!r}) {o.error}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(
+            json.dumps([asdict(o) for o in outcomes], indent=1) + "\n"
+        )
+        (args.out / "table.md").write_text(summary + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
