@@ -1,4 +1,4 @@
-"""The `omnifabric` command: serve, scheduler, worker, edge, probe, bench, soak, stubs."""
+"""The `omnifabric` command: serve, scheduler, worker, edge, probe, bench, eval, soak, stubs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ commands:
   replay      replay a recorded session (edge --record-dir) and compare the answers
   smoke       check every public surface of a running edge (all modes, legacy endpoints)
   bench       fabric overhead per unit vs a websockets echo and direct gRPC, same run
+  eval        ask a stack spoken questions (several voices) and score the spoken answers
   soak        the long-run reliability rows (L1 L2 L3 F1 FUZZ) on their own local stack
   stubs       regenerate the gRPC stubs from proto/ (--check: fail when stale)
 
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         from tools.smoke import main as run
     elif command == "bench":
         from tools.bench import main as run
+    elif command == "eval":
+        from tools.eval_reference import main as run
     elif command == "soak":
         from tools.soak import main as run
     elif command == "stubs":

@@ -187,3 +187,21 @@ def test_closed_reasons_per_dialect():
     timeout = ev.Closed(ev.TIMEOUT, ev.Usage())
     assert protocol.closed_json(timeout, ev.Dialect.FIRST, "s")["reason"] == "timeout"
     assert "usage" in protocol.closed_json(timeout, None, None)
+
+
+def test_input_transcript_rides_on_the_units_first_event():
+    for dialect in (ev.Dialect.FIRST, ev.Dialect.CURRENT):
+        r = protocol.OutputRenderer(dialect, "rt_1")
+        events = r.render(_out(input_transcript="What is the capital of France?"))
+        assert events[0]["input_transcript"] == "What is the capital of France?"
+        assert all("input_transcript" not in e for e in events[1:])
+        assert all("input_transcript" not in e for e in r.render(_out()))
+
+
+def test_created_carries_the_engines_notes_only_when_there_are_some():
+    for dialect in (ev.Dialect.FIRST, ev.Dialect.CURRENT):
+        plain = protocol.created_json(ev.Created("s1", 40), dialect, "audio")
+        assert "notes" not in plain
+        noted = protocol.created_json(ev.Created("s1", 40, ("voice: not cloned",)), dialect, "audio")
+        assert noted["notes"] == ["voice: not cloned"]
+        assert noted["session_id"] == "s1"
