@@ -173,8 +173,17 @@ def names_answer(text: str, expect: tuple[str, ...]) -> bool:
 # ---- one session -------------------------------------------------------------------------
 
 
-async def ask(url: str, item: Item, kind: str, voice: str, rate: float, lead_in_s: float,
-              seed: int, tail_s: int, hearer) -> Outcome:
+async def ask(
+    url: str,
+    item: Item,
+    kind: str,
+    voice: str,
+    rate: float,
+    lead_in_s: float,
+    seed: int,
+    tail_s: int,
+    hearer,
+) -> Outcome:
     from scipy.signal import resample_poly
 
     from tools.client import run_session
@@ -316,8 +325,9 @@ async def run_all(args, runs, hearer) -> list[Outcome]:
     async def one(i, spec):
         async with sem:
             item, kind, voice, rate, lead = spec
-            outcome = await ask(args.url, item, kind, voice, rate, lead, 1000 + i, args.tail_s,
-                                hearer)
+            outcome = await ask(
+                args.url, item, kind, voice, rate, lead, 1000 + i, args.tail_s, hearer
+            )
             outcomes.append(outcome)
             progress(len(outcomes), len(runs), outcome, started)
 
@@ -363,8 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.label}\n{summary}" if args.label else f"\n{summary}")
     wrong = [o for o in outcomes if not o.correct]
     for o in wrong:
-        print(f"- {o.kind}:{o.voice}@{o.rate} lead {o.lead_in_s}s: {o.question!r} heard "
-              f"{o.heard!r} -> {o.reply_text!r} (reply heard as {o.reply_heard!r}) {o.error}")
+        print(
+            f"- {o.kind}:{o.voice}@{o.rate} lead {o.lead_in_s}s: {o.question!r} heard "
+            f"{o.heard!r} -> {o.reply_text!r} (reply heard as {o.reply_heard!r}) {o.error}"
+        )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(

@@ -202,6 +202,8 @@ def test_created_carries_the_engines_notes_only_when_there_are_some():
     for dialect in (ev.Dialect.FIRST, ev.Dialect.CURRENT):
         plain = protocol.created_json(ev.Created("s1", 40), dialect, "audio")
         assert "notes" not in plain
-        noted = protocol.created_json(ev.Created("s1", 40, ("voice: not cloned",)), dialect, "audio")
+        noted = protocol.created_json(
+            ev.Created("s1", 40, ("voice: not cloned",)), dialect, "audio"
+        )
         assert noted["notes"] == ["voice: not cloned"]
         assert noted["session_id"] == "s1"

@@ -21,7 +21,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -387,7 +386,7 @@ class ReferenceEngine(Engine):
     def load(self) -> None:
         from worker.engines.reference.asr import Transcriber
         from worker.engines.reference.llm import ReplyModel
-        from worker.engines.reference.tts import Speaker
+        from worker.engines.reference.tts import make_speaker
         from worker.engines.reference.vad import model_path
 
         check_device(self.device)  # CUDA may have gone away between __init__ and load
@@ -397,7 +396,9 @@ class ReferenceEngine(Engine):
         # VAD stays on the CPU on every device: the model is ~2 MB, keeps recurrent state per
         # session and runs 32 ms windows one by one, so a GPU would only add transfers.
         self.vad_path = model_path()
-        self.tts = Speaker()
+        self.tts, why = make_speaker("piper", start=True)
+        if why:
+            log.warning("reference engine speech: %s", why)
         self.asr = Transcriber(device=self.device)
         t1 = time.perf_counter()
         self.llm = ReplyModel(device=self.device)
@@ -410,10 +411,10 @@ class ReferenceEngine(Engine):
         """What a session's reference voice leads to, said once in session.created."""
         if ref_audio is None or not np.asarray(ref_audio).size:
             return ()
-        chooser = getattr(self.tts, "voice_for", None)
-        if chooser is None:
-            return ("reference voice: not cloned; the reference engine speaks with one voice",)
-        return (chooser(ref_audio),)
+        return (
+            "reference voice: the reference engine cannot clone a voice; it speaks with its "
+            f"packaged voice {self.tts.voice_name}",
+        )
 
     def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
         """Turn-based chat: audio parts are transcribed, the history is prefilled in a fresh

@@ -1,19 +1,26 @@
-"""Speech out for the reference engine: espeak-ng run as a separate program, resampled to 24 kHz.
+"""Speech out for the reference engine, resampled to 24 kHz: espeak-ng (``Speaker``) or a
+Piper neural voice (``PiperSpeaker``), each run as a separate program.
 
 espeak-ng (Debian package ``espeak-ng``, GPL-3) is only ever executed, never linked or imported.
 It renders fixed text bit-identically, always at 22050 Hz 16-bit mono.
+Piper (PyPI ``piper-tts``, GPL-3) is likewise only executed, as one warm child process per
+voice (see ``piper.py``); with its noise scales at 0 it also renders fixed text bit-identically.
+``make_speaker`` picks one, falling back to espeak-ng with a reason when Piper is unavailable.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+from fractions import Fraction
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from scipy.signal import resample_poly
 
 ESPEAK_RATE = 22050
+OUTPUT_RATE = 24000
 TIMEOUT_S = 5.0
 # Keep this much of the silence espeak-ng puts around speech (it adds ~0.1-0.3 s).
 KEEP_SILENCE_S = 0.05
@@ -54,10 +61,40 @@ def _trim(samples: np.ndarray, rate: int) -> np.ndarray:
     return samples[max(0, loud[0] - keep) : loud[-1] + 1 + keep]
 
 
+def _trim_float(audio: np.ndarray, rate: int) -> np.ndarray:
+    """``_trim`` for float audio in [-1, 1] (same level: SILENCE_LEVEL / 32768)."""
+    loud = np.flatnonzero(np.abs(audio) > SILENCE_LEVEL / 32768.0)
+    if loud.size == 0:
+        return audio[:0]
+    keep = int(KEEP_SILENCE_S * rate)
+    return audio[max(0, loud[0] - keep) : loud[-1] + 1 + keep]
+
+
+def _to_24k(audio: np.ndarray, rate: int) -> np.ndarray:
+    """float32 ``audio`` at ``rate`` resampled to 24 kHz (polyphase; 22050 Hz -> 160/147)."""
+    ratio = Fraction(OUTPUT_RATE, rate)
+    if ratio != 1:
+        audio = resample_poly(audio, ratio.numerator, ratio.denominator)
+    return np.clip(audio, -1.0, 1.0).astype(np.float32)
+
+
+#: The name under which ``voices()`` lists the espeak-ng voice.
+ESPEAK_VOICE = "espeak-ng"
+
+
+class TextToSpeech(Protocol):
+    OUTPUT_RATE: int
+    #: What ``voices()`` calls the voice this speaker uses.
+    voice_name: str
+
+    def synthesize(self, text: str) -> np.ndarray: ...
+
+
 class Speaker:
     """Text to 24 kHz float32 mono speech with one fixed espeak-ng voice."""
 
-    OUTPUT_RATE = 24000
+    OUTPUT_RATE = OUTPUT_RATE
+    voice_name = ESPEAK_VOICE
 
     def __init__(
         self, voice: str = "en-us", rate_wpm: int = 160, executable: str | None = None
@@ -92,6 +129,103 @@ class Speaker:
             return np.zeros(0, np.float32)
         audio = resample_poly(samples.astype(np.float32) / 32768.0, 160, 147)
         return np.clip(audio, -1.0, 1.0).astype(np.float32)
+
+
+class PiperSpeaker:
+    """Text to 24 kHz float32 mono speech with a Piper voice, run in a separate process.
+
+    ``process`` defaults to the worker-wide child of that voice (``piper.shared_process``):
+    speakers of the same voice share one warm child and take turns on it (thread-safe).
+    Raises ``piper.PiperError`` (a RuntimeError) when piper-tts or the voice is missing.
+    """
+
+    OUTPUT_RATE = OUTPUT_RATE
+
+    def __init__(
+        self, voice: str | None = None, length_scale: float = 1.0, process=None, start=False
+    ) -> None:
+        from worker.engines.reference import piper
+
+        self.process = process or piper.shared_process(voice, length_scale)
+        self.voice_name = self.process.voice.name
+        self.rate = self.process.rate
+        if start:
+            self.process.start()
+
+    def synthesize(self, text: str) -> np.ndarray:
+        """Speech for ``text`` as float32 in [-1, 1] at 24 kHz; empty when there is nothing
+        to say. Silence beyond KEEP_SILENCE_S is trimmed at both ends."""
+        if not text.strip():
+            return np.zeros(0, np.float32)
+        audio = _trim_float(self.process.synthesize(text), self.rate)
+        if audio.size == 0:
+            return np.zeros(0, np.float32)
+        return _to_24k(audio, self.rate)
+
+
+def voices() -> dict[str, str]:
+    """The voices a session may choose from here: name -> engine (``"piper"`` or
+    ``"espeak"``). Piper voices are those of installed voice packages (e.g.
+    ``en_US-joe-medium``), listed only when piper-tts can run; espeak-ng's is ``espeak-ng``."""
+    from worker.engines.reference import piper
+
+    found: dict[str, str] = {}
+    if piper.unavailable_reason() is None:
+        found.update({name: "piper" for name in piper.packaged_voices()})
+    if shutil.which("espeak-ng"):
+        found[ESPEAK_VOICE] = "espeak"
+    return found
+
+
+class SpeakerChoice(NamedTuple):
+    speaker: TextToSpeech
+    #: Why the speaker is not the one asked for (a sentence), or None when it is.
+    reason: str | None
+
+
+def make_speaker(
+    preferred: str = "piper",
+    voice: str | None = None,
+    length_scale: float = 1.0,
+    start: bool = False,
+) -> SpeakerChoice:
+    """A speaker for ``voice`` (a name from ``voices()``, a Piper voice's short name such as
+    ``joe``, or None for ``preferred``'s default voice). What cannot be had falls back: an
+    unavailable voice to ``preferred``'s default, Piper to espeak-ng; ``reason`` then says
+    why. ``preferred`` is ``"piper"`` or ``"espeak"``. ``start`` starts Piper's child now
+    (~1.3 s), so a failing start also falls back. Raises RuntimeError only when espeak-ng is
+    needed and missing."""
+    from worker.engines.reference import piper
+
+    if preferred not in ("piper", "espeak"):
+        raise ValueError(f"preferred must be 'piper' or 'espeak', not {preferred!r}")
+    if voice is not None and voice.lower() in (ESPEAK_VOICE, "espeak"):
+        return SpeakerChoice(Speaker(), None)
+    if voice is None and preferred == "espeak":
+        return SpeakerChoice(Speaker(), None)
+    piper_why = piper.unavailable_reason()
+    notes: list[str] = []
+    if voice is not None:
+        if piper_why is not None:
+            notes.append(f"voice {voice!r} needs Piper, which is unavailable: {piper_why}")
+        else:
+            try:
+                return SpeakerChoice(PiperSpeaker(voice, length_scale, start=start), None)
+            except piper.PiperError as exc:
+                notes.append(f"voice {voice!r}: {exc}")
+    if preferred == "piper":
+        if piper_why is None:
+            try:
+                speaker = PiperSpeaker(None, length_scale, start=start)
+            except piper.PiperError as exc:
+                notes.append(f"Piper failed: {exc}")
+            else:
+                reason = f"{notes[0]}; speaking with {speaker.voice_name}" if notes else None
+                return SpeakerChoice(speaker, reason)
+        elif voice is None:
+            notes.append(f"Piper is unavailable: {piper_why}")
+    reason = "; ".join(notes) + "; speaking with espeak-ng" if notes else None
+    return SpeakerChoice(Speaker(), reason)
 
 
 def split_for_speech(text: str, max_chars: int = 18) -> tuple[str, str]:
