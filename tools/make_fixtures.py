@@ -42,7 +42,7 @@ SCENARIOS: dict[str, list[tuple]] = {
     "barge_in": [
         ("silence", 3.0),
         ("say", "What is the capital of France?", "en-us"),
-        ("silence", 2.6),
+        ("silence", 1.2),
         ("say", "Stop. Tell me about dogs instead.", "en-us+f3"),
         ("silence", 9.0),
     ],

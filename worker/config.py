@@ -70,7 +70,7 @@ class WorkerConfig:
     directory's own reference audio, else a clip the project renders with espeak-ng."""
     turn_min_speech_s: float = 0.3
     """Reference engine: speech needed before a pause can end the user's turn, seconds."""
-    turn_end_silence_s: float = 0.6
+    turn_end_silence_s: float = 0.9
     """Reference engine: silence after speech that ends the user's turn, seconds."""
     synthetic_fail_unit: int | None = None
     """Fault injection (tests): the synthetic engine fails on this unit of every session."""

@@ -25,16 +25,18 @@ def spoken(steps) -> np.ndarray:
 
 def test_question_timeline_and_answer(engine):
     steps = drive(engine, "question")
-    # 3 startup units; the question ends in unit 5; unit 6 hears 0.6 s of silence, transcribes
-    # and prefills (listening); the reply is spoken from unit 7 and ends with end_of_turn.
-    assert timeline(steps) == "L L L L L L S S S S S S S S* L"
+    # The question ends in unit 5 (lead-in 3 s); unit 6 ends in silence, the words read as a
+    # finished question, so that same unit transcribes, prefills and starts speaking.
+    assert timeline(steps) == "L L L L L S S* L L L L L L L L"
+    heard = [s.result.input_transcript for s in steps]
+    assert "capital" in heard[5].lower() and not any(heard[:5] + heard[6:])
     text = "".join(s.result.text for s in steps)
     assert text.startswith("The capital of France is Paris")
     middle = [s.result.audio.size for s in steps if not s.result.is_listen][:-1]
     assert middle and all(n == 24000 for n in middle)  # middle chunks exactly 1 s
-    # The engine's own recognizer hears the answer in the reply audio.
-    heard = engine.asr.transcribe(resample_poly(spoken(steps), 2, 3).astype(np.float32))
-    assert "paris" in heard.lower()
+    # A recognizer hears the answer in the reply audio.
+    reply = resample_poly(spoken(steps), 2, 3).astype(np.float32)
+    assert "paris" in engine.asr.transcribe(reply).lower()
     # Context grows by 13 tokens per unit plus the real text tokens.
     kv = [s.result.kv_cache_length for s in steps]
     assert kv == sorted(kv) and kv[1] - kv[0] == UNIT_TOKENS
@@ -50,20 +52,49 @@ def test_same_input_same_output(engine):
 
 def test_two_questions_keep_the_conversation(engine):
     steps = drive(engine, "two_questions")
-    assert timeline(steps) == ("L L L L L L S S S S S S S S* L L L S S S S S S* L L")
+    assert timeline(steps) == ("L L L L L S S* L L L L L L L L S S* L L L L L L L L")
     turns = "".join(s.result.text for s in steps)
     assert "Paris" in turns and "blue" in turns
 
 
 def test_barge_in_closes_the_turn_at_once(engine):
     steps = drive(engine, "barge_in")
-    # The second voice starts in unit 8: that unit closes the reply (listen + end_of_turn).
-    assert timeline(steps) == "L L L L L L S L* L L L S S S S* L L L L L"
+    # The reply starts in unit 6; the second voice starts in unit 7: that unit closes the
+    # reply (listen + end_of_turn), and what it said is answered in turn.
+    assert timeline(steps)[: len("L L L L L S L*")] == "L L L L L S L*"
+    assert "stop" in steps[9].result.input_transcript.lower()
 
 
 def test_force_listen_closes_the_turn(engine):
-    steps = drive(engine, "question", force_listen_at=frozenset({9}))
-    assert timeline(steps) == "L L L L L L S S L* L L L L L L"
+    steps = drive(engine, "question", force_listen_at=frozenset({7}))
+    assert timeline(steps) == "L L L L L S L* L L L L L L L L"
+
+
+def test_force_listen_count_holds_the_reply(engine):
+    steps = drive(engine, "question", settings=DuplexSettings(force_listen_count=7))
+    assert timeline(steps) == "L L L L L L L S S* L L L L L L"
+
+
+def test_unsure_words_get_a_request_to_say_them_again(engine):
+    from worker.engines.reference.engine import REPAIR_TEXT
+
+    engine.repair_below = 1.0  # every transcript counts as unsure
+    try:
+        steps = drive(engine, "question")
+    finally:
+        del engine.repair_below
+    assert "".join(s.result.text for s in steps) == REPAIR_TEXT
+
+
+def test_a_reference_voice_is_answered_with_a_note(engine):
+    session = engine.open_session("notes", "audio")
+    try:
+        session.prepare("", np.zeros(16000, np.float32), None, DuplexSettings())
+        assert len(session.notes) == 1 and "cannot clone" in session.notes[0]
+        session.prepare("", None, None, DuplexSettings())
+        assert session.notes == ()
+    finally:
+        session.close()
 
 
 def test_text_only_when_tts_disabled(engine):

@@ -385,7 +385,7 @@ class ReferenceEngine(Engine):
 
     def load(self) -> None:
         from worker.engines.reference.asr import Transcriber
-        from worker.engines.reference.llm import ReplyModel
+        from worker.engines.reference.llm_gguf import ReplyModel
         from worker.engines.reference.tts import make_speaker
         from worker.engines.reference.vad import model_path
 
@@ -401,7 +401,8 @@ class ReferenceEngine(Engine):
             log.warning("reference engine speech: %s", why)
         self.asr = Transcriber(device=self.device)
         t1 = time.perf_counter()
-        self.llm = ReplyModel(device=self.device)
+        # Qwen2.5-Coder-0.5B-Instruct in llama.cpp: one server slot (KV cache) per session.
+        self.llm = ReplyModel(device=self.device, slots=self.default_slots + 1)
         t2 = time.perf_counter()
         log.info(
             "reference engine loaded on %s: asr+tts %.1fs, llm %.1fs", self.device, t1 - t0, t2 - t1

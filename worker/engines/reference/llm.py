@@ -144,6 +144,10 @@ class ReplyModel:
         )
         self.model.to(self.device).eval()
         self.max_context = int(self.model.config.max_position_embeddings)
+        # Greedy with a mild repetition penalty on the tokens of the current reply (not the
+        # question, which a good answer echoes): llama.cpp's rule, positive logits divided,
+        # negative ones multiplied. 1.0 turns it off.
+        self.repetition_penalty = 1.1
         vocab = self.tokenizer.convert_tokens_to_ids
         self.im_end_id = vocab(IM_END)
         # <|im_start|> or <|endoftext|> from the model also mean the reply is over.
@@ -224,7 +228,8 @@ class Conversation:
         return self.context_tokens - before
 
     def next_tokens(self, max_tokens: int) -> tuple[str, bool]:
-        """Greedy-decode up to ``max_tokens`` more reply tokens: (new text, reply finished).
+        """Greedy-decode up to ``max_tokens`` more reply tokens: (new text, reply finished),
+        the reply's own tokens penalised by ``ReplyModel.repetition_penalty``.
 
         The text is the exact new suffix of the reply; an incomplete multi-byte character is
         held back until its last token arrives."""
@@ -234,7 +239,15 @@ class Conversation:
             if self._finished:
                 break
             assert self._logits is not None
-            token = int(torch.argmax(self._logits))
+            logits = self._logits
+            penalty = self._model.repetition_penalty
+            if penalty != 1.0 and self._reply_ids:
+                seen = torch.tensor(sorted(set(self._reply_ids)), device=logits.device)
+                scores = logits[seen]
+                logits = logits.index_put(
+                    (seen,), torch.where(scores > 0, scores / penalty, scores * penalty)
+                )
+            token = int(torch.argmax(logits))
             if token in self._model.stop_ids:
                 self._finished = True
                 break
