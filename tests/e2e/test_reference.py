@@ -70,12 +70,21 @@ def test_probe_gets_a_spoken_answer(stack, tmp_path):
     print(f"\nworker ready in {stack.worker_ready_s:.1f}s; reply heard as: {heard!r}")
 
 
-def _fixture_pcm(seconds: float) -> str:
+def _spoken_question_pcm() -> str:
+    """A second of the fixture's lead-in noise, then the question in Piper's natural voice
+    (espeak's robotic one is the recognizer's hard case, measured by `omnifabric eval`)."""
     import base64
+
+    from scipy.signal import resample_poly
+
+    from worker.engines.reference.piper import render
 
     with wave.open(str(FIXTURE)) as w:
         pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
-    return base64.b64encode(pcm[: int(seconds * 16000)].astype("<f4").tobytes()).decode()
+    voice, rate = render("What is the capital of France?")
+    voice = resample_poly(voice, 16000 // np.gcd(rate, 16000), rate // np.gcd(rate, 16000))
+    audio = np.concatenate([pcm[:16000], voice.astype(np.float32)])
+    return base64.b64encode(audio.astype("<f4").tobytes()).decode()
 
 
 async def test_chat_text_and_spoken_turns(stack):
@@ -107,7 +116,7 @@ async def test_chat_text_and_spoken_turns(stack):
                     {
                         "role": "user",
                         "content": [
-                            {"type": "audio", "data": _fixture_pcm(9.0), "sample_rate": 16000}
+                            {"type": "audio", "data": _spoken_question_pcm(), "sample_rate": 16000}
                         ],
                     }
                 ],

@@ -128,7 +128,10 @@ def test_chat_with_text_and_audio_parts(engine):
     from tests.worker.reference.drive import load_fixture
     from worker.engine import ChatMessage, ChatTurn
 
-    question = load_fixture("question")[: 9 * 16000]  # lead-in silence and the question
+    # The question in the engine's own (natural) voice, after a second of the fixture's
+    # lead-in noise.
+    voice = resample_poly(engine.tts.synthesize("What is the capital of France?"), 2, 3)
+    question = np.concatenate([load_fixture("question")[:16000], voice.astype(np.float32)])
     chunks = list(engine.chat(ChatTurn((ChatMessage("user", (question,)),), speech=True)))
     assert chunks[0].prefilled and chunks[0].input_tokens > 0
     assert chunks[-1].done and not any(c.done for c in chunks[:-1])

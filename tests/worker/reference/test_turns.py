@@ -109,9 +109,7 @@ def test_reply_cut_after_two_sentences():
 def test_reply_cut_before_a_loop():
     text = "The opposite of hot is cold. The opposite of heart is the opposite of heart is"
     assert repeated_from(text) is not None
-    assert reply_cut(text, False, TurnRules(max_sentences=5)) == len(
-        "The opposite of hot is cold."
-    )
+    assert reply_cut(text, False, TurnRules(max_sentences=5)) == len("The opposite of hot is cold.")
     loop_only = "the opposite of heart is the opposite of heart is"
     assert reply_cut(loop_only, False, RULES) == loop_only.index("the opposite", 1)
 
