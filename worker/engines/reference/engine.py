@@ -194,7 +194,10 @@ class ReferenceSession(EngineSession):
         said: list[str] = []
         n_tokens = 0
         tts_on = self.settings.tts_enabled is not False
-        while (self.audio.size < OUTPUT_RATE or not tts_on) and len(said) < 2:
+        # The unit that took the turn has transcribed and prefilled already: one piece
+        # (~1 s of speech) is enough to start; later units top the audio up to 1 s.
+        pieces = 1 if heard else 2
+        while (self.audio.size < OUTPUT_RATE or not tts_on) and len(said) < pieces:
             t0 = time.perf_counter()
             piece, used = self._next_piece()
             costs["llm"] = costs.get("llm", 0.0) + (time.perf_counter() - t0) * 1000.0
