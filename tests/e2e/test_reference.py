@@ -131,3 +131,31 @@ async def test_chat_text_and_spoken_turns(stack):
     assert audio and len(audio[-1]["audio"]) > 1000
     await client.send({"type": "session.close"})
     await client.until("session.closed")
+
+
+def test_eval_asks_a_spoken_question_and_scores_the_answer(stack, tmp_path):
+    """`omnifabric eval` against the stack: one question in Piper's voice, scored right."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.cli",
+            "eval",
+            "--url",
+            stack.url,
+            "--voices",
+            "piper",
+            "--limit",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "| piper | 1 | 1/1 (100%) |" in run.stdout
+    assert "1/1" in run.stderr  # the progress line
+    assert (tmp_path / "results.json").exists()

@@ -1,0 +1,59 @@
+"""The scoring of `omnifabric eval` (the whole tool runs in tests/e2e/test_reference.py)."""
+
+from __future__ import annotations
+
+from tools.eval_reference import ITEMS, VOICES, Outcome, names_answer, plan, table, wer, words_of
+
+
+def test_words_spell_digits_and_drop_punctuation():
+    assert words_of("It's 7, not 10!") == ["it's", "seven", "not", "ten"]
+
+
+def test_wer_counts_edits_per_reference_word():
+    assert wer("What is the capital of France?", "what is the capital of france") == 0.0
+    assert wer("What do bees make?", "What do these make?") == 0.25
+    assert wer("a b", "") == 1.0
+
+
+def test_an_answer_is_named_in_words_or_digits():
+    assert names_answer("Spiders have 8 legs.", ("eight", "8"))
+    assert names_answer("Ten minus three is seven.", ("seven", "7"))
+    assert not names_answer("A spider has four legs.", ("eight", "8"))
+
+
+def test_plan_covers_every_voice_kind_and_lead_in():
+    runs = plan(list(VOICES), ITEMS, repeat=2)
+    assert len(runs) == 2 * 2 * len(ITEMS)
+    assert {r[1] for r in runs} == set(VOICES)
+    assert {r[4] for r in runs} == {0.3, 0.7, 1.1, 1.5}
+
+
+def test_table_has_a_row_per_kind_and_one_for_all():
+    right = Outcome(
+        "piper",
+        "joe",
+        1.0,
+        0.3,
+        "q",
+        correct=True,
+        question_wer=0.0,
+        first_audio_s=1.2,
+        unit_rtt_ms=[50.0, 900.0],
+        reply_text="Paris.",
+        words=1,
+    )
+    wrong = Outcome(
+        "espeak",
+        "en-us",
+        160,
+        0.7,
+        "q",
+        question_wer=0.5,
+        sentences=4,
+        loops=True,
+        unit_rtt_ms=[60.0],
+    )
+    text = table([right, wrong])
+    assert "| piper | 1 | 1/1 (100%) | 0% |" in text
+    assert "| espeak | 1 | 0/1 (0%) | 50% |" in text
+    assert "| all | 2 | 1/2 (50%) | 25% |" in text
