@@ -28,7 +28,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from worker.engines.cache import cache_root  # noqa: E402
+from worker.engines.cache import cache_root
+from worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
@@ -36,9 +37,6 @@ STAMP_NAME = "omnifabric-stamp.json"
 # Bump when the cache layout or conversion changes, so old caches are rebuilt.
 CACHE_FORMAT = 1
 _HEAD_BYTES = 1 << 20
-
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
 
 
 def gguf_path() -> Path:
@@ -126,7 +124,7 @@ def _swap_in(tmp: Path, cache: Path, stamp: dict[str, object]) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-class ReplyModel:
+class ReplyModel(ChatML):
     """SmolLM2-135M-Instruct, loaded once and shared by the conversations of many sessions."""
 
     def __init__(self, cache_dir: str | Path | None = None, device: str = "cpu") -> None:
@@ -151,24 +149,8 @@ class ReplyModel:
         vocab = self.tokenizer.convert_tokens_to_ids
         self.im_end_id = vocab(IM_END)
         # <|im_start|> or <|endoftext|> from the model also mean the reply is over.
-        self.stop_ids = frozenset({self.im_end_id, vocab(IM_START), vocab("<|endoftext|>")})
+        self.stop_ids = frozenset({self.im_end_id, vocab(IM_START), vocab(ENDOFTEXT)})
         self.newline_ids = self.encode("\n")
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (special tokens written in it are recognised), no BOS."""
-        with self._tokenizer_lock:
-            return self.tokenizer(text, add_special_tokens=False).input_ids
-
-    def turn_ids(self, role: str, content: str) -> list[int]:
-        """A ChatML turn. The content is tokenized as plain text, so "<|im_end|>" typed by a
-        user or client cannot close the turn or start a role of its own."""
-        with self._tokenizer_lock:
-            plain = self.tokenizer(content, add_special_tokens=False, split_special_tokens=True)
-        return [
-            *self.encode(f"{IM_START}{role}\n"),
-            *plain.input_ids,
-            *self.encode(f"{IM_END}\n"),
-        ]
 
     def decode(self, ids: list[int]) -> str:
         """Exact text of ``ids``, without special tokens and without space clean-up (so a

@@ -40,12 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from worker.engines.cache import cache_root
+from worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML
 
 log = logging.getLogger(__name__)
 
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-ENDOFTEXT = "<|endoftext|>"
 STAMP_NAME = "omnifabric-stamp.json"
 # Bump when the cache layout changes, so old caches are rebuilt.
 CACHE_FORMAT = 1
@@ -338,7 +336,7 @@ class Completion:
     """Context tokens as llama.cpp counted them."""
 
 
-class ReplyModel:
+class ReplyModel(ChatML):
     """A GGUF chat model (ChatML) in llama.cpp, loaded once and shared by the conversations of
     many sessions and engine threads.
 
@@ -422,22 +420,6 @@ class ReplyModel:
     @property
     def kv_bytes_per_slot(self) -> int:
         return self.weights.kv_bytes_per_token * self.max_context
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (special tokens written in it are recognised), no BOS."""
-        with self._tokenizer_lock:
-            return self.tokenizer(text, add_special_tokens=False).input_ids
-
-    def turn_ids(self, role: str, content: str) -> list[int]:
-        """A ChatML turn. The content is tokenized as plain text, so "<|im_end|>" typed by a
-        user or client cannot close the turn or start a role of its own."""
-        with self._tokenizer_lock:
-            plain = self.tokenizer(content, add_special_tokens=False, split_special_tokens=True)
-        return [
-            *self.encode(f"{IM_START}{role}\n"),
-            *plain.input_ids,
-            *self.encode(f"{IM_END}\n"),
-        ]
 
     def complete(self, ids: list[int], n: int, penalty_window: int, slot: int = -1) -> Completion:
         """Greedy-decode up to ``n`` tokens after ``ids`` (the last ``penalty_window`` of them

@@ -1,0 +1,35 @@
+"""ChatML turns for the reference engine's reply models (one owner for both backends)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+ENDOFTEXT = "<|endoftext|>"
+
+
+class ChatML:
+    """Tokenizing for a ChatML model; the class using it sets ``tokenizer`` (a transformers
+    fast tokenizer) and ``_tokenizer_lock``. The fast tokenizer mutates its settings on every
+    call ("Already borrowed" when two engine threads tokenize at once): calls take the lock."""
+
+    tokenizer: Any
+    _tokenizer_lock: threading.Lock
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens written in it are recognised), no BOS."""
+        with self._tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def turn_ids(self, role: str, content: str) -> list[int]:
+        """A ChatML turn. The content is tokenized as plain text, so "<|im_end|>" typed by a
+        user or client cannot close the turn or start a role of its own."""
+        with self._tokenizer_lock:
+            plain = self.tokenizer(content, add_special_tokens=False, split_special_tokens=True)
+        return [
+            *self.encode(f"{IM_START}{role}\n"),
+            *plain.input_ids,
+            *self.encode(f"{IM_END}\n"),
+        ]
