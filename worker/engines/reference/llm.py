@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from worker.engines.cache import cache_root
+from worker.engines.cache import cache_root, swap_in
 from worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -102,26 +102,10 @@ def prepare_cache(cache_dir: str | Path | None = None, gguf: Path | None = None)
         tokenizer.save_pretrained(tmp)
         # The stamp goes last: its presence certifies the rest of the folder.
         (tmp / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n")
-        _swap_in(tmp, cache, stamp)
+        swap_in(tmp, cache, lambda: cache_is_valid(cache, stamp))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return True
-
-
-def _swap_in(tmp: Path, cache: Path, stamp: dict[str, object]) -> None:
-    """Move the finished ``tmp`` folder to ``cache``, replacing a stale one."""
-    old = None
-    if cache.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{cache.name}.old-", dir=cache.parent))
-        os.replace(cache, old / "cache")
-    try:
-        os.replace(tmp, cache)
-    except OSError:
-        # Another process finished the same conversion first; keep theirs if it is good.
-        if not cache_is_valid(cache, stamp):
-            raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 class ReplyModel(ChatML):

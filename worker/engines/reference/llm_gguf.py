@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.engines.cache import cache_root
+from worker.engines.cache import cache_root, swap_in
 from worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ def prepare_cache(weights: GgufWeights = QWEN_CODER_05B, cache_dir: Path | None 
         _save_tokenizer(gguf, tmp)
         # The stamp goes last: its presence certifies the rest of the folder.
         (tmp / STAMP_NAME).write_text(json.dumps(_stamp(weights, sources), indent=2) + "\n")
-        _swap_in(tmp, cache, lambda: cache_is_valid(weights, cache, sources))
+        swap_in(tmp, cache, lambda: cache_is_valid(weights, cache, sources))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return True
@@ -276,22 +276,6 @@ def _save_tokenizer(gguf: Path, folder: Path) -> None:
         gguf.parent, gguf_file=gguf.name, local_files_only=True
     )
     tokenizer.save_pretrained(folder)
-
-
-def _swap_in(tmp: Path, cache: Path, valid) -> None:
-    """Move the finished ``tmp`` folder to ``cache``, replacing a stale one."""
-    old = None
-    if cache.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{cache.name}.old-", dir=cache.parent))
-        os.replace(cache, old / "cache")
-    try:
-        os.replace(tmp, cache)
-    except OSError:
-        # Another process finished the same build first; keep theirs if it is good.
-        if not valid():
-            raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _server_params(gguf: Path, slots: int, context: int, threads: int, ram_cache_mib: int) -> Any:
