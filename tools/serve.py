@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "unified", "as_duplex", "duplex"],
         help="minicpmo: the model code layout to drive (auto)",
     )
+    parser.add_argument(
+        "--llm-model", help="reference: reply model, qwen2.5-coder-1.5b (default) or -0.5b"
+    )
+    parser.add_argument(
+        "--llm-threads", help="reference: llama.cpp threads per worker (2 on 2+ cores, else 1)"
+    )
     parser.add_argument("--text-only", action="store_true", help="minicpmo: no speech output")
     parser.add_argument(
         "--default-voice", help="WAV voice for sessions without reference audio (minicpmo)"
@@ -203,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("--model-dir", args.model_dir),
                 ("--device", args.device),
                 ("--minicpmo-api", args.minicpmo_api),
+                ("--llm-model", args.llm_model),
+                ("--llm-threads", args.llm_threads),
                 ("--default-voice", voice),
             ):
                 if value is not None:

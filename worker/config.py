@@ -72,6 +72,12 @@ class WorkerConfig:
     """Reference engine: speech needed before a pause can end the user's turn, seconds."""
     turn_end_silence_s: float = 0.9
     """Reference engine: silence after speech that ends the user's turn, seconds."""
+    llm_model: str | None = None
+    """Reference engine: the reply model, a key of ``llm_gguf.MODELS``; None = its default."""
+    llm_threads: int | None = None
+    """Reference engine: CPU threads llama.cpp uses for replies; None = two where the
+    machine has two cores or more (a reply's first words come ~40% sooner on an idle
+    worker), else one."""
     synthetic_fail_unit: int | None = None
     """Fault injection (tests): the synthetic engine fails on this unit of every session."""
     synthetic_hang_unit: int | None = None
@@ -109,6 +115,7 @@ class WorkerConfig:
         _check_range("synthetic_compute_ms", self.synthetic_compute_ms, 0.0, 60000.0)
         _check_range("turn_min_speech_s", self.turn_min_speech_s, 0.032, 10.0)
         _check_range("turn_end_silence_s", self.turn_end_silence_s, 0.064, 10.0)
+        _check_range("llm_threads", self.llm_threads, 1, 256, optional=True)
         _check_range("memory_tolerance_mb", self.memory_tolerance_mb, 0.0, 1 << 20)
         _check_range("drain_grace_s", self.drain_grace_s, 0.0, 3600.0)
         _check_range("unit_timeout_s", self.unit_timeout_s, 0.05, 3600.0)
@@ -213,6 +220,8 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "text_only": ("OMNI_WORKER_TEXT_ONLY", _flag),
     "default_voice": ("OMNI_WORKER_DEFAULT_VOICE", str),
     "turn_end_silence_s": ("OMNI_WORKER_TURN_END_SILENCE_S", float),
+    "llm_threads": ("OMNI_WORKER_LLM_THREADS", _optional_int),
+    "llm_model": ("OMNI_WORKER_LLM_MODEL", str),
     "memory_tolerance_mb": ("OMNI_WORKER_MEMORY_TOLERANCE_MB", float),
     "drain_grace_s": ("OMNI_WORKER_DRAIN_GRACE_S", float),
     "max_message_bytes": ("OMNI_WORKER_MAX_MESSAGE_BYTES", int),

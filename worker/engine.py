@@ -212,7 +212,11 @@ def load_engine(name: str, config: WorkerConfig) -> Engine:
             min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s
         )
         engine = ReferenceEngine(
-            slots=config.slots or 5, rules=rules, device=config.device or "cpu"
+            slots=config.slots or 5,
+            rules=rules,
+            device=config.device or "cpu",
+            llm_threads=config.llm_threads,
+            llm_model=config.llm_model,
         )
     elif name == "minicpmo":
         from worker.engines.minicpmo import MiniCPMOEngine

@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="check the engine's model directory and environment, print the report, exit",
     )
     parser.add_argument("--device", help="cpu, cuda or cuda:N (minicpmo: cuda by default)")
+    parser.add_argument(
+        "--llm-model", help="reference: reply model, qwen2.5-coder-1.5b (default) or -0.5b"
+    )
+    parser.add_argument(
+        "--llm-threads", type=int, help="reference: llama.cpp threads (2 on 2+ cores, else 1)"
+    )
     parser.add_argument("--attn", choices=["sdpa", "flash_attention_2", "eager"], help="minicpmo")
     parser.add_argument(
         "--compile", action="store_true", default=None, help="minicpmo: torch.compile the LLM"
@@ -108,6 +114,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         tls_key=args.fabric_tls_key,
         model_path=args.model_path,
         device=args.device,
+        llm_model=args.llm_model,
+        llm_threads=args.llm_threads,
         attn=args.attn,
         compile=args.compile,
         minicpmo_api=args.minicpmo_api,

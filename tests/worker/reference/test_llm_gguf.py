@@ -181,7 +181,7 @@ def model() -> Iterator[ReplyModel]:
     if importlib.util.find_spec("xllamacpp") is None:
         pytest.skip("xllamacpp is not installed (pip install xllamacpp)")
     try:
-        llm_gguf.part_paths(llm_gguf.QWEN_CODER_05B)
+        llm_gguf.part_paths(llm_gguf.MODELS[llm_gguf.DEFAULT_MODEL])
     except WeightsMissing as e:
         pytest.skip(str(e))
     # Small: 3 resident conversations of 2048 tokens (3 x 24 MiB of KV cache).
@@ -201,7 +201,10 @@ def reply(conv: Conversation, limit: int = 60) -> str:
 
 
 def test_joined_file_is_qwens_own(model: ReplyModel) -> None:
-    assert model.gguf_path.stat().st_size == 491_400_064
+    # Qwen2.5-Coder-1.5B-Instruct-GGUF's own q4_k_m file: size and sha256 as Qwen lists them.
+    assert model.weights is llm_gguf.QWEN_CODER_15B
+    assert model.gguf_path.stat().st_size == 1_117_320_768
+    assert model.weights.sha256.startswith("cc324af070c2")
     assert llm_gguf.cache_is_valid(
         model.weights, model.cache_dir, llm_gguf.part_paths(model.weights)
     )

@@ -1,17 +1,18 @@
-"""The reference engine: a cascaded duplex model from small packaged models (CPU or CUDA).
+"""The reference engine: a cascaded duplex model from packaged models (CPU, or CUDA for Whisper).
 
-Silero VAD on every unit decides turn-taking by rule (the user's turn ends after >= 0.3 s
-of speech followed by >= 0.6 s of silence); Whisper tiny.en transcribes the turn and
-SmolLM2-135M-Instruct prefills it in that unit (listening); from the next unit the reply
-is spoken in pieces of at most ~16 characters (about 1 s of espeak-ng speech at 24 kHz),
-generating just enough tokens for each piece. Speech over the reply (barge-in) and
-force_listen close the turn at once. Context is accounted like MiniCPM-o's: 13 tokens per
-unit plus the real text tokens, so context_full at 8192 comes for real (~10 minutes).
+Per unit, silero-vad flags 32 ms windows and the turn tracker (``turns.py``) decides when the
+user's turn has ended: at a unit's end with >= 0.2 s of silence when the transcript reads as
+a finished sentence, else after 0.9 s of silence. The unit that ends the turn transcribes it
+(Whisper base), prefills it into the session's reply model (Qwen2.5-Coder-1.5B-Instruct in
+llama.cpp, one server slot per session, history kept across turns) and already speaks the
+reply's first piece; later units speak the rest in pieces of ~16 characters (about 1 s of
+Piper speech, espeak-ng as the fallback), generating just enough tokens for each. Speech
+over the reply (barge-in) and force_listen close the turn at once. Context is accounted
+like MiniCPM-o's: 13 tokens per unit plus the real text tokens, so context_full at 8192
+comes for real (~10 minutes).
 
-On CUDA (``device="cuda"``) Whisper and SmolLM2 run on the GPU in fp32, as on CPU: the models
-are small, and half precision could flip greedy choices. Replies should match the CPU path's,
-though not bit for bit (GPU kernels round differently; torch's default TF32 applies to cuDNN
-convolutions). VAD and espeak-ng stay on the CPU.
+On CUDA (``device="cuda"``) Whisper runs on the GPU in fp32, as on CPU; the reply model
+(CPU build of llama.cpp), VAD and TTS stay on the CPU.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ TTS_TOKENS_PER_SECOND = 25
 
 #: What the engine says when it heard speech but could not make out words it trusts.
 REPAIR_TEXT = "Sorry, I did not catch that. Could you say it again?"
-#: Added to every session's system prompt: the reply is spoken, so it must be short.
-SPOKEN_STYLE = "Reply in one or two short spoken sentences, without lists or markup."
+#: Added to every session's system prompt: the reply is spoken, so it must be short, and
+#: complete sentences ("It is cold.") are heard better than a lone word ("Cold").
+SPOKEN_STYLE = "Reply in one or two short, complete spoken sentences, without lists or markup."
 
 
 class ReferenceSession(EngineSession):
@@ -351,8 +353,8 @@ def check_device(device: str) -> torch.device:
 
 
 class ReferenceEngine(Engine):
-    """VAD + Whisper tiny.en + SmolLM2-135M + espeak-ng, loaded once; Whisper and SmolLM2 on
-    ``device`` (cpu, cuda, cuda:N), VAD and TTS on the CPU."""
+    """VAD + Whisper base + a GGUF reply model in llama.cpp + Piper, loaded once; Whisper on
+    ``device`` (cpu, cuda, cuda:N), the rest on the CPU."""
 
     name = "reference"
     modes = frozenset({"audio", "video", "chat"})
@@ -367,6 +369,8 @@ class ReferenceEngine(Engine):
         threads: int | None = None,
         rules: TurnRules | None = None,
         device: str = "cpu",
+        llm_threads: int | None = None,
+        llm_model: str | None = None,
     ) -> None:
         # Checked here, before any weights load, so a bad device fails the worker at once.
         self._torch_device = check_device(device)
@@ -380,6 +384,8 @@ class ReferenceEngine(Engine):
             # One GPU: a second engine thread would only queue kernels behind the first.
             self.concurrency = threads or 1
         self.rules = rules or TurnRules()
+        self.llm_threads = llm_threads
+        self.llm_model = llm_model
         self.vad_path = None
         self.asr = None
         self.llm = None
@@ -388,7 +394,7 @@ class ReferenceEngine(Engine):
 
     def load(self) -> None:
         from worker.engines.reference.asr import Transcriber
-        from worker.engines.reference.llm_gguf import ReplyModel
+        from worker.engines.reference.llm_gguf import DEFAULT_MODEL, ReplyModel
         from worker.engines.reference.tts import make_speaker
         from worker.engines.reference.vad import model_path
 
@@ -405,7 +411,12 @@ class ReferenceEngine(Engine):
         self.asr = Transcriber(device=self.device)
         t1 = time.perf_counter()
         # Qwen2.5-Coder-0.5B-Instruct in llama.cpp: one server slot (KV cache) per session.
-        self.llm = ReplyModel(device=self.device, slots=self.default_slots + 1)
+        self.llm = ReplyModel(
+            device=self.device,
+            model=self.llm_model or DEFAULT_MODEL,
+            slots=self.default_slots + 1,
+            threads=self.llm_threads,
+        )
         t2 = time.perf_counter()
         log.info(
             "reference engine loaded on %s: asr+tts %.1fs, llm %.1fs", self.device, t1 - t0, t2 - t1
@@ -472,13 +483,13 @@ class ReferenceEngine(Engine):
         if turn.max_slice_nums is not None or turn.use_image_id is not None:
             notes.append("image config: the reference engine has no vision")
         if turn.tts_mode != "default" or turn.voice is not None:
-            notes.append("tts mode/voice: the reference engine has one fixed espeak-ng voice")
+            notes.append("tts mode/voice: the reference engine has one fixed voice")
         if turn.language:
             notes.append("tts.language: the reference engine speaks English only")
         if turn.omni_mode:
             notes.append("omni_mode: the reference engine has no vision")
         if turn.enable_thinking:
-            notes.append("enable_thinking: SmolLM2 has no thinking mode")
+            notes.append("enable_thinking: the reference reply model has no thinking mode")
         system_audio = any(
             isinstance(p, np.ndarray) for m in turn.messages if m.role == "system" for p in m.parts
         )

