@@ -282,3 +282,18 @@ def test_base_initial_prompt(base, speak):
     assert said.strip() == "Hello. What is the capital of Italy?"
     heard = words(prompted.transcribe(speak("Which planet is closest to the sun?")))
     assert "planet" in heard and "sun" in heard, heard
+
+
+@needs_base
+def test_hear_on_two_threads_returns_its_own_logprob(base, speak):
+    import torch
+
+    audio = speak("What is the capital of France?")
+    before = torch.get_num_threads()
+    text, logprob = base.hear(audio, threads=2)
+    assert torch.get_num_threads() == before  # the caller's setting is back
+    assert text == base.transcribe(audio)
+    assert logprob == pytest.approx(base.last_avg_logprob, abs=1e-3) and logprob > -1.0
+    # Another call in between (another session's) does not change what this call returned.
+    assert base.hear(np.zeros(16000, np.float32)) == ("", float("-inf"))
+    assert base.hear(audio)[0] == text

@@ -90,6 +90,40 @@ def test_unsure_words_get_a_request_to_say_them_again(engine):
     assert "".join(s.result.text for s in steps) == REPAIR_TEXT
 
 
+def test_an_unsure_turn_stays_in_the_context(engine):
+    from tests.worker.reference.drive import load_fixture, units_of
+    from worker.engines.reference.engine import REPAIR_TEXT
+
+    session = engine.open_session("repair-context", "audio")
+    engine.repair_below = 1.0  # every transcript counts as unsure
+    try:
+        session.prepare("", None, None, DuplexSettings())
+        for unit in units_of(load_fixture("question")):
+            session.prefill(unit, [], 1)
+            session.generate(False)
+            session.finalize()
+        context = engine.llm.tokenizer.decode(session.conversation._ids)
+    finally:
+        del engine.repair_below
+        session.close()
+    # What was heard and the request to say it again, as the user got them.
+    assert "capital" in context.lower() and REPAIR_TEXT in context
+
+
+def test_a_lone_unit_transcribes_on_spare_cores():
+    engine = ReferenceEngine(slots=2)  # not loaded: the counting needs no models
+    engine.asr_threads = 2
+    assert engine.spare_threads() == 2  # nothing running (chat)
+    with engine.running():
+        assert engine.spare_threads() == 2
+        with engine.running():  # a second session's unit at the same time
+            assert engine.spare_threads() is None
+        assert engine.spare_threads() == 2
+    engine.asr_threads = 1
+    with engine.running():
+        assert engine.spare_threads() is None
+
+
 def test_a_reference_voice_is_answered_with_a_note(engine):
     session = engine.open_session("notes", "audio")
     try:

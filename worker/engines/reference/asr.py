@@ -565,6 +565,19 @@ class Transcriber:
         """ms spent in features, encoder and decoder on the last call, and tokens decoded."""
         return dict(self._timings)
 
+    def hear(self, audio: np.ndarray, *, threads: int | None = None) -> tuple[str, float]:
+        """``transcribe`` with the mean log-probability of this very call (the ``last_*``
+        attributes are shared by the engine threads that use one Transcriber), on ``threads``
+        torch threads for this call when given (the calling thread's setting is restored)."""
+        if threads is None:
+            return self._transcribe(audio, False)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return self._transcribe(audio, False)
+        finally:
+            torch.set_num_threads(before)
+
     def transcribe(self, audio: np.ndarray, *, full_window: bool = False) -> str:
         """Text of float32 mono 16 kHz ``audio`` (up to 30 s); "" for silence (a peak under
         ``SILENCE_PEAK``, or Whisper's no-speech rule).
@@ -573,12 +586,15 @@ class Transcriber:
         Sets ``last_no_speech_prob`` and ``last_avg_logprob`` (mean over the decoded tokens
         and the end token; -inf when decoding stopped at the prompt).
         """
+        return self._transcribe(audio, full_window)[0]
+
+    def _transcribe(self, audio: np.ndarray, full_window: bool) -> tuple[str, float]:
         audio = np.asarray(audio, dtype=np.float32).reshape(-1)[: FULL_FRAMES * HOP]
         self._timings = {"features": 0.0, "encoder": 0.0, "decoder": 0.0, "tokens": 0.0}
         self.last_no_speech_prob = 1.0
         self.last_avg_logprob = float("-inf")
         if audio.size == 0 or float(np.abs(audio).max()) < SILENCE_PEAK:
-            return ""
+            return "", float("-inf")
         with torch.inference_mode():
             t0 = time.perf_counter()
             frames = FULL_FRAMES if full_window else window_frames(audio.size)
@@ -604,8 +620,8 @@ class Transcriber:
         self.last_no_speech_prob = no_speech
         self.last_avg_logprob = logprob
         if no_speech > NO_SPEECH_THRESHOLD and logprob < LOGPROB_THRESHOLD:
-            return ""
-        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            return "", logprob
+        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), logprob
 
     def _encode(self, mel: torch.Tensor) -> torch.Tensor:
         """WhisperEncoder.forward on a window of any even length <= 3000 frames.
