@@ -110,20 +110,6 @@ def test_an_unsure_turn_stays_in_the_context(engine):
     assert "capital" in context.lower() and REPAIR_TEXT in context
 
 
-def test_a_lone_unit_transcribes_on_spare_cores():
-    engine = ReferenceEngine(slots=2)  # not loaded: the counting needs no models
-    engine.asr_threads = 2
-    assert engine.spare_threads() == 2  # nothing running (chat)
-    with engine.running():
-        assert engine.spare_threads() == 2
-        with engine.running():  # a second session's unit at the same time
-            assert engine.spare_threads() is None
-        assert engine.spare_threads() == 2
-    engine.asr_threads = 1
-    with engine.running():
-        assert engine.spare_threads() is None
-
-
 def test_a_reference_voice_is_answered_with_a_note(engine):
     session = engine.open_session("notes", "audio")
     try:

@@ -565,18 +565,10 @@ class Transcriber:
         """ms spent in features, encoder and decoder on the last call, and tokens decoded."""
         return dict(self._timings)
 
-    def hear(self, audio: np.ndarray, *, threads: int | None = None) -> tuple[str, float]:
-        """``transcribe`` with the mean log-probability of this very call (the ``last_*``
-        attributes are shared by the engine threads that use one Transcriber), on ``threads``
-        torch threads for this call when given (the calling thread's setting is restored)."""
-        if threads is None:
-            return self._transcribe(audio, False)
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return self._transcribe(audio, False)
-        finally:
-            torch.set_num_threads(before)
+    def hear(self, audio: np.ndarray) -> tuple[str, float]:
+        """``transcribe``, with the mean log-probability of this very call: the ``last_*``
+        attributes are shared by the engine threads that use one Transcriber."""
+        return self._transcribe(audio, False)
 
     def transcribe(self, audio: np.ndarray, *, full_window: bool = False) -> str:
         """Text of float32 mono 16 kHz ``audio`` (up to 30 s); "" for silence (a peak under

@@ -17,7 +17,6 @@ On CUDA (``device="cuda"``) Whisper runs on the GPU in fp32, as on CPU; the repl
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -121,10 +120,6 @@ class ReferenceSession(EngineSession):
     def generate(self, force_listen: bool) -> GenerateResult:
         if self.conversation is None:
             raise RuntimeError("generate before prepare")
-        with self.engine.running():
-            return self._generate(force_listen)
-
-    def _generate(self, force_listen: bool) -> GenerateResult:
         self.units += 1
         self.needs_finalize = True
         costs: dict[str, float] = {}
@@ -169,7 +164,7 @@ class ReferenceSession(EngineSession):
         if self.heard is not None and self.heard[0] == audio.size:
             return self.heard[1], self.heard[2]
         t0 = time.perf_counter()
-        text, logprob = self.engine.asr.hear(audio, threads=self.engine.spare_threads())
+        text, logprob = self.engine.asr.hear(audio)
         costs["asr"] = costs.get("asr", 0.0) + (time.perf_counter() - t0) * 1000.0
         self.heard = (audio.size, text, logprob)
         return text, logprob
@@ -395,13 +390,6 @@ class ReferenceEngine(Engine):
         self.rules = rules or TurnRules()
         self.llm_threads = llm_threads
         self.llm_model = llm_model
-        self.asr_threads = 1
-        """torch threads for a transcription while no other unit is being generated (on CPU:
-        the cores up to 2; Whisper base takes ~157 ms on two against ~287 ms on one)."""
-        if self._torch_device.type == "cpu":
-            self.asr_threads = max(1, min(2, os.cpu_count() or 1))
-        self._running = 0
-        self._running_lock = threading.Lock()
         self.vad_path = None
         self.asr = None
         self.llm = None
@@ -437,22 +425,6 @@ class ReferenceEngine(Engine):
         log.info(
             "reference engine loaded on %s: asr+tts %.1fs, llm %.1fs", self.device, t1 - t0, t2 - t1
         )
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        """Counts the units being generated now (on any engine thread)."""
-        with self._running_lock:
-            self._running += 1
-        try:
-            yield
-        finally:
-            with self._running_lock:
-                self._running -= 1
-
-    def spare_threads(self) -> int | None:
-        """torch threads a transcription may use now: ``asr_threads`` while this is the only
-        unit being generated, else None (the engine thread's own single thread)."""
-        return self.asr_threads if self._running <= 1 and self.asr_threads > 1 else None
 
     def voice_notes(self, ref_audio: np.ndarray | None) -> tuple[str, ...]:
         """What a session's reference voice leads to, said once in session.created."""
