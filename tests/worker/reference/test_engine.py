@@ -69,6 +69,16 @@ def test_barge_in_closes_the_turn_at_once(engine):
     assert "stop" in steps[9].result.input_transcript.lower()
 
 
+def test_words_heard_so_far_are_prefilled_ahead(engine):
+    steps = drive(engine, "question")
+    # A unit inside the question prefilled its first words; the reply is what it would be
+    # without that (test_question_timeline_and_answer).
+    warmed = [s.seq for s in steps if "llm_warm" in s.result.costs_ms]
+    turn = next(s.seq for s in steps if s.result.input_transcript)
+    assert warmed and all(seq < turn for seq in warmed)
+    assert "".join(s.result.text for s in steps).startswith("The capital of France is Paris")
+
+
 def test_force_listen_closes_the_turn(engine):
     steps = drive(engine, "question", force_listen_at=frozenset({7}))
     assert timeline(steps) == "L L L L L S L* L L L L L L L L"

@@ -218,6 +218,26 @@ def test_factual_question(model: ReplyModel) -> None:
     assert conv.next_tokens(1) == ("", True)
 
 
+def test_warm_prefills_the_first_words_and_changes_nothing_else(model: ReplyModel) -> None:
+    cold = model.conversation(SYSTEM)
+    cold.add_user_turn("What is the capital of France?")
+    computed_cold = cold.last.evaluated
+    answer = reply(cold)
+
+    warm = model.conversation(SYSTEM)
+    before = warm.context_tokens
+    assert warm.warm("What is the capital") > 0
+    assert warm.context_tokens == before  # nothing was added to the conversation
+    warm.add_user_turn("What is the capital of France?")
+    # Only what follows the warmed words is computed now ...
+    assert 0 < warm.last.evaluated <= computed_cold - 4
+    # ... and the reply is the same.
+    assert reply(warm) == answer
+    # While an assistant turn is open there is nothing to warm.
+    assert warm.warm("And of Spain") == 0
+    assert warm.warm("   ") == 0
+
+
 def test_follow_up_remembers_and_only_new_tokens_are_computed(model: ReplyModel) -> None:
     conv = model.conversation(SYSTEM)
     conv.add_user_turn("My name is Anna.")

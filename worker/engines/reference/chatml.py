@@ -26,10 +26,10 @@ class ChatML:
     def turn_ids(self, role: str, content: str) -> list[int]:
         """A ChatML turn. The content is tokenized as plain text, so "<|im_end|>" typed by a
         user or client cannot close the turn or start a role of its own."""
+        return [*self.open_turn_ids(role, content), *self.encode(f"{IM_END}\n")]
+
+    def open_turn_ids(self, role: str, content: str) -> list[int]:
+        """The start of a ChatML turn, not closed: what ``turn_ids`` begins with."""
         with self._tokenizer_lock:
             plain = self.tokenizer(content, add_special_tokens=False, split_special_tokens=True)
-        return [
-            *self.encode(f"{IM_START}{role}\n"),
-            *plain.input_ids,
-            *self.encode(f"{IM_END}\n"),
-        ]
+        return [*self.encode(f"{IM_START}{role}\n"), *plain.input_ids]

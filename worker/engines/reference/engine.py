@@ -132,6 +132,7 @@ class ReferenceSession(EngineSession):
             return self._result(is_listen=True, costs=costs)
         heard = self._user_turn(costs)
         if heard is None:
+            self._warm(costs)
             return self._result(is_listen=True, costs=costs)
         text, logprob = heard
         self._start_reply(text, logprob, costs)
@@ -158,6 +159,19 @@ class ReferenceSession(EngineSession):
         if not text:
             return None
         return text, logprob
+
+    def _warm(self, costs: dict[str, float]) -> None:
+        """Inside an utterance: prefill the words heard so far but the last (it may be cut
+        off), so the unit that ends the turn prefills only the rest of it."""
+        turn = self.turn
+        if not self.rules.warm_ahead or not turn.started or turn.speech_s < self.rules.min_speech_s:
+            return
+        text, _ = self._transcribe(turn.audio(), costs)
+        words = text.split()[:-1]
+        if words:
+            t0 = time.perf_counter()
+            self.conversation.warm(" ".join(words))
+            costs["llm_warm"] = (time.perf_counter() - t0) * 1000.0
 
     def _transcribe(self, audio: np.ndarray, costs: dict[str, float]) -> tuple[str, float]:
         """Transcript of the current utterance's audio, reused while only silence was added."""

@@ -517,6 +517,20 @@ class Conversation:
             self._open = True
             return len(self._ids) - before
 
+    def warm(self, words: str) -> int:
+        """Prefill the first words of a user turn that is still being spoken, so that
+        ``add_user_turn`` with the whole turn computes only what follows them: the slot
+        keeps the longest common prefix of the two. Nothing is added to the conversation
+        (correctness never depends on it). Returns the tokens computed; 0 while an
+        assistant turn is open or for no words."""
+        with self._lock:
+            if self._open or not words.strip():
+                return 0
+            ids = self._ids + self._model.open_turn_ids("user", words)
+            self._slot = self._model.slot_for(self, self._slot)
+            done = self._model.complete(ids, 0, 0, self._slot)
+            return max(0, done.evaluated)
+
     def next_tokens(self, max_tokens: int) -> tuple[str, bool]:
         """Greedy-decode up to ``max_tokens`` more reply tokens: (new text, reply finished).
 
