@@ -79,6 +79,17 @@ def test_words_heard_so_far_are_prefilled_ahead(engine):
     assert "".join(s.result.text for s in steps).startswith("The capital of France is Paris")
 
 
+def test_prefill_ahead_only_in_spare_time(engine):
+    with engine.running():
+        assert not engine.busy()  # this unit alone
+        with engine.running():  # another session's unit at the same time
+            assert engine.busy()
+            steps = drive(engine, "question")
+        assert not engine.busy()
+    assert not any("llm_warm" in s.result.costs_ms for s in steps)
+    assert "".join(s.result.text for s in steps).startswith("The capital of France is Paris")
+
+
 def test_force_listen_closes_the_turn(engine):
     steps = drive(engine, "question", force_listen_at=frozenset({7}))
     assert timeline(steps) == "L L L L L S L* L L L L L L L L"

@@ -17,6 +17,7 @@ On CUDA (``device="cuda"``) Whisper runs on the GPU in fp32, as on CPU; the repl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -120,6 +121,10 @@ class ReferenceSession(EngineSession):
     def generate(self, force_listen: bool) -> GenerateResult:
         if self.conversation is None:
             raise RuntimeError("generate before prepare")
+        with self.engine.running():
+            return self._generate(force_listen)
+
+    def _generate(self, force_listen: bool) -> GenerateResult:
         self.units += 1
         self.needs_finalize = True
         costs: dict[str, float] = {}
@@ -166,6 +171,8 @@ class ReferenceSession(EngineSession):
         turn = self.turn
         if not self.rules.warm_ahead or not turn.started or turn.speech_s < self.rules.min_speech_s:
             return
+        if self.engine.busy():
+            return  # spare time only: another session's unit is being computed
         text, _ = self._transcribe(turn.audio(), costs)
         words = text.split()[:-1]
         if words:
@@ -404,6 +411,8 @@ class ReferenceEngine(Engine):
         self.rules = rules or TurnRules()
         self.llm_threads = llm_threads
         self.llm_model = llm_model
+        self._running = 0
+        self._running_lock = threading.Lock()
         self.vad_path = None
         self.asr = None
         self.llm = None
@@ -439,6 +448,22 @@ class ReferenceEngine(Engine):
         log.info(
             "reference engine loaded on %s: asr+tts %.1fs, llm %.1fs", self.device, t1 - t0, t2 - t1
         )
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Counts a unit being generated (on any engine thread) while the block runs."""
+        with self._running_lock:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._running_lock:
+                self._running -= 1
+
+    def busy(self) -> bool:
+        """More than one unit is being generated now: work that only saves time later (the
+        prefill ahead) is skipped, so it never delays another session's unit."""
+        return self._running > 1
 
     def voice_notes(self, ref_audio: np.ndarray | None) -> tuple[str, ...]:
         """What a session's reference voice leads to, said once in session.created."""

@@ -51,7 +51,8 @@ class TurnRules:
     """Silence after the last speech window given to the recognizer."""
     warm_ahead: bool = True
     """At the end of a unit inside an utterance, transcribe it so far and prefill its words
-    but the last, so the unit that ends the turn prefills only the rest."""
+    but the last, so the unit that ends the turn prefills only the rest (skipped while
+    another session's unit is being computed)."""
     max_utterance_s: float = 25.0
     """Longer user turns are transcribed once they reach this (Whisper takes 30 s)."""
 
