@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 RATE = 16000
+OUTPUT_RATE = 24000
 LEAD_INS_S = (0.3, 0.7, 1.1, 1.5)
 #: Seconds between the end of one turn's question and the next turn's (a reply fits).
 TURN_GAP_S = 8.0
@@ -91,6 +92,8 @@ class Outcome:
     words: int = 0
     loops: bool = False
     first_audio_s: float | None = None
+    gap_s: float = 0.0
+    """Silence a client playing the reply as it arrives hears inside it (chunks late)."""
     unit_rtt_ms: list[float] = field(default_factory=list)
     error: str = ""
 
@@ -214,6 +217,11 @@ async def ask(
     first = next((u for u in replies if u.audio_samples and u.received_at), None)
     if first is not None:
         out.first_audio_s = first.received_at - (origin + end_s)
+    out.gap_s = sum(
+        playback_gaps(
+            [(u.received_at, u.audio_samples / OUTPUT_RATE) for u in replies if u.received_at]
+        )
+    )
     audio = np.concatenate([np.zeros(0, np.float32), *_reply_audio(report, replies)])
     if audio.size:
         out.reply_heard = hearer(resample_poly(audio, 2, 3).astype(np.float32))
@@ -222,6 +230,21 @@ async def ask(
     out.words = len(words_of(out.reply_text))
     out.loops = repeated_from(out.reply_text) is not None
     return out
+
+
+def playback_gaps(chunks: list[tuple[float, float]]) -> list[float]:
+    """Silences inside a reply for a client that plays each chunk (arrival time, seconds of
+    audio; in order) as soon as it has it and the chunk before it has played."""
+    gaps: list[float] = []
+    end = None
+    for arrival, duration in chunks:
+        if duration <= 0:
+            continue
+        start = arrival if end is None else max(arrival, end)
+        if end is not None and start > end:
+            gaps.append(start - end)
+        end = start + duration
+    return gaps
 
 
 def _reply_audio(report, replies) -> list[np.ndarray]:
@@ -272,9 +295,10 @@ def table(outcomes: list[Outcome]) -> str:
     groups["all"] = outcomes
     head = (
         "| voices | sessions | correct | question WER | reply words (mean) | over 3 sentences "
-        "| loops | first audio p50 / p90 s | unit p50 / p99 ms | errors |"
+        "| loops | first audio p50 / p90 s | gaps in replies (n, s) | unit p50 / p99 ms "
+        "| errors |"
     )
-    rows = [head, "|" + "---|" * 10]
+    rows = [head, "|" + "---|" * 11]
     for name, group in groups.items():
         n = len(group)
         right = sum(o.correct for o in group)
@@ -289,6 +313,7 @@ def table(outcomes: list[Outcome]) -> str:
             f"| {sum(o.loops for o in group)} "
             f"| {percentile(firsts, 50):.2f} / {percentile(firsts, 90):.2f} "
             f"({len(firsts)} replied) "
+            f"| {sum(o.gap_s > 0.05 for o in group)}, {sum(o.gap_s for o in group):.2f} "
             f"| {percentile(rtts, 50):.0f} / {percentile(rtts, 99):.0f} "
             f"| {sum(bool(o.error) for o in group)} |"
         )

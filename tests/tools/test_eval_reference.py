@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from tools.eval_reference import ITEMS, VOICES, Outcome, names_answer, plan, table, wer, words_of
+import pytest
+
+from tools.eval_reference import (
+    ITEMS,
+    VOICES,
+    Outcome,
+    names_answer,
+    plan,
+    playback_gaps,
+    table,
+    wer,
+    words_of,
+)
 
 
 def test_words_spell_digits_and_drop_punctuation():
@@ -52,8 +64,19 @@ def test_table_has_a_row_per_kind_and_one_for_all():
         sentences=4,
         loops=True,
         unit_rtt_ms=[60.0],
+        gap_s=0.3,
     )
     text = table([right, wrong])
+    assert "| 0, 0.00 |" in text and "| 1, 0.30 |" in text
     assert "| piper | 1 | 1/1 (100%) | 0% |" in text
     assert "| espeak | 1 | 0/1 (0%) | 50% |" in text
     assert "| all | 2 | 1/2 (50%) | 25% |" in text
+
+
+def test_playback_gaps_are_the_silences_a_client_hears_inside_a_reply():
+    # 0.6 s played from t=10; the next chunk comes at 11.0: 0.4 s of silence, then on time.
+    assert playback_gaps([(10.0, 0.6), (11.0, 1.0), (11.5, 1.0)]) == [pytest.approx(0.4)]
+    # Chunks that arrive while the one before still plays are queued: no gap.
+    assert playback_gaps([(10.0, 1.0), (10.9, 1.0), (11.95, 0.5)]) == []
+    # Units without audio do not count.
+    assert playback_gaps([(10.0, 0.5), (10.4, 0.0), (11.0, 0.5)]) == [pytest.approx(0.5)]

@@ -224,9 +224,10 @@ class ReferenceSession(EngineSession):
         # The unit that took the turn has transcribed and prefilled already: one piece
         # (~1 s of speech) is enough to start; later units top the audio up to 1 s.
         pieces = 1 if heard else 2
+        chars = self.rules.first_piece_chars if heard else self.rules.piece_chars
         while (self.audio.size < OUTPUT_RATE or not tts_on) and len(said) < pieces:
             t0 = time.perf_counter()
-            piece, used = self._next_piece()
+            piece, used = self._next_piece(chars)
             costs["llm"] = costs.get("llm", 0.0) + (time.perf_counter() - t0) * 1000.0
             n_tokens += used
             if not piece:
@@ -254,12 +255,12 @@ class ReferenceSession(EngineSession):
             heard=heard,
         )
 
-    def _next_piece(self) -> tuple[str, int]:
-        """The next piece of reply text as generated (spacing kept), and the tokens it took;
-        ("", n) when the reply is done."""
+    def _next_piece(self, chars: int) -> tuple[str, int]:
+        """The next piece of reply text as generated (spacing kept), about ``chars`` long, and
+        the tokens it took; ("", n) when the reply is done."""
         used = 0
         rules = self.rules
-        while not self.reply_finished and len(self.pending_text) <= rules.piece_chars:
+        while not self.reply_finished and len(self.pending_text) <= chars:
             if used >= rules.max_tokens_per_unit:
                 break
             reply = self.conversation.reply_text
@@ -279,10 +280,10 @@ class ReferenceSession(EngineSession):
         if not self.pending_text.strip():
             self.pending_text = "" if self.reply_finished else self.pending_text
             return "", used
-        if self.reply_finished and len(self.pending_text) <= rules.piece_chars * 1.5:
+        if self.reply_finished and len(self.pending_text) <= chars * 1.5:
             piece, self.pending_text = self.pending_text, ""  # no short orphan piece at the end
             return piece, used
-        _, rest = split_for_speech(self.pending_text, rules.piece_chars)
+        _, rest = split_for_speech(self.pending_text, chars)
         cut = len(self.pending_text) - len(rest)
         piece, self.pending_text = self.pending_text[:cut], rest
         return piece, used

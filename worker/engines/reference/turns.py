@@ -39,6 +39,9 @@ class TurnRules:
     """Speech within one unit, while the model speaks, that interrupts it."""
     piece_chars: int = 16
     """Characters spoken per piece (~1 s of speech)."""
+    first_piece_chars: int = 16
+    """Characters of the first piece, spoken by the unit that ends the user's turn: fewer
+    start the reply sooner, but the next unit's audio must come before it has played."""
     max_tokens_per_unit: int = 16
     """LLM tokens generated at most per speaking unit."""
     max_reply_tokens: int = 80
