@@ -12,7 +12,8 @@ the engine's own (Whisper tiny.en here; the engine says what it heard in
 Printed: a progress line per session, then one table row per voice kind: correct answers,
 question word error rate (the engine's transcript against the question), reply length,
 replies over 3 sentences or repeating themselves, first reply audio after the end of the
-question (p50/p90), and unit round trips (p50/p99). `--out` also gets every session as JSON.
+question (p50/p90), gaps inside replies for a client playing them as they arrive, and unit
+round trips (p50/p99). `--out` also gets every session as JSON.
 Without `--url` it starts `omnifabric serve` on free ports and stops it afterwards.
 
 The question set here is small on purpose: acceptance uses questions, voices and timings
@@ -94,6 +95,8 @@ class Outcome:
     first_audio_s: float | None = None
     gap_s: float = 0.0
     """Silence a client playing the reply as it arrives hears inside it (chunks late)."""
+    reply_chunks: list[tuple[float, float]] = field(default_factory=list)
+    """The reply's audio as (arrival after the end of the question, seconds of audio)."""
     unit_rtt_ms: list[float] = field(default_factory=list)
     error: str = ""
 
@@ -217,11 +220,9 @@ async def ask(
     first = next((u for u in replies if u.audio_samples and u.received_at), None)
     if first is not None:
         out.first_audio_s = first.received_at - (origin + end_s)
-    out.gap_s = sum(
-        playback_gaps(
-            [(u.received_at, u.audio_samples / OUTPUT_RATE) for u in replies if u.received_at]
-        )
-    )
+    chunks = [(u.received_at, u.audio_samples / OUTPUT_RATE) for u in replies if u.received_at]
+    out.gap_s = sum(playback_gaps(chunks))
+    out.reply_chunks = [(round(t - origin - end_s, 3), round(d, 3)) for t, d in chunks]
     audio = np.concatenate([np.zeros(0, np.float32), *_reply_audio(report, replies)])
     if audio.size:
         out.reply_heard = hearer(resample_poly(audio, 2, 3).astype(np.float32))

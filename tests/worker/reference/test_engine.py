@@ -69,6 +69,18 @@ def test_barge_in_closes_the_turn_at_once(engine):
     assert "stop" in steps[9].result.input_transcript.lower()
 
 
+def test_finalize_makes_the_next_second_of_speech(engine):
+    steps = drive(engine, "question")
+    speaking = [s for s in steps if not s.result.is_listen]
+    # The turn's unit generates a short first piece itself ...
+    assert "llm" in speaking[0].result.costs_ms
+    assert 0 < speaking[0].result.audio.size <= 24000
+    # ... and every later unit finds its second of speech made by the finalize before it.
+    assert len(speaking) >= 3
+    assert all("llm" not in s.result.costs_ms for s in speaking[1:-1])
+    assert all(s.result.text for s in speaking[1:-1])
+
+
 def test_words_heard_so_far_are_prefilled_ahead(engine):
     steps = drive(engine, "question")
     # A unit inside the question prefilled its first words; the reply is what it would be

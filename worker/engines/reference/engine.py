@@ -85,6 +85,9 @@ class ReferenceSession(EngineSession):
         """The reply is fixed text (a repair), not the model's."""
         self.audio = np.zeros(0, np.float32)
         """Synthesized reply speech not yet sent (24 kHz)."""
+        self.ahead: list[str] = []
+        self.ahead_tokens = 0
+        """Reply text (and its tokens) that finalize made ahead, said with the next unit."""
         self.unit_speech_s = 0.0
         self.heard: tuple[int, str, float] | None = None
         """(utterance samples, transcript, mean log-probability) of the current utterance,
@@ -199,6 +202,7 @@ class ReferenceSession(EngineSession):
         self.reply_finished = False
         self.reply_tokens = 0
         self.audio = np.zeros(0, np.float32)
+        self.ahead, self.ahead_tokens = [], 0
         self.scripted = logprob < self.engine.repair_below
         log.info("session %s: user said %r (logprob %.2f)", self.session_id, text, logprob)
         if self.scripted:
@@ -216,27 +220,19 @@ class ReferenceSession(EngineSession):
         costs["llm_prefill"] = (time.perf_counter() - t1) * 1000.0
 
     def _speak(self, costs: dict[str, float], heard: str = "") -> GenerateResult:
-        """Emit up to 1 s of the reply's speech, generating and synthesizing just enough text
-        to fill it; the turn ends with the unit that empties the last audio."""
-        said: list[str] = []
-        n_tokens = 0
-        tts_on = self.settings.tts_enabled is not False
-        # The unit that took the turn has transcribed and prefilled already: one piece
-        # (~1 s of speech) is enough to start; later units top the audio up to 1 s.
-        pieces = 1 if heard else 2
-        chars = self.rules.first_piece_chars if heard else self.rules.piece_chars
-        while (self.audio.size < OUTPUT_RATE or not tts_on) and len(said) < pieces:
-            t0 = time.perf_counter()
-            piece, used = self._next_piece(chars)
-            costs["llm"] = costs.get("llm", 0.0) + (time.perf_counter() - t0) * 1000.0
-            n_tokens += used
-            if not piece:
-                break
-            said.append(piece)
-            if tts_on and piece.strip():
-                t1 = time.perf_counter()
-                self.audio = np.concatenate([self.audio, self.engine.tts.synthesize(piece.strip())])
-                costs["tts"] = costs.get("tts", 0.0) + (time.perf_counter() - t1) * 1000.0
+        """Emit up to 1 s of the reply's speech: what finalize made ahead, topped up with
+        just enough new text to fill it; the turn ends with the unit that empties the last
+        audio."""
+        said, n_tokens = self.ahead, self.ahead_tokens
+        self.ahead, self.ahead_tokens = [], 0
+        # The unit that took the turn has transcribed and prefilled already: one short piece
+        # is enough to start (finalize makes the next second of speech right after); later
+        # units top the audio up to 1 s when finalize has not.
+        if heard:
+            new, used = self._fill(1, self.rules.first_piece_chars, costs)
+        else:
+            new, used = self._fill(2, self.rules.piece_chars, costs)
+        said, n_tokens = said + new, n_tokens + used
         take = OUTPUT_RATE
         if self.reply_finished and not self.pending_text.strip():
             # A sliver of tail (< 0.1 s) rides with this chunk rather than a unit of its own.
@@ -254,6 +250,26 @@ class ReferenceSession(EngineSession):
             costs=costs,
             heard=heard,
         )
+
+    def _fill(self, pieces: int, chars: int, costs: dict[str, float]) -> tuple[list[str], int]:
+        """Generate up to ``pieces`` pieces of ~``chars`` characters while the speech ready
+        to send is under 1 s (with speech off: the pieces); returns their text and tokens."""
+        said: list[str] = []
+        n_tokens = 0
+        tts_on = self.settings.tts_enabled is not False
+        while (self.audio.size < OUTPUT_RATE or not tts_on) and len(said) < pieces:
+            t0 = time.perf_counter()
+            piece, used = self._next_piece(chars)
+            costs["llm"] = costs.get("llm", 0.0) + (time.perf_counter() - t0) * 1000.0
+            n_tokens += used
+            if not piece:
+                break
+            said.append(piece)
+            if tts_on and piece.strip():
+                t1 = time.perf_counter()
+                self.audio = np.concatenate([self.audio, self.engine.tts.synthesize(piece.strip())])
+                costs["tts"] = costs.get("tts", 0.0) + (time.perf_counter() - t1) * 1000.0
+        return said, n_tokens
 
     def _next_piece(self, chars: int) -> tuple[str, int]:
         """The next piece of reply text as generated (spacing kept), about ``chars`` long, and
@@ -306,6 +322,7 @@ class ReferenceSession(EngineSession):
         self._end_reply()
         self.pending_text = ""
         self.audio = np.zeros(0, np.float32)
+        self.ahead, self.ahead_tokens = [], 0
         return self._result(is_listen=True, end_of_turn=True, costs=costs)
 
     def _result(
@@ -343,7 +360,14 @@ class ReferenceSession(EngineSession):
     # ---- unit end and session end ---------------------------------------------------
 
     def finalize(self) -> None:
+        """After a speaking unit's result has gone out: make the next second of speech now,
+        so the next unit sends it at once (and a short first piece is followed in time)."""
         self.needs_finalize = False
+        if self.speaking and self.settings.tts_enabled is not False:
+            with self.engine.running():
+                said, used = self._fill(2, self.rules.piece_chars, {})
+            self.ahead += said
+            self.ahead_tokens += used
 
     def stop(self) -> None:
         if self.speaking and self.conversation is not None:

@@ -39,9 +39,11 @@ class TurnRules:
     """Speech within one unit, while the model speaks, that interrupts it."""
     piece_chars: int = 16
     """Characters spoken per piece (~1 s of speech)."""
-    first_piece_chars: int = 16
+    first_piece_chars: int = 12
     """Characters of the first piece, spoken by the unit that ends the user's turn: fewer
-    start the reply sooner, but the next unit's audio must come before it has played."""
+    start the reply sooner, but the next unit's audio must come before it has played
+    (measured by `omnifabric eval`, 48 replies: 16 -> first audio p50 1.60 s, no gaps;
+    12 -> 1.53 s, no gaps; 10 -> 1.50 s, 12 replies with gaps of 0.19 s on average)."""
     max_tokens_per_unit: int = 16
     """LLM tokens generated at most per speaking unit."""
     max_reply_tokens: int = 80
