@@ -4,9 +4,11 @@ Per unit, silero-vad flags 32 ms windows and the turn tracker (``turns.py``) dec
 user's turn has ended: at a unit's end with >= 0.2 s of silence when the transcript reads as
 a finished sentence, else after 0.9 s of silence. The unit that ends the turn transcribes it
 (Whisper base), prefills it into the session's reply model (Qwen2.5-Coder-1.5B-Instruct in
-llama.cpp, one server slot per session, history kept across turns) and already speaks the
-reply's first piece; later units speak the rest in pieces of ~16 characters (about 1 s of
-Piper speech, espeak-ng as the fallback), generating just enough tokens for each. Speech
+llama.cpp, one server slot per session, history kept across turns; the words of an
+unfinished utterance are prefilled ahead in spare time) and already speaks the reply's
+first piece (~12 characters). Each speaking unit's finalize, run after its result has gone
+out, makes the next second of speech in pieces of ~16 characters (Piper, espeak-ng as the
+fallback), generating just enough tokens for it, so the next unit sends it at once. Speech
 over the reply (barge-in) and force_listen close the turn at once. Context is accounted
 like MiniCPM-o's: 13 tokens per unit plus the real text tokens, so context_full at 8192
 comes for real (~10 minutes).
