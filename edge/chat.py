@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from edge.errors import (
     WorkerConnectFailed,
 )
 from edge.fabric import Fabric, wait_for_lease
+from edge.protocol import integer_field, number_field
 from edge.session import usage_from
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -61,26 +61,6 @@ class ChatResult:
     reason: str = "turn_end"
     ignored: tuple[str, ...] = ()
     timings_ms: dict[str, float] = field(default_factory=dict)
-
-
-def _opt_number(cfg: dict[str, Any], key: str, lo: float, hi: float, where: str) -> float | None:
-    value = cfg.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidPayload(f"{where}.{key} must be a number")
-    if not lo <= value <= hi:
-        raise InvalidPayload(f"{where}.{key} must be in [{lo}, {hi}]")
-    return float(value)
-
-
-def _opt_int(cfg: dict[str, Any], key: str, lo: int, hi: int, where: str) -> int | None:
-    value = cfg.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise InvalidPayload(f"{where}.{key} must be an integer in [{lo}, {hi}]")
-    return value
 
 
 def _opt_bool(cfg: dict[str, Any], key: str, where: str) -> bool | None:
@@ -225,13 +205,13 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
         raise InvalidPayload("'streaming' must be true or false")
     gen = _obj(body, "generation")
     g = request.generation
-    if (v := _opt_int(gen, "max_new_tokens", 1, MAX_NEW_TOKENS, "generation")) is not None:
+    if (v := integer_field(gen, "max_new_tokens", 1, MAX_NEW_TOKENS, "generation")) is not None:
         g.max_new_tokens = v
-    if (v := _opt_number(gen, "temperature", 0.0, 5.0, "generation")) is not None:
+    if (v := number_field(gen, "temperature", 0.0, 5.0, "generation")) is not None:
         g.temperature = v
-    if (v := _opt_number(gen, "top_p", 0.0, 1.0, "generation")) is not None:
+    if (v := number_field(gen, "top_p", 0.0, 1.0, "generation")) is not None:
         g.top_p = v
-    if (v := _opt_number(gen, "length_penalty", 0.0, 10.0, "generation")) is not None:
+    if (v := number_field(gen, "length_penalty", 0.0, 10.0, "generation")) is not None:
         g.length_penalty = v
     tts = _obj(body, "tts")
     enabled = _opt_bool(tts, "enabled", "tts")
@@ -252,7 +232,7 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
             raise InvalidPayload("tts.language must be a string")
         request.tts.language = tts["language"]
     image = _obj(body, "image")
-    if (v := _opt_int(image, "max_slice_nums", 1, 16, "image")) is not None:
+    if (v := integer_field(image, "max_slice_nums", 1, 16, "image")) is not None:
         request.image.max_slice_nums = v
     if (v := _opt_bool(image, "use_image_id", "image")) is not None:
         request.image.use_image_id = v

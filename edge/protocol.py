@@ -107,7 +107,11 @@ def _obj(event: dict[str, Any], key: str, required: bool) -> dict[str, Any]:
     return value
 
 
-def _number(cfg: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
+def number_field(
+    cfg: dict[str, Any], key: str, lo: float, hi: float, where: str = "config"
+) -> float | None:
+    """``cfg[key]`` as a float in [lo, hi], None when absent; InvalidPayload naming
+    ``where.key`` otherwise. The one number check of every dialect."""
     value = cfg.get(key)
     if value is None:
         return None
@@ -117,20 +121,23 @@ def _number(cfg: dict[str, Any], key: str, lo: float, hi: float) -> float | None
         or not isinstance(value, (int, float))
         or (isinstance(value, float) and not math.isfinite(value))
     ):
-        raise InvalidPayload(f"config.{key} must be a number")
+        raise InvalidPayload(f"{where}.{key} must be a number")
     if not lo <= value <= hi:
-        raise InvalidPayload(f"config.{key} must be in [{lo}, {hi}]")
+        raise InvalidPayload(f"{where}.{key} must be in [{lo}, {hi}]")
     return float(value)
 
 
-def _integer(cfg: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+def integer_field(
+    cfg: dict[str, Any], key: str, lo: int, hi: int, where: str = "config"
+) -> int | None:
+    """``cfg[key]`` as an int in [lo, hi], None when absent; InvalidPayload otherwise."""
     value = cfg.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidPayload(f"config.{key} must be an integer")
+        raise InvalidPayload(f"{where}.{key} must be an integer")
     if not lo <= value <= hi:
-        raise InvalidPayload(f"config.{key} must be in [{lo}, {hi}]")
+        raise InvalidPayload(f"{where}.{key} must be in [{lo}, {hi}]")
     return value
 
 
@@ -146,16 +153,16 @@ def _flag(cfg: dict[str, Any], key: str) -> bool | None:
 def duplex_settings(cfg: dict[str, Any]) -> DuplexSettings:
     """Validate a duplex `config` object, mapping the SDK's own keys; others ignored."""
     return DuplexSettings(
-        length_penalty=_number(cfg, "length_penalty", 0.0, 10.0),
-        temperature=_number(cfg, "temperature", 0.0, 5.0),
-        top_k=_integer(cfg, "top_k", 1, 1000),
-        top_p=_number(cfg, "top_p", 0.0, 1.0),
-        listen_prob_scale=_number(cfg, "listen_prob_scale", 0.0, 100.0),
-        force_listen_count=_integer(cfg, "force_listen_count", 0, 100),
-        max_new_speak_tokens_per_chunk=_integer(cfg, "max_new_speak_tokens_per_chunk", 1, 200),
-        max_kv_tokens=_integer(cfg, "max_kv_tokens", 64, MAX_CONTEXT_TOKENS),
+        length_penalty=number_field(cfg, "length_penalty", 0.0, 10.0),
+        temperature=number_field(cfg, "temperature", 0.0, 5.0),
+        top_k=integer_field(cfg, "top_k", 1, 1000),
+        top_p=number_field(cfg, "top_p", 0.0, 1.0),
+        listen_prob_scale=number_field(cfg, "listen_prob_scale", 0.0, 100.0),
+        force_listen_count=integer_field(cfg, "force_listen_count", 0, 100),
+        max_new_speak_tokens_per_chunk=integer_field(cfg, "max_new_speak_tokens_per_chunk", 1, 200),
+        max_kv_tokens=integer_field(cfg, "max_kv_tokens", 64, MAX_CONTEXT_TOKENS),
         tts_enabled=_flag(cfg, "tts_enabled"),
-        max_tokens=_integer(cfg, "max_tokens", 1, 1 << 20),
+        max_tokens=integer_field(cfg, "max_tokens", 1, 1 << 20),
     )
 
 

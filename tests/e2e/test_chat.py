@@ -156,6 +156,11 @@ async def test_chat_content_parts_and_errors(stack):
             {"messages": [{"role": "user", "content": "x"}], "tts": {"mode": "karaoke"}},
             "invalid_payload",
         ),
+        # An integer beyond float range is a bad number, not a crash (it closed with 1011).
+        (
+            {"messages": [{"role": "user", "content": "x"}], "generation": {"top_p": 10**400}},
+            "invalid_payload",
+        ),
     ]
     for body, code in bad:
         await client.send({"type": "input.append", "input": body})

@@ -207,3 +207,18 @@ def test_created_carries_the_engines_notes_only_when_there_are_some():
         )
         assert noted["notes"] == ["voice: not cloned"]
         assert noted["session_id"] == "s1"
+
+
+def test_chat_numbers_beyond_float_range_are_invalid_payload():
+    """One number check for every dialect: chat's huge integers are refused like the
+    realtime config's (math.isfinite overflowed on them in chat's own copy)."""
+    from edge.chat import parse_chat
+    from edge.errors import InvalidPayload
+
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    for field in ("temperature", "top_p", "length_penalty", "max_new_tokens"):
+        with pytest.raises(InvalidPayload, match=f"generation.{field}"):
+            parse_chat({**body, "generation": {field: 10**400}})
+    with pytest.raises(InvalidPayload, match="image.max_slice_nums"):
+        parse_chat({**body, "image": {"max_slice_nums": -(10**400)}})
+    assert parse_chat({**body, "generation": {"temperature": 1}}) is not None
