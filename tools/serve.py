@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--llm-model", help="reference: reply model, qwen2.5-coder-1.5b (default) or -0.5b"
     )
     parser.add_argument(
-        "--llm-threads", help="reference: llama.cpp threads per worker (2 on 2+ cores, else 1)"
+        "--llm-threads",
+        type=int,
+        help="reference: llama.cpp threads per worker (2 on 2+ cores, else 1)",
     )
     parser.add_argument("--text-only", action="store_true", help="minicpmo: no speech output")
     parser.add_argument(
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("--device", args.device),
                 ("--minicpmo-api", args.minicpmo_api),
                 ("--llm-model", args.llm_model),
-                ("--llm-threads", args.llm_threads),
+                ("--llm-threads", None if args.llm_threads is None else str(args.llm_threads)),
                 ("--default-voice", voice),
             ):
                 if value is not None:
