@@ -1,5 +1,7 @@
-"""Turn-based chat at the edge: validate a chat request, lease a worker slot for the
-turn only, stream the worker's reply. Shared by /v1/realtime?mode=chat and /ws/chat."""
+"""Turn-based chat at the edge: the chat commands and turn events the chat dialects
+translate, the request validator, and the turn itself (lease a worker slot for the turn
+only, stream the worker's reply). Driven by edge.connection.ChatConnection for
+/v1/realtime?mode=chat, /ws/chat and POST /api/chat."""
 
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ import numpy as np
 from edge import events as ev
 from edge import pcm
 from edge.errors import (
+    InferenceError,
     InvalidPayload,
     MissingField,
     WorkerConnectFailed,
 )
 from edge.fabric import Fabric, wait_for_lease
-from edge.protocol import integer_field, number_field
+from edge.fields import flag, integer_field, number_field, obj
 from edge.session import usage_from
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -36,6 +39,8 @@ MAX_MESSAGES = 64
 MAX_AUDIO_SECONDS = 120
 MAX_NEW_TOKENS = 4096
 MAX_VIDEO_FRAMES = 64
+#: What a chat client is told when the edge drains.
+SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 @dataclass(frozen=True)
@@ -63,20 +68,70 @@ class ChatResult:
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
-def _opt_bool(cfg: dict[str, Any], key: str, where: str) -> bool | None:
-    value = cfg.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise InvalidPayload(f"{where}.{key} must be true or false")
-    return value
+# ---- what the chat dialects translate --------------------------------------------
 
 
-def _obj(body: dict[str, Any], key: str) -> dict[str, Any]:
-    value = body.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidPayload(f"'{key}' must be an object")
-    return value
+@dataclass(frozen=True)
+class ChatOpen:
+    """The client opened the session (realtime chat's session.init)."""
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """A chat request (the JSON body, validated by parse_chat off the event loop)."""
+
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ChatClose:
+    """The client ends the session."""
+
+    reason: str = "user_stop"
+
+
+@dataclass(frozen=True)
+class TurnStarted:
+    streaming: bool
+    speech: bool
+
+
+@dataclass(frozen=True)
+class TurnQueued:
+    queued: ev.Queued
+
+
+@dataclass(frozen=True)
+class TurnLeased:
+    waited: bool
+    """The turn had to queue first."""
+
+
+@dataclass(frozen=True)
+class TurnPrefilled:
+    input_tokens: int
+
+
+@dataclass(frozen=True)
+class TurnDelta:
+    text: str
+    pcm: bytes
+
+
+@dataclass(frozen=True)
+class TurnDone:
+    result: ChatResult
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """The edge drains: the connection ends with 1001, "going away" (RFC 6455 7.4.1)."""
+
+    close_code = 1001
+    reason = "server_shutdown"
+
+
+TurnEvent = TurnStarted | TurnQueued | TurnLeased | TurnPrefilled | TurnDelta | TurnDone
 
 
 def _image(data: object, where: str) -> bytes:
@@ -97,9 +152,7 @@ def _audio(item: dict[str, Any], where: str) -> bytes:
     raw = pcm.b64decode(item.get("data"), f"{where}.data")
     if len(raw) % 4:
         raise InvalidPayload(f"{where}.data is not a whole number of float32 samples")
-    rate = item.get("sample_rate", 16000)
-    if isinstance(rate, bool) or not isinstance(rate, int) or not 4000 <= rate <= 192000:
-        raise InvalidPayload(f"{where}.sample_rate must be an integer in [4000, 192000]")
+    rate = integer_field(item, "sample_rate", 4000, 192000, where) or 16000
     audio = np.frombuffer(raw, dtype="<f4")
     if not np.isfinite(audio).all():
         raise InvalidPayload(f"{where}.data: samples must be finite numbers")
@@ -114,9 +167,7 @@ def _video(item: dict[str, Any], where: str) -> list[worker_pb.ContentPart]:
     import av
 
     raw = pcm.b64decode(item.get("data"), f"{where}.data")
-    stack = item.get("stack_frames", 1)
-    if isinstance(stack, bool) or not isinstance(stack, int) or not 1 <= stack <= 8:
-        raise InvalidPayload(f"{where}.stack_frames must be an integer from 1 to 8")
+    integer_field(item, "stack_frames", 1, 8, where)  # accepted; one frame per second
     frames: list[bytes] = []
     audio: list[np.ndarray] = []
     try:
@@ -203,7 +254,7 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
     streaming = body.get("streaming", True)
     if not isinstance(streaming, bool):
         raise InvalidPayload("'streaming' must be true or false")
-    gen = _obj(body, "generation")
+    gen = obj(body, "generation")
     g = request.generation
     if (v := integer_field(gen, "max_new_tokens", 1, MAX_NEW_TOKENS, "generation")) is not None:
         g.max_new_tokens = v
@@ -213,8 +264,8 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
         g.top_p = v
     if (v := number_field(gen, "length_penalty", 0.0, 10.0, "generation")) is not None:
         g.length_penalty = v
-    tts = _obj(body, "tts")
-    enabled = _opt_bool(tts, "enabled", "tts")
+    tts = obj(body, "tts")
+    enabled = flag(tts, "enabled", "tts")
     request.tts.enabled = True if enabled is None else enabled
     mode = tts.get("mode", "default")
     if mode not in TTS_MODES:
@@ -231,17 +282,13 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
         if not isinstance(tts["language"], str):
             raise InvalidPayload("tts.language must be a string")
         request.tts.language = tts["language"]
-    image = _obj(body, "image")
+    image = obj(body, "image")
     if (v := integer_field(image, "max_slice_nums", 1, 16, "image")) is not None:
         request.image.max_slice_nums = v
-    if (v := _opt_bool(image, "use_image_id", "image")) is not None:
+    if (v := flag(image, "use_image_id", "image")) is not None:
         request.image.use_image_id = v
-    for key in ("omni_mode", "enable_thinking"):
-        value = body.get(key, False)
-        if not isinstance(value, bool):
-            raise InvalidPayload(f"'{key}' must be true or false")
-    request.omni_mode = body.get("omni_mode", False)
-    request.enable_thinking = body.get("enable_thinking", False)
+    request.omni_mode = bool(flag(body, "omni_mode", ""))
+    request.enable_thinking = bool(flag(body, "enable_thinking", ""))
     return ChatInput(request, streaming, request.tts.enabled, tuple(notes))
 
 
@@ -249,24 +296,28 @@ async def run_turn(
     fabric: Fabric,
     chat: ChatInput,
     session_id: str,
-    on_queued: Callable[[ev.Queued], Awaitable[None]],
-    on_prefilled: Callable[[int], Awaitable[None]],
-    on_delta: Callable[[str, bytes], Awaitable[None]],
-    on_leased: Callable[[], Awaitable[None]] | None = None,
+    emit: Callable[[TurnEvent], Awaitable[None]],
 ) -> ChatResult:
-    """Lease a chat slot (queue events via on_queued), run the turn, stream its deltas; the
-    lease and the worker's call end with it, also when it is cancelled. Raises QueueFull,
-    ServiceUnavailable, WorkerConnectFailed, InvalidPayload, InferenceError."""
+    """Lease a chat slot, run the turn, stream its events to `emit` (TurnQueued while
+    queued, TurnLeased, TurnPrefilled, TurnDelta...); the lease and the worker's call end
+    with it, also when it is cancelled. Raises QueueFull, ServiceUnavailable,
+    WorkerConnectFailed, InvalidPayload, InferenceError."""
     acquire = fabric.scheduler.Acquire(
         scheduler_pb.AcquireRequest(mode=common_pb2.MODE_CHAT, session_id=session_id)
     )
     result = ChatResult()
     t0 = time.monotonic()
+    waited = False
+
+    async def queued(q: ev.Queued) -> None:
+        nonlocal waited
+        waited = True
+        await emit(TurnQueued(q))
+
     try:
-        lease = await wait_for_lease(acquire, on_queued)
+        lease = await wait_for_lease(acquire, queued)
         result.timings_ms["queue_ms"] = (time.monotonic() - t0) * 1000.0
-        if on_leased is not None:
-            await on_leased()
+        await emit(TurnLeased(waited))
         request = worker_pb.ChatRequest()
         request.CopyFrom(chat.request)
         request.lease_id, request.session_id = lease.lease_id, session_id
@@ -275,10 +326,10 @@ async def run_turn(
             async for response in call:
                 kind = response.WhichOneof("kind")
                 if kind == "prefilled":
-                    await on_prefilled(response.prefilled.input_tokens)
+                    await emit(TurnPrefilled(response.prefilled.input_tokens))
                 elif kind == "delta":
                     result.audio.append(response.delta.pcm)
-                    await on_delta(response.delta.text, response.delta.pcm)
+                    await emit(TurnDelta(response.delta.text, response.delta.pcm))
                 elif kind == "done":
                     d = response.done
                     result.text, result.reason = d.text, d.reason or "turn_end"
@@ -293,8 +344,6 @@ async def run_turn(
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidPayload(err.details() or "invalid chat request") from None
             if err.code() == grpc.StatusCode.INTERNAL:
-                from edge.errors import InferenceError
-
                 raise InferenceError(err.details() or "inference failed") from None
             raise WorkerConnectFailed(f"the worker failed the turn: {err.details()}") from None
         finally:
@@ -305,6 +354,21 @@ async def run_turn(
         acquire.cancel()
     result.timings_ms["wall_clock_ms"] = (time.monotonic() - t0) * 1000.0
     return result
+
+
+def metrics_json(result: ChatResult) -> dict[str, Any]:
+    """A turn's timings and token counts, as the chat dialects report them."""
+    metrics: dict[str, Any] = {k: round(v, 2) for k, v in result.timings_ms.items()}
+    metrics["input_tokens"] = result.input_tokens
+    metrics["generated_tokens"] = result.generated_tokens
+    if result.ignored:
+        metrics["ignored"] = list(result.ignored)
+    return metrics
+
+
+def add_usage(a: ev.Usage, b: ev.Usage) -> ev.Usage:
+    """Cumulative session usage."""
+    return ev.Usage(**{k: getattr(a, k) + getattr(b, k) for k in a.__dataclass_fields__})
 
 
 def wav_base64(chunks: list[bytes]) -> str:
@@ -320,6 +384,3 @@ def wav_base64(chunks: list[bytes]) -> str:
         w.setframerate(24000)
         w.writeframes((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
     return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-__all__ = ["ChatInput", "ChatResult", "parse_chat", "run_turn", "wav_base64"]

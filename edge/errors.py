@@ -1,8 +1,7 @@
-"""The public protocol's errors, and the one place they map to close codes."""
+"""The public protocol's errors, and the one place they map to close codes. How an error
+looks on the wire is each dialect's (edge.dialects); counting it is the connection's."""
 
 from __future__ import annotations
-
-from edge.metrics import METRICS
 
 
 class EdgeError(Exception):
@@ -13,9 +12,11 @@ class EdgeError(Exception):
     #: WebSocket close code that follows the event, or None when the session stays usable.
     close_code: int | None = None
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, close_code: int | None = None) -> None:
         super().__init__(message)
         self.message = message
+        if close_code is not None:  # this instance ends the connection (its class may not)
+            self.close_code = close_code
 
 
 class ClientError(EdgeError):
@@ -69,20 +70,14 @@ class SlowClient(ClientError):
     close_code = 1008
 
 
+class InternalError(EdgeError):
+    """Something unexpected failed at the edge; details stay in the log."""
+
+    code = "internal_error"
+    close_code = 1011
+
+
 class InferenceError(EdgeError):
     """The engine failed on one unit; the session may go on."""
 
     code = "inference_error"
-
-
-def error_event(err: EdgeError) -> dict:
-    """The JSON `error` event for an error (same shape in both dialects)."""
-    METRICS.client_error(err.code)  # built only to be sent
-    return {"type": "error", "error": {"code": err.code, "message": err.message, "type": err.kind}}
-
-
-def legacy_error_event(err: EdgeError) -> dict:
-    """The legacy endpoints' `error` message (/ws/duplex, /ws/chat): a plain string."""
-    METRICS.client_error(err.code)  # built only to be sent
-    text = f"{err.code}: {err.message}"
-    return {"type": "error", "error": text, "message": text}

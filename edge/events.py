@@ -71,6 +71,24 @@ class CloseCommand:
 
 
 @dataclass(frozen=True)
+class PauseCommand:
+    """Hold the session open without input for at most `timeout_s` (legacy `pause`)."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class ResumeCommand:
+    """End a pause (legacy `resume`); harmless when not paused."""
+
+
+Command = InitCommand | AppendCommand | CloseCommand | PauseCommand | ResumeCommand
+
+#: The client reason of a session a pause outlasted (legacy `timeout{pause_timeout}`).
+PAUSE_TIMEOUT = "pause_timeout"
+
+
+@dataclass(frozen=True)
 class Queued:
     position: int
     queue_length: int
@@ -136,3 +154,18 @@ class Closed:
     client_reason: str | None = None
     error_code: str = ""
     """Public error code to report before closing (inference_error), or empty."""
+
+
+@dataclass(frozen=True)
+class Paused:
+    """A pause began (or restarted) with this timeout."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The pause, if any, is over."""
+
+
+SessionEvent = Queued | QueueDone | Created | Output | Closed | Paused | Resumed

@@ -1,9 +1,9 @@
 """Prometheus metrics of the edge, in the edge's own CollectorRegistry.
 
-One `EdgeMetrics` per process (`METRICS`): the session code (SessionCore, shared by the
-WebSocket, legacy and gRPC surfaces) feeds it through small hooks, and
-`EdgeApp.process_request` serves it as `GET /metrics` on the WebSocket port.
-Live sessions are counted at scrape time from the SessionCores themselves (a weak
+One `EdgeMetrics` per process (`METRICS`), handed to the edge where it is assembled
+(edge.server): the session core and the connection drivers feed it through small hooks,
+and `EdgeApp.process_request` serves it as `GET /metrics` on the WebSocket port.
+Live sessions are counted at scrape time from the session cores themselves (a weak
 set), so the gauge cannot drift when a session ends in an unusual way. Process figures
 (process_resident_memory_bytes, process_open_fds, ...) and the live asyncio tasks
 (omni_edge_asyncio_tasks) show leaks in long runs.
@@ -16,7 +16,7 @@ import gc
 import time
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -27,7 +27,18 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from edge.events import Output
-    from edge.session import SessionCore
+
+
+class LiveSession(Protocol):
+    """What the sessions gauge reads of a session (edge.session.SessionCore)."""
+
+    mode: str
+    started: bool
+    closed: asyncio.Event
+
+    @property
+    def leased(self) -> bool: ...
+
 
 #: Content type of GET /metrics (the Prometheus text format 0.0.4).
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -45,7 +56,7 @@ class EdgeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self._sessions: weakref.WeakSet[SessionCore] = weakref.WeakSet()
+        self._sessions: weakref.WeakSet[LiveSession] = weakref.WeakSet()
         self.sessions_total = Counter(
             "omni_edge_sessions",
             "Duplex sessions ended, by mode and close reason (user_stop, client_closed, "
@@ -117,7 +128,7 @@ class EdgeMetrics:
 
     # ---- hooks --------------------------------------------------------------------
 
-    def track(self, core: SessionCore) -> None:
+    def track(self, core: LiveSession) -> None:
         """Count `core` in the live sessions gauge until it is closed (or collected)."""
         self._sessions.add(core)
 
@@ -153,9 +164,9 @@ class EdgeMetrics:
 
 
 class _SessionCollector(Collector):
-    """omni_edge_sessions_active{mode,state}, from the live SessionCores."""
+    """omni_edge_sessions_active{mode,state}, from the live session cores."""
 
-    def __init__(self, sessions: weakref.WeakSet[SessionCore]) -> None:
+    def __init__(self, sessions: weakref.WeakSet[LiveSession]) -> None:
         self._sessions = sessions
 
     def collect(self) -> Iterator[Any]:

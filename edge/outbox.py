@@ -20,7 +20,7 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from edge.errors import EdgeError, SlowClient, error_event
+from edge.errors import EdgeError, SlowClient
 
 log = logging.getLogger("omnifabric.edge.outbox")
 
@@ -65,8 +65,8 @@ class Outbox:
         max_events: int,
         max_bytes: int,
         close_grace_s: float,
-        on_overflow: Callable[[], None] | None = None,
-        render_error: Callable[[EdgeError], dict[str, Any]] = error_event,
+        on_overflow: Callable[[], None] | None,
+        render_error: Callable[[EdgeError], dict[str, Any]],
     ) -> None:
         self.ws = ws
         self.render_error = render_error
@@ -91,8 +91,8 @@ class Outbox:
         cls,
         config: Any,
         ws: ServerConnection,
-        on_overflow: Callable[[], None] | None = None,
-        render_error: Callable[[EdgeError], dict[str, Any]] = error_event,
+        on_overflow: Callable[[], None] | None,
+        render_error: Callable[[EdgeError], dict[str, Any]],
     ) -> Outbox:
         """An Outbox bounded as the edge's config says (OMNI_EDGE_OUTBOUND_QUEUE_*)."""
         return cls(

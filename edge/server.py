@@ -11,11 +11,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from websockets.asyncio.server import Server, serve
 
+from edge.app import EdgeApp, select_subprotocol
 from edge.config import EdgeConfig
 from edge.fabric import Fabric, channel_options
-from edge.grpc_api import RealtimeServicer
-from edge.http_api import connection_class
-from edge.ws import EdgeApp
+from edge.metrics import METRICS, EdgeMetrics
+from edge.transports.grpc import RealtimeServicer
+from edge.transports.http import connection_class
 from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 
 log = logging.getLogger("omnifabric.edge")
@@ -53,10 +54,9 @@ class RunningEdge:
         # Workers get most of the grace to confirm each end (with its usage); the rest is
         # for session.closed to reach the client and the close handshake.
         confirm_s = 0.8 * grace_s
+        # Every transport's sessions: WebSocket, HTTP and gRPC alike.
         connections = [*self.app.connections, *self.app.chats]
         ending = [c.shutdown(confirm_s) for c in connections]
-        if self.servicer is not None:
-            ending.append(self.servicer.shutdown(confirm_s))
         if ending:
             log.info("drain: ending %d sessions (grace %.1fs)", len(connections), grace_s)
             await asyncio.gather(*ending, return_exceptions=True)
@@ -78,8 +78,9 @@ class RunningEdge:
         await self.app.fabric.close()
 
 
-async def start_edge(config: EdgeConfig) -> RunningEdge:
-    """Bind both servers and return once they accept connections."""
+async def start_edge(config: EdgeConfig, metrics: EdgeMetrics = METRICS) -> RunningEdge:
+    """Bind both servers and return once they accept connections; `metrics` is what the
+    edge's sessions feed and GET /metrics serves (the process's own by default)."""
     tls = config.tls()
     fabric = Fabric(
         config.scheduler,
@@ -88,7 +89,7 @@ async def start_edge(config: EdgeConfig) -> RunningEdge:
         tls_cert=config.fabric_tls_cert,
         tls_key=config.fabric_tls_key,
     )
-    app = EdgeApp(config, fabric)
+    app = EdgeApp(config, fabric, metrics)
     if config.record_dir:  # opt-in recording: retention now, then hourly
         from edge.recording import start_retention
 
@@ -97,7 +98,7 @@ async def start_edge(config: EdgeConfig) -> RunningEdge:
         app.handler,
         config.host,
         config.port,
-        select_subprotocol=_select,
+        select_subprotocol=select_subprotocol,
         # None keeps clients without an Origin header (SDKs, scripts) allowed.
         origins=[*config.allowed_origins, None] if config.allowed_origins else None,
         process_request=app.process_request,
@@ -123,7 +124,7 @@ async def start_edge(config: EdgeConfig) -> RunningEdge:
     grpc_port = -1
     if config.grpc_port >= 0:
         grpc_server = grpc.aio.server(options=channel_options(config.grpc_max_message_bytes))
-        servicer = RealtimeServicer(fabric, config, app.key_sessions)
+        servicer = RealtimeServicer(app)
         rt_grpc.add_RealtimeServiceServicer_to_server(servicer, grpc_server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
@@ -140,9 +141,3 @@ async def start_edge(config: EdgeConfig) -> RunningEdge:
     return RunningEdge(
         config, app, ws_server, grpc_server, health_servicer, port, grpc_port, servicer
     )
-
-
-def _select(conn, offered):
-    from edge.ws import select_subprotocol
-
-    return select_subprotocol(conn, offered)

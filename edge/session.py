@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
@@ -28,7 +29,7 @@ from edge.errors import (
     WorkerConnectFailed,
 )
 from edge.fabric import Fabric, wait_for_lease
-from edge.metrics import METRICS
+from edge.metrics import METRICS, EdgeMetrics
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import worker_service_pb2 as worker_pb
@@ -47,9 +48,9 @@ _REASONS = {
 }
 
 
-def new_session_id() -> str:
-    """Opaque session id: rt_{timestamp_ms} plus a random suffix for uniqueness."""
-    return f"rt_{int(time.time() * 1000)}_{secrets.token_hex(3)}"
+def new_session_id(prefix: str = "rt_") -> str:
+    """Opaque session id: {prefix}{timestamp_ms} plus a random suffix for uniqueness."""
+    return f"{prefix}{int(time.time() * 1000)}_{secrets.token_hex(3)}"
 
 
 def reason_name(value: int) -> str:
@@ -126,6 +127,7 @@ class SessionCore:
         close_timeout_s: float = 5.0,
         session_id: str | None = None,
         unit_timeout_s: float = 3.0,
+        metrics: EdgeMetrics = METRICS,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {sorted(_MODES)}")
@@ -157,13 +159,21 @@ class SessionCore:
         self._trace = trace.set_span_in_context(self.span)
         self._unit_spans: dict[int, Span] = {}
         self.started = False
+        self.started_event = asyncio.Event()
+        """Set once the worker started the session (Created emitted) or the session ended."""
         self.units_sent = 0
         self._unit_sent_at: dict[int, float] = {}
         """perf_counter() when each unit in flight went to the worker (metrics)."""
-        METRICS.track(self)
+        self._metrics = metrics
+        metrics.track(self)
         # Built in the transport's own task (one per connection or RPC): its log lines,
         # and those of the tasks started below, carry the session id.
         logs.bind_session(self.session_id)
+
+    @property
+    def trace_context(self) -> otel_context.Context:
+        """The context whose current span is this session's root span."""
+        return self._trace
 
     @property
     def leased(self) -> bool:
@@ -200,7 +210,7 @@ class SessionCore:
             time.monotonic() - started,
         )
         self._tasks.append(asyncio.create_task(self._watch_lease(call)))
-        METRICS.leased(self.mode, time.monotonic() - started)
+        self._metrics.leased(self.mode, time.monotonic() - started)
         await self._emit(ev.QueueDone(queue_wait_s=time.monotonic() - started))
 
     async def _watch_lease(self, call: grpc.aio.UnaryStreamCall) -> None:
@@ -294,6 +304,7 @@ class SessionCore:
             self.unit_samples = (started.min_unit_samples, started.max_unit_samples)
         created = ev.Created(self.session_id, started.prompt_length, tuple(started.notes))
         await self._emit(created)
+        self.started_event.set()
         self._tasks.append(asyncio.create_task(self._pump(call)))
         self._tasks.append(asyncio.create_task(self._watchdog()))
         return created
@@ -333,7 +344,7 @@ class SessionCore:
                     self._usage = out.usage
                     self._answered(out)
                     await self._emit(out)
-                    METRICS.output(self.mode, out, self._unit_sent_at)
+                    self._metrics.output(self.mode, out, self._unit_sent_at)
                     self._end_unit_span(out)
                 elif kind == "ended":
                     e = response.ended
@@ -394,7 +405,7 @@ class SessionCore:
         self._unit_spans[self._seq] = telemetry.tracer.start_span(
             "edge.unit", context=self._trace, attributes={"unit.seq": self._seq}
         )
-        METRICS.unit_forwarded(self.mode, self._seq, self._unit_sent_at)
+        self._metrics.unit_forwarded(self.mode, self._seq, self._unit_sent_at)
         unit = worker_pb.Unit(
             seq=self._seq,
             pcm=cmd.pcm,
@@ -441,7 +452,8 @@ class SessionCore:
         if self.closed.is_set():
             return
         self.closed.set()
-        METRICS.session_closed(self.mode, closed.reason)
+        self.started_event.set()
+        self._metrics.session_closed(self.mode, closed.reason)
         for span in self._unit_spans.values():
             span.end()
         self._unit_spans.clear()

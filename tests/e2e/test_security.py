@@ -20,9 +20,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from websockets.exceptions import InvalidStatus
 
+from edge.app import EdgeApp
 from edge.config import EdgeConfig, hash_key
-from edge.grpc_api import RealtimeServicer
-from edge.ws import EdgeApp
+from edge.metrics import EdgeMetrics
+from edge.transports.grpc import RealtimeServicer
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import realtime_service_pb2 as rt_pb
 from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
@@ -214,10 +215,10 @@ async def test_grpc_internal_error_is_generic():
     """A servicer whose fabric is missing fails inside the session: INTERNAL, 'internal
     error', and nothing about the exception (real gRPC server and generated stub)."""
     config = EdgeConfig()
-    app = EdgeApp(config, fabric=None)  # type: ignore[arg-type]
+    app = EdgeApp(config, None, EdgeMetrics())  # type: ignore[arg-type]
     server = grpc.aio.server()
     rt_grpc.add_RealtimeServiceServicer_to_server(
-        RealtimeServicer(None, config, app.key_sessions),  # type: ignore[arg-type]
+        RealtimeServicer(app),
         server,
     )
     port = server.add_insecure_port("127.0.0.1:0")

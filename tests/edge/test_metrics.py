@@ -12,11 +12,11 @@ from websockets.http11 import Request
 
 from edge import events as ev
 from edge import logs
+from edge.app import EdgeApp
 from edge.config import EdgeConfig
-from edge.errors import NotReady, error_event
+from edge.errors import NotReady
 from edge.metrics import METRICS, EdgeMetrics
 from edge.session import SessionCore
-from edge.ws import EdgeApp
 
 
 def _value(name: str, labels: dict[str, str] | None = None) -> float:
@@ -68,14 +68,47 @@ async def test_session_core_is_counted_while_open_and_by_close_reason():
     )
 
 
-def test_error_events_are_counted():
-    before = _value("omni_edge_client_errors_total", {"code": "not_ready"})
-    error_event(NotReady("send session.init first"))
-    assert _value("omni_edge_client_errors_total", {"code": "not_ready"}) == before + 1
+class _Wire:
+    """A transport that keeps what the driver sends."""
+
+    path = "/v1/realtime"
+    input_end_closes = False
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def bind(self, on_overflow, render_error) -> None:
+        pass
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+    def close(self, code: int, reason: str) -> None:
+        self.sent.append((code, reason))
+
+
+async def test_error_events_are_counted_by_the_connection_that_sends_them():
+    from edge.connection import DuplexConnection
+    from edge.dialects.realtime import RealtimeDuplex
+
+    metrics = EdgeMetrics()
+    app = EdgeApp(EdgeConfig(), None, metrics)  # type: ignore[arg-type]
+    wire = _Wire()
+    DuplexConnection(app, wire, RealtimeDuplex("audio")).fail(NotReady("send init first"))  # type: ignore[arg-type]
+    assert wire.sent == [
+        {
+            "type": "error",
+            "error": {"code": "not_ready", "message": "send init first", "type": "client_error"},
+        }
+    ]
+    value = metrics.registry.get_sample_value(
+        "omni_edge_client_errors_total", {"code": "not_ready"}
+    )
+    assert value == 1
 
 
 async def test_get_metrics_on_the_websocket_port():
-    app = EdgeApp(EdgeConfig(), fabric=None)  # type: ignore[arg-type]
+    app = EdgeApp(EdgeConfig(), None, METRICS)  # type: ignore[arg-type]
     response = await app.process_request(None, Request("/metrics", Headers()))  # type: ignore[arg-type]
     assert response is not None and response.status_code == 200
     assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")

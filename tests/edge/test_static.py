@@ -10,8 +10,9 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request
 
 from edge import static
+from edge.app import EdgeApp
 from edge.config import EdgeConfig, hash_key
-from edge.ws import EdgeApp
+from edge.metrics import EdgeMetrics
 
 
 def request(path: str, **headers: str) -> Request:
@@ -104,7 +105,7 @@ async def test_process_request_serves_pages_without_a_key_but_not_status():
     """With API keys on, pages and files load without a key (they hold no data); /status
     and the WebSocket endpoints still need one."""
     config = EdgeConfig(api_key_digests=frozenset({hash_key("sk-static")}))
-    app = EdgeApp(config, fabric=None)  # type: ignore[arg-type]
+    app = EdgeApp(config, None, EdgeMetrics())  # type: ignore[arg-type]
 
     async def status_of(path: str) -> int:
         response = await app.process_request(None, request(path))  # type: ignore[arg-type]

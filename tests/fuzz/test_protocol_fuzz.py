@@ -22,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edge import protocol
+from edge import fields
+from edge.dialects import realtime
 from edge.errors import EdgeError
 
 FUZZ = settings(
@@ -40,8 +41,8 @@ def feed(text: str) -> str:
     """Run one frame through the parser as the handler does: "ok", "invalid_json" or the
     error code. Anything else raised fails the property."""
     try:
-        protocol.command(protocol.parse_frame(text))
-    except protocol.InvalidJson:
+        realtime.command(fields.parse_frame(text))
+    except fields.InvalidJson:
         return "invalid_json"
     except EdgeError as err:
         assert err.code in CLIENT_CODES, err.code

@@ -1,4 +1,5 @@
-"""The JSON protocol core: parsing, validation errors, dialect rendering (no I/O)."""
+"""The dialects, sans I/O: client messages -> commands, session events -> client messages,
+with plain function calls (no sockets, no event loop, no fabric)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import wave
 import numpy as np
 import pytest
 
-from edge import errors, protocol
+from edge import errors, fields
 from edge import events as ev
+from edge.dialects import realtime
 from edge.pcm import reference_audio
 
 
@@ -23,12 +25,12 @@ ONE_SECOND = b64(np.zeros(16000, np.float32))
 
 
 def parse(obj) -> object:
-    return protocol.command(protocol.parse_frame(json.dumps(obj)))
+    return realtime.command(fields.parse_frame(json.dumps(obj)))
 
 
 def test_not_json_is_invalid_json():
-    with pytest.raises(protocol.InvalidJson):
-        protocol.parse_frame("{not json")
+    with pytest.raises(fields.InvalidJson):
+        fields.parse_frame("{not json")
 
 
 @pytest.mark.parametrize(
@@ -43,7 +45,7 @@ def test_not_json_is_invalid_json():
 )
 def test_frame_errors(text, error):
     with pytest.raises(error):
-        protocol.parse_frame(text)
+        fields.parse_frame(text)
 
 
 def test_unknown_event():
@@ -157,7 +159,7 @@ def _out(**kw) -> ev.Output:
 
 
 def test_render_first_dialect():
-    r = protocol.OutputRenderer(ev.Dialect.FIRST, "rt_1")
+    r = realtime.OutputRenderer(ev.Dialect.FIRST, "rt_1")
     [listen] = r.render(_out(is_listen=True, text="", pcm=b""))
     assert listen["type"] == "response.listen" and listen["kv_cache_length"] == 120
     [speak] = r.render(_out(end_of_turn=True))
@@ -168,7 +170,7 @@ def test_render_first_dialect():
 
 
 def test_render_current_dialect_splits_and_closes_turn():
-    r = protocol.OutputRenderer(ev.Dialect.CURRENT, "rt_1")
+    r = realtime.OutputRenderer(ev.Dialect.CURRENT, "rt_1")
     events = r.render(_out(end_of_turn=True))
     assert [e["kind"] for e in events] == ["text", "audio", "listen"]
     assert events[2]["text"] == ""  # the SDK drops listen deltas without a string text
@@ -180,18 +182,18 @@ def test_render_current_dialect_splits_and_closes_turn():
 
 def test_closed_reasons_per_dialect():
     closed = ev.Closed(ev.USER_STOP, ev.Usage(), client_reason="bye")
-    assert protocol.closed_json(closed, ev.Dialect.FIRST, "s")["reason"] == "stopped"
-    assert protocol.closed_json(closed, ev.Dialect.CURRENT, "s")["reason"] == "bye"
+    assert realtime.closed_json(closed, ev.Dialect.FIRST, "s")["reason"] == "stopped"
+    assert realtime.closed_json(closed, ev.Dialect.CURRENT, "s")["reason"] == "bye"
     plain = ev.Closed(ev.USER_STOP, ev.Usage())
-    assert protocol.closed_json(plain, ev.Dialect.CURRENT, "s")["reason"] == "user_stop"
+    assert realtime.closed_json(plain, ev.Dialect.CURRENT, "s")["reason"] == "user_stop"
     timeout = ev.Closed(ev.TIMEOUT, ev.Usage())
-    assert protocol.closed_json(timeout, ev.Dialect.FIRST, "s")["reason"] == "timeout"
-    assert "usage" in protocol.closed_json(timeout, None, None)
+    assert realtime.closed_json(timeout, ev.Dialect.FIRST, "s")["reason"] == "timeout"
+    assert "usage" in realtime.closed_json(timeout, None, None)
 
 
 def test_input_transcript_rides_on_the_units_first_event():
     for dialect in (ev.Dialect.FIRST, ev.Dialect.CURRENT):
-        r = protocol.OutputRenderer(dialect, "rt_1")
+        r = realtime.OutputRenderer(dialect, "rt_1")
         events = r.render(_out(input_transcript="What is the capital of France?"))
         assert events[0]["input_transcript"] == "What is the capital of France?"
         assert all("input_transcript" not in e for e in events[1:])
@@ -200,9 +202,9 @@ def test_input_transcript_rides_on_the_units_first_event():
 
 def test_created_carries_the_engines_notes_only_when_there_are_some():
     for dialect in (ev.Dialect.FIRST, ev.Dialect.CURRENT):
-        plain = protocol.created_json(ev.Created("s1", 40), dialect, "audio")
+        plain = realtime.created_json(ev.Created("s1", 40), dialect, "audio")
         assert "notes" not in plain
-        noted = protocol.created_json(
+        noted = realtime.created_json(
             ev.Created("s1", 40, ("voice: not cloned",)), dialect, "audio"
         )
         assert noted["notes"] == ["voice: not cloned"]

@@ -1,0 +1,227 @@
+"""The edge's wiring: shared state (config, fabric clients, metrics, live connections),
+the plain HTTP answers before a WebSocket upgrade (health, status, metrics, the default
+voice, the web client's pages, API keys) and the routing of each upgraded connection to
+its dialect (edge.dialects) and driver (edge.connection)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
+from websockets.exceptions import InvalidHeader
+from websockets.headers import parse_subprotocol
+from websockets.http11 import Request, Response
+
+from edge import dialects, static
+from edge.access import KeySessions, key_digest, subprotocol_key
+from edge.config import EdgeConfig
+from edge.connection import ChatConnection, DuplexConnection, connection_for
+from edge.errors import InvalidPayload
+from edge.fabric import Fabric
+from edge.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from edge.metrics import EdgeMetrics
+from edge.outbox import keepalive
+from edge.transports.websocket import WebSocketTransport
+
+log = logging.getLogger("omnifabric.edge.app")
+
+SUBPROTOCOL = "map.realtime"
+
+
+def select_subprotocol(_conn: ServerConnection, offered: Any) -> str | None:
+    """Pick map.realtime when offered; clients that offer none still connect. A
+    `bearer.<key>` offer is never selected, so the key is never echoed."""
+    return SUBPROTOCOL if SUBPROTOCOL in offered else None
+
+
+def offered_subprotocols(headers: Headers) -> list[str]:
+    """The subprotocols an upgrade request offers; [] when none or malformed (the
+    handshake then refuses a malformed header itself)."""
+    offered: list[str] = []
+    try:
+        for value in headers.get_all("Sec-WebSocket-Protocol"):
+            offered.extend(parse_subprotocol(value))
+    except InvalidHeader:
+        return []
+    return offered
+
+
+def request_authorization(headers: Headers) -> str:
+    """The credentials of an upgrade request as an Authorization value: the header, else
+    `Bearer <key>` from a `bearer.<key>` subprotocol (browsers cannot set the header)."""
+    authorization = headers.get("Authorization", "")
+    if authorization:
+        return authorization
+    key = subprotocol_key(offered_subprotocols(headers))
+    return f"Bearer {key}" if key else ""
+
+
+def key_allowed(config: EdgeConfig, headers: Headers) -> bool:
+    """Bearer key check against the configured digests (constant-time compare)."""
+    return key_digest(config, headers.get("Authorization", "")) is not None
+
+
+#: The default voice, as the reference server serves it.
+DEFAULT_REF_AUDIO_PATH = "/api/default_ref_audio"
+
+
+def default_ref_audio_body(path: str | None) -> dict[str, Any] | None:
+    """The endpoint's JSON for the WAV at `path`, or None when there is none (a file that
+    cannot be read is logged)."""
+    import base64
+    from pathlib import Path
+
+    from edge.pcm import wav_to_pcm16k
+
+    if not path:
+        return None
+    try:
+        pcm = wav_to_pcm16k(Path(path).read_bytes(), "default reference audio")
+    except (OSError, InvalidPayload) as exc:
+        log.error("default reference audio %s unusable: %s", path, exc)
+        return None
+    samples = len(pcm) // 4
+    return {
+        "name": Path(path).name,
+        "duration": round(samples / 16000, 1),
+        "sample_rate": 16000,
+        "samples": samples,
+        "base64": base64.b64encode(pcm).decode("ascii"),
+    }
+
+
+def _plain(status: HTTPStatus, body: str, content_type: str = "text/plain") -> Response:
+    headers = Headers([("Content-Type", f"{content_type}; charset=utf-8")])
+    return Response(status.value, status.phrase, headers, body.encode())
+
+
+class EdgeApp:
+    """Shared state of the WebSocket server: config, fabric clients, live connections."""
+
+    def __init__(self, config: EdgeConfig, fabric: Fabric, metrics: EdgeMetrics) -> None:
+        self.config = config
+        self.fabric = fabric
+        self.metrics = metrics
+        self.connections: set[DuplexConnection] = set()
+        """Duplex sessions on every transport (WebSocket and gRPC): the drain ends them."""
+        self.chats: set[ChatConnection] = set()
+        """Chat connections (mode=chat, /ws/chat, POST /api/chat): the drain ends them
+        in-band too."""
+        self.http_tasks: set[asyncio.Task] = set()
+        """POST /api/chat exchanges in flight."""
+        self.draining = False
+        self._default_ref_audio: str | None = None
+        """GET /api/default_ref_audio's body, made at the first request."""
+        self.key_sessions = KeySessions(config)
+        """Open sessions per API key, held from the upgrade to the connection's end."""
+
+    def key_ok(self, headers: Headers) -> bool:
+        """API key check for plain HTTP requests (same rule as the WebSocket upgrade)."""
+        return key_allowed(self.config, headers)
+
+    async def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        """HTTP before the upgrade: health, status, routing and API keys (401 before upgrade)."""
+        path = urlsplit(request.path).path
+        if path == "/status":
+            if not key_allowed(self.config, request.headers):
+                return _plain(HTTPStatus.UNAUTHORIZED, "missing or invalid API key\n")
+            return await self.status_response()
+        if path == "/healthz":
+            if self.draining:
+                return _plain(
+                    HTTPStatus.SERVICE_UNAVAILABLE, '{"status":"draining"}', "application/json"
+                )
+            return _plain(HTTPStatus.OK, '{"status":"ok"}', "application/json")
+        if path == "/metrics":
+            # Prometheus scrape: counts and timings only (no ids, keys or content).
+            headers = Headers([("Content-Type", METRICS_CONTENT_TYPE)])
+            return Response(200, "OK", headers, self.metrics.exposition())
+        if path == DEFAULT_REF_AUDIO_PATH:
+            # The server's own voice, what the pages load before a session: no key.
+            return self.default_ref_audio_response()
+        if static.is_static(path):
+            # The web client's pages hold no data: no key. What they open or fetch needs one.
+            return static.static_response(request, path)
+        if dialects.find(dialects.WEBSOCKET, path) is None:
+            return _plain(HTTPStatus.NOT_FOUND, f"no such endpoint: {path}\n")
+        if self.draining:
+            return _plain(HTTPStatus.SERVICE_UNAVAILABLE, "the server is draining\n")
+        offered = offered_subprotocols(request.headers)
+        if subprotocol_key(offered) is not None and SUBPROTOCOL not in offered:
+            # Otherwise no subprotocol is selected and browsers fail the connection silently.
+            return _plain(
+                HTTPStatus.BAD_REQUEST,
+                f"offer the {SUBPROTOCOL} subprotocol along with bearer.<key>\n",
+            )
+        digest = key_digest(self.config, request_authorization(request.headers))
+        if digest is None:
+            return _plain(HTTPStatus.UNAUTHORIZED, "missing or invalid API key\n")
+        if digest:
+            if not self.key_sessions.take(digest):
+                limit = self.key_sessions.limit(digest)
+                return _plain(
+                    HTTPStatus.TOO_MANY_REQUESTS,
+                    f"this API key already holds {limit} open sessions, its limit: "
+                    "close one and retry\n",
+                )
+            # Given back when the TCP connection ends, whatever ends it (http_api).
+            conn.held_key = digest  # type: ignore[union-attr]
+        return None
+
+    def default_ref_audio_response(self) -> Response:
+        """GET /api/default_ref_audio: the default voice as float32 16 kHz PCM in base64
+        with its name, duration and length (read once); 404 when none is configured."""
+        if self._default_ref_audio is None:
+            body = default_ref_audio_body(self.config.default_ref_audio)
+            if body is None:
+                return _plain(
+                    HTTPStatus.NOT_FOUND,
+                    json.dumps({"error": "no default reference audio configured"}),
+                    "application/json",
+                )
+            self._default_ref_audio = json.dumps(body)
+        return _plain(HTTPStatus.OK, self._default_ref_audio, "application/json")
+
+    async def status_response(self) -> Response:
+        """GET /status: workers, slots, queue and sessions as JSON (no secrets, no audio)."""
+        from edge.status import edge_status
+
+        try:
+            body = await edge_status(self)
+        except Exception as exc:  # the scheduler is down or slow: say so, keep serving
+            log.warning("status: scheduler unavailable: %s", exc)
+            return _plain(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                json.dumps({"error": "scheduler unavailable"}),
+                "application/json",
+            )
+        return _plain(HTTPStatus.OK, json.dumps(body), "application/json")
+
+    async def handler(self, ws: ServerConnection) -> None:
+        """One client connection, from upgrade to close, under the edge's keepalive."""
+        if self.draining:  # upgraded in the instant before the drain began
+            await ws.close(1001, "the server is shutting down")
+            return
+        pinger = asyncio.create_task(
+            keepalive(ws, self.config.ping_interval_s, self.config.ping_timeout_s)
+        )
+        try:
+            await self._route(ws)
+        finally:
+            pinger.cancel()
+
+    async def _route(self, ws: ServerConnection) -> None:
+        url = urlsplit(ws.request.path if ws.request is not None else "")
+        found = dialects.find(dialects.WEBSOCKET, url.path)
+        if found is None:  # process_request answered 404 before the upgrade
+            await ws.close(1008, "no such endpoint")
+            return
+        route, rest = found
+        dialect = route.open(rest, parse_qs(url.query), self.config.default_mode)
+        await connection_for(self, WebSocketTransport(ws, self.config), dialect).run()

@@ -1,0 +1,57 @@
+"""Every dialect the edge speaks, by where clients reach it.
+
+A dialect is one translator module (client messages <-> domain commands and events, no
+I/O: see base.py); adding one is that module plus one line in a table below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from edge.dialects.base import ChatDialect, DuplexDialect
+from edge.dialects.grpc_realtime import GrpcRealtime
+from edge.dialects.http_chat import HttpChat
+from edge.dialects.legacy_chat import LegacyChat
+from edge.dialects.legacy_duplex import LegacyDuplex
+from edge.dialects.realtime import RealtimeDuplex
+from edge.dialects.realtime_chat import RealtimeChat
+
+Dialect = DuplexDialect | ChatDialect
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a dialect is reached. `open(rest, query, default_mode)` makes the dialect of
+    one connection: `rest` is the path after a prefix route, `query` the URL's query."""
+
+    path: str
+    open: Callable[[str, Mapping[str, list[str]], str], Dialect]
+    prefix: bool = False
+
+    def matches(self, path: str) -> bool:
+        if self.prefix:
+            return path.startswith(self.path) and len(path) > len(self.path)
+        return path == self.path
+
+
+def _realtime(_: str, query: Mapping[str, list[str]], default_mode: str) -> Dialect:
+    mode = (query.get("mode") or [default_mode])[0]
+    return RealtimeChat() if mode == "chat" else RealtimeDuplex(mode)
+
+
+WEBSOCKET: tuple[Route, ...] = (
+    Route("/v1/realtime", _realtime),
+    Route("/ws/duplex/", lambda rest, _q, _m: LegacyDuplex(rest), prefix=True),
+    Route("/ws/chat", lambda _r, _q, _m: LegacyChat()),
+)
+HTTP: tuple[Route, ...] = (Route("/api/chat", lambda _r, _q, _m: HttpChat()),)
+GRPC_CONNECT = Route("/omni.realtime.v1.RealtimeService/Connect", lambda _r, _q, _m: GrpcRealtime())
+
+
+def find(routes: tuple[Route, ...], path: str) -> tuple[Route, str] | None:
+    """The route for `path` and the rest of the path after it, or None."""
+    for route in routes:
+        if route.matches(path):
+            return route, path[len(route.path) :] if route.prefix else ""
+    return None

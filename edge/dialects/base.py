@@ -1,0 +1,104 @@
+"""What a dialect is: a translator between one client protocol and the edge's domain.
+
+A dialect turns each client message into commands (edge.events) and each session event
+into the client's messages. It holds only its own protocol state (turn numbers, what the
+client asked to end with), never a socket, a task or a fabric call, so it is tested with
+plain function calls. The connection drivers (edge.connection) own the loop; the
+transports (edge.transports) own the bytes.
+
+Two kinds: a duplex dialect drives one SessionCore for the connection's life; a chat
+dialect drives one turn per request (edge.chat).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from edge import events as ev
+from edge.errors import EdgeError, InvalidEvent, NotReady
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A transport-level end instead of a message: gRPC ends the call with `status` (a
+    grpc.StatusCode name) and `details`."""
+
+    status: str
+    details: str
+
+
+class DuplexDialect:
+    """Base of duplex translators; subclasses override decode, encode and error."""
+
+    name = "duplex"
+    #: audio or video; None until the first message names it (gRPC).
+    mode: str | None = None
+    #: The client's own session id (legacy path), or None for a new one.
+    session_id: str | None = None
+    #: Sessions of this dialect go to the opt-in recorder (edge.recording).
+    recorded = False
+    #: Read no client message after the init until the session started (gRPC clients
+    #: pipeline their units right behind the init).
+    holds_input_until_started = False
+    #: The text of a second init.
+    already_initialized = "the session is already initialized"
+
+    def refusal(self) -> EdgeError | None:
+        """An error that refuses the connection before any session (bad mode or id)."""
+        return None
+
+    def decode(self, message: Any) -> list[ev.Command]:
+        """One client message -> commands. Raises EdgeError (or fields.InvalidJson)."""
+        raise NotImplementedError
+
+    def encode(self, event: ev.SessionEvent) -> list[Any]:
+        """One session event -> the client's messages, in send order."""
+        raise NotImplementedError
+
+    def error(self, err: EdgeError) -> Any:
+        """The client's error message (or a Refusal) for err."""
+        raise NotImplementedError
+
+    def not_ready(self, cmd: ev.Command) -> str:
+        """The text for input that arrives before the session started."""
+        return "send the session's init first"
+
+    def appended(self, seq: int, cmd: ev.AppendCommand) -> None:
+        """A unit went to the worker as `seq` (dialects that report input time use it)."""
+
+    def check_init_again(self) -> None:
+        """Raise InvalidEvent for a second init (the driver calls this)."""
+        raise InvalidEvent(self.already_initialized)
+
+    def check_ready(self, cmd: ev.Command, started: bool) -> None:
+        """Raise NotReady for input before the session started."""
+        if not started:
+            raise NotReady(self.not_ready(cmd))
+
+
+class ChatDialect:
+    """Base of chat translators: one turn per request, no slot held between turns."""
+
+    name = "chat"
+    #: The connection serves one request, then ends (legacy /ws/chat, HTTP).
+    one_request = False
+    #: How this dialect's session ids begin.
+    id_prefix = "rt_"
+    #: Set by the driver before the first message.
+    session_id = ""
+
+    def opening(self) -> list[Any]:
+        """Messages sent as soon as the connection opens."""
+        return []
+
+    def decode(self, message: Any) -> list[Any]:
+        """One client message -> chat commands (edge.chat). Raises EdgeError."""
+        raise NotImplementedError
+
+    def encode(self, event: Any) -> list[Any]:
+        """One turn event (edge.chat) -> the client's messages."""
+        raise NotImplementedError
+
+    def error(self, err: EdgeError) -> Any:
+        raise NotImplementedError

@@ -1,0 +1,204 @@
+"""RealtimeService.Connect: the public session events in protobuf, for internal gRPC
+clients. Audio travels as raw bytes; everything the JSON dialects report (queue events,
+per-unit timings with the engine's own costs, token counts, usage, the server's reason
+for an end) is in the responses.
+
+The first request must be `init` (its mode picks the session's); a bad first request ends
+the call with INVALID_ARGUMENT. Errors that end a session end the call: RESOURCE_EXHAUSTED
+for a full queue or a client too slow to read (`slow_client`), UNAVAILABLE for no service
+or a worker that did not start, INTERNAL with a generic text for anything unexpected;
+client mistakes during a session arrive as `error` responses and the stream stays usable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edge import events as ev
+from edge import fields, pcm
+from edge.dialects.base import DuplexDialect, Refusal
+from edge.errors import (
+    EdgeError,
+    InferenceError,
+    InternalError,
+    InvalidPayload,
+    MissingField,
+    QueueFull,
+    SlowClient,
+)
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import realtime_service_pb2 as rt_pb
+
+_MODE_NAMES = {common_pb2.MODE_AUDIO: "audio", common_pb2.MODE_VIDEO: "video"}
+#: Fatal errors -> the call's status; any other fatal error is UNAVAILABLE.
+_STATUS = {QueueFull: "RESOURCE_EXHAUSTED", SlowClient: "RESOURCE_EXHAUSTED"}
+#: A first request the call cannot start from.
+_BAD_START = 1008
+
+
+def settings_from(msg: common_pb2.DuplexConfig) -> ev.DuplexSettings:
+    """Protobuf duplex config -> domain settings (unset fields stay None)."""
+    return ev.DuplexSettings(
+        **{f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields if msg.HasField(f.name)}
+    )
+
+
+def usage_to(usage: ev.Usage) -> common_pb2.Usage:
+    """Domain usage -> protobuf usage."""
+    return common_pb2.Usage(**usage.__dict__)
+
+
+def _voice(raw: bytes, what: str) -> bytes:
+    if raw[:4] == b"RIFF":
+        return pcm.wav_to_pcm16k(raw, what)
+    if len(raw) % 4:
+        raise InvalidPayload(f"{what}: not a WAV file and not float32 PCM")
+    return raw
+
+
+def init_command(msg: rt_pb.SessionInit) -> ev.InitCommand:
+    return ev.InitCommand(
+        dialect=ev.Dialect.CURRENT,
+        system_prompt=msg.system_prompt,
+        config=settings_from(msg.config),
+        ref_audio=_voice(msg.ref_audio, "ref_audio") if msg.ref_audio else b"",
+        tts_ref_audio=_voice(msg.tts_ref_audio, "tts_ref_audio") if msg.tts_ref_audio else b"",
+        max_slice_nums=msg.max_slice_nums or 1,
+    )
+
+
+def append_command(msg: rt_pb.InputAppend) -> ev.AppendCommand:
+    if not msg.audio:
+        raise MissingField("'audio' is required")
+    fields.frame_list(list(msg.video_frames), "video_frames")
+    for i, frame in enumerate(msg.video_frames):
+        pcm.check_jpeg(frame, f"video_frames[{i}]")
+    return ev.AppendCommand(
+        pcm=pcm.check_unit_pcm(msg.audio),
+        frames=tuple(msg.video_frames),
+        force_listen=msg.force_listen,
+        max_slice_nums=msg.max_slice_nums,
+    )
+
+
+def timings_to(timings_ms: dict[str, float]) -> common_pb2.UnitTimings:
+    """The unit's timings, the engine's per-phase costs (`cost_<phase>_ms`) included."""
+    t = timings_ms
+    return common_pb2.UnitTimings(
+        prefill_ms=t.get("prefill_ms", 0.0),
+        generate_ms=t.get("generate_ms", 0.0),
+        finalize_wait_ms=t.get("finalize_wait_ms", 0.0),
+        wall_clock_ms=t.get("wall_clock_ms", 0.0),
+        queue_ms=t.get("queue_ms", 0.0),
+        engine_costs_ms={
+            k.removeprefix("cost_").removesuffix("_ms"): v
+            for k, v in t.items()
+            if k.startswith("cost_") and k.endswith("_ms")
+        },
+    )
+
+
+def reason_value(name: str) -> int:
+    """A close reason name -> the CloseReason enum value."""
+    return common_pb2.CloseReason.Value("CLOSE_REASON_" + name.upper())
+
+
+class GrpcRealtime(DuplexDialect):
+    """RealtimeService.Connect."""
+
+    name = "grpc_realtime"
+    holds_input_until_started = True
+    already_initialized = "init may be sent only once"
+
+    def __init__(self) -> None:
+        self._opened = False
+        """The first request (init) was accepted."""
+
+    def not_ready(self, cmd: ev.Command) -> str:
+        return "send init first"
+
+    def decode(self, message: rt_pb.ConnectRequest) -> list[ev.Command]:
+        kind = message.WhichOneof("kind")
+        if not self._opened:
+            if kind != "init":
+                raise InvalidPayload("the first request must be init", close_code=_BAD_START)
+            mode = _MODE_NAMES.get(message.init.mode)
+            if mode is None:
+                raise InvalidPayload("init.mode must be AUDIO or VIDEO", close_code=_BAD_START)
+            try:
+                init = init_command(message.init)
+            except EdgeError as err:
+                raise InvalidPayload(err.message, close_code=_BAD_START) from None
+            self.mode, self._opened = mode, True
+            return [init]
+        if kind == "append":
+            return [append_command(message.append)]
+        if kind == "close":
+            return [ev.CloseCommand(message.close.reason or None)]
+        if kind == "init":
+            raise InvalidPayload(self.already_initialized)
+        raise InvalidPayload("an empty request")
+
+    def encode(self, event: ev.SessionEvent) -> list[Any]:
+        if isinstance(event, ev.Queued):
+            q = rt_pb.QueueEvent(
+                position=event.position,
+                estimated_wait_s=event.estimated_wait_s,
+                ticket_id=event.ticket_id,
+                queue_length=event.queue_length,
+            )
+            first = event.first
+            return [
+                rt_pb.ConnectResponse(queued=q) if first else rt_pb.ConnectResponse(queue_update=q)
+            ]
+        if isinstance(event, ev.QueueDone):
+            return [rt_pb.ConnectResponse(queue_done=rt_pb.QueueDone())]
+        if isinstance(event, ev.Created):
+            created = rt_pb.SessionCreated(
+                session_id=event.session_id,
+                prompt_length=event.prompt_length,
+                notes=list(event.notes),
+            )
+            return [rt_pb.ConnectResponse(created=created)]
+        if isinstance(event, ev.Output):
+            output = rt_pb.OutputUnit(
+                seq=event.seq,
+                is_listen=event.is_listen,
+                text=event.text,
+                audio=event.pcm,
+                end_of_turn=event.end_of_turn,
+                kv_cache_length=event.kv_cache_length,
+                timings=timings_to(event.timings_ms),
+                usage=usage_to(event.usage),
+                dropped_seqs=list(event.dropped_seqs),
+                input_transcript=event.input_transcript,
+                n_tokens=event.n_tokens,
+                n_tts_tokens=event.n_tts_tokens,
+            )
+            return [rt_pb.ConnectResponse(output=output)]
+        if isinstance(event, ev.Closed):
+            sent = []
+            if event.error_code == InferenceError.code:
+                sent.append(self.error(InferenceError(event.message or "inference failed")))
+            value = reason_value(event.reason)
+            closed = rt_pb.SessionClosed(
+                session_id=self.session_id or "",
+                reason=value,
+                reason_text=event.client_reason or event.reason,
+                usage=usage_to(event.usage),
+                message=event.message,
+            )
+            sent.append(rt_pb.ConnectResponse(closed=closed))
+            return sent
+        return []
+
+    def error(self, err: EdgeError) -> rt_pb.ConnectResponse | Refusal:
+        if isinstance(err, InternalError):
+            return Refusal("INTERNAL", "internal error")
+        if not self._opened:  # the first request: nothing started
+            return Refusal("INVALID_ARGUMENT", err.message)
+        if err.close_code is not None:
+            return Refusal(_STATUS.get(type(err), "UNAVAILABLE"), f"{err.code}: {err.message}")
+        return rt_pb.ConnectResponse(
+            error=rt_pb.ErrorEvent(code=err.code, message=err.message, type=err.kind)
+        )

@@ -1,0 +1,169 @@
+"""The one validator of client fields, for every dialect: JSON text, objects, numbers,
+integers, flags, strings and the duplex settings. No I/O here; audio, image and base64
+payloads are checked in edge.pcm.
+
+Every check raises a ClientError naming the field (`where.key`), so a client sees which
+field is wrong and the connection goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from edge.errors import InvalidPayload, MissingField
+from edge.events import DuplexSettings
+
+#: At most this many video frames in one unit (the model takes ~1 frame per second).
+MAX_FRAMES_PER_UNIT = 4
+#: The model's fixed context, tokens.
+MAX_CONTEXT_TOKENS = 8192
+
+
+class InvalidJson(Exception):
+    """The frame is not JSON text at all: a WebSocket connection closes with 1003."""
+
+
+class _NonFinite(Exception):
+    pass
+
+
+def _reject_constant(name: str) -> float:
+    raise _NonFinite(name)
+
+
+def parse_object(text: str) -> dict[str, Any]:
+    """Decode a JSON object. Raises InvalidJson for text that is not JSON, InvalidPayload
+    for JSON that is too deep, uses NaN/Infinity, has an integer past Python's digit limit,
+    or is not an object."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise InvalidPayload("JSON nesting too deep") from None
+    except _NonFinite as exc:
+        raise InvalidPayload(f"{exc} is not allowed in events") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidJson(str(exc)) from None
+    except ValueError:
+        # Valid JSON all the same: an integer past Python's digit limit (4300 digits).
+        raise InvalidPayload("a number in the event is too long") from None
+    if not isinstance(value, dict):
+        raise InvalidPayload("an event must be a JSON object")
+    return value
+
+
+def parse_frame(text: str) -> dict[str, Any]:
+    """Decode one text frame into an event object with a string `type` (errors as
+    parse_object, and MissingField without `type`)."""
+    event = parse_object(text)
+    if "type" not in event:
+        raise MissingField("event has no 'type'")
+    if not isinstance(event["type"], str):
+        raise InvalidPayload("'type' must be a string")
+    return event
+
+
+def obj(body: dict[str, Any], key: str, required: bool = False) -> dict[str, Any]:
+    """``body[key]`` as an object ({} when absent and not required)."""
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise MissingField(f"'{key}' is required")
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidPayload(f"'{key}' must be an object")
+    return value
+
+
+def _name(where: str, key: str) -> str:
+    """How a message names the field: `where.key`, or `'key'` at the top level."""
+    return f"{where}.{key}" if where else f"'{key}'"
+
+
+def number_field(
+    cfg: dict[str, Any], key: str, lo: float, hi: float, where: str = "config"
+) -> float | None:
+    """``cfg[key]`` as a float in [lo, hi], None when absent; InvalidPayload naming
+    ``where.key`` otherwise."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    # An int is compared as it is: math.isfinite() overflows on one beyond float range.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
+        raise InvalidPayload(f"{_name(where, key)} must be a number")
+    if not lo <= value <= hi:
+        raise InvalidPayload(f"{_name(where, key)} must be in [{lo}, {hi}]")
+    return float(value)
+
+
+def integer_field(
+    cfg: dict[str, Any], key: str, lo: int, hi: int, where: str = "config"
+) -> int | None:
+    """``cfg[key]`` as an int in [lo, hi], None when absent; InvalidPayload otherwise."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidPayload(f"{_name(where, key)} must be an integer")
+    if not lo <= value <= hi:
+        raise InvalidPayload(f"{_name(where, key)} must be in [{lo}, {hi}]")
+    return value
+
+
+def flag(cfg: dict[str, Any], key: str, where: str = "config") -> bool | None:
+    """``cfg[key]`` as true/false, None when absent."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise InvalidPayload(f"{_name(where, key)} must be true or false")
+    return value
+
+
+def string(body: dict[str, Any], key: str, what: str | None = None) -> str | None:
+    """``body[key]`` as a string, None when absent or null."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InvalidPayload(f"{what or repr(key)} must be a string")
+    return value
+
+
+def slice_count(value: Any, where: str = "max_slice_nums") -> int:
+    """An image slice count as the client sent it: 0 when absent, else an integer 1..9."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 9:
+        raise InvalidPayload(f"{where} must be an integer from 1 to 9")
+    return value
+
+
+def duplex_settings(cfg: dict[str, Any]) -> DuplexSettings:
+    """Validate a duplex `config` object, mapping the SDK's own keys; others ignored."""
+    return DuplexSettings(
+        length_penalty=number_field(cfg, "length_penalty", 0.0, 10.0),
+        temperature=number_field(cfg, "temperature", 0.0, 5.0),
+        top_k=integer_field(cfg, "top_k", 1, 1000),
+        top_p=number_field(cfg, "top_p", 0.0, 1.0),
+        listen_prob_scale=number_field(cfg, "listen_prob_scale", 0.0, 100.0),
+        force_listen_count=integer_field(cfg, "force_listen_count", 0, 100),
+        max_new_speak_tokens_per_chunk=integer_field(cfg, "max_new_speak_tokens_per_chunk", 1, 200),
+        max_kv_tokens=integer_field(cfg, "max_kv_tokens", 64, MAX_CONTEXT_TOKENS),
+        tts_enabled=flag(cfg, "tts_enabled"),
+        max_tokens=integer_field(cfg, "max_tokens", 1, 1 << 20),
+    )
+
+
+def frame_list(value: Any, key: str) -> list[Any]:
+    """A list of base64 JPEG frames for one unit (at most MAX_FRAMES_PER_UNIT)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidPayload(f"'{key}' must be a list of base64 JPEG strings")
+    if len(value) > MAX_FRAMES_PER_UNIT:
+        raise InvalidPayload(f"at most {MAX_FRAMES_PER_UNIT} video frames per unit")
+    return value

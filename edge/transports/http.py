@@ -1,0 +1,320 @@
+"""HTTP/1.1 requests with a body on the WebSocket port: `POST /api/chat`.
+
+The websockets server parses only body-less GET handshakes, so the connection class
+sniffs the first bytes: a `POST` is taken over by `HttpRequestReader` (one request,
+answered once with `Connection: close`); anything else goes to the WebSocket handshake
+untouched. The request is read in full before it is served, within limits: its head
+within the open timeout and 16 KiB (431), a Content-Length (411, no chunked bodies) of at
+most the frame limit (413), the body within 6 times the open timeout (408). A client may
+half-close its side once the body is sent (as curl and many HTTP clients can): the answer
+still goes out. A client that goes away cancels its turn. With API keys configured a
+request needs a valid key (401) and holds one of the key's sessions while its turn runs
+(429 at the key's limit, as the WebSocket endpoints answer before the upgrade).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
+
+from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
+
+from edge import dialects
+from edge.access import key_digest
+from edge.connection import ChatConnection
+from edge.dialects.http_chat import HttpResponse, failure
+from edge.errors import EdgeError
+
+if TYPE_CHECKING:
+    from edge.app import EdgeApp
+
+log = logging.getLogger("omnifabric.edge.http")
+
+MAX_HEAD_BYTES = 16 * 1024
+
+
+class _Detached:
+    """Stands in for a transport handed to the HTTP exchange: the websockets server aborts
+    connections whose handshake did not open; that must not cut our response."""
+
+    def abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+class HttpRequestReader:
+    """One HTTP/1.1 request read from raw bytes (no I/O: fed by the connection)."""
+
+    def __init__(self, max_body: int) -> None:
+        self.max_body = max_body
+        self.buffer = b""
+        self.head_done = False
+        self.method = self.target = ""
+        self.headers = Headers()
+        self.length = 0
+        self.ready = asyncio.get_running_loop().create_future()
+        """None once the request is complete, or (status, text) for one that cannot be."""
+
+    @property
+    def body(self) -> bytes:
+        return self.buffer[: self.length]
+
+    def feed(self, data: bytes) -> None:
+        if self.ready.done():
+            return
+        self.buffer += data
+        if not self.head_done:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buffer) > MAX_HEAD_BYTES:
+                    self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "head too large")
+                return
+            head, self.buffer = self.buffer[:end].decode("latin-1"), self.buffer[end + 4 :]
+            self.head_done = True
+            lines = head.split("\r\n")
+            try:
+                self.method, self.target, _ = lines[0].split(" ", 2)
+                for line in lines[1:]:
+                    name, _, value = line.partition(":")
+                    self.headers[name.strip()] = value.strip()
+                self.length = int(self.headers.get("Content-Length", "-1"))
+            except ValueError:
+                self._refuse(HTTPStatus.BAD_REQUEST, "malformed request")
+                return
+            if "Transfer-Encoding" in self.headers:
+                self._refuse(HTTPStatus.LENGTH_REQUIRED, "send a Content-Length, not chunks")
+                return
+            if self.length < 0:
+                self._refuse(HTTPStatus.LENGTH_REQUIRED, "Content-Length required")
+                return
+            if self.length > self.max_body:
+                self._refuse(
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    f"body too large: at most {self.max_body} bytes",
+                )
+                return
+        if len(self.buffer) >= self.length:
+            self.ready.set_result(None)
+
+    def eof(self) -> None:
+        """The client half-closed its side: the request is whatever came before."""
+        if not self.ready.done():
+            what = "request body" if self.head_done else "request head"
+            self._refuse(HTTPStatus.BAD_REQUEST, f"the client ended the {what} early")
+
+    def lost(self) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError("client went away"))
+
+    def _refuse(self, status: HTTPStatus, text: str) -> None:
+        self.ready.set_result((status, text))
+
+
+def response_bytes(response: HttpResponse) -> bytes:
+    data = json.dumps(response.body, separators=(",", ":")).encode()
+    status = response.status
+    head = (
+        f"HTTP/1.1 {status.value} {status.phrase}\r\n"
+        "Content-Type: application/json; charset=utf-8\r\n"
+        f"Content-Length: {len(data)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + data
+
+
+class HttpTransport:
+    """One read request as a chat driver's transport: its body is the one message, the
+    first response sent is the answer, and the end of input is the connection's loss
+    (a half-close is not: the client still reads)."""
+
+    input_end_closes = False
+
+    def __init__(self, path: str, body: bytes, raw: asyncio.Transport, gone: asyncio.Future):
+        self.path = path
+        self._body: bytes | None = body
+        self._raw = raw
+        self._gone = gone
+        self.answered = False
+
+    def bind(
+        self, on_overflow: Callable[[], None], render_error: Callable[[EdgeError], Any]
+    ) -> None:
+        """One response, written at once: nothing waits to overflow."""
+
+    async def receive(self) -> bytes | None:
+        if self._body is not None:
+            body, self._body = self._body, None
+            return body
+        await asyncio.shield(self._gone)
+        return None
+
+    def send(self, message: HttpResponse) -> None:
+        self.answer(message)
+
+    def answer(self, response: HttpResponse) -> None:
+        if self.answered:
+            return
+        self.answered = True
+        self._raw.write(response_bytes(response))
+
+    def close(self, code: int, reason: str) -> None:
+        self._raw.close()  # close() flushes the buffered response first
+
+    async def finish(self) -> None:
+        if not self.answered:
+            self.answer(failure(HTTPStatus.INTERNAL_SERVER_ERROR, "internal_error", "no answer"))
+        self._raw.close()
+
+
+def connection_class(app: EdgeApp) -> type[ServerConnection]:
+    """A ServerConnection that also answers POST /api/chat (and 404 for other paths)."""
+
+    class EdgeConnection(ServerConnection):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self._sniffed = b""
+            self.held_key: str | None = None
+            """Digest of the API key whose session slot this connection holds."""
+            self._http: HttpRequestReader | None = None
+            self._gone = asyncio.get_running_loop().create_future()
+            self._decided = asyncio.get_running_loop().create_future()
+            super().connection_made(transport)
+
+        def data_received(self, data: bytes) -> None:
+            if self._http is not None:
+                self._http.feed(data)
+                return
+            if self._decided.done():
+                super().data_received(data)
+                return
+            self._sniffed += data
+            if len(self._sniffed) < 5 and b"\r\n" not in self._sniffed:
+                return
+            first, self._sniffed = self._sniffed, b""
+            if first.startswith(b"POST "):
+                self._http = HttpRequestReader(app.config.max_frame_bytes)
+                self._decided.set_result(True)
+                self._http.feed(first)
+            else:
+                self._decided.set_result(False)
+                super().data_received(first)
+
+        def eof_received(self) -> bool | None:
+            if self._http is not None:
+                self._http.eof()
+                return True  # keep the socket open for the answer
+            return super().eof_received()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if not self._decided.done():
+                self._decided.set_result(False)
+            if self._http is not None:
+                self._http.lost()
+            if not self._gone.done():
+                self._gone.set_result(None)
+            # Called once whatever ends the connection: the key's session slot comes back.
+            held, self.held_key = self.held_key, None
+            if held is not None:
+                app.key_sessions.give_back(held)
+            super().connection_lost(exc)
+
+        async def handshake(self, *args: Any, **kwargs: Any) -> None:
+            await asyncio.wait(
+                [self._decided, self.connection_lost_waiter], return_when=asyncio.FIRST_COMPLETED
+            )
+            if self._http is None:
+                await super().handshake(*args, **kwargs)
+                return
+            # The exchange owns the socket from here; the server's abort hits a stand-in.
+            transport, self.transport = self.transport, _Detached()
+            task = asyncio.ensure_future(self._serve(transport))
+            app.http_tasks.add(task)
+            task.add_done_callback(app.http_tasks.discard)
+
+        async def _serve(self, raw: asyncio.Transport) -> None:
+            reader = self._http
+            assert reader is not None
+            try:
+                problem = await self._request(reader)
+            except (ConnectionError, TimeoutError):
+                raw.abort()
+                return
+            path = urlsplit(reader.target).path
+            found = dialects.find(dialects.HTTP, path)
+            transport = HttpTransport(path, reader.body, raw, self._gone)
+            if problem is not None:
+                transport.answer(failure(problem[0], "invalid_request", problem[1]))
+            elif found is None:
+                transport.answer(failure(HTTPStatus.NOT_FOUND, "not_found", f"no {path}"))
+            elif reader.method != "POST":
+                transport.answer(failure(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use POST"))
+            else:
+                route, rest = found
+                query = parse_qs(urlsplit(reader.target).query)
+                await self._chat(transport, reader, route.open(rest, query, ""))
+            await transport.finish()
+
+        async def _chat(self, transport: HttpTransport, reader: HttpRequestReader, dialect):
+            """The drain (503), the API key check (401), the key's session limit (429, as
+            on the WebSocket endpoints: the turn holds one of its sessions while it runs),
+            then the turn."""
+            if app.draining:
+                transport.answer(
+                    failure(HTTPStatus.SERVICE_UNAVAILABLE, "draining", "the server is draining")
+                )
+                return
+            digest = key_digest(app.config, reader.headers.get("Authorization", ""))
+            if digest is None:
+                transport.answer(
+                    failure(HTTPStatus.UNAUTHORIZED, "unauthorized", "missing or invalid API key")
+                )
+                return
+            if digest and not app.key_sessions.take(digest):
+                limit = app.key_sessions.limit(digest)
+                transport.answer(
+                    failure(
+                        HTTPStatus.TOO_MANY_REQUESTS,
+                        "too_many_sessions",
+                        f"this API key already holds {limit} open sessions, its limit: "
+                        "close one and retry",
+                    )
+                )
+                return
+            try:
+                await ChatConnection(app, transport, dialect).run()
+            finally:
+                if digest:
+                    app.key_sessions.give_back(digest)
+
+        async def _request(self, reader: HttpRequestReader) -> tuple[HTTPStatus, str] | None:
+            """Wait for the whole request: the head within the open timeout, like a
+            WebSocket handshake (a trickled head is dropped), the body within 6 times it.
+            Raises TimeoutError (head) or ConnectionError."""
+            limit = app.config.open_timeout_s
+            try:
+                return await asyncio.wait_for(asyncio.shield(reader.ready), limit)
+            except TimeoutError:
+                if not reader.head_done:
+                    log.info("HTTP request head not received within %.1fs: dropped", limit)
+                    reader.ready.cancel()  # nothing waits on it any more
+                    raise
+            try:
+                return await asyncio.wait_for(asyncio.shield(reader.ready), 5 * limit)
+            except TimeoutError:
+                reader.ready.cancel()
+                return HTTPStatus.REQUEST_TIMEOUT, "request body not received in time"
+
+    return EdgeConnection
