@@ -19,7 +19,7 @@ from worker.engines.minicpmo import MiniCPMOEngine, check_model_dir, check_runti
 from worker.engines.minicpmo.state import SharedState
 from worker.errors import EngineUnavailable
 from worker.rechunk import Rechunker
-from worker.session import UnitInput
+from worker.units import UnitInput
 
 
 def skeleton(classes: dict[str, list[str]]) -> str:
