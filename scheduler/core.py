@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from scheduler.config import SchedulerConfig
 from scheduler.errors import InvalidRequest, NoWorker, QueueFull, ShuttingDown, UnknownLease
 from scheduler.leases import Lease, LeaseGrantNotice, LeaseRevokeNotice, LeaseState, LeaseTable
-from scheduler.metrics import SchedulerMetrics
+from scheduler.metrics import Counters, SchedulerMetrics
 from scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
 from scheduler.registry import Health, MemoryFigures, Mode, Registry, Worker
 
@@ -66,18 +66,6 @@ class LeaseLoss:
 
 
 AcquireEvent = QueueUpdate | LeaseOffer | LeaseLoss
-
-
-@dataclass
-class Counters:
-    """Totals since start, for metrics."""
-
-    leases_granted: int = 0
-    leases_returned: int = 0
-    leases_lost: int = 0
-    queue_full_rejections: int = 0
-    leases_expired: int = 0
-    """Returned leases freed by the release timeout (the worker never confirmed)."""
 
 
 @dataclass(frozen=True)

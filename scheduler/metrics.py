@@ -2,10 +2,13 @@
 
 Queue, leases and workers are read from the Scheduler's state at scrape time (a custom
 collector, so nothing can drift); only the queue-wait histogram is fed by a hook in the
-core (`observe_queue_wait`, at every grant). Served by `serve_http` on
-`--metrics-port` (a prometheus_client HTTP server on its own thread). Process figures
+core (`observe_queue_wait`, at every grant). Served by `serve_http` on `--metrics-port`
+(a prometheus_client HTTP server on its own thread). Process figures
 (process_resident_memory_bytes, process_open_fds, ...) and the live asyncio tasks
 (omni_scheduler_asyncio_tasks) show leaks in long runs.
+
+The core builds these metrics and passes itself in; this module knows it only as a
+`SchedulerState` and never imports the core.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,17 +25,45 @@ from prometheus_client.metrics import Gauge
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from scheduler.core import Scheduler
+from scheduler.leases import LeaseTable
+from scheduler.queue import WaitQueue
+from scheduler.registry import Registry
 
 #: Queue waits, seconds: from immediate grants to the long waits of a full fleet.
 QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
+@dataclass
+class Counters:
+    """Totals since start, for metrics (kept by the core, read at scrape time)."""
+
+    leases_granted: int = 0
+    leases_returned: int = 0
+    leases_lost: int = 0
+    queue_full_rejections: int = 0
+    leases_expired: int = 0
+    """Returned leases freed by the release timeout (the worker never confirmed)."""
+
+
+class SchedulerState(Protocol):
+    """What the metrics read from the scheduler at scrape time: scheduler.core.Scheduler."""
+
+    @property
+    def queue(self) -> WaitQueue: ...
+    @property
+    def leases(self) -> LeaseTable: ...
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def counters(self) -> Counters: ...
+    @property
+    def draining(self) -> bool: ...
+
+
 class SchedulerMetrics:
     """The scheduler's instruments; `registry` is what /metrics serves."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: SchedulerState) -> None:
         self.registry = CollectorRegistry()
         self.queue_wait = Histogram(
             "omni_scheduler_queue_wait_seconds",
@@ -70,7 +102,7 @@ class _StateCollector(Collector):
     reads attributes, which the GIL keeps consistent enough for monitoring.
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: SchedulerState) -> None:
         self._scheduler = scheduler
 
     def collect(self) -> Iterator[Any]:

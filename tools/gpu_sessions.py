@@ -19,8 +19,9 @@ import numpy as np
 from tools.client import percentile
 from tools.probe import read_wav_16k, split_units
 from worker.config import WorkerConfig
-from worker.engine import DuplexSettings, Engine, load_engine
+from worker.engine import DuplexSettings, Engine
 from worker.engines.memory import cleanup, rss_bytes
+from worker.engines.registry import load_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FIXTURE = "tests/fixtures/speech/question.wav"

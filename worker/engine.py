@@ -1,7 +1,8 @@
 """The one narrow engine interface, shaped like MiniCPM-o 4.5's duplex API.
 
 The same unit loop drives every engine (synthetic, reference, minicpmo). Engine calls are
-blocking and run on the worker's engine threads, never on the event loop.
+blocking and run on the worker's engine threads, never on the event loop. The engines
+import this module; the registry that maps names to them is worker.engines.registry.
 """
 
 from __future__ import annotations
@@ -9,14 +10,10 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from worker.errors import EngineUnavailable
-
-if TYPE_CHECKING:
-    from worker.config import WorkerConfig
 
 #: Input audio rate (prefill) and output audio rate (generate), Hz.
 INPUT_RATE = 16000
@@ -192,39 +189,3 @@ class Engine(abc.ABC):
             return result
         finally:
             session.close()
-
-
-def load_engine(name: str, config: WorkerConfig) -> Engine:
-    """The engine called `name`, loaded (not yet warmed up). Raises EngineUnavailable."""
-    if name == "synthetic":
-        from worker.engines.synthetic import SyntheticEngine
-
-        engine: Engine = SyntheticEngine(
-            compute_ms=config.synthetic_compute_ms,
-            slots=config.slots or 4,
-            fail_unit=config.synthetic_fail_unit,
-            hang_unit=config.synthetic_hang_unit,
-        )
-    elif name == "reference":
-        from worker.engines.reference.engine import ReferenceEngine, TurnRules
-
-        rules = TurnRules(
-            min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s
-        )
-        engine = ReferenceEngine(
-            slots=config.slots or 5,
-            rules=rules,
-            device=config.device or "cpu",
-            llm_threads=config.llm_threads,
-            llm_model=config.llm_model,
-        )
-    elif name == "minicpmo":
-        from worker.engines.minicpmo import MiniCPMOEngine
-
-        engine = MiniCPMOEngine.from_config(config)
-    else:
-        raise EngineUnavailable(
-            f"unknown engine {name!r} (choose synthetic, reference or minicpmo)"
-        )
-    engine.load()
-    return engine

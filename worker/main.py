@@ -184,7 +184,7 @@ def check(config: WorkerConfig) -> int:
         print("\n".join(lines))
         print("ready to start" if ok else "cannot start: see MISSING above")
         return 0 if ok else 1
-    from worker.engine import load_engine
+    from worker.engines.registry import load_engine
 
     try:
         load_engine(config.engine, config)

@@ -6,6 +6,9 @@ health and memory are read from the WorkerRuntime at scrape time. Served by
 `serve_http` on `--metrics-port` (a prometheus_client HTTP server on its own thread).
 Process figures (process_resident_memory_bytes, process_open_fds, ...) and the live
 asyncio tasks (omni_worker_asyncio_tasks) show leaks in long runs.
+
+The runtime builds these metrics and passes itself in; this module knows it only as a
+`RuntimeState` and never imports the runtime.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -24,8 +27,9 @@ from prometheus_client.registry import Collector
 from worker.engines import memory
 
 if TYPE_CHECKING:
-    from worker.runtime import WorkerRuntime
-    from worker.session import SessionEnd, UnitOutput
+    from worker.config import WorkerConfig
+    from worker.engine import Engine
+    from worker.session import DuplexSession, SessionEnd, UnitOutput
 
 #: Stage latencies, seconds; the unit loop runs at one unit per second.
 STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -43,10 +47,42 @@ STAGES = {
 }
 
 
+class HealthState(Protocol):
+    """worker.runtime.Health, as far as the metrics read it."""
+
+    @property
+    def serving(self) -> bool: ...
+
+
+class RuntimeState(Protocol):
+    """What the metrics read from the worker at scrape time: worker.runtime.WorkerRuntime."""
+
+    @property
+    def config(self) -> WorkerConfig: ...
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def slots(self) -> int: ...
+    @property
+    def sessions(self) -> dict[str, DuplexSession]: ...
+    @property
+    def chats(self) -> int: ...
+    @property
+    def health(self) -> HealthState: ...
+    @property
+    def stuck(self) -> dict[str, str]: ...
+    @property
+    def baseline(self) -> memory.MemoryReport | None: ...
+    @property
+    def last_cleanup(self) -> memory.MemoryReport | None: ...
+    @property
+    def cleanups(self) -> int: ...
+
+
 class WorkerMetrics:
     """The worker's instruments; `registry` is what /metrics serves."""
 
-    def __init__(self, runtime: WorkerRuntime | None = None) -> None:
+    def __init__(self, runtime: RuntimeState | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.units = Counter(
@@ -126,10 +162,10 @@ class WorkerMetrics:
 
 
 class _RuntimeCollector(Collector):
-    """Gauges read from the WorkerRuntime when scraped (on the HTTP server's thread:
+    """Gauges read from the runtime when scraped (on the HTTP server's thread:
     containers are copied with list()/len() before use)."""
 
-    def __init__(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: RuntimeState) -> None:
         self._runtime = runtime
 
     def collect(self) -> Iterator[Any]:

@@ -10,12 +10,10 @@ slice count ride on the next model unit made.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from worker.session import UnitInput
+from worker.units import UnitInput
 
 
 class Rechunker:

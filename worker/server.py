@@ -14,7 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 from worker.config import WorkerConfig
-from worker.engine import Engine, load_engine
+from worker.engine import Engine
+from worker.engines.registry import load_engine
 from worker.registration import Registration
 from worker.runtime import Health, WorkerRuntime
 from worker.service import ErrorInterceptor, WorkerServicer

@@ -42,10 +42,10 @@ from worker.session import (
     DuplexSession,
     SessionEnd,
     SessionSpec,
-    UnitInput,
     UnitOutput,
     Usage,
 )
+from worker.units import UnitInput
 
 log = logging.getLogger("omnifabric.worker.service")
 

@@ -25,6 +25,7 @@ from worker.engine import DuplexSettings, Engine, EngineSession, GenerateResult
 from worker.engines import memory
 from worker.errors import EngineFailure, EngineStuck
 from worker.rechunk import Rechunker
+from worker.units import UnitInput
 
 log = logging.getLogger("omnifabric.worker.session")
 
@@ -53,18 +54,6 @@ class SessionSpec:
     settings: DuplexSettings = field(default_factory=DuplexSettings)
     trace_context: Any = None
     """OpenTelemetry context of the caller (the edge's session span), or None."""
-
-
-@dataclass
-class UnitInput:
-    """One unit of input; `received_at` is time.perf_counter() at receipt."""
-
-    seq: int
-    pcm: np.ndarray
-    frames: list[bytes] = field(default_factory=list)
-    force_listen: bool = False
-    max_slice_nums: int = 0
-    received_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass

@@ -14,12 +14,13 @@ import pytest
 
 from tests.conftest import ROOT, scaled
 from worker.config import WorkerConfig
-from worker.engine import DuplexSettings, load_engine
+from worker.engine import DuplexSettings
 from worker.engines.minicpmo import MiniCPMOEngine, check_model_dir, check_runtime, layouts
 from worker.engines.minicpmo.state import SharedState
+from worker.engines.registry import load_engine
 from worker.errors import EngineUnavailable
 from worker.rechunk import Rechunker
-from worker.session import UnitInput
+from worker.units import UnitInput
 
 
 def skeleton(classes: dict[str, list[str]]) -> str:

@@ -19,8 +19,8 @@ from worker.session import (
     SessionEnd,
     SessionLimits,
     SessionSpec,
-    UnitInput,
 )
+from worker.units import UnitInput
 
 SILENCE = np.zeros(16000, dtype=np.float32)
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from worker.config import WorkerConfig
-from worker.engine import DuplexSettings, load_engine
+from worker.engine import DuplexSettings
 from worker.engines import memory
+from worker.engines.registry import load_engine
 from worker.engines.synthetic import SyntheticEngine
 from worker.errors import EngineUnavailable
 

@@ -26,8 +26,8 @@ from worker.session import (
     SessionEnd,
     SessionLimits,
     SessionSpec,
-    UnitInput,
 )
+from worker.units import UnitInput
 
 pytestmark = [needs_code, pytest.mark.timeout(600)]
 GREEDY = DuplexSettings(temperature=0, force_listen_count=0)

@@ -1,19 +1,20 @@
 """Turn-based chat on MiniCPM-o 4.5 through the model's streaming path (its chat(stream=True)
-is broken): streaming_prefill once per message, then iterate streaming_generate."""
+is broken): streaming_prefill once per message, then iterate streaming_generate.
+
+MiniCPMOEngine.chat calls `stream_turn` with itself; this module knows the engine only as
+a `ChatEngine` and never imports it."""
 
 from __future__ import annotations
 
 import inspect
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
-from worker.engine import ChatChunk, ChatTurn
-
-if TYPE_CHECKING:
-    from worker.engines.minicpmo.engine import MiniCPMOEngine
+from worker.engine import ChatChunk, ChatMessage, ChatTurn
 
 #: Special tokens the text-only stream leaves in its text.
 TERMINATORS = ("<|im_end|>", "<|endoftext|>", "<|tts_eos|>", "<|turn_eos|>", "<|tts_bos|>")
@@ -25,7 +26,21 @@ def _clean(text: str) -> str:
     return text
 
 
-def stream_turn(engine: MiniCPMOEngine, turn: ChatTurn) -> Iterator[ChatChunk]:
+class ChatEngine(Protocol):
+    """What a chat turn uses of the engine: worker.engines.minicpmo.engine.MiniCPMOEngine."""
+
+    @property
+    def model(self) -> Any: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def audio_on(self) -> bool: ...
+    @property
+    def default_voice(self) -> Path | None: ...
+    def chat_content(self, message: ChatMessage) -> list[Any]: ...
+
+
+def stream_turn(engine: ChatEngine, turn: ChatTurn) -> Iterator[ChatChunk]:
     """Prefilled chunk, text/audio chunks, then done with the real counts. Raises what the
     model raises (the worker reports it as an error event)."""
     import torch

@@ -1,0 +1,65 @@
+"""The engine registry: engine name -> factory, and `load_engine` to look one up.
+
+Engine modules import only the interface (worker.engine); this module imports the engines,
+each inside its factory, so choosing one engine never imports another's dependencies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from worker.config import WorkerConfig
+from worker.engine import Engine
+from worker.errors import EngineUnavailable
+
+
+def _synthetic(config: WorkerConfig) -> Engine:
+    from worker.engines.synthetic import SyntheticEngine
+
+    return SyntheticEngine(
+        compute_ms=config.synthetic_compute_ms,
+        slots=config.slots or 4,
+        fail_unit=config.synthetic_fail_unit,
+        hang_unit=config.synthetic_hang_unit,
+    )
+
+
+def _reference(config: WorkerConfig) -> Engine:
+    from worker.engines.reference.engine import ReferenceEngine, TurnRules
+
+    rules = TurnRules(
+        min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s
+    )
+    return ReferenceEngine(
+        slots=config.slots or 5,
+        rules=rules,
+        device=config.device or "cpu",
+        llm_threads=config.llm_threads,
+        llm_model=config.llm_model,
+    )
+
+
+def _minicpmo(config: WorkerConfig) -> Engine:
+    from worker.engines.minicpmo import MiniCPMOEngine
+
+    return MiniCPMOEngine.from_config(config)
+
+
+#: Engine name -> factory that builds it from the worker's config (not yet loaded).
+ENGINES: dict[str, Callable[[WorkerConfig], Engine]] = {
+    "synthetic": _synthetic,
+    "reference": _reference,
+    "minicpmo": _minicpmo,
+}
+
+
+def load_engine(name: str, config: WorkerConfig) -> Engine:
+    """The engine called `name`, loaded (not yet warmed up). Raises EngineUnavailable."""
+    factory = ENGINES.get(name)
+    if factory is None:
+        raise EngineUnavailable(
+            f"unknown engine {name!r} (choose synthetic, reference or minicpmo)"
+        )
+    engine = factory(config)
+    engine.load()
+    return engine
