@@ -1,33 +1,21 @@
-"""Turn-based chat at the edge: the chat commands and turn events the chat dialects
-translate, the request validator, and the turn itself (lease a worker slot for the turn
-only, stream the worker's reply). Driven by edge.connection.ChatConnection for
+"""Turn-based chat at the edge, without I/O: the chat commands and turn events the chat
+dialects translate, and the request validator. The turn itself (a worker slot for the
+turn only) is edge.session.run_turn, driven by edge.connection.ChatConnection for
 /v1/realtime?mode=chat, /ws/chat and POST /api/chat."""
 
 from __future__ import annotations
 
 import io
 import logging
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy as np
 
 from edge import events as ev
 from edge import pcm
-from edge.errors import (
-    InferenceError,
-    InvalidPayload,
-    MissingField,
-    WorkerConnectFailed,
-)
-from edge.fabric import Fabric, wait_for_lease
+from edge.errors import InvalidPayload, MissingField
 from edge.fields import flag, integer_field, number_field, obj
-from edge.session import usage_from
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import worker_service_pb2 as worker_pb
 
 log = logging.getLogger("omnifabric.edge.chat")
@@ -290,70 +278,6 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
     request.omni_mode = bool(flag(body, "omni_mode", ""))
     request.enable_thinking = bool(flag(body, "enable_thinking", ""))
     return ChatInput(request, streaming, request.tts.enabled, tuple(notes))
-
-
-async def run_turn(
-    fabric: Fabric,
-    chat: ChatInput,
-    session_id: str,
-    emit: Callable[[TurnEvent], Awaitable[None]],
-) -> ChatResult:
-    """Lease a chat slot, run the turn, stream its events to `emit` (TurnQueued while
-    queued, TurnLeased, TurnPrefilled, TurnDelta...); the lease and the worker's call end
-    with it, also when it is cancelled. Raises QueueFull, ServiceUnavailable,
-    WorkerConnectFailed, InvalidPayload, InferenceError."""
-    acquire = fabric.scheduler.Acquire(
-        scheduler_pb.AcquireRequest(mode=common_pb2.MODE_CHAT, session_id=session_id)
-    )
-    result = ChatResult()
-    t0 = time.monotonic()
-    waited = False
-
-    async def queued(q: ev.Queued) -> None:
-        nonlocal waited
-        waited = True
-        await emit(TurnQueued(q))
-
-    try:
-        lease = await wait_for_lease(acquire, queued)
-        result.timings_ms["queue_ms"] = (time.monotonic() - t0) * 1000.0
-        await emit(TurnLeased(waited))
-        request = worker_pb.ChatRequest()
-        request.CopyFrom(chat.request)
-        request.lease_id, request.session_id = lease.lease_id, session_id
-        call = fabric.worker(lease.worker_address).Chat(request)
-        try:
-            async for response in call:
-                kind = response.WhichOneof("kind")
-                if kind == "prefilled":
-                    await emit(TurnPrefilled(response.prefilled.input_tokens))
-                elif kind == "delta":
-                    result.audio.append(response.delta.pcm)
-                    await emit(TurnDelta(response.delta.text, response.delta.pcm))
-                elif kind == "done":
-                    d = response.done
-                    result.text, result.reason = d.text, d.reason or "turn_end"
-                    result.input_tokens, result.generated_tokens = (
-                        d.input_tokens,
-                        d.generated_tokens,
-                    )
-                    result.usage = usage_from(d.usage)
-                    result.ignored = tuple(d.ignored) + chat.notes
-                    result.timings_ms.update(prefill_ms=d.prefill_ms, generate_ms=d.generate_ms)
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidPayload(err.details() or "invalid chat request") from None
-            if err.code() == grpc.StatusCode.INTERNAL:
-                raise InferenceError(err.details() or "inference failed") from None
-            raise WorkerConnectFailed(f"the worker failed the turn: {err.details()}") from None
-        finally:
-            # A turn cancelled mid-stream (client gone, slow client, drain) must stop the
-            # worker's generation now, not when the call object is collected.
-            call.cancel()
-    finally:
-        acquire.cancel()
-    result.timings_ms["wall_clock_ms"] = (time.monotonic() - t0) * 1000.0
-    return result
 
 
 def metrics_json(result: ChatResult) -> dict[str, Any]:

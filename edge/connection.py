@@ -2,7 +2,7 @@
 
 A driver receives client messages from its transport, has its dialect translate them into
 commands, acquires the lease and drives the worker stream (SessionCore for duplex,
-edge.chat.run_turn for chat), has the dialect render each result and hands the messages
+edge.session.run_turn for chat), has the dialect render each result and hands the messages
 to the transport, and ends the connection with the right reason. Dialects
 (edge.dialects) hold no I/O; transports (edge.transports) hold no protocol.
 
@@ -38,7 +38,6 @@ from edge.chat import (
     TurnEvent,
     TurnStarted,
     parse_chat,
-    run_turn,
 )
 from edge.config import EdgeConfig
 from edge.dialects.base import ChatDialect, DuplexDialect
@@ -47,7 +46,7 @@ from edge.fabric import Fabric
 from edge.fields import InvalidJson
 from edge.metrics import EdgeMetrics
 from edge.recording import SessionRecorder
-from edge.session import SessionCore, new_session_id
+from edge.session import SessionCore, new_session_id, run_turn
 
 log = logging.getLogger("omnifabric.edge.connection")
 

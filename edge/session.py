@@ -1,4 +1,5 @@
-"""One client session through the fabric, independent of the client's transport.
+"""One client session through the fabric, independent of the client's transport and
+dialect: SessionCore for a duplex session, run_turn for one chat turn.
 
 The core holds the scheduler lease (the Acquire stream) and the worker Session stream,
 turns commands into protobuf and worker responses into session events. Adapters
@@ -21,8 +22,18 @@ from opentelemetry.trace import Span
 
 from edge import events as ev
 from edge import logs, telemetry
+from edge.chat import (
+    ChatInput,
+    ChatResult,
+    TurnDelta,
+    TurnEvent,
+    TurnLeased,
+    TurnPrefilled,
+    TurnQueued,
+)
 from edge.errors import (
     EdgeError,
+    InferenceError,
     InvalidEvent,
     InvalidPayload,
     NotReady,
@@ -474,6 +485,70 @@ class SessionCore:
             await self._emit(closed)
         except Exception:  # the transport may be gone already
             log.debug("session %s: closed event not delivered", self.session_id)
+
+
+async def run_turn(
+    fabric: Fabric,
+    chat: ChatInput,
+    session_id: str,
+    emit: Callable[[TurnEvent], Awaitable[None]],
+) -> ChatResult:
+    """Lease a chat slot, run the turn, stream its events to `emit` (TurnQueued while
+    queued, TurnLeased, TurnPrefilled, TurnDelta...); the lease and the worker's call end
+    with it, also when it is cancelled. Raises QueueFull, ServiceUnavailable,
+    WorkerConnectFailed, InvalidPayload, InferenceError."""
+    acquire = fabric.scheduler.Acquire(
+        scheduler_pb.AcquireRequest(mode=common_pb2.MODE_CHAT, session_id=session_id)
+    )
+    result = ChatResult()
+    t0 = time.monotonic()
+    waited = False
+
+    async def queued(q: ev.Queued) -> None:
+        nonlocal waited
+        waited = True
+        await emit(TurnQueued(q))
+
+    try:
+        lease = await wait_for_lease(acquire, queued)
+        result.timings_ms["queue_ms"] = (time.monotonic() - t0) * 1000.0
+        await emit(TurnLeased(waited))
+        request = worker_pb.ChatRequest()
+        request.CopyFrom(chat.request)
+        request.lease_id, request.session_id = lease.lease_id, session_id
+        call = fabric.worker(lease.worker_address).Chat(request)
+        try:
+            async for response in call:
+                kind = response.WhichOneof("kind")
+                if kind == "prefilled":
+                    await emit(TurnPrefilled(response.prefilled.input_tokens))
+                elif kind == "delta":
+                    result.audio.append(response.delta.pcm)
+                    await emit(TurnDelta(response.delta.text, response.delta.pcm))
+                elif kind == "done":
+                    d = response.done
+                    result.text, result.reason = d.text, d.reason or "turn_end"
+                    result.input_tokens, result.generated_tokens = (
+                        d.input_tokens,
+                        d.generated_tokens,
+                    )
+                    result.usage = usage_from(d.usage)
+                    result.ignored = tuple(d.ignored) + chat.notes
+                    result.timings_ms.update(prefill_ms=d.prefill_ms, generate_ms=d.generate_ms)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidPayload(err.details() or "invalid chat request") from None
+            if err.code() == grpc.StatusCode.INTERNAL:
+                raise InferenceError(err.details() or "inference failed") from None
+            raise WorkerConnectFailed(f"the worker failed the turn: {err.details()}") from None
+        finally:
+            # A turn cancelled mid-stream (client gone, slow client, drain) must stop the
+            # worker's generation now, not when the call object is collected.
+            call.cancel()
+    finally:
+        acquire.cancel()
+    result.timings_ms["wall_clock_ms"] = (time.monotonic() - t0) * 1000.0
+    return result
 
 
 async def _discard(_: Event) -> None:

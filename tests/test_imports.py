@@ -91,18 +91,7 @@ def graph() -> dict[str, set[str]]:
     return build_graph(ROOT, PACKAGES)
 
 
-@pytest.mark.parametrize(
-    "package",
-    [
-        pytest.param(
-            "edge",
-            marks=pytest.mark.xfail(strict=True, reason="edge circles: issue 17, being removed"),
-        ),
-        "worker",
-        "scheduler",
-        "tools",
-    ],
-)
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_circles(graph, package):
     found = [c for c in circles(graph) if any(m.split(".")[0] == package for m in c)]
     assert not found, describe(found, graph)
@@ -118,6 +107,38 @@ def test_services_do_not_import_each_other(graph):
         and module.split(".")[0] != target.split(".")[0]
     ]
     assert not crossings, "\n".join(crossings)
+
+
+#: What a dialect (a translator: edge/dialects/*.py) may not import: it holds no socket, no
+#: event loop, no fabric call and no transport.
+NOT_IN_DIALECTS = ("asyncio", "socket", "ssl", "grpc", "websockets", "selectors")
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The first component of every name `path` imports (absolute imports only)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_dialects_hold_no_io(graph):
+    """No dialect file, nor any project module it reaches, imports a socket, asyncio, gRPC
+    or WebSocket library: translators are plain functions of their input."""
+    dialect_files = sorted((ROOT / "edge" / "dialects").glob("*.py"))
+    assert len(dialect_files) >= 8, dialect_files
+    files = {module_name(ROOT, p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    problems = []
+    for path in dialect_files:
+        module = module_name(ROOT, path)
+        for reached in sorted({module} | reachable(graph, module)):
+            banned = top_level_imports(files[reached]) & set(NOT_IN_DIALECTS)
+            if banned:
+                problems.append(f"{module} reaches {reached}, which imports {sorted(banned)}")
+    assert not problems, "\n".join(problems)
 
 
 def test_graph_covers_the_project(graph):
