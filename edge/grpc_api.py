@@ -45,7 +45,11 @@ from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 log = logging.getLogger("omnifabric.edge.grpc")
 
 _MODE_NAMES = {common_pb2.MODE_AUDIO: "audio", common_pb2.MODE_VIDEO: "video"}
-_STATUS = {QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED}
+_STATUS = {
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    # Only from core.start: an init outside the leased worker's limits.
+    InvalidPayload: grpc.StatusCode.INVALID_ARGUMENT,
+}
 
 
 def _settings(msg: common_pb2.DuplexConfig) -> ev.DuplexSettings:
@@ -357,7 +361,7 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
                 exc = driver.exception()
                 if isinstance(exc, EdgeError):
                     code = _STATUS.get(type(exc), grpc.StatusCode.UNAVAILABLE)
-                    if not isinstance(exc, (QueueFull, ServiceUnavailable)):
+                    if not isinstance(exc, (QueueFull, ServiceUnavailable, InvalidPayload)):
                         code = grpc.StatusCode.UNAVAILABLE
                     await context.abort(code, f"{exc.code}: {exc.message}")
                 if exc is not None:

@@ -102,11 +102,7 @@ def prepare_command(event: dict[str, Any]) -> ev.InitCommand:
             raise InvalidPayload("config.generate_audio must be true or false")
         if settings.tts_enabled is None:
             settings = dataclasses.replace(settings, tts_enabled=generate_audio)
-    slices = event.get("max_slice_nums")
-    if slices is None:
-        slices = 1
-    if isinstance(slices, bool) or not isinstance(slices, int) or not 1 <= slices <= 9:
-        raise InvalidPayload("'max_slice_nums' must be an integer from 1 to 9")
+    slices = protocol.slices_field(event.get("max_slice_nums"), "'max_slice_nums'") or 1
     if cfg.get("vision_hd") is True:
         slices = 2
     ref = event.get("ref_audio_base64")
@@ -325,7 +321,11 @@ class LegacyDuplexConnection:
             await self.core.start(init)
         except EdgeError as err:
             await self.fail(err)
-            if err.close_code is None and not self.core.closed.is_set():
+            if not self.core.started:
+                # Refused before the worker was asked (outside its limits): the session
+                # stays as it was, and a corrected prepare may follow.
+                self._prepare_seen, self._pending = False, None
+            elif err.close_code is None and not self.core.closed.is_set():
                 await self.core.close(ev.USER_STOP)
 
     async def _read(self) -> None:

@@ -25,6 +25,8 @@ from edge.events import (
 
 #: At most this many video frames in one unit (the model takes ~1 frame per second).
 MAX_FRAMES_PER_UNIT = 4
+#: The largest value a uint32 protobuf field carries.
+MAX_UINT32 = (1 << 32) - 1
 #: The model's fixed context, tokens.
 MAX_CONTEXT_TOKENS = 8192
 #: Reason strings of the first dialect (audio-duplex-protocol.txt).
@@ -166,11 +168,16 @@ def duplex_settings(cfg: dict[str, Any]) -> DuplexSettings:
     )
 
 
-def _slices(value: Any, where: str) -> int:
+def slices_field(value: Any, where: str = "max_slice_nums") -> int:
+    """A max_slice_nums as sent (0 when absent): a positive integer that fits the wire
+    (uint32). Only its form is checked here; the range a model takes comes from the
+    leased worker (SessionCore checks it against the lease's limits)."""
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 9:
-        raise InvalidPayload(f"{where} must be an integer from 1 to 9")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidPayload(f"{where} must be a positive integer")
+    if value > MAX_UINT32:
+        raise InvalidPayload(f"{where} is far too large")
     return value
 
 
@@ -191,7 +198,7 @@ def _init(event: dict[str, Any], dialect: Dialect) -> InitCommand:
     if not isinstance(prompt, str):
         raise InvalidPayload("the system prompt must be a string")
     settings = duplex_settings(cfg)
-    slices = _slices(body.get("max_slice_nums"), "max_slice_nums") or 1
+    slices = slices_field(body.get("max_slice_nums")) or 1
     if cfg.get("vision_hd") is True:
         slices = 2
     ref = voice.get(ref_key) or body.get(ref_key)
@@ -226,7 +233,7 @@ def _append(event: dict[str, Any], nested: bool) -> AppendCommand:
         pcm=audio,
         frames=decoded,
         force_listen=force,
-        max_slice_nums=_slices(body.get("max_slice_nums"), "max_slice_nums"),
+        max_slice_nums=slices_field(body.get("max_slice_nums")),
     )
 
 

@@ -381,6 +381,14 @@ class Connection:
             await self._start(self._pending_init)
 
     async def _start(self, init: ev.InitCommand) -> None:
+        try:
+            self.core.check_init(init)
+        except EdgeError as err:
+            # Outside the leased worker's limits: refused before anything was sent or
+            # recorded, the session stays as it was and a corrected init may follow.
+            self._pending_init = None
+            await self.fail(err)
+            return
         self.dialect = init.dialect
         self.renderer = protocol.OutputRenderer(init.dialect, self.core.session_id)
         self.recorder.start(init)
