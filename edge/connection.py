@@ -284,14 +284,22 @@ class DuplexConnection:
 
     async def _start(self, init: ev.InitCommand) -> None:
         assert self.core is not None
+        try:
+            # Outside the leased worker's limits: refused before anything is sent or
+            # recorded; the session stays as it was and a corrected init may follow.
+            self.core.check_init(init)
+        except EdgeError as err:
+            self._init = None
+            self.fail(self.dialect.init_refused(err))
+            return
         if self.recorder is not None:
             self.recorder.start(init)
         try:
             await self.core.start(init)
         except EdgeError as err:
             self.fail(err)
-            if err.close_code is None:  # refused, not failed: a corrected init may follow
-                self._init = None
+            if err.close_code is None and not self.core.started:
+                self._init = None  # refused, not failed: a corrected init may follow
         except Exception:
             log.exception("session %s: the start failed", self.core.session_id)
             self.fail(InternalError("internal error"))

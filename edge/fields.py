@@ -17,6 +17,8 @@ from edge.events import DuplexSettings
 
 #: At most this many video frames in one unit (the model takes ~1 frame per second).
 MAX_FRAMES_PER_UNIT = 4
+#: The largest value a uint32 protobuf field carries.
+MAX_UINT32 = (1 << 32) - 1
 #: The model's fixed context, tokens.
 MAX_CONTEXT_TOKENS = 8192
 
@@ -134,11 +136,15 @@ def string(body: dict[str, Any], key: str, what: str | None = None) -> str | Non
 
 
 def slice_count(value: Any, where: str = "max_slice_nums") -> int:
-    """An image slice count as the client sent it: 0 when absent, else an integer 1..9."""
+    """A max_slice_nums as sent (0 when absent): a positive integer that fits the wire
+    (uint32). Only its form is checked here; the range a model takes comes from the
+    leased worker (edge.session.check_slices, against the lease's limits)."""
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 9:
-        raise InvalidPayload(f"{where} must be an integer from 1 to 9")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidPayload(f"{where} must be a positive integer")
+    if value > MAX_UINT32:
+        raise InvalidPayload(f"{where} is far too large")
     return value
 
 

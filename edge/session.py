@@ -94,6 +94,20 @@ def check_unit_length(samples: int, fewest: int, most: int) -> None:
         )
 
 
+def check_slices(
+    value: int, limits: common_pb2.EngineLimits | None, what: str = "max_slice_nums"
+) -> None:
+    """A max_slice_nums (0: unset) against the leased worker's range; nothing to check
+    without limits (older schedulers and workers: the worker alone decides). Raises
+    InvalidPayload naming the range."""
+    if not value or limits is None or not limits.max_slice_nums:
+        return
+    if not limits.min_slice_nums <= value <= limits.max_slice_nums:
+        raise InvalidPayload(
+            f"{what}: {value}; this server takes {limits.min_slice_nums} to {limits.max_slice_nums}"
+        )
+
+
 def output_from(result: worker_pb.UnitResult) -> ev.Output:
     """A worker's UnitResult -> the domain output event."""
     t = result.timings
@@ -194,6 +208,19 @@ class SessionCore:
     def worker_id(self) -> str:
         return self._lease.worker_id if self._lease else ""
 
+    @property
+    def limits(self) -> common_pb2.EngineLimits | None:
+        """What the leased worker's engine accepts, from the lease; None before the lease
+        or when the scheduler passed on none."""
+        if self._lease is None or not self._lease.HasField("limits"):
+            return None
+        return self._lease.limits
+
+    def check_init(self, init: ev.InitCommand) -> None:
+        """An init against the leased worker's limits. Raises InvalidPayload, which leaves
+        the session as it was: nothing was sent, a corrected init may follow."""
+        check_slices(init.max_slice_nums, self.limits)
+
     # ---- queue and lease -------------------------------------------------------
 
     async def acquire(self) -> None:
@@ -260,13 +287,16 @@ class SessionCore:
     async def start(self, init: ev.InitCommand) -> ev.Created:
         """Open the worker's Session stream with the lease; emits and returns Created.
 
-        Raises NotReady before the lease, InvalidEvent when already started,
-        WorkerConnectFailed when the worker refuses or cannot be reached.
+        Raises NotReady before the lease, InvalidEvent when already started, InvalidPayload
+        outside the leased worker's limits (all three before anything is sent: `started`
+        stays False and the session usable), WorkerConnectFailed when the worker refuses
+        or cannot be reached.
         """
         if self._lease is None:
             raise NotReady("the session has no worker yet: wait for session.queue_done")
         if self.started:
             raise InvalidEvent("the session is already initialized")
+        self.check_init(init)
         self.started = True
         address = self._lease.worker_address
         start = worker_pb.SessionStart(
@@ -403,13 +433,15 @@ class SessionCore:
                 dropped.end()
 
     async def append(self, cmd: ev.AppendCommand) -> int:
-        """Forward one unit to the worker; returns its seq. NotReady before start."""
+        """Forward one unit to the worker; returns its seq. NotReady before start,
+        InvalidPayload for a unit outside the worker's limits (not sent)."""
         if not self.started or self._worker_call is None:
             raise NotReady("send session.init (or session.update) first")
         if self.closed.is_set():
             raise NotReady("the session is closed")
         if self.unit_samples is not None:
             check_unit_length(len(cmd.pcm) // 4, *self.unit_samples)
+        check_slices(cmd.max_slice_nums, self.limits)
         self._seq += 1
         self._waiting[self._seq] = time.monotonic()
         # Edge-side time of the unit: from the client's append to the result going out.

@@ -46,6 +46,12 @@ async def edge_status(app) -> dict[str, Any]:
                 "before_cleanup_bytes": m.before_cleanup_bytes,
                 "cleanups": m.cleanups,
             }
+        if w.HasField("limits"):
+            lim = w.limits
+            worker["limits"] = {
+                "max_slice_nums": [lim.min_slice_nums, lim.max_slice_nums],
+                "unit_samples": [lim.min_unit_samples, lim.max_unit_samples],
+            }
         workers.append(worker)
     sessions = [
         {

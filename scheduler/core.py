@@ -17,7 +17,7 @@ from scheduler.errors import InvalidRequest, NoWorker, QueueFull, ShuttingDown, 
 from scheduler.leases import Lease, LeaseGrantNotice, LeaseRevokeNotice, LeaseState, LeaseTable
 from scheduler.metrics import Counters, SchedulerMetrics
 from scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
-from scheduler.registry import Health, MemoryFigures, Mode, Registry, Worker
+from scheduler.registry import EngineLimits, Health, MemoryFigures, Mode, Registry, Worker
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,8 @@ class WorkerHello:
     engine: str
     health: Health
     active_lease_ids: tuple[str, ...] = ()
+    limits: EngineLimits | None = None
+    """What the worker's engine accepts; None from workers that do not say."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class LeaseOffer:
     slot: int
     ticket_id: str
     queue_wait_s: float
+    limits: EngineLimits | None = None
+    """The leased worker's limits, for the holder to check requests against."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class WorkerSnapshot:
     detail: str
     lease_ids: tuple[str, ...]
     memory: MemoryFigures | None = None
+    limits: EngineLimits | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,7 @@ class Scheduler:
             modes=hello.modes,
             engine=hello.engine,
             health=hello.health,
+            limits=hello.limits,
         )
         old = self.registry.add(worker)
         claimed = set(hello.active_lease_ids)
@@ -253,6 +259,7 @@ class Scheduler:
                     slot=lease.slot,
                     ticket_id=ticket.ticket_id,
                     queue_wait_s=lease.granted_at - ticket.enqueued_at,
+                    limits=worker.limits if worker else None,
                 )
                 if not await self._unless_stopping(lease.lost):
                     raise ShuttingDown()
@@ -345,6 +352,7 @@ class Scheduler:
                 detail=w.detail,
                 lease_ids=tuple(sorted(w.lease_slots, key=w.lease_slots.__getitem__)),
                 memory=w.memory,
+                limits=w.limits,
             )
             for w in self.registry
         )
@@ -486,3 +494,9 @@ def _check_hello(hello: WorkerHello) -> None:
         raise InvalidRequest("hello.slots must be at least 1")
     if not hello.modes:
         raise InvalidRequest("hello.modes must name at least one mode")
+    limits = hello.limits
+    if limits is not None and not (
+        1 <= limits.min_slice_nums <= limits.max_slice_nums
+        and 1 <= limits.min_unit_samples <= limits.max_unit_samples
+    ):
+        raise InvalidRequest("hello.limits: each minimum must be from 1 to its maximum")

@@ -37,6 +37,17 @@ class MemoryFigures:
     cleanups: int
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a worker's engine accepts, as its hello declares it (the worker owns the
+    values; the scheduler only keeps them and hands them out with leases and status)."""
+
+    min_slice_nums: int
+    max_slice_nums: int
+    min_unit_samples: int
+    max_unit_samples: int
+
+
 @dataclass
 class Worker:
     """One live registration: capacity, modes, health and the leases on its slots."""
@@ -52,6 +63,8 @@ class Worker:
     last_seen: float = 0.0
     #: The worker's latest memory report, or None before its first.
     memory: MemoryFigures | None = None
+    #: What the worker's engine accepts, from its hello; None when it sent none.
+    limits: EngineLimits | None = None
     #: Registration order; ties between equally free workers go to the older one.
     seq: int = 0
     #: lease id -> slot number, for every lease that occupies a slot.

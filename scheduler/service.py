@@ -32,7 +32,7 @@ from scheduler.errors import (
     status_for,
 )
 from scheduler.leases import LeaseGrantNotice, LeaseRevokeNotice
-from scheduler.registry import Health, MemoryFigures, Mode, Worker
+from scheduler.registry import EngineLimits, Health, MemoryFigures, Mode, Worker
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                     detail=w.detail,
                     lease_ids=list(w.lease_ids),
                     memory=_memory_to_pb(w.memory),
+                    limits=_limits_to_pb(w.limits),
                 )
                 for w in status.workers
             ],
@@ -250,6 +251,7 @@ def _hello_from_pb(hello: scheduler_pb.WorkerHello) -> WorkerHello:
         engine=hello.engine,
         health=_health_from_pb(hello.health),
         active_lease_ids=tuple(hello.active_lease_ids),
+        limits=_limits_from_pb(hello.limits) if hello.HasField("limits") else None,
     )
 
 
@@ -272,6 +274,7 @@ def _acquire_event_to_pb(event: AcquireEvent) -> scheduler_pb.AcquireResponse:
                 slot=event.slot,
                 ticket_id=event.ticket_id,
                 queue_wait_s=event.queue_wait_s,
+                limits=_limits_to_pb(event.limits),
             )
         )
     assert isinstance(event, LeaseLoss)
@@ -299,4 +302,24 @@ def _memory_to_pb(figures: MemoryFigures | None) -> common_pb2.MemoryStats | Non
         baseline_bytes=figures.baseline_bytes,
         before_cleanup_bytes=figures.before_cleanup_bytes,
         cleanups=figures.cleanups,
+    )
+
+
+def _limits_from_pb(msg: common_pb2.EngineLimits) -> EngineLimits:
+    return EngineLimits(
+        min_slice_nums=msg.min_slice_nums,
+        max_slice_nums=msg.max_slice_nums,
+        min_unit_samples=msg.min_unit_samples,
+        max_unit_samples=msg.max_unit_samples,
+    )
+
+
+def _limits_to_pb(limits: EngineLimits | None) -> common_pb2.EngineLimits | None:
+    if limits is None:
+        return None
+    return common_pb2.EngineLimits(
+        min_slice_nums=limits.min_slice_nums,
+        max_slice_nums=limits.max_slice_nums,
+        min_unit_samples=limits.min_unit_samples,
+        max_unit_samples=limits.max_unit_samples,
     )

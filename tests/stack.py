@@ -75,7 +75,9 @@ class Service:
 def start_service(name: str, module: str, args: list[str], log_dir: Path) -> Service:
     """Launch `python -m module args` with stdout and stderr into log_dir/name.log."""
     log_path = log_dir / f"{name}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    # This tree's own packages and generated stubs, whatever tree an editable install names.
+    path = os.pathsep.join([str(ROOT), str(ROOT / "proto")])
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE,

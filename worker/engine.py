@@ -13,11 +13,34 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from worker.errors import EngineUnavailable
+from worker.errors import EngineUnavailable, InvalidRequest
 
 #: Input audio rate (prefill) and output audio rate (generate), Hz.
 INPUT_RATE = 16000
 OUTPUT_RATE = 24000
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What an engine accepts: the one place these numbers are written. The worker checks
+    requests against them, advertises them in its registration (common.proto EngineLimits)
+    and in SessionStarted; the scheduler hands them to edges with each lease, and edges
+    refuse a session or unit outside them before the worker is asked."""
+
+    min_slice_nums: int = 1
+    max_slice_nums: int = 2
+    """Video mode: image slices per frame, inclusive (session value and unit overrides)."""
+    min_unit_samples: int = 4000
+    max_unit_samples: int = 64000
+    """Unit lengths served, 16 kHz samples, inclusive (1/4 s to 4 s; engines with a fixed
+    unit length re-chunk what arrives)."""
+
+    def check_slices(self, value: int, what: str = "max_slice_nums") -> None:
+        """`value` (0: unset) within the slice range; raises InvalidRequest naming it."""
+        if value and not self.min_slice_nums <= value <= self.max_slice_nums:
+            raise InvalidRequest(
+                f"{what}: {value}; this worker takes {self.min_slice_nums} to {self.max_slice_nums}"
+            )
 
 
 @dataclass(frozen=True)
@@ -35,7 +58,7 @@ class DuplexSettings:
     tts_enabled: bool | None = None
     max_tokens: int | None = None
     max_slice_nums: int = 1
-    """Video mode: image slices per frame (1 or 2)."""
+    """Video mode: image slices per frame (within the engine's EngineLimits)."""
 
 
 @dataclass
@@ -161,6 +184,9 @@ class Engine(abc.ABC):
     """Threads that may call the engine at once (GPU engines: 1)."""
     modes: frozenset[str] = frozenset({"audio"})
     """Modes served: "audio", "video"."""
+    limits: EngineLimits = EngineLimits()
+    """What the engine accepts (slices per frame, unit lengths); an engine with other
+    bounds sets its own."""
 
     @abc.abstractmethod
     def load(self) -> None:

@@ -16,6 +16,7 @@ import grpc
 from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from worker.engine import EngineLimits
 from worker.leases import LeaseGrant
 from worker.runtime import Health, WorkerRuntime
 
@@ -43,6 +44,16 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+
+
+def limits_pb(limits: EngineLimits) -> common_pb2.EngineLimits:
+    """The engine's limits as the hello carries them to the scheduler (and on to edges)."""
+    return common_pb2.EngineLimits(
+        min_slice_nums=limits.min_slice_nums,
+        max_slice_nums=limits.max_slice_nums,
+        min_unit_samples=limits.min_unit_samples,
+        max_unit_samples=limits.max_unit_samples,
+    )
 
 
 def _health_value(health: Health) -> int:
@@ -149,6 +160,7 @@ class Registration:
                 engine=runtime.engine.name,
                 health=_health_value(runtime.health),
                 active_lease_ids=runtime.leases.active_ids(),
+                limits=limits_pb(runtime.engine.limits),
             )
         )
 

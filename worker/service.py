@@ -23,7 +23,7 @@ from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 from worker import logs, telemetry
-from worker.engine import ChatMessage, ChatTurn, DuplexSettings
+from worker.engine import ChatMessage, ChatTurn, DuplexSettings, EngineLimits
 from worker.errors import (
     EngineFailure,
     EngineUnavailable,
@@ -48,11 +48,6 @@ from worker.session import (
 from worker.units import UnitInput
 
 log = logging.getLogger("omnifabric.worker.service")
-
-#: Unit lengths the worker serves, 16 kHz samples (1/4 s to 4 s; engines with a fixed unit
-#: length re-chunk). Advertised to the sender in SessionStarted.
-MIN_UNIT_SAMPLES = 4000
-MAX_UNIT_SAMPLES = 64000
 
 #: The one mapping of domain errors to gRPC status codes; anything else is INTERNAL.
 STATUS_CODES: dict[type[WorkerError], grpc.StatusCode] = {
@@ -164,15 +159,16 @@ def decode_settings(config: common_pb2.DuplexConfig, max_slice_nums: int) -> Dup
     return DuplexSettings(**values, max_slice_nums=max_slice_nums or 1)
 
 
-def decode_start(start: worker_pb.SessionStart) -> SessionSpec:
-    """SessionStart as a SessionSpec. Raises InvalidRequest."""
+def decode_start(start: worker_pb.SessionStart, limits: EngineLimits) -> SessionSpec:
+    """SessionStart as a SessionSpec, checked against the engine's limits. Raises
+    InvalidRequest."""
     mode = MODE_NAMES.get(start.mode)
     if mode not in ("audio", "video"):
         raise InvalidRequest("mode must be MODE_AUDIO or MODE_VIDEO")
     if not start.lease_id:
         raise InvalidRequest("lease_id is required")
-    if start.max_slice_nums > 2:
-        raise InvalidRequest("max_slice_nums must be 1 or 2")
+    # Edges check this against the lease's limits first; this refusal is for those that do not.
+    limits.check_slices(start.max_slice_nums)
     ref_audio = decode_pcm(start.ref_audio_pcm, "ref_audio_pcm") if start.ref_audio_pcm else None
     tts_ref = (
         decode_pcm(start.tts_ref_audio_pcm, "tts_ref_audio_pcm")
@@ -190,11 +186,14 @@ def decode_start(start: worker_pb.SessionStart) -> SessionSpec:
     )
 
 
-def decode_unit(unit: worker_pb.Unit) -> UnitInput:
-    """Unit as a UnitInput. Raises InvalidRequest."""
+def decode_unit(unit: worker_pb.Unit, limits: EngineLimits) -> UnitInput:
+    """Unit as a UnitInput, checked against the engine's limits. Raises InvalidRequest."""
+    limits.check_slices(unit.max_slice_nums, f"unit {unit.seq} max_slice_nums")
     return UnitInput(
         seq=unit.seq,
-        pcm=decode_pcm(unit.pcm, f"unit {unit.seq} pcm", MIN_UNIT_SAMPLES, MAX_UNIT_SAMPLES),
+        pcm=decode_pcm(
+            unit.pcm, f"unit {unit.seq} pcm", limits.min_unit_samples, limits.max_unit_samples
+        ),
         frames=list(unit.frames),
         force_listen=unit.force_listen,
         max_slice_nums=unit.max_slice_nums,
@@ -318,7 +317,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             if first is None or first.WhichOneof("kind") != "start":
                 raise InvalidRequest("the first request must be start")
             spec = dataclasses.replace(
-                decode_start(first.start),
+                decode_start(first.start, self.runtime.engine.limits),
                 trace_context=telemetry.extract(context.invocation_metadata()),
             )
             logs.bind_session(spec.session_id)  # this task and the unit loop it starts
@@ -340,8 +339,8 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                     session_id=session.session_id,
                     worker_id=self.worker_id,
                     prompt_length=session.prompt_length,
-                    min_unit_samples=MIN_UNIT_SAMPLES,
-                    max_unit_samples=MAX_UNIT_SAMPLES,
+                    min_unit_samples=self.runtime.engine.limits.min_unit_samples,
+                    max_unit_samples=self.runtime.engine.limits.max_unit_samples,
                     notes=list(session.notes),
                 )
             )
@@ -419,7 +418,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 kind = request.WhichOneof("kind")
                 if kind == "unit":
                     try:
-                        unit = decode_unit(request.unit)
+                        unit = decode_unit(request.unit, self.runtime.engine.limits)
                     except InvalidRequest as exc:
                         session.close(CloseReason.ERROR, str(exc))
                         return

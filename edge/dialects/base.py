@@ -64,6 +64,11 @@ class DuplexDialect:
         """The text for input that arrives before the session started."""
         return "send the session's init first"
 
+    def init_refused(self, err: EdgeError) -> EdgeError:
+        """The error for an init the leased worker cannot take (outside its limits); by
+        default the session stays open for a corrected init."""
+        return err
+
     def appended(self, seq: int, cmd: ev.AppendCommand) -> None:
         """A unit went to the worker as `seq` (dialects that report input time use it)."""
 

@@ -31,7 +31,11 @@ from omni.realtime.v1 import realtime_service_pb2 as rt_pb
 
 _MODE_NAMES = {common_pb2.MODE_AUDIO: "audio", common_pb2.MODE_VIDEO: "video"}
 #: Fatal errors -> the call's status; any other fatal error is UNAVAILABLE.
-_STATUS = {QueueFull: "RESOURCE_EXHAUSTED", SlowClient: "RESOURCE_EXHAUSTED"}
+_STATUS = {
+    QueueFull: "RESOURCE_EXHAUSTED",
+    SlowClient: "RESOURCE_EXHAUSTED",
+    InvalidPayload: "INVALID_ARGUMENT",  # an init outside the leased worker's limits
+}
 #: A first request the call cannot start from.
 _BAD_START = 1008
 
@@ -116,6 +120,10 @@ class GrpcRealtime(DuplexDialect):
 
     def not_ready(self, cmd: ev.Command) -> str:
         return "send init first"
+
+    def init_refused(self, err: EdgeError) -> EdgeError:
+        # The call's one init: a refused one ends the call (INVALID_ARGUMENT).
+        return type(err)(err.message, close_code=_BAD_START)
 
     def decode(self, message: rt_pb.ConnectRequest) -> list[ev.Command]:
         kind = message.WhichOneof("kind")

@@ -8,11 +8,15 @@ import io
 import json
 import urllib.request
 
+import grpc
 import pytest
 from PIL import Image
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from omni.realtime.v1 import common_pb2
+from omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 from tests.conftest import scaled
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
 from tests.stack import Stack
@@ -166,6 +170,87 @@ async def test_client_errors_keep_session_usable(stack):
     await client.until("session.closed")
 
 
+#: What the edge says to a max_slice_nums of 5: the range is the worker's own (its engine's
+#: limits, from its registration, handed to the edge with the lease).
+SLICES_REFUSED = "max_slice_nums: 5; this server takes 1 to 2"
+
+
+@pytest.mark.parametrize("dialect", ["current", "first"])
+async def test_slices_outside_the_workers_range_are_refused_and_init_can_be_retried(stack, dialect):
+    """Issue 17, defect 3: a max_slice_nums the worker does not take gets an immediate
+    `invalid_payload` naming the range (not worker_connect_failed and close 1013), the
+    connection stays open and a corrected init starts the session; a unit's own
+    max_slice_nums outside the range is refused the same way and never reaches the worker."""
+    client = await WsClient.open(url(stack, "video"))
+    await client.until("session.queue_done", timeout_s=30)
+
+    def init(slices: int) -> dict:
+        if dialect == "first":
+            return {
+                "type": "session.update",
+                "session": {"instructions": "hi", "max_slice_nums": slices},
+            }
+        return {
+            "type": "session.init",
+            "payload": {"system_prompt": "hi", "max_slice_nums": slices},
+        }
+
+    await client.send(init(5))
+    err = await client.until("error", "session.created", "session.closed")
+    assert err == {
+        "type": "error",
+        "error": {"code": "invalid_payload", "message": SLICES_REFUSED, "type": "client_error"},
+    }
+    await client.send(init(2))
+    await client.until("session.created")
+    await client.append(SILENCE, dialect, max_slice_nums=5)
+    err = await client.until("error")
+    assert err["error"]["code"] == "invalid_payload"
+    assert err["error"]["message"] == SLICES_REFUSED
+    await client.append(SILENCE, dialect, max_slice_nums=1)
+    event = await client.until(
+        "delta.listen", "delta.audio", "response.listen", "response.output_audio.delta"
+    )
+    assert event["metrics"]["seq"] == 1  # the refused unit never reached the worker
+    assert not any(e["type"] == "session.closed" for e in client.events)
+    await client.send({"type": "session.close"})
+    await client.until("session.closed")
+
+
+async def test_grpc_slices_outside_the_workers_range(stack):
+    """RealtimeService: an init outside the worker's range ends the call with
+    INVALID_ARGUMENT naming the range; a unit outside it is an `error` event."""
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        call = rt_grpc.RealtimeServiceStub(channel).Connect()
+        init = rt_pb.SessionInit(mode=common_pb2.MODE_VIDEO, system_prompt="hi", max_slice_nums=5)
+        await call.write(rt_pb.ConnectRequest(init=init))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while True:  # queue_done comes first
+                msg = await asyncio.wait_for(call.read(), scaled(10))
+                assert msg is not grpc.aio.EOF and msg.WhichOneof("kind") != "created", msg
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == f"invalid_payload: {SLICES_REFUSED}"
+
+        call = rt_grpc.RealtimeServiceStub(channel).Connect()
+        init = rt_pb.SessionInit(mode=common_pb2.MODE_VIDEO, system_prompt="hi", max_slice_nums=2)
+        await call.write(rt_pb.ConnectRequest(init=init))
+        while (await asyncio.wait_for(call.read(), scaled(10))).WhichOneof("kind") != "created":
+            pass
+        pcm = SILENCE.astype("<f4").tobytes()
+        await call.write(
+            rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=pcm, max_slice_nums=5))
+        )
+        err = await asyncio.wait_for(call.read(), scaled(10))
+        assert err.WhichOneof("kind") == "error", err
+        assert (err.error.code, err.error.message) == ("invalid_payload", SLICES_REFUSED)
+        await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=pcm)))
+        out = await asyncio.wait_for(call.read(), scaled(10))
+        assert out.WhichOneof("kind") == "output" and out.output.seq == 1
+        await call.write(rt_pb.ConnectRequest(close=rt_pb.SessionCloseRequest()))
+        while (await asyncio.wait_for(call.read(), scaled(10))).WhichOneof("kind") != "closed":
+            pass
+
+
 async def test_invalid_json_closes_1003(stack):
     client = await WsClient.open(url(stack))
     await client.until("session.queue_done")
@@ -274,6 +359,8 @@ async def test_status_endpoint(stack):
     [worker] = body["workers"]
     assert worker["engine"] == "synthetic" and worker["health"] == "serving"
     assert worker["slots"] == 2 and worker["leases"] >= 1 and "memory" in worker
+    # The worker's engine limits, as its registration declared them to the scheduler.
+    assert worker["limits"] == {"max_slice_nums": [1, 2], "unit_samples": [4000, 64000]}
     assert body["slots"]["total"] == 2 and body["queue"] == {"length": 0, "max": 100}
     [mine] = [s for s in body["sessions"] if s["session_id"] == created["session_id"]]
     assert mine["mode"] == "audio" and mine["units"] == 1

@@ -119,6 +119,22 @@ async def test_audio_session_flow(stack):
     assert (await stop(client))["session_id"] == client.ws.request.path.rsplit("/", 1)[1]
 
 
+async def test_prepare_outside_the_workers_slice_range_is_refused_and_can_be_retried(stack):
+    """Issue 17, defect 3: max_slice_nums 5 (the worker takes 1 to 2) gets an immediate
+    `error` naming the range instead of a refusal by the worker and close 1013; the
+    connection stays open and a corrected prepare starts the session."""
+    client = await WsClient.open(duplex_url(stack, "omni_"))
+    await client.until("queue_done", timeout_s=30)
+    await client.send({"type": "prepare", "system_prompt": "hi", "max_slice_nums": 5})
+    err = await client.until("error", "prepared")
+    text = "max_slice_nums: 5; this server takes 1 to 2"
+    assert err == {"type": "error", "error": text, "message": text}
+    ready = await prepared(client, max_slice_nums=2)
+    assert ready["prompt_length"] > 0
+    assert (await chunk(client))["type"] == "result"
+    await stop(client)
+
+
 async def test_omni_frames_and_broken_jpeg(stack):
     client = await WsClient.open(duplex_url(stack, "omni_"))
     await prepared(client, max_slice_nums=2)

@@ -46,7 +46,8 @@ class Hosts:
 
     def start(self, host: str, name: str, module: str, *args: str) -> Service:
         """Launch `python -m module args` inside `host`'s namespace; logs in log_dir/name.log."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+        path = os.pathsep.join([str(ROOT), str(ROOT / "proto")])  # this tree's own stubs
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
         proc = subprocess.Popen(
             [*self.net.exec_prefix(host), sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,

@@ -224,3 +224,23 @@ def test_chat_numbers_beyond_float_range_are_invalid_payload():
     with pytest.raises(InvalidPayload, match="image.max_slice_nums"):
         parse_chat({**body, "image": {"max_slice_nums": -(10**400)}})
     assert parse_chat({**body, "generation": {"temperature": 1}}) is not None
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 2.0, "2", [2], 1 << 32])
+def test_max_slice_nums_must_be_a_positive_uint32(value):
+    for event in (
+        {"type": "session.init", "payload": {"max_slice_nums": value}},
+        {"type": "session.update", "session": {"max_slice_nums": value}},
+        {"type": "input.append", "input": {"audio": ONE_SECOND, "max_slice_nums": value}},
+    ):
+        with pytest.raises(errors.InvalidPayload, match="max_slice_nums"):
+            parse(event)
+
+
+def test_max_slice_nums_range_is_not_the_parsers():
+    """The parser checks the form only: the range comes from the leased worker's limits
+    (edge.session.check_slices), so a value a worker may take is not refused here."""
+    cmd = parse({"type": "session.init", "payload": {"max_slice_nums": 5}})
+    assert isinstance(cmd, ev.InitCommand) and cmd.max_slice_nums == 5
+    cmd = parse({"type": "input.append", "input": {"audio": ONE_SECOND, "max_slice_nums": 12}})
+    assert isinstance(cmd, ev.AppendCommand) and cmd.max_slice_nums == 12

@@ -1,11 +1,13 @@
-"""The edge checks units against the lengths the worker advertised in SessionStarted."""
+"""The edge checks units against what the worker advertised: lengths in SessionStarted,
+max_slice_nums in its limits (carried by the lease)."""
 
 from __future__ import annotations
 
 import pytest
 
 from edge.errors import InvalidPayload
-from edge.session import check_unit_length
+from edge.session import check_slices, check_unit_length
+from omni.realtime.v1 import common_pb2
 
 
 def test_lengths_outside_the_workers_range_are_invalid_payload():
@@ -15,3 +17,16 @@ def test_lengths_outside_the_workers_range_are_invalid_payload():
         check_unit_length(8000, 16000, 16000)
     with pytest.raises(InvalidPayload, match="64001 samples"):
         check_unit_length(64001, 4000, 64000)
+
+
+def test_slices_are_checked_against_the_leases_limits_only_when_it_has_some():
+    limits = common_pb2.EngineLimits(
+        min_slice_nums=1, max_slice_nums=2, min_unit_samples=4000, max_unit_samples=64000
+    )
+    check_slices(0, limits)  # unset: the session's value
+    check_slices(2, limits)
+    with pytest.raises(InvalidPayload, match=r"^max_slice_nums: 3; this server takes 1 to 2$"):
+        check_slices(3, limits)
+    # No limits on the lease (an older scheduler or worker): forwarded, the worker decides.
+    check_slices(9, None)
+    check_slices(9, common_pb2.EngineLimits())

@@ -29,6 +29,7 @@ class WorkerStream:
         health: int = common_pb2.WORKER_HEALTH_SERVING,
         active_lease_ids: Iterable[str] = (),
         order: list[tuple[str, str]] | None = None,
+        limits: common_pb2.EngineLimits | None = None,
     ) -> None:
         self.stub = stub
         self.worker_id = worker_id
@@ -41,6 +42,7 @@ class WorkerStream:
             engine="synthetic",
             health=health,
             active_lease_ids=list(active_lease_ids),
+            limits=limits,
         )
         self.messages: asyncio.Queue[scheduler_pb.RegisterResponse] = asyncio.Queue()
         self.ended = asyncio.Event()

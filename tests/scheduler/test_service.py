@@ -342,6 +342,49 @@ async def test_status_contents(start_scheduler: StartScheduler) -> None:
     await both.close()
 
 
+async def test_lease_and_status_carry_the_workers_limits(start_scheduler: StartScheduler) -> None:
+    """The limits a worker's hello declares come back unchanged on every lease on that
+    worker and in GetStatus; a worker that declares none gets leases without them."""
+    harness = await start_scheduler()
+    limits = common_pb2.EngineLimits(
+        min_slice_nums=1, max_slice_nums=3, min_unit_samples=4000, max_unit_samples=32000
+    )
+    video = await WorkerStream(harness.stub, "w-video", modes=[VIDEO], limits=limits).start()
+    plain = await WorkerStream(harness.stub, "w-plain", modes=[AUDIO]).start()
+
+    lease = await Holder(harness.stub, VIDEO, "s1").expect_lease()
+    assert lease.worker_id == "w-video" and lease.limits == limits
+    await video.expect("lease_granted")
+    lease = await Holder(harness.stub, AUDIO, "s2").expect_lease()
+    assert lease.worker_id == "w-plain" and not lease.HasField("limits")
+    await plain.expect("lease_granted")
+
+    by_id = {w.worker_id: w for w in (await status(harness)).workers}
+    assert by_id["w-video"].limits == limits
+    assert not by_id["w-plain"].HasField("limits")
+    await video.close()
+    await plain.close()
+
+
+async def test_hello_with_inverted_limits_is_invalid_argument(
+    start_scheduler: StartScheduler,
+) -> None:
+    harness = await start_scheduler()
+    call = harness.stub.Register()
+    hello = WorkerStream(
+        harness.stub,
+        "w1",
+        limits=common_pb2.EngineLimits(
+            min_slice_nums=3, max_slice_nums=2, min_unit_samples=1, max_unit_samples=2
+        ),
+    ).hello
+    await call.write(scheduler_pb.RegisterRequest(hello=hello))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await asyncio.wait_for(call.read(), scaled(2))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello.limits" in (raised.value.details() or "")
+
+
 async def test_health_service_reports_serving(start_scheduler: StartScheduler) -> None:
     harness = await start_scheduler()
     health = health_pb2_grpc.HealthStub(harness.channel)

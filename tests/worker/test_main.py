@@ -33,7 +33,7 @@ async def test_subprocess_ready_line_and_sigterm(scheduler):
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "proto")])},
     )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), scaled(20))).decode()

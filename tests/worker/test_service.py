@@ -15,6 +15,7 @@ from omni.realtime.v1 import common_pb2
 from omni.realtime.v1 import worker_service_pb2 as worker_pb
 from tests.conftest import scaled
 from tests.worker.conftest import SILENCE, SPEECH, SessionClient, pcm_bytes
+from worker.engine import EngineLimits
 from worker.engines.synthetic import SyntheticEngine, SyntheticSession
 
 
@@ -370,6 +371,55 @@ async def test_video_session_counts_vision_tokens(workers):
     )
     result = (await client.next()).result
     assert result.usage.input_vision_tokens == 128
+
+
+class WideSlicesEngine(SyntheticEngine):
+    """An engine that takes up to 4 slices per frame: its own limits, nothing else."""
+
+    limits = EngineLimits(max_slice_nums=4)
+
+
+async def test_the_engines_limits_are_advertised_and_enforced(workers, scheduler):
+    """The engine's EngineLimits are the one source: the hello carries them (on to the
+    scheduler and edges), SessionStarted carries the unit lengths, and the worker refuses
+    a max_slice_nums outside them itself, naming the range (for edges that skip the check)."""
+    worker = await workers.start(engine=WideSlicesEngine(compute_ms=2, slots=2), wait=False)
+    await asyncio.wait_for(worker.wait_ready(), scaled(5))
+    hello = await asyncio.wait_for(scheduler.hellos.get(), scaled(5))
+    assert hello.HasField("limits")
+    assert (hello.limits.min_slice_nums, hello.limits.max_slice_nums) == (1, 4)
+    assert (hello.limits.min_unit_samples, hello.limits.max_unit_samples) == (4000, 64000)
+
+    scheduler.grant(worker.worker_id, "V1", mode=common_pb2.MODE_VIDEO)
+    refused = SessionClient(workers.stub(worker))
+    refused.start("V1", mode=common_pb2.MODE_VIDEO, max_slice_nums=5)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await refused.next()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "max_slice_nums: 5; this worker takes 1 to 4"
+
+    scheduler.grant(worker.worker_id, "V2", mode=common_pb2.MODE_VIDEO)
+    client = SessionClient(workers.stub(worker))
+    client.start("V2", mode=common_pb2.MODE_VIDEO, max_slice_nums=4)
+    started = (await client.next()).started
+    assert (started.min_unit_samples, started.max_unit_samples) == (4000, 64000)
+    client.unit(1, frames=[b"jpeg"], max_slice_nums=3)
+    assert (await client.next()).WhichOneof("kind") == "result"
+    client.unit(2, frames=[b"jpeg"], max_slice_nums=9)
+    (ended,) = await client.until_ended()
+    assert ended.ended.reason == common_pb2.CLOSE_REASON_ERROR
+    assert ended.ended.message == "unit 2 max_slice_nums: 9; this worker takes 1 to 4"
+
+
+async def test_default_limits_refuse_three_slices(workers):
+    worker = await workers.start()
+    workers.scheduler.grant(worker.worker_id, "V1", mode=common_pb2.MODE_VIDEO)
+    client = SessionClient(workers.stub(worker))
+    client.start("V1", mode=common_pb2.MODE_VIDEO, max_slice_nums=3)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.next()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "max_slice_nums: 3; this worker takes 1 to 2"
 
 
 async def test_output_token_cap_forces_listening(workers):
