@@ -12,10 +12,6 @@ import numpy as np
 
 from edge.errors import InvalidPayload
 
-#: A unit must carry at least this many 16 kHz samples (250 ms), per the protocol.
-MIN_UNIT_SAMPLES = 4000
-#: A unit may carry at most this many samples (4 s): more is not one unit of input.
-MAX_UNIT_SAMPLES = 64000
 #: WAV sample rates accepted (reference voices, probe input), Hz.
 MIN_WAV_RATE, MAX_WAV_RATE = 4000, 384000
 
@@ -39,14 +35,11 @@ def unit_pcm(value: object, what: str = "audio") -> bytes:
 
 
 def check_unit_pcm(raw: bytes, what: str = "audio") -> bytes:
-    """Validate raw float32 PCM bytes of one unit; returns them unchanged."""
+    """Validate raw float32 PCM bytes of one unit; returns them unchanged. How many samples
+    a unit may carry is the worker's rule (its engine limits, checked with the lease:
+    edge.session.SessionCore.append); the frame size limit bounds it before."""
     if len(raw) % 4:
         raise InvalidPayload(f"{what}: {len(raw)} bytes is not a whole number of float32 samples")
-    samples = len(raw) // 4
-    if samples < MIN_UNIT_SAMPLES:
-        raise InvalidPayload(f"{what}: {samples} samples, at least {MIN_UNIT_SAMPLES} required")
-    if samples > MAX_UNIT_SAMPLES:
-        raise InvalidPayload(f"{what}: {samples} samples, at most {MAX_UNIT_SAMPLES} per unit")
     if not np.isfinite(np.frombuffer(raw, dtype="<f4")).all():
         raise InvalidPayload(f"{what}: samples must be finite numbers")
     return raw

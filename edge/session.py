@@ -439,8 +439,11 @@ class SessionCore:
             raise NotReady("send session.init (or session.update) first")
         if self.closed.is_set():
             raise NotReady("the session is closed")
-        if self.unit_samples is not None:
-            check_unit_length(len(cmd.pcm) // 4, *self.unit_samples)
+        bounds = self.unit_samples
+        if bounds is None and self.limits is not None and self.limits.max_unit_samples:
+            bounds = (self.limits.min_unit_samples, self.limits.max_unit_samples)
+        if bounds is not None:
+            check_unit_length(len(cmd.pcm) // 4, *bounds)
         check_slices(cmd.max_slice_nums, self.limits)
         self._seq += 1
         self._waiting[self._seq] = time.monotonic()

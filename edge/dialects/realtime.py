@@ -153,8 +153,7 @@ def created_json(event: ev.Created, dialect: Dialect, mode: str) -> dict[str, An
 
 
 def metrics_json(out: ev.Output) -> dict[str, Any]:
-    """Per-unit metrics as the reference server sends them, with the engine's own
-    per-phase costs (`cost_<phase>_ms`) when it reports any."""
+    """Per-unit metrics as the reference server sends them."""
     t = out.timings_ms
     metrics: dict[str, Any] = {
         "seq": out.seq,
@@ -165,7 +164,6 @@ def metrics_json(out: ev.Output) -> dict[str, Any]:
         "n_tokens": out.n_tokens,
         "n_tts_tokens": out.n_tts_tokens,
     }
-    metrics.update({k: round(v, 2) for k, v in t.items() if k.startswith("cost_")})
     if out.dropped_seqs:
         metrics["dropped_seqs"] = list(out.dropped_seqs)
     return metrics

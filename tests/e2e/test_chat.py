@@ -334,3 +334,31 @@ async def test_post_api_chat_on_the_websocket_port(stack):
     # WebSocket clients on the same port are unaffected.
     client = await WsClient.open(chat_url(stack))
     assert (await client.recv())["type"] == "session.queue_done"
+
+
+async def test_post_api_chat_answers_a_half_closed_request(stack):
+    """A client that half-closes its side once the body is sent (curl, many HTTP clients)
+    gets its answer; one that closes mid-body gets a 400 naming what was missing (issue 17,
+    defect 2: the answer was never written)."""
+    host, port = stack.url.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"messages": [{"role": "user", "content": "half"}]}).encode()
+
+    async def exchange(payload: bytes) -> tuple[int, dict]:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        head = (
+            f"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        writer.write(head + payload)
+        await writer.drain()
+        writer.write_eof()  # the half-close
+        raw = await asyncio.wait_for(reader.read(), scaled(20))
+        writer.close()
+        status_line, _, rest = raw.partition(b"\r\n")
+        return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+    status, answer = await exchange(body)
+    assert status == 200, answer
+    assert answer["success"] and answer["text"] == "You said: half"
+    status, answer = await exchange(body[:10])
+    assert status == 400 and "ended the request body early" in answer["message"], answer

@@ -366,3 +366,65 @@ async def test_status_endpoint(stack):
     assert mine["mode"] == "audio" and mine["units"] == 1
     assert mine["worker_id"] == worker["worker_id"] and mine["started"] is True
     assert set(mine) == {"session_id", "mode", "worker_id", "started", "units"}  # no content
+
+
+async def test_grpc_reports_what_the_json_dialects_report(stack):
+    """The same units over WebSocket (the current dialect's metrics, the legacy duplex
+    endpoint's engine costs) and RealtimeService: every unit's timings with the engine's
+    per-phase costs, token counts and usage reach the gRPC client too, from the same domain
+    result (issue 17, defect 4: engine_costs_ms was dropped)."""
+    client = await WsClient.open(url(stack))
+    await client.start("current")
+    for unit in SCRIPT:
+        await client.append(unit)
+        await client.until("delta.listen", "delta.audio")
+    await client.send({"type": "session.close"})
+    await client.until("session.closed")
+    json_units = {}
+    for event in client.events:
+        if event["type"] == "response.output.delta":
+            json_units.setdefault(event["metrics"]["seq"], event)
+
+    legacy = await WsClient.open(stack.url.replace("/v1/realtime", "/ws/duplex/adx_costs"))
+    await legacy.until("queue_done")
+    await legacy.send({"type": "prepare"})
+    await legacy.until("prepared")
+    legacy_units = []
+    for unit in SCRIPT:
+        audio = base64.b64encode(unit.astype("<f4").tobytes()).decode()
+        await legacy.send({"type": "audio_chunk", "audio_base64": audio})
+        legacy_units.append(await legacy.until("result"))
+    await legacy.send({"type": "stop"})
+    await legacy.until("stopped")
+
+    grpc_units = {}
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        call = rt_grpc.RealtimeServiceStub(channel).Connect()
+        await call.write(rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO)))
+        while (await asyncio.wait_for(call.read(), scaled(10))).WhichOneof("kind") != "created":
+            pass
+        for unit in SCRIPT:
+            pcm = unit.astype("<f4").tobytes()
+            await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=pcm)))
+            response = await asyncio.wait_for(call.read(), scaled(10))
+            assert response.WhichOneof("kind") == "output", response
+            grpc_units[response.output.seq] = response.output
+        await call.write(rt_pb.ConnectRequest(close=rt_pb.SessionCloseRequest()))
+        closed = await asyncio.wait_for(call.read(), scaled(10))
+        assert closed.WhichOneof("kind") == "closed"
+        assert closed.closed.usage.total_tokens > 0
+
+    assert sorted(grpc_units) == sorted(json_units) == list(range(1, len(SCRIPT) + 1))
+    spoke = [s for s, out in grpc_units.items() if not out.is_listen]
+    assert spoke, "the synthetic engine answers the speech units"
+    for seq, out in grpc_units.items():
+        metrics = json_units[seq]["metrics"]
+        costs = out.timings.engine_costs_ms
+        # The synthetic engine reports prefill, llm, tts and all costs for every unit; the
+        # legacy result carries two of them.
+        assert set(costs) == {"prefill", "llm", "tts", "all"}, seq
+        assert all(legacy_units[seq - 1][f"cost_{k}_ms"] >= 0 for k in ("llm", "tts"))
+        assert costs["all"] >= costs["llm"] >= 0 and out.timings.wall_clock_ms > 0
+        assert (out.n_tokens, out.n_tts_tokens) == (metrics["n_tokens"], metrics["n_tts_tokens"])
+    assert any(grpc_units[s].n_tts_tokens > 0 for s in spoke)
+    assert all(grpc_units[s].usage.total_tokens > 0 for s in spoke)

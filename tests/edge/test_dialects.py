@@ -127,7 +127,6 @@ def test_append_both_dialects():
         ({"audio": "***"}, errors.InvalidPayload),
         ({"audio": ""}, errors.InvalidPayload),
         ({"audio": base64.b64encode(b"\x00" * 16003).decode()}, errors.InvalidPayload),
-        ({"audio": b64(np.zeros(3999, np.float32))}, errors.InvalidPayload),
         ({"audio": b64(np.full(16000, np.nan, np.float32))}, errors.InvalidPayload),
         ({"audio": ONE_SECOND, "video_frames": ["aGVsbG8="]}, errors.InvalidPayload),
         ({"audio": ONE_SECOND, "force_listen": "yes"}, errors.InvalidPayload),
@@ -244,3 +243,186 @@ def test_max_slice_nums_range_is_not_the_parsers():
     assert isinstance(cmd, ev.InitCommand) and cmd.max_slice_nums == 5
     cmd = parse({"type": "input.append", "input": {"audio": ONE_SECOND, "max_slice_nums": 12}})
     assert isinstance(cmd, ev.AppendCommand) and cmd.max_slice_nums == 12
+
+
+# ---- every dialect, as plain function calls ---------------------------------------------
+
+
+def _frame(obj) -> str:
+    return json.dumps(obj)
+
+
+def test_legacy_duplex_translates_prepare_chunks_pause_and_its_ends():
+    from edge.dialects.legacy_duplex import LegacyDuplex
+
+    d = LegacyDuplex("adx_1")
+    assert d.mode == "audio" and d.refusal() is None
+    assert LegacyDuplex("omni_7").mode == "video"
+    assert LegacyDuplex("bad id!").refusal().close_code == 1008
+    [init] = d.decode(_frame({"type": "prepare", "prefix_system_prompt": "hi", "config": {}}))
+    assert isinstance(init, ev.InitCommand) and init.system_prompt == "hi"
+    [unit] = d.decode(_frame({"type": "audio_chunk", "audio_base64": ONE_SECOND}))
+    assert isinstance(unit, ev.AppendCommand) and len(unit.pcm) == 64000
+    d.appended(1, unit)
+    [pause] = d.decode(_frame({"type": "pause", "timeout": 5}))
+    assert pause == ev.PauseCommand(5.0)
+    assert d.decode(_frame({"type": "resume"})) == [ev.ResumeCommand()]
+    assert d.decode(_frame({"type": "client_diagnostic"})) == []
+    with pytest.raises(errors.UnknownEvent):
+        d.decode(_frame({"type": "what"}))
+    with pytest.raises(errors.InvalidPayload, match="timeout"):
+        d.decode(_frame({"type": "pause", "timeout": 0}))
+    assert d.not_ready(unit) == "send prepare and wait for prepared before audio_chunk"
+    [result] = d.encode(_out(seq=1))
+    assert result["type"] == "result" and result["current_time"] == 1000
+    assert result["cost_all_ms"] == 30.0 and result["audio_data"]
+    assert d.encode(ev.Paused(5.0)) == [{"type": "paused", "timeout": 5.0}]
+    timeout = ev.Closed(ev.USER_STOP, ev.Usage(), client_reason=ev.PAUSE_TIMEOUT)
+    assert d.encode(timeout) == [{"type": "timeout", "reason": "pause_timeout"}]
+    assert d.encode(ev.Closed(ev.CONTEXT_FULL, ev.Usage())) == [
+        {"type": "timeout", "reason": "context_full"}
+    ]
+    assert d.decode(_frame({"type": "stop"})) == [ev.CloseCommand()]
+    assert d.encode(ev.Closed(ev.USER_STOP, ev.Usage())) == [
+        {"type": "stopped", "session_id": "adx_1"}
+    ]
+    err = d.error(errors.InvalidPayload("no"))
+    assert err == {"type": "error", "error": "no", "message": "no"}
+    assert d.error(errors.QueueFull("full"))["error"] == "queue_full: full"
+
+
+def test_grpc_dialect_first_request_costs_and_refusals():
+    from edge.dialects.base import Refusal
+    from edge.dialects.grpc_realtime import GrpcRealtime
+    from omni.realtime.v1 import common_pb2
+    from omni.realtime.v1 import realtime_service_pb2 as rt_pb
+
+    d = GrpcRealtime()
+    assert d.mode is None
+    append = rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=bytes(64000)))
+    with pytest.raises(errors.InvalidPayload) as info:
+        d.decode(append)
+    assert d.error(info.value) == Refusal("INVALID_ARGUMENT", "the first request must be init")
+    init = rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_VIDEO))
+    [cmd] = d.decode(init)
+    assert isinstance(cmd, ev.InitCommand) and d.mode == "video"
+    [unit] = d.decode(append)
+    assert isinstance(unit, ev.AppendCommand)
+    with pytest.raises(errors.InvalidPayload, match="only once"):
+        d.decode(init)
+    d.session_id = "rt_5"
+    timings = {"prefill_ms": 1.0, "cost_llm_ms": 7.5, "cost_tts_ms": 2.0, "queue_ms": 0.5}
+    [out] = d.encode(_out(timings_ms=timings, n_tokens=3, n_tts_tokens=9))
+    assert dict(out.output.timings.engine_costs_ms) == {"llm": 7.5, "tts": 2.0}
+    assert (out.output.n_tokens, out.output.n_tts_tokens) == (3, 9)
+    assert out.output.usage.total_tokens == 7
+    failed = ev.Closed(ev.ERROR, ev.Usage(), "engine broke", error_code="inference_error")
+    error, closed = d.encode(failed)
+    assert error.error.code == "inference_error"
+    assert closed.closed.message == "engine broke" and closed.closed.session_id == "rt_5"
+    assert d.error(errors.QueueFull("full")) == Refusal("RESOURCE_EXHAUSTED", "queue_full: full")
+    assert d.error(errors.InternalError("boom")) == Refusal("INTERNAL", "internal error")
+    assert d.error(errors.NotReady("wait")).error.code == "not_ready"
+    refused = d.init_refused(errors.InvalidPayload("max_slice_nums: 5; this server takes 1 to 2"))
+    assert d.error(refused).status == "INVALID_ARGUMENT"
+
+
+def _result(**kw):
+    from edge.chat import ChatResult
+
+    return ChatResult(
+        text="Hello.",
+        audio=[b"\0" * 8, b"\0" * 8],
+        input_tokens=4,
+        generated_tokens=2,
+        usage=ev.Usage(input_tokens=4, output_tokens=2, total_tokens=6),
+        timings_ms={"queue_ms": 3.0, "wall_clock_ms": 120.4},
+        **kw,
+    )
+
+
+def test_realtime_chat_dialect_turns_and_cumulative_usage():
+    from edge.chat import ChatClose, ChatOpen, ChatTurn, TurnDelta, TurnDone, TurnStarted
+    from edge.dialects.realtime_chat import RealtimeChat
+
+    d = RealtimeChat()
+    d.session_id = "rt_9"
+    assert d.opening() == [{"type": "session.queue_done"}]
+    append = _frame({"type": "input.append", "input": {"messages": []}})
+    with pytest.raises(errors.NotReady):
+        d.decode(append)
+    assert d.decode(_frame({"type": "session.init", "payload": {}})) == [ChatOpen()]
+    with pytest.raises(errors.InvalidEvent):
+        d.decode(_frame({"type": "session.init"}))
+    assert d.decode(append) == [ChatTurn({"messages": []})]
+    for turn in (1, 2):
+        assert d.encode(TurnStarted(streaming=True, speech=True)) == []
+        deltas = d.encode(TurnDelta("Hel", b"\0" * 8))
+        assert [e["kind"] for e in deltas] == ["text", "audio"]
+        assert deltas[0]["response_id"] == f"resp_rt_9_{turn}"
+        [done] = d.encode(TurnDone(_result()))
+        assert done["type"] == "response.done" and done["usage"]["total_tokens"] == 6 * turn
+    d.encode(TurnStarted(streaming=False, speech=True))
+    assert d.encode(TurnDelta("x", b"")) == []  # not streaming: all at the end
+    text, audio, done = d.encode(TurnDone(_result()))
+    assert (text["text"], audio["kind"], done["metrics"]["input_tokens"]) == ("Hello.", "audio", 4)
+    [closed] = d.encode(ChatClose("bye"))
+    assert closed["reason"] == "bye" and closed["usage"]["total_tokens"] == 18
+
+
+def test_legacy_and_http_chat_dialects():
+    from http import HTTPStatus
+
+    from edge.chat import (
+        ChatTurn,
+        Shutdown,
+        TurnDone,
+        TurnLeased,
+        TurnPrefilled,
+        TurnQueued,
+        TurnStarted,
+    )
+    from edge.dialects.http_chat import HttpChat
+    from edge.dialects.legacy_chat import LegacyChat
+
+    legacy = LegacyChat()
+    assert legacy.one_request and legacy.id_prefix == "chat_"
+    with pytest.raises(errors.InvalidPayload, match="not valid JSON"):
+        legacy.decode("{nope")
+    assert legacy.decode('{"messages": []}') == [ChatTurn({"messages": []})]
+    legacy.encode(TurnStarted(streaming=False, speech=True))
+    queued = legacy.encode(TurnQueued(ev.Queued(2, 3, 1.25, "t1", True)))
+    assert queued[0]["type"] == "queued" and queued[0]["estimated_wait_s"] == 1.2
+    assert legacy.encode(TurnLeased(waited=True)) == [{"type": "queue_done"}]
+    assert legacy.encode(TurnPrefilled(4)) == [{"type": "prefill_done", "input_tokens": 4}]
+    [done] = legacy.encode(TurnDone(_result()))
+    assert done["type"] == "done" and done["audio_data"] and done["text"] == "Hello."
+    assert legacy.encode(Shutdown()) == [{"type": "error", "error": "the server is shutting down"}]
+
+    http = HttpChat()
+    with pytest.raises(errors.InvalidPayload, match="not JSON"):
+        http.decode(b"\xff")
+    http.encode(TurnStarted(streaming=True, speech=True))
+    http.encode(TurnQueued(ev.Queued(1, 1, 0.5, "t2", True)))
+    [answer] = http.encode(TurnDone(_result()))
+    assert answer.status == HTTPStatus.OK and answer.body["audio_sample_rate"] == 24000
+    assert answer.body["estimated_queue_wait_s"] == 0.5 and answer.body["duration_ms"] == 120
+    assert http.error(errors.QueueFull("full")).status == HTTPStatus.SERVICE_UNAVAILABLE
+    assert http.error(errors.MissingField("x")).status == HTTPStatus.BAD_REQUEST
+    assert http.error(errors.InferenceError("x")).status == HTTPStatus.INTERNAL_SERVER_ERROR
+
+
+def test_every_route_opens_its_dialect():
+    from edge import dialects
+
+    def opened(path: str, mode: str = "audio"):
+        route, rest = dialects.find(dialects.WEBSOCKET, path)
+        return route.open(rest, {"mode": [mode]}, "audio")
+
+    assert type(opened("/v1/realtime")).__name__ == "RealtimeDuplex"
+    assert type(opened("/v1/realtime", "chat")).__name__ == "RealtimeChat"
+    assert opened("/ws/duplex/adx_3").session_id == "adx_3"
+    assert type(opened("/ws/chat")).__name__ == "LegacyChat"
+    assert dialects.find(dialects.WEBSOCKET, "/ws/duplex/") is None
+    assert dialects.find(dialects.WEBSOCKET, "/nope") is None
+    assert dialects.find(dialects.HTTP, "/api/chat") is not None
