@@ -121,6 +121,16 @@ class EdgeApp:
         self.key_sessions = KeySessions(config)
         """Open sessions per API key, held from the upgrade to the connection's end."""
 
+    def select_subprotocol(self, conn: ServerConnection, offered: Any) -> str | None:
+        return select_subprotocol(conn, offered)
+
+    def released(self, conn: ServerConnection) -> None:
+        """The upgraded connection is over: the key's session slot it held comes back."""
+        held = getattr(conn, "held_key", None)
+        if held is not None:
+            conn.held_key = None  # type: ignore[attr-defined]
+            self.key_sessions.give_back(held)
+
     def key_ok(self, headers: Headers) -> bool:
         """API key check for plain HTTP requests (same rule as the WebSocket upgrade)."""
         return key_allowed(self.config, headers)
@@ -170,8 +180,8 @@ class EdgeApp:
                     f"this API key already holds {limit} open sessions, its limit: "
                     "close one and retry\n",
                 )
-            # Given back when the TCP connection ends, whatever ends it (http_api).
-            conn.held_key = digest  # type: ignore[union-attr]
+            # Given back when the connection is over, whatever ends it (released).
+            conn.held_key = digest  # type: ignore[attr-defined]
         return None
 
     def default_ref_audio_response(self) -> Response:

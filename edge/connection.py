@@ -63,6 +63,7 @@ class EdgeContext(Protocol):
     key_sessions: KeySessions
     connections: set[DuplexConnection]
     chats: set[ChatConnection]
+    http_tasks: set[asyncio.Task]
     draining: bool
 
 

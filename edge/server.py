@@ -9,14 +9,14 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from websockets.asyncio.server import Server, serve
+from websockets.asyncio.server import Server
 
-from edge.app import EdgeApp, select_subprotocol
+from edge.app import EdgeApp
 from edge.config import EdgeConfig
 from edge.fabric import Fabric, channel_options
 from edge.metrics import METRICS, EdgeMetrics
 from edge.transports.grpc import RealtimeServicer
-from edge.transports.http import connection_class
+from edge.transports.websocket import serve_port
 from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 
 log = logging.getLogger("omnifabric.edge")
@@ -94,29 +94,8 @@ async def start_edge(config: EdgeConfig, metrics: EdgeMetrics = METRICS) -> Runn
         from edge.recording import start_retention
 
         start_retention(config)
-    ws_server = await serve(
-        app.handler,
-        config.host,
-        config.port,
-        select_subprotocol=select_subprotocol,
-        # None keeps clients without an Origin header (SDKs, scripts) allowed.
-        origins=[*config.allowed_origins, None] if config.allowed_origins else None,
-        process_request=app.process_request,
-        # Audio frames barely compress and deflate costs ms per frame on each side.
-        compression=None,
-        max_size=config.max_frame_bytes,
-        max_queue=config.inbound_queue_max,
-        # Bounds the TCP and the TLS handshake (websockets passes it as the SSL timeout).
-        open_timeout=config.open_timeout_s,
-        # The edge runs its own keepalive (edge.outbox): websockets' waits for a full
-        # send buffer to drain before timing the pong, so a client that stops reading
-        # would never be dropped.
-        ping_interval=None,
-        close_timeout=config.ws_close_timeout_s,
-        # Also answers POST /api/chat on this port (websockets parses GET handshakes only).
-        create_connection=connection_class(app),
-        ssl=tls,
-    )
+    # WebSocket upgrades and POST /api/chat share the port (edge.transports.http).
+    ws_server = await serve_port(app, app, config, tls)
     port = ws_server.sockets[0].getsockname()[1]
     grpc_server = None
     health_servicer = None

@@ -1,15 +1,16 @@
 """HTTP/1.1 requests with a body on the WebSocket port: `POST /api/chat`.
 
-The websockets server parses only body-less GET handshakes, so the connection class
-sniffs the first bytes: a `POST` is taken over by `HttpRequestReader` (one request,
-answered once with `Connection: close`); anything else goes to the WebSocket handshake
-untouched. The request is read in full before it is served, within limits: its head
-within the open timeout and 16 KiB (431), a Content-Length (411, no chunked bodies) of at
-most the frame limit (413), the body within 6 times the open timeout (408). A client may
-half-close its side once the body is sent (as curl and many HTTP clients can): the answer
-still goes out. A client that goes away cancels its turn. With API keys configured a
-request needs a valid key (401) and holds one of the key's sessions while its turn runs
-(429 at the key's limit, as the WebSocket endpoints answer before the upgrade).
+Every connection on the edge's port starts in `FrontProtocol`, which reads the first
+bytes: a `POST` is served here (`HttpRequestReader` reads one request, answered once with
+`Connection: close`); anything else is handed to the WebSocket server
+(edge.transports.websocket) with the bytes read so far. The request is read in full
+before it is served, within limits: its head within the open timeout and 16 KiB (431), a
+Content-Length (411, no chunked bodies) of at most the frame limit (413), the body within
+6 times the open timeout (408). A client may half-close its side once the body is sent
+(as curl and many HTTP clients can): the answer still goes out. A client that goes away
+cancels its turn. With API keys configured a request needs a valid key (401) and holds one
+of the key's sessions while its turn runs (429 at the key's limit, as the WebSocket
+endpoints answer before the upgrade).
 """
 
 from __future__ import annotations
@@ -19,41 +20,20 @@ import json
 import logging
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 
 from edge import dialects
 from edge.access import key_digest
-from edge.connection import ChatConnection
+from edge.connection import ChatConnection, EdgeContext
 from edge.dialects.http_chat import HttpResponse, failure
 from edge.errors import EdgeError
-
-if TYPE_CHECKING:
-    from edge.app import EdgeApp
 
 log = logging.getLogger("omnifabric.edge.http")
 
 MAX_HEAD_BYTES = 16 * 1024
-
-
-class _Detached:
-    """Stands in for a transport handed to the HTTP exchange: the websockets server aborts
-    connections whose handshake did not open; that must not cut our response."""
-
-    def abort(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def is_closing(self) -> bool:
-        return True
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
 
 
 class HttpRequestReader:
@@ -180,141 +160,136 @@ class HttpTransport:
         self._raw.close()
 
 
-def connection_class(app: EdgeApp) -> type[ServerConnection]:
-    """A ServerConnection that also answers POST /api/chat (and 404 for other paths)."""
+class FrontProtocol(asyncio.Protocol):
+    """Every TCP connection on the edge's port starts here: the first bytes tell an HTTP
+    request with a body (`POST`, served here) from a WebSocket upgrade, which goes to
+    `open_websocket` with the bytes read so far (and the transport, from then on).
+    Bytes that say neither within the open timeout drop the connection."""
 
-    class EdgeConnection(ServerConnection):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self._sniffed = b""
-            self.held_key: str | None = None
-            """Digest of the API key whose session slot this connection holds."""
-            self._http: HttpRequestReader | None = None
-            self._gone = asyncio.get_running_loop().create_future()
-            self._decided = asyncio.get_running_loop().create_future()
-            super().connection_made(transport)
+    def __init__(
+        self, app: EdgeContext, open_websocket: Callable[[asyncio.Transport, bytes], None]
+    ) -> None:
+        self.app = app
+        self.open_websocket = open_websocket
+        self.transport: asyncio.Transport | None = None
+        self._sniffed = b""
+        self._http: HttpRequestReader | None = None
+        self._handed_over = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._gone = asyncio.get_running_loop().create_future()
 
-        def data_received(self, data: bytes) -> None:
-            if self._http is not None:
-                self._http.feed(data)
-                return
-            if self._decided.done():
-                super().data_received(data)
-                return
-            self._sniffed += data
-            if len(self._sniffed) < 5 and b"\r\n" not in self._sniffed:
-                return
-            first, self._sniffed = self._sniffed, b""
-            if first.startswith(b"POST "):
-                self._http = HttpRequestReader(app.config.max_frame_bytes)
-                self._decided.set_result(True)
-                self._http.feed(first)
-            else:
-                self._decided.set_result(False)
-                super().data_received(first)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        limit = self.app.config.open_timeout_s
+        self._timer = asyncio.get_running_loop().call_later(limit, self._undecided)
 
-        def eof_received(self) -> bool | None:
-            if self._http is not None:
-                self._http.eof()
-                return True  # keep the socket open for the answer
-            return super().eof_received()
+    def _undecided(self) -> None:
+        if not self._handed_over and self._http is None and self.transport is not None:
+            log.info("no request within %.1fs: connection dropped", self.app.config.open_timeout_s)
+            self.transport.abort()
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            if not self._decided.done():
-                self._decided.set_result(False)
-            if self._http is not None:
-                self._http.lost()
-            if not self._gone.done():
-                self._gone.set_result(None)
-            # Called once whatever ends the connection: the key's session slot comes back.
-            held, self.held_key = self.held_key, None
-            if held is not None:
-                app.key_sessions.give_back(held)
-            super().connection_lost(exc)
+    def data_received(self, data: bytes) -> None:
+        if self._http is not None:
+            self._http.feed(data)
+            return
+        self._sniffed += data
+        if len(self._sniffed) < 5 and b"\r\n" not in self._sniffed:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        first, self._sniffed = self._sniffed, b""
+        assert self.transport is not None
+        if not first.startswith(b"POST "):
+            self._handed_over = True
+            self.open_websocket(self.transport, first)
+            return
+        self._http = HttpRequestReader(self.app.config.max_frame_bytes)
+        self._http.feed(first)
+        task = asyncio.ensure_future(self._serve(self._http, self.transport))
+        self.app.http_tasks.add(task)
+        task.add_done_callback(self.app.http_tasks.discard)
 
-        async def handshake(self, *args: Any, **kwargs: Any) -> None:
-            await asyncio.wait(
-                [self._decided, self.connection_lost_waiter], return_when=asyncio.FIRST_COMPLETED
+    def eof_received(self) -> bool | None:
+        if self._http is not None:
+            self._http.eof()
+            return True  # keep the socket open for the answer
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._http is not None:
+            self._http.lost()
+        if not self._gone.done():
+            self._gone.set_result(None)
+
+    async def _serve(self, reader: HttpRequestReader, raw: asyncio.Transport) -> None:
+        try:
+            problem = await self._request(reader)
+        except (ConnectionError, TimeoutError):
+            raw.abort()
+            return
+        path = urlsplit(reader.target).path
+        found = dialects.find(dialects.HTTP, path)
+        transport = HttpTransport(path, reader.body, raw, self._gone)
+        if problem is not None:
+            transport.answer(failure(problem[0], "invalid_request", problem[1]))
+        elif found is None:
+            transport.answer(failure(HTTPStatus.NOT_FOUND, "not_found", f"no {path}"))
+        elif reader.method != "POST":
+            transport.answer(failure(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use POST"))
+        else:
+            route, rest = found
+            query = parse_qs(urlsplit(reader.target).query)
+            await self._chat(transport, reader, route.open(rest, query, ""))
+        await transport.finish()
+
+    async def _chat(self, transport: HttpTransport, reader: HttpRequestReader, dialect) -> None:
+        """The drain (503), the API key check (401), the key's session limit (429, as on the
+        WebSocket endpoints: the turn holds one of its sessions while it runs), the turn."""
+        app = self.app
+        if app.draining:
+            transport.answer(
+                failure(HTTPStatus.SERVICE_UNAVAILABLE, "draining", "the server is draining")
             )
-            if self._http is None:
-                await super().handshake(*args, **kwargs)
-                return
-            # The exchange owns the socket from here; the server's abort hits a stand-in.
-            transport, self.transport = self.transport, _Detached()
-            task = asyncio.ensure_future(self._serve(transport))
-            app.http_tasks.add(task)
-            task.add_done_callback(app.http_tasks.discard)
-
-        async def _serve(self, raw: asyncio.Transport) -> None:
-            reader = self._http
-            assert reader is not None
-            try:
-                problem = await self._request(reader)
-            except (ConnectionError, TimeoutError):
-                raw.abort()
-                return
-            path = urlsplit(reader.target).path
-            found = dialects.find(dialects.HTTP, path)
-            transport = HttpTransport(path, reader.body, raw, self._gone)
-            if problem is not None:
-                transport.answer(failure(problem[0], "invalid_request", problem[1]))
-            elif found is None:
-                transport.answer(failure(HTTPStatus.NOT_FOUND, "not_found", f"no {path}"))
-            elif reader.method != "POST":
-                transport.answer(failure(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use POST"))
-            else:
-                route, rest = found
-                query = parse_qs(urlsplit(reader.target).query)
-                await self._chat(transport, reader, route.open(rest, query, ""))
-            await transport.finish()
-
-        async def _chat(self, transport: HttpTransport, reader: HttpRequestReader, dialect):
-            """The drain (503), the API key check (401), the key's session limit (429, as
-            on the WebSocket endpoints: the turn holds one of its sessions while it runs),
-            then the turn."""
-            if app.draining:
-                transport.answer(
-                    failure(HTTPStatus.SERVICE_UNAVAILABLE, "draining", "the server is draining")
+            return
+        digest = key_digest(app.config, reader.headers.get("Authorization", ""))
+        if digest is None:
+            transport.answer(
+                failure(HTTPStatus.UNAUTHORIZED, "unauthorized", "missing or invalid API key")
+            )
+            return
+        if digest and not app.key_sessions.take(digest):
+            limit = app.key_sessions.limit(digest)
+            transport.answer(
+                failure(
+                    HTTPStatus.TOO_MANY_REQUESTS,
+                    "too_many_sessions",
+                    f"this API key already holds {limit} open sessions, its limit: "
+                    "close one and retry",
                 )
-                return
-            digest = key_digest(app.config, reader.headers.get("Authorization", ""))
-            if digest is None:
-                transport.answer(
-                    failure(HTTPStatus.UNAUTHORIZED, "unauthorized", "missing or invalid API key")
-                )
-                return
-            if digest and not app.key_sessions.take(digest):
-                limit = app.key_sessions.limit(digest)
-                transport.answer(
-                    failure(
-                        HTTPStatus.TOO_MANY_REQUESTS,
-                        "too_many_sessions",
-                        f"this API key already holds {limit} open sessions, its limit: "
-                        "close one and retry",
-                    )
-                )
-                return
-            try:
-                await ChatConnection(app, transport, dialect).run()
-            finally:
-                if digest:
-                    app.key_sessions.give_back(digest)
+            )
+            return
+        try:
+            await ChatConnection(app, transport, dialect).run()
+        finally:
+            if digest:
+                app.key_sessions.give_back(digest)
 
-        async def _request(self, reader: HttpRequestReader) -> tuple[HTTPStatus, str] | None:
-            """Wait for the whole request: the head within the open timeout, like a
-            WebSocket handshake (a trickled head is dropped), the body within 6 times it.
-            Raises TimeoutError (head) or ConnectionError."""
-            limit = app.config.open_timeout_s
-            try:
-                return await asyncio.wait_for(asyncio.shield(reader.ready), limit)
-            except TimeoutError:
-                if not reader.head_done:
-                    log.info("HTTP request head not received within %.1fs: dropped", limit)
-                    reader.ready.cancel()  # nothing waits on it any more
-                    raise
-            try:
-                return await asyncio.wait_for(asyncio.shield(reader.ready), 5 * limit)
-            except TimeoutError:
-                reader.ready.cancel()
-                return HTTPStatus.REQUEST_TIMEOUT, "request body not received in time"
-
-    return EdgeConnection
+    async def _request(self, reader: HttpRequestReader) -> tuple[HTTPStatus, str] | None:
+        """Wait for the whole request: the head within the open timeout, like a WebSocket
+        handshake (a trickled head is dropped), the body within 6 times it. Raises
+        TimeoutError (head) or ConnectionError."""
+        limit = self.app.config.open_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(reader.ready), limit)
+        except TimeoutError:
+            if not reader.head_done:
+                log.info("HTTP request head not received within %.1fs: dropped", limit)
+                reader.ready.cancel()  # nothing waits on it any more
+                raise
+        try:
+            return await asyncio.wait_for(asyncio.shield(reader.ready), 5 * limit)
+        except TimeoutError:
+            reader.ready.cancel()
+            return HTTPStatus.REQUEST_TIMEOUT, "request body not received in time"

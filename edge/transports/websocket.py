@@ -1,17 +1,32 @@
-"""WebSocket transport: one client connection under the edge's keepalive, its messages
-received in order and sent through its bounded Outbox (edge.outbox)."""
+"""WebSocket transport: the edge's WebSocket server on the port it shares with HTTP, and
+one client connection as a driver's transport, its messages received in order and sent
+through its bounded Outbox (edge.outbox).
+
+The port's connections start in edge.transports.http.FrontProtocol; the upgrades it hands
+over become websockets ServerConnections (its public sans-I/O ServerProtocol and
+ServerConnection, under a websockets Server that closes them on shutdown).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from websockets.asyncio.server import ServerConnection
+from websockets.asyncio.server import Server, ServerConnection
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import SERVER, Request, Response
+from websockets.protocol import State
+from websockets.server import ServerProtocol
 
 from edge.config import EdgeConfig
 from edge.errors import EdgeError
 from edge.outbox import Outbox
+from edge.transports.http import FrontProtocol
+
+log = logging.getLogger("omnifabric.edge.websocket")
 
 
 def finish_timeout_s(config: EdgeConfig) -> float:
@@ -54,3 +69,98 @@ class WebSocketTransport:
     async def finish(self) -> None:
         if self.outbox is not None:
             await self.outbox.finish(finish_timeout_s(self.config))
+
+
+class Upgrade(Protocol):
+    """What the edge does with a WebSocket upgrade: check it before the handshake
+    (`process_request`: health, routing, keys), pick the subprotocol, serve it (`handler`),
+    and give back what `process_request` took once the connection is over (`released`)."""
+
+    async def process_request(
+        self, conn: ServerConnection, request: Request
+    ) -> Response | None: ...
+
+    def select_subprotocol(self, conn: ServerConnection, offered: Any) -> str | None: ...
+
+    async def handler(self, conn: ServerConnection) -> None: ...
+
+    def released(self, conn: ServerConnection) -> None: ...
+
+
+async def serve_port(
+    context: Any, upgrade: Upgrade, config: EdgeConfig, tls: ssl.SSLContext | None
+) -> Server:
+    """Listen on config.host:config.port: HTTP requests with a body are served by
+    FrontProtocol, WebSocket upgrades by `upgrade`. Returns the started websockets Server
+    (its close() ends the WebSocket connections with 1001)."""
+
+    async def create_server() -> asyncio.AbstractServer:
+        loop = asyncio.get_running_loop()
+        kwargs: dict[str, Any] = {}
+        if tls is not None:
+            # Bounds the TLS handshake like the WebSocket one.
+            kwargs.update(
+                ssl=tls,
+                ssl_handshake_timeout=config.open_timeout_s,
+                ssl_shutdown_timeout=config.ws_close_timeout_s,
+            )
+        return await loop.create_server(
+            lambda: FrontProtocol(context, open_websocket), config.host, config.port, **kwargs
+        )
+
+    async def run_connection(connection: ServerConnection) -> None:
+        """One upgraded connection: the handshake within the open timeout, then the
+        handler; the TCP connection is closed whatever happens."""
+        try:
+            try:
+                async with asyncio.timeout(config.open_timeout_s):
+                    await connection.handshake(upgrade.process_request, None, SERVER)
+                if connection.protocol.state is not State.OPEN:
+                    connection.transport.abort()
+                    return
+                server.all_connections.add(connection)
+                try:
+                    async with connection:
+                        await upgrade.handler(connection)
+                except Exception:
+                    log.error("connection handler failed", exc_info=True)
+                finally:
+                    server.all_connections.discard(connection)
+            except Exception:
+                # A handshake that timed out or failed: no connection is left behind.
+                connection.transport.abort()
+        finally:
+            server.handler_tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
+            upgrade.released(connection)
+
+    server = Server(create_server, run_connection)  # type: ignore[arg-type]
+    origins = [*config.allowed_origins, None] if config.allowed_origins else None
+
+    def open_websocket(transport: asyncio.Transport, first: bytes) -> None:
+        connection: ServerConnection
+
+        def select(_protocol: ServerProtocol, offered: Any) -> str | None:
+            return upgrade.select_subprotocol(connection, offered)
+
+        protocol = ServerProtocol(
+            origins=origins,  # type: ignore[arg-type]
+            select_subprotocol=select,  # type: ignore[arg-type]
+            # Audio frames barely compress and deflate costs ms per frame on each side.
+            extensions=None,
+            max_size=config.max_frame_bytes,
+        )
+        connection = ServerConnection(
+            protocol,
+            server,
+            # The edge runs its own keepalive (edge.outbox): websockets' waits for a full
+            # send buffer to drain before timing the pong, so a client that stops reading
+            # would never be dropped.
+            ping_interval=None,
+            close_timeout=config.ws_close_timeout_s,
+            max_queue=config.inbound_queue_max,
+        )
+        transport.set_protocol(connection)
+        connection.connection_made(transport)  # starts run_connection
+        connection.data_received(first)
+
+    return await server
