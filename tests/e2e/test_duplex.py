@@ -375,9 +375,12 @@ async def test_grpc_reports_what_the_json_dialects_report(stack):
     result (issue 17, defect 4: engine_costs_ms was dropped)."""
     client = await WsClient.open(url(stack))
     await client.start("current")
-    for unit in SCRIPT:
+    for seq, unit in enumerate(SCRIPT, 1):
         await client.append(unit)
-        await client.until("delta.listen", "delta.audio")
+        # This unit's own result before the next unit (the worker keeps only the newest
+        # unit waiting: a unit sent early may be replaced, which is not what this compares).
+        while (await client.until("response.output.delta"))["metrics"]["seq"] < seq:
+            pass
     await client.send({"type": "session.close"})
     await client.until("session.closed")
     json_units = {}
