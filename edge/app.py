@@ -131,10 +131,6 @@ class EdgeApp:
             conn.held_key = None  # type: ignore[attr-defined]
             self.key_sessions.give_back(held)
 
-    def key_ok(self, headers: Headers) -> bool:
-        """API key check for plain HTTP requests (same rule as the WebSocket upgrade)."""
-        return key_allowed(self.config, headers)
-
     async def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         """HTTP before the upgrade: health, status, routing and API keys (401 before upgrade)."""
         path = urlsplit(request.path).path

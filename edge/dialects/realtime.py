@@ -19,7 +19,6 @@ _FIRST_REASONS = {"user_stop": "stopped", "client_closed": "stopped"}
 INIT_TYPES = {"session.update": Dialect.FIRST, "session.init": Dialect.CURRENT}
 APPEND_TYPES = ("input_audio_buffer.append", "input.append")
 CLOSE_TYPES = ("session.close",)
-KNOWN_TYPES = set(INIT_TYPES) | set(APPEND_TYPES) | set(CLOSE_TYPES)
 
 
 # ---- client events ----------------------------------------------------------------
