@@ -106,8 +106,11 @@ async def test_e7_half_open_handshakes_dropped_at_open_timeout(stack):
     closed: list[float | None] = [None] * HALF_OPEN
     streams = []
     for i in range(HALF_OPEN):
-        reader, writer = await asyncio.open_connection(host, int(port))
+        # Before the connect: the edge's timer cannot start earlier, whereas a time taken
+        # after it can be late by any stall of this process (a GC pause in a long run made
+        # a socket look 0.18 s short-lived).
         opened.append(time.monotonic())
+        reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(heads[i % 3])
         streams.append((reader, writer))
 
