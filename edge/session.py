@@ -76,11 +76,6 @@ def usage_from(msg: common_pb2.Usage) -> ev.Usage:
     return ev.Usage(**{f.name: getattr(msg, f.name) for f in common_pb2.Usage.DESCRIPTOR.fields})
 
 
-def usage_to(usage: ev.Usage) -> common_pb2.Usage:
-    """Domain usage -> protobuf usage."""
-    return common_pb2.Usage(**usage.__dict__)
-
-
 def config_to(settings: ev.DuplexSettings) -> common_pb2.DuplexConfig:
     """Domain duplex settings -> protobuf (unset fields stay unset)."""
     return common_pb2.DuplexConfig(**{k: v for k, v in settings.__dict__.items() if v is not None})
