@@ -114,6 +114,7 @@ class DuplexConnection:
         self._done = asyncio.Event()
         """The session's end is queued for the client: no more input is read."""
         self._pause: asyncio.Task | None = None
+        self._aborting: asyncio.Future | None = None
         self.finished = asyncio.Event()
         """Set once the connection is over and its last messages went out (drain waits)."""
         transport.bind(self._overflowed, self._render_error)
@@ -144,7 +145,8 @@ class DuplexConnection:
         # The transport already queued slow_client and its end: the session ends now.
         self._done.set()
         if self.core is not None:
-            asyncio.ensure_future(self.core.abort())
+            # Held: the loop keeps only a weak reference to a task.
+            self._aborting = asyncio.ensure_future(self.core.abort())
 
     async def _emit(self, event: ev.SessionEvent) -> None:
         """Session events (SessionCore's emit, the pause watchdog) -> the client."""
