@@ -87,6 +87,12 @@ class Upgrade(Protocol):
     def released(self, conn: ServerConnection) -> None: ...
 
 
+#: Connections the kernel completes before the edge accepts them. asyncio's default (100)
+#: overflows when a few hundred clients connect at once: Linux then drops the client's
+#: final handshake ACK and the connection is established a SYN-ACK retransmit (1 s) later.
+LISTEN_BACKLOG = 2048
+
+
 async def serve_port(
     context: Any, upgrade: Upgrade, config: EdgeConfig, tls: ssl.SSLContext | None
 ) -> Server:
@@ -105,7 +111,11 @@ async def serve_port(
                 ssl_shutdown_timeout=config.ws_close_timeout_s,
             )
         return await loop.create_server(
-            lambda: FrontProtocol(context, open_websocket), config.host, config.port, **kwargs
+            lambda: FrontProtocol(context, open_websocket),
+            config.host,
+            config.port,
+            backlog=LISTEN_BACKLOG,
+            **kwargs,
         )
 
     async def run_connection(connection: ServerConnection) -> None:
