@@ -11,7 +11,7 @@ test:
 	bash tools/dev test
 
 stubs:
-	.venv/bin/python -m tools.gen_stubs --force
+	.venv/bin/python -m omnifabric.tools.gen_stubs --force
 
 lint:
 	cd proto && ../.tools/node_modules/.bin/buf lint

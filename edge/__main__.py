@@ -1,5 +1,5 @@
 import sys
 
-from edge.main import main
+from omnifabric.edge.main import main
 
 sys.exit(main())

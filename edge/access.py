@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 
-from edge.config import EdgeConfig, hash_key
+from omnifabric.edge.config import EdgeConfig, hash_key
 
 log = logging.getLogger("omnifabric.edge.access")
 

@@ -18,16 +18,16 @@ from websockets.exceptions import InvalidHeader
 from websockets.headers import parse_subprotocol
 from websockets.http11 import Request, Response
 
-from edge import dialects, static
-from edge.access import KeySessions, key_digest, subprotocol_key
-from edge.config import EdgeConfig
-from edge.connection import ChatConnection, DuplexConnection, connection_for
-from edge.errors import InvalidPayload
-from edge.fabric import Fabric
-from edge.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from edge.metrics import EdgeMetrics
-from edge.outbox import keepalive
-from edge.transports.websocket import WebSocketTransport
+from omnifabric.edge import dialects, static
+from omnifabric.edge.access import KeySessions, key_digest, subprotocol_key
+from omnifabric.edge.config import EdgeConfig
+from omnifabric.edge.connection import ChatConnection, DuplexConnection, connection_for
+from omnifabric.edge.errors import InvalidPayload
+from omnifabric.edge.fabric import Fabric
+from omnifabric.edge.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from omnifabric.edge.metrics import EdgeMetrics
+from omnifabric.edge.outbox import keepalive
+from omnifabric.edge.transports.websocket import WebSocketTransport
 
 log = logging.getLogger("omnifabric.edge.app")
 
@@ -77,7 +77,7 @@ def default_ref_audio_body(path: str | None) -> dict[str, Any] | None:
     import base64
     from pathlib import Path
 
-    from edge.pcm import wav_to_pcm16k
+    from omnifabric.edge.pcm import wav_to_pcm16k
 
     if not path:
         return None
@@ -196,7 +196,7 @@ class EdgeApp:
 
     async def status_response(self) -> Response:
         """GET /status: workers, slots, queue and sessions as JSON (no secrets, no audio)."""
-        from edge.status import edge_status
+        from omnifabric.edge.status import edge_status
 
         try:
             body = await edge_status(self)

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from edge import events as ev
-from edge import pcm
-from edge.errors import InvalidPayload, MissingField
-from edge.fields import flag, integer_field, number_field, obj
-from omni.realtime.v1 import worker_service_pb2 as worker_pb
+from omnifabric.edge import events as ev
+from omnifabric.edge import pcm
+from omnifabric.edge.errors import InvalidPayload, MissingField
+from omnifabric.edge.fields import flag, integer_field, number_field, obj
+from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 
 log = logging.getLogger("omnifabric.edge.chat")
 

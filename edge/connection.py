@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 from opentelemetry import context as otel_context
 
-from edge import events as ev
-from edge.access import KeySessions
-from edge.chat import (
+from omnifabric.edge import events as ev
+from omnifabric.edge.access import KeySessions
+from omnifabric.edge.chat import (
     SHUTDOWN_MESSAGE,
     ChatClose,
     ChatInput,
@@ -39,14 +39,14 @@ from edge.chat import (
     TurnStarted,
     parse_chat,
 )
-from edge.config import EdgeConfig
-from edge.dialects.base import ChatDialect, DuplexDialect
-from edge.errors import EdgeError, InternalError, InvalidEvent
-from edge.fabric import Fabric
-from edge.fields import InvalidJson
-from edge.metrics import EdgeMetrics
-from edge.recording import SessionRecorder
-from edge.session import SessionCore, new_session_id, run_turn
+from omnifabric.edge.config import EdgeConfig
+from omnifabric.edge.dialects.base import ChatDialect, DuplexDialect
+from omnifabric.edge.errors import EdgeError, InternalError, InvalidEvent
+from omnifabric.edge.fabric import Fabric
+from omnifabric.edge.fields import InvalidJson
+from omnifabric.edge.metrics import EdgeMetrics
+from omnifabric.edge.recording import SessionRecorder
+from omnifabric.edge.session import SessionCore, new_session_id, run_turn
 
 log = logging.getLogger("omnifabric.edge.connection")
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import grpc
 
-from edge import events as ev
-from edge.errors import QueueFull, ServiceUnavailable
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+from omnifabric.edge import events as ev
+from omnifabric.edge.errors import QueueFull, ServiceUnavailable
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 
 #: A forgotten worker channel stays open this long for the calls still on it.
 CHANNEL_LINGER_S = 30.0

@@ -12,8 +12,8 @@ import json
 import math
 from typing import Any
 
-from edge.errors import InvalidPayload, MissingField
-from edge.events import DuplexSettings
+from omnifabric.edge.errors import InvalidPayload, MissingField
+from omnifabric.edge.events import DuplexSettings
 
 #: At most this many video frames in one unit (the model takes ~1 frame per second).
 MAX_FRAMES_PER_UNIT = 4

@@ -9,8 +9,8 @@ import logging
 import signal
 import sys
 
-from edge import logs
-from edge.config import EdgeConfig, read_key_file
+from omnifabric.edge import logs
+from omnifabric.edge.config import EdgeConfig, read_key_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         _check_flags(args)
         config.tls()  # both files or neither, readable, a valid pair: fail before binding
-        from edge.fabric import channel_credentials
+        from omnifabric.edge.fabric import channel_credentials
 
         channel_credentials(config.fabric_tls_ca, config.fabric_tls_cert, config.fabric_tls_key)
     except (ValueError, OSError) as exc:
@@ -122,9 +122,9 @@ async def _run(config: EdgeConfig, grace_s: float) -> None:
     import os
     import socket
 
-    from edge import telemetry
-    from edge.metrics import METRICS
-    from edge.server import start_edge
+    from omnifabric.edge import telemetry
+    from omnifabric.edge.metrics import METRICS
+    from omnifabric.edge.server import start_edge
 
     provider = telemetry.setup(f"{socket.gethostname()}-{os.getpid()}")
     edge = await start_edge(config)

@@ -26,7 +26,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from edge.events import Output
+    from omnifabric.edge.events import Output
 
 
 class LiveSession(Protocol):

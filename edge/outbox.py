@@ -20,7 +20,7 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from edge.errors import EdgeError, SlowClient
+from omnifabric.edge.errors import EdgeError, SlowClient
 
 log = logging.getLogger("omnifabric.edge.outbox")
 

@@ -10,7 +10,7 @@ import wave
 
 import numpy as np
 
-from edge.errors import InvalidPayload
+from omnifabric.edge.errors import InvalidPayload
 
 #: WAV sample rates accepted (reference voices, probe input), Hz.
 MIN_WAV_RATE, MAX_WAV_RATE = 4000, 384000

@@ -42,7 +42,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 
-from edge import events as ev
+from omnifabric.edge import events as ev
 
 log = logging.getLogger("omnifabric.edge.recording")
 

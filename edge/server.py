@@ -11,13 +11,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from websockets.asyncio.server import Server
 
-from edge.app import EdgeApp
-from edge.config import EdgeConfig
-from edge.fabric import Fabric, channel_options
-from edge.metrics import METRICS, EdgeMetrics
-from edge.transports.grpc import RealtimeServicer
-from edge.transports.websocket import serve_port
-from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+from omnifabric.edge.app import EdgeApp
+from omnifabric.edge.config import EdgeConfig
+from omnifabric.edge.fabric import Fabric, channel_options
+from omnifabric.edge.metrics import METRICS, EdgeMetrics
+from omnifabric.edge.transports.grpc import RealtimeServicer
+from omnifabric.edge.transports.websocket import serve_port
+from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 
 log = logging.getLogger("omnifabric.edge")
 
@@ -91,7 +91,7 @@ async def start_edge(config: EdgeConfig, metrics: EdgeMetrics = METRICS) -> Runn
     )
     app = EdgeApp(config, fabric, metrics)
     if config.record_dir:  # opt-in recording: retention now, then hourly
-        from edge.recording import start_retention
+        from omnifabric.edge.recording import start_retention
 
         start_retention(config)
     # WebSocket upgrades and POST /api/chat share the port (edge.transports.http).

@@ -20,9 +20,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from edge import events as ev
-from edge import logs, telemetry
-from edge.chat import (
+from omnifabric.edge import events as ev
+from omnifabric.edge import logs, telemetry
+from omnifabric.edge.chat import (
     ChatInput,
     ChatResult,
     TurnDelta,
@@ -31,7 +31,7 @@ from edge.chat import (
     TurnPrefilled,
     TurnQueued,
 )
-from edge.errors import (
+from omnifabric.edge.errors import (
     EdgeError,
     InferenceError,
     InvalidEvent,
@@ -39,11 +39,11 @@ from edge.errors import (
     NotReady,
     WorkerConnectFailed,
 )
-from edge.fabric import Fabric, wait_for_lease
-from edge.metrics import METRICS, EdgeMetrics
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import worker_service_pb2 as worker_pb
+from omnifabric.edge.fabric import Fabric, wait_for_lease
+from omnifabric.edge.metrics import METRICS, EdgeMetrics
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 
 log = logging.getLogger("omnifabric.edge.session")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 
 STATUS_TIMEOUT_S = 2.0
 

@@ -1,7 +1,7 @@
-"""`python -m scheduler`."""
+"""`python -m omnifabric.scheduler`."""
 
 import sys
 
-from scheduler.main import main
+from omnifabric.scheduler.main import main
 
 sys.exit(main())

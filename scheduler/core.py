@@ -12,12 +12,31 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
-from scheduler.config import SchedulerConfig
-from scheduler.errors import InvalidRequest, NoWorker, QueueFull, ShuttingDown, UnknownLease
-from scheduler.leases import Lease, LeaseGrantNotice, LeaseRevokeNotice, LeaseState, LeaseTable
-from scheduler.metrics import Counters, SchedulerMetrics
-from scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
-from scheduler.registry import EngineLimits, Health, MemoryFigures, Mode, Registry, Worker
+from omnifabric.scheduler.config import SchedulerConfig
+from omnifabric.scheduler.errors import (
+    InvalidRequest,
+    NoWorker,
+    QueueFull,
+    ShuttingDown,
+    UnknownLease,
+)
+from omnifabric.scheduler.leases import (
+    Lease,
+    LeaseGrantNotice,
+    LeaseRevokeNotice,
+    LeaseState,
+    LeaseTable,
+)
+from omnifabric.scheduler.metrics import Counters, SchedulerMetrics
+from omnifabric.scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
+from omnifabric.scheduler.registry import (
+    EngineLimits,
+    Health,
+    MemoryFigures,
+    Mode,
+    Registry,
+    Worker,
+)
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from scheduler.registry import Mode
+from omnifabric.scheduler.registry import Mode
 
 
 class LeaseState(enum.Enum):

@@ -1,4 +1,5 @@
-"""`omnifabric scheduler` / `python -m scheduler`: run the scheduler until SIGTERM or SIGINT."""
+"""`omnifabric scheduler` / `python -m omnifabric.scheduler`: run the scheduler until SIGTERM
+or SIGINT."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from scheduler import logs
-from scheduler.config import ENV_VARS, SchedulerConfig, parse_value
-from scheduler.metrics import serve_http
-from scheduler.server import start_server
+from omnifabric.scheduler import logs
+from omnifabric.scheduler.config import ENV_VARS, SchedulerConfig, parse_value
+from omnifabric.scheduler.metrics import serve_http
+from omnifabric.scheduler.server import start_server
 
-log = logging.getLogger("scheduler")
+log = logging.getLogger("omnifabric.scheduler")
 
 # CLI flag -> config field; flags override the environment.
 _FLAGS = {
@@ -79,7 +80,7 @@ async def _serve(config: SchedulerConfig) -> None:
     import os
     import socket
 
-    from scheduler import telemetry
+    from omnifabric.scheduler import telemetry
 
     provider = telemetry.setup(f"{socket.gethostname()}-{os.getpid()}")
     try:

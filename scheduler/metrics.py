@@ -25,9 +25,9 @@ from prometheus_client.metrics import Gauge
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from scheduler.leases import LeaseTable
-from scheduler.queue import WaitQueue
-from scheduler.registry import Registry
+from omnifabric.scheduler.leases import LeaseTable
+from omnifabric.scheduler.queue import WaitQueue
+from omnifabric.scheduler.registry import Registry
 
 #: Queue waits, seconds: from immediate grants to the long waits of a full fleet.
 QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)

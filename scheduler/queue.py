@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler.errors import QueueFull
-from scheduler.registry import Mode
+from omnifabric.scheduler.errors import QueueFull
+from omnifabric.scheduler.registry import Mode
 
 if TYPE_CHECKING:
-    from scheduler.leases import Lease
+    from omnifabric.scheduler.leases import Lease
 
 
 @dataclass

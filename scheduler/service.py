@@ -12,11 +12,11 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-from scheduler import logs, telemetry
-from scheduler.core import (
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.scheduler import logs, telemetry
+from omnifabric.scheduler.core import (
     AcquireEvent,
     LeaseLoss,
     LeaseOffer,
@@ -24,15 +24,15 @@ from scheduler.core import (
     Scheduler,
     WorkerHello,
 )
-from scheduler.errors import (
+from omnifabric.scheduler.errors import (
     SOURCE_METADATA,
     InvalidRequest,
     ShuttingDown,
     UnknownLease,
     status_for,
 )
-from scheduler.leases import LeaseGrantNotice, LeaseRevokeNotice
-from scheduler.registry import EngineLimits, Health, MemoryFigures, Mode, Worker
+from omnifabric.scheduler.leases import LeaseGrantNotice, LeaseRevokeNotice
+from omnifabric.scheduler.registry import EngineLimits, Health, MemoryFigures, Mode, Worker
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT))  # the tests package itself
+
+
+def _installed_tree() -> Path | None:
+    """The source tree the installed omnifabric.* packages come from (None: not installed).
+    The tests, and the services they start as processes, import omnifabric from the
+    environment, so it has to be this tree's editable install."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("omnifabric.edge")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).resolve().parent.parent
+
+
+if _installed_tree() != ROOT:
+    raise SystemExit(
+        f"omnifabric is installed from {_installed_tree()}, not from {ROOT}: "
+        f"run `pip install -e {ROOT}` in this environment (bash tools/dev test does)"
+    )
 
 #: Multiply every timeout in the tests by this (slow or loaded CI machines).
 TIME_FACTOR = float(os.environ.get("OMNI_TEST_TIME_FACTOR", "1"))

@@ -75,9 +75,7 @@ class Service:
 def start_service(name: str, module: str, args: list[str], log_dir: Path) -> Service:
     """Launch `python -m module args` with stdout and stderr into log_dir/name.log."""
     log_path = log_dir / f"{name}.log"
-    # This tree's own packages and generated stubs, whatever tree an editable install names.
-    path = os.pathsep.join([str(ROOT), str(ROOT / "proto")])
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE,
@@ -105,7 +103,7 @@ class Stack:
 
     def start_scheduler(self, *extra: str) -> Service:
         args = ["--port", "0", "--metrics-port", "0", *extra]
-        svc = start_service("scheduler", "scheduler", args, self.log_dir)
+        svc = start_service("scheduler", "omnifabric.scheduler", args, self.log_dir)
         self.services.append(svc)
         self.scheduler_address = svc.wait_ready()[0]
         return svc
@@ -115,7 +113,7 @@ class Stack:
         that workers and edges find it again by themselves."""
         port = self.scheduler_address.rsplit(":", 1)[1]
         args = ["--port", port, "--metrics-port", "0", *extra]
-        svc = start_service(name, "scheduler", args, self.log_dir)
+        svc = start_service(name, "omnifabric.scheduler", args, self.log_dir)
         self.services.append(svc)
         svc.wait_ready()
         return svc
@@ -124,7 +122,7 @@ class Stack:
         name = name or f"worker{len(self.workers)}"
         args = ["--port", "0", "--metrics-port", "0", "--scheduler", self.scheduler_address]
         args += ["--worker-id", name, *extra]
-        svc = start_service(name, "worker", args, self.log_dir)
+        svc = start_service(name, "omnifabric.worker", args, self.log_dir)
         self.services.append(svc)
         self.workers.append(svc)
         svc.wait_ready()
@@ -132,7 +130,7 @@ class Stack:
 
     def start_edge(self, *extra: str) -> Service:
         args = ["--port", "0", "--grpc-port", "0", "--scheduler", self.scheduler_address, *extra]
-        svc = start_service("edge", "edge", args, self.log_dir)
+        svc = start_service("edge", "omnifabric.edge", args, self.log_dir)
         self.services.append(svc)
         self.edge = svc
         words = svc.wait_ready()
@@ -166,7 +164,16 @@ def start_serve(*extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     ports = ["--port", "0", "--grpc-port", "0", "--scheduler-port", "0"]
     return subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "serve", *extra, *ports, "--worker-base-port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "omnifabric.tools.cli",
+            "serve",
+            *extra,
+            *ports,
+            "--worker-base-port",
+            "0",
+        ],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

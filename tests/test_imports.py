@@ -17,12 +17,21 @@ from tests.conftest import ROOT
 
 PACKAGES = ("edge", "worker", "scheduler", "tools")
 SERVICES = ("edge", "worker", "scheduler")
+#: The import namespace the source folders are mapped into (pyproject's package-dir).
+NAMESPACE = "omnifabric"
 
 
-def module_name(root: Path, path: Path) -> str:
-    """edge/ws.py -> edge.ws; worker/engines/__init__.py -> worker.engines."""
+def module_name(root: Path, path: Path, namespace: str = "") -> str:
+    """edge/ws.py -> edge.ws; worker/engines/__init__.py -> worker.engines; each under
+    `namespace` when one is given (omnifabric.edge.ws)."""
     parts = path.relative_to(root).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join((namespace, *parts) if namespace else parts)
+
+
+def package_of(module: str) -> str:
+    """omnifabric.edge.ws -> edge."""
+    return module.removeprefix(f"{NAMESPACE}.").split(".")[0]
 
 
 def imported_names(path: Path, module: str) -> set[str]:
@@ -49,9 +58,16 @@ def resolve(name: str, modules: set[str]) -> str | None:
     return name or None
 
 
-def build_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+def project_files(root: Path, packages: tuple[str, ...], namespace: str = "") -> dict[str, Path]:
+    """Module name -> source file, for every module of `packages` (folders under `root`)."""
+    return {
+        module_name(root, p, namespace): p for pkg in packages for p in (root / pkg).rglob("*.py")
+    }
+
+
+def build_graph(root: Path, packages: tuple[str, ...], namespace: str = "") -> dict[str, set[str]]:
     """Module -> the modules of `packages` (folders under `root`) it imports."""
-    files = {module_name(root, p): p for pkg in packages for p in (root / pkg).rglob("*.py")}
+    files = project_files(root, packages, namespace)
     graph = {}
     for module, path in files.items():
         targets = {resolve(name, set(files)) for name in imported_names(path, module)}
@@ -88,12 +104,12 @@ def describe(found: list[list[str]], graph: dict[str, set[str]]) -> str:
 
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
-    return build_graph(ROOT, PACKAGES)
+    return build_graph(ROOT, PACKAGES, NAMESPACE)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_circles(graph, package):
-    found = [c for c in circles(graph) if any(m.split(".")[0] == package for m in c)]
+    found = [c for c in circles(graph) if any(package_of(m) == package for m in c)]
     assert not found, describe(found, graph)
 
 
@@ -103,8 +119,8 @@ def test_services_do_not_import_each_other(graph):
         f"{module} -> {target}"
         for module, targets in sorted(graph.items())
         for target in sorted(targets)
-        if {module.split(".")[0], target.split(".")[0]} <= set(SERVICES)
-        and module.split(".")[0] != target.split(".")[0]
+        if {package_of(module), package_of(target)} <= set(SERVICES)
+        and package_of(module) != package_of(target)
     ]
     assert not crossings, "\n".join(crossings)
 
@@ -130,10 +146,10 @@ def test_dialects_hold_no_io(graph):
     or WebSocket library: translators are plain functions of their input."""
     dialect_files = sorted((ROOT / "edge" / "dialects").glob("*.py"))
     assert len(dialect_files) >= 8, dialect_files
-    files = {module_name(ROOT, p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    files = project_files(ROOT, PACKAGES, NAMESPACE)
     problems = []
     for path in dialect_files:
-        module = module_name(ROOT, path)
+        module = module_name(ROOT, path, NAMESPACE)
         for reached in sorted({module} | reachable(graph, module)):
             banned = top_level_imports(files[reached]) & set(NOT_IN_DIALECTS)
             if banned:
@@ -143,9 +159,45 @@ def test_dialects_hold_no_io(graph):
 
 def test_graph_covers_the_project(graph):
     """The contract looks at real imports: every package has modules, and known edges show."""
-    assert {m.split(".")[0] for m in graph} == set(PACKAGES)
-    assert "worker.engine" in graph["worker.session"]
-    assert "worker.engines.synthetic" in graph["worker.engines.registry"]  # in a function
+    assert {package_of(m) for m in graph} == set(PACKAGES)
+    assert "omnifabric.worker.engine" in graph["omnifabric.worker.session"]
+    # inside a function:
+    assert "omnifabric.worker.engines.synthetic" in graph["omnifabric.worker.engines.registry"]
+
+
+def test_everything_imports_through_the_namespace():
+    """The source folders are importable only as omnifabric.* once installed: an import of a
+    bare edge/worker/scheduler/tools/omni would work in the source tree and fail (or pick up
+    someone else's package) in an installed one."""
+    bare = (*PACKAGES, "omni")
+    found = []
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        if path.parts[len(ROOT.parts)] not in (*PACKAGES, "tests"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno} {name}"
+                for name in names
+                if name.split(".")[0] in bare
+            ]
+    assert not found, "\n".join(found)
+
+
+def test_installed_packages_are_all_in_the_namespace():
+    """pyproject lists omnifabric.* packages only, each mapped to its source folder: nothing
+    generic (edge, tools, ...) lands at the top of site-packages."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert all(p.startswith(f"{NAMESPACE}.") for p in setuptools["packages"])
+    for package, folder in setuptools["package-dir"].items():
+        assert package.startswith(f"{NAMESPACE}.") and (ROOT / folder).is_dir(), package
+    assert not (ROOT / NAMESPACE / "__init__.py").exists()  # a namespace package
 
 
 def test_graph_builder_finds_a_known_circle(tmp_path):

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from tools.client import percentile
+from omnifabric.tools.client import percentile
 
 PATHS = ("fabric", "ws-echo", "grpc-direct")
 RESULT_TYPES = ("response.output.delta", "response.listen", "response.output_audio.delta")
@@ -231,7 +231,7 @@ class Samples:
 
 def unit_script(seconds: int) -> list[np.ndarray]:
     """Speech and silence (tools.load's pattern): speak replies are measured as well."""
-    from tools.load import script
+    from omnifabric.tools.load import script
 
     return script(seconds)
 
@@ -395,7 +395,7 @@ async def _settle(done: Callable[[], bool], closed: asyncio.Event, timeout_s: fl
 
 
 def echo_server_main(host: str) -> int:
-    """`python -m tools.bench --echo-server HOST`: echo every message back; prints
+    """`python -m omnifabric.tools.bench --echo-server HOST`: echo every message back; prints
     `echo ready: ws://HOST:PORT`."""
 
     async def serve() -> None:
@@ -460,8 +460,8 @@ class GrpcDirect:
     def __init__(self, scheduler: str) -> None:
         import grpc
 
-        from edge.fabric import channel_options
-        from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+        from omnifabric.edge.fabric import channel_options
+        from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 
         options = channel_options(16 * 2**20)
         self._grpc = grpc
@@ -471,7 +471,7 @@ class GrpcDirect:
         self._workers: dict[str, Any] = {}
 
     def worker(self, address: str):
-        from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+        from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 
         if address not in self._workers:
             channel = self._grpc.aio.insecure_channel(address, options=self._options)
@@ -487,9 +487,9 @@ class GrpcDirect:
         self, delay_s: float, units: list[np.ndarray], pcms: list[bytes], s: Samples
     ) -> None:
         """One session: Acquire (held open: the lease lives with it), Session, units, close."""
-        from omni.realtime.v1 import common_pb2
-        from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-        from omni.realtime.v1 import worker_service_pb2 as worker_pb
+        from omnifabric.omni.realtime.v1 import common_pb2
+        from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+        from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 
         await asyncio.sleep(delay_s)
         session_id = f"bench-{uuid.uuid4().hex[:12]}"
@@ -598,7 +598,7 @@ class Stack:
     pids: dict[str, int]
 
     def stop(self) -> None:
-        from tools.serve import stop
+        from omnifabric.tools.serve import stop
 
         for kind in ("echo", "edge", "worker", "scheduler"):
             group = [c for c in self.children if c.name.rstrip("0123456789") == kind]
@@ -608,7 +608,7 @@ class Stack:
 def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> Stack:
     """Start what the measured paths need: scheduler and synthetic workers (fabric without
     --url, grpc-direct), the edge (fabric without --url), the echo server (ws-echo)."""
-    from tools.serve import spawn
+    from omnifabric.tools.serve import spawn
 
     host = args.host
     children: list[Any] = []
@@ -621,7 +621,7 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> St
         if own_fabric or "grpc-direct" in paths:
             sched = spawn(
                 "scheduler",
-                "scheduler",
+                "omnifabric.scheduler",
                 ["--host", host, "--port", "0", "--metrics-port", "0", "--grace", "2"],
                 log_dir / "scheduler.log",
             )
@@ -631,7 +631,7 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> St
             for i in range(args.workers):
                 worker = spawn(
                     f"worker{i}",
-                    "worker",
+                    "omnifabric.worker",
                     [
                         *("--host", host, "--port", "0", "--metrics-port", "0"),
                         *("--scheduler", stack.scheduler, "--engine", "synthetic"),
@@ -647,7 +647,7 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> St
         if own_fabric:
             edge = spawn(
                 "edge",
-                "edge",
+                "omnifabric.edge",
                 [
                     *("--host", host, "--port", "0", "--grpc-port", "0"),
                     *("--scheduler", stack.scheduler, "--grace", "2"),
@@ -658,7 +658,9 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> St
             stack.url = edge.wait_ready(args.ready_timeout).split()[0]
             pids["edge"] = edge.proc.pid
         if "ws-echo" in paths:
-            echo = spawn("echo", "tools.bench", ["--echo-server", host], log_dir / "echo.log")
+            echo = spawn(
+                "echo", "omnifabric.tools.bench", ["--echo-server", host], log_dir / "echo.log"
+            )
             children.append(echo)
             _wait_line(echo, log_dir / "echo.log", "echo ready: ", args.ready_timeout)
             text = (log_dir / "echo.log").read_text()

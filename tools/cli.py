@@ -29,27 +29,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "serve":
-        from tools.serve import main as run
+        from omnifabric.tools.serve import main as run
     elif command == "scheduler":
-        from scheduler.main import main as run
+        from omnifabric.scheduler.main import main as run
     elif command == "worker":
-        from worker.main import main as run
+        from omnifabric.worker.main import main as run
     elif command == "edge":
-        from edge.main import main as run
+        from omnifabric.edge.main import main as run
     elif command == "probe":
-        from tools.probe import main as run
+        from omnifabric.tools.probe import main as run
     elif command == "replay":
-        from tools.replay import main as run
+        from omnifabric.tools.replay import main as run
     elif command == "smoke":
-        from tools.smoke import main as run
+        from omnifabric.tools.smoke import main as run
     elif command == "bench":
-        from tools.bench import main as run
+        from omnifabric.tools.bench import main as run
     elif command == "eval":
-        from tools.eval_reference import main as run
+        from omnifabric.tools.eval_reference import main as run
     elif command == "soak":
-        from tools.soak import main as run
+        from omnifabric.tools.soak import main as run
     elif command == "stubs":
-        from tools.gen_stubs import main as run
+        from omnifabric.tools.gen_stubs import main as run
     else:
         print(f"omnifabric: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

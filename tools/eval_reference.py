@@ -109,11 +109,11 @@ def render(kind: str, voice: str, rate: float, text: str) -> np.ndarray:
     from scipy.signal import resample_poly
 
     if kind == "espeak":
-        from tools.make_fixtures import espeak
+        from omnifabric.tools.make_fixtures import espeak
 
         audio = espeak(text, voice, int(rate))
     elif kind == "piper":
-        from worker.engines.reference.piper import render as piper_render
+        from omnifabric.worker.engines.reference.piper import render as piper_render
 
         audio, native = piper_render(text, voice, length_scale=rate)
         g = np.gcd(int(native), RATE)
@@ -192,8 +192,8 @@ async def ask(
 ) -> Outcome:
     from scipy.signal import resample_poly
 
-    from tools.client import run_session
-    from worker.engines.reference.turns import repeated_from, sentence_ends
+    from omnifabric.tools.client import run_session
+    from omnifabric.worker.engines.reference.turns import repeated_from, sentence_ends
 
     units, start_s, end_s = compose(item, kind, voice, rate, lead_in_s, seed)
     out = Outcome(kind, voice, rate, lead_in_s, " / ".join(item.turns))
@@ -288,7 +288,7 @@ def progress(done: int, total: int, last: Outcome, started: float) -> None:
 
 def table(outcomes: list[Outcome]) -> str:
     """The summary, one row per voice kind and one for all."""
-    from tools.client import percentile
+    from omnifabric.tools.client import percentile
 
     groups: dict[str, list[Outcome]] = {}
     for o in outcomes:
@@ -326,7 +326,7 @@ def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     ports = ["--port", "0", "--grpc-port", "0", "--scheduler-port", "0", "--worker-base-port", "0"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "serve", *extra, *ports],
+        [sys.executable, "-m", "omnifabric.tools.cli", "serve", *extra, *ports],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rendering {len(runs)} spoken questions ...", file=sys.stderr)
     for item, kind, voice, rate, _ in runs:  # fail early (a missing voice) and warm caches
         render(kind, voice, rate, item.turns[0])
-    from worker.engines.reference.asr import Transcriber
+    from omnifabric.worker.engines.reference.asr import Transcriber
 
     hearer = Transcriber(model="tiny.en").transcribe
     proc = None

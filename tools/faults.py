@@ -10,8 +10,8 @@ In a test (same event loop):
 From a shell, commands on stdin (one a line: `delay SECONDS`, `cut`, `blackhole`,
 `restore`, `status`, `quit`), each answered with one `ok ...` or `error ...` line:
 
-    python -m tools.faults proxy --listen 127.0.0.1:6000 --target 127.0.0.1:50051
-    python -m tools.faults kill|stop|cont PID
+    python -m omnifabric.tools.faults proxy --listen 127.0.0.1:6000 --target 127.0.0.1:50051
+    python -m omnifabric.tools.faults kill|stop|cont PID
 """
 
 from __future__ import annotations
@@ -257,8 +257,8 @@ async def _serve_proxy(listen: str, target: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tools.faults proxy|kill|stop|cont ...`; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m tools.faults", description=__doc__)
+    """`python -m omnifabric.tools.faults proxy|kill|stop|cont ...`; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m omnifabric.tools.faults", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     proxy = sub.add_parser("proxy", help="a TCP proxy driven by commands on stdin")
     proxy.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any)")

@@ -1,7 +1,8 @@
 """Sessions one after another on one engine loaded in this process: per-unit compute and the
 memory left after each session (for a lent GPU machine; runs on CPU too, for tests).
 
-    python -m tools.gpu_sessions --engine reference --device cuda:0 --sessions 5 --json out.json
+    python -m omnifabric.tools.gpu_sessions --engine reference --device cuda:0 --sessions 5 \\
+        --json out.json
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from tools.client import percentile
-from tools.probe import read_wav_16k, split_units
-from worker.config import WorkerConfig
-from worker.engine import DuplexSettings, Engine
-from worker.engines.memory import cleanup, rss_bytes
-from worker.engines.registry import load_engine
+from omnifabric.tools.client import percentile
+from omnifabric.tools.probe import read_wav_16k, split_units
+from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.engine import DuplexSettings, Engine
+from omnifabric.worker.engines.memory import cleanup, rss_bytes
+from omnifabric.worker.engines.registry import load_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FIXTURE = "tests/fixtures/speech/question.wav"
@@ -29,7 +30,9 @@ MIB = 1024 * 1024
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tools.gpu_sessions", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m omnifabric.tools.gpu_sessions", description=__doc__
+    )
     parser.add_argument("--engine", default="reference", choices=("reference", "minicpmo"))
     parser.add_argument("--device", default="cuda:0", help="cpu, cuda or cuda:N (cuda:0)")
     parser.add_argument("--sessions", type=int, default=3, help="sessions, one after another")
@@ -134,7 +137,7 @@ def load(args: argparse.Namespace, config: WorkerConfig, missing: list[str]) -> 
     if "device" in missing:
         if args.engine != "reference":
             raise ValueError(f"this WorkerConfig has no device field: cannot put {args.engine}")
-        from worker.engines.reference.engine import ReferenceEngine, TurnRules
+        from omnifabric.worker.engines.reference.engine import ReferenceEngine, TurnRules
 
         rules = TurnRules(
             min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s

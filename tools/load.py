@@ -2,7 +2,7 @@
 `omnifabric bench`): per-unit overhead = client send -> client receive minus the
 engine's reported compute (prefill + generate).
 
-    python -m tools.load --url ws://127.0.0.1:8006/v1/realtime --sessions 50 --seconds 20
+    python -m omnifabric.tools.load --url ws://127.0.0.1:8006/v1/realtime --sessions 50 --seconds 20
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from tools.client import SILENCE_UNIT, percentile, run_session
+from omnifabric.tools.client import SILENCE_UNIT, percentile, run_session
 
 SPEECH_UNIT = (0.2 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.float32)
 
@@ -37,7 +37,7 @@ async def run(url: str, sessions: int, seconds: int, wav: str | None = None) -> 
     if wav:
         from pathlib import Path
 
-        from tools.probe import read_wav_16k, split_units
+        from omnifabric.tools.probe import read_wav_16k, split_units
 
         speech = split_units(read_wav_16k(Path(wav)), 0)
         units = [speech[i % len(speech)] for i in range(seconds)]

@@ -1,6 +1,6 @@
 """Render the deterministic test speech: espeak-ng utterances composed into 16 kHz WAVs.
 
-    python -m tools.make_fixtures [--out tests/fixtures/speech]
+    python -m omnifabric.tools.make_fixtures [--out tests/fixtures/speech]
 
 espeak-ng renders fixed text bit-identically; silences get seeded low noise (sigma 0.002)
 so they are not digital zero. The WAVs are committed; rerun this after changing a scenario.

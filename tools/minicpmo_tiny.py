@@ -1,7 +1,7 @@
 """Build a tiny random-weight MiniCPM-o 4.5 checkpoint on CPU, for checks of the `minicpmo`
 engine without the 9B weights (nothing of it is committed: you fetch the public code).
 
-    python -m tools.minicpmo_tiny --code-dir CHECKOUT/MiniCPMO45 \\
+    python -m omnifabric.tools.minicpmo_tiny --code-dir CHECKOUT/MiniCPMO45 \\
         --sdk minicpm_o5_sdk-0.0.6-py3-none-any.whl --out /tmp/minicpmo-tiny
 
 --code-dir: a folder of the public model code (`modeling_minicpmo.py` and its siblings), from
@@ -138,7 +138,7 @@ def build(code_dir: Path, out: Path, sdk: str | None = None, seed: int = 0) -> d
 
     import torch
 
-    from worker.engines.minicpmo.code import import_module
+    from omnifabric.worker.engines.minicpmo.code import import_module
 
     torch.manual_seed(seed)
     # The class the config's auto_map names, imported as the engine imports it.
@@ -160,7 +160,9 @@ def build(code_dir: Path, out: Path, sdk: str | None = None, seed: int = 0) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.minicpmo_tiny", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m omnifabric.tools.minicpmo_tiny", description=__doc__
+    )
     parser.add_argument("--code-dir", required=True, type=Path, help="folder of the model code")
     parser.add_argument("--sdk", help="minicpm-o5-sdk 0.0.6 wheel or folder (default: installed)")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")

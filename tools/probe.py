@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.client import SILENCE_UNIT, percentile, run_session
+from omnifabric.tools.client import SILENCE_UNIT, percentile, run_session
 
 
 def read_wav_16k(path: Path) -> np.ndarray:
     """A WAV file as mono float32 at 16 kHz."""
-    from edge.pcm import wav_to_pcm16k
+    from omnifabric.edge.pcm import wav_to_pcm16k
 
     return np.frombuffer(wav_to_pcm16k(path.read_bytes(), str(path)), dtype="<f4")
 
@@ -53,7 +53,7 @@ def transcribe_24k(audio: np.ndarray) -> str:
         return ""
     from scipy.signal import resample_poly
 
-    from worker.engines.reference.asr import Transcriber
+    from omnifabric.worker.engines.reference.asr import Transcriber
 
     return Transcriber(model="tiny.en").transcribe(resample_poly(audio, 2, 3).astype(np.float32))
 

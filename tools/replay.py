@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from edge.recording import read_float32_wav
-from tools.client import SessionReport, run_session
+from omnifabric.edge.recording import read_float32_wav
+from omnifabric.tools.client import SessionReport, run_session
 
 
 @dataclass

@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import TextIO
 
 READY = re.compile(r"^omnifabric (scheduler|worker|edge) ready: (.*)$")
-#: The workers' default metrics port (worker i of serve gets this + i).
-WORKER_METRICS_PORT = 9160
 #: Time a child gets after its own drain grace to exit before it is killed.
 STOP_MARGIN_S = 5.0
 
@@ -111,6 +109,12 @@ def stop(children: list[Child], grace_s: float, who: str = "omnifabric serve") -
             print(f"{who}: {child.name} exited ({child.proc.returncode})", flush=True)
 
 
+def metrics_port(base: int, offset: int) -> int:
+    """The metrics port of the service at `offset` from `--metrics-base-port`: free ports by
+    default (a second stack on the host, or a test run beside one, never collides)."""
+    return base if base <= 0 else base + offset
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnifabric serve", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
@@ -123,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--worker-base-port", type=int, default=22400, help="worker i listens on base+i (0 = any)"
+    )
+    parser.add_argument(
+        "--metrics-base-port",
+        type=int,
+        default=0,
+        help="scheduler /metrics on this port, worker i on base+1+i "
+        "(0 = any free ports, printed on the metrics line; -1 = off)",
     )
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
     parser.add_argument(
@@ -179,9 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         grace = ["--grace", str(args.grace)]
         voice = default_voice(args)
         sched_args = ["--host", args.host, "--port", str(args.scheduler_port), *grace]
-        if args.scheduler_port == 0:
-            sched_args += ["--metrics-port", "0"]  # its default metrics port otherwise
-        scheduler = spawn("scheduler", "scheduler", sched_args)
+        sched_args += ["--metrics-port", str(metrics_port(args.metrics_base_port, 0))]
+        scheduler = spawn("scheduler", "omnifabric.scheduler", sched_args)
         children.append(scheduler)
         sched_addr = scheduler.wait_ready(args.ready_timeout).split()[0]
         workers = []
@@ -198,9 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.engine,
                 "--worker-id",
                 f"{os.uname().nodename}-w{i}",
-                # Each worker its own metrics port: default+i, or any free with base 0.
                 "--metrics-port",
-                str(0 if args.worker_base_port == 0 else WORKER_METRICS_PORT + i),
+                str(metrics_port(args.metrics_base_port, 1 + i)),
                 *grace,
             ]
             if args.slots is not None:
@@ -219,13 +228,13 @@ def main(argv: list[str] | None = None) -> int:
                     wargs += [flag, value]
             if args.text_only:
                 wargs.append("--text-only")
-            workers.append(spawn(f"worker{i}", "worker", wargs))
+            workers.append(spawn(f"worker{i}", "omnifabric.worker", wargs))
         children.extend(workers)
         for w in workers:
             w.wait_ready(args.ready_timeout)
         edge = spawn(
             "edge",
-            "edge",
+            "omnifabric.edge",
             [
                 "--host",
                 args.host,
@@ -282,7 +291,7 @@ def default_voice(args: argparse.Namespace) -> str | None:
     """The voice sessions without reference audio get (workers) and that the edge serves at
     /api/default_ref_audio: --default-voice, else the model directory's own, else the
     project's clip; None (with a warning) when none can be had."""
-    from worker.engines.minicpmo import voice
+    from omnifabric.worker.engines.minicpmo import voice
 
     try:
         path, _ = voice.resolve(

@@ -1,7 +1,7 @@
 """Smoke-test every public surface of a running edge from one script:
 /v1/realtime in audio, video and chat modes, legacy /ws/chat and /ws/duplex/{id}.
 
-    python -m tools.smoke --url ws://127.0.0.1:8006
+    python -m omnifabric.tools.smoke --url ws://127.0.0.1:8006
 
 Prints one line per surface and exits 1 if any fails. Works on any engine; it checks the
 protocol (events, fields, order), not what the model says.

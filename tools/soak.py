@@ -124,7 +124,7 @@ def _idle(stack) -> bool:
 def cpu_seconds(pids: list[int]) -> tuple[float, float]:
     """(CPU seconds the whole machine was busy, CPU seconds of `pids`) since boot, from
     /proc: the difference over a run is the load of processes not ours."""
-    from tools.bench import machine_busy_s, proc_sample
+    from omnifabric.tools.bench import machine_busy_s, proc_sample
 
     ours = 0.0
     for pid in pids:
@@ -162,7 +162,7 @@ async def _progress(row: str, every_s: float, line: Callable[[], str]) -> None:
 
 async def row_l1(args: argparse.Namespace, log_dir: Path) -> RowResult:
     """L1: a warm-up round, the baseline, N sessions x S s, then the same figures again."""
-    from tools.load import run as load
+    from omnifabric.tools.load import run as load
 
     target = (
         f"0 lost units and sessions; overhead p99 <= {args.max_overhead_p99_ms:g} ms; tasks "
@@ -288,7 +288,7 @@ def _delta(before: dict, after: dict, key: str) -> str:
 
 async def row_l2(args: argparse.Namespace, log_dir: Path) -> RowResult:
     """L2: one silent session until the worker's audio limit ends it."""
-    from tools.client import SILENCE_UNIT, run_session
+    from omnifabric.tools.client import SILENCE_UNIT, run_session
 
     limit = args.l2_seconds
     target = f"closed with timeout exactly once at the {limit:g} s audio limit"
@@ -364,8 +364,8 @@ async def row_l2(args: argparse.Namespace, log_dir: Path) -> RowResult:
 
 async def row_l3(args: argparse.Namespace, log_dir: Path) -> RowResult:
     """L3: speech sessions one after another on one reference worker; its RSS after each."""
-    from tools.client import run_session
-    from tools.probe import read_wav_16k, split_units
+    from omnifabric.tools.client import run_session
+    from omnifabric.tools.probe import read_wav_16k, split_units
 
     target = f"worker RSS back to its baseline +/- {args.max_l3_rss_drift:g}%; 0 lost units"
     units = split_units(read_wav_16k(SPEECH_FIXTURE), 4)[: args.l3_units]
@@ -511,10 +511,10 @@ async def row_f1(args: argparse.Namespace, log_dir: Path) -> RowResult:
     """F1: two sessions on two workers, SIGKILL one worker, restart it; repeated."""
     import grpc
 
-    from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-    from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-    from tools import faults
-    from tools.client import percentile
+    from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+    from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+    from omnifabric.tools import faults
+    from omnifabric.tools.client import percentile
 
     limit = args.f1_close_limit
     target = (

@@ -1,7 +1,7 @@
-"""`python -m worker`: run one worker."""
+"""`python -m omnifabric.worker`: run one worker."""
 
 import sys
 
-from worker.main import main
+from omnifabric.worker.main import main
 
 sys.exit(main())

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from worker.errors import ConfigError
+from omnifabric.worker.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from worker.errors import EngineUnavailable, InvalidRequest
+from omnifabric.worker.errors import EngineUnavailable, InvalidRequest
 
 #: Input audio rate (prefill) and output audio rate (generate), Hz.
 INPUT_RATE = 16000

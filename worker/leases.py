@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from worker.errors import LeaseInUse, LeaseNotFound, ModeMismatch
+from omnifabric.worker.errors import LeaseInUse, LeaseNotFound, ModeMismatch
 
 log = logging.getLogger("omnifabric.worker.leases")
 

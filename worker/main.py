@@ -1,4 +1,4 @@
-"""`omnifabric worker` / `python -m worker`: run one worker until SIGTERM or SIGINT."""
+"""`omnifabric worker` / `python -m omnifabric.worker`: run one worker until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import os
 import signal
 import sys
 
-from worker import logs
-from worker.config import WorkerConfig
-from worker.errors import WorkerError
-from worker.metrics import serve_http
-from worker.server import start_worker
+from omnifabric.worker import logs
+from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.errors import WorkerError
+from omnifabric.worker.metrics import serve_http
+from omnifabric.worker.server import start_worker
 
 log = logging.getLogger("omnifabric.worker")
 
@@ -131,7 +131,7 @@ async def serve(config: WorkerConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    from worker import telemetry
+    from omnifabric.worker import telemetry
 
     provider = telemetry.setup(config.worker_id)
     worker = await start_worker(config)
@@ -178,13 +178,13 @@ async def serve(config: WorkerConfig) -> int:
 def check(config: WorkerConfig) -> int:
     """--check: report what the engine needs and lacks; 0 when it can start."""
     if config.engine == "minicpmo":
-        from worker.engines.minicpmo.check import report
+        from omnifabric.worker.engines.minicpmo.check import report
 
         ok, lines = report(config.model_path, config.device or "cuda", config.minicpmo_api)
         print("\n".join(lines))
         print("ready to start" if ok else "cannot start: see MISSING above")
         return 0 if ok else 1
-    from worker.engines.registry import load_engine
+    from omnifabric.worker.engines.registry import load_engine
 
     try:
         load_engine(config.engine, config)

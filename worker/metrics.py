@@ -24,12 +24,12 @@ from prometheus_client.metrics import Gauge
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from worker.engines import memory
+from omnifabric.worker.engines import memory
 
 if TYPE_CHECKING:
-    from worker.config import WorkerConfig
-    from worker.engine import Engine
-    from worker.session import DuplexSession, SessionEnd, UnitOutput
+    from omnifabric.worker.config import WorkerConfig
+    from omnifabric.worker.engine import Engine
+    from omnifabric.worker.session import DuplexSession, SessionEnd, UnitOutput
 
 #: Stage latencies, seconds; the unit loop runs at one unit per second.
 STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)

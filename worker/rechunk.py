@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from worker.units import UnitInput
+from omnifabric.worker.units import UnitInput
 
 
 class Rechunker:

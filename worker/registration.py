@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-from worker.engine import EngineLimits
-from worker.leases import LeaseGrant
-from worker.runtime import Health, WorkerRuntime
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.worker.engine import EngineLimits
+from omnifabric.worker.leases import LeaseGrant
+from omnifabric.worker.runtime import Health, WorkerRuntime
 
 log = logging.getLogger("omnifabric.worker.registration")
 

@@ -11,13 +11,19 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from worker.config import WorkerConfig
-from worker.engine import ChatChunk, ChatTurn, Engine
-from worker.engines import memory
-from worker.errors import EngineFailure, InvalidRequest, ModeMismatch, NoFreeSlot, NotServing
-from worker.leases import LeaseBook
-from worker.metrics import WorkerMetrics
-from worker.session import CloseReason, DuplexSession, SessionLimits, SessionSpec
+from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.engine import ChatChunk, ChatTurn, Engine
+from omnifabric.worker.engines import memory
+from omnifabric.worker.errors import (
+    EngineFailure,
+    InvalidRequest,
+    ModeMismatch,
+    NoFreeSlot,
+    NotServing,
+)
+from omnifabric.worker.leases import LeaseBook
+from omnifabric.worker.metrics import WorkerMetrics
+from omnifabric.worker.session import CloseReason, DuplexSession, SessionLimits, SessionSpec
 
 log = logging.getLogger("omnifabric.worker")
 

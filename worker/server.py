@@ -12,14 +12,14 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
-from worker.config import WorkerConfig
-from worker.engine import Engine
-from worker.engines.registry import load_engine
-from worker.registration import Registration
-from worker.runtime import Health, WorkerRuntime
-from worker.service import ErrorInterceptor, WorkerServicer
-from worker.tls import channel_credentials, server_credentials
+from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.engine import Engine
+from omnifabric.worker.engines.registry import load_engine
+from omnifabric.worker.registration import Registration
+from omnifabric.worker.runtime import Health, WorkerRuntime
+from omnifabric.worker.service import ErrorInterceptor, WorkerServicer
+from omnifabric.worker.tls import channel_credentials, server_credentials
 
 log = logging.getLogger("omnifabric.worker")
 

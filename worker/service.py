@@ -19,12 +19,12 @@ import grpc
 import numpy as np
 from opentelemetry import context as otel_context
 
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import worker_service_pb2 as worker_pb
-from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
-from worker import logs, telemetry
-from worker.engine import ChatMessage, ChatTurn, DuplexSettings, EngineLimits
-from worker.errors import (
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
+from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+from omnifabric.worker import logs, telemetry
+from omnifabric.worker.engine import ChatMessage, ChatTurn, DuplexSettings, EngineLimits
+from omnifabric.worker.errors import (
     EngineFailure,
     EngineUnavailable,
     InvalidRequest,
@@ -35,9 +35,9 @@ from worker.errors import (
     NotServing,
     WorkerError,
 )
-from worker.registration import MODE_NAMES
-from worker.runtime import WorkerRuntime
-from worker.session import (
+from omnifabric.worker.registration import MODE_NAMES
+from omnifabric.worker.runtime import WorkerRuntime
+from omnifabric.worker.session import (
     CloseReason,
     DuplexSession,
     SessionEnd,
@@ -45,7 +45,7 @@ from worker.session import (
     UnitOutput,
     Usage,
 )
-from worker.units import UnitInput
+from omnifabric.worker.units import UnitInput
 
 log = logging.getLogger("omnifabric.worker.service")
 

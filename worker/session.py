@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 from opentelemetry import trace
 
-from worker import telemetry
-from worker.engine import DuplexSettings, Engine, EngineSession, GenerateResult
-from worker.engines import memory
-from worker.errors import EngineFailure, EngineStuck
-from worker.rechunk import Rechunker
-from worker.units import UnitInput
+from omnifabric.worker import telemetry
+from omnifabric.worker.engine import DuplexSettings, Engine, EngineSession, GenerateResult
+from omnifabric.worker.engines import memory
+from omnifabric.worker.errors import EngineFailure, EngineStuck
+from omnifabric.worker.rechunk import Rechunker
+from omnifabric.worker.units import UnitInput
 
 log = logging.getLogger("omnifabric.worker.session")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from worker.config import WorkerConfig
+from omnifabric.worker.config import WorkerConfig
 
 
 def server_credentials(config: WorkerConfig) -> grpc.ServerCredentials | None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from edge.dialects.base import ChatDialect, DuplexDialect
-from edge.dialects.grpc_realtime import GrpcRealtime
-from edge.dialects.http_chat import HttpChat
-from edge.dialects.legacy_chat import LegacyChat
-from edge.dialects.legacy_duplex import LegacyDuplex
-from edge.dialects.realtime import RealtimeDuplex
-from edge.dialects.realtime_chat import RealtimeChat
+from omnifabric.edge.dialects.base import ChatDialect, DuplexDialect
+from omnifabric.edge.dialects.grpc_realtime import GrpcRealtime
+from omnifabric.edge.dialects.http_chat import HttpChat
+from omnifabric.edge.dialects.legacy_chat import LegacyChat
+from omnifabric.edge.dialects.legacy_duplex import LegacyDuplex
+from omnifabric.edge.dialects.realtime import RealtimeDuplex
+from omnifabric.edge.dialects.realtime_chat import RealtimeChat
 
 Dialect = DuplexDialect | ChatDialect
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from edge import events as ev
-from edge.errors import EdgeError, InvalidEvent, NotReady
+from omnifabric.edge import events as ev
+from omnifabric.edge.errors import EdgeError, InvalidEvent, NotReady
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge import events as ev
-from edge import fields, pcm
-from edge.dialects.base import DuplexDialect, Refusal
-from edge.errors import (
+from omnifabric.edge import events as ev
+from omnifabric.edge import fields, pcm
+from omnifabric.edge.dialects.base import DuplexDialect, Refusal
+from omnifabric.edge.errors import (
     EdgeError,
     InferenceError,
     InternalError,
@@ -26,8 +26,8 @@ from edge.errors import (
     QueueFull,
     SlowClient,
 )
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
 
 _MODE_NAMES = {common_pb2.MODE_AUDIO: "audio", common_pb2.MODE_VIDEO: "video"}
 #: Fatal errors -> the call's status; any other fatal error is UNAVAILABLE.

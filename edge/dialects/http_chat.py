@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from edge import fields
-from edge.chat import (
+from omnifabric.edge import fields
+from omnifabric.edge.chat import (
     SHUTDOWN_MESSAGE,
     ChatTurn,
     Shutdown,
@@ -19,9 +19,9 @@ from edge.chat import (
     TurnStarted,
     wav_base64,
 )
-from edge.dialects.base import ChatDialect
-from edge.dialects.realtime import usage_json
-from edge.errors import EdgeError, InvalidPayload, QueueFull, ServiceUnavailable
+from omnifabric.edge.dialects.base import ChatDialect
+from omnifabric.edge.dialects.realtime import usage_json
+from omnifabric.edge.errors import EdgeError, InvalidPayload, QueueFull, ServiceUnavailable
 
 
 @dataclass(frozen=True)

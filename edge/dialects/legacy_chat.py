@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge import fields, pcm
-from edge.chat import (
+from omnifabric.edge import fields, pcm
+from omnifabric.edge.chat import (
     SHUTDOWN_MESSAGE,
     ChatTurn,
     Shutdown,
@@ -20,9 +20,9 @@ from edge.chat import (
     TurnStarted,
     metrics_json,
 )
-from edge.dialects.base import ChatDialect
-from edge.dialects.realtime import queued_json
-from edge.errors import EdgeError, InvalidPayload
+from omnifabric.edge.dialects.base import ChatDialect
+from omnifabric.edge.dialects.realtime import queued_json
+from omnifabric.edge.errors import EdgeError, InvalidPayload
 
 
 class LegacyChat(ChatDialect):

@@ -39,10 +39,16 @@ import re
 import time
 from typing import Any
 
-from edge import events as ev
-from edge import fields, pcm
-from edge.dialects.base import DuplexDialect
-from edge.errors import EdgeError, InferenceError, InvalidPayload, MissingField, UnknownEvent
+from omnifabric.edge import events as ev
+from omnifabric.edge import fields, pcm
+from omnifabric.edge.dialects.base import DuplexDialect
+from omnifabric.edge.errors import (
+    EdgeError,
+    InferenceError,
+    InvalidPayload,
+    MissingField,
+    UnknownEvent,
+)
 
 #: Session ids starting with this are audio-only sessions; any other id is omni.
 AUDIO_PREFIX = "adx_"

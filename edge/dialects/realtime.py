@@ -7,11 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge import events as ev
-from edge import fields, pcm
-from edge.dialects.base import DuplexDialect
-from edge.errors import EdgeError, InferenceError, InvalidPayload, MissingField, UnknownEvent
-from edge.events import Dialect
+from omnifabric.edge import events as ev
+from omnifabric.edge import fields, pcm
+from omnifabric.edge.dialects.base import DuplexDialect
+from omnifabric.edge.errors import (
+    EdgeError,
+    InferenceError,
+    InvalidPayload,
+    MissingField,
+    UnknownEvent,
+)
+from omnifabric.edge.events import Dialect
 
 #: Reason strings of the first dialect (audio-duplex-protocol.txt).
 _FIRST_REASONS = {"user_stop": "stopped", "client_closed": "stopped"}

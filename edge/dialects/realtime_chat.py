@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge import events as ev
-from edge import fields, pcm
-from edge.chat import (
+from omnifabric.edge import events as ev
+from omnifabric.edge import fields, pcm
+from omnifabric.edge.chat import (
     ChatClose,
     ChatOpen,
     ChatTurn,
@@ -23,9 +23,9 @@ from edge.chat import (
     add_usage,
     metrics_json,
 )
-from edge.dialects.base import ChatDialect
-from edge.dialects.realtime import error_json, queue_done_json, queued_json, usage_json
-from edge.errors import (
+from omnifabric.edge.dialects.base import ChatDialect
+from omnifabric.edge.dialects.realtime import error_json, queue_done_json, queued_json, usage_json
+from omnifabric.edge.errors import (
     EdgeError,
     InvalidEvent,
     InvalidPayload,

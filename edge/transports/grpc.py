@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from edge.access import key_digest
-from edge.connection import DuplexConnection
-from edge.dialects import GRPC_CONNECT
-from edge.dialects.base import Refusal
-from edge.errors import EdgeError, SlowClient
-from omni.realtime.v1 import realtime_service_pb2 as rt_pb
-from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+from omnifabric.edge.access import key_digest
+from omnifabric.edge.connection import DuplexConnection
+from omnifabric.edge.dialects import GRPC_CONNECT
+from omnifabric.edge.dialects.base import Refusal
+from omnifabric.edge.errors import EdgeError, SlowClient
+from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 
 if TYPE_CHECKING:
-    from edge.app import EdgeApp
+    from omnifabric.edge.app import EdgeApp
 
 log = logging.getLogger("omnifabric.edge.grpc")
 

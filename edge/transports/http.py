@@ -25,11 +25,11 @@ from urllib.parse import parse_qs, urlsplit
 
 from websockets.datastructures import Headers
 
-from edge import dialects
-from edge.access import key_digest
-from edge.connection import ChatConnection, EdgeContext
-from edge.dialects.http_chat import HttpResponse, failure
-from edge.errors import EdgeError
+from omnifabric.edge import dialects
+from omnifabric.edge.access import key_digest
+from omnifabric.edge.connection import ChatConnection, EdgeContext
+from omnifabric.edge.dialects.http_chat import HttpResponse, failure
+from omnifabric.edge.errors import EdgeError
 
 log = logging.getLogger("omnifabric.edge.http")
 

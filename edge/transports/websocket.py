@@ -21,10 +21,10 @@ from websockets.http11 import SERVER, Request, Response
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
-from edge.config import EdgeConfig
-from edge.errors import EdgeError
-from edge.outbox import Outbox
-from edge.transports.http import FrontProtocol
+from omnifabric.edge.config import EdgeConfig
+from omnifabric.edge.errors import EdgeError
+from omnifabric.edge.outbox import Outbox
+from omnifabric.edge.transports.http import FrontProtocol
 
 log = logging.getLogger("omnifabric.edge.websocket")
 

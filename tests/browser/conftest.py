@@ -56,7 +56,7 @@ def microphone_wav(tmp_path_factory) -> Path:
     """The spoken question as a 16 kHz WAV, rendered by the repo's fixture script."""
     if shutil.which("espeak-ng") is None:
         pytest.skip("espeak-ng is missing: `bash tools/dev test` installs it")
-    from tools.make_fixtures import compose, write_wav
+    from omnifabric.tools.make_fixtures import compose, write_wav
 
     path = tmp_path_factory.mktemp("microphone") / "question_en.wav"
     write_wav(path, compose(MICROPHONE_SCENARIO, seed=2024))

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 from websockets.asyncio.client import connect
 
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import scaled
 from tests.e2e.wsclient import WsClient
 from tests.e2e.wsclient import post_json as _post
@@ -229,7 +229,7 @@ def test_smoke_script_drives_every_surface(stack):
 
     base = stack.url.split("/v1/")[0]
     run = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "smoke", "--url", base],
+        [sys.executable, "-m", "omnifabric.tools.cli", "smoke", "--url", base],
         cwd=ROOT,
         capture_output=True,
         text=True,

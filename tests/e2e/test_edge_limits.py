@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import realtime_service_pb2 as rt_pb
-from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 from tests.conftest import scaled
 from tests.e2e.wsclient import (
     SILENCE,
@@ -422,8 +422,8 @@ async def test_e11_sigterm_drains(stack):
 
 async def scheduler_leases(stack: Stack) -> int:
     """Leases the scheduler holds on its workers now."""
-    from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-    from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+    from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+    from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 
     async with grpc.aio.insecure_channel(stack.scheduler_address) as channel:
         stub = scheduler_grpc.SchedulerServiceStub(channel)

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, wait_for
 from tests.e2e.wsclient import post_json as _post
@@ -204,7 +204,7 @@ def test_serve_then_probe(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "tools.cli",
+                "omnifabric.tools.cli",
                 "probe",
                 "--url",
                 url,

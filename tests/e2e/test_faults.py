@@ -15,10 +15,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from websockets.exceptions import ConnectionClosed
 
-from edge.fabric import FIRST_REPLY_TIMEOUT_S
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.edge.fabric import FIRST_REPLY_TIMEOUT_S
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, WsClient, served_unit, wait_for
 from tests.stack import Stack, read_until_line, start_service
@@ -423,9 +423,10 @@ async def test_tls_between_services(stack, pki):
         "--fabric-tls-key", str(pki / "node.key"),
     ]  # fmt: skip
     outsiders = [
-        start_service("plain", "worker", [*common, "--worker-id", "plain"], stack.log_dir),
-        start_service("wrongca", "worker", [*common, "--worker-id", "wrongca", *wrong_ca],
+        start_service("plain", "omnifabric.worker", [*common, "--worker-id", "plain"],
                       stack.log_dir),
+        start_service("wrongca", "omnifabric.worker",
+                      [*common, "--worker-id", "wrongca", *wrong_ca], stack.log_dir),
     ]  # fmt: skip
     stack.services.extend(outsiders)
     plain, wrongca = outsiders
@@ -448,7 +449,7 @@ def test_serve_drains_edge_then_workers_then_scheduler(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     serve = subprocess.Popen(
         [
-            sys.executable, "-m", "tools.cli", "serve", "--engine", "synthetic",
+            sys.executable, "-m", "omnifabric.tools.cli", "serve", "--engine", "synthetic",
             "--workers", "2", "--port", "0", "--grpc-port", "0", "--scheduler-port", "0",
             "--worker-base-port", "0", "--grace", "3",
         ],

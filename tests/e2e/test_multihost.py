@@ -46,8 +46,7 @@ class Hosts:
 
     def start(self, host: str, name: str, module: str, *args: str) -> Service:
         """Launch `python -m module args` inside `host`'s namespace; logs in log_dir/name.log."""
-        path = os.pathsep.join([str(ROOT), str(ROOT / "proto")])  # this tree's own stubs
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(
             [*self.net.exec_prefix(host), sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,
@@ -64,7 +63,7 @@ class Hosts:
     def scheduler(self, name: str = "scheduler") -> Service:
         """A scheduler on the sched host's address and fixed ports (a restart finds them again)."""
         return self.start(
-            "sched", name, "scheduler",
+            "sched", name, "omnifabric.scheduler",
             "--host", self.net.address("sched"), "--port", str(SCHEDULER_PORT),
             "--metrics-port", str(SCHEDULER_METRICS_PORT),
         )  # fmt: skip
@@ -72,7 +71,7 @@ class Hosts:
     def worker(self, host: str) -> Service:
         """A synthetic-engine worker (2 slots, worker id = host name) on `host`'s address."""
         return self.start(
-            host, host, "worker",
+            host, host, "omnifabric.worker",
             "--host", self.net.address(host), "--port", str(WORKER_PORT),
             "--metrics-port", str(WORKER_METRICS_PORT), "--worker-id", host,
             "--scheduler", f"{self.net.address('sched')}:{SCHEDULER_PORT}",
@@ -82,7 +81,7 @@ class Hosts:
     def edge(self) -> Service:
         """An edge on the edge host's address (WebSocket and gRPC ports)."""
         return self.start(
-            "edge", "edge", "edge",
+            "edge", "edge", "omnifabric.edge",
             "--host", self.net.address("edge"), "--port", str(EDGE_PORT),
             "--grpc-port", str(EDGE_GRPC_PORT),
             "--scheduler", f"{self.net.address('sched')}:{SCHEDULER_PORT}",

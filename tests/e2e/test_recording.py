@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge.recording import float32_wav, prune, read_float32_wav
+from omnifabric.edge.recording import float32_wav, prune, read_float32_wav
 from tests.conftest import ROOT, scaled
 from tests.stack import Stack
 
@@ -41,7 +41,7 @@ def stack(tmp_path_factory, record_dir):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tools.cli", *args],
+        [sys.executable, "-m", "omnifabric.tools.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -73,7 +73,7 @@ def _strings(value, out: list[str]) -> list[str]:
 
 async def test_no_record_dir_writes_nothing(tmp_path):
     # First in the file: it runs before the module's recording stack starts (default ports).
-    from tools.client import SILENCE_UNIT, run_session
+    from omnifabric.tools.client import SILENCE_UNIT, run_session
 
     s = Stack(tmp_path / "logs")
     (tmp_path / "logs").mkdir()
@@ -204,8 +204,8 @@ def test_float32_wav_round_trip():
 
 
 async def test_first_dialect_recorded_and_replayed(stack, record_dir):
-    from tools.client import run_session
-    from tools.probe import read_wav_16k, split_units
+    from omnifabric.tools.client import run_session
+    from omnifabric.tools.probe import read_wav_16k, split_units
 
     before = {p.name for p in record_dir.iterdir()}
     units = split_units(read_wav_16k(FIXTURE), 2)
@@ -222,8 +222,8 @@ async def test_first_dialect_recorded_and_replayed(stack, record_dir):
 
 
 def test_recording_failure_disables_the_recorder(tmp_path):
-    from edge import events as ev
-    from edge.recording import SessionRecorder
+    from omnifabric.edge import events as ev
+    from omnifabric.edge.recording import SessionRecorder
 
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -36,7 +36,7 @@ def test_probe_gets_a_spoken_answer(stack, tmp_path):
         [
             sys.executable,
             "-m",
-            "tools.cli",
+            "omnifabric.tools.cli",
             "probe",
             "--url",
             stack.url,
@@ -77,7 +77,7 @@ def _spoken_question_pcm() -> str:
 
     from scipy.signal import resample_poly
 
-    from worker.engines.reference.piper import render
+    from omnifabric.worker.engines.reference.piper import render
 
     with wave.open(str(FIXTURE)) as w:
         pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
@@ -139,7 +139,7 @@ def test_eval_asks_a_spoken_question_and_scores_the_answer(stack, tmp_path):
         [
             sys.executable,
             "-m",
-            "tools.cli",
+            "omnifabric.tools.cli",
             "eval",
             "--url",
             stack.url,

@@ -20,13 +20,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from websockets.exceptions import InvalidStatus
 
-from edge.app import EdgeApp
-from edge.config import EdgeConfig, hash_key
-from edge.metrics import EdgeMetrics
-from edge.transports.grpc import RealtimeServicer
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import realtime_service_pb2 as rt_pb
-from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+from omnifabric.edge.app import EdgeApp
+from omnifabric.edge.config import EdgeConfig, hash_key
+from omnifabric.edge.metrics import EdgeMetrics
+from omnifabric.edge.transports.grpc import RealtimeServicer
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, WsClient
 from tests.stack import Stack
@@ -149,7 +149,7 @@ def test_key_file_errors_name_the_line_not_the_key(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("sk-fine\nsk-secret-gamma max_sessions=lots\n")
     run = subprocess.run(
-        [sys.executable, "-m", "edge", "--api-keys-file", str(keys), "--port", "0"],
+        [sys.executable, "-m", "omnifabric.edge", "--api-keys-file", str(keys), "--port", "0"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -351,7 +351,7 @@ def test_tls_setup_errors_are_clear(tmp_path, cert_pair, case):
         "key mismatch": (["--tls-cert", str(cert), "--tls-key", str(other_key)], "not a valid"),
     }[case]
     run = subprocess.run(
-        [sys.executable, "-m", "edge", "--port", "0", "--grpc-port", "-1", *args],
+        [sys.executable, "-m", "omnifabric.edge", "--port", "0", "--grpc-port", "-1", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -363,8 +363,8 @@ def test_tls_setup_errors_are_clear(tmp_path, cert_pair, case):
 
 async def scheduler_leases(stack: Stack) -> int:
     """Leases the scheduler holds on its workers now."""
-    from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-    from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+    from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+    from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 
     async with grpc.aio.insecure_channel(stack.scheduler_address) as channel:
         stub = scheduler_grpc.SchedulerServiceStub(channel)

@@ -11,10 +11,10 @@ import wave
 import numpy as np
 import pytest
 
-from edge import errors, fields
-from edge import events as ev
-from edge.dialects import realtime
-from edge.pcm import reference_audio
+from omnifabric.edge import errors, fields
+from omnifabric.edge import events as ev
+from omnifabric.edge.dialects import realtime
+from omnifabric.edge.pcm import reference_audio
 
 
 def b64(arr: np.ndarray) -> str:
@@ -213,8 +213,8 @@ def test_created_carries_the_engines_notes_only_when_there_are_some():
 def test_chat_numbers_beyond_float_range_are_invalid_payload():
     """One number check for every dialect: chat's huge integers are refused like the
     realtime config's (math.isfinite overflowed on them in chat's own copy)."""
-    from edge.chat import parse_chat
-    from edge.errors import InvalidPayload
+    from omnifabric.edge.chat import parse_chat
+    from omnifabric.edge.errors import InvalidPayload
 
     body = {"messages": [{"role": "user", "content": "x"}]}
     for field in ("temperature", "top_p", "length_penalty", "max_new_tokens"):
@@ -253,7 +253,7 @@ def _frame(obj) -> str:
 
 
 def test_legacy_duplex_translates_prepare_chunks_pause_and_its_ends():
-    from edge.dialects.legacy_duplex import LegacyDuplex
+    from omnifabric.edge.dialects.legacy_duplex import LegacyDuplex
 
     d = LegacyDuplex("adx_1")
     assert d.mode == "audio" and d.refusal() is None
@@ -292,10 +292,10 @@ def test_legacy_duplex_translates_prepare_chunks_pause_and_its_ends():
 
 
 def test_grpc_dialect_first_request_costs_and_refusals():
-    from edge.dialects.base import Refusal
-    from edge.dialects.grpc_realtime import GrpcRealtime
-    from omni.realtime.v1 import common_pb2
-    from omni.realtime.v1 import realtime_service_pb2 as rt_pb
+    from omnifabric.edge.dialects.base import Refusal
+    from omnifabric.edge.dialects.grpc_realtime import GrpcRealtime
+    from omnifabric.omni.realtime.v1 import common_pb2
+    from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
 
     d = GrpcRealtime()
     assert d.mode is None
@@ -328,7 +328,7 @@ def test_grpc_dialect_first_request_costs_and_refusals():
 
 
 def _result(**kw):
-    from edge.chat import ChatResult
+    from omnifabric.edge.chat import ChatResult
 
     return ChatResult(
         text="Hello.",
@@ -342,8 +342,8 @@ def _result(**kw):
 
 
 def test_realtime_chat_dialect_turns_and_cumulative_usage():
-    from edge.chat import ChatClose, ChatOpen, ChatTurn, TurnDelta, TurnDone, TurnStarted
-    from edge.dialects.realtime_chat import RealtimeChat
+    from omnifabric.edge.chat import ChatClose, ChatOpen, ChatTurn, TurnDelta, TurnDone, TurnStarted
+    from omnifabric.edge.dialects.realtime_chat import RealtimeChat
 
     d = RealtimeChat()
     d.session_id = "rt_9"
@@ -373,7 +373,7 @@ def test_realtime_chat_dialect_turns_and_cumulative_usage():
 def test_legacy_and_http_chat_dialects():
     from http import HTTPStatus
 
-    from edge.chat import (
+    from omnifabric.edge.chat import (
         ChatTurn,
         Shutdown,
         TurnDone,
@@ -382,8 +382,8 @@ def test_legacy_and_http_chat_dialects():
         TurnQueued,
         TurnStarted,
     )
-    from edge.dialects.http_chat import HttpChat
-    from edge.dialects.legacy_chat import LegacyChat
+    from omnifabric.edge.dialects.http_chat import HttpChat
+    from omnifabric.edge.dialects.legacy_chat import LegacyChat
 
     legacy = LegacyChat()
     assert legacy.one_request and legacy.id_prefix == "chat_"
@@ -413,7 +413,7 @@ def test_legacy_and_http_chat_dialects():
 
 
 def test_every_route_opens_its_dialect():
-    from edge import dialects
+    from omnifabric.edge import dialects
 
     def opened(path: str, mode: str = "audio"):
         route, rest = dialects.find(dialects.WEBSOCKET, path)

@@ -3,7 +3,7 @@ anew, and closing the fabric closes the forgotten channel too."""
 
 from __future__ import annotations
 
-from edge.fabric import Fabric
+from omnifabric.edge.fabric import Fabric
 
 
 async def test_a_forgotten_worker_is_dialled_anew_and_its_old_channel_closed():

@@ -10,13 +10,13 @@ import logging
 from websockets.datastructures import Headers
 from websockets.http11 import Request
 
-from edge import events as ev
-from edge import logs
-from edge.app import EdgeApp
-from edge.config import EdgeConfig
-from edge.errors import NotReady
-from edge.metrics import METRICS, EdgeMetrics
-from edge.session import SessionCore
+from omnifabric.edge import events as ev
+from omnifabric.edge import logs
+from omnifabric.edge.app import EdgeApp
+from omnifabric.edge.config import EdgeConfig
+from omnifabric.edge.errors import NotReady
+from omnifabric.edge.metrics import METRICS, EdgeMetrics
+from omnifabric.edge.session import SessionCore
 
 
 def _value(name: str, labels: dict[str, str] | None = None) -> float:
@@ -88,8 +88,8 @@ class _Wire:
 
 
 async def test_error_events_are_counted_by_the_connection_that_sends_them():
-    from edge.connection import DuplexConnection
-    from edge.dialects.realtime import RealtimeDuplex
+    from omnifabric.edge.connection import DuplexConnection
+    from omnifabric.edge.dialects.realtime import RealtimeDuplex
 
     metrics = EdgeMetrics()
     app = EdgeApp(EdgeConfig(), None, metrics)  # type: ignore[arg-type]

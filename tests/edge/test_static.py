@@ -9,10 +9,10 @@ import pytest
 from websockets.datastructures import Headers
 from websockets.http11 import Request
 
-from edge import static
-from edge.app import EdgeApp
-from edge.config import EdgeConfig, hash_key
-from edge.metrics import EdgeMetrics
+from omnifabric.edge import static
+from omnifabric.edge.app import EdgeApp
+from omnifabric.edge.config import EdgeConfig, hash_key
+from omnifabric.edge.metrics import EdgeMetrics
 
 
 def request(path: str, **headers: str) -> Request:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from edge.errors import InvalidPayload
-from edge.session import check_slices, check_unit_length
-from omni.realtime.v1 import common_pb2
+from omnifabric.edge.errors import InvalidPayload
+from omnifabric.edge.session import check_slices, check_unit_length
+from omnifabric.omni.realtime.v1 import common_pb2
 
 
 def test_lengths_outside_the_workers_range_are_invalid_payload():

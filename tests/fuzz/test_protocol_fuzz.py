@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edge import fields
-from edge.dialects import realtime
-from edge.errors import EdgeError
+from omnifabric.edge import fields
+from omnifabric.edge.dialects import realtime
+from omnifabric.edge.errors import EdgeError
 
 FUZZ = settings(
     max_examples=10_000,

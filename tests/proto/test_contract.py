@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import realtime_service_pb2 as rt_pb
-from omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-from omni.realtime.v1 import worker_service_pb2 as worker_pb
-from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
+from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 from tests.conftest import scaled
 from tests.stack import Stack
 

@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from tools import gen_stubs
+from omnifabric.tools import gen_stubs
 
 
 def test_stubs_are_fresh():
     result = subprocess.run(
-        [sys.executable, "-m", "tools.gen_stubs", "--check"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "omnifabric.tools.gen_stubs", "--check"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
 
@@ -39,7 +39,7 @@ def test_stale_check_detects_a_changed_proto(tmp_path, monkeypatch):
 
 
 def test_generated_import_path_follows_file_path():
-    from omni.realtime.v1 import common_pb2, worker_service_pb2
+    from omnifabric.omni.realtime.v1 import common_pb2, worker_service_pb2
 
     assert worker_service_pb2.DESCRIPTOR.package == "omni.realtime.v1"
     assert common_pb2.DESCRIPTOR.name == "omni/realtime/v1/common.proto"

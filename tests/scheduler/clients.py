@@ -7,9 +7,9 @@ from collections.abc import Iterable
 
 import grpc
 
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import scaled
 
 #: Default wait for one expected message.

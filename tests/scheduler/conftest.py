@@ -10,10 +10,10 @@ from typing import Any
 import grpc
 import pytest
 
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-from scheduler.config import SchedulerConfig
-from scheduler.core import Scheduler
-from scheduler.server import RunningScheduler, start_server
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.scheduler.config import SchedulerConfig
+from omnifabric.scheduler.core import Scheduler
+from omnifabric.scheduler.server import RunningScheduler, start_server
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.config import SchedulerConfig
+from omnifabric.scheduler.config import SchedulerConfig
 
 
 def test_defaults() -> None:

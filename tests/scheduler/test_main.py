@@ -1,4 +1,5 @@
-"""`python -m scheduler` as a real process: ready line, serving, clean exit on SIGTERM."""
+"""`python -m omnifabric.scheduler` as a real process: ready line, serving, clean exit on
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import sys
 
 import grpc
 
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
 
 READY = re.compile(rb"^omnifabric scheduler ready: 127\.0\.0\.1:(\d+) metrics=127\.0\.0\.1:\d+\n$")
@@ -23,7 +24,7 @@ async def test_module_prints_ready_line_and_stops_on_sigterm() -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "scheduler",
+        "omnifabric.scheduler",
         "--port",
         "0",
         "--queue-update-interval",
@@ -54,7 +55,7 @@ async def test_module_prints_ready_line_and_stops_on_sigterm() -> None:
         assert await asyncio.wait_for(process.wait(), scaled(5)) == 0
         stderr = await process.stderr.read()
         # JSON log lines (the default format)
-        assert b'"level": "INFO", "logger": "scheduler"' in stderr
+        assert b'"level": "INFO", "logger": "omnifabric.scheduler"' in stderr
     finally:
         if process.returncode is None:
             process.kill()
@@ -65,7 +66,7 @@ async def test_bad_flag_value_exits_with_usage_error() -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "scheduler",
+        "omnifabric.scheduler",
         "--queue-max",
         "0",
         cwd=ROOT,

@@ -11,13 +11,13 @@ import urllib.request
 
 import pytest
 
-from scheduler import logs
-from scheduler.config import SchedulerConfig
-from scheduler.core import LeaseOffer, QueueUpdate, Scheduler, WorkerHello
-from scheduler.errors import QueueFull
-from scheduler.leases import LeaseGrantNotice
-from scheduler.metrics import serve_http
-from scheduler.registry import Health, Mode
+from omnifabric.scheduler import logs
+from omnifabric.scheduler.config import SchedulerConfig
+from omnifabric.scheduler.core import LeaseOffer, QueueUpdate, Scheduler, WorkerHello
+from omnifabric.scheduler.errors import QueueFull
+from omnifabric.scheduler.leases import LeaseGrantNotice
+from omnifabric.scheduler.metrics import serve_http
+from omnifabric.scheduler.registry import Health, Mode
 from tests.conftest import scaled
 
 
@@ -114,7 +114,7 @@ def test_grant_log_line_names_the_session_in_json():
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logs.JsonFormatter())
-    logger = logging.getLogger("scheduler.core")
+    logger = logging.getLogger("omnifabric.scheduler.core")
     logger.addHandler(handler)
     old_level = logger.level
     logger.setLevel(logging.INFO)
@@ -137,4 +137,7 @@ def test_grant_log_line_names_the_session_in_json():
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     grant_line = next(line for line in lines if line["msg"].startswith("lease "))
     assert grant_line["session_id"] == "rt_42"
-    assert (grant_line["service"], grant_line["logger"]) == ("scheduler", "scheduler.core")
+    assert (grant_line["service"], grant_line["logger"]) == (
+        "scheduler",
+        "omnifabric.scheduler.core",
+    )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.errors import QueueFull
-from scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
-from scheduler.registry import Mode
+from omnifabric.scheduler.errors import QueueFull
+from omnifabric.scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
+from omnifabric.scheduler.registry import Mode
 
 
 def test_fifo_order_and_positions() -> None:

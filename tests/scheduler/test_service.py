@@ -9,9 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from scheduler.server import SERVICE_NAME
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.scheduler.server import SERVICE_NAME
 from tests.conftest import scaled
 from tests.scheduler.clients import Holder, WorkerStream
 from tests.scheduler.conftest import Harness, StartScheduler

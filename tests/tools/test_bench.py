@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
+from omnifabric.tools.bench import main as bench_main
+from omnifabric.tools.bench import next_probe
 from tests.conftest import ROOT, scaled
 from tests.stack import Stack
-from tools.bench import main as bench_main
-from tools.bench import next_probe
 
-BENCH = [sys.executable, "-m", "tools.cli", "bench"]
+BENCH = [sys.executable, "-m", "omnifabric.tools.cli", "bench"]
 
 
 def run_bench(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:

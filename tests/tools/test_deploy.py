@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import yaml
 
-from edge.config import EdgeConfig, read_key_file
-from scheduler.config import SchedulerConfig
+from omnifabric.edge.config import EdgeConfig, read_key_file
+from omnifabric.scheduler.config import SchedulerConfig
+from omnifabric.tools.cli import USAGE
+from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.errors import ConfigError
 from tests.conftest import scaled
-from tools.cli import USAGE
-from worker.config import WorkerConfig
-from worker.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "tools" / "deploy"
@@ -471,15 +471,19 @@ def test_kubectl_kustomize_builds_offline() -> None:
     assert config["data"] == config_map()
     expected = {(d["kind"], d["metadata"]["name"]) for d in manifests()}
     assert names == expected | {("ConfigMap", config["metadata"]["name"])}
-    (images,) = kustomization()["images"]
-    image = f"{images.get('newName', images['name'])}:{images['newTag']}"
+    images = {
+        i["name"]: f"{i.get('newName', i['name'])}:{i['newTag']}" for i in kustomization()["images"]
+    }
+    # Edge and scheduler run the slim image (base install, no torch), workers the full one.
+    role_image = {"edge": "omnifabric-fabric", "scheduler": "omnifabric-fabric"}
     for doc in built:
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == "omnifabric", doc["metadata"]
         if doc["kind"] in WORKLOAD_KINDS:
             for container in container_pod(doc)["containers"]:
                 assert container["envFrom"][0]["configMapRef"]["name"] == config["metadata"]["name"]
-                assert container["image"] == image
+                role = doc["metadata"]["name"].removeprefix("omnifabric-")
+                assert container["image"] == images[role_image.get(role, "omnifabric")], role
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
@@ -771,10 +775,11 @@ def test_dockerfile_copies_what_exists_and_installs_the_project_pins() -> None:
     )
     assert result.returncode == 0, result.stderr
     with (ROOT / "pyproject.toml").open("rb") as file:
-        dependencies = tomllib.load(file)["project"]["dependencies"]
+        project = tomllib.load(file)["project"]
+    extras = project["optional-dependencies"]
     assert result.stdout.split() == [
-        next(d for d in dependencies if d.startswith(name + "=="))
-        for name in ("torch", "grpcio-tools")
+        next(d for d in extras["minicpmo"] if d.startswith("torch==")),
+        next(d for d in project["dependencies"] if d.startswith("grpcio-tools==")),
     ]
     missing = subprocess.run(
         [sys.executable, str(DEPLOY / "pinned.py"), "numpy"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.eval_reference import (
+from omnifabric.tools.eval_reference import (
     ITEMS,
     VOICES,
     Outcome,

@@ -13,12 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.tools import faults
+from omnifabric.tools.faults import FaultProxy
 from tests.conftest import ROOT, scaled
 from tests.stack import Stack
-from tools import faults
-from tools.faults import FaultProxy
 
 #: The scheduler's default OMNI_SCHEDULER_WORKER_TIMEOUT_S; workers report every second.
 WORKER_TIMEOUT_S = 3.0
@@ -118,11 +118,18 @@ async def test_delay_shows_in_a_round_trip(stack):
 
 
 async def test_command_line_proxy(stack):
-    """`python -m tools.faults proxy`: traffic flows, `cut` refuses it (UNAVAILABLE),
+    """`python -m omnifabric.tools.faults proxy`: traffic flows, `cut` refuses it (UNAVAILABLE),
     `restore` lets it through again, `quit` exits 0."""
     stack.start_scheduler()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.faults", "proxy", "--target", stack.scheduler_address],
+        [
+            sys.executable,
+            "-m",
+            "omnifabric.tools.faults",
+            "proxy",
+            "--target",
+            stack.scheduler_address,
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

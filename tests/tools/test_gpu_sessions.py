@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from omnifabric.tools import gpu_sessions
 from tests.conftest import ROOT, scaled
-from tools import gpu_sessions
 
 
 def test_two_sessions_on_cpu(tmp_path: Path):
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "tools.gpu_sessions", "--engine", "reference"]
+    cmd = [sys.executable, "-m", "omnifabric.tools.gpu_sessions", "--engine", "reference"]
     cmd += ["--device", "cpu", "--sessions", "2", "--json", str(out)]
     proc = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(120), check=False

@@ -13,7 +13,7 @@ from tests.conftest import ROOT, scaled
 def soak(tmp_path, *flags: str, timeout_s: float = 120) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "soak", "--json", str(out), *flags],
+        [sys.executable, "-m", "omnifabric.tools.cli", "soak", "--json", str(out), *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -89,7 +89,7 @@ def test_a_missed_target_fails_the_command(tmp_path):
 
 def test_unknown_row_is_a_usage_error():
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "soak", "--rows", "L9"],
+        [sys.executable, "-m", "omnifabric.tools.cli", "soak", "--rows", "L9"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -10,15 +10,15 @@ import grpc
 import numpy as np
 import pytest
 
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-from omni.realtime.v1 import worker_service_pb2 as worker_pb
-from omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
+from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.engine import Engine
+from omnifabric.worker.server import RunningWorker, start_worker
 from tests.conftest import scaled
-from worker.config import WorkerConfig
-from worker.engine import Engine
-from worker.server import RunningWorker, start_worker
 
 
 class FakeScheduler(scheduler_grpc.SchedulerServiceServicer):

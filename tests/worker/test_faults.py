@@ -10,10 +10,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.worker.engines.synthetic import SyntheticEngine, SyntheticSession
 from tests.conftest import scaled
 from tests.worker.conftest import SILENCE, SessionClient, pcm_bytes
-from worker.engines.synthetic import SyntheticEngine, SyntheticSession
 
 SERVING = common_pb2.WORKER_HEALTH_SERVING
 NOT_SERVING = common_pb2.WORKER_HEALTH_NOT_SERVING

@@ -1,4 +1,5 @@
-"""`python -m worker`: the ready line once serving and registered; SIGTERM drains, exit 0."""
+"""`python -m omnifabric.worker`: the ready line once serving and registered; SIGTERM drains,
+exit 0."""
 
 from __future__ import annotations
 
@@ -9,17 +10,17 @@ import sys
 
 import pytest
 
+from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.errors import ConfigError
+from omnifabric.worker.main import build_parser, config_from_args
 from tests.conftest import ROOT, scaled
-from worker.config import WorkerConfig
-from worker.errors import ConfigError
-from worker.main import build_parser, config_from_args
 
 
 async def test_subprocess_ready_line_and_sigterm(scheduler):
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "worker",
+        "omnifabric.worker",
         "--port",
         "0",
         "--scheduler",
@@ -33,7 +34,6 @@ async def test_subprocess_ready_line_and_sigterm(scheduler):
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "proto")])},
     )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), scaled(20))).decode()

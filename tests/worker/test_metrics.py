@@ -8,12 +8,12 @@ import json
 import logging
 import urllib.request
 
-from omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.worker import logs
+from omnifabric.worker.engine import GenerateResult
+from omnifabric.worker.metrics import WorkerMetrics, serve_http
+from omnifabric.worker.session import CloseReason, SessionEnd, UnitOutput, UnitTimings, Usage
 from tests.worker.conftest import SessionClient
-from worker import logs
-from worker.engine import GenerateResult
-from worker.metrics import WorkerMetrics, serve_http
-from worker.session import CloseReason, SessionEnd, UnitOutput, UnitTimings, Usage
 
 
 def _output(seq: int, wall_clock_ms: float, is_listen: bool = True, kv: int = 300) -> UnitOutput:

@@ -12,15 +12,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.engine import DuplexSettings
+from omnifabric.worker.engines.minicpmo import (
+    MiniCPMOEngine,
+    check_model_dir,
+    check_runtime,
+    layouts,
+)
+from omnifabric.worker.engines.minicpmo.state import SharedState
+from omnifabric.worker.engines.registry import load_engine
+from omnifabric.worker.errors import EngineUnavailable
+from omnifabric.worker.rechunk import Rechunker
+from omnifabric.worker.units import UnitInput
 from tests.conftest import ROOT, scaled
-from worker.config import WorkerConfig
-from worker.engine import DuplexSettings
-from worker.engines.minicpmo import MiniCPMOEngine, check_model_dir, check_runtime, layouts
-from worker.engines.minicpmo.state import SharedState
-from worker.engines.registry import load_engine
-from worker.errors import EngineUnavailable
-from worker.rechunk import Rechunker
-from worker.units import UnitInput
 
 
 def skeleton(classes: dict[str, list[str]]) -> str:
@@ -118,7 +123,7 @@ def test_startup_errors(tmp_path):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_missing_is_named_before_any_weights_are_read(tmp_path, monkeypatch):
-    from worker.engines.minicpmo import engine as engine_module
+    from omnifabric.worker.engines.minicpmo import engine as engine_module
 
     monkeypatch.setattr(engine_module, "CODE_REQUIREMENTS", ("numpy",))
     with pytest.raises(EngineUnavailable, match="needs CUDA"):
@@ -129,7 +134,7 @@ def test_cuda_missing_is_named_before_any_weights_are_read(tmp_path, monkeypatch
 
 
 def test_missing_model_code_packages_are_named(monkeypatch):
-    from worker.engines.minicpmo import engine as engine_module
+    from omnifabric.worker.engines.minicpmo import engine as engine_module
 
     monkeypatch.setattr(engine_module, "CODE_REQUIREMENTS", ("numpy", "no_such_package_x"))
     with pytest.raises(
@@ -144,7 +149,7 @@ def test_worker_process_reports_the_startup_error(tmp_path):
         [
             sys.executable,
             "-m",
-            "worker",
+            "omnifabric.worker",
             "--engine",
             "minicpmo",
             "--model-dir",
@@ -238,7 +243,7 @@ def test_shared_state_moves_each_sessions_values_on_and_off():
 
 
 def test_default_voice_sources(tmp_path, monkeypatch):
-    from worker.engines.minicpmo import voice
+    from omnifabric.worker.engines.minicpmo import voice
 
     clip = voice.write_wav(np.zeros(1600, np.float32), tmp_path / "mine.wav")
     assert voice.resolve(clip, None) == (Path(clip), "configured")

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omni.realtime.v1 import common_pb2
-from omni.realtime.v1 import worker_service_pb2 as worker_pb
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
+from omnifabric.worker.engine import EngineLimits
+from omnifabric.worker.engines.synthetic import SyntheticEngine, SyntheticSession
 from tests.conftest import scaled
 from tests.worker.conftest import SILENCE, SPEECH, SessionClient, pcm_bytes
-from worker.engine import EngineLimits
-from worker.engines.synthetic import SyntheticEngine, SyntheticSession
 
 
 class RecordingSession(SyntheticSession):

@@ -8,11 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.conftest import scaled
-from worker.engines.synthetic import SyntheticEngine
-from worker.errors import LeaseInUse, LeaseNotFound, ModeMismatch
-from worker.leases import LeaseBook, LeaseGrant
-from worker.session import (
+from omnifabric.worker.engines.synthetic import SyntheticEngine
+from omnifabric.worker.errors import LeaseInUse, LeaseNotFound, ModeMismatch
+from omnifabric.worker.leases import LeaseBook, LeaseGrant
+from omnifabric.worker.session import (
     CloseReason,
     DuplexSession,
     Mailbox,
@@ -20,7 +19,8 @@ from worker.session import (
     SessionLimits,
     SessionSpec,
 )
-from worker.units import UnitInput
+from omnifabric.worker.units import UnitInput
+from tests.conftest import scaled
 
 SILENCE = np.zeros(16000, dtype=np.float32)
 

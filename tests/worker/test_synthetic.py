@@ -7,12 +7,12 @@ import sys
 import numpy as np
 import pytest
 
-from worker.config import WorkerConfig
-from worker.engine import DuplexSettings
-from worker.engines import memory
-from worker.engines.registry import load_engine
-from worker.engines.synthetic import SyntheticEngine
-from worker.errors import EngineUnavailable
+from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.engine import DuplexSettings
+from omnifabric.worker.engines import memory
+from omnifabric.worker.engines.registry import load_engine
+from omnifabric.worker.engines.synthetic import SyntheticEngine
+from omnifabric.worker.errors import EngineUnavailable
 
 SPEECH = (0.3 * np.sin(2 * np.pi * 300 * np.arange(16000) / 16000)).astype(np.float32)
 SILENCE = np.zeros(16000, dtype=np.float32)

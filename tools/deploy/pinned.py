@@ -16,14 +16,24 @@ PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
 def pinned(name: str, pyproject: Path = PYPROJECT) -> str:
-    """The `name==VERSION` requirement of the project; ValueError when there is none."""
+    """The `name==VERSION` requirement of the project, from its dependencies or any extra
+    (torch is in the reference and minicpmo extras); ValueError when there is none, or when
+    two places pin it differently."""
     with pyproject.open("rb") as file:
-        dependencies = tomllib.load(file)["project"]["dependencies"]
-    for requirement in dependencies:
+        project = tomllib.load(file)["project"]
+    requirements = list(project["dependencies"])
+    for extra in project.get("optional-dependencies", {}).values():
+        requirements += extra
+    found = set()
+    for requirement in requirements:
         match = re.fullmatch(r"([A-Za-z0-9_.\-\[\],]+)\s*==\s*([0-9][0-9A-Za-z.+]*)", requirement)
         if match and match.group(1).split("[")[0].lower() == name.lower():
-            return f"{match.group(1)}=={match.group(2)}"
-    raise ValueError(f"{name} is not pinned with == in {pyproject}")
+            found.add(f"{match.group(1)}=={match.group(2)}")
+    if len(found) > 1:
+        raise ValueError(f"{name} is pinned differently in {pyproject}: {sorted(found)}")
+    if not found:
+        raise ValueError(f"{name} is not pinned with == in {pyproject}")
+    return found.pop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from worker.config import WorkerConfig
-from worker.engine import Engine
-from worker.errors import EngineUnavailable
+from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.engine import Engine
+from omnifabric.worker.errors import EngineUnavailable
 
 
 def _synthetic(config: WorkerConfig) -> Engine:
-    from worker.engines.synthetic import SyntheticEngine
+    from omnifabric.worker.engines.synthetic import SyntheticEngine
 
     return SyntheticEngine(
         compute_ms=config.synthetic_compute_ms,
@@ -25,7 +25,7 @@ def _synthetic(config: WorkerConfig) -> Engine:
 
 
 def _reference(config: WorkerConfig) -> Engine:
-    from worker.engines.reference.engine import ReferenceEngine, TurnRules
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine, TurnRules
 
     rules = TurnRules(
         min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s
@@ -40,7 +40,7 @@ def _reference(config: WorkerConfig) -> Engine:
 
 
 def _minicpmo(config: WorkerConfig) -> Engine:
-    from worker.engines.minicpmo import MiniCPMOEngine
+    from omnifabric.worker.engines.minicpmo import MiniCPMOEngine
 
     return MiniCPMOEngine.from_config(config)
 

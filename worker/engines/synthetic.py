@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from worker.engine import (
+from omnifabric.worker.engine import (
     OUTPUT_RATE,
     ChatChunk,
     ChatTurn,

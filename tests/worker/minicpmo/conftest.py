@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tools import minicpmo_tiny
-from worker.engines.minicpmo import layouts
+from omnifabric.tools import minicpmo_tiny
+from omnifabric.worker.engines.minicpmo import layouts
 
 CODE_DIRS = [Path(p) for p in os.environ.get("OMNI_MINICPMO_CODE_DIR", "").split(os.pathsep) if p]
 SDK = os.environ.get("OMNI_MINICPMO_SDK") or None

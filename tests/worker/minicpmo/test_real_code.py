@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
-from worker.engine import ChatMessage, ChatTurn, DuplexSettings
-from worker.engines.minicpmo import MiniCPMOEngine
-from worker.session import (
+from omnifabric.worker.engine import ChatMessage, ChatTurn, DuplexSettings
+from omnifabric.worker.engines.minicpmo import MiniCPMOEngine
+from omnifabric.worker.session import (
     CloseReason,
     DuplexSession,
     SessionEnd,
     SessionLimits,
     SessionSpec,
 )
-from worker.units import UnitInput
+from omnifabric.worker.units import UnitInput
+from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
 
 pytestmark = [needs_code, pytest.mark.timeout(600)]
 GREEDY = DuplexSettings(temperature=0, force_listen_count=0)
@@ -85,7 +85,7 @@ def test_load_logs_the_layout(tiny_dirs, caplog):
 
 
 def layout_text(layout: str) -> str:
-    from worker.engines.minicpmo.layouts import DESCRIPTION
+    from omnifabric.worker.engines.minicpmo.layouts import DESCRIPTION
 
     return DESCRIPTION[layout]
 
@@ -304,7 +304,7 @@ def test_two_sessions_interleaved_match_solo(engine, monkeypatch):
     assert inter_a == solo_a
     assert inter_b == solo_b
 
-    from worker.engines.minicpmo.state import SharedState
+    from omnifabric.worker.engines.minicpmo.state import SharedState
 
     monkeypatch.setattr(SharedState, "load", lambda self, values: None)
     monkeypatch.setattr(SharedState, "save", lambda self: {})

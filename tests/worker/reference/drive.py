@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.engine import DuplexSettings, GenerateResult
+from omnifabric.worker.engine import DuplexSettings, GenerateResult
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "speech"
 

@@ -13,7 +13,7 @@ import torch
 from scipy.io import wavfile
 from scipy.signal import resample_poly
 
-from worker.engines.reference.asr import (
+from omnifabric.worker.engines.reference.asr import (
     DEFAULT_MODEL,
     FULL_FRAMES,
     MODELS,

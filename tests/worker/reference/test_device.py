@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engines.reference.engine import ReferenceEngine, check_device
-from worker.engines.reference.llm import ReplyModel
+from omnifabric.worker.engines.reference.engine import ReferenceEngine, check_device
+from omnifabric.worker.engines.reference.llm import ReplyModel
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from scipy.signal import resample_poly
 
+from omnifabric.worker.engine import DuplexSettings
+from omnifabric.worker.engines.reference.engine import UNIT_TOKENS, ReferenceEngine
 from tests.worker.reference.drive import drive, timeline
-from worker.engine import DuplexSettings
-from worker.engines.reference.engine import UNIT_TOKENS, ReferenceEngine
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_force_listen_count_holds_the_reply(engine):
 
 
 def test_unsure_words_get_a_request_to_say_them_again(engine):
-    from worker.engines.reference.engine import REPAIR_TEXT
+    from omnifabric.worker.engines.reference.engine import REPAIR_TEXT
 
     engine.repair_below = 1.0  # every transcript counts as unsure
     try:
@@ -124,8 +124,8 @@ def test_unsure_words_get_a_request_to_say_them_again(engine):
 
 
 def test_an_unsure_turn_stays_in_the_context(engine):
+    from omnifabric.worker.engines.reference.engine import REPAIR_TEXT
     from tests.worker.reference.drive import load_fixture, units_of
-    from worker.engines.reference.engine import REPAIR_TEXT
 
     session = engine.open_session("repair-context", "audio")
     engine.repair_below = 1.0  # every transcript counts as unsure
@@ -182,8 +182,8 @@ def test_concurrent_sessions_match_serial(engine):
 
 
 def test_chat_with_text_and_audio_parts(engine):
+    from omnifabric.worker.engine import ChatMessage, ChatTurn
     from tests.worker.reference.drive import load_fixture
-    from worker.engine import ChatMessage, ChatTurn
 
     # The question in the engine's own (natural) voice, after a second of the fixture's
     # lead-in noise.
@@ -215,7 +215,7 @@ def test_chat_with_text_and_audio_parts(engine):
 
 
 def test_chat_reports_every_unusable_field(engine):
-    from worker.engine import ChatMessage, ChatTurn
+    from omnifabric.worker.engine import ChatMessage, ChatTurn
 
     turn = ChatTurn(
         (

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engines.reference import llm
-from worker.engines.reference.llm import Conversation, ReplyModel
+from omnifabric.worker.engines.reference import llm
+from omnifabric.worker.engines.reference.llm import Conversation, ReplyModel
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 

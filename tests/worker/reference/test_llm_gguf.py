@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import scaled
-from worker.engines.reference import llm_gguf
-from worker.engines.reference.llm_gguf import (
+from omnifabric.worker.engines.reference import llm_gguf
+from omnifabric.worker.engines.reference.llm_gguf import (
     Completion,
     Conversation,
     GgufWeights,
@@ -22,6 +21,7 @@ from worker.engines.reference.llm_gguf import (
     ReplyModel,
     WeightsMissing,
 )
+from tests.conftest import scaled
 
 SYSTEM = "You are a helpful voice assistant. Answer in English.\nReply in one short sentence."
 

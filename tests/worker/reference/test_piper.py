@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.engines.reference import piper
+from omnifabric.worker.engines.reference import piper
 
 REASON = piper.unavailable_reason()
 needs_piper = pytest.mark.skipif(REASON is not None, reason=f"Piper unavailable: {REASON}")

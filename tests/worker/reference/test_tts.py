@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy.signal import resample_poly
 
-from worker.engines.reference import piper
-from worker.engines.reference.tts import (
+from omnifabric.worker.engines.reference import piper
+from omnifabric.worker.engines.reference.tts import (
     ESPEAK_VOICE,
     PiperSpeaker,
     Speaker,
@@ -82,7 +82,7 @@ def piper_speaker() -> PiperSpeaker:
 @pytest.fixture(scope="module")
 def hear():
     """The project's recognizer: 24 kHz speech -> lower-case words."""
-    from worker.engines.reference.asr import Transcriber
+    from omnifabric.worker.engines.reference.asr import Transcriber
 
     try:
         asr = Transcriber()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.engines.reference.turns import (
+from omnifabric.worker.engines.reference.turns import (
     TurnRules,
     TurnTracker,
     cut_at_limit,

@@ -1,6 +1,6 @@
 """The MiniCPM-o 4.5 engine (production): the model's own public code, every layout."""
 
-from worker.engines.minicpmo.engine import (
+from omnifabric.worker.engines.minicpmo.engine import (
     MiniCPMOEngine,
     MiniCPMOSession,
     check_model_dir,

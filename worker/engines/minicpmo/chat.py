@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from worker.engine import ChatChunk, ChatMessage, ChatTurn
+from omnifabric.worker.engine import ChatChunk, ChatMessage, ChatTurn
 
 #: Special tokens the text-only stream leaves in its text.
 TERMINATORS = ("<|im_end|>", "<|endoftext|>", "<|tts_eos|>", "<|turn_eos|>", "<|tts_bos|>")
@@ -58,7 +58,7 @@ def stream_turn(engine: ChatEngine, turn: ChatTurn) -> Iterator[ChatChunk]:
     if speech:
         voice_pcm = turn.voice
         if voice_pcm is None or not voice_pcm.size:
-            from worker.engines.minicpmo.voice import read_wav
+            from omnifabric.worker.engines.minicpmo.voice import read_wav
 
             voice_pcm = read_wav(engine.default_voice) if engine.default_voice else None
         if voice_pcm is not None:

@@ -7,14 +7,14 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-from worker.engines.minicpmo import layouts
-from worker.engines.minicpmo.engine import (
+from omnifabric.worker.engines.minicpmo import layouts
+from omnifabric.worker.engines.minicpmo.engine import (
     CODE_REQUIREMENTS,
     TRANSFORMERS_SERIES,
     check_model_dir,
     vocoder_problem,
 )
-from worker.errors import EngineUnavailable
+from omnifabric.worker.errors import EngineUnavailable
 
 
 def report(model_dir: str | None, device: str, api: str = "auto") -> tuple[bool, list[str]]:

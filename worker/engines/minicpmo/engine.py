@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.engine import (
+from omnifabric.worker.engine import (
     ChatChunk,
     ChatMessage,
     ChatTurn,
@@ -31,10 +31,10 @@ from worker.engine import (
     EngineSession,
     GenerateResult,
 )
-from worker.engines.minicpmo import layouts, voice
-from worker.engines.minicpmo.code import import_module
-from worker.engines.minicpmo.state import SharedState
-from worker.errors import EngineUnavailable
+from omnifabric.worker.engines.minicpmo import layouts, voice
+from omnifabric.worker.engines.minicpmo.code import import_module
+from omnifabric.worker.engines.minicpmo.state import SharedState
+from omnifabric.worker.errors import EngineUnavailable
 
 log = logging.getLogger("omnifabric.worker.minicpmo")
 
@@ -491,7 +491,7 @@ class MiniCPMOEngine(Engine):
     def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
         """One chat turn through the model's streaming path: streaming_prefill per message,
         then streaming_generate, text (and speech) as it comes."""
-        from worker.engines.minicpmo.chat import stream_turn
+        from omnifabric.worker.engines.minicpmo.chat import stream_turn
 
         if not turn.messages or turn.messages[-1].role != "user":
             raise ValueError("the last message must be the user's")

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.errors import EngineUnavailable
+from omnifabric.worker.errors import EngineUnavailable
 
 #: How the reference server wraps the system prompt around the LLM reference audio (the
 #: layouts whose prepare takes the prefix and suffix as given).

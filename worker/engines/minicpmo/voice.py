@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.engines.cache import cache_root
+from omnifabric.worker.engines.cache import cache_root
 
 #: What the project's own clip says (about 4 s at 160 words per minute).
 CLIP_TEXT = "Hello, I am your voice assistant. How can I help you today?"
@@ -65,7 +65,7 @@ def model_dir_voice(root: Path) -> Path | None:
 def project_clip(cache_dir: Path) -> Path:
     """The project's own default voice clip (espeak-ng, 16 kHz), made once into
     `cache_dir`. Raises RuntimeError when espeak-ng is missing."""
-    from worker.engines.reference.tts import Speaker
+    from omnifabric.worker.engines.reference.tts import Speaker
 
     path = cache_dir / "default-voice-espeak.wav"
     if not path.is_file():

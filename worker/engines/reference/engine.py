@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from worker.engine import (
+from omnifabric.worker.engine import (
     OUTPUT_RATE,
     ChatChunk,
     ChatMessage,
@@ -39,15 +39,15 @@ from worker.engine import (
     EngineSession,
     GenerateResult,
 )
-from worker.engines.reference.tts import split_for_speech
-from worker.engines.reference.turns import (
+from omnifabric.worker.engines.reference.tts import split_for_speech
+from omnifabric.worker.engines.reference.turns import (
     TurnRules,
     TurnTracker,
     cut_at_limit,
     looks_finished,
     reply_cut,
 )
-from worker.engines.reference.vad import WINDOW, WINDOW_S, VoiceActivity
+from omnifabric.worker.engines.reference.vad import WINDOW, WINDOW_S, VoiceActivity
 
 log = logging.getLogger("omnifabric.worker.reference")
 
@@ -447,10 +447,10 @@ class ReferenceEngine(Engine):
         self._lock = threading.Lock()
 
     def load(self) -> None:
-        from worker.engines.reference.asr import Transcriber
-        from worker.engines.reference.llm_gguf import DEFAULT_MODEL, ReplyModel
-        from worker.engines.reference.tts import make_speaker
-        from worker.engines.reference.vad import model_path
+        from omnifabric.worker.engines.reference.asr import Transcriber
+        from omnifabric.worker.engines.reference.llm_gguf import DEFAULT_MODEL, ReplyModel
+        from omnifabric.worker.engines.reference.tts import make_speaker
+        from omnifabric.worker.engines.reference.vad import model_path
 
         check_device(self.device)  # CUDA may have gone away between __init__ and load
         if self._torch_device.type == "cpu":

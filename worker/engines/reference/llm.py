@@ -5,7 +5,7 @@ it directly but dequantizes on every load (~19 s), so the first load writes an f
 copy to a cache folder outside the repo (~0.5 GB; later loads take well under a second). Nothing
 is downloaded: every ``from_pretrained`` is local-only.
 
-    python -m worker.engines.reference.llm --prepare   # build the cache (install scripts)
+    python -m omnifabric.worker.engines.reference.llm --prepare  # build the cache (install)
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from worker.engines.cache import cache_root, swap_in
-from worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML  # noqa: E402
+from omnifabric.worker.engines.cache import cache_root, swap_in
+from omnifabric.worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
@@ -253,7 +253,7 @@ class Conversation:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``--prepare`` builds the cache if needed and says what it did."""
-    parser = argparse.ArgumentParser(prog="python -m worker.engines.reference.llm")
+    parser = argparse.ArgumentParser(prog="python -m omnifabric.worker.engines.reference.llm")
     parser.add_argument("--prepare", action="store_true", help="build the fp32 weight cache")
     parser.add_argument(
         "--cache-dir",

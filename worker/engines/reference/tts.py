@@ -144,7 +144,7 @@ class PiperSpeaker:
     def __init__(
         self, voice: str | None = None, length_scale: float = 1.0, process=None, start=False
     ) -> None:
-        from worker.engines.reference import piper
+        from omnifabric.worker.engines.reference import piper
 
         self.process = process or piper.shared_process(voice, length_scale)
         self.voice_name = self.process.voice.name
@@ -167,7 +167,7 @@ def voices() -> dict[str, str]:
     """The voices a session may choose from here: name -> engine (``"piper"`` or
     ``"espeak"``). Piper voices are those of installed voice packages (e.g.
     ``en_US-joe-medium``), listed only when piper-tts can run; espeak-ng's is ``espeak-ng``."""
-    from worker.engines.reference import piper
+    from omnifabric.worker.engines.reference import piper
 
     found: dict[str, str] = {}
     if piper.unavailable_reason() is None:
@@ -195,7 +195,7 @@ def make_speaker(
     why. ``preferred`` is ``"piper"`` or ``"espeak"``. ``start`` starts Piper's child now
     (~1.3 s), so a failing start also falls back. Raises RuntimeError only when espeak-ng is
     needed and missing."""
-    from worker.engines.reference import piper
+    from omnifabric.worker.engines.reference import piper
 
     if preferred not in ("piper", "espeak"):
         raise ValueError(f"preferred must be 'piper' or 'espeak', not {preferred!r}")
