@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import grpc
 
+from omnifabric.common import tls
 from omnifabric.edge import events as ev
 from omnifabric.edge.errors import QueueFull, ServiceUnavailable
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -67,18 +67,7 @@ def channel_credentials(
                 "OMNI_FABRIC_TLS_CERT needs OMNI_FABRIC_TLS_CA (--fabric-tls-ca) on the edge"
             )
         return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(ca, "CA"),
-        private_key=_read(key, "key") if key else None,
-        certificate_chain=_read(cert, "certificate") if cert else None,
-    )
-
-
-def _read(path: str, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise OSError(f"cannot read the fabric TLS {what} {path}: {exc.strerror}") from None
+    return tls.channel_credentials(ca, cert, key)
 
 
 class Fabric:

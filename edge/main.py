@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 
-from omnifabric.edge import logs
+from omnifabric.common import logs
 from omnifabric.edge.config import EdgeConfig, read_key_file
 
 
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logs.configure(logging.INFO)  # JSON lines on stderr (OMNI_LOG_FORMAT=text: plain)
+    logs.configure("edge", logging.INFO)  # JSON lines on stderr (OMNI_LOG_FORMAT=text: plain)
     try:
         config = EdgeConfig.from_env().with_overrides(
             host=args.host,
@@ -122,11 +122,11 @@ async def _run(config: EdgeConfig, grace_s: float) -> None:
     import os
     import socket
 
-    from omnifabric.edge import telemetry
+    from omnifabric.common import telemetry
     from omnifabric.edge.metrics import METRICS
     from omnifabric.edge.server import start_edge
 
-    provider = telemetry.setup(f"{socket.gethostname()}-{os.getpid()}")
+    provider = telemetry.setup("edge", f"{socket.gethostname()}-{os.getpid()}")
     edge = await start_edge(config)
     # Modules and servers live as long as the process: keep them out of full collections,
     # which otherwise walk the whole heap (~0.2 s) while sessions wait for their units.

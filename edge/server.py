@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from websockets.asyncio.server import Server
 
+from omnifabric.common.tls import server_credentials
 from omnifabric.edge.app import EdgeApp
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.fabric import Fabric, channel_options
@@ -109,9 +109,10 @@ async def start_edge(config: EdgeConfig, metrics: EdgeMetrics = METRICS) -> Runn
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         address = f"{config.host}:{config.grpc_port}"
         if tls is not None:
-            assert config.tls_cert and config.tls_key  # config.tls() checked both
-            pair = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())
-            grpc_port = grpc_server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
+            # The public port's certificate (config.tls() checked the pair); no client certs.
+            credentials = server_credentials(None, config.tls_cert, config.tls_key)
+            assert credentials is not None
+            grpc_port = grpc_server.add_secure_port(address, credentials)
         else:
             grpc_port = grpc_server.add_insecure_port(address)
         await grpc_server.start()

@@ -20,8 +20,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
+from omnifabric.common import logs, telemetry
 from omnifabric.edge import events as ev
-from omnifabric.edge import logs, telemetry
 from omnifabric.edge.chat import (
     ChatInput,
     ChatResult,
@@ -46,6 +46,7 @@ from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 
 log = logging.getLogger("omnifabric.edge.session")
+TRACER = telemetry.tracer("edge")
 
 Event = ev.Queued | ev.QueueDone | ev.Created | ev.Output | ev.Closed
 Emit = Callable[[Event], Awaitable[None]]
@@ -173,7 +174,7 @@ class SessionCore:
         self.closed = asyncio.Event()
         # One trace per session: this span is the root; queue wait, the scheduler's
         # Acquire and the worker's unit spans hang under it (context in gRPC metadata).
-        self.span = telemetry.tracer.start_span(
+        self.span = TRACER.start_span(
             "session", attributes={"session.id": self.session_id, "session.mode": mode}
         )
         self._trace = trace.set_span_in_context(self.span)
@@ -224,7 +225,7 @@ class SessionCore:
         Raises QueueFull or ServiceUnavailable. Emits QueueDone once leased.
         """
         request = scheduler_pb.AcquireRequest(mode=_MODES[self.mode], session_id=self.session_id)
-        queue_span = telemetry.tracer.start_span("queue", context=self._trace)
+        queue_span = TRACER.start_span("queue", context=self._trace)
         call = self._fabric.scheduler.Acquire(
             request, metadata=telemetry.inject(trace.set_span_in_context(queue_span))
         )
@@ -443,7 +444,7 @@ class SessionCore:
         self._seq += 1
         self._waiting[self._seq] = time.monotonic()
         # Edge-side time of the unit: from the client's append to the result going out.
-        self._unit_spans[self._seq] = telemetry.tracer.start_span(
+        self._unit_spans[self._seq] = TRACER.start_span(
             "edge.unit", context=self._trace, attributes={"unit.seq": self._seq}
         )
         self._metrics.unit_forwarded(self.mode, self._seq, self._unit_sent_at)

@@ -12,7 +12,7 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from omnifabric.scheduler import logs
+from omnifabric.common import logs
 from omnifabric.scheduler.config import ENV_VARS, SchedulerConfig, parse_value
 from omnifabric.scheduler.metrics import serve_http
 from omnifabric.scheduler.server import start_server
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(config, **overrides)
     except ValueError as exc:
         parser.error(str(exc))
-    logs.configure(args.log_level)  # JSON lines (OMNI_LOG_FORMAT=text: plain)
+    logs.configure("scheduler", args.log_level)  # JSON lines (OMNI_LOG_FORMAT=text: plain)
     _run(_serve(config))
     return 0
 
@@ -80,9 +80,9 @@ async def _serve(config: SchedulerConfig) -> None:
     import os
     import socket
 
-    from omnifabric.scheduler import telemetry
+    from omnifabric.common import telemetry
 
-    provider = telemetry.setup(f"{socket.gethostname()}-{os.getpid()}")
+    provider = telemetry.setup("scheduler", f"{socket.gethostname()}-{os.getpid()}")
     try:
         running = await start_server(config)
         # Long-lived from here on (modules, server): out of the full collections' walk.

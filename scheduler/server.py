@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from omnifabric.common.tls import server_credentials
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.core import Scheduler
 from omnifabric.scheduler.errors import ErrorInterceptor
 from omnifabric.scheduler.service import SchedulerServicer
-from omnifabric.scheduler.tls import server_credentials
 
 log = logging.getLogger(__name__)
 

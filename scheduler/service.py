@@ -12,10 +12,10 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from omnifabric.common import logs, telemetry
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-from omnifabric.scheduler import logs, telemetry
 from omnifabric.scheduler.core import (
     AcquireEvent,
     LeaseLoss,
@@ -35,6 +35,7 @@ from omnifabric.scheduler.leases import LeaseGrantNotice, LeaseRevokeNotice
 from omnifabric.scheduler.registry import EngineLimits, Health, MemoryFigures, Mode, Worker
 
 log = logging.getLogger(__name__)
+TRACER = telemetry.tracer("scheduler")
 
 _MODE_FROM_PB = {
     common_pb2.MODE_AUDIO: Mode.AUDIO,
@@ -166,7 +167,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
     ) -> AsyncIterator[scheduler_pb.AcquireResponse]:
         logs.bind_session(request.session_id)  # this RPC's task: its log lines name it
         # "acquire" spans the wait for a lease, under the edge's queue span.
-        span = telemetry.tracer.start_span(
+        span = TRACER.start_span(
             "acquire",
             context=telemetry.extract(context.invocation_metadata()),
             attributes={"session.id": request.session_id},

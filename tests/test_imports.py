@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-PACKAGES = ("edge", "worker", "scheduler", "tools")
+PACKAGES = ("common", "edge", "worker", "scheduler", "tools")
 SERVICES = ("edge", "worker", "scheduler")
 #: The import namespace the source folders are mapped into (pyproject's package-dir).
 NAMESPACE = "omnifabric"
@@ -111,6 +111,18 @@ def graph() -> dict[str, set[str]]:
 def test_no_import_circles(graph, package):
     found = [c for c in circles(graph) if any(package_of(m) == package for m in c)]
     assert not found, describe(found, graph)
+
+
+def test_common_is_a_leaf(graph):
+    """omnifabric.common is shared by the services, so it imports none of them (nor tools)."""
+    reached = {
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if package_of(module) == "common"
+        for target in targets
+        if package_of(target) != "common"
+    }
+    assert not reached, "\n".join(sorted(reached))
 
 
 def test_services_do_not_import_each_other(graph):

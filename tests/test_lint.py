@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-PATHS = ["edge", "scheduler", "worker", "tools", "tests"]
+PATHS = ["common", "edge", "scheduler", "worker", "tools", "tests"]
 
 
 @pytest.mark.parametrize("args", [["check"], ["format", "--check"]], ids=["check", "format"])

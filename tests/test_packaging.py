@@ -90,7 +90,7 @@ def test_every_package_is_installed():
     )
     found = {
         ".".join(("omnifabric", *init.parent.relative_to(ROOT).parts))
-        for top in ("edge", "scheduler", "worker", "tools")
+        for top in ("common", "edge", "scheduler", "worker", "tools")
         for init in (ROOT / top).rglob("__init__.py")
     }
     assert found - listed == set()

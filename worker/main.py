@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from omnifabric.worker import logs
+from omnifabric.common import logs
 from omnifabric.worker.config import WorkerConfig
 from omnifabric.worker.errors import WorkerError
 from omnifabric.worker.metrics import serve_http
@@ -131,9 +131,9 @@ async def serve(config: WorkerConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    from omnifabric.worker import telemetry
+    from omnifabric.common import telemetry
 
-    provider = telemetry.setup(config.worker_id)
+    provider = telemetry.setup("worker", config.worker_id)
     worker = await start_worker(config)
     try:
         metrics_word = ""
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `omnifabric worker`; returns the exit status."""
     args = build_parser().parse_args(argv)
     # JSON lines on stderr (OMNI_LOG_FORMAT=text: plain text).
-    logs.configure(getattr(logging, str(args.log_level).upper(), logging.INFO))
+    logs.configure("worker", getattr(logging, str(args.log_level).upper(), logging.INFO))
     try:
         config = config_from_args(args)
     except WorkerError as exc:

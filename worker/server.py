@@ -12,6 +12,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from omnifabric.common.tls import channel_credentials, server_credentials
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 from omnifabric.worker.config import WorkerConfig
 from omnifabric.worker.engine import Engine
@@ -19,7 +20,6 @@ from omnifabric.worker.engines.registry import load_engine
 from omnifabric.worker.registration import Registration
 from omnifabric.worker.runtime import Health, WorkerRuntime
 from omnifabric.worker.service import ErrorInterceptor, WorkerServicer
-from omnifabric.worker.tls import channel_credentials, server_credentials
 
 log = logging.getLogger("omnifabric.worker")
 
@@ -129,7 +129,7 @@ async def start_worker(config: WorkerConfig, engine: Engine | None = None) -> Ru
 
     runtime.health_listeners.append(on_health)
 
-    credentials = server_credentials(config)
+    credentials = server_credentials(config.tls_ca, config.tls_cert, config.tls_key)
     server = grpc.aio.server(
         options=server_options(config.max_message_bytes), interceptors=[ErrorInterceptor()]
     )
@@ -151,7 +151,10 @@ async def start_worker(config: WorkerConfig, engine: Engine | None = None) -> Ru
     address = config.advertise_address or f"{_host_for_address(config.host)}:{port}"
 
     registration = Registration(
-        runtime, config.worker_id, address, credentials=channel_credentials(config)
+        runtime,
+        config.worker_id,
+        address,
+        credentials=channel_credentials(config.tls_ca, config.tls_cert, config.tls_key),
     )
     registration.start()
     worker = RunningWorker(config, runtime, server, health_servicer, registration, port, address)

@@ -19,10 +19,10 @@ import grpc
 import numpy as np
 from opentelemetry import context as otel_context
 
+from omnifabric.common import logs, telemetry
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
-from omnifabric.worker import logs, telemetry
 from omnifabric.worker.engine import ChatMessage, ChatTurn, DuplexSettings, EngineLimits
 from omnifabric.worker.errors import (
     EngineFailure,

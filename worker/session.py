@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from opentelemetry import trace
 
-from omnifabric.worker import telemetry
+from omnifabric.common import telemetry
 from omnifabric.worker.engine import DuplexSettings, Engine, EngineSession, GenerateResult
 from omnifabric.worker.engines import memory
 from omnifabric.worker.errors import EngineFailure, EngineStuck
@@ -28,6 +28,7 @@ from omnifabric.worker.rechunk import Rechunker
 from omnifabric.worker.units import UnitInput
 
 log = logging.getLogger("omnifabric.worker.session")
+TRACER = telemetry.tracer("worker")
 
 
 class CloseReason(enum.Enum):
@@ -495,7 +496,7 @@ class DuplexSession:
             "unit.deadline_missed": timings.wall_clock_ms > UNIT_DEADLINE_MS,
             "unit.dropped_before": len(out.dropped_seqs),
         }
-        span = telemetry.tracer.start_span(
+        span = TRACER.start_span(
             "unit", context=parent, start_time=_ns(unit.received_at), attributes=attributes
         )
         ctx = trace.set_span_in_context(span)
@@ -506,7 +507,7 @@ class DuplexSession:
             ("generate", p1, g1),
             ("finalize", f0, f1),
         ):
-            telemetry.tracer.start_span(name, context=ctx, start_time=_ns(a)).end(end_time=_ns(b))
+            TRACER.start_span(name, context=ctx, start_time=_ns(a)).end(end_time=_ns(b))
         span.end(end_time=_ns(f1))
 
     def _output_cap_reached(self) -> bool:

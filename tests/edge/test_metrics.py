@@ -10,8 +10,8 @@ import logging
 from websockets.datastructures import Headers
 from websockets.http11 import Request
 
+from omnifabric.common import logs
 from omnifabric.edge import events as ev
-from omnifabric.edge import logs
 from omnifabric.edge.app import EdgeApp
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.errors import NotReady
@@ -120,7 +120,7 @@ async def test_get_metrics_on_the_websocket_port():
 def test_json_log_lines_carry_session_id():
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(logs.JsonFormatter())
+    handler.setFormatter(logs.JsonFormatter("edge"))
     logger = logging.getLogger("test.edge.metrics.logs")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -144,7 +144,7 @@ def test_json_log_lines_carry_the_current_trace_id():
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(logs.JsonFormatter())
+    handler.setFormatter(logs.JsonFormatter("edge"))
     logger = logging.getLogger("test.edge.metrics.trace")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from omnifabric.scheduler import logs
+from omnifabric.common import logs
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.core import LeaseOffer, QueueUpdate, Scheduler, WorkerHello
 from omnifabric.scheduler.errors import QueueFull
@@ -113,7 +113,7 @@ def test_config_metrics_port_range():
 def test_grant_log_line_names_the_session_in_json():
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(logs.JsonFormatter())
+    handler.setFormatter(logs.JsonFormatter("scheduler"))
     logger = logging.getLogger("omnifabric.scheduler.core")
     logger.addHandler(handler)
     old_level = logger.level

@@ -77,10 +77,10 @@ WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 
 def omni_names(service: str) -> set[str]:
     """OMNI_* names a service reads: the string constants that are exactly such a name in
-    its config.py and logs.py (a renamed variable drops out of this set)."""
+    its config.py and the shared common/logs.py (a renamed variable drops out of this set)."""
     names: set[str] = set()
-    for module in ("config.py", "logs.py"):
-        tree = ast.parse((ROOT / service / module).read_text())
+    for path in (ROOT / service / "config.py", ROOT / "common" / "logs.py"):
+        tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Constant)

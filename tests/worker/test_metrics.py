@@ -8,8 +8,8 @@ import json
 import logging
 import urllib.request
 
+from omnifabric.common import logs
 from omnifabric.omni.realtime.v1 import common_pb2
-from omnifabric.worker import logs
 from omnifabric.worker.engine import GenerateResult
 from omnifabric.worker.metrics import WorkerMetrics, serve_http
 from omnifabric.worker.session import CloseReason, SessionEnd, UnitOutput, UnitTimings, Usage
@@ -90,7 +90,7 @@ def test_serve_http_answers_metrics():
 def test_json_log_lines_carry_the_session_id():
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(logs.JsonFormatter())
+    handler.setFormatter(logs.JsonFormatter("worker"))
     logger = logging.getLogger("test.worker.metrics.logs")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -1,28 +1,33 @@
-"""OpenTelemetry tracing for the worker: the SDK with service.name and instance id,
-exporting over OTLP when the standard OTEL_EXPORTER_OTLP_* variables are set.
+"""OpenTelemetry tracing for every service: the SDK with service.name (omnifabric-SERVICE)
+and an instance id, exporting over OTLP when the standard OTEL_EXPORTER_OTLP_* variables are
+set; spans are no-ops otherwise.
 
-W3C traceparent crosses every gRPC hop in metadata: inject() for outgoing calls,
-extract() for incoming ones.
+W3C traceparent crosses every gRPC hop in metadata: inject() for outgoing calls, extract()
+for incoming ones.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 
-log = logging.getLogger("omnifabric.worker.telemetry")
-
-SERVICE_NAME = "omnifabric-worker"
-tracer = trace.get_tracer("omnifabric.worker")
+log = logging.getLogger("omnifabric.common.telemetry")
 
 
-def setup(instance_id: str):
+def tracer(service: str) -> trace.Tracer:
+    """The tracer of `service` (edge, worker, scheduler): instrumentation omnifabric.SERVICE.
+    It follows the provider setup() installs, also when taken before."""
+    return trace.get_tracer(f"omnifabric.{service}")
+
+
+def setup(service: str, instance_id: str):  # -> TracerProvider | None (SDK types, lazily)
     """Install a TracerProvider exporting over OTLP/gRPC when OTEL_EXPORTER_OTLP_ENDPOINT
     (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set; returns it (call shutdown() to flush),
-    or None when tracing is off (spans are then no-ops)."""
+    or None when tracing is off."""
     if not (
         os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -33,11 +38,12 @@ def setup(instance_id: str):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create({"service.name": SERVICE_NAME, "service.instance.id": instance_id})
+    name = f"omnifabric-{service}"
+    resource = Resource.create({"service.name": name, "service.instance.id": instance_id})
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
-    log.info("tracing: exporting spans over OTLP as %s/%s", SERVICE_NAME, instance_id)
+    log.info("tracing: exporting spans over OTLP as %s/%s", name, instance_id)
     return provider
 
 
@@ -48,6 +54,6 @@ def inject(context: Context | None = None) -> tuple[tuple[str, str], ...]:
     return tuple(carrier.items())
 
 
-def extract(metadata) -> Context:
+def extract(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:
     """The trace context an incoming call carried in its metadata."""
     return propagate.extract({k: v for k, v in (metadata or ()) if isinstance(v, str)})

@@ -1,10 +1,10 @@
-"""JSON log lines for the edge (stderr): ts, level, logger, msg, service, and
+"""JSON log lines on stderr for every service: ts, level, logger, msg, service, and
 session_id / trace_id whenever known.
 
-session_id comes from a record's `extra={"session_id": ...}` or else from the
-`SESSION_ID` context variable, which SessionCore sets for the connection's task
-(and the tasks it starts); trace_id comes from the current OpenTelemetry span when one
-is active and valid.
+session_id comes from a record's `extra={"session_id": ...}` or else from the `SESSION_ID`
+context variable, which a service binds for the task serving a session (and the tasks it
+starts: the edge's SessionCore, the worker's Session handler, the scheduler's Acquire);
+trace_id comes from the current OpenTelemetry span when one is active and valid.
 `OMNI_LOG_FORMAT=text` keeps plain text lines for humans.
 """
 
@@ -21,11 +21,10 @@ from typing import Any, TextIO
 try:
     from opentelemetry import trace as _otel_trace
 except ImportError:  # tracing not installed: no trace ids
-    _otel_trace = None
+    _otel_trace = None  # type: ignore[assignment]
 
-SERVICE = "edge"
-#: The session the current task works for (None: none).
-SESSION_ID: ContextVar[str | None] = ContextVar("omni_edge_session_id", default=None)
+#: The session the current task works for (None: none). One process runs one service.
+SESSION_ID: ContextVar[str | None] = ContextVar("omni_session_id", default=None)
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # Attributes every LogRecord has; anything else on a record came from `extra`.
@@ -53,9 +52,9 @@ def current_trace_id() -> str | None:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record."""
+    """One JSON object per record, naming `service` (edge, worker, scheduler)."""
 
-    def __init__(self, service: str = SERVICE) -> None:
+    def __init__(self, service: str) -> None:
         super().__init__()
         self.service = service
 
@@ -85,11 +84,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
-def configure(level: int | str = logging.INFO, stream: TextIO | None = None) -> None:
-    """Root logging to stderr: JSON lines, or plain text when OMNI_LOG_FORMAT=text."""
+def configure(service: str, level: int | str = logging.INFO, stream: TextIO | None = None) -> None:
+    """Root logging to stderr: JSON lines naming `service`, or plain text when
+    OMNI_LOG_FORMAT=text."""
     handler = logging.StreamHandler(stream or sys.stderr)
     if os.environ.get("OMNI_LOG_FORMAT", "json").strip().lower() == "text":
         handler.setFormatter(logging.Formatter(TEXT_FORMAT))
     else:
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(service))
     logging.basicConfig(level=level, handlers=[handler])
