@@ -1,38 +1,18 @@
-"""Edge configuration: a frozen dataclass read from OMNI_EDGE_* variables, flags on top."""
+"""Edge configuration: a frozen dataclass read from OMNI_EDGE_* variables and flags
+(omnifabric.common.config); API keys from OMNI_API_KEYS / a key file."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-
-def _env_int(name: str, default: int, lo: int, hi: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
-    return value
-
-
-def _env_float(name: str, default: float, lo: float, hi: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
-    return value
+from omnifabric.common import config as settings
+from omnifabric.common.config import setting
 
 
 def hash_key(key: str) -> str:
@@ -112,140 +92,202 @@ def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
 class EdgeConfig:
     """Settings of one edge process."""
 
-    host: str = "127.0.0.1"
+    host: str = setting("127.0.0.1", env="OMNI_EDGE_HOST", flag="--host", help="bind address")
     """Address the WebSocket/HTTP and gRPC servers bind."""
-    port: int = 8006
+    port: int = setting(
+        8006,
+        env="OMNI_EDGE_PORT",
+        flag="--port",
+        range=(0, 65535),
+        help="WebSocket/HTTP port, 0 = any",
+    )
     """WebSocket + HTTP port (/v1/realtime, /healthz); 0 picks a free port."""
-    grpc_port: int = 8007
+    grpc_port: int = setting(
+        8007,
+        env="OMNI_EDGE_GRPC_PORT",
+        flag="--grpc-port",
+        range=(-1, 65535),
+        help="RealtimeService port, 0 = any, -1 = off",
+    )
     """RealtimeService gRPC port for internal clients; 0 picks a free port, -1 disables."""
-    scheduler: str = "127.0.0.1:50051"
+    scheduler: str = setting(
+        "127.0.0.1:50051", env="OMNI_EDGE_SCHEDULER", flag="--scheduler", help="scheduler host:port"
+    )
     """host:port of the scheduler."""
     api_key_digests: frozenset[str] = field(default_factory=frozenset)
     """SHA-256 digests of accepted API keys; empty = no authentication."""
     api_key_limits: KeyLimits = ()
     """Per-key session limits from the key file (`KEY max_sessions=N`), by digest."""
-    max_sessions_per_key: int = 0
+    max_sessions_per_key: int = setting(
+        0,
+        env="OMNI_EDGE_MAX_SESSIONS_PER_KEY",
+        flag="--max-sessions-per-key",
+        range=(0, 1_000_000),
+        help="open sessions one API key may hold, 0 = unlimited",
+    )
     """Open sessions one API key may hold at once, over every WebSocket endpoint and the
     gRPC RealtimeService (0 = unlimited; a key file entry overrides it for its key)."""
-    max_frame_bytes: int = 16 * 1024 * 1024
+    max_frame_bytes: int = setting(
+        16 * 1024 * 1024,
+        env="OMNI_EDGE_MAX_FRAME_BYTES",
+        flag="--max-frame-bytes",
+        range=(1024, 1 << 30),
+        help="largest WebSocket message",
+    )
     """Largest WebSocket message accepted; larger ones close the connection with 1009."""
-    open_timeout_s: float = 10.0
+    open_timeout_s: float = setting(
+        10.0,
+        env="OMNI_EDGE_OPEN_TIMEOUT_S",
+        flag="--open-timeout",
+        range=(0.1, 600),
+        help="seconds to finish the opening handshake",
+    )
     """A WebSocket handshake not finished by then is dropped."""
-    ping_interval_s: float = 20.0
+    ping_interval_s: float = setting(
+        20.0,
+        env="OMNI_EDGE_PING_INTERVAL_S",
+        flag="--ping-interval",
+        range=(0.1, 3600),
+        help="keepalive ping interval, s",
+    )
     """WebSocket keepalive ping interval."""
-    ping_timeout_s: float = 20.0
+    ping_timeout_s: float = setting(
+        20.0,
+        env="OMNI_EDGE_PING_TIMEOUT_S",
+        flag="--ping-timeout",
+        range=(0.1, 3600),
+        help="keepalive pong timeout, s",
+    )
     """A client that does not answer a ping within this is closed (also when the ping
     cannot even be written because the client stopped reading)."""
-    inbound_queue_max: int = 16
+    inbound_queue_max: int = setting(16, env="OMNI_EDGE_INBOUND_QUEUE_MAX", range=(1, 1024))
     """Received WebSocket messages buffered per connection before reading pauses."""
-    outbound_queue_max: int = 64
+    outbound_queue_max: int = setting(64, env="OMNI_EDGE_OUTBOUND_QUEUE_MAX", range=(1, 100_000))
     """Events queued per connection for a client that reads slower than they come; one
     more closes the connection (slow_client, 1008)."""
-    outbound_queue_bytes: int = 2 * 1024 * 1024
+    outbound_queue_bytes: int = setting(
+        2 * 1024 * 1024, env="OMNI_EDGE_OUTBOUND_QUEUE_BYTES", range=(64 * 1024, 1 << 30)
+    )
     """The same bound in bytes of JSON (one event always fits an empty queue)."""
-    drain_grace_s: float = 5.0
+    drain_grace_s: float = setting(
+        5.0,
+        env="OMNI_EDGE_DRAIN_GRACE_S",
+        flag="--grace",
+        range=(0, 3600),
+        help="drain grace period on SIGTERM, s",
+    )
     """On SIGTERM: time open sessions get to end with server_shutdown before the stop."""
-    tls_cert: str | None = None
+    tls_cert: str | None = setting(
+        None,
+        env="OMNI_EDGE_TLS_CERT",
+        flag="--tls-cert",
+        help="PEM certificate: wss:// and TLS on the gRPC port",
+    )
     """PEM certificate (chain) for wss:// and TLS on the gRPC port; needs tls_key."""
-    tls_key: str | None = None
+    tls_key: str | None = setting(
+        None, env="OMNI_EDGE_TLS_KEY", flag="--tls-key", help="PEM private key of --tls-cert"
+    )
     """PEM private key of tls_cert."""
-    fabric_tls_ca: str | None = None
+    fabric_tls_ca: str | None = setting(
+        None,
+        env="OMNI_FABRIC_TLS_CA",
+        flag="--fabric-tls-ca",
+        help="PEM CA of the scheduler's and workers' certificates (TLS)",
+    )
     """PEM CA the scheduler's and workers' certificates are checked against; set = the
     edge dials them over TLS (edge/fabric.py), unset = plaintext."""
-    fabric_tls_cert: str | None = None
+    fabric_tls_cert: str | None = setting(
+        None,
+        env="OMNI_FABRIC_TLS_CERT",
+        flag="--fabric-tls-cert",
+        help="PEM client certificate for the fabric (mTLS)",
+    )
     """PEM client certificate the edge presents to them (mutual TLS); needs fabric_tls_key."""
-    fabric_tls_key: str | None = None
+    fabric_tls_key: str | None = setting(
+        None,
+        env="OMNI_FABRIC_TLS_KEY",
+        flag="--fabric-tls-key",
+        help="PEM private key of --fabric-tls-cert",
+    )
     """PEM private key of fabric_tls_cert."""
     worker_start_timeout_s: float = 30.0
     """Time allowed for a worker to prepare a session (system prompt, voices)."""
-    allowed_origins: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        env="OMNI_EDGE_ALLOWED_ORIGINS",
+        flag="--allowed-origin",
+        repeat=True,
+        help="browser Origin allowed to connect (repeatable; default: any)",
+    )
     """Browser Origins allowed to open WebSockets (empty = any). Clients sending no Origin
     header (SDKs, scripts) are always allowed; a listed-out Origin gets HTTP 403."""
-    unit_timeout_s: float = 3.0
+    unit_timeout_s: float = setting(3.0, env="OMNI_EDGE_UNIT_TIMEOUT_S", range=(0.5, 600))
     """A unit with no result (nor a counted drop) after this long means the worker is hung:
     the session closes with error (RELIABILITY.md F2 asks for detection within 5 s)."""
     close_timeout_s: float = 5.0
     """Time allowed for a worker to confirm a session's end before the edge gives up."""
     ws_close_timeout_s: float = 2.0
     """Time a client gets to answer the WebSocket close handshake."""
-    grpc_max_message_bytes: int = 16 * 1024 * 1024
+    grpc_max_message_bytes: int = setting(
+        16 * 1024 * 1024, env="OMNI_EDGE_GRPC_MAX_MESSAGE_BYTES", range=(1 << 16, 1 << 30)
+    )
     """Largest gRPC message to and from the services."""
     default_mode: str = "video"
     """Mode of /v1/realtime when the URL names none (the spec's default)."""
-    default_ref_audio: str | None = None
+    default_ref_audio: str | None = setting(
+        None,
+        env="OMNI_EDGE_DEFAULT_REF_AUDIO",
+        flag="--default-ref-audio",
+        help="WAV served at GET /api/default_ref_audio (the default voice)",
+    )
     """WAV file served at GET /api/default_ref_audio (the workers' default voice; `omnifabric
     serve` passes the one its workers use). None: that endpoint answers 404."""
-    record_dir: str | None = None
+    record_dir: str | None = setting(
+        None,
+        env="OMNI_EDGE_RECORD_DIR",
+        flag="--record-dir",
+        help="record every audio/video session under this folder (user audio!)",
+    )
     """Record every /v1/realtime audio/video session under this folder (edge/recording.py)."""
-    record_max_age_days: float = 7.0
+    record_max_age_days: float = setting(
+        7.0, env="OMNI_EDGE_RECORD_MAX_AGE_DAYS", range=(0.001, 36500)
+    )
     """Recordings older than this are deleted (at start, then hourly)."""
-    record_max_bytes: int = 10 * 1024**3
+    record_max_bytes: int = setting(
+        10 * 1024**3, env="OMNI_EDGE_RECORD_MAX_BYTES", range=(1 << 20, 1 << 50)
+    )
     """Then the oldest recordings are deleted until the rest fit in this many bytes."""
 
+    def __post_init__(self) -> None:
+        settings.check(self)
+
     @classmethod
-    def from_env(cls) -> EdgeConfig:
-        """Defaults overridden by OMNI_EDGE_* variables (range-checked)."""
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None
+    ) -> EdgeConfig:
+        """Defaults, the OMNI_EDGE_* variables (range-checked, errors naming the variable), then
+        `flags` (field -> value, None = not given). API keys come from OMNI_API_KEYS
+        (comma-separated entries) and the file OMNI_API_KEYS_FILE names."""
+        env = os.environ if environ is None else environ
         keys: frozenset[str] = frozenset()
         limits: dict[str, int] = {}
-        if os.environ.get("OMNI_API_KEYS"):
-            entries = [k for k in os.environ["OMNI_API_KEYS"].split(",") if k.strip()]
+        if env.get("OMNI_API_KEYS"):
+            entries = [k for k in env["OMNI_API_KEYS"].split(",") if k.strip()]
             for i, entry in enumerate(entries, 1):
                 digest, limit = parse_key_entry(entry, f"OMNI_API_KEYS entry {i}")
                 keys = keys | {digest}
                 if limit is not None:
                     limits[digest] = limit
-        if os.environ.get("OMNI_API_KEYS_FILE"):
-            file_keys, file_limits = read_key_file(os.environ["OMNI_API_KEYS_FILE"])
+        if env.get("OMNI_API_KEYS_FILE"):
+            file_keys, file_limits = read_key_file(env["OMNI_API_KEYS_FILE"])
             keys = keys | file_keys
             limits.update(file_limits)
-        return cls(
-            host=os.environ.get("OMNI_EDGE_HOST", cls.host),
-            port=_env_int("OMNI_EDGE_PORT", cls.port, 0, 65535),
-            grpc_port=_env_int("OMNI_EDGE_GRPC_PORT", cls.grpc_port, -1, 65535),
-            scheduler=os.environ.get("OMNI_EDGE_SCHEDULER", cls.scheduler),
+        return settings.load(
+            cls,
+            env,
+            flags,
             api_key_digests=keys,
             api_key_limits=tuple(sorted(limits.items())),
-            max_sessions_per_key=_env_int(
-                "OMNI_EDGE_MAX_SESSIONS_PER_KEY", cls.max_sessions_per_key, 0, 1_000_000
-            ),
-            max_frame_bytes=_env_int(
-                "OMNI_EDGE_MAX_FRAME_BYTES", cls.max_frame_bytes, 1024, 1 << 30
-            ),
-            open_timeout_s=_env_float("OMNI_EDGE_OPEN_TIMEOUT_S", cls.open_timeout_s, 0.1, 600),
-            ping_interval_s=_env_float("OMNI_EDGE_PING_INTERVAL_S", cls.ping_interval_s, 0.1, 3600),
-            ping_timeout_s=_env_float("OMNI_EDGE_PING_TIMEOUT_S", cls.ping_timeout_s, 0.1, 3600),
-            inbound_queue_max=_env_int(
-                "OMNI_EDGE_INBOUND_QUEUE_MAX", cls.inbound_queue_max, 1, 1024
-            ),
-            outbound_queue_max=_env_int(
-                "OMNI_EDGE_OUTBOUND_QUEUE_MAX", cls.outbound_queue_max, 1, 100_000
-            ),
-            outbound_queue_bytes=_env_int(
-                "OMNI_EDGE_OUTBOUND_QUEUE_BYTES", cls.outbound_queue_bytes, 64 * 1024, 1 << 30
-            ),
-            drain_grace_s=_env_float("OMNI_EDGE_DRAIN_GRACE_S", cls.drain_grace_s, 0, 3600),
-            tls_cert=os.environ.get("OMNI_EDGE_TLS_CERT") or None,
-            tls_key=os.environ.get("OMNI_EDGE_TLS_KEY") or None,
-            fabric_tls_ca=os.environ.get("OMNI_FABRIC_TLS_CA") or None,
-            fabric_tls_cert=os.environ.get("OMNI_FABRIC_TLS_CERT") or None,
-            fabric_tls_key=os.environ.get("OMNI_FABRIC_TLS_KEY") or None,
-            unit_timeout_s=_env_float("OMNI_EDGE_UNIT_TIMEOUT_S", cls.unit_timeout_s, 0.5, 600),
-            grpc_max_message_bytes=_env_int(
-                "OMNI_EDGE_GRPC_MAX_MESSAGE_BYTES", cls.grpc_max_message_bytes, 1 << 16, 1 << 30
-            ),
-            allowed_origins=tuple(
-                o.strip()
-                for o in os.environ.get("OMNI_EDGE_ALLOWED_ORIGINS", "").split(",")
-                if o.strip()
-            ),
-            record_dir=os.environ.get("OMNI_EDGE_RECORD_DIR") or None,
-            default_ref_audio=os.environ.get("OMNI_EDGE_DEFAULT_REF_AUDIO") or None,
-            record_max_age_days=_env_float(
-                "OMNI_EDGE_RECORD_MAX_AGE_DAYS", cls.record_max_age_days, 0.001, 36500
-            ),
-            record_max_bytes=_env_int(
-                "OMNI_EDGE_RECORD_MAX_BYTES", cls.record_max_bytes, 1 << 20, 1 << 50
-            ),
         )
 
     def with_overrides(self, **changes: object) -> EdgeConfig:

@@ -5,33 +5,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import gc
 import logging
 import signal
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
+from omnifabric.common import config as settings
 from omnifabric.common import logs
-from omnifabric.scheduler.config import ENV_VARS, SchedulerConfig, parse_value
+from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.metrics import serve_http
 from omnifabric.scheduler.server import start_server
 
 log = logging.getLogger("omnifabric.scheduler")
-
-# CLI flag -> config field; flags override the environment.
-_FLAGS = {
-    "--host": "host",
-    "--port": "port",
-    "--queue-max": "queue_max",
-    "--queue-update-interval": "queue_update_interval_s",
-    "--metrics-port": "metrics_port",
-    "--grace": "drain_grace_s",
-    "--max-message-bytes": "max_message_bytes",
-    "--fabric-tls-ca": "tls_ca",
-    "--fabric-tls-cert": "tls_cert",
-    "--fabric-tls-key": "tls_key",
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,15 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="omnifabric scheduler",
         description="Worker registry, FIFO queue and leases for omnifabric.",
     )
-    defaults = SchedulerConfig()
-    for flag, field in _FLAGS.items():
-        parser.add_argument(
-            flag,
-            dest=field,
-            type=_flag_type(field, flag),
-            default=None,
-            help=f"default {getattr(defaults, field)!r}, env {ENV_VARS[field]}",
-        )
+    settings.add_flags(parser, SchedulerConfig)
     parser.add_argument(
         "--log-level",
         default="INFO",
@@ -63,12 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        config = SchedulerConfig.from_env()
-    except ValueError as exc:
-        parser.error(str(exc))
-    overrides = {f: getattr(args, f) for f in _FLAGS.values() if getattr(args, f) is not None}
-    try:
-        config = dataclasses.replace(config, **overrides)
+        config = settings.load(SchedulerConfig, flags=settings.flag_values(args, SchedulerConfig))
     except ValueError as exc:
         parser.error(str(exc))
     logs.configure("scheduler", args.log_level)  # JSON lines (OMNI_LOG_FORMAT=text: plain)
@@ -122,13 +95,3 @@ def _run(main_coro: Coroutine[Any, Any, None]) -> None:
         asyncio.run(main_coro)
     else:
         uvloop.run(main_coro)
-
-
-def _flag_type(field: str, flag: str) -> Callable[[str], Any]:
-    def convert(raw: str) -> Any:
-        try:
-            return parse_value(field, raw, flag)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return convert

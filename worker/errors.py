@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+# A setting out of range or malformed is the shared configuration scheme's ConfigError (a
+# ValueError whose message names the variable or flag).
+from omnifabric.common.config import ConfigError as ConfigError
+
 
 class WorkerError(Exception):
     """Base of every error the worker raises on purpose; the message is safe to show."""
-
-
-class ConfigError(WorkerError, ValueError):
-    """A setting is out of range or malformed; the message names the variable."""
 
 
 class InvalidRequest(WorkerError):

@@ -75,4 +75,4 @@ async def test_bad_flag_value_exits_with_usage_error() -> None:
     )
     _, stderr = await asyncio.wait_for(process.communicate(), scaled(10))
     assert process.returncode == 2
-    assert b"--queue-max must be between" in stderr
+    assert b"--queue-max must be in 1..1000000, got 0" in stderr
