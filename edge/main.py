@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import logging
-import signal
 import sys
 
 from omnifabric.common import config as settings
-from omnifabric.common import logs
+from omnifabric.common import logs, process
 from omnifabric.edge.config import EdgeConfig, read_key_file
 
 
@@ -42,12 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"omnifabric edge: {exc}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-
-        uvloop.run(_run(config, config.drain_grace_s))
-    except ImportError:
-        asyncio.run(_run(config, config.drain_grace_s))
+    process.run(_run(config, config.drain_grace_s))
     return 0
 
 
@@ -66,10 +59,7 @@ async def _run(config: EdgeConfig, grace_s: float) -> None:
     gc.collect()
     gc.freeze()
     METRICS.time_gc()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = process.stop_on_signals()
     print(f"omnifabric edge ready: {edge.url} grpc={config.host}:{edge.grpc_port}", flush=True)
     await stop.wait()
     logging.getLogger("omnifabric.edge").info("draining")

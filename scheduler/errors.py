@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
-
 import grpc
-
-log = logging.getLogger(__name__)
 
 #: Trailing metadata on every status the scheduler itself sends: lets a client tell the
 #: scheduler's own refusals (details meant for it) from transport failures.
@@ -70,59 +62,3 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, SchedulerError):
         return error.code, str(error)
     return grpc.StatusCode.INTERNAL, "internal scheduler error"
-
-
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Every handler's escaping exception becomes the status `status_for` gives it, so an
-    unforeseen error is INTERNAL with a generic message, never grpc's default UNKNOWN
-    status that quotes the exception."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return handler._replace(**{kind: _guarded(behavior, method)})
-        return handler
-
-
-def _guarded(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
-    if inspect.isasyncgenfunction(behavior):
-
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            try:
-                async with contextlib.aclosing(behavior(request, context)) as responses:
-                    async for response in responses:
-                        yield response
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await _abort_unexpected(context, exc, method)
-
-        return stream
-
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await behavior(request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await _abort_unexpected(context, exc, method)
-
-    return call
-
-
-async def _abort_unexpected(
-    context: grpc.aio.ServicerContext, error: Exception, method: str
-) -> None:
-    code, details = status_for(error)
-    if code is grpc.StatusCode.INTERNAL:
-        log.error("unexpected error in %s", method, exc_info=error)
-    await context.abort(code, details, trailing_metadata=SOURCE_METADATA)

@@ -4,15 +4,11 @@ or SIGINT."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import logging
-import signal
-from collections.abc import Coroutine
-from typing import Any
 
 from omnifabric.common import config as settings
-from omnifabric.common import logs
+from omnifabric.common import logs, process
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.metrics import serve_http
 from omnifabric.scheduler.server import start_server
@@ -45,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     logs.configure("scheduler", args.log_level)  # JSON lines (OMNI_LOG_FORMAT=text: plain)
-    _run(_serve(config))
+    process.run(_serve(config))
     return 0
 
 
@@ -63,10 +59,7 @@ async def _serve(config: SchedulerConfig) -> None:
         gc.freeze()
     except OSError as exc:
         raise SystemExit(f"omnifabric scheduler: {exc}") from None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    stop = process.stop_on_signals()
     metrics_word = ""
     if config.metrics_port >= 0:
         try:
@@ -85,13 +78,3 @@ async def _serve(config: SchedulerConfig) -> None:
     await running.drain(config.drain_grace_s)
     if provider is not None:
         provider.shutdown()  # flush the last spans
-
-
-def _run(main_coro: Coroutine[Any, Any, None]) -> None:
-    """Run on uvloop when it is installed, else on the default asyncio loop."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main_coro)
-    else:
-        uvloop.run(main_coro)

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from omnifabric.common.interceptors import ErrorInterceptor
 from omnifabric.common.tls import server_credentials
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.core import Scheduler
-from omnifabric.scheduler.errors import ErrorInterceptor
+from omnifabric.scheduler.errors import SOURCE_METADATA, status_for
 from omnifabric.scheduler.service import SchedulerServicer
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ async def start_server(config: SchedulerConfig) -> RunningScheduler:
     credentials = server_credentials(config.tls_ca, config.tls_cert, config.tls_key)
     scheduler = Scheduler(config)
     server = grpc.aio.server(
-        options=server_options(config.max_message_bytes), interceptors=[ErrorInterceptor()]
+        options=server_options(config.max_message_bytes),
+        interceptors=[ErrorInterceptor(status_for, log, SOURCE_METADATA)],
     )
     scheduler_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(scheduler), server)
     health_servicer = health.aio.HealthServicer()

@@ -6,11 +6,10 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 
 from omnifabric.common import config as settings
-from omnifabric.common import logs
+from omnifabric.common import logs, process
 from omnifabric.worker.config import WorkerConfig
 from omnifabric.worker.errors import ConfigError, WorkerError
 from omnifabric.worker.metrics import serve_http
@@ -41,10 +40,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 async def serve(config: WorkerConfig) -> int:
     """Run until SIGTERM/SIGINT, then drain; prints the ready line once serving and registered."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    stop = process.stop_on_signals()
     from omnifabric.common import telemetry
 
     provider = telemetry.setup("worker", config.worker_id)
@@ -122,13 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return check(config)
     try:
-        import uvloop
-    except ImportError:
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
-    try:
-        return runner(serve(config))
+        return process.run(serve(config))
     except WorkerError as exc:
         print(f"omnifabric worker: {exc}", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from omnifabric.common.interceptors import ErrorInterceptor
 from omnifabric.common.tls import channel_credentials, server_credentials
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 from omnifabric.worker.config import WorkerConfig
@@ -19,7 +20,7 @@ from omnifabric.worker.engine import Engine
 from omnifabric.worker.engines.registry import load_engine
 from omnifabric.worker.registration import Registration
 from omnifabric.worker.runtime import Health, WorkerRuntime
-from omnifabric.worker.service import ErrorInterceptor, WorkerServicer
+from omnifabric.worker.service import WorkerServicer, status_for
 
 log = logging.getLogger("omnifabric.worker")
 
@@ -131,7 +132,8 @@ async def start_worker(config: WorkerConfig, engine: Engine | None = None) -> Ru
 
     credentials = server_credentials(config.tls_ca, config.tls_cert, config.tls_key)
     server = grpc.aio.server(
-        options=server_options(config.max_message_bytes), interceptors=[ErrorInterceptor()]
+        options=server_options(config.max_message_bytes),
+        interceptors=[ErrorInterceptor(status_for, log)],
     )
     worker_grpc.add_WorkerServiceServicer_to_server(
         WorkerServicer(runtime, config.worker_id), server
