@@ -159,9 +159,10 @@ def read_until_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 60.0
     raise AssertionError(f"no line starting {prefix!r}:\n" + "".join(lines))
 
 
-def start_serve(*extra: str) -> subprocess.Popen:
-    """`omnifabric serve` on free ports (every service), output on its stdout pipe."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def start_serve(*extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`omnifabric serve` on free ports (every service), output on its stdout pipe; `env`
+    adds variables to the children's environment."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     ports = ["--port", "0", "--grpc-port", "0", "--scheduler-port", "0"]
     return subprocess.Popen(
         [

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,8 @@ import tomllib
 import pytest
 
 from tests.conftest import ROOT, scaled
+from tests.e2e.wsclient import WsClient, served_unit
+from tests.stack import read_until_line, start_serve
 
 #: Top-level modules that only the extras bring (reference, minicpmo, bench).
 NOT_IN_BASE = (
@@ -73,6 +76,28 @@ def test_services_load_without_the_extras():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+async def test_a_synthetic_stack_serves_on_the_base_install(tmp_path):
+    """`omnifabric serve --engine synthetic` with the extras unimportable in every process
+    (a sitecustomize on PYTHONPATH installs the blocker in the children too): scheduler,
+    worker and edge start, and a session is served."""
+    (tmp_path / "sitecustomize.py").write_text(BASE_ONLY)
+    serve = start_serve("--engine", "synthetic", env={"PYTHONPATH": str(tmp_path)})
+    try:
+        url = read_until_line(serve, "omnifabric ready: ").split()[-1]
+        client = await WsClient.open(f"{url}?mode=audio")
+        try:
+            await client.start()
+            unit = await served_unit(client)
+            assert unit["type"] in ("delta.listen", "response.output.delta"), unit
+        finally:
+            await client.close()
+    finally:
+        serve.send_signal(signal.SIGINT)
+        rest, _ = serve.communicate(timeout=scaled(30))
+    assert serve.returncode == 0, rest
+    assert "No module named" not in rest, rest
 
 
 def test_the_blocker_can_fail():

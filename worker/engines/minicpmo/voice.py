@@ -65,11 +65,17 @@ def model_dir_voice(root: Path) -> Path | None:
 def project_clip(cache_dir: Path) -> Path:
     """The project's own default voice clip (espeak-ng, 16 kHz), made once into
     `cache_dir`. Raises RuntimeError when espeak-ng is missing."""
-    from omnifabric.worker.engines.reference.tts import Speaker
-
     path = cache_dir / "default-voice-espeak.wav"
     if not path.is_file():
-        from scipy.signal import resample_poly
+        try:
+            from scipy.signal import resample_poly
+
+            from omnifabric.worker.engines.reference.tts import Speaker
+        except ImportError as exc:
+            raise RuntimeError(
+                f"the project's voice clip is rendered with the reference extra ({exc}): "
+                "pip install 'omnifabric[reference]', or give a voice WAV"
+            ) from None
 
         speech = Speaker().synthesize(CLIP_TEXT)  # 24 kHz
         cache_dir.mkdir(parents=True, exist_ok=True)
