@@ -242,6 +242,16 @@ class EdgeConfig:
     )
     """WAV file served at GET /api/default_ref_audio (the workers' default voice; `omnifabric
     serve` passes the one its workers use). None: that endpoint answers 404."""
+    presets_dir: str | None = setting(
+        None,
+        env="OMNI_EDGE_PRESETS_DIR",
+        flag="--presets-dir",
+        help="folder of system-prompt presets, MODE/ID.yaml (default: the packaged ones)",
+    )
+    """Served at GET /api/presets (edge/presets.py); None = the presets omnifabric ships."""
+    playback_delay_ms: int = setting(200, env="OMNI_EDGE_PLAYBACK_DELAY_MS", range=(0, 2000))
+    """GET /api/frontend_defaults: how long pages buffer the first reply audio before
+    playing it (absorbs network and inference jitter)."""
     record_dir: str | None = setting(
         None,
         env="OMNI_EDGE_RECORD_DIR",
