@@ -10,7 +10,7 @@ import json
 import logging
 from http import HTTPStatus
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
@@ -18,7 +18,8 @@ from websockets.exceptions import InvalidHeader
 from websockets.headers import parse_subprotocol
 from websockets.http11 import Request, Response
 
-from omnifabric.edge import dialects, static
+from omnifabric.common.paths import cache_root
+from omnifabric.edge import api, dialects, static
 from omnifabric.edge.access import KeySessions, key_digest, subprotocol_key
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.connection import ChatConnection, DuplexConnection, connection_for
@@ -29,6 +30,7 @@ from omnifabric.edge.metrics import EdgeMetrics
 from omnifabric.edge.outbox import keepalive
 from omnifabric.edge.presets import Presets
 from omnifabric.edge.transports.websocket import WebSocketTransport
+from omnifabric.edge.voices import VoiceRegistry
 
 log = logging.getLogger("omnifabric.edge.app")
 
@@ -102,21 +104,6 @@ def _plain(status: HTTPStatus, body: str, content_type: str = "text/plain") -> R
     return Response(status.value, status.phrase, headers, body.encode())
 
 
-def _json(status: HTTPStatus, body: Any) -> Response:
-    return _plain(status, json.dumps(body, ensure_ascii=False), "application/json")
-
-
-def api_error(status: HTTPStatus, code: str, message: str) -> Response:
-    """An error of the HTTP API: the shape POST /api/chat answers with, plus `detail` as the
-    reference server (FastAPI) words it, so its clients read the message too."""
-    body = {"success": False, "error": code, "message": message, "detail": message}
-    return _json(status, body)
-
-
-#: System-prompt presets (edge/presets.py), as the reference server serves them.
-PRESETS_PATH = "/api/presets"
-
-
 class EdgeApp:
     """Shared state of the WebSocket server: config, fabric clients, live connections."""
 
@@ -136,6 +123,8 @@ class EdgeApp:
         """GET /api/default_ref_audio's body, made at the first request."""
         self.presets = Presets(config.presets_dir)
         """GET /api/presets: the operator's preset files (read again when they change)."""
+        self.voices = VoiceRegistry(config.voices_dir or cache_root() / "ref_audio")
+        """/api/assets/ref_audio: registered reference voices."""
         self.key_sessions = KeySessions(config)
         """Open sessions per API key, held from the upgrade to the connection's end."""
 
@@ -169,10 +158,11 @@ class EdgeApp:
         if path == DEFAULT_REF_AUDIO_PATH:
             # The server's own voice, what the pages load before a session: no key.
             return self.default_ref_audio_response()
-        if path == "/api/frontend_defaults" or path.startswith(PRESETS_PATH):
-            # What the pages load before a session (settings, presets): no key, as the
-            # reference server serves them.
-            return self.page_data_response(path)
+        answer = api.handle(self, "GET", path, b"", request_authorization(request.headers))
+        if answer is not None:
+            # Page settings, presets, registered voices (edge/api.py; it checks keys).
+            body = json.dumps(answer.body, ensure_ascii=False)
+            return _plain(answer.status, body, "application/json")
         if static.is_static(path):
             # The web client's pages hold no data: no key. What they open or fetch needs one.
             return static.static_response(request, path)
@@ -201,20 +191,6 @@ class EdgeApp:
             # Given back when the connection is over, whatever ends it (released).
             conn.held_key = digest  # type: ignore[attr-defined]
         return None
-
-    def page_data_response(self, path: str) -> Response:
-        """GET /api/frontend_defaults, /api/presets and /api/presets/{mode}/{id}/audio."""
-        if path == "/api/frontend_defaults":
-            return _json(HTTPStatus.OK, {"playback_delay_ms": self.config.playback_delay_ms})
-        if path == PRESETS_PATH:
-            return _json(HTTPStatus.OK, self.presets.listing())
-        parts = path.removeprefix(PRESETS_PATH + "/").split("/")
-        if len(parts) == 3 and parts[2] == "audio" and all(parts[:2]):
-            audio = self.presets.audio(unquote(parts[0]), unquote(parts[1]))
-            if audio is not None:
-                return _json(HTTPStatus.OK, audio)
-            return api_error(HTTPStatus.NOT_FOUND, "not_found", f"no preset {parts[0]}/{parts[1]}")
-        return api_error(HTTPStatus.NOT_FOUND, "not_found", f"no such endpoint: {path}")
 
     def default_ref_audio_response(self) -> Response:
         """GET /api/default_ref_audio: the default voice as float32 16 kHz PCM in base64

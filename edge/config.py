@@ -249,6 +249,13 @@ class EdgeConfig:
         help="folder of system-prompt presets, MODE/ID.yaml (default: the packaged ones)",
     )
     """Served at GET /api/presets (edge/presets.py); None = the presets omnifabric ships."""
+    voices_dir: str | None = setting(
+        None,
+        env="OMNI_EDGE_VOICES_DIR",
+        flag="--voices-dir",
+        help="folder of registered reference voices (default: CACHE/ref_audio)",
+    )
+    """/api/assets/ref_audio's store (edge/voices.py); None = $OMNI_CACHE_DIR/ref_audio."""
     playback_delay_ms: int = setting(200, env="OMNI_EDGE_PLAYBACK_DELAY_MS", range=(0, 2000))
     """GET /api/frontend_defaults: how long pages buffer the first reply audio before
     playing it (absorbs network and inference jitter)."""

@@ -45,8 +45,10 @@ from omnifabric.edge.errors import EdgeError, InternalError, InvalidEvent
 from omnifabric.edge.fabric import Fabric
 from omnifabric.edge.fields import InvalidJson
 from omnifabric.edge.metrics import EdgeMetrics
+from omnifabric.edge.presets import Presets
 from omnifabric.edge.recording import SessionRecorder
 from omnifabric.edge.session import SessionCore, new_session_id, run_turn
+from omnifabric.edge.voices import VoiceRegistry
 
 log = logging.getLogger("omnifabric.edge.connection")
 
@@ -61,6 +63,8 @@ class EdgeContext(Protocol):
     fabric: Fabric
     metrics: EdgeMetrics
     key_sessions: KeySessions
+    presets: Presets
+    voices: VoiceRegistry
     connections: set[DuplexConnection]
     chats: set[ChatConnection]
     http_tasks: set[asyncio.Task]

@@ -1,8 +1,9 @@
-"""HTTP/1.1 requests with a body on the WebSocket port: `POST /api/chat`.
+"""HTTP/1.1 requests with a body on the WebSocket port: `POST /api/chat`, and the API's
+POST/PUT/DELETE routes (edge/api.py).
 
 Every connection on the edge's port starts in `FrontProtocol`, which reads the first
-bytes: a `POST` is served here (`HttpRequestReader` reads one request, answered once with
-`Connection: close`); anything else is handed to the WebSocket server
+bytes: a `POST`, `PUT` or `DELETE` is served here (`HttpRequestReader` reads one request,
+answered once with `Connection: close`); anything else is handed to the WebSocket server
 (edge.transports.websocket) with the bytes read so far. The request is read in full
 before it is served, within limits: its head within the open timeout and 16 KiB (431), a
 Content-Length (411, no chunked bodies) of at most the frame limit (413), the body within
@@ -25,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from websockets.datastructures import Headers
 
-from omnifabric.edge import dialects
+from omnifabric.edge import api, dialects
 from omnifabric.edge.access import key_digest
 from omnifabric.edge.connection import ChatConnection, EdgeContext
 from omnifabric.edge.dialects.http_chat import HttpResponse, failure
@@ -34,6 +35,9 @@ from omnifabric.edge.errors import EdgeError
 log = logging.getLogger("omnifabric.edge.http")
 
 MAX_HEAD_BYTES = 16 * 1024
+#: Requests this reader serves (with a body, or DELETE); anything else goes to the WebSocket
+#: server (GET: upgrades, pages, health, the GET API).
+HTTP_METHODS = (b"POST ", b"PUT ", b"DELETE ")
 
 
 class HttpRequestReader:
@@ -71,7 +75,9 @@ class HttpRequestReader:
                 for line in lines[1:]:
                     name, _, value = line.partition(":")
                     self.headers[name.strip()] = value.strip()
-                self.length = int(self.headers.get("Content-Length", "-1"))
+                # A DELETE may come without a body and without saying so.
+                none = "0" if self.method == "DELETE" else "-1"
+                self.length = int(self.headers.get("Content-Length", none))
             except ValueError:
                 self._refuse(HTTPStatus.BAD_REQUEST, "malformed request")
                 return
@@ -193,13 +199,13 @@ class FrontProtocol(asyncio.Protocol):
             self._http.feed(data)
             return
         self._sniffed += data
-        if len(self._sniffed) < 5 and b"\r\n" not in self._sniffed:
+        if len(self._sniffed) < 7 and b"\r\n" not in self._sniffed:
             return
         if self._timer is not None:
             self._timer.cancel()
         first, self._sniffed = self._sniffed, b""
         assert self.transport is not None
-        if not first.startswith(b"POST "):
+        if not first.startswith(HTTP_METHODS):
             self._handed_over = True
             self.open_websocket(self.transport, first)
             return
@@ -232,10 +238,12 @@ class FrontProtocol(asyncio.Protocol):
         path = urlsplit(reader.target).path
         found = dialects.find(dialects.HTTP, path)
         transport = HttpTransport(path, reader.body, raw, self._gone)
+        authorization = reader.headers.get("Authorization", "")
         if problem is not None:
             transport.answer(failure(problem[0], "invalid_request", problem[1]))
         elif found is None:
-            transport.answer(failure(HTTPStatus.NOT_FOUND, "not_found", f"no {path}"))
+            answer = api.handle(self.app, reader.method, path, reader.body, authorization)
+            transport.answer(answer or failure(HTTPStatus.NOT_FOUND, "not_found", f"no {path}"))
         elif reader.method != "POST":
             transport.answer(failure(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use POST"))
         else:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omnifabric.worker.engines.cache import cache_root
+from omnifabric.common.paths import cache_root
 
 #: What the project's own clip says (about 4 s at 160 words per minute).
 CLIP_TEXT = "Hello, I am your voice assistant. How can I help you today?"

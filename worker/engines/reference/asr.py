@@ -42,7 +42,7 @@ from torch import nn
 from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-from omnifabric.worker.engines.cache import cache_root
+from omnifabric.common.paths import cache_root
 
 SAMPLE_RATE = 16000
 HOP = 160

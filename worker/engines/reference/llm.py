@@ -28,7 +28,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from omnifabric.worker.engines.cache import cache_root, swap_in
+from omnifabric.common.paths import cache_root
+from omnifabric.worker.engines.cache import swap_in
 from omnifabric.worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

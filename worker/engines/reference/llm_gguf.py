@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omnifabric.worker.engines.cache import cache_root, swap_in
+from omnifabric.common.paths import cache_root
+from omnifabric.worker.engines.cache import swap_in
 from omnifabric.worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,108 @@
+"""The edge's small HTTP API beside the sessions, as the reference server offers it: page
+settings, system-prompt presets, registered reference voices.
+
+`handle(context, method, path, body, authorization)` answers one request (None: not an API
+path). GET requests reach it from the WebSocket server's request hook (edge/app.py), the
+others from the HTTP reader (edge/transports/http.py): one table for both. Errors have the
+shape of POST /api/chat's, plus `detail` as the reference server (FastAPI) words it.
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any, Protocol
+from urllib.parse import unquote
+
+from omnifabric.edge.access import key_digest
+from omnifabric.edge.config import EdgeConfig
+from omnifabric.edge.dialects.http_chat import HttpResponse
+from omnifabric.edge.errors import InvalidPayload
+from omnifabric.edge.presets import Presets
+from omnifabric.edge.voices import VoiceRegistry
+
+FRONTEND_DEFAULTS = "/api/frontend_defaults"
+PRESETS = "/api/presets"
+VOICES = "/api/assets/ref_audio"
+
+
+class ApiContext(Protocol):
+    config: EdgeConfig
+    presets: Presets
+    voices: VoiceRegistry
+
+
+def error(status: HTTPStatus, code: str, message: str) -> HttpResponse:
+    return HttpResponse(
+        status, {"success": False, "error": code, "message": message, "detail": message}
+    )
+
+
+def is_api(path: str) -> bool:
+    return path in (FRONTEND_DEFAULTS, PRESETS, VOICES) or path.startswith(
+        (PRESETS + "/", VOICES + "/")
+    )
+
+
+def handle(
+    context: ApiContext, method: str, path: str, body: bytes, authorization: str
+) -> HttpResponse | None:
+    """The answer to one API request, or None when `path` is not the API's."""
+    if not is_api(path):
+        return None
+    if path == FRONTEND_DEFAULTS or path.startswith(PRESETS):
+        # What the pages load before a session: no key, as the reference server.
+        if method != "GET":
+            return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use GET")
+        return _page_data(context, path)
+    if key_digest(context.config, authorization) is None:
+        return error(HTTPStatus.UNAUTHORIZED, "unauthorized", "missing or invalid API key")
+    if path == VOICES:
+        if method == "GET":
+            return HttpResponse(HTTPStatus.OK, context.voices.list())
+        if method == "POST":
+            return _upload(context, body)
+        return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use GET or POST")
+    voice_id = unquote(path.removeprefix(VOICES + "/"))
+    if method != "DELETE":
+        return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use DELETE")
+    if not context.voices.delete(voice_id):
+        return error(HTTPStatus.NOT_FOUND, "not_found", f"no reference audio {voice_id}")
+    return HttpResponse(HTTPStatus.OK, {"success": True, "id": voice_id, "message": "deleted"})
+
+
+def _page_data(context: ApiContext, path: str) -> HttpResponse:
+    if path == FRONTEND_DEFAULTS:
+        return HttpResponse(HTTPStatus.OK, {"playback_delay_ms": context.config.playback_delay_ms})
+    if path == PRESETS:
+        return HttpResponse(HTTPStatus.OK, dict(context.presets.listing()))
+    parts = path.removeprefix(PRESETS + "/").split("/")
+    if len(parts) == 3 and parts[2] == "audio" and all(parts[:2]):
+        mode, preset_id = unquote(parts[0]), unquote(parts[1])
+        audio = context.presets.audio(mode, preset_id)
+        if audio is not None:
+            return HttpResponse(HTTPStatus.OK, audio)
+        return error(HTTPStatus.NOT_FOUND, "not_found", f"no preset {mode}/{preset_id}")
+    return error(HTTPStatus.NOT_FOUND, "not_found", f"no such endpoint: {path}")
+
+
+def _upload(context: ApiContext, body: bytes) -> HttpResponse:
+    try:
+        request: Any = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return error(HTTPStatus.BAD_REQUEST, "invalid_request", "the body is not JSON")
+    if not isinstance(request, dict):
+        return error(HTTPStatus.BAD_REQUEST, "invalid_request", "the body is not a JSON object")
+    try:
+        voice = context.voices.upload(request.get("name"), request.get("audio_base64"))
+    except InvalidPayload as exc:
+        return error(HTTPStatus.BAD_REQUEST, "invalid_request", str(exc))
+    return HttpResponse(
+        HTTPStatus.OK,
+        {
+            "success": True,
+            "id": voice.id,
+            "name": voice.name,
+            "message": f"stored: {voice.duration_ms} ms at 16 kHz",
+        },
+    )

@@ -1,0 +1,147 @@
+"""Registered reference voices: `GET/POST /api/assets/ref_audio`, `DELETE
+/api/assets/ref_audio/{id}`, as the reference server offers them.
+
+An upload is a WAV (16- or 32-bit PCM, any rate 8-48 kHz, mono or stereo) in base64 with a
+display name; it is stored normalized (16 kHz mono 16-bit WAV) as `DIR/<id>.wav`, listed in
+`DIR/registry.json` (written atomically, read at start). One edge owns its folder: edges
+behind a load balancer each have their own unless DIR is shared storage.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import os
+import threading
+import uuid
+import wave
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omnifabric.edge.errors import InvalidPayload
+from omnifabric.edge.pcm import wav_to_pcm16k
+
+log = logging.getLogger("omnifabric.edge.voices")
+
+MAX_NAME_CHARS = 100
+MAX_SECONDS = 60.0
+MAX_VOICES = 1000
+
+
+@dataclass(frozen=True)
+class Voice:
+    """One registered voice, as listed."""
+
+    id: str
+    name: str
+    filename: str
+    duration_ms: int
+    source_type: str = "upload"
+    sample_rate: int = 16000
+    created_at: str = ""
+
+
+class VoiceRegistry:
+    """The voices stored under one folder."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._lock = threading.Lock()
+        self._voices: dict[str, Voice] = {}
+        self._load()
+
+    def list(self) -> dict[str, Any]:
+        """{total, ref_audios: [...]} in upload order."""
+        voices = [asdict(v) for v in self._voices.values()]
+        return {"total": len(voices), "ref_audios": voices}
+
+    def upload(self, name: Any, audio_base64: Any) -> Voice:
+        """Store a voice; InvalidPayload (the message says what is wrong) for a bad one."""
+        if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_CHARS:
+            raise InvalidPayload(f"name must be text of 1 to {MAX_NAME_CHARS} characters")
+        if not isinstance(audio_base64, str) or not audio_base64:
+            raise InvalidPayload("audio_base64 must be a base64 WAV")
+        try:
+            data = base64.b64decode(audio_base64, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidPayload("audio_base64 is not valid base64") from None
+        pcm = np.frombuffer(wav_to_pcm16k(data, "audio_base64"), "<f4")
+        if pcm.size == 0:
+            raise InvalidPayload("audio_base64 holds no audio")
+        if pcm.size > MAX_SECONDS * 16000:
+            raise InvalidPayload(
+                f"the voice is {pcm.size / 16000:.1f} s: at most {MAX_SECONDS:g} s"
+            )
+        with self._lock:
+            if len(self._voices) >= MAX_VOICES:
+                raise InvalidPayload(f"{MAX_VOICES} voices are stored: delete one first")
+            voice_id = str(uuid.uuid4())
+            voice = Voice(
+                id=voice_id,
+                name=name.strip(),
+                filename=f"{voice_id}.wav",
+                duration_ms=int(pcm.size / 16),
+                created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            )
+            self.root.mkdir(parents=True, exist_ok=True)
+            _write_wav(self.root / voice.filename, pcm)
+            self._voices[voice_id] = voice
+            self._save()
+        log.info("voice %s stored: %r, %d ms", voice_id, voice.name, voice.duration_ms)
+        return voice
+
+    def delete(self, voice_id: str) -> bool:
+        """Remove a voice; False when there is none with that id."""
+        with self._lock:
+            voice = self._voices.pop(voice_id, None)
+            if voice is None:
+                return False
+            self._save()
+        (self.root / voice.filename).unlink(missing_ok=True)
+        return True
+
+    def pcm(self, voice_id: str) -> bytes | None:
+        """A voice's audio as float32 16 kHz PCM (what sessions send as reference audio)."""
+        voice = self._voices.get(voice_id)
+        if voice is None:
+            return None
+        try:
+            return wav_to_pcm16k((self.root / voice.filename).read_bytes(), "voice")
+        except (OSError, InvalidPayload) as exc:
+            log.error("voice %s unreadable: %s", voice_id, exc)
+            return None
+
+    def _load(self) -> None:
+        index = self.root / "registry.json"
+        if not index.is_file():
+            return
+        try:
+            entries = json.loads(index.read_text())["ref_audios"]
+            for entry in entries:
+                voice = Voice(**entry)
+                if (self.root / voice.filename).is_file():
+                    self._voices[voice.id] = voice
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("voice registry %s unreadable, starting empty: %s", index, exc)
+
+    def _save(self) -> None:
+        index = self.root / "registry.json"
+        tmp = index.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.list(), ensure_ascii=False, indent=1))
+        os.replace(tmp, index)
+
+
+def _write_wav(path: Path, pcm: np.ndarray) -> None:
+    tmp = path.with_suffix(".tmp")
+    with wave.open(str(tmp), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(16000)
+        out.writeframes((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes())
+    os.replace(tmp, path)

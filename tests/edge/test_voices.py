@@ -1,0 +1,129 @@
+"""Registered reference voices (/api/assets/ref_audio): stored normalized, listed, deleted,
+kept across restarts; bad uploads refused with a message; the key checked when keys are on."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import urllib.error
+import urllib.request
+import wave
+
+import numpy as np
+import pytest
+
+from omnifabric.edge.errors import InvalidPayload
+from omnifabric.edge.voices import VoiceRegistry
+from tests.conftest import scaled
+from tests.e2e.test_default_voice import http_url
+from tests.stack import Stack
+
+
+def wav_b64(seconds=1.0, rate=22050, channels=1) -> str:
+    n = int(rate * seconds)
+    tone = 0.3 * np.sin(2 * np.pi * 200 * np.arange(n) / rate)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.repeat(tone, channels) * 32767).astype("<i2").tobytes())
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_upload_list_delete_and_restart(tmp_path):
+    registry = VoiceRegistry(tmp_path / "voices")
+    assert registry.list() == {"total": 0, "ref_audios": []}
+    anna = registry.upload("Anna", wav_b64(1.5, 22050, channels=2))
+    listed = registry.list()
+    assert listed["total"] == 1
+    entry = listed["ref_audios"][0]
+    assert (entry["id"], entry["name"], entry["duration_ms"]) == (anna.id, "Anna", 1500)
+    assert entry["sample_rate"] == 16000 and entry["filename"] == f"{anna.id}.wav"
+    with wave.open(str(tmp_path / "voices" / entry["filename"])) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (16000, 1, 2)
+    pcm = np.frombuffer(registry.pcm(anna.id), "<f4")
+    assert pcm.size == 24000 and 0.25 < np.abs(pcm).max() < 0.35
+    again = VoiceRegistry(tmp_path / "voices")  # a restarted edge
+    assert again.list() == listed
+    assert again.delete(anna.id) and not again.delete(anna.id)
+    assert VoiceRegistry(tmp_path / "voices").list()["total"] == 0
+    assert not (tmp_path / "voices" / entry["filename"]).exists()
+    assert registry.pcm("nope") is None
+
+
+@pytest.mark.parametrize(
+    ("name", "audio", "message"),
+    [
+        ("", wav_b64(), "name must be text"),
+        ("x" * 101, wav_b64(), "name must be text"),
+        (3, wav_b64(), "name must be text"),
+        ("a", "%%%", "not valid base64"),
+        ("a", base64.b64encode(b"not a wav at all").decode(), "unreadable WAV"),
+        ("a", wav_b64(61.0, 8000), "at most 60 s"),
+        ("a", None, "audio_base64 must be"),
+    ],
+)
+def test_bad_uploads_are_refused(tmp_path, name, audio, message):
+    registry = VoiceRegistry(tmp_path)
+    with pytest.raises(InvalidPayload, match=message):
+        registry.upload(name, audio)
+    assert registry.list()["total"] == 0
+
+
+def request(url, method, body=None, key=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=scaled(10)) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def raw_delete(host: str, port: int, path: str, key: str) -> bytes:
+    """A DELETE with no Content-Length header at all (as some clients send it)."""
+    with socket.create_connection((host, port), timeout=scaled(10)) as sock:
+        sock.sendall(
+            f"DELETE {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
+        )
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_endpoints_through_a_real_edge(tmp_path):
+    stack = Stack(tmp_path)
+    try:
+        stack.start_scheduler()
+        keys = tmp_path / "keys"
+        keys.write_text("k1\n")
+        stack.start_edge("--voices-dir", str(tmp_path / "v"), "--api-keys-file", str(keys))
+        url = http_url(stack.url, "/api/assets/ref_audio")
+        assert request(url, "GET")[0] == 401
+        assert request(url, "POST", {"name": "A", "audio_base64": wav_b64()})[0] == 401
+        status, body = request(url, "POST", {"name": "Anna", "audio_base64": wav_b64()}, "k1")
+        assert status == 200 and body["success"] and body["name"] == "Anna"
+        voice_id = body["id"]
+        status, body = request(url, "GET", key="k1")
+        assert status == 200 and [v["id"] for v in body["ref_audios"]] == [voice_id]
+        status, body = request(url, "POST", {"name": "B", "audio_base64": "@@"}, "k1")
+        assert status == 400 and body["error"] == "invalid_request" and "base64" in body["detail"]
+        status, body = request(url, "POST", ["not", "an", "object"], "k1")
+        assert status == 400
+        assert request(url, "PUT", {}, "k1")[0] == 405
+        status, body = request(f"{url}/nope", "DELETE", key="k1")
+        assert status == 404 and "nope" in body["message"]
+        host, port = url.split("//")[1].split("/")[0].split(":")
+        answer = raw_delete(host, int(port), f"/api/assets/ref_audio/{voice_id}", "k1")
+        assert answer.startswith(b"HTTP/1.1 200") and voice_id.encode() in answer
+        assert request(url, "GET", key="k1")[1]["total"] == 0
+    finally:
+        stack.stop()
