@@ -19,6 +19,7 @@ A transport provides:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -41,7 +42,7 @@ from omnifabric.edge.chat import (
 )
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.dialects.base import ChatDialect, DuplexDialect
-from omnifabric.edge.errors import EdgeError, InternalError, InvalidEvent
+from omnifabric.edge.errors import EdgeError, InternalError, InvalidEvent, InvalidPayload
 from omnifabric.edge.fabric import Fabric
 from omnifabric.edge.fields import InvalidJson
 from omnifabric.edge.metrics import EdgeMetrics
@@ -289,6 +290,21 @@ class DuplexConnection:
         if self._init is not None:
             await self._start(self._init)
 
+    def _with_voices(self, init: ev.InitCommand) -> ev.InitCommand:
+        """The init with its registered voices (ref_audio_id) filled in as audio; an unknown
+        id is refused like any bad init field."""
+        filled: dict[str, bytes] = {}
+        for field, voice_id in (
+            ("ref_audio", init.ref_audio_id),
+            ("tts_ref_audio", init.tts_ref_audio_id),
+        ):
+            if voice_id:
+                audio = self.app.voices.pcm(voice_id)
+                if audio is None:
+                    raise InvalidPayload(f"{field}_id: no registered reference audio {voice_id!r}")
+                filled[field] = audio
+        return dataclasses.replace(init, **filled) if filled else init
+
     async def _start(self, init: ev.InitCommand) -> None:
         assert self.core is not None
         try:
@@ -323,7 +339,7 @@ class DuplexConnection:
         elif isinstance(cmd, ev.InitCommand):
             if self._init is not None:
                 self.dialect.check_init_again()
-            self._init = cmd
+            self._init = cmd = self._with_voices(cmd)
             if self._leased.is_set():
                 await self._start(cmd)
             # Sent during the queue: applied once a worker is assigned (_acquire).

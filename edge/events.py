@@ -51,6 +51,10 @@ class InitCommand:
     ref_audio: bytes = b""
     tts_ref_audio: bytes = b""
     max_slice_nums: int = 1
+    ref_audio_id: str = ""
+    """A registered voice (/api/assets/ref_audio) instead of ref_audio: the edge fills
+    ref_audio from it before the session starts."""
+    tts_ref_audio_id: str = ""
 
 
 @dataclass(frozen=True)

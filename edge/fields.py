@@ -135,6 +135,18 @@ def string(body: dict[str, Any], key: str, what: str | None = None) -> str | Non
     return value
 
 
+def voice_id(bodies: tuple[dict[str, Any], ...], key: str, audio_key: str) -> str:
+    """A registered voice's id under `key` in the first of `bodies` that has one ("" for
+    none); InvalidPayload when the audio itself (`audio_key`) is sent too."""
+    for body in bodies:
+        value = string(body, key)
+        if value:
+            if any(b.get(audio_key) for b in bodies):
+                raise InvalidPayload(f"send {audio_key} or {key}, not both")
+            return value
+    return ""
+
+
 def slice_count(value: Any, where: str = "max_slice_nums") -> int:
     """A max_slice_nums as sent (0 when absent): a positive integer that fits the wire
     (uint32). Only its form is checked here; the range a model takes comes from the

@@ -91,6 +91,8 @@ def prepare_command(event: dict[str, Any]) -> ev.InitCommand:
         ref_audio=pcm.reference_audio(ref, "ref_audio_base64") if ref else b"",
         tts_ref_audio=pcm.reference_audio(tts, "tts_ref_audio_base64") if tts else b"",
         max_slice_nums=slices,
+        ref_audio_id=fields.voice_id((event,), "ref_audio_id", "ref_audio_base64"),
+        tts_ref_audio_id=fields.voice_id((event,), "tts_ref_audio_id", "tts_ref_audio_base64"),
     )
 
 

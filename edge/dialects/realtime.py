@@ -71,6 +71,8 @@ def _init(event: dict[str, Any], dialect: Dialect) -> ev.InitCommand:
         ref_audio=pcm.reference_audio(ref, ref_key) if ref else b"",
         tts_ref_audio=pcm.reference_audio(tts, tts_key) if tts else b"",
         max_slice_nums=slices,
+        ref_audio_id=fields.voice_id((voice, body), "ref_audio_id", ref_key),
+        tts_ref_audio_id=fields.voice_id((voice, body), "tts_ref_audio_id", tts_key),
     )
 
 

@@ -426,3 +426,22 @@ def test_every_route_opens_its_dialect():
     assert dialects.find(dialects.WEBSOCKET, "/ws/duplex/") is None
     assert dialects.find(dialects.WEBSOCKET, "/nope") is None
     assert dialects.find(dialects.HTTP, "/api/chat") is not None
+
+
+def test_inits_name_registered_voices():
+    """ref_audio_id / tts_ref_audio_id (a voice from /api/assets/ref_audio) in every duplex
+    dialect; sending the audio too is refused."""
+    from omnifabric.edge.dialects.legacy_duplex import LegacyDuplex
+
+    cmd = parse({"type": "session.init", "payload": {"voice": {"ref_audio_id": "v1"}}})
+    assert (cmd.ref_audio_id, cmd.tts_ref_audio_id, cmd.ref_audio) == ("v1", "", b"")
+    cmd = parse({"type": "session.update", "session": {"tts_ref_audio_id": "v2"}})
+    assert cmd.tts_ref_audio_id == "v2"
+    [init] = LegacyDuplex("adx_1").decode(_frame({"type": "prepare", "ref_audio_id": "v3"}))
+    assert init.ref_audio_id == "v3"
+    with pytest.raises(errors.InvalidPayload, match="not both"):
+        parse(
+            {"type": "session.update", "session": {"ref_audio_id": "v1", "ref_audio": ONE_SECOND}}
+        )
+    with pytest.raises(errors.InvalidPayload, match="must be a string"):
+        parse({"type": "session.init", "payload": {"voice": {"ref_audio_id": 5}}})

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from omnifabric.edge.errors import InvalidPayload
+from omnifabric.edge.recording import read_float32_wav
 from omnifabric.edge.voices import VoiceRegistry
 from tests.conftest import scaled
 from tests.e2e.test_default_voice import http_url
@@ -125,5 +126,45 @@ def test_endpoints_through_a_real_edge(tmp_path):
         answer = raw_delete(host, int(port), f"/api/assets/ref_audio/{voice_id}", "k1")
         assert answer.startswith(b"HTTP/1.1 200") and voice_id.encode() in answer
         assert request(url, "GET", key="k1")[1]["total"] == 0
+    finally:
+        stack.stop()
+
+
+async def test_a_session_names_a_registered_voice(tmp_path):
+    """session.init with voice.ref_audio_id: the edge sends the registered audio as the
+    session's reference voice (the recording shows what the worker got); an unknown id is
+    refused like a bad field and the connection stays usable; audio and id together are
+    refused."""
+    from tests.e2e.wsclient import SILENCE, WsClient
+
+    stack = Stack(tmp_path)
+    try:
+        stack.start_scheduler()
+        stack.start_worker("--slots", "2", "--compute-ms", "5")
+        records = tmp_path / "records"
+        stack.start_edge("--voices-dir", str(tmp_path / "v"), "--record-dir", str(records))
+        url = http_url(stack.url, "/api/assets/ref_audio")
+        voice_id = request(url, "POST", {"name": "Anna", "audio_base64": wav_b64(1.25)})[1]["id"]
+        client = await WsClient.open(f"{stack.url}?mode=audio")
+        try:
+            await client.until("session.queue_done", timeout_s=30)
+            bad = {"system_prompt": "hi", "voice": {"ref_audio_id": "nope"}}
+            await client.send({"type": "session.init", "payload": bad})
+            err = await client.until("error")
+            assert "ref_audio_id" in err["error"]["message"] and "nope" in err["error"]["message"]
+            both = {"voice": {"ref_audio_id": voice_id, "ref_audio_base64": wav_b64()}}
+            await client.send({"type": "session.init", "payload": both})
+            err = await client.until("error")
+            assert "not both" in err["error"]["message"]
+            good = {"system_prompt": "hi", "voice": {"ref_audio_id": voice_id}}
+            await client.send({"type": "session.init", "payload": good})
+            created = await client.until("session.created")
+            await client.append(SILENCE)
+            await client.until("delta.listen", "response.output.delta")
+        finally:
+            await client.close()
+        session_id = created["session_id"]
+        audio, rate = read_float32_wav((records / session_id / "ref_audio.wav").read_bytes())
+        assert (audio.size, rate) == (20000, 16000) and 0.25 < np.abs(audio).max() < 0.35
     finally:
         stack.stop()
