@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.errors import (
+    Cancelled,
     InvalidRequest,
     NoWorker,
     QueueFull,
@@ -107,12 +108,44 @@ class WorkerSnapshot:
 
 
 @dataclass(frozen=True)
+class QueueEntry:
+    ticket_id: str
+    mode: Mode
+    session_id: str
+    position: int
+    estimated_wait_s: float
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class RunningLease:
+    lease_id: str
+    worker_id: str
+    mode: Mode | None
+    session_id: str
+    elapsed_s: float
+    estimated_remaining_s: float
+
+
+@dataclass(frozen=True)
+class EtaSnapshot:
+    alpha: float
+    baseline_s: dict[Mode, float]
+    mean_s: dict[Mode, float]
+    """Observed modes only."""
+    samples: dict[Mode, int]
+
+
+@dataclass(frozen=True)
 class StatusSnapshot:
     workers: tuple[WorkerSnapshot, ...]
     queue_length: int
     queue_max: int
     leases_active: int
     mean_session_s: dict[Mode, float]
+    queue: tuple[QueueEntry, ...] = ()
+    running: tuple[RunningLease, ...] = ()
+    eta: EtaSnapshot | None = None
 
 
 class Scheduler:
@@ -312,9 +345,17 @@ class Scheduler:
         while ticket.lease is None:
             if self.draining:
                 raise ShuttingDown()
+            if ticket.cancelled:
+                raise Cancelled()
             ticket.changed.clear()
             position = self.queue.position(ticket)
-            if position != last_position or time.monotonic() - last_sent >= interval:
+            # A new position, or a new way to estimate (SetEta), goes out at once.
+            if (
+                position != last_position
+                or ticket.estimate_changed
+                or time.monotonic() - last_sent >= interval
+            ):
+                ticket.estimate_changed = False
                 yield self._queue_update(ticket, position)
                 last_position, last_sent = position, time.monotonic()
                 continue
@@ -335,6 +376,37 @@ class Scheduler:
             ),
             ticket_id=ticket.ticket_id,
         )
+
+    def cancel(self, ticket_id: str) -> bool:
+        """An operator takes a waiting request out of the queue: its Acquire stream ends
+        with Cancelled. False when no request with that ticket waits."""
+        ticket = self.queue.get(ticket_id)
+        if ticket is None or not self.queue.remove(ticket):
+            return False
+        ticket.cancelled = True
+        ticket.changed.set()
+        self._notify_waiting()
+        log.info("ticket %s (session %s) cancelled by an operator", ticket_id, ticket.session_id)
+        return True
+
+    def eta(self) -> EtaSnapshot:
+        """How waits are estimated now."""
+        lengths = self.sessions
+        return EtaSnapshot(
+            alpha=lengths.alpha,
+            baseline_s=dict(lengths.baseline_s),
+            mean_s={m: s for m in Mode if (s := lengths.observed_s(m)) is not None},
+            samples=dict(lengths.samples),
+        )
+
+    def set_eta(self, alpha: float | None, baseline_s: dict[Mode, float]) -> EtaSnapshot:
+        """Change the estimate at run time (ValueError out of range); waiting clients get
+        their new estimate with their next update."""
+        self.sessions.configure(alpha, baseline_s)
+        for ticket in self.queue:
+            ticket.estimate_changed = True
+        self._notify_waiting()
+        return self.eta()
 
     def drain(self) -> None:
         """Stop for good: refuse new registrations and requests, end every Acquire stream
@@ -375,12 +447,43 @@ class Scheduler:
             )
             for w in self.registry
         )
+        now = time.monotonic()
+        positions = self.queue.positions()
+        queue = tuple(
+            QueueEntry(
+                ticket_id=t.ticket_id,
+                mode=t.mode,
+                session_id=t.session_id,
+                position=positions[t.ticket_id],
+                estimated_wait_s=self._queue_update(t, positions[t.ticket_id]).estimated_wait_s,
+                waited_s=now - t.enqueued_at,
+            )
+            for t in self.queue
+        )
+        running = tuple(
+            RunningLease(
+                lease_id=lease.lease_id,
+                worker_id=lease.worker_id,
+                mode=lease.mode,
+                session_id=lease.session_id,
+                elapsed_s=now - lease.granted_at,
+                estimated_remaining_s=max(
+                    0.0,
+                    (self.sessions.mean_s(lease.mode) if lease.mode else 0.0)
+                    - (now - lease.granted_at),
+                ),
+            )
+            for lease in self.leases.active()
+        )
         return StatusSnapshot(
             workers=workers,
             queue_length=len(self.queue),
             queue_max=self.queue.queue_max,
             leases_active=self.leases.count(LeaseState.ACTIVE),
             mean_session_s={mode: self.sessions.mean_s(mode) for mode in Mode},
+            queue=queue,
+            running=running,
+            eta=self.eta(),
         )
 
     # --- internals -------------------------------------------------------------------

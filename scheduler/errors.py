@@ -48,6 +48,15 @@ class ShuttingDown(SchedulerError):
         super().__init__("scheduler is shutting down")
 
 
+class Cancelled(SchedulerError):
+    """An operator took the waiting request out of the queue (CancelTicket)."""
+
+    code = grpc.StatusCode.ABORTED
+
+    def __init__(self) -> None:
+        super().__init__("cancelled: an operator removed the request from the queue")
+
+
 class UnknownLease(SchedulerError):
     """The lease id is not (or no longer) known to the scheduler."""
 

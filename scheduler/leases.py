@@ -93,6 +93,11 @@ class LeaseTable:
         """Every lease on the worker registered as `worker_id`."""
         return [lease for lease in self._leases.values() if lease.worker_id == worker_id]
 
+    def active(self) -> list[Lease]:
+        """The leases being served, oldest first."""
+        leases = [lease for lease in self._leases.values() if lease.state is LeaseState.ACTIVE]
+        return sorted(leases, key=lambda lease: lease.granted_at)
+
     def count(self, state: LeaseState) -> int:
         """How many leases are in `state`."""
         return sum(1 for lease in self._leases.values() if lease.state is state)

@@ -30,6 +30,10 @@ class Ticket:
     lease: Lease | None = None
     #: Set whenever the ticket's position changes or it is granted.
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set by an operator's cancel while it waited.
+    cancelled: bool = False
+    #: Set when the way waits are estimated changed (SetEta): the holder hears it at once.
+    estimate_changed: bool = False
 
 
 class WaitQueue:
@@ -59,6 +63,10 @@ class WaitQueue:
         self._positions = None
         return len(self._tickets)
 
+    def get(self, ticket_id: str) -> Ticket | None:
+        """The waiting ticket with this id, or None."""
+        return self._tickets.get(ticket_id)
+
     def remove(self, ticket: Ticket) -> bool:
         """Take `ticket` out; tickets behind it move up. False if it was not waiting."""
         if self._tickets.pop(ticket.ticket_id, None) is None:
@@ -86,18 +94,39 @@ def estimate_wait_s(position: int, mean_session_s: float, slots: int) -> float:
 
 
 class SessionLengths:
-    """Exponential moving average of observed session lengths, per mode."""
+    """Exponential moving average of observed session lengths, per mode; until a mode has
+    one, its baseline (the same initial guess for every mode, changeable per mode)."""
 
     def __init__(self, alpha: float, initial_s: float) -> None:
         self.alpha = alpha
-        self.initial_s = initial_s
+        self.baseline_s: dict[Mode, float] = {mode: initial_s for mode in Mode}
+        self.samples: dict[Mode, int] = {mode: 0 for mode in Mode}
         self._mean: dict[Mode, float] = {}
 
     def observe(self, mode: Mode, seconds: float) -> None:
         """Fold one session length in; the first observation replaces the assumed mean."""
         old = self._mean.get(mode)
         self._mean[mode] = seconds if old is None else self.alpha * seconds + (1 - self.alpha) * old
+        self.samples[mode] += 1
 
     def mean_s(self, mode: Mode) -> float:
-        """Mean session length of `mode` in seconds (the initial guess until observed)."""
-        return self._mean.get(mode, self.initial_s)
+        """Mean session length of `mode` in seconds (its baseline until observed)."""
+        return self._mean.get(mode, self.baseline_s[mode])
+
+    def observed_s(self, mode: Mode) -> float | None:
+        """The moving average of `mode`, None before its first session."""
+        return self._mean.get(mode)
+
+    def configure(self, alpha: float | None, baseline_s: dict[Mode, float]) -> None:
+        """New smoothing and baselines (None / modes not named: unchanged). ValueError for
+        a value out of range, before anything changes."""
+        if alpha is not None and not 0.001 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in 0.001..1, got {alpha}")
+        for mode, seconds in baseline_s.items():
+            if not (math.isfinite(seconds) and 0.001 <= seconds <= 86_400.0):
+                raise ValueError(
+                    f"the {mode.value} baseline must be in 0.001..86400 s, got {seconds}"
+                )
+        if alpha is not None:
+            self.alpha = alpha
+        self.baseline_s.update(baseline_s)

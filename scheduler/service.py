@@ -18,6 +18,7 @@ from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.scheduler.core import (
     AcquireEvent,
+    EtaSnapshot,
     LeaseLoss,
     LeaseOffer,
     QueueUpdate,
@@ -219,7 +220,61 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
             queue_max=status.queue_max,
             leases_active=status.leases_active,
             mean_session_s={mode.value: s for mode, s in status.mean_session_s.items()},
+            queue=[
+                scheduler_pb.QueueEntry(
+                    ticket_id=q.ticket_id,
+                    mode=_MODE_TO_PB[q.mode],
+                    session_id=q.session_id,
+                    position=q.position,
+                    estimated_wait_s=q.estimated_wait_s,
+                    waited_s=q.waited_s,
+                )
+                for q in status.queue
+            ],
+            running=[
+                scheduler_pb.RunningLease(
+                    lease_id=r.lease_id,
+                    worker_id=r.worker_id,
+                    mode=_MODE_TO_PB[r.mode] if r.mode else common_pb2.MODE_UNSPECIFIED,
+                    session_id=r.session_id,
+                    elapsed_s=r.elapsed_s,
+                    estimated_remaining_s=r.estimated_remaining_s,
+                )
+                for r in status.running
+            ],
+            eta=_eta_to_pb(status.eta) if status.eta else None,
         )
+
+    async def CancelTicket(
+        self, request: scheduler_pb.CancelTicketRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb.CancelTicketResponse:
+        return scheduler_pb.CancelTicketResponse(
+            cancelled=self._scheduler.cancel(request.ticket_id)
+        )
+
+    async def SetEta(
+        self, request: scheduler_pb.SetEtaRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb.SetEtaResponse:
+        baseline: dict[Mode, float] = {}
+        for name, seconds in request.baseline_s.items():
+            try:
+                baseline[Mode(name)] = seconds
+            except ValueError:
+                await _abort(context, InvalidRequest(f"unknown mode {name!r} (audio, video, chat)"))
+        try:
+            eta = self._scheduler.set_eta(request.alpha or None, baseline)
+        except ValueError as exc:
+            await _abort(context, InvalidRequest(str(exc)))
+        return scheduler_pb.SetEtaResponse(eta=_eta_to_pb(eta))
+
+
+def _eta_to_pb(eta: EtaSnapshot) -> scheduler_pb.EtaStatus:
+    return scheduler_pb.EtaStatus(
+        alpha=eta.alpha,
+        baseline_s={m.value: s for m, s in eta.baseline_s.items()},
+        mean_s={m.value: s for m, s in eta.mean_s.items()},
+        samples={m.value: n for m, n in eta.samples.items()},
+    )
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> NoReturn:

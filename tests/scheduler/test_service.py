@@ -450,3 +450,82 @@ async def test_second_hello_is_invalid_argument(start_scheduler: StartScheduler)
     await asyncio.wait_for(worker.ended.wait(), scaled(2))
     assert await worker.call.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len((await status(harness)).workers) == 0
+
+
+async def test_status_lists_the_queue_and_the_running_leases(
+    start_scheduler: StartScheduler,
+) -> None:
+    harness = await start_scheduler(eta_initial_s=40.0)
+    worker = await WorkerStream(harness.stub, "w1", slots=1).start()
+    holder = Holder(harness.stub, AUDIO, "running")
+    lease = await holder.expect_lease()
+    waiting = []
+    for session_id in ("q1", "q2"):
+        waiting.append(Holder(harness.stub, AUDIO, session_id))
+        await waiting[-1].expect("queued")
+    snapshot = await status(harness)
+    assert [(q.session_id, q.position, q.mode) for q in snapshot.queue] == [
+        ("q1", 1, AUDIO),
+        ("q2", 2, AUDIO),
+    ]
+    assert [q.estimated_wait_s for q in snapshot.queue] == [pytest.approx(40), pytest.approx(80)]
+    assert all(0 <= q.waited_s < scaled(2) for q in snapshot.queue)
+    (running,) = snapshot.running
+    assert (running.lease_id, running.worker_id, running.session_id) == (
+        lease.lease_id,
+        "w1",
+        "running",
+    )
+    assert 0 <= running.elapsed_s < scaled(2)
+    assert running.estimated_remaining_s == pytest.approx(40 - running.elapsed_s, abs=0.5)
+    assert snapshot.eta.alpha == pytest.approx(0.2) and snapshot.eta.baseline_s["audio"] == 40
+    await worker.close()
+
+
+async def test_an_operator_cancels_a_waiting_request(start_scheduler: StartScheduler) -> None:
+    harness = await start_scheduler()
+    worker = await WorkerStream(harness.stub, "w1", slots=1).start()
+    await Holder(harness.stub, AUDIO, "running").expect_lease()
+    first, second = Holder(harness.stub, AUDIO, "a"), None
+    ticket = (await first.expect("queued")).queued.ticket_id
+    second = Holder(harness.stub, AUDIO, "b")
+    await second.expect_position(2)
+
+    reply = await harness.stub.CancelTicket(scheduler_pb.CancelTicketRequest(ticket_id=ticket))
+    assert reply.cancelled
+    error = await first.error()
+    assert error.code() == grpc.StatusCode.ABORTED and "cancelled" in error.details()
+    await second.expect_position(1)  # the one behind moves up
+    assert [q.session_id for q in (await status(harness)).queue] == ["b"]
+    again = await harness.stub.CancelTicket(scheduler_pb.CancelTicketRequest(ticket_id=ticket))
+    assert not again.cancelled
+    unknown = await harness.stub.CancelTicket(scheduler_pb.CancelTicketRequest(ticket_id="x"))
+    assert not unknown.cancelled
+    await worker.close()
+
+
+async def test_eta_settings_change_at_run_time(start_scheduler: StartScheduler) -> None:
+    harness = await start_scheduler(eta_initial_s=60.0)
+    worker = await WorkerStream(harness.stub, "w1", slots=1).start()
+    await Holder(harness.stub, AUDIO, "running").expect_lease()
+    waiting = Holder(harness.stub, AUDIO, "w")
+    assert (await waiting.expect("queued")).queued.estimated_wait_s == pytest.approx(60)
+
+    reply = await harness.stub.SetEta(
+        scheduler_pb.SetEtaRequest(alpha=0.5, baseline_s={"audio": 12.0})
+    )
+    assert reply.eta.alpha == 0.5 and reply.eta.baseline_s["audio"] == 12.0
+    assert reply.eta.baseline_s["video"] == 60.0  # not named: unchanged
+    # The waiting client hears its new estimate at once.
+    queued = (await waiting.expect("queued")).queued
+    assert queued.estimated_wait_s == pytest.approx(12)
+    for bad in (
+        scheduler_pb.SetEtaRequest(alpha=1.5),
+        scheduler_pb.SetEtaRequest(baseline_s={"audio": -1.0}),
+        scheduler_pb.SetEtaRequest(baseline_s={"karaoke": 5.0}),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await harness.stub.SetEta(bad)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (await status(harness)).eta.alpha == 0.5  # a refused change changed nothing
+    await worker.close()
