@@ -31,6 +31,13 @@ def key_digest(config: EdgeConfig, authorization: str) -> str | None:
     return digest if matched else None
 
 
+def is_admin(config: EdgeConfig, authorization: str) -> bool:
+    """Whether the request may use the operator endpoints: any request when keys are off,
+    else a valid key marked `admin` in the key file."""
+    digest = key_digest(config, authorization)
+    return digest == "" or (digest is not None and digest in config.admin_key_digests)
+
+
 #: Browsers cannot set Authorization on a WebSocket: they offer `bearer.<key>` as a
 #: subprotocol instead, which the edge never selects (so never echoes).
 SUBPROTOCOL_KEY_PREFIX = "bearer."

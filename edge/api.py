@@ -1,5 +1,5 @@
 """The edge's small HTTP API beside the sessions, as the reference server offers it: page
-settings, system-prompt presets, registered reference voices.
+settings, system-prompt presets, registered reference voices, the queue and its estimate.
 
 `handle(context, method, path, body, authorization)` answers one request (None: not an API
 path). GET requests reach it from the WebSocket server's request hook (edge/app.py), the
@@ -14,20 +14,27 @@ from http import HTTPStatus
 from typing import Any, Protocol
 from urllib.parse import unquote
 
-from omnifabric.edge.access import key_digest
+import grpc
+
+from omnifabric.edge import queue_api
+from omnifabric.edge.access import is_admin, key_digest
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.dialects.http_chat import HttpResponse
 from omnifabric.edge.errors import InvalidPayload
+from omnifabric.edge.fabric import Fabric
 from omnifabric.edge.presets import Presets
 from omnifabric.edge.voices import VoiceRegistry
 
 FRONTEND_DEFAULTS = "/api/frontend_defaults"
 PRESETS = "/api/presets"
 VOICES = "/api/assets/ref_audio"
+QUEUE = "/api/queue"
+ETA = "/api/config/eta"
 
 
 class ApiContext(Protocol):
     config: EdgeConfig
+    fabric: Fabric
     presets: Presets
     voices: VoiceRegistry
 
@@ -39,17 +46,28 @@ def error(status: HTTPStatus, code: str, message: str) -> HttpResponse:
 
 
 def is_api(path: str) -> bool:
-    return path in (FRONTEND_DEFAULTS, PRESETS, VOICES) or path.startswith(
-        (PRESETS + "/", VOICES + "/")
+    return path in (FRONTEND_DEFAULTS, PRESETS, VOICES, QUEUE, ETA) or path.startswith(
+        (PRESETS + "/", VOICES + "/", QUEUE + "/")
     )
 
 
-def handle(
+async def handle(
     context: ApiContext, method: str, path: str, body: bytes, authorization: str
 ) -> HttpResponse | None:
     """The answer to one API request, or None when `path` is not the API's."""
     if not is_api(path):
         return None
+    if path == QUEUE or path.startswith(QUEUE + "/") or path == ETA:
+        try:
+            return await _queue(context, method, path, body, authorization)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                return error(HTTPStatus.BAD_REQUEST, "invalid_request", err.details() or "")
+            return error(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "the scheduler cannot be reached",
+            )
     if path == FRONTEND_DEFAULTS or path.startswith(PRESETS):
         # What the pages load before a session: no key, as the reference server.
         if method != "GET":
@@ -84,6 +102,39 @@ def _page_data(context: ApiContext, path: str) -> HttpResponse:
             return HttpResponse(HTTPStatus.OK, audio)
         return error(HTTPStatus.NOT_FOUND, "not_found", f"no preset {mode}/{preset_id}")
     return error(HTTPStatus.NOT_FOUND, "not_found", f"no such endpoint: {path}")
+
+
+async def _queue(
+    context: ApiContext, method: str, path: str, body: bytes, authorization: str
+) -> HttpResponse:
+    """The queue and the wait estimate: reading them needs an API key (when keys are on),
+    cancelling and changing the estimate an admin key."""
+    stub = context.fabric.scheduler
+    if key_digest(context.config, authorization) is None:
+        return error(HTTPStatus.UNAUTHORIZED, "unauthorized", "missing or invalid API key")
+    writes = {("DELETE", "ticket"), ("PUT", "eta")}
+    what = "eta" if path == ETA else "queue" if path == QUEUE else "ticket"
+    allowed = {"queue": ("GET",), "ticket": ("GET", "DELETE"), "eta": ("GET", "PUT")}[what]
+    if method not in allowed:
+        return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", f"use {' or '.join(allowed)}")
+    if (method, what) in writes and not is_admin(context.config, authorization):
+        return error(HTTPStatus.FORBIDDEN, "forbidden", "this needs an admin key")
+    if what == "queue":
+        return await queue_api.queue(stub)
+    if what == "eta":
+        if method == "GET":
+            return await queue_api.get_eta(stub)
+        try:
+            request = queue_api.eta_request(json.loads(body.decode("utf-8")))
+        except (UnicodeDecodeError, ValueError) as exc:
+            return error(HTTPStatus.BAD_REQUEST, "invalid_request", str(exc))
+        return await queue_api.set_eta(stub, request)
+    ticket_id = unquote(path.removeprefix(QUEUE + "/"))
+    if not ticket_id or "/" in ticket_id:
+        return error(HTTPStatus.NOT_FOUND, "not_found", f"no such endpoint: {path}")
+    if method == "GET":
+        return await queue_api.ticket(stub, ticket_id)
+    return await queue_api.cancel(stub, ticket_id)
 
 
 def _upload(context: ApiContext, body: bytes) -> HttpResponse:

@@ -158,7 +158,8 @@ class EdgeApp:
         if path == DEFAULT_REF_AUDIO_PATH:
             # The server's own voice, what the pages load before a session: no key.
             return self.default_ref_audio_response()
-        answer = api.handle(self, "GET", path, b"", request_authorization(request.headers))
+        auth = request_authorization(request.headers)
+        answer = await api.handle(self, "GET", path, b"", auth)
         if answer is not None:
             # Page settings, presets, registered voices (edge/api.py; it checks keys).
             body = json.dumps(answer.body, ensure_ascii=False)

@@ -24,38 +24,47 @@ KeyLimits = tuple[tuple[str, int], ...]
 """Per-key session limits: (key digest, max sessions) pairs."""
 
 
-def parse_key_entry(entry: str, where: str) -> tuple[str, int | None]:
-    """`KEY [max_sessions=N]` -> (digest, limit or None). Errors name `where`, never the key."""
+def parse_key_entry(entry: str, where: str) -> tuple[str, int | None, bool]:
+    """`KEY [max_sessions=N] [admin]` -> (digest, limit or None, admin). Errors name
+    `where`, never the key."""
     key, *options = entry.split()
     limit = None
+    admin = False
     for option in options:
+        if option == "admin":
+            admin = True
+            continue
         name, sep, value = option.partition("=")
         if name != "max_sessions" or not sep:
-            raise ValueError(f"{where}: expected 'KEY [max_sessions=N]'")
+            raise ValueError(f"{where}: expected 'KEY [max_sessions=N] [admin]'")
         try:
             limit = int(value)
         except ValueError:
             raise ValueError(f"{where}: max_sessions must be an integer") from None
         if not 0 <= limit <= 1_000_000:
             raise ValueError(f"{where}: max_sessions must be in [0, 1000000]")
-    return hash_key(key), limit
+    return hash_key(key), limit, admin
 
 
-def read_key_file(path: str) -> tuple[frozenset[str], KeyLimits]:
-    """Digests and per-key session limits of a key file: one `KEY [max_sessions=N]` a
-    line, '#' comments and blanks ignored. Raises ValueError or OSError."""
+def read_key_file(path: str) -> tuple[frozenset[str], KeyLimits, frozenset[str]]:
+    """Digests, per-key session limits and admin digests of a key file: one
+    `KEY [max_sessions=N] [admin]` a line, '#' comments and blanks ignored. Raises
+    ValueError or OSError."""
     keys = set()
     limits = {}
+    admins = set()
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()
         if line and not line.startswith("#"):
-            digest, limit = parse_key_entry(line, f"API key file {path} line {number}")
+            digest, limit, admin = parse_key_entry(line, f"API key file {path} line {number}")
             keys.add(digest)
             if limit is not None:
                 limits[digest] = limit
+            if admin:
+                admins.add(digest)
     if not keys:
         raise ValueError(f"API key file {path} holds no key")
-    return frozenset(keys), tuple(sorted(limits.items()))
+    return frozenset(keys), tuple(sorted(limits.items())), frozenset(admins)
 
 
 def load_key_file(path: str) -> frozenset[str]:
@@ -117,6 +126,9 @@ class EdgeConfig:
     api_key_digests: frozenset[str] = field(default_factory=frozenset)
     """SHA-256 digests of accepted API keys; empty = no authentication."""
     api_key_limits: KeyLimits = ()
+    admin_key_digests: frozenset[str] = field(default_factory=frozenset)
+    """Keys marked `admin` in the key file: the operator endpoints (queue cancel, ETA
+    settings) take only these when keys are configured."""
     """Per-key session limits from the key file (`KEY max_sessions=N`), by digest."""
     max_sessions_per_key: int = setting(
         0,
@@ -288,23 +300,28 @@ class EdgeConfig:
         env = os.environ if environ is None else environ
         keys: frozenset[str] = frozenset()
         limits: dict[str, int] = {}
+        admins: frozenset[str] = frozenset()
         if env.get("OMNI_API_KEYS"):
             entries = [k for k in env["OMNI_API_KEYS"].split(",") if k.strip()]
             for i, entry in enumerate(entries, 1):
-                digest, limit = parse_key_entry(entry, f"OMNI_API_KEYS entry {i}")
+                digest, limit, admin = parse_key_entry(entry, f"OMNI_API_KEYS entry {i}")
                 keys = keys | {digest}
                 if limit is not None:
                     limits[digest] = limit
+                if admin:
+                    admins = admins | {digest}
         if env.get("OMNI_API_KEYS_FILE"):
-            file_keys, file_limits = read_key_file(env["OMNI_API_KEYS_FILE"])
+            file_keys, file_limits, file_admins = read_key_file(env["OMNI_API_KEYS_FILE"])
             keys = keys | file_keys
             limits.update(file_limits)
+            admins = admins | file_admins
         return settings.load(
             cls,
             env,
             flags,
             api_key_digests=keys,
             api_key_limits=tuple(sorted(limits.items())),
+            admin_key_digests=admins,
         )
 
     def with_overrides(self, **changes: object) -> EdgeConfig:

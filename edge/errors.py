@@ -52,6 +52,13 @@ class QueueFull(EdgeError):
     close_code = 1013
 
 
+class QueueCancelled(EdgeError):
+    """An operator took the waiting request out of the queue (DELETE /api/queue/{ticket})."""
+
+    code = "cancelled"
+    close_code = 1000
+
+
 class ServiceUnavailable(EdgeError):
     code = "service_unavailable"
     close_code = 1013

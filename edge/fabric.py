@@ -14,7 +14,7 @@ import grpc
 
 from omnifabric.common import tls
 from omnifabric.edge import events as ev
-from omnifabric.edge.errors import QueueFull, ServiceUnavailable
+from omnifabric.edge.errors import QueueCancelled, QueueFull, ServiceUnavailable
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
@@ -174,6 +174,8 @@ async def wait_for_lease(
         call.cancel()
         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise QueueFull("the queue is full, try again later") from None
+        if err.code() == grpc.StatusCode.ABORTED and _from_scheduler(err):
+            raise QueueCancelled("an operator removed this request from the queue") from None
         if err.code() == grpc.StatusCode.UNAVAILABLE and _from_scheduler(err):
             # The scheduler's own refusal: no worker for the mode, or shutting down.
             raise ServiceUnavailable(err.details() or "no worker available") from None

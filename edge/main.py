@@ -27,11 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EdgeConfig.from_env(flags=settings.flag_values(args, EdgeConfig))
         if args.api_keys_file:
-            keys, limits = read_key_file(args.api_keys_file)
+            keys, limits, admins = read_key_file(args.api_keys_file)
             merged = {**dict(config.api_key_limits), **dict(limits)}
             config = config.with_overrides(
                 api_key_digests=config.api_key_digests | keys,
                 api_key_limits=tuple(sorted(merged.items())),
+                admin_key_digests=config.admin_key_digests | admins,
             )
         config.tls()  # both files or neither, readable, a valid pair: fail before binding
         from omnifabric.edge.fabric import channel_credentials

@@ -23,6 +23,7 @@ from omnifabric.edge.errors import (
     InternalError,
     InvalidPayload,
     MissingField,
+    QueueCancelled,
     QueueFull,
     SlowClient,
 )
@@ -32,6 +33,7 @@ from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
 _MODE_NAMES = {common_pb2.MODE_AUDIO: "audio", common_pb2.MODE_VIDEO: "video"}
 #: Fatal errors -> the call's status; any other fatal error is UNAVAILABLE.
 _STATUS = {
+    QueueCancelled: "ABORTED",
     QueueFull: "RESOURCE_EXHAUSTED",
     SlowClient: "RESOURCE_EXHAUSTED",
     InvalidPayload: "INVALID_ARGUMENT",  # an init outside the leased worker's limits

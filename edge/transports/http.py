@@ -242,7 +242,7 @@ class FrontProtocol(asyncio.Protocol):
         if problem is not None:
             transport.answer(failure(problem[0], "invalid_request", problem[1]))
         elif found is None:
-            answer = api.handle(self.app, reader.method, path, reader.body, authorization)
+            answer = await api.handle(self.app, reader.method, path, reader.body, authorization)
             transport.answer(answer or failure(HTTPStatus.NOT_FOUND, "not_found", f"no {path}"))
         elif reader.method != "POST":
             transport.answer(failure(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use POST"))

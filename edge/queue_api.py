@@ -1,0 +1,131 @@
+"""The queue as the reference server shows it: `GET /api/queue`, `GET|DELETE
+/api/queue/{ticket}`, `GET|PUT /api/config/eta`, answered from the scheduler (GetStatus,
+CancelTicket, SetEta). Shapes follow the reference server's models; session types are named
+as it names them (`audio_duplex`, `omni_duplex`, `chat`)."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+from http import HTTPStatus
+from typing import Any
+
+from omnifabric.edge.dialects.http_chat import HttpResponse
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+
+TIMEOUT_S = 2.0
+#: Scheduler mode -> the reference server's session type.
+REQUEST_TYPES = {"audio": "audio_duplex", "video": "omni_duplex", "chat": "chat"}
+#: PUT /api/config/eta field -> scheduler mode.
+ETA_FIELDS = {"eta_chat_s": "chat", "eta_audio_duplex_s": "audio", "eta_omni_duplex_s": "video"}
+
+
+def _type(mode: int) -> str:
+    name = common_pb2.Mode.Name(mode).removeprefix("MODE_").lower()
+    return REQUEST_TYPES.get(name, name)
+
+
+def _iso(ago_s: float) -> str:
+    return (datetime.now(UTC) - timedelta(seconds=ago_s)).isoformat(timespec="milliseconds")
+
+
+def _item(entry: scheduler_pb.QueueEntry) -> dict[str, Any]:
+    return {
+        "ticket_id": entry.ticket_id,
+        "request_type": _type(entry.mode),
+        "session_id": entry.session_id,
+        "position": entry.position,
+        "estimated_wait_s": round(entry.estimated_wait_s, 1),
+        "enqueued_at": _iso(entry.waited_s),
+        "wait_elapsed_s": round(entry.waited_s, 1),
+    }
+
+
+async def _status(stub: Any) -> scheduler_pb.GetStatusResponse:
+    return await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=TIMEOUT_S)
+
+
+async def queue(stub: Any) -> HttpResponse:
+    snap = await _status(stub)
+    running = [
+        {
+            "worker_id": r.worker_id,
+            "request_type": _type(r.mode),
+            "session_id": r.session_id,
+            "started_at": _iso(r.elapsed_s),
+            "elapsed_s": round(r.elapsed_s, 1),
+            "estimated_remaining_s": round(r.estimated_remaining_s, 1),
+        }
+        for r in snap.running
+    ]
+    body = {
+        "queue_length": snap.queue_length,
+        "max_queue_size": snap.queue_max,
+        "items": [_item(q) for q in snap.queue],
+        "running_tasks": running,
+    }
+    return HttpResponse(HTTPStatus.OK, body)
+
+
+async def ticket(stub: Any, ticket_id: str) -> HttpResponse:
+    snap = await _status(stub)
+    found = next((q for q in snap.queue if q.ticket_id == ticket_id), None)
+    if found is None:
+        message = "not waiting: already served, gone, cancelled or unknown"
+        return HttpResponse(HTTPStatus.OK, {"found": False, "message": message})
+    return HttpResponse(HTTPStatus.OK, {"found": True, "ticket": _item(found)})
+
+
+async def cancel(stub: Any, ticket_id: str) -> HttpResponse:
+    reply = await stub.CancelTicket(
+        scheduler_pb.CancelTicketRequest(ticket_id=ticket_id), timeout=TIMEOUT_S
+    )
+    return HttpResponse(HTTPStatus.OK, {"success": reply.cancelled})
+
+
+def eta_body(eta: scheduler_pb.EtaStatus) -> dict[str, Any]:
+    """EtaStatus as the reference server shapes it. Half-duplex has no queue of its own
+    yet: its figures are the audio duplex ones."""
+    config = {f: eta.baseline_s.get(mode, 0.0) for f, mode in ETA_FIELDS.items()}
+    config["eta_half_duplex_s"] = config["eta_audio_duplex_s"]
+    body: dict[str, Any] = {"config": config, "ema_alpha": eta.alpha}
+    names = {"chat": "chat", "audio": "audio_duplex", "video": "omni_duplex"}
+    for mode, name in names.items():
+        body[f"ema_{name}_s"] = eta.mean_s[mode] if mode in eta.mean_s else None
+        body[f"ema_{name}_samples"] = eta.samples.get(mode, 0)
+    body["ema_half_duplex_s"] = body["ema_audio_duplex_s"]
+    body["ema_half_duplex_samples"] = body["ema_audio_duplex_samples"]
+    return body
+
+
+async def get_eta(stub: Any) -> HttpResponse:
+    return HttpResponse(HTTPStatus.OK, eta_body((await _status(stub)).eta))
+
+
+def eta_request(request: Any) -> scheduler_pb.SetEtaRequest:
+    """PUT /api/config/eta's body as a SetEtaRequest; ValueError naming the bad field."""
+    if not isinstance(request, dict):
+        raise ValueError("the body must be a JSON object")
+    known = {*ETA_FIELDS, "eta_half_duplex_s", "ema_alpha"}
+    unknown = sorted(set(request) - known)
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r} (use {', '.join(sorted(known))})")
+    out = scheduler_pb.SetEtaRequest()
+    for field, value in request.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{field} must be a number")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{field} must be a positive number")
+        if field == "ema_alpha":
+            out.alpha = float(value)
+        elif field in ETA_FIELDS:
+            out.baseline_s[ETA_FIELDS[field]] = float(value)
+    return out
+
+
+async def set_eta(stub: Any, request: scheduler_pb.SetEtaRequest) -> HttpResponse:
+    reply = await stub.SetEta(request, timeout=TIMEOUT_S)
+    return HttpResponse(HTTPStatus.OK, eta_body(reply.eta))
