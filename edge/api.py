@@ -18,6 +18,7 @@ import grpc
 
 from omnifabric.edge import queue_api
 from omnifabric.edge.access import is_admin, key_digest
+from omnifabric.edge.apps import Apps
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.dialects.http_chat import HttpResponse
 from omnifabric.edge.errors import InvalidPayload
@@ -30,11 +31,14 @@ PRESETS = "/api/presets"
 VOICES = "/api/assets/ref_audio"
 QUEUE = "/api/queue"
 ETA = "/api/config/eta"
+APPS = "/api/apps"
+ADMIN_APPS = "/api/admin/apps"
 
 
 class ApiContext(Protocol):
     config: EdgeConfig
     fabric: Fabric
+    apps: Apps
     presets: Presets
     voices: VoiceRegistry
 
@@ -46,8 +50,8 @@ def error(status: HTTPStatus, code: str, message: str) -> HttpResponse:
 
 
 def is_api(path: str) -> bool:
-    return path in (FRONTEND_DEFAULTS, PRESETS, VOICES, QUEUE, ETA) or path.startswith(
-        (PRESETS + "/", VOICES + "/", QUEUE + "/")
+    return path in (FRONTEND_DEFAULTS, PRESETS, VOICES, QUEUE, ETA, APPS, ADMIN_APPS) or (
+        path.startswith((PRESETS + "/", VOICES + "/", QUEUE + "/", ADMIN_APPS + "/"))
     )
 
 
@@ -68,6 +72,8 @@ async def handle(
                 "service_unavailable",
                 "the scheduler cannot be reached",
             )
+    if path == APPS or path.startswith(ADMIN_APPS):
+        return _apps(context, method, path, body, authorization)
     if path == FRONTEND_DEFAULTS or path.startswith(PRESETS):
         # What the pages load before a session: no key, as the reference server.
         if method != "GET":
@@ -135,6 +141,35 @@ async def _queue(
     if method == "GET":
         return await queue_api.ticket(stub, ticket_id)
     return await queue_api.cancel(stub, ticket_id)
+
+
+def _apps(
+    context: ApiContext, method: str, path: str, body: bytes, authorization: str
+) -> HttpResponse:
+    """The enabled apps (public, the pages read them), every app and the switch (admin)."""
+    if path == APPS:
+        if method != "GET":
+            return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use GET")
+        return HttpResponse(HTTPStatus.OK, context.apps.public())
+    if not is_admin(context.config, authorization):
+        return error(HTTPStatus.FORBIDDEN, "forbidden", "this needs an admin key")
+    if path == ADMIN_APPS:
+        if method != "GET":
+            return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use GET")
+        return HttpResponse(HTTPStatus.OK, context.apps.admin())
+    if method != "PUT":
+        return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use PUT")
+    try:
+        request: Any = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return error(HTTPStatus.BAD_REQUEST, "invalid_request", "the body is not JSON")
+    if not isinstance(request, dict) or not isinstance(request.get("enabled"), bool):
+        return error(HTTPStatus.BAD_REQUEST, "invalid_request", 'send {"enabled": true|false}')
+    app_id = unquote(path.removeprefix(ADMIN_APPS + "/"))
+    app = context.apps.set_enabled(app_id, request["enabled"])
+    if app is None:
+        return error(HTTPStatus.NOT_FOUND, "not_found", f"no app {app_id}")
+    return HttpResponse(HTTPStatus.OK, {"success": True, "app": app})
 
 
 def _upload(context: ApiContext, body: bytes) -> HttpResponse:

@@ -21,6 +21,7 @@ from websockets.http11 import Request, Response
 from omnifabric.common.paths import cache_root
 from omnifabric.edge import api, dialects, static
 from omnifabric.edge.access import KeySessions, key_digest, subprotocol_key
+from omnifabric.edge.apps import Apps
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.connection import ChatConnection, DuplexConnection, connection_for
 from omnifabric.edge.errors import InvalidPayload
@@ -121,6 +122,8 @@ class EdgeApp:
         self.draining = False
         self._default_ref_audio: str | None = None
         """GET /api/default_ref_audio's body, made at the first request."""
+        self.apps = Apps()
+        """Which kinds of session take new sessions (/api/apps, /api/admin/apps)."""
         self.presets = Presets(config.presets_dir)
         """GET /api/presets: the operator's preset files (read again when they change)."""
         self.voices = VoiceRegistry(config.voices_dir or cache_root() / "ref_audio")

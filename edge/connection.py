@@ -28,6 +28,7 @@ from opentelemetry import context as otel_context
 
 from omnifabric.edge import events as ev
 from omnifabric.edge.access import KeySessions
+from omnifabric.edge.apps import Apps
 from omnifabric.edge.chat import (
     SHUTDOWN_MESSAGE,
     ChatClose,
@@ -42,7 +43,13 @@ from omnifabric.edge.chat import (
 )
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.dialects.base import ChatDialect, DuplexDialect
-from omnifabric.edge.errors import EdgeError, InternalError, InvalidEvent, InvalidPayload
+from omnifabric.edge.errors import (
+    AppDisabled,
+    EdgeError,
+    InternalError,
+    InvalidEvent,
+    InvalidPayload,
+)
 from omnifabric.edge.fabric import Fabric
 from omnifabric.edge.fields import InvalidJson
 from omnifabric.edge.metrics import EdgeMetrics
@@ -64,6 +71,7 @@ class EdgeContext(Protocol):
     fabric: Fabric
     metrics: EdgeMetrics
     key_sessions: KeySessions
+    apps: Apps
     presets: Presets
     voices: VoiceRegistry
     connections: set[DuplexConnection]
@@ -193,6 +201,9 @@ class DuplexConnection:
 
     async def _serve(self, first: list[ev.Command]) -> None:
         assert self.dialect.mode is not None
+        if not self.app.apps.enabled(self.dialect.mode):
+            self.fail(AppDisabled(f"{self.dialect.mode} sessions are switched off"))
+            return
         config = self.app.config
         core = self.core = SessionCore(
             self.dialect.mode,
@@ -450,6 +461,9 @@ class ChatConnection:
         worker slot returned) when the client goes away."""
         self.app.chats.add(self)
         try:
+            if not self.app.apps.enabled("chat"):
+                self.fail(AppDisabled("chat sessions are switched off"))
+                return
             self._send_all(self.dialect.opening())
             await self._read()
             if self.turn is not None and self.dialect.one_request:

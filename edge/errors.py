@@ -52,6 +52,13 @@ class QueueFull(EdgeError):
     close_code = 1013
 
 
+class AppDisabled(ClientError):
+    """The operator switched this kind of session off (PUT /api/admin/apps/{id})."""
+
+    code = "app_disabled"
+    close_code = 1008
+
+
 class QueueCancelled(EdgeError):
     """An operator took the waiting request out of the queue (DELETE /api/queue/{ticket})."""
 

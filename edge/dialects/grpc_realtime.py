@@ -18,6 +18,7 @@ from omnifabric.edge import events as ev
 from omnifabric.edge import fields, pcm
 from omnifabric.edge.dialects.base import DuplexDialect, Refusal
 from omnifabric.edge.errors import (
+    AppDisabled,
     EdgeError,
     InferenceError,
     InternalError,
@@ -33,6 +34,7 @@ from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
 _MODE_NAMES = {common_pb2.MODE_AUDIO: "audio", common_pb2.MODE_VIDEO: "video"}
 #: Fatal errors -> the call's status; any other fatal error is UNAVAILABLE.
 _STATUS = {
+    AppDisabled: "PERMISSION_DENIED",
     QueueCancelled: "ABORTED",
     QueueFull: "RESOURCE_EXHAUSTED",
     SlowClient: "RESOURCE_EXHAUSTED",

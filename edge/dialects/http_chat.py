@@ -21,7 +21,13 @@ from omnifabric.edge.chat import (
 )
 from omnifabric.edge.dialects.base import ChatDialect
 from omnifabric.edge.dialects.realtime import usage_json
-from omnifabric.edge.errors import EdgeError, InvalidPayload, QueueFull, ServiceUnavailable
+from omnifabric.edge.errors import (
+    AppDisabled,
+    EdgeError,
+    InvalidPayload,
+    QueueFull,
+    ServiceUnavailable,
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,8 @@ class HttpChat(ChatDialect):
     def error(self, err: EdgeError) -> HttpResponse:
         if isinstance(err, (QueueFull, ServiceUnavailable)):
             status = HTTPStatus.SERVICE_UNAVAILABLE
+        elif isinstance(err, AppDisabled):
+            status = HTTPStatus.FORBIDDEN
         elif err.kind == "client_error":
             status = HTTPStatus.BAD_REQUEST
         else:

@@ -215,3 +215,26 @@ def test_admin_page_explains_401_and_503_and_keys_work_from_a_browser(stack, ope
     finally:
         keyed.stop()
         orphan.stop()
+
+
+def test_a_switched_off_app_is_marked_on_the_pages(stack, open_page):
+    """PUT /api/admin/apps/omni {enabled: false}: the landing page strikes the video link,
+    the video page says so before anyone starts; switched back on, both are plain again."""
+    from tests.edge.test_voices import request
+
+    base = http_base(stack.url)
+    assert request(f"{base}/api/admin/apps/omni", "PUT", {"enabled": False})[0] == 200
+    try:
+        bp = open_page(f"{base}/")
+        bp.page.wait_for_selector("main a.switched-off[href='/video']")
+        assert bp.page.eval_on_selector_all("a.switched-off", "as => as.length") >= 1
+        video = open_page(f"{base}/video")
+        notice = video.page.wait_for_selector("#switched-off")
+        assert "switched this kind of session off" in notice.inner_text()
+        assert video.page_errors == [] and bp.page_errors == []
+        bp.shot()
+    finally:
+        request(f"{base}/api/admin/apps/omni", "PUT", {"enabled": True})
+    audio = open_page(f"{base}/audio")
+    audio.page.wait_for_load_state("networkidle")
+    assert audio.page.query_selector("#switched-off") is None
