@@ -9,6 +9,7 @@ shape of POST /api/chat's, plus `detail` as the reference server (FastAPI) words
 
 from __future__ import annotations
 
+import asyncio
 import json
 from http import HTTPStatus
 from typing import Any, Protocol
@@ -16,7 +17,7 @@ from urllib.parse import unquote
 
 import grpc
 
-from omnifabric.edge import queue_api
+from omnifabric.edge import queue_api, sessions_api
 from omnifabric.edge.access import is_admin, key_digest
 from omnifabric.edge.apps import Apps
 from omnifabric.edge.config import EdgeConfig
@@ -24,6 +25,7 @@ from omnifabric.edge.dialects.http_chat import HttpResponse
 from omnifabric.edge.errors import InvalidPayload
 from omnifabric.edge.fabric import Fabric
 from omnifabric.edge.presets import Presets
+from omnifabric.edge.sessions_api import Recordings
 from omnifabric.edge.voices import VoiceRegistry
 
 FRONTEND_DEFAULTS = "/api/frontend_defaults"
@@ -39,6 +41,7 @@ class ApiContext(Protocol):
     config: EdgeConfig
     fabric: Fabric
     apps: Apps
+    recordings: Recordings
     presets: Presets
     voices: VoiceRegistry
 
@@ -50,17 +53,34 @@ def error(status: HTTPStatus, code: str, message: str) -> HttpResponse:
 
 
 def is_api(path: str) -> bool:
-    return path in (FRONTEND_DEFAULTS, PRESETS, VOICES, QUEUE, ETA, APPS, ADMIN_APPS) or (
-        path.startswith((PRESETS + "/", VOICES + "/", QUEUE + "/", ADMIN_APPS + "/"))
+    return path in (
+        FRONTEND_DEFAULTS,
+        PRESETS,
+        VOICES,
+        QUEUE,
+        ETA,
+        APPS,
+        ADMIN_APPS,
+        sessions_api.PREFIX,
+    ) or path.startswith(
+        (PRESETS + "/", VOICES + "/", QUEUE + "/", ADMIN_APPS + "/", sessions_api.PREFIX + "/")
     )
 
 
 async def handle(
     context: ApiContext, method: str, path: str, body: bytes, authorization: str
-) -> HttpResponse | None:
-    """The answer to one API request, or None when `path` is not the API's."""
+) -> HttpResponse | sessions_api.Answer | None:
+    """The answer to one API request, or None when `path` is not the API's. Recorded
+    sessions answer with `sessions_api.Answer` (their assets and downloads are bytes)."""
     if not is_api(path):
         return None
+    if path == sessions_api.PREFIX or path.startswith(sessions_api.PREFIX + "/"):
+        # Recordings hold users' voices: a key when keys are on, read off the event loop.
+        if key_digest(context.config, authorization) is None:
+            return error(HTTPStatus.UNAUTHORIZED, "unauthorized", "missing or invalid API key")
+        if method != "GET":
+            return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use GET")
+        return await asyncio.to_thread(context.recordings.answer, path)
     if path == QUEUE or path.startswith(QUEUE + "/") or path == ETA:
         try:
             return await _queue(context, method, path, body, authorization)

@@ -30,6 +30,7 @@ from omnifabric.edge.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from omnifabric.edge.metrics import EdgeMetrics
 from omnifabric.edge.outbox import keepalive
 from omnifabric.edge.presets import Presets
+from omnifabric.edge.sessions_api import Recordings
 from omnifabric.edge.transports.websocket import WebSocketTransport
 from omnifabric.edge.voices import VoiceRegistry
 
@@ -105,6 +106,16 @@ def _plain(status: HTTPStatus, body: str, content_type: str = "text/plain") -> R
     return Response(status.value, status.phrase, headers, body.encode())
 
 
+def _api_response(answer: Any) -> Response:
+    """An API answer (JSON, or bytes with their type) as the WebSocket server's Response."""
+    if isinstance(answer.body, bytes):
+        headers = Headers([("Content-Type", answer.content_type)])
+        if getattr(answer, "filename", None):
+            headers["Content-Disposition"] = f'attachment; filename="{answer.filename}"'
+        return Response(answer.status.value, answer.status.phrase, headers, answer.body)
+    return _plain(answer.status, json.dumps(answer.body, ensure_ascii=False), "application/json")
+
+
 class EdgeApp:
     """Shared state of the WebSocket server: config, fabric clients, live connections."""
 
@@ -122,6 +133,8 @@ class EdgeApp:
         self.draining = False
         self._default_ref_audio: str | None = None
         """GET /api/default_ref_audio's body, made at the first request."""
+        self.recordings = Recordings(config.record_dir)
+        """/api/sessions: this edge's recorded sessions (when it records)."""
         self.apps = Apps()
         """Which kinds of session take new sessions (/api/apps, /api/admin/apps)."""
         self.presets = Presets(config.presets_dir)
@@ -164,9 +177,8 @@ class EdgeApp:
         auth = request_authorization(request.headers)
         answer = await api.handle(self, "GET", path, b"", auth)
         if answer is not None:
-            # Page settings, presets, registered voices (edge/api.py; it checks keys).
-            body = json.dumps(answer.body, ensure_ascii=False)
-            return _plain(answer.status, body, "application/json")
+            # The HTTP API beside the sessions (edge/api.py; it checks keys).
+            return _api_response(answer)
         if static.is_static(path):
             # The web client's pages hold no data: no key. What they open or fetch needs one.
             return static.static_response(request, path)

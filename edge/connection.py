@@ -56,6 +56,7 @@ from omnifabric.edge.metrics import EdgeMetrics
 from omnifabric.edge.presets import Presets
 from omnifabric.edge.recording import SessionRecorder
 from omnifabric.edge.session import SessionCore, new_session_id, run_turn
+from omnifabric.edge.sessions_api import Recordings
 from omnifabric.edge.voices import VoiceRegistry
 
 log = logging.getLogger("omnifabric.edge.connection")
@@ -72,6 +73,7 @@ class EdgeContext(Protocol):
     metrics: EdgeMetrics
     key_sessions: KeySessions
     apps: Apps
+    recordings: Recordings
     presets: Presets
     voices: VoiceRegistry
     connections: set[DuplexConnection]

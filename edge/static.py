@@ -43,9 +43,13 @@ CONTENT_TYPES = {
 MAX_FILE_BYTES = 4 * 1024 * 1024
 
 
+#: The session viewer: `/s/<session id>` (the page reads the id from its own URL).
+VIEWER_PREFIX = "/s/"
+
+
 def is_static(path: str) -> bool:
     """Whether a request path belongs to the web client (no API key needed)."""
-    return path in PAGES or path.startswith(STATIC_PREFIX)
+    return path in PAGES or path.startswith((STATIC_PREFIX, VIEWER_PREFIX))
 
 
 def resolve(path: str, root: Path = WEB_ROOT) -> Path | None:
@@ -53,6 +57,8 @@ def resolve(path: str, root: Path = WEB_ROOT) -> Path | None:
     (`..`, encoded or not), hidden segments, or a type not in CONTENT_TYPES."""
     if path in PAGES:
         relative = PAGES[path]
+    elif path.startswith(VIEWER_PREFIX):
+        relative = "viewer.html"
     elif path.startswith(STATIC_PREFIX):
         relative = unquote(path[len(STATIC_PREFIX) :])
     else:

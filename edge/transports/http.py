@@ -243,7 +243,9 @@ class FrontProtocol(asyncio.Protocol):
             transport.answer(failure(problem[0], "invalid_request", problem[1]))
         elif found is None:
             answer = await api.handle(self.app, reader.method, path, reader.body, authorization)
-            transport.answer(answer or failure(HTTPStatus.NOT_FOUND, "not_found", f"no {path}"))
+            if answer is None:
+                answer = failure(HTTPStatus.NOT_FOUND, "not_found", f"no {path}")
+            transport.answer(HttpResponse(answer.status, answer.body))  # JSON: not a GET
         elif reader.method != "POST":
             transport.answer(failure(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use POST"))
         else:

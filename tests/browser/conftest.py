@@ -96,7 +96,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     try:
         s.start_scheduler()
         s.start_worker("--engine", "reference", "--slots", "2", name="worker0")
-        s.start_edge()
+        s.start_edge("--record-dir", str(s.log_dir / "records"))  # the viewer's sessions
         yield s
     finally:
         s.stop()

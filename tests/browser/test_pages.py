@@ -238,3 +238,39 @@ def test_a_switched_off_app_is_marked_on_the_pages(stack, open_page):
     audio = open_page(f"{base}/audio")
     audio.page.wait_for_load_state("networkidle")
     assert audio.page.query_selector("#switched-off") is None
+
+
+def test_viewer_plays_back_a_recorded_session(stack, open_page):
+    """A recorded audio session at /s/<id>: its facts, both audio tracks loaded, one table
+    row and one plotted bar per unit."""
+    import asyncio
+    import concurrent.futures
+
+    from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
+
+    async def record() -> str:
+        client = await WsClient.open(f"{stack.url}?mode=audio")
+        created = await client.start(prompt="be brief")
+        for samples in (SPEECH, SILENCE):
+            await client.append(samples)
+            await client.until("delta.listen", "delta.speak", timeout_s=30)
+        await client.send({"type": "session.close"})
+        await client.until("session.closed")
+        await client.close()
+        return created["session_id"]
+
+    # Playwright's sync API holds this thread's event loop: the client runs in its own.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sid = pool.submit(asyncio.run, record()).result()
+    bp = open_page(f"{http_base(stack.url)}/s/{sid}")
+    bp.wait("omni => omni.loaded || omni.error", "loaded", 30)
+    state = bp.omni()
+    assert state["error"] is None and state["units"] == 2, state
+    assert "user" in state["audio"]
+    assert bp.page.eval_on_selector_all("#units tbody tr", "rows => rows.length") == 2
+    assert "be brief" in bp.page.inner_text("#meta")
+    assert bp.page_errors == [] and bp.failed_requests == [], bp.failed_requests
+    bp.shot()
+    missing = open_page(f"{http_base(stack.url)}/s/no_such_session")
+    missing.wait("omni => omni.error", "an error", 15)
+    assert "no recorded session" in missing.omni()["error"]

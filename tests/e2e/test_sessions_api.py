@@ -1,0 +1,105 @@
+"""Recorded sessions over HTTP (/api/sessions...): listed, read with their per-unit
+timeline, their files served (and nothing outside their folder), zipped; a key when keys
+are on; 404 when the edge records nothing."""
+
+from __future__ import annotations
+
+import io
+import json
+import urllib.error
+import urllib.request
+import zipfile
+
+import pytest
+
+from tests.conftest import scaled
+from tests.e2e.test_default_voice import http_url
+from tests.e2e.test_queue_api import USER, open_client
+from tests.e2e.wsclient import SILENCE, SPEECH
+from tests.edge.test_voices import request
+from tests.stack import Stack
+
+
+def raw_get(url: str, key: str | None = USER) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(url)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=scaled(10)) as reply:
+            return reply.status, dict(reply.headers), reply.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+@pytest.fixture
+def stack(tmp_path):
+    stack = Stack(tmp_path)
+    keys = tmp_path / "keys"
+    keys.write_text(f"{USER}\n")
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    stack.start_edge("--record-dir", str(tmp_path / "records"), "--api-keys-file", str(keys))
+    yield stack
+    stack.stop()
+
+
+async def record_a_session(stack) -> str:
+    client = await open_client(stack, USER)
+    created = await client.start(prompt="be brief")
+    for samples in (SPEECH, SILENCE, SILENCE):
+        await client.append(samples)
+        await client.until("delta.listen", "response.output.delta")
+    await client.send({"type": "session.close"})
+    await client.until("session.closed")
+    await client.close()
+    return created["session_id"]
+
+
+async def test_sessions_listed_read_served_and_zipped(stack, tmp_path):
+    sid = await record_a_session(stack)
+    base = http_url(stack.url, "/api/sessions")
+    assert request(base, "GET")[0] == 401
+    status, body = request(base, "GET", key=USER)
+    assert status == 200 and body["total"] == 1
+    (entry,) = body["sessions"]
+    assert (entry["session_id"], entry["mode"], entry["units"]) == (sid, "audio", 3)
+    assert entry["size_bytes"] > 0 and entry["duration_s"] is not None
+
+    status, meta = request(f"{base}/{sid}", "GET", key=USER)
+    assert status == 200 and meta["system_prompt"] == "be brief"
+    assert [u["seq"] for u in meta["timeline"]] == [1, 2, 3]
+    assert all("wall_clock_ms" in u for u in meta["timeline"])
+    status, timeline = request(f"{base}/{sid}/recording", "GET", key=USER)
+    assert status == 200 and timeline["units"] == meta["timeline"]
+
+    status, headers, wav = raw_get(f"{base}/{sid}/assets/user.wav")
+    assert status == 200 and headers["Content-Type"] == "audio/wav" and wav[:4] == b"RIFF"
+    status, _, unit = raw_get(f"{base}/{sid}/assets/in/000001.wav")
+    assert status == 200 and unit[:4] == b"RIFF"
+    for bad in ("../../keys", "..%2F..%2Fkeys", "in/../../../keys", ".hidden", "in/"):
+        assert raw_get(f"{base}/{sid}/assets/{bad}")[0] in (400, 404), bad
+    assert raw_get(f"{base}/{sid}/assets/nope.wav")[0] == 404
+
+    status, headers, data = raw_get(f"{base}/{sid}/download")
+    assert status == 200 and headers["Content-Type"] == "application/zip"
+    assert f'filename="{sid}.zip"' in headers["Content-Disposition"]
+    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    assert f"{sid}/meta.json" in names and f"{sid}/user.wav" in names
+    assert json.loads(zipfile.ZipFile(io.BytesIO(data)).read(f"{sid}/meta.json"))["units"] == 3
+
+    assert request(f"{base}/nope_123", "GET", key=USER)[0] == 404
+    assert request(f"{base}/bad%20id", "GET", key=USER)[0] == 400
+    assert request(f"{base}/{sid}/other", "GET", key=USER)[0] == 404
+    status, headers, page = raw_get(http_url(stack.url, f"/s/{sid}"), key=None)
+    assert status == 200 and b"viewer.js" in page  # the page needs no key; its data does
+
+
+async def test_an_edge_that_records_nothing_says_so(tmp_path):
+    stack = Stack(tmp_path)
+    try:
+        stack.start_scheduler()
+        stack.start_edge()
+        status, body = request(http_url(stack.url, "/api/sessions"), "GET")
+        assert status == 404 and "--record-dir" in body["message"]
+    finally:
+        stack.stop()
