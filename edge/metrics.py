@@ -12,6 +12,7 @@ set), so the gauge cannot drift when a session ends in an unusual way. Process f
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import time
 import weakref
@@ -105,6 +106,8 @@ class EdgeMetrics:
             buckets=GC_BUCKETS,
             registry=r,
         )
+        self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=20_000)
+        """(when, seconds) of the latest units: the admin page's recent latency."""
         r.register(_SessionCollector(self._sessions))
         ProcessCollector(registry=r)
         Gauge(
@@ -151,7 +154,22 @@ class EdgeMetrics:
             sent_at.pop(seq, None)
         started = sent_at.pop(out.seq, None)
         if started is not None:
-            self.unit_seconds.labels(mode).observe(time.perf_counter() - started)
+            now = time.perf_counter()
+            self.unit_seconds.labels(mode).observe(now - started)
+            self._recent.append((now, now - started))
+
+    def recent_units(self, window_s: float = 10.0) -> dict[str, Any]:
+        """Units answered in the last `window_s` seconds and their edge-side time (ms):
+        {count, p50_ms, p99_ms} (None without units)."""
+        since = time.perf_counter() - window_s
+        times = sorted(s for t, s in list(self._recent) if t >= since)
+        if not times:
+            return {"count": 0, "p50_ms": None, "p99_ms": None}
+
+        def at(q: float) -> float:
+            return round(times[min(len(times) - 1, int(q * len(times)))] * 1000.0, 1)
+
+        return {"count": len(times), "p50_ms": at(0.5), "p99_ms": at(0.99)}
 
     def client_error(self, code: str) -> None:
         self.errors.labels(code).inc()

@@ -78,4 +78,6 @@ async def edge_status(app) -> dict[str, Any]:
         },
         "workers": workers,
         "sessions": sessions,
+        # This edge's units in the last 10 s (the admin page plots it over time).
+        "units_recent": app.metrics.recent_units(),
     }

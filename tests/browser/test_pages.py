@@ -274,3 +274,49 @@ def test_viewer_plays_back_a_recorded_session(stack, open_page):
     missing = open_page(f"{http_base(stack.url)}/s/no_such_session")
     missing.wait("omni => omni.error", "an error", 15)
     assert "no recorded session" in missing.omni()["error"]
+
+
+def test_admin_operator_tools(stack, open_page, tmp_path):
+    """The admin page's operator tools act through the edge's API: an app switched off and
+    on, a voice uploaded from a WAV file and deleted, the wait estimate saved; the presets
+    and the recorded sessions (with viewer links) listed; the plot fed every refresh."""
+    import io
+    import wave
+
+    import numpy as np
+
+    from tests.edge.test_voices import request
+
+    base = http_base(stack.url)
+    bp = open_page(f"{base}/admin")
+    bp.wait("omni => omni.ops.apps && omni.ops.eta && omni.ops.presets", "tools loaded", 15)
+    assert "Voice call" in bp.page.inner_text("#ops-presets")
+
+    bp.page.click("#ops-apps tr:has-text('/video') button")
+    bp.wait("omni => omni.ops.apps.some(a => a.app_id === 'omni' && !a.enabled)", "omni off", 10)
+    assert request(f"{base}/api/apps", "GET")[1]["apps"][1]["app_id"] != "omni"
+    bp.page.click("#ops-apps tr:has-text('/video') button")
+    bp.wait("omni => omni.ops.apps.every(a => a.enabled)", "omni back on", 10)
+
+    wav = tmp_path / "anna.wav"
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes((0.2 * np.sin(np.arange(16000) / 8) * 32767).astype("<i2").tobytes())
+    wav.write_bytes(buf.getvalue())
+    bp.page.fill("#ops-voices input[name=name]", "Anna")
+    bp.page.set_input_files("#ops-voices input[type=file]", str(wav))
+    bp.page.click("#ops-voices button[type=submit]")
+    bp.wait("omni => (omni.ops.voices || []).some(v => v.name === 'Anna')", "voice listed", 10)
+    bp.page.click("#ops-voices tr:has-text('Anna') button")
+    bp.wait("omni => !omni.ops.voices.some(v => v.name === 'Anna')", "voice deleted", 10)
+
+    bp.page.fill("#ops-eta-form input[name=eta_chat_s]", "7")
+    bp.page.click("#ops-eta-form button[type=submit]")
+    bp.wait("omni => omni.ops.eta && omni.ops.eta.config.eta_chat_s === 7", "estimate saved", 10)
+    assert request(f"{base}/api/config/eta", "GET")[1]["config"]["eta_chat_s"] == 7
+    assert bp.omni()["ops"]["lastAction"]["isError"] is False
+    assert bp.page_errors == [] and bp.failed_requests == [], bp.failed_requests
+    bp.shot()

@@ -2,6 +2,7 @@
 // State for tests and people in the console: window.omni = { state, status, error, refreshes }.
 
 import { bindApiKeyField, saveApiKey } from './realtime.js';
+import { Ops } from './admin-ops.js';
 
 const REFRESH_MS = 2000;
 
@@ -13,6 +14,8 @@ const omni = {
   updatedAt: null, // Date.now() of the last good refresh
 };
 window.omni = omni;
+const ops = new Ops(() => document.getElementById('apikey').value.trim());
+omni.ops = ops.state;
 
 const $ = (id) => document.getElementById(id);
 
@@ -158,6 +161,8 @@ async function refresh() {
     } else {
       const status = await response.json();
       render(status);
+      ops.sample(status);
+      ops.refreshQueue();
       omni.status = status;
       omni.error = null;
       omni.state = 'ok';
@@ -186,8 +191,10 @@ function init() {
     event.preventDefault();
     saveApiKey(input.value.trim());
     refresh();
+    ops.refreshAll();
   });
   refresh();
+  ops.refreshAll();
   setInterval(refresh, REFRESH_MS);
 }
 
