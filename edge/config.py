@@ -7,6 +7,7 @@ import os
 import ssl
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 
 def _env_int(name: str, default: int, lo: int, hi: int) -> int:
@@ -248,8 +249,9 @@ class EdgeConfig:
             ),
         )
 
-    def with_overrides(self, **changes: object) -> EdgeConfig:
-        """A copy with the given fields replaced (None values are ignored)."""
+    def with_overrides(self, **changes: Any) -> EdgeConfig:
+        """A copy with the given fields replaced (None values are ignored); the values are
+        the CLI's parsed flags, each of its field's type."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def session_limit(self, digest: str) -> int:

@@ -184,8 +184,9 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
                 if isinstance(item, Refusal):
                     await context.abort(grpc.StatusCode[item.status], item.details)
                 yield item
-            if runner.done() and not runner.cancelled() and runner.exception() is not None:
-                raise runner.exception()  # type: ignore[misc]
+            failed = runner.exception() if runner.done() and not runner.cancelled() else None
+            if failed is not None:
+                raise failed
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception:
