@@ -428,7 +428,8 @@ class MiniCPMOEngine(Engine):
             duplex.model.to(dtype)
         return layouts.DuplexHandle(duplex)
 
-    def _from_pretrained(self, root: Path, cls: type, dtype: Any) -> Any:
+    def _from_pretrained(self, root: Path, cls: Any, dtype: Any) -> Any:
+        """`cls`: a model class of the checkpoint's own code (a transformers model)."""
         config_module = import_module(root, "configuration_minicpmo")
         config = config_module.MiniCPMOConfig.from_pretrained(str(root))
         model = cls.from_pretrained(

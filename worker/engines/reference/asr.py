@@ -39,8 +39,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+# From their own modules: for a type checker, transformers' top level gives the dummy
+# classes it defines for an install without torch (same classes at run time).
+from transformers.models.whisper.configuration_whisper import WhisperConfig
+from transformers.models.whisper.feature_extraction_whisper import WhisperFeatureExtractor
+from transformers.models.whisper.modeling_whisper import WhisperForConditionalGeneration
 
 from omnifabric.worker.engines.cache import cache_root
 
@@ -437,7 +442,9 @@ def load_whisper(model_dir: Path, device: str = "cpu") -> WhisperForConditionalG
     meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:
         raise ValueError(f"Whisper weights left unset: {meta}")
-    return model.to(device).eval()
+    # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), which type checkers
+    # read as an unbound function (device taken for self).
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
