@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
+from websockets.typing import Subprotocol
 
 SILENCE_UNIT = np.zeros(16000, dtype=np.float32)
 
@@ -118,7 +119,7 @@ async def run_session(
     t0 = time.monotonic()
     async with connect(
         url,
-        subprotocols=["map.realtime"],
+        subprotocols=[Subprotocol("map.realtime")],
         additional_headers=headers,
         compression=None,
         max_size=None,

@@ -137,8 +137,8 @@ def compose(item: Item, kind: str, voice: str, rate: float, lead_in_s: float, se
             pieces.append(np.zeros(int(TURN_GAP_S * RATE), np.float32))
     pieces.append(np.zeros(RATE, np.float32))
     audio = np.concatenate(pieces)
-    audio = audio + np.random.default_rng(seed).normal(0, NOISE_SIGMA, audio.size)
-    audio = np.clip(audio, -1, 1).astype(np.float32)
+    noisy = audio + np.random.default_rng(seed).normal(0, NOISE_SIGMA, audio.size)
+    audio = np.clip(noisy, -1, 1).astype(np.float32)
     n = -(-audio.size // RATE)
     audio = np.pad(audio, (0, n * RATE - audio.size))
     return [audio[i * RATE : (i + 1) * RATE] for i in range(n)], start_s, end_s
@@ -332,13 +332,14 @@ def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    assert proc.stdout is not None
-    for line in proc.stdout:
+    out = proc.stdout
+    assert out is not None
+    for line in out:
         match = re.match(r"omnifabric ready: (\S+)", line)
         if match:
             import threading
 
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            threading.Thread(target=lambda: [None for _ in out], daemon=True).start()
             return proc, match.group(1)
     raise SystemExit(f"omnifabric serve exited ({proc.wait()}) before it was ready")
 

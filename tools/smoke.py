@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 from websockets.asyncio.client import connect
+from websockets.typing import Subprotocol
 
 TIMEOUT_S = 60.0
 SILENCE = np.zeros(16000, np.float32)
@@ -61,7 +62,8 @@ def expect(ok: bool, what: str) -> None:
 
 
 async def realtime_duplex(base: str, mode: str, units: int) -> str:
-    async with connect(f"{base}/v1/realtime?mode={mode}", subprotocols=["map.realtime"]) as ws:
+    url = f"{base}/v1/realtime?mode={mode}"
+    async with connect(url, subprotocols=[Subprotocol("map.realtime")]) as ws:
         await _until(ws, "session.queue_done")
         await ws.send(json.dumps({"type": "session.init", "payload": {"system_prompt": "smoke"}}))
         created = await _until(ws, "session.created")
