@@ -9,6 +9,7 @@ import asyncio
 import base64
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +98,7 @@ async def run_session(
     system_prompt: str = "You are a helpful assistant.",
     api_key: str | None = None,
     frames: list[list[bytes]] | None = None,
-    on_event=None,
+    on_event: Callable[[dict[str, Any], SessionReport], object] | None = None,
     close_reason: str = "user_stop",
     settle_s: float = 5.0,
     init_extra: dict[str, Any] | None = None,

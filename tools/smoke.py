@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
 TIMEOUT_S = 60.0
@@ -43,11 +43,11 @@ class Check(Exception):
     """A protocol expectation that did not hold."""
 
 
-async def _recv(ws) -> dict[str, Any]:
+async def _recv(ws: ClientConnection) -> dict[str, Any]:
     return json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT_S))
 
 
-async def _until(ws, *types: str) -> dict[str, Any]:
+async def _until(ws: ClientConnection, *types: str) -> dict[str, Any]:
     while True:
         event = await _recv(ws)
         if event.get("type") == "error":

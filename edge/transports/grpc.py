@@ -159,7 +159,11 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
     def __init__(self, app: EdgeApp) -> None:
         self.app = app
 
-    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
+    async def Connect(
+        self,
+        request_iterator: AsyncIterator[rt_pb.ConnectRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[rt_pb.ConnectResponse]:
         app = self.app
         digest = key_digest(app.config, _authorization(context))
         if digest is None:

@@ -159,7 +159,13 @@ class MiniCPMOSession(EngineSession):
     def unit_samples(self) -> tuple[int, int]:
         return self.engine.first_unit_samples, self.engine.unit_samples
 
-    def prepare(self, system_prompt, ref_audio, tts_ref_audio, config: DuplexSettings) -> int:
+    def prepare(
+        self,
+        system_prompt: str,
+        ref_audio: np.ndarray | None,
+        tts_ref_audio: np.ndarray | None,
+        config: DuplexSettings,
+    ) -> int:
         self.settings = config
         engine = self.engine
         with engine.using(self):

@@ -33,8 +33,10 @@ import os
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import torch
@@ -48,6 +50,9 @@ from transformers.models.whisper.feature_extraction_whisper import WhisperFeatur
 from transformers.models.whisper.modeling_whisper import WhisperForConditionalGeneration
 
 from omnifabric.worker.engines.cache import cache_root
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SAMPLE_RATE = 16000
 HOP = 160
@@ -158,7 +163,7 @@ def _is_assembled(split: SplitModel) -> bool:
         return False
 
 
-def _write_atomic(path: Path, write) -> None:
+def _write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write through a temporary file in the same folder, then rename over ``path``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -171,6 +176,11 @@ def _write_atomic(path: Path, write) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _copier(src: Path) -> Callable[[BinaryIO], object]:
+    """A writer of ``src``'s bytes, for _write_atomic."""
+    return lambda out: out.write(src.read_bytes())
 
 
 def assemble(split: SplitModel) -> Path:
@@ -191,9 +201,9 @@ def assemble(split: SplitModel) -> Path:
     folder = split.cache_dir
     folder.mkdir(parents=True, exist_ok=True)
     for name in _DATA_FILES:
-        _write_atomic(folder / name, lambda out, src=data / name: out.write(src.read_bytes()))
+        _write_atomic(folder / name, _copier(data / name))
 
-    def concatenate(out) -> None:
+    def concatenate(out: BinaryIO) -> None:
         digest, size = hashlib.sha256(), 0
         for part in parts:
             with part.open("rb") as f:
@@ -460,7 +470,7 @@ class SpecialTokens:
     transcribe: int | None
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, vocab_size: int) -> SpecialTokens:
+    def from_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int) -> SpecialTokens:
         def find(*names: str) -> int:
             for name in names:
                 token = tokenizer.token_to_id(name)

@@ -110,7 +110,13 @@ class ReferenceSession(EngineSession):
 
     # ---- prepare / prefill -------------------------------------------------------
 
-    def prepare(self, system_prompt, ref_audio, tts_ref_audio, config: DuplexSettings) -> int:
+    def prepare(
+        self,
+        system_prompt: str,
+        ref_audio: np.ndarray | None,
+        tts_ref_audio: np.ndarray | None,
+        config: DuplexSettings,
+    ) -> int:
         self.settings = config
         prompt = system_prompt.strip() or self.engine.default_prompt
         conversation = self.engine.llm.conversation(f"{prompt}\n{SPOKEN_STYLE}")
