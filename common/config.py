@@ -199,14 +199,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
                 *spec.flags, dest=name, action="store_true", default=None, help=text.strip()
             )
             continue
-        parser.add_argument(
-            *spec.flags,
-            dest=name,
-            type=_converter(spec, base if spec.repeat else kinds[name]),
-            action="append" if spec.repeat else None,
-            default=None,
-            help=text.strip(),
-        )
+        converter = _converter(spec, base if spec.repeat else kinds[name])
+        if spec.repeat:
+            parser.add_argument(
+                *spec.flags, dest=name, type=converter, action="append", help=text.strip()
+            )
+        else:
+            parser.add_argument(*spec.flags, dest=name, type=converter, help=text.strip())
 
 
 def _converter(spec: Setting, kind: Any) -> Callable[[str], Any]:

@@ -11,9 +11,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 log = logging.getLogger("omnifabric.common.telemetry")
 
@@ -24,7 +28,7 @@ def tracer(service: str) -> trace.Tracer:
     return trace.get_tracer(f"omnifabric.{service}")
 
 
-def setup(service: str, instance_id: str):  # -> TracerProvider | None (SDK types, lazily)
+def setup(service: str, instance_id: str) -> TracerProvider | None:
     """Install a TracerProvider exporting over OTLP/gRPC when OTEL_EXPORTER_OTLP_ENDPOINT
     (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set; returns it (call shutdown() to flush),
     or None when tracing is off."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -17,6 +18,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import InvalidHeader
 from websockets.headers import parse_subprotocol
 from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
 
 from omnifabric.common.paths import cache_root
 from omnifabric.edge import api, dialects, static
@@ -36,10 +38,12 @@ from omnifabric.edge.voices import VoiceRegistry
 
 log = logging.getLogger("omnifabric.edge.app")
 
-SUBPROTOCOL = "map.realtime"
+SUBPROTOCOL = Subprotocol("map.realtime")
 
 
-def select_subprotocol(_conn: ServerConnection, offered: Any) -> str | None:
+def select_subprotocol(
+    _conn: ServerConnection, offered: Sequence[Subprotocol]
+) -> Subprotocol | None:
     """Pick map.realtime when offered; clients that offer none still connect. A
     `bearer.<key>` offer is never selected, so the key is never echoed."""
     return SUBPROTOCOL if SUBPROTOCOL in offered else None
@@ -143,15 +147,19 @@ class EdgeApp:
         """/api/assets/ref_audio: registered reference voices."""
         self.key_sessions = KeySessions(config)
         """Open sessions per API key, held from the upgrade to the connection's end."""
+        self._held_keys: dict[ServerConnection, str] = {}
+        """The key digest each upgraded connection holds a session of (released gives it
+        back)."""
 
-    def select_subprotocol(self, conn: ServerConnection, offered: Any) -> str | None:
+    def select_subprotocol(
+        self, conn: ServerConnection, offered: Sequence[Subprotocol]
+    ) -> Subprotocol | None:
         return select_subprotocol(conn, offered)
 
     def released(self, conn: ServerConnection) -> None:
         """The upgraded connection is over: the key's session slot it held comes back."""
-        held = getattr(conn, "held_key", None)
+        held = self._held_keys.pop(conn, None)
         if held is not None:
-            conn.held_key = None  # type: ignore[attr-defined]
             self.key_sessions.give_back(held)
 
     async def process_request(self, conn: ServerConnection, request: Request) -> Response | None:
@@ -205,7 +213,7 @@ class EdgeApp:
                     "close one and retry\n",
                 )
             # Given back when the connection is over, whatever ends it (released).
-            conn.held_key = digest  # type: ignore[attr-defined]
+            self._held_keys[conn] = digest
         return None
 
     def default_ref_audio_response(self) -> Response:

@@ -159,7 +159,7 @@ def _video(item: dict[str, Any], where: str) -> list[worker_pb.ContentPart]:
     frames: list[bytes] = []
     audio: list[np.ndarray] = []
     try:
-        with av.open(io.BytesIO(raw)) as container:
+        with av.open(io.BytesIO(raw), "r") as container:
             if not container.streams.video:
                 raise InvalidPayload(f"{where}.data has no video stream")
             next_t = 0.0
@@ -170,11 +170,11 @@ def _video(item: dict[str, Any], where: str) -> list[worker_pb.ContentPart]:
                     frame.to_image().convert("RGB").save(buf, "JPEG", quality=90)
                     frames.append(buf.getvalue())
                     next_t = t + 1.0
-        with av.open(io.BytesIO(raw)) as container:
+        with av.open(io.BytesIO(raw), "r") as container:
             if container.streams.audio:
                 resampler = av.AudioResampler(format="flt", layout="mono", rate=16000)
-                for frame in container.decode(audio=0):
-                    for out in resampler.resample(frame):
+                for sound in container.decode(audio=0):
+                    for out in resampler.resample(sound):
                         audio.append(out.to_ndarray().reshape(-1).astype(np.float32))
     except InvalidPayload:
         raise
@@ -244,14 +244,14 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
         raise InvalidPayload("'streaming' must be true or false")
     gen = obj(body, "generation")
     g = request.generation
-    if (v := integer_field(gen, "max_new_tokens", 1, MAX_NEW_TOKENS, "generation")) is not None:
-        g.max_new_tokens = v
-    if (v := number_field(gen, "temperature", 0.0, 5.0, "generation")) is not None:
-        g.temperature = v
-    if (v := number_field(gen, "top_p", 0.0, 1.0, "generation")) is not None:
-        g.top_p = v
-    if (v := number_field(gen, "length_penalty", 0.0, 10.0, "generation")) is not None:
-        g.length_penalty = v
+    if (n := integer_field(gen, "max_new_tokens", 1, MAX_NEW_TOKENS, "generation")) is not None:
+        g.max_new_tokens = n
+    if (x := number_field(gen, "temperature", 0.0, 5.0, "generation")) is not None:
+        g.temperature = x
+    if (x := number_field(gen, "top_p", 0.0, 1.0, "generation")) is not None:
+        g.top_p = x
+    if (x := number_field(gen, "length_penalty", 0.0, 10.0, "generation")) is not None:
+        g.length_penalty = x
     tts = obj(body, "tts")
     enabled = flag(tts, "enabled", "tts")
     request.tts.enabled = True if enabled is None else enabled

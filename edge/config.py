@@ -324,8 +324,9 @@ class EdgeConfig:
             admin_key_digests=admins,
         )
 
-    def with_overrides(self, **changes: object) -> EdgeConfig:
-        """A copy with the given fields replaced (None values are ignored)."""
+    def with_overrides(self, **changes: Any) -> EdgeConfig:
+        """A copy with the given fields replaced (None values are ignored); the values are
+        the CLI's parsed flags, each of its field's type."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def session_limit(self, digest: str) -> int:

@@ -306,17 +306,20 @@ class DuplexConnection:
     def _with_voices(self, init: ev.InitCommand) -> ev.InitCommand:
         """The init with its registered voices (ref_audio_id) filled in as audio; an unknown
         id is refused like any bad init field."""
-        filled: dict[str, bytes] = {}
-        for field, voice_id in (
-            ("ref_audio", init.ref_audio_id),
-            ("tts_ref_audio", init.tts_ref_audio_id),
-        ):
-            if voice_id:
-                audio = self.app.voices.pcm(voice_id)
-                if audio is None:
-                    raise InvalidPayload(f"{field}_id: no registered reference audio {voice_id!r}")
-                filled[field] = audio
-        return dataclasses.replace(init, **filled) if filled else init
+
+        def voice(field: str, voice_id: str, sent: bytes) -> bytes:
+            if not voice_id:
+                return sent
+            audio = self.app.voices.pcm(voice_id)
+            if audio is None:
+                raise InvalidPayload(f"{field}_id: no registered reference audio {voice_id!r}")
+            return audio
+
+        return dataclasses.replace(
+            init,
+            ref_audio=voice("ref_audio", init.ref_audio_id, init.ref_audio),
+            tts_ref_audio=voice("tts_ref_audio", init.tts_ref_audio_id, init.tts_ref_audio),
+        )
 
     async def _start(self, init: ev.InitCommand) -> None:
         assert self.core is not None

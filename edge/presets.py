@@ -35,7 +35,7 @@ from omnifabric.edge.pcm import wav_to_pcm16k
 log = logging.getLogger("omnifabric.edge.presets")
 
 #: The presets shipped with omnifabric (used when no directory is configured).
-PACKAGED = Path(__file__).resolve().parent / "presets"
+PACKAGED = Path(__file__).resolve().parent / "preset_files"
 SUFFIXES = (".yaml", ".yml", ".json")
 #: Largest preset file and audio file read, bytes.
 MAX_PRESET_BYTES = 256 * 1024

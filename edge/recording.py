@@ -35,9 +35,10 @@ import shutil
 import struct
 import time
 import wave
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TextIO
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
@@ -126,19 +127,23 @@ def _iso(ts: float) -> str:
 # ---- the recorder -----------------------------------------------------------------
 
 
-def _guarded(method):
+_P = ParamSpec("_P")
+
+
+def _guarded(
+    method: Callable[Concatenate[SessionRecorder, _P], None],
+) -> Callable[Concatenate[SessionRecorder, _P], None]:
     """Run a recorder method only while enabled; any failure disables the recorder."""
 
     @functools.wraps(method)
-    def wrapper(self: SessionRecorder, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: SessionRecorder, /, *args: _P.args, **kwargs: _P.kwargs) -> None:
         if not self.enabled:
-            return None
+            return
         try:
-            return method(self, *args, **kwargs)
+            method(self, *args, **kwargs)
         except Exception:
             log.exception("session %s: recording failed; recording off", self.session_id)
             self._disable()
-            return None
 
     return wrapper
 
@@ -158,8 +163,8 @@ class SessionRecorder:
         self._wall0 = time.time()
         self._pending: list[str] = []
         self._meta: dict[str, Any] = {}
-        self._events = None
-        self._units = None
+        self._events: TextIO | None = None
+        self._units: TextIO | None = None
         self._user: wave.Wave_write | None = None
         self._model: wave.Wave_write | None = None
         self._model_samples = 0
@@ -299,6 +304,7 @@ class SessionRecorder:
         self._units.write(json.dumps(unit, ensure_ascii=False) + "\n")
         if now - self._last_flush > 5.0:  # bounded loss on a crash, no fsync
             self._last_flush = now
+            assert self._events is not None  # opened with _units by start
             self._events.flush()
             self._units.flush()
 

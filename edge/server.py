@@ -13,6 +13,7 @@ from websockets.asyncio.server import Server
 from omnifabric.common.tls import server_credentials
 from omnifabric.edge.app import EdgeApp
 from omnifabric.edge.config import EdgeConfig
+from omnifabric.edge.connection import ChatConnection, DuplexConnection
 from omnifabric.edge.fabric import Fabric, channel_options
 from omnifabric.edge.metrics import METRICS, EdgeMetrics
 from omnifabric.edge.transports.grpc import RealtimeServicer
@@ -55,7 +56,10 @@ class RunningEdge:
         # for session.closed to reach the client and the close handshake.
         confirm_s = 0.8 * grace_s
         # Every transport's sessions: WebSocket, HTTP and gRPC alike.
-        connections = [*self.app.connections, *self.app.chats]
+        connections: list[DuplexConnection | ChatConnection] = [
+            *self.app.connections,
+            *self.app.chats,
+        ]
         ending = [c.shutdown(confirm_s) for c in connections]
         if ending:
             log.info("drain: ending %d sessions (grace %.1fs)", len(connections), grace_s)

@@ -6,19 +6,24 @@ keys, audio or transcripts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 
+if TYPE_CHECKING:
+    from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+
+    from omnifabric.edge.connection import EdgeContext
+
 STATUS_TIMEOUT_S = 2.0
 
 
-def _name(enum_type, value: int, prefix: str) -> str:
+def _name(enum_type: EnumTypeWrapper, value: int, prefix: str) -> str:
     return enum_type.Name(value).removeprefix(prefix).lower()
 
 
-async def edge_status(app) -> dict[str, Any]:
+async def edge_status(app: EdgeContext) -> dict[str, Any]:
     """Ask the scheduler for its snapshot and add this edge's sessions. Raises on an
     unreachable scheduler (grpc.aio.AioRpcError)."""
     snap = await app.fabric.scheduler.GetStatus(
@@ -55,13 +60,14 @@ async def edge_status(app) -> dict[str, Any]:
         workers.append(worker)
     sessions = [
         {
-            "session_id": c.core.session_id,
+            "session_id": core.session_id,
             "mode": c.mode,
-            "worker_id": c.core.worker_id,
-            "started": c.core.started,
-            "units": c.core.units_sent,
+            "worker_id": core.worker_id,
+            "started": core.started,
+            "units": core.units_sent,
         }
         for c in list(app.connections)
+        if (core := c.core) is not None  # always: a connection is listed once it has one
     ]
     return {
         "edge": {

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from omnifabric.scheduler.config import SchedulerConfig
@@ -273,7 +273,7 @@ class Scheduler:
 
     # --- requests --------------------------------------------------------------------
 
-    async def acquire(self, mode: Mode, session_id: str) -> AsyncIterator[AcquireEvent]:
+    async def acquire(self, mode: Mode, session_id: str) -> AsyncGenerator[AcquireEvent, None]:
         """Queue updates, then the lease, then (if its worker is lost) the loss.
 
         The lease lasts until this generator is closed. Raises NoWorker or QueueFull, and

@@ -89,7 +89,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                         lease_granted=scheduler_pb.LeaseGranted(
                             lease_id=lease.lease_id,
                             slot=lease.slot,
-                            mode=_MODE_TO_PB[lease.mode],
+                            mode=_granted_mode_to_pb(lease.mode),
                             session_id=lease.session_id,
                         )
                     )
@@ -286,14 +286,21 @@ async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> NoR
     raise AssertionError("context.abort returned")  # abort always raises
 
 
-def _mode_from_pb(value: int) -> Mode:
+def _granted_mode_to_pb(mode: Mode | None) -> common_pb2.Mode:
+    """A granted lease's mode; only an orphan's lease has none, and it is never granted."""
+    if mode is None:
+        raise ValueError("a lease without a mode cannot be granted")
+    return _MODE_TO_PB[mode]
+
+
+def _mode_from_pb(value: common_pb2.Mode) -> Mode:
     try:
         return _MODE_FROM_PB[value]
     except KeyError:
         raise InvalidRequest("mode must be MODE_AUDIO, MODE_VIDEO or MODE_CHAT") from None
 
 
-def _health_from_pb(value: int) -> Health:
+def _health_from_pb(value: common_pb2.WorkerHealth) -> Health:
     # An unspecified health is not SERVING: no leases until the worker says so.
     return _HEALTH_FROM_PB.get(value, Health.UNKNOWN)
 

@@ -9,12 +9,14 @@ import asyncio
 import base64
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
+from websockets.typing import Subprotocol
 
 SILENCE_UNIT = np.zeros(16000, dtype=np.float32)
 
@@ -96,7 +98,7 @@ async def run_session(
     system_prompt: str = "You are a helpful assistant.",
     api_key: str | None = None,
     frames: list[list[bytes]] | None = None,
-    on_event=None,
+    on_event: Callable[[dict[str, Any], SessionReport], object] | None = None,
     close_reason: str = "user_stop",
     settle_s: float = 5.0,
     init_extra: dict[str, Any] | None = None,
@@ -118,7 +120,7 @@ async def run_session(
     t0 = time.monotonic()
     async with connect(
         url,
-        subprotocols=["map.realtime"],
+        subprotocols=[Subprotocol("map.realtime")],
         additional_headers=headers,
         compression=None,
         max_size=None,

@@ -31,10 +31,15 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from omnifabric.tools.client import SessionReport, UnitRecord
 
 RATE = 16000
 OUTPUT_RATE = 24000
@@ -51,6 +56,10 @@ class Item:
 
     turns: tuple[str, ...]
     expect: tuple[str, ...]
+
+
+#: One session of a run: (item, voice kind, voice, rate, lead-in s).
+Run = tuple[Item, str, str, float, float]
 
 
 ITEMS = (
@@ -124,7 +133,9 @@ def render(kind: str, voice: str, rate: float, text: str) -> np.ndarray:
     return audio[loud[0] : loud[-1] + 1] if loud.size else audio
 
 
-def compose(item: Item, kind: str, voice: str, rate: float, lead_in_s: float, seed: int):
+def compose(
+    item: Item, kind: str, voice: str, rate: float, lead_in_s: float, seed: int
+) -> tuple[list[np.ndarray], float, float]:
     """The session's input audio (1 s units) and the stream times where the last question
     starts and ends, in seconds."""
     pieces = [np.zeros(int(lead_in_s * RATE), np.float32)]
@@ -137,8 +148,8 @@ def compose(item: Item, kind: str, voice: str, rate: float, lead_in_s: float, se
             pieces.append(np.zeros(int(TURN_GAP_S * RATE), np.float32))
     pieces.append(np.zeros(RATE, np.float32))
     audio = np.concatenate(pieces)
-    audio = audio + np.random.default_rng(seed).normal(0, NOISE_SIGMA, audio.size)
-    audio = np.clip(audio, -1, 1).astype(np.float32)
+    noisy = audio + np.random.default_rng(seed).normal(0, NOISE_SIGMA, audio.size)
+    audio = np.clip(noisy, -1, 1).astype(np.float32)
     n = -(-audio.size // RATE)
     audio = np.pad(audio, (0, n * RATE - audio.size))
     return [audio[i * RATE : (i + 1) * RATE] for i in range(n)], start_s, end_s
@@ -188,7 +199,7 @@ async def ask(
     lead_in_s: float,
     seed: int,
     tail_s: int,
-    hearer,
+    hearer: Callable[[np.ndarray], str],
 ) -> Outcome:
     from scipy.signal import resample_poly
 
@@ -218,7 +229,7 @@ async def ask(
     replies = [u for u in records if u.kind == "speak" and u.sent_at - origin > start_s]
     out.reply_text = "".join(u.text for u in replies).strip()
     first = next((u for u in replies if u.audio_samples and u.received_at), None)
-    if first is not None:
+    if first is not None and first.received_at is not None:
         out.first_audio_s = first.received_at - (origin + end_s)
     chunks = [(u.received_at, u.audio_samples / OUTPUT_RATE) for u in replies if u.received_at]
     out.gap_s = sum(playback_gaps(chunks))
@@ -248,7 +259,7 @@ def playback_gaps(chunks: list[tuple[float, float]]) -> list[float]:
     return gaps
 
 
-def _reply_audio(report, replies) -> list[np.ndarray]:
+def _reply_audio(report: SessionReport, replies: list[UnitRecord]) -> list[np.ndarray]:
     """The reply's audio chunks, in arrival order, for the scored units only."""
     wanted = {u.seq for u in replies}
     chunks = []
@@ -262,9 +273,9 @@ def _reply_audio(report, replies) -> list[np.ndarray]:
 # ---- the run ------------------------------------------------------------------------------
 
 
-def plan(kinds: list[str], items: tuple[Item, ...], repeat: int) -> list[tuple]:
+def plan(kinds: list[str], items: tuple[Item, ...], repeat: int) -> list[Run]:
     """(item, kind, voice, rate, lead-in) for every session, deterministic."""
-    runs = []
+    runs: list[Run] = []
     for kind in kinds:
         for r in range(repeat):
             for i, item in enumerate(items):
@@ -332,23 +343,26 @@ def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    assert proc.stdout is not None
-    for line in proc.stdout:
+    out = proc.stdout
+    assert out is not None
+    for line in out:
         match = re.match(r"omnifabric ready: (\S+)", line)
         if match:
             import threading
 
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            threading.Thread(target=lambda: [None for _ in out], daemon=True).start()
             return proc, match.group(1)
     raise SystemExit(f"omnifabric serve exited ({proc.wait()}) before it was ready")
 
 
-async def run_all(args, runs, hearer) -> list[Outcome]:
+async def run_all(
+    args: argparse.Namespace, runs: list[Run], hearer: Callable[[np.ndarray], str]
+) -> list[Outcome]:
     outcomes: list[Outcome] = []
     started = time.monotonic()
     sem = asyncio.Semaphore(args.parallel)
 
-    async def one(i, spec):
+    async def one(i: int, spec: Run) -> None:
         async with sem:
             item, kind, voice, rate, lead = spec
             outcome = await ask(

@@ -137,7 +137,8 @@ def load(args: argparse.Namespace, config: WorkerConfig, missing: list[str]) -> 
     if "device" in missing:
         if args.engine != "reference":
             raise ValueError(f"this WorkerConfig has no device field: cannot put {args.engine}")
-        from omnifabric.worker.engines.reference.engine import ReferenceEngine, TurnRules
+        from omnifabric.worker.engines.reference.engine import ReferenceEngine
+        from omnifabric.worker.engines.reference.turns import TurnRules
 
         rules = TurnRules(
             min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s
@@ -173,7 +174,7 @@ def run_session(engine: Engine, units: list[np.ndarray], index: int, meter: Mete
         session.stop()
     finally:
         session.close()
-    session = None  # the last reference: cleanup may now free its KV cache
+    del session  # the last reference: cleanup may now free its KV cache
     meter.sync()
     peak = meter.peak()
     after_close, after_cleanup = meter.cleanup()

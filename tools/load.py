@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from omnifabric.tools.client import SILENCE_UNIT, percentile, run_session
+from omnifabric.tools.client import SILENCE_UNIT, SessionReport, percentile, run_session
 
 SPEECH_UNIT = (0.2 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.float32)
 
@@ -44,7 +44,7 @@ async def run(url: str, sessions: int, seconds: int, wav: str | None = None) -> 
     else:
         units = script(seconds)
 
-    async def one(i: int):
+    async def one(i: int) -> SessionReport:
         await asyncio.sleep(i * 1.0 / max(1, sessions))  # spread the units over the second
         return await run_session(url, units, pace_s=1.0)
 
@@ -54,7 +54,7 @@ async def run(url: str, sessions: int, seconds: int, wav: str | None = None) -> 
     ]
     answered = [u for r in reports for u in r.units.values() if u.received_at is not None]
     engine_ms = [u.prefill_ms + u.generate_ms for u in answered]
-    rtts = [u.rtt_ms for u in answered]
+    rtts = [rtt for u in answered if (rtt := u.rtt_ms) is not None]  # all: answered
     speak = [
         u.overhead_ms
         for r in reports

@@ -13,10 +13,11 @@ import asyncio
 import sys
 import wave
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from omnifabric.tools.client import SILENCE_UNIT, percentile, run_session
+from omnifabric.tools.client import SILENCE_UNIT, SessionReport, percentile, run_session
 
 
 def read_wav_16k(path: Path) -> np.ndarray:
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if "mode=" not in url:
         url += ("&" if "?" in url else "?") + f"mode={args.mode}"
 
-    def show(event, _report) -> None:
+    def show(event: dict[str, Any], _report: SessionReport) -> None:
         if args.quiet:
             return
         kind = event.get("type")

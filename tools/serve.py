@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import TextIO
 
 READY = re.compile(r"^omnifabric (scheduler|worker|edge) ready: (.*)$")
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     children: list[Child] = []
     stopping = threading.Event()
 
-    def on_signal(signum, _frame):
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
         stopping.set()
 
     signal.signal(signal.SIGINT, on_signal)

@@ -20,7 +20,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.typing import Subprotocol
 
 TIMEOUT_S = 60.0
 SILENCE = np.zeros(16000, np.float32)
@@ -42,11 +43,11 @@ class Check(Exception):
     """A protocol expectation that did not hold."""
 
 
-async def _recv(ws) -> dict[str, Any]:
+async def _recv(ws: ClientConnection) -> dict[str, Any]:
     return json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT_S))
 
 
-async def _until(ws, *types: str) -> dict[str, Any]:
+async def _until(ws: ClientConnection, *types: str) -> dict[str, Any]:
     while True:
         event = await _recv(ws)
         if event.get("type") == "error":
@@ -61,7 +62,8 @@ def expect(ok: bool, what: str) -> None:
 
 
 async def realtime_duplex(base: str, mode: str, units: int) -> str:
-    async with connect(f"{base}/v1/realtime?mode={mode}", subprotocols=["map.realtime"]) as ws:
+    url = f"{base}/v1/realtime?mode={mode}"
+    async with connect(url, subprotocols=[Subprotocol("map.realtime")]) as ws:
         await _until(ws, "session.queue_done")
         await ws.send(json.dumps({"type": "session.init", "payload": {"system_prompt": "smoke"}}))
         created = await _until(ws, "session.created")

@@ -56,7 +56,7 @@ def limits_pb(limits: EngineLimits) -> common_pb2.EngineLimits:
     )
 
 
-def _health_value(health: Health) -> int:
+def _health_value(health: Health) -> common_pb2.WorkerHealth:
     if health.serving:
         return common_pb2.WORKER_HEALTH_SERVING
     return common_pb2.WORKER_HEALTH_NOT_SERVING

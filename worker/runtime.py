@@ -6,6 +6,7 @@ The gRPC servicer and the registration client call into it; it holds no protobuf
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,12 @@ from omnifabric.worker.metrics import WorkerMetrics
 from omnifabric.worker.session import CloseReason, DuplexSession, SessionLimits, SessionSpec
 
 log = logging.getLogger("omnifabric.worker")
+
+
+class _End(enum.Enum):
+    """What next() gives for an engine's exhausted chat chunks (a typed sentinel)."""
+
+    END = enum.auto()
 
 
 @dataclass(frozen=True)
@@ -155,19 +162,18 @@ class WorkerRuntime:
         await self.leases.claim(lease_id, "chat", self.config.lease_wait_s, revoked.append)
         self.chats += 1
         loop = asyncio.get_running_loop()
-        done = object()
         try:
             if len(self.sessions) + self.chats > self.slots:
                 raise NoFreeSlot(f"all {self.slots} slots of this worker are taken")
             chunks = iter(await loop.run_in_executor(self.executor, self._open_chat, turn))
             while not revoked:
                 try:
-                    chunk = await loop.run_in_executor(self.executor, next, chunks, done)
+                    chunk = await loop.run_in_executor(self.executor, next, chunks, _End.END)
                 except ValueError as exc:
                     raise InvalidRequest(str(exc)) from None
                 except Exception as exc:
                     raise EngineFailure("inference failed") from exc
-                if chunk is done:
+                if chunk is _End.END:
                     return
                 yield chunk
         finally:

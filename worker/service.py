@@ -72,7 +72,7 @@ REASONS_FROM_PROTO = {value: reason for reason, value in REASONS_TO_PROTO.items(
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message for an error; unknown errors get a generic message."""
     for cls in type(exc).__mro__:
-        code = STATUS_CODES.get(cls)  # type: ignore[arg-type]
+        code = STATUS_CODES.get(cls)
         if code is not None:
             return code, str(exc)
     return grpc.StatusCode.INTERNAL, "internal error"

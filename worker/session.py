@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
 from omnifabric.common import telemetry
 from omnifabric.worker.engine import DuplexSettings, Engine, EngineSession, GenerateResult
@@ -485,7 +486,7 @@ class DuplexSession:
             return
         out = unit.output
         result, timings = out.result, out.timings
-        attributes = {
+        attributes: dict[str, AttributeValue] = {
             "session.id": self.session_id,
             "unit.seq": out.seq,
             "unit.kind": "listen" if result.is_listen else "speak",

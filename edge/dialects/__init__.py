@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from omnifabric.edge.dialects.base import ChatDialect, DuplexDialect
 from omnifabric.edge.dialects.grpc_realtime import GrpcRealtime
@@ -18,15 +19,17 @@ from omnifabric.edge.dialects.realtime import RealtimeDuplex
 from omnifabric.edge.dialects.realtime_chat import RealtimeChat
 
 Dialect = DuplexDialect | ChatDialect
+#: The kind of dialect a route opens (a table of routes may mix kinds: Route[Dialect]).
+D = TypeVar("D", bound=Dialect, covariant=True)
 
 
 @dataclass(frozen=True)
-class Route:
+class Route(Generic[D]):
     """Where a dialect is reached. `open(rest, query, default_mode)` makes the dialect of
     one connection: `rest` is the path after a prefix route, `query` the URL's query."""
 
     path: str
-    open: Callable[[str, Mapping[str, list[str]], str], Dialect]
+    open: Callable[[str, Mapping[str, list[str]], str], D]
     prefix: bool = False
 
     def matches(self, path: str) -> bool:
@@ -40,16 +43,16 @@ def _realtime(_: str, query: Mapping[str, list[str]], default_mode: str) -> Dial
     return RealtimeChat() if mode == "chat" else RealtimeDuplex(mode)
 
 
-WEBSOCKET: tuple[Route, ...] = (
+WEBSOCKET: tuple[Route[Dialect], ...] = (
     Route("/v1/realtime", _realtime),
     Route("/ws/duplex/", lambda rest, _q, _m: LegacyDuplex(rest), prefix=True),
     Route("/ws/chat", lambda _r, _q, _m: LegacyChat()),
 )
-HTTP: tuple[Route, ...] = (Route("/api/chat", lambda _r, _q, _m: HttpChat()),)
+HTTP: tuple[Route[ChatDialect], ...] = (Route("/api/chat", lambda _r, _q, _m: HttpChat()),)
 GRPC_CONNECT = Route("/omni.realtime.v1.RealtimeService/Connect", lambda _r, _q, _m: GrpcRealtime())
 
 
-def find(routes: tuple[Route, ...], path: str) -> tuple[Route, str] | None:
+def find(routes: tuple[Route[D], ...], path: str) -> tuple[Route[D], str] | None:
     """The route for `path` and the rest of the path after it, or None."""
     for route in routes:
         if route.matches(path):

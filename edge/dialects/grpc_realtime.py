@@ -106,7 +106,7 @@ def timings_to(timings_ms: dict[str, float]) -> common_pb2.UnitTimings:
     )
 
 
-def reason_value(name: str) -> int:
+def reason_value(name: str) -> common_pb2.CloseReason:
     """A close reason name -> the CloseReason enum value."""
     return common_pb2.CloseReason.Value("CLOSE_REASON_" + name.upper())
 

@@ -65,14 +65,14 @@ class LegacyChat(ChatDialect):
         if isinstance(event, TurnDone):
             result = event.result
             # Streamed audio already went out in chunks; done carries the last one.
-            audio = result.audio if not self._streaming else result.audio[-1:]
+            pieces = result.audio if not self._streaming else result.audio[-1:]
             return [
                 {
                     "type": "done",
                     "text": result.text,
                     "generated_tokens": result.generated_tokens,
                     "input_tokens": result.input_tokens,
-                    "audio_data": pcm.encode_pcm(b"".join(audio)) if any(audio) else None,
+                    "audio_data": pcm.encode_pcm(b"".join(pieces)) if any(pieces) else None,
                     "recording_session_id": None,
                     "metrics": metrics_json(result),
                 }

@@ -280,6 +280,8 @@ class RealtimeDuplex(DuplexDialect):
 
     name = "realtime"
     recorded = True
+    #: The URL's ?mode=, known before any message (never None here, unlike the gRPC dialect).
+    mode: str
 
     def __init__(self, mode: str) -> None:
         self.mode = mode

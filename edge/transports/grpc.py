@@ -159,7 +159,11 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
     def __init__(self, app: EdgeApp) -> None:
         self.app = app
 
-    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
+    async def Connect(
+        self,
+        request_iterator: AsyncIterator[rt_pb.ConnectRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[rt_pb.ConnectResponse]:
         app = self.app
         digest = key_digest(app.config, _authorization(context))
         if digest is None:
@@ -184,8 +188,9 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
                 if isinstance(item, Refusal):
                     await context.abort(grpc.StatusCode[item.status], item.details)
                 yield item
-            if runner.done() and not runner.cancelled() and runner.exception() is not None:
-                raise runner.exception()  # type: ignore[misc]
+            failed = runner.exception() if runner.done() and not runner.cancelled() else None
+            if failed is not None:
+                raise failed
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception:

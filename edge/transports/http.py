@@ -21,7 +21,7 @@ import json
 import logging
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
 from websockets.datastructures import Headers
@@ -29,6 +29,7 @@ from websockets.datastructures import Headers
 from omnifabric.edge import api, dialects
 from omnifabric.edge.access import key_digest
 from omnifabric.edge.connection import ChatConnection, EdgeContext
+from omnifabric.edge.dialects.base import ChatDialect
 from omnifabric.edge.dialects.http_chat import HttpResponse, failure
 from omnifabric.edge.errors import EdgeError
 
@@ -185,7 +186,9 @@ class FrontProtocol(asyncio.Protocol):
         self._gone = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        # A stream transport: asyncio's or uvloop's (no subclass of asyncio.Transport, so
+        # the type is asserted, not checked).
+        self.transport = cast(asyncio.Transport, transport)
         limit = self.app.config.open_timeout_s
         self._timer = asyncio.get_running_loop().call_later(limit, self._undecided)
 
@@ -254,7 +257,9 @@ class FrontProtocol(asyncio.Protocol):
             await self._chat(transport, reader, route.open(rest, query, ""))
         await transport.finish()
 
-    async def _chat(self, transport: HttpTransport, reader: HttpRequestReader, dialect) -> None:
+    async def _chat(
+        self, transport: HttpTransport, reader: HttpRequestReader, dialect: ChatDialect
+    ) -> None:
         """The drain (503), the API key check (401), the key's session limit (429, as on the
         WebSocket endpoints: the turn holds one of its sessions while it runs), the turn."""
         app = self.app

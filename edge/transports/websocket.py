@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from websockets.asyncio.server import Server, ServerConnection
@@ -20,6 +20,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import SERVER, Request, Response
 from websockets.protocol import State
 from websockets.server import ServerProtocol
+from websockets.typing import Origin, Subprotocol
 
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.errors import EdgeError
@@ -80,7 +81,9 @@ class Upgrade(Protocol):
         self, conn: ServerConnection, request: Request
     ) -> Response | None: ...
 
-    def select_subprotocol(self, conn: ServerConnection, offered: Any) -> str | None: ...
+    def select_subprotocol(
+        self, conn: ServerConnection, offered: Sequence[Subprotocol]
+    ) -> Subprotocol | None: ...
 
     async def handler(self, conn: ServerConnection) -> None: ...
 
@@ -100,7 +103,7 @@ async def serve_port(
     FrontProtocol, WebSocket upgrades by `upgrade`. Returns the started websockets Server
     (its close() ends the WebSocket connections with 1001)."""
 
-    async def create_server() -> asyncio.AbstractServer:
+    async def create_server() -> asyncio.Server:
         loop = asyncio.get_running_loop()
         kwargs: dict[str, Any] = {}
         if tls is not None:
@@ -140,21 +143,23 @@ async def serve_port(
                 # A handshake that timed out or failed: no connection is left behind.
                 connection.transport.abort()
         finally:
-            server.handler_tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
+            server.handler_tasks.discard(asyncio.current_task())
             upgrade.released(connection)
 
-    server = Server(create_server, run_connection)  # type: ignore[arg-type]
-    origins = [*config.allowed_origins, None] if config.allowed_origins else None
+    server = Server(create_server, run_connection)
+    origins: list[Origin | None] | None = None
+    if config.allowed_origins:
+        origins = [*map(Origin, config.allowed_origins), None]
 
     def open_websocket(transport: asyncio.Transport, first: bytes) -> None:
         connection: ServerConnection
 
-        def select(_protocol: ServerProtocol, offered: Any) -> str | None:
+        def select(_protocol: ServerProtocol, offered: Sequence[Subprotocol]) -> Subprotocol | None:
             return upgrade.select_subprotocol(connection, offered)
 
         protocol = ServerProtocol(
-            origins=origins,  # type: ignore[arg-type]
-            select_subprotocol=select,  # type: ignore[arg-type]
+            origins=origins,
+            select_subprotocol=select,
             # Audio frames barely compress and deflate costs ms per frame on each side.
             extensions=None,
             max_size=config.max_frame_bytes,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
-def swap_in(tmp: Path, cache: Path, valid) -> None:
+def swap_in(tmp: Path, cache: Path, valid: Callable[[], bool]) -> None:
     """Move a finished ``tmp`` folder to ``cache`` (renames, so readers never see half a
     folder), replacing a stale one. When another process finished the same build first and
     ``valid()`` says its folder is good, theirs is kept."""

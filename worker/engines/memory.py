@@ -6,6 +6,7 @@ import gc
 import os
 import sys
 from dataclasses import dataclass
+from types import ModuleType
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class MemoryReport:
         return self.before_bytes - self.after_bytes
 
 
-def _cuda():
+def _cuda() -> ModuleType | None:
     """The torch.cuda module if torch is loaded already and CUDA is usable, else None."""
     # Never import torch here: engines that do not need it must not pay for it.
     torch = sys.modules.get("torch")

@@ -25,7 +25,8 @@ def _synthetic(config: WorkerConfig) -> Engine:
 
 
 def _reference(config: WorkerConfig) -> Engine:
-    from omnifabric.worker.engines.reference.engine import ReferenceEngine, TurnRules
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine
+    from omnifabric.worker.engines.reference.turns import TurnRules
 
     rules = TurnRules(
         min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s

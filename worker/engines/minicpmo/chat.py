@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,7 +40,7 @@ class ChatEngine(Protocol):
     def chat_content(self, message: ChatMessage) -> list[Any]: ...
 
 
-def stream_turn(engine: ChatEngine, turn: ChatTurn) -> Iterator[ChatChunk]:
+def stream_turn(engine: ChatEngine, turn: ChatTurn) -> Generator[ChatChunk, None, None]:
     """Prefilled chunk, text/audio chunks, then done with the real counts. Raises what the
     model raises (the worker reports it as an error event)."""
     import torch

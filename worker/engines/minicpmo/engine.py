@@ -159,7 +159,13 @@ class MiniCPMOSession(EngineSession):
     def unit_samples(self) -> tuple[int, int]:
         return self.engine.first_unit_samples, self.engine.unit_samples
 
-    def prepare(self, system_prompt, ref_audio, tts_ref_audio, config: DuplexSettings) -> int:
+    def prepare(
+        self,
+        system_prompt: str,
+        ref_audio: np.ndarray | None,
+        tts_ref_audio: np.ndarray | None,
+        config: DuplexSettings,
+    ) -> int:
         self.settings = config
         engine = self.engine
         with engine.using(self):
@@ -428,7 +434,8 @@ class MiniCPMOEngine(Engine):
             duplex.model.to(dtype)
         return layouts.DuplexHandle(duplex)
 
-    def _from_pretrained(self, root: Path, cls: type, dtype: Any) -> Any:
+    def _from_pretrained(self, root: Path, cls: Any, dtype: Any) -> Any:
+        """`cls`: a model class of the checkpoint's own code (a transformers model)."""
         config_module = import_module(root, "configuration_minicpmo")
         config = config_module.MiniCPMOConfig.from_pretrained(str(root))
         model = cls.from_pretrained(

@@ -121,7 +121,7 @@ class Handle:
     def tokenizer(self) -> Any:
         return self.duplex.tokenizer
 
-    def prepare(self, system_prompt: str, ref_audio: np.ndarray | None, voice: str | None):
+    def prepare(self, system_prompt: str, ref_audio: np.ndarray | None, voice: str | None) -> None:
         """Reset and prefill the system prompt (plain text), the LLM reference audio and
         the TTS voice (a WAV path)."""
         self.duplex.prepare(
@@ -216,7 +216,7 @@ class AsDuplexHandle(DuplexHandle):
 
     layout = AS_DUPLEX
 
-    def prepare(self, system_prompt: str, ref_audio: np.ndarray | None, voice: str | None):
+    def prepare(self, system_prompt: str, ref_audio: np.ndarray | None, voice: str | None) -> None:
         self.duplex.prepare(
             prefix_system_prompt=system_prompt, ref_audio=ref_audio, prompt_wav_path=voice
         )

@@ -33,16 +33,26 @@ import os
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import torch
 from torch import nn
-from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
+# From their own modules: for a type checker, transformers' top level gives the dummy
+# classes it defines for an install without torch (same classes at run time).
+from transformers.models.whisper.configuration_whisper import WhisperConfig
+from transformers.models.whisper.feature_extraction_whisper import WhisperFeatureExtractor
+from transformers.models.whisper.modeling_whisper import WhisperForConditionalGeneration
+
 from omnifabric.common.paths import cache_root
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SAMPLE_RATE = 16000
 HOP = 160
@@ -153,7 +163,7 @@ def _is_assembled(split: SplitModel) -> bool:
         return False
 
 
-def _write_atomic(path: Path, write) -> None:
+def _write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write through a temporary file in the same folder, then rename over ``path``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -166,6 +176,11 @@ def _write_atomic(path: Path, write) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _copier(src: Path) -> Callable[[BinaryIO], object]:
+    """A writer of ``src``'s bytes, for _write_atomic."""
+    return lambda out: out.write(src.read_bytes())
 
 
 def assemble(split: SplitModel) -> Path:
@@ -186,9 +201,9 @@ def assemble(split: SplitModel) -> Path:
     folder = split.cache_dir
     folder.mkdir(parents=True, exist_ok=True)
     for name in _DATA_FILES:
-        _write_atomic(folder / name, lambda out, src=data / name: out.write(src.read_bytes()))
+        _write_atomic(folder / name, _copier(data / name))
 
-    def concatenate(out) -> None:
+    def concatenate(out: BinaryIO) -> None:
         digest, size = hashlib.sha256(), 0
         for part in parts:
             with part.open("rb") as f:
@@ -437,7 +452,9 @@ def load_whisper(model_dir: Path, device: str = "cpu") -> WhisperForConditionalG
     meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:
         raise ValueError(f"Whisper weights left unset: {meta}")
-    return model.to(device).eval()
+    # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), which type checkers
+    # read as an unbound function (device taken for self).
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -453,7 +470,7 @@ class SpecialTokens:
     transcribe: int | None
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, vocab_size: int) -> SpecialTokens:
+    def from_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int) -> SpecialTokens:
         def find(*names: str) -> int:
             for name in names:
                 token = tokenizer.token_to_id(name)

@@ -25,6 +25,8 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,6 +50,11 @@ from omnifabric.worker.engines.reference.turns import (
     reply_cut,
 )
 from omnifabric.worker.engines.reference.vad import WINDOW, WINDOW_S, VoiceActivity
+
+if TYPE_CHECKING:  # loaded by ReferenceEngine.load (they import torch models)
+    from omnifabric.worker.engines.reference.asr import Transcriber
+    from omnifabric.worker.engines.reference.llm_gguf import Conversation, ReplyModel
+    from omnifabric.worker.engines.reference.tts import TextToSpeech
 
 log = logging.getLogger("omnifabric.worker.reference")
 
@@ -73,10 +80,12 @@ class ReferenceSession(EngineSession):
         self.rules = engine.rules
         self.session_id = session_id
         self.mode = mode
-        self.vad = VoiceActivity(engine.vad_path)
+        self.vad: VoiceActivity | None = VoiceActivity(engine.vad_path)
+        """None once closed (the model's state is let go)."""
         self.turn = TurnTracker(engine.rules, WINDOW)
         self.settings = DuplexSettings()
-        self.conversation = None
+        self.conversation: Conversation | None = None
+        """The reply model's dialogue: from prepare until close."""
         self.prompt_tokens = 0
         self.units = 0
         self.speaking = False
@@ -101,11 +110,18 @@ class ReferenceSession(EngineSession):
 
     # ---- prepare / prefill -------------------------------------------------------
 
-    def prepare(self, system_prompt, ref_audio, tts_ref_audio, config: DuplexSettings) -> int:
+    def prepare(
+        self,
+        system_prompt: str,
+        ref_audio: np.ndarray | None,
+        tts_ref_audio: np.ndarray | None,
+        config: DuplexSettings,
+    ) -> int:
         self.settings = config
         prompt = system_prompt.strip() or self.engine.default_prompt
-        self.conversation = self.engine.llm.conversation(f"{prompt}\n{SPOKEN_STYLE}")
-        self.prompt_tokens = self.conversation.context_tokens
+        conversation = self.engine.llm.conversation(f"{prompt}\n{SPOKEN_STYLE}")
+        self.conversation = conversation
+        self.prompt_tokens = conversation.context_tokens
         voice = tts_ref_audio if tts_ref_audio is not None else ref_audio
         self.notes = self.engine.voice_notes(voice)
         return self.prompt_tokens
@@ -115,6 +131,8 @@ class ReferenceSession(EngineSession):
     ) -> dict[str, float]:
         if self.needs_finalize:
             raise RuntimeError("prefill before the previous unit was finalized")
+        if self.vad is None:
+            raise RuntimeError("prefill after close")
         t0 = time.perf_counter()
         flags = self.vad.windows(pcm)
         self.unit_speech_s = float(flags.sum()) * WINDOW_S
@@ -182,7 +200,7 @@ class ReferenceSession(EngineSession):
         words = text.split()[:-1]
         if words:
             t0 = time.perf_counter()
-            self.conversation.warm(" ".join(words))
+            self._dialogue().warm(" ".join(words))
             costs["llm_warm"] = (time.perf_counter() - t0) * 1000.0
 
     def _transcribe(self, audio: np.ndarray, costs: dict[str, float]) -> tuple[str, float]:
@@ -214,11 +232,12 @@ class ReferenceSession(EngineSession):
             # follow-up is answered from what the user actually got (measured: "What is my
             # name?" after an unsure "My name is Anor." got "My name is John." without it,
             # "Your name is Anor." with it).
-            self.conversation.add_history("user", text)
-            self.conversation.add_history("assistant", REPAIR_TEXT)
+            conversation = self._dialogue()
+            conversation.add_history("user", text)
+            conversation.add_history("assistant", REPAIR_TEXT)
             return
         t1 = time.perf_counter()
-        self.conversation.add_user_turn(text)
+        self._dialogue().add_user_turn(text)
         costs["llm_prefill"] = (time.perf_counter() - t1) * 1000.0
 
     def _speak(self, costs: dict[str, float], heard: str = "") -> GenerateResult:
@@ -281,18 +300,19 @@ class ReferenceSession(EngineSession):
         while not self.reply_finished and len(self.pending_text) <= chars:
             if used >= rules.max_tokens_per_unit:
                 break
-            reply = self.conversation.reply_text
+            conversation = self._dialogue()
+            reply = conversation.reply_text
             if self.reply_tokens >= rules.max_reply_tokens:
                 self._cut_reply(cut_at_limit(reply))
                 break
-            before = self.conversation.context_tokens
-            delta, finished = self.conversation.next_tokens(1)
-            step = self.conversation.context_tokens - before
+            before = conversation.context_tokens
+            delta, finished = conversation.next_tokens(1)
+            step = conversation.context_tokens - before
             used += step
             self.reply_tokens += step
             self.pending_text += delta
             self.reply_finished = finished
-            cut = reply_cut(self.conversation.reply_text, finished, rules)
+            cut = reply_cut(conversation.reply_text, finished, rules)
             if cut is not None:
                 self._cut_reply(cut)
         if not self.pending_text.strip():
@@ -309,15 +329,21 @@ class ReferenceSession(EngineSession):
     def _cut_reply(self, end: int) -> None:
         """End the reply at ``end`` (a position in the whole reply text): what is not yet
         said beyond it is dropped."""
-        said = len(self.conversation.reply_text) - len(self.pending_text)
+        said = len(self._dialogue().reply_text) - len(self.pending_text)
         self.pending_text = self.pending_text[: max(0, end - said)]
         self.reply_finished = True
 
     def _end_reply(self) -> None:
         if not self.scripted:
-            self.conversation.end_turn()
+            self._dialogue().end_turn()
         self.speaking = False
         self.scripted = False
+
+    def _dialogue(self) -> Conversation:
+        """The conversation, which prepare made and close lets go."""
+        if self.conversation is None:
+            raise RuntimeError("no conversation: before prepare or after close")
+        return self.conversation
 
     def _close_turn(self, costs: dict[str, float]) -> GenerateResult:
         """force_listen or barge-in: stop the reply now; the turn closes in the context."""
@@ -382,7 +408,7 @@ class ReferenceSession(EngineSession):
         self.closed = True
         self.conversation = None
         self.turn.reset()
-        self.vad = None  # type: ignore[assignment]
+        self.vad = None
 
 
 def check_device(device: str) -> torch.device:
@@ -440,10 +466,10 @@ class ReferenceEngine(Engine):
         self.llm_model = llm_model
         self._running = 0
         self._running_lock = threading.Lock()
-        self.vad_path = None
-        self.asr = None
-        self.llm = None
-        self.tts = None
+        self.vad_path: Path | None = None
+        self._asr: Transcriber | None = None
+        self._llm: ReplyModel | None = None
+        self._tts: TextToSpeech | None = None
         self._lock = threading.Lock()
 
     def load(self) -> None:
@@ -459,13 +485,13 @@ class ReferenceEngine(Engine):
         # VAD stays on the CPU on every device: the model is ~2 MB, keeps recurrent state per
         # session and runs 32 ms windows one by one, so a GPU would only add transfers.
         self.vad_path = model_path()
-        self.tts, why = make_speaker("piper", start=True)
+        self._tts, why = make_speaker("piper", start=True)
         if why:
             log.warning("reference engine speech: %s", why)
-        self.asr = Transcriber(device=self.device)
+        self._asr = Transcriber(device=self.device)
         t1 = time.perf_counter()
         # Qwen2.5-Coder-0.5B-Instruct in llama.cpp: one server slot (KV cache) per session.
-        self.llm = ReplyModel(
+        self._llm = ReplyModel(
             device=self.device,
             model=self.llm_model or DEFAULT_MODEL,
             slots=self.default_slots + 1,
@@ -475,6 +501,27 @@ class ReferenceEngine(Engine):
         log.info(
             "reference engine loaded on %s: asr+tts %.1fs, llm %.1fs", self.device, t1 - t0, t2 - t1
         )
+
+    @property
+    def asr(self) -> Transcriber:
+        """The recognizer (Whisper base), once loaded."""
+        if self._asr is None:
+            raise RuntimeError("the reference engine is not loaded")
+        return self._asr
+
+    @property
+    def llm(self) -> ReplyModel:
+        """The reply model (llama.cpp), once loaded."""
+        if self._llm is None:
+            raise RuntimeError("the reference engine is not loaded")
+        return self._llm
+
+    @property
+    def tts(self) -> TextToSpeech:
+        """The speaker (Piper, or espeak-ng as the fallback), once loaded."""
+        if self._tts is None:
+            raise RuntimeError("the reference engine is not loaded")
+        return self._tts
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:

@@ -411,8 +411,8 @@ class ReplyModel(ChatML):
         """The server slot ``owner`` (a conversation) uses now: the one it holds (``slot``)
         while nobody took it, else a free one, else the least recently used one."""
         with self._slot_lock:
-            held = slot is not None and self._slot_owner[slot] is not None
-            if not (held and self._slot_owner[slot]() is owner):
+            held = None if slot is None else self._slot_owner[slot]
+            if slot is None or held is None or held() is not owner:
                 free = [i for i, ref in enumerate(self._slot_owner) if ref is None or ref() is None]
                 slot = free[0] if free else min(range(self.slots), key=self._slot_used.__getitem__)
                 self._slot_owner[slot] = weakref.ref(owner)
@@ -590,13 +590,14 @@ class Conversation:
 
     def _fetch(self, n: int) -> None:
         """Choose up to ``n`` tokens after the context (the reply so far penalised)."""
-        self._request(n)
-        self._next = list(self.last.tokens)
-        self._stopped = self.last.stopped or not self._next
+        last = self._request(n)
+        self._next = list(last.tokens)
+        self._stopped = last.stopped or not self._next
 
-    def _request(self, n: int) -> None:
+    def _request(self, n: int) -> Completion:
         self._slot = self._model.slot_for(self, self._slot)
         self.last = self._model.complete(self._ids, n, len(self._reply_ids), self._slot)
+        return self.last
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,13 @@ import shutil
 import subprocess
 from fractions import Fraction
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 from scipy.signal import resample_poly
+
+if TYPE_CHECKING:
+    from omnifabric.worker.engines.reference.piper import PiperProcess
 
 ESPEAK_RATE = 22050
 OUTPUT_RATE = 24000
@@ -142,7 +145,11 @@ class PiperSpeaker:
     OUTPUT_RATE = OUTPUT_RATE
 
     def __init__(
-        self, voice: str | None = None, length_scale: float = 1.0, process=None, start=False
+        self,
+        voice: str | None = None,
+        length_scale: float = 1.0,
+        process: PiperProcess | None = None,
+        start: bool = False,
     ) -> None:
         from omnifabric.worker.engines.reference import piper
 
