@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import base64
 import json
-import os
 import re
 import subprocess
 import sys
@@ -35,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from omnifabric.tools.perf.stack import start_serve
 
 RATE = 16000
 OUTPUT_RATE = 24000
@@ -323,15 +324,7 @@ def table(outcomes: list[Outcome]) -> str:
 
 def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
     """`omnifabric serve` on free ports; (process, ws url) once it is ready."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    ports = ["--port", "0", "--grpc-port", "0", "--scheduler-port", "0", "--worker-base-port", "0"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omnifabric.tools.cli", "serve", *extra, *ports],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_serve(*extra)
     assert proc.stdout is not None
     for line in proc.stdout:
         match = re.match(r"omnifabric ready: (\S+)", line)
