@@ -1,146 +1,37 @@
-"""Start real service processes on 127.0.0.1 with free ports, for end-to-end tests."""
+"""Start real service processes on 127.0.0.1 with free ports, for end-to-end tests.
+
+The runner is the tools' (omnifabric.tools.perf.stack); here it runs from the repository
+root with every wait scaled by OMNI_TEST_TIME_FACTOR.
+"""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from tests.conftest import ROOT, scaled
-
-READY = re.compile(r"^omnifabric (scheduler|worker|edge) ready: (.*)$")
+from omnifabric.tools.perf import stack as _stack
+from tests.conftest import ROOT, TIME_FACTOR, scaled
 
 
 @dataclass
-class Service:
-    """One service process; `ready` holds the words of its ready line."""
+class Service(_stack.Service):
+    """One service process (see the tools' Service), its waits scaled."""
 
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    ready_words: list[str] = field(default_factory=list)
-    _ready: threading.Event = field(default_factory=threading.Event)
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        with open(self.log_path, "a") as log:
-            for line in self.proc.stdout:
-                log.write(line)
-                log.flush()
-                match = READY.match(line.strip())
-                if match and not self._ready.is_set():
-                    self.ready_words = match.group(2).split()
-                    self._ready.set()
-
-    def wait_ready(self, timeout_s: float = 30.0) -> list[str]:
-        deadline = time.monotonic() + scaled(timeout_s)
-        while not self._ready.wait(0.05):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} not ready:\n{self.log()}")
-        return self.ready_words
-
-    def metrics_address(self) -> str:
-        """host:port of the /metrics server its ready line named (metrics=...), or ""."""
-        for word in self.ready_words:
-            if word.startswith("metrics="):
-                return word.removeprefix("metrics=")
-        return ""
-
-    def log(self) -> str:
-        return self.log_path.read_text()[-4000:] if self.log_path.exists() else ""
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def stop(self, timeout_s: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(scaled(timeout_s))
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+    time_factor: float = TIME_FACTOR
 
 
-def start_service(name: str, module: str, args: list[str], log_dir: Path) -> Service:
+def start_service(name: str, module: str, args: list[str], log_dir: Path) -> _stack.Service:
     """Launch `python -m module args` with stdout and stderr into log_dir/name.log."""
-    log_path = log_dir / f"{name}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    )
-    service = Service(name, proc, log_path)
-    threading.Thread(target=service._pump, daemon=True).start()
-    return service
+    return _stack.start_service(name, module, args, log_dir, cwd=ROOT, time_factor=TIME_FACTOR)
 
 
-class Stack:
+class Stack(_stack.Stack):
     """A scheduler, workers and an edge as separate processes on free ports."""
 
     def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.services: list[Service] = []
-        self.scheduler_address = ""
-        self.workers: list[Service] = []
-        self.edge: Service | None = None
-        self.url = ""
-        self.grpc_address = ""
-
-    def start_scheduler(self, *extra: str) -> Service:
-        args = ["--port", "0", "--metrics-port", "0", *extra]
-        svc = start_service("scheduler", "omnifabric.scheduler", args, self.log_dir)
-        self.services.append(svc)
-        self.scheduler_address = svc.wait_ready()[0]
-        return svc
-
-    def restart_scheduler(self, *extra: str, name: str = "scheduler-restarted") -> Service:
-        """A new scheduler on the port of the previous one (which must have exited), so
-        that workers and edges find it again by themselves."""
-        port = self.scheduler_address.rsplit(":", 1)[1]
-        args = ["--port", port, "--metrics-port", "0", *extra]
-        svc = start_service(name, "omnifabric.scheduler", args, self.log_dir)
-        self.services.append(svc)
-        svc.wait_ready()
-        return svc
-
-    def start_worker(self, *extra: str, name: str | None = None) -> Service:
-        name = name or f"worker{len(self.workers)}"
-        args = ["--port", "0", "--metrics-port", "0", "--scheduler", self.scheduler_address]
-        args += ["--worker-id", name, *extra]
-        svc = start_service(name, "omnifabric.worker", args, self.log_dir)
-        self.services.append(svc)
-        self.workers.append(svc)
-        svc.wait_ready()
-        return svc
-
-    def start_edge(self, *extra: str) -> Service:
-        args = ["--port", "0", "--grpc-port", "0", "--scheduler", self.scheduler_address, *extra]
-        svc = start_service("edge", "omnifabric.edge", args, self.log_dir)
-        self.services.append(svc)
-        self.edge = svc
-        words = svc.wait_ready()
-        self.url = words[0]
-        self.grpc_address = words[1].removeprefix("grpc=")
-        return svc
-
-    def stop(self) -> None:
-        for svc in reversed(self.services):
-            svc.stop()
+        super().__init__(log_dir, cwd=ROOT, time_factor=TIME_FACTOR)
 
 
 def read_until_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 60.0) -> str:
@@ -162,22 +53,4 @@ def read_until_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 60.0
 def start_serve(*extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`omnifabric serve` on free ports (every service), output on its stdout pipe; `env`
     adds variables to the children's environment."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    ports = ["--port", "0", "--grpc-port", "0", "--scheduler-port", "0"]
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "omnifabric.tools.cli",
-            "serve",
-            *extra,
-            *ports,
-            "--worker-base-port",
-            "0",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return _stack.start_serve(*extra, cwd=ROOT, env=env)

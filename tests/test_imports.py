@@ -137,6 +137,39 @@ def test_services_do_not_import_each_other(graph):
     assert not crossings, "\n".join(crossings)
 
 
+def imports_of(root: Path, packages: tuple[str, ...], target: str) -> list[str]:
+    """`module -> name` for every import of `target` or a module under it by a module of
+    `packages` (folders under `root`): module-level or inside a function."""
+    return [
+        f"{module} -> {name}"
+        for module, path in sorted(project_files(root, packages, NAMESPACE).items())
+        for name in sorted(imported_names(path, module))
+        if name == target or name.startswith(f"{target}.")
+    ]
+
+
+def test_dependencies_point_one_way():
+    """tests -> tools -> services, never back: nothing under tools imports the tests (a tool
+    runs from an installed package, where tests/ is not), and no service imports tools or
+    tests. (Running pytest on tests/ in a subprocess is no import.)"""
+    found = imports_of(ROOT, ("tools",), "tests")
+    found += imports_of(ROOT, SERVICES, "tests")
+    found += imports_of(ROOT, SERVICES, f"{NAMESPACE}.tools")
+    assert not found, "\n".join(found)
+
+
+def test_import_direction_check_finds_tests_in_a_function(tmp_path):
+    """The check above sees an import of tests inside a function, as soak's once were."""
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "soak.py").write_text(
+        "import json\n\n\ndef _stack():\n    from tests.stack import Stack\n\n    return Stack\n"
+    )
+    (tmp_path / "tools" / "plain.py").write_text("from omnifabric.tools import soak\n")
+    assert imports_of(tmp_path, ("tools",), "tests") == [
+        "omnifabric.tools.soak -> tests.stack.Stack"
+    ]
+
+
 #: What a dialect (a translator: edge/dialects/*.py) may not import: it holds no socket, no
 #: event loop, no fabric call and no transport.
 NOT_IN_DIALECTS = ("asyncio", "socket", "ssl", "grpc", "websockets", "selectors")

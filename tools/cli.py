@@ -43,11 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "smoke":
         from omnifabric.tools.smoke import main as run
     elif command == "bench":
-        from omnifabric.tools.bench import main as run
+        from omnifabric.tools.perf.bench import main as run
     elif command == "eval":
         from omnifabric.tools.eval_reference import main as run
     elif command == "soak":
-        from omnifabric.tools.soak import main as run
+        from omnifabric.tools.perf.soak import main as run
     elif command == "stubs":
         from omnifabric.tools.gen_stubs import main as run
     else:

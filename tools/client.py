@@ -21,6 +21,11 @@ from websockets.typing import Subprotocol
 SILENCE_UNIT = np.zeros(16000, dtype=np.float32)
 
 
+def pcm_b64(samples: np.ndarray) -> str:
+    """Samples as the public protocol carries them: float32 little-endian, base64."""
+    return base64.b64encode(samples.astype("<f4").tobytes()).decode()
+
+
 @dataclass
 class UnitRecord:
     """One unit as the client saw it."""
@@ -189,9 +194,7 @@ async def run_session(
             if i >= len(units) and report.reply_done():
                 break
             seq = i + 1
-            body: dict[str, Any] = {
-                "audio": base64.b64encode(unit.astype("<f4").tobytes()).decode()
-            }
+            body: dict[str, Any] = {"audio": pcm_b64(unit)}
             if frames and i < len(frames) and frames[i]:
                 body["video_frames"] = [base64.b64encode(f).decode() for f in frames[i]]
             if unit_extra and i < len(unit_extra):

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import base64
 import json
-import os
 import re
 import subprocess
 import sys
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from omnifabric.tools.perf.stack import start_serve
 
 if TYPE_CHECKING:
     from omnifabric.tools.client import SessionReport, UnitRecord
@@ -334,15 +335,7 @@ def table(outcomes: list[Outcome]) -> str:
 
 def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
     """`omnifabric serve` on free ports; (process, ws url) once it is ready."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    ports = ["--port", "0", "--grpc-port", "0", "--scheduler-port", "0", "--worker-base-port", "0"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omnifabric.tools.cli", "serve", *extra, *ports],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_serve(*extra)
     out = proc.stdout
     assert out is not None
     for line in out:

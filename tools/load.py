@@ -15,6 +15,7 @@ import sys
 import numpy as np
 
 from omnifabric.tools.client import SILENCE_UNIT, SessionReport, percentile, run_session
+from omnifabric.tools.perf.console import run_loop
 
 SPEECH_UNIT = (0.2 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.float32)
 
@@ -96,12 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--input", help="WAV looped as every session's speech (default: tones)")
     args = parser.parse_args(argv)
-    try:
-        import uvloop
-
-        result = uvloop.run(run(args.url, args.sessions, args.seconds, args.input))
-    except ImportError:
-        result = asyncio.run(run(args.url, args.sessions, args.seconds, args.input))
+    result = run_loop(run(args.url, args.sessions, args.seconds, args.input))
     print(json.dumps(result, indent=2))
     return 0 if result["lost"] == 0 else 1
 

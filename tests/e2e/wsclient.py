@@ -1,4 +1,8 @@
-"""A thin test client over a real WebSocket: send events, await typed events."""
+"""A thin test client over a real WebSocket: send events, await typed events.
+
+WsClient is the tools' (omnifabric.tools.perf.wsclient) with the tests' time factor;
+the rest (raw sockets, HTTP, polling) only the tests use.
+"""
 
 from __future__ import annotations
 
@@ -10,77 +14,30 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-import numpy as np
-from websockets.asyncio.client import connect
+from omnifabric.tools.client import SILENCE_UNIT
+from omnifabric.tools.client import pcm_b64 as pcm_b64  # the tests' name for it, too
+from omnifabric.tools.load import SPEECH_UNIT
+from omnifabric.tools.perf import metrics as _metrics
+from omnifabric.tools.perf import wsclient as _wsclient
+from omnifabric.tools.perf.metrics import metric as metric  # the tests' name for it, too
+from tests.conftest import TIME_FACTOR, scaled
 
-from tests.conftest import scaled
-
-
-def pcm_b64(samples: np.ndarray) -> str:
-    return base64.b64encode(samples.astype("<f4").tobytes()).decode()
-
-
-SILENCE = np.zeros(16000, np.float32)
-rng = np.random.default_rng(7)
-SPEECH = (0.2 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.float32)
+SILENCE = SILENCE_UNIT
+SPEECH = SPEECH_UNIT
 
 
-class WsClient:
+class WsClient(_wsclient.WsClient):
     """One client connection; `events` keeps everything received, in order."""
 
     #: Every client opened in the running test, closed by the e2e conftest after it.
     opened: list[WsClient] = []
-
-    def __init__(self, ws) -> None:
-        self.ws = ws
-        self.events: list[dict[str, Any]] = []
+    time_factor = TIME_FACTOR
 
     @classmethod
     async def open(cls, url: str, **kwargs: Any) -> WsClient:
-        kwargs.setdefault("compression", None)
-        kwargs.setdefault("max_size", None)
-        client = cls(await connect(url, **kwargs))
+        client = await super().open(url, **kwargs)
         cls.opened.append(client)
         return client
-
-    async def send(self, event: dict[str, Any]) -> None:
-        await self.ws.send(json.dumps(event))
-
-    async def recv(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        event = json.loads(await asyncio.wait_for(self.ws.recv(), scaled(timeout_s)))
-        self.events.append(event)
-        return event
-
-    async def until(self, *types: str, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Receive until an event whose type (or `type.kind`) is one of `types`."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + scaled(timeout_s)
-        while True:
-            event = await self.recv(max(0.01, deadline - loop.time()) / scaled(1))
-            key = event["type"]
-            if key == "response.output.delta":
-                key = f"delta.{event['kind']}"
-            if event["type"] in types or key in types:
-                return event
-
-    async def start(self, dialect: str = "current", prompt: str = "hi") -> dict[str, Any]:
-        await self.until("session.queue_done", timeout_s=30)
-        if dialect == "first":
-            await self.send({"type": "session.update", "session": {"instructions": prompt}})
-        else:
-            await self.send({"type": "session.init", "payload": {"system_prompt": prompt}})
-        return await self.until("session.created")
-
-    async def append(self, samples: np.ndarray, dialect: str = "current", **extra: Any) -> None:
-        if dialect == "first":
-            await self.send(
-                {"type": "input_audio_buffer.append", "audio": pcm_b64(samples), **extra}
-            )
-        else:
-            await self.send({"type": "input.append", "input": {"audio": pcm_b64(samples), **extra}})
-
-    async def close(self) -> None:
-        await self.ws.close()
 
 
 def post_json(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
@@ -213,23 +170,8 @@ async def served_unit(client: WsClient) -> dict:
 
 
 def scrape_metrics(address: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """GET http://address/metrics: sample name -> [(labels, value)]."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=scaled(5)) as reply:
-        text = reply.read().decode()
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return samples
-
-
-def metric(samples: dict, name: str, **labels: str) -> float:
-    """Sum of `name` over the samples whose labels include `labels` (0 when absent)."""
-    return sum(
-        v for lbl, v in samples.get(name, []) if all(lbl.get(k) == x for k, x in labels.items())
-    )
+    """GET http://address/metrics: sample name -> [(labels, value)] (the timeout scaled)."""
+    return _metrics.scrape_metrics(address, timeout_s=scaled(5))
 
 
 def rss_bytes(pid: int) -> int:

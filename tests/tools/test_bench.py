@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from omnifabric.tools.bench import main as bench_main
-from omnifabric.tools.bench import next_probe
+from omnifabric.tools.perf.bench import main as bench_main
+from omnifabric.tools.perf.bench import next_probe
 from tests.conftest import ROOT, scaled
 from tests.stack import Stack
 

@@ -1,0 +1,127 @@
+"""The processes one `omnifabric bench` run measures: scheduler, synthetic workers and edge
+(tools.serve's children) and the echo server, started for the measured paths and stopped
+in order; and the wait for the edge to go idle between levels."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omnifabric.tools.perf.metrics import http_address, metric, scrape_metrics
+
+
+@dataclass
+class BenchStack:
+    """Scheduler, workers and edge (tools.serve's children), plus the echo server."""
+
+    children: list[Any]
+    url: str
+    scheduler: str
+    echo_url: str
+    pids: dict[str, int]
+
+    def stop(self) -> None:
+        from omnifabric.tools.serve import stop
+
+        for kind in ("echo", "edge", "worker", "scheduler"):
+            group = [c for c in self.children if c.name.rstrip("0123456789") == kind]
+            stop(group, 2.0, who="omnifabric bench")
+
+
+def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> BenchStack:
+    """Start what the measured paths need: scheduler and synthetic workers (fabric without
+    --url, grpc-direct), the edge (fabric without --url), the echo server (ws-echo)."""
+    from omnifabric.tools.serve import spawn
+
+    host = args.host
+    children: list[Any] = []
+    pids: dict[str, int] = {"client": os.getpid()}
+    if args.edge_pid:
+        pids["edge"] = args.edge_pid
+    stack = BenchStack(children, args.url or "", "", "", pids)
+    own_fabric = "fabric" in paths and not args.url
+    try:
+        if own_fabric or "grpc-direct" in paths:
+            sched = spawn(
+                "scheduler",
+                "omnifabric.scheduler",
+                ["--host", host, "--port", "0", "--metrics-port", "0", "--grace", "2"],
+                log_dir / "scheduler.log",
+            )
+            children.append(sched)
+            stack.scheduler = sched.wait_ready(args.ready_timeout).split()[0]
+            pids["scheduler"] = sched.proc.pid
+            for i in range(args.workers):
+                worker = spawn(
+                    f"worker{i}",
+                    "omnifabric.worker",
+                    [
+                        *("--host", host, "--port", "0", "--metrics-port", "0"),
+                        *("--scheduler", stack.scheduler, "--engine", "synthetic"),
+                        *("--slots", str(args.slots), "--compute-ms", str(args.compute_ms)),
+                        *("--worker-id", f"bench-w{i}", "--grace", "2"),
+                    ],
+                    log_dir / f"worker{i}.log",
+                )
+                children.append(worker)
+                pids[f"worker{i}"] = worker.proc.pid
+            for child in children[1:]:
+                child.wait_ready(args.ready_timeout)
+        if own_fabric:
+            edge = spawn(
+                "edge",
+                "omnifabric.edge",
+                [
+                    *("--host", host, "--port", "0", "--grpc-port", "0"),
+                    *("--scheduler", stack.scheduler, "--grace", "2"),
+                ],
+                log_dir / "edge.log",
+            )
+            children.append(edge)
+            stack.url = edge.wait_ready(args.ready_timeout).split()[0]
+            pids["edge"] = edge.proc.pid
+        if "ws-echo" in paths:
+            echo = spawn(
+                "echo", "omnifabric.tools.perf.bench", ["--echo-server", host], log_dir / "echo.log"
+            )
+            children.append(echo)
+            wait_line(echo, log_dir / "echo.log", "echo ready: ", args.ready_timeout)
+            text = (log_dir / "echo.log").read_text()
+            stack.echo_url = text.split("echo ready: ")[1].split()[0]
+            pids["echo"] = echo.proc.pid
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def wait_line(child: Any, log: Path, prefix: str, timeout_s: float) -> None:
+    """Until `prefix` shows in the child's log file (RuntimeError if it exits or times out)."""
+    deadline = time.monotonic() + timeout_s
+    while prefix not in (log.read_text() if log.exists() else ""):
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"{child.name} exited ({child.proc.returncode}): {log}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{child.name} not ready after {timeout_s:.0f} s: {log}")
+        time.sleep(0.05)
+
+
+async def edge_idle(url: str, timeout_s: float) -> bool:
+    """Until the edge has no open session (the last level's closes are done)."""
+    address = http_address(url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            page = await asyncio.to_thread(scrape_metrics, address)
+            active = metric(page, "omni_edge_sessions_active")
+        except OSError:
+            return False
+        if active == 0:
+            return True
+        await asyncio.sleep(0.2)
+    return False

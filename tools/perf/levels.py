@@ -1,0 +1,218 @@
+"""Running one level of `omnifabric bench`: N concurrent sessions over one path, with the
+processes watched, progress lines, the streaming window and the client's loop lag; again
+when the host's steal spoiled it; and the edge's flame graph (--profile)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omnifabric.tools.client import percentile
+from omnifabric.tools.perf import console
+from omnifabric.tools.perf.baselines import GrpcDirect, echo_session
+from omnifabric.tools.perf.bench_stack import BenchStack, edge_idle
+from omnifabric.tools.perf.fabric import fabric_session
+from omnifabric.tools.perf.ledger import Level, Samples, stats
+from omnifabric.tools.perf.procs import ProcessWatch, proc_sample
+from omnifabric.tools.perf.units import append_frame, pcm, unit_script
+
+
+def say(text: str) -> None:
+    """A progress line of `omnifabric bench`."""
+    console.say("bench", text)
+
+
+async def run_level(
+    path: str,
+    sessions: int,
+    args: argparse.Namespace,
+    stack: BenchStack,
+    grpc_direct: GrpcDirect | None,
+) -> Level:
+    """N concurrent sessions over one path, with a progress line every --progress-every s."""
+    units = unit_script(args.seconds)
+    samples = Samples()
+    # Session i opens at i * ramp / N s; its units follow once a second from then on, so
+    # the units of all sessions stay spread over each second whatever the ramp.
+    delays = [i * args.ramp_s / sessions for i in range(sessions)]
+    if path == "fabric":
+        frames = [append_frame(u) for u in units]
+        url = f"{stack.url}?mode=audio"
+        runs = [fabric_session(url, d, units, frames, samples) for d in delays]
+        # A fabric of its own: every service; a --url fabric: the client (and --edge-pid).
+        watched = [
+            n for n in stack.pids if n != "echo" and (not args.url or n in ("client", "edge"))
+        ]
+    elif path == "ws-echo":
+        frames = [append_frame(u) for u in units]
+        runs = [echo_session(stack.echo_url, d, units, frames, samples) for d in delays]
+        watched = ["echo", "client"]
+    else:
+        pcms = [pcm(u) for u in units]
+        assert grpc_direct is not None  # started whenever the path is measured
+        runs = [grpc_direct.session(d, units, pcms, samples) for d in delays]
+        watched = [n for n in stack.pids if n.startswith(("worker", "scheduler")) or n == "client"]
+    watch = ProcessWatch({n: stack.pids[n] for n in watched})
+    started = time.monotonic()
+
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(args.progress_every)
+            p99 = percentile(samples.overhead, 99) if samples.overhead else math.nan
+            say(
+                f"{path} x{sessions}: {time.monotonic() - started:.0f}/{args.seconds} s, "
+                f"{len(samples.overhead)}/{samples.sent} answered, overhead p99 so far "
+                f"{p99:.1f} ms"
+            )
+
+    # The streaming window: from the moment every session has sent its first unit to the
+    # moment one sends its last. Both ends: (time, edge CPU s or None, units answered).
+    steady: list[tuple[float, float | None, int]] = []
+
+    async def steady_window() -> None:
+        pid = stack.pids.get("edge") if path == "fabric" else None
+        if args.seconds < 3:
+            return
+        for mark in (sessions, sessions * (args.seconds - 1)):
+            while samples.sent < mark:
+                await asyncio.sleep(0.02)
+            sample = proc_sample(pid) if pid else None
+            cpu = sample[0] if sample else None
+            steady.append((time.monotonic(), cpu, len(samples.overhead)))
+
+    lags: list[float] = []
+
+    async def loop_lag() -> None:
+        # The client's own event loop: a late wake-up here delays every timestamp it takes,
+        # so a high lag means the measurement, not the fabric, is the bottleneck.
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            lags.append((time.monotonic() - before - 0.01) * 1000.0)
+
+    say(f"{path} x{sessions}: {sessions} sessions x {args.seconds} s")
+    profiler = _start_profile(args, stack, path, sessions)
+    watch.start()
+    lagger = asyncio.create_task(loop_lag())
+    ticker = asyncio.create_task(progress())
+    window = asyncio.create_task(steady_window())
+    try:
+        await asyncio.gather(*runs)
+    finally:
+        ticker.cancel()
+        window.cancel()
+        lagger.cancel()
+        if profiler is not None:
+            await _finish_profile(profiler)
+    level = samples.fill(Level(path, sessions, args.seconds))
+    level.client_loop_lag_ms = stats(lags)
+    level.processes = await watch.stop()
+    level.wall_s = round(watch.wall_s, 2)
+    level.machine_cores = round(watch.machine_cores, 2)
+    level.steal_cores = round(watch.steal_cores, 2)
+    edge = level.processes.get("edge")
+    if edge and level.answered:
+        level.edge_cpu_us_per_unit = round(edge["cpu_s"] / level.answered * 1e6, 1)
+    if len(steady) == 2:
+        (t0, cpu0, n0), (t1, cpu1, n1) = steady
+        level.overhead_streaming_ms = stats(
+            [o for o, at in zip(samples.overhead, samples.sent_at, strict=True) if t0 <= at < t1]
+        )
+        if cpu0 is not None and cpu1 is not None and n1 > n0:
+            level.edge_cpu_us_per_unit_steady = round((cpu1 - cpu0) / (n1 - n0) * 1e6, 1)
+    o = level.overhead_ms
+    say(
+        f"{path} x{sessions}: {level.answered}/{level.units_sent} answered, lost {level.lost}, "
+        f"dropped {level.dropped}, lost sessions {level.lost_sessions}; overhead p50 "
+        f"{o['p50']:.2f} / p95 {o['p95']:.2f} / p99 {o['p99']:.2f} ms"
+        + (
+            f", while all stream p99 {level.overhead_streaming_ms['p99']:.2f}"
+            if level.overhead_streaming_ms
+            else ""
+        )
+        + (
+            f" (in the worker p50 {level.in_worker_ms['p50']:.2f} / p99 "
+            f"{level.in_worker_ms['p99']:.2f}; client loop lag p99 "
+            f"{level.client_loop_lag_ms['p99']:.2f})"
+            if math.isfinite(level.in_worker_ms["p50"])
+            else ""
+        )
+        + (
+            f"; edge CPU per unit {level.edge_cpu_us_per_unit:.0f} us "
+            f"(streaming only: {level.edge_cpu_us_per_unit_steady or math.nan:.0f} us)"
+            if level.edge_cpu_us_per_unit
+            else ""
+        )
+        + (f"; errors {level.errors}" if level.errors else "")
+    )
+    if path == "fabric" and stack.url:
+        await edge_idle(stack.url, 30)
+    return level
+
+
+async def measure(
+    path: str,
+    sessions: int,
+    args: argparse.Namespace,
+    stack: BenchStack,
+    grpc_direct: GrpcDirect | None,
+) -> Level:
+    """run_level, again (up to --noisy-retries times) when the machine's host took more than
+    --max-steal cores meanwhile: on a shared virtual machine, steal alone moves the tail
+    several-fold. The attempts set aside stay in the result (`noisy_attempts`)."""
+    noisy: list[dict[str, Any]] = []
+    while True:
+        level = await run_level(path, sessions, args, stack, grpc_direct)
+        if level.steal_cores <= args.max_steal or len(noisy) >= args.noisy_retries:
+            level.noisy_attempts = noisy
+            return level
+        say(
+            f"{path} x{sessions}: the host took {level.steal_cores:.2f} cores (steal) meanwhile, "
+            f"more than --max-steal {args.max_steal:g}: measuring it again"
+        )
+        noisy.append(
+            {
+                "steal_cores": level.steal_cores,
+                "overhead_ms": level.overhead_ms,
+                "lost": level.lost,
+                "lost_sessions": level.lost_sessions,
+                "dropped": level.dropped,
+            }
+        )
+
+
+def _start_profile(args: argparse.Namespace, stack: BenchStack, path: str, sessions: int) -> Any:
+    """py-spy on the edge for a fabric level (--profile): a flame graph SVG in --out."""
+    import shutil
+    import subprocess
+
+    pid = stack.pids.get("edge")
+    if not args.profile or path != "fabric" or pid is None:
+        return None
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        say("--profile: py-spy is not installed (pip install py-spy); not profiling")
+        return None
+    target = args.out / f"profile-edge-x{sessions}.svg"
+    say(f"profiling the edge (pid {pid}) with py-spy into {target}")
+    return subprocess.Popen(
+        [spy, "record", "-p", str(pid), "-r", "200", "--nonblocking", "-o", str(target)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(args.out / "logs" / f"py-spy-x{sessions}.log", "w"),
+    )
+
+
+async def _finish_profile(proc: Any) -> None:
+    """Stop py-spy with SIGINT: it writes the flame graph on the way out."""
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        await asyncio.to_thread(proc.wait, 30)
+    except Exception:
+        proc.kill()

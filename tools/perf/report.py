@@ -1,0 +1,239 @@
+"""What `omnifabric bench` writes: the JSON document (config, levels, ratios to the
+baselines, target checks), the markdown tables, and the plot of overhead percentiles
+against session count."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from omnifabric.tools.perf.ledger import PATHS, Level, within
+
+
+def _ratio(a: float, b: float) -> float | None:
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
+        return None
+    return round(a / b, 2)
+
+
+def summarize(
+    args: argparse.Namespace,
+    levels: list[Level],
+    max_sessions: int | None,
+    max_search: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The JSON document: config, every level, ratios to the baselines, target checks."""
+    by = {(lv.path, lv.sessions): lv for lv in levels}
+    ratios = []
+    for (path, n), lv in sorted(by.items(), key=lambda kv: kv[0][1]):
+        if path != "fabric":
+            continue
+        row: dict[str, Any] = {"sessions": n}
+        for base in ("ws-echo", "grpc-direct"):
+            other = by.get((base, n))
+            if other is None:
+                continue
+            for q in ("p50", "p99"):
+                row[f"{q}_vs_{base}"] = _ratio(lv.overhead_ms[q], other.overhead_ms[q])
+        ratios.append(row)
+    targets: dict[str, Any] = {}
+    at = by.get(("fabric", args.target_sessions))
+    if at is not None:
+        targets["at_target_sessions"] = {
+            "sessions": args.target_sessions,
+            "p99_ms": at.overhead_ms["p99"],
+            "lost": at.lost + at.lost_sessions,
+            # A unit lost in an attempt set aside for steal is lost all the same.
+            "lost_in_noisy_attempts": sum(
+                a["lost"] + a["lost_sessions"] for a in at.noisy_attempts
+            ),
+            "steal_cores": at.steal_cores,
+            "passed": at.ok
+            and not any(a["lost"] + a["lost_sessions"] for a in at.noisy_attempts)
+            and at.overhead_ms["p99"] <= args.target_p99_ms,
+            "target": f"p99 <= {args.target_p99_ms:g} ms and 0 lost",
+        }
+    if max_sessions is not None:
+        found = {
+            "max_p99_ms": args.max_p99_ms,
+            "sessions": max_sessions,
+            "capped": max_sessions >= args.max_sessions,
+        }
+        again = by.get(("fabric", max_sessions))
+        if again is not None:
+            # Measured once more with the baselines: near the knee the tail moves by run.
+            found["remeasured_p99_ms"] = again.overhead_ms["p99"]
+            found["remeasured_streaming_p99_ms"] = again.overhead_streaming_ms.get("p99")
+            found["remeasured_within"] = within(again, args.max_p99_ms)
+        targets["max_sessions_within"] = found
+    edge_us = [lv.edge_cpu_us_per_unit for lv in levels if lv.edge_cpu_us_per_unit]
+    if edge_us:
+        targets["edge_cpu_us_per_unit"] = {
+            str(lv.sessions): {
+                "whole_level": lv.edge_cpu_us_per_unit,
+                "streaming_only": lv.edge_cpu_us_per_unit_steady,
+            }
+            for lv in levels
+            if lv.edge_cpu_us_per_unit
+        }
+    return {
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("func",)
+        },
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "levels": [asdict(lv) for lv in levels],
+        "ratios": ratios,
+        "max_search": max_search,
+        "targets": targets,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """Tables: overhead per path and count, ratios, processes, targets."""
+    levels = result["levels"]
+    lines = [
+        "| sessions | path | units | answered | lost | dropped | overhead p50 | p95 | p99 "
+        "| max | p99 while all stream | in worker p99 | client lag p99 | queue wait p99 "
+        "| edge CPU per unit (level / streaming) | steal (cores) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def ms(stats: dict[str, float], key: str = "p99") -> str:
+        value = stats.get(key, math.nan) if stats else math.nan
+        return f"{value:.2f}" if math.isfinite(value) else "-"
+
+    for lv in sorted(levels, key=lambda x: (x["sessions"], PATHS.index(x["path"]))):
+        o = lv["overhead_ms"]
+        edge, steady = lv["edge_cpu_us_per_unit"], lv["edge_cpu_us_per_unit_steady"]
+        edge_text = (
+            "-" if not edge else f"{edge:.0f} us" + (f" / {steady:.0f} us" if steady else "")
+        )
+        lines.append(
+            f"| {lv['sessions']} | {lv['path']} | {lv['units_sent']} | {lv['answered']} | "
+            f"{lv['lost'] + lv['lost_sessions']} | {lv['dropped']} | {o['p50']:.2f} ms | "
+            f"{o['p95']:.2f} | {o['p99']:.2f} | {o['max']:.1f} | "
+            f"{ms(lv['overhead_streaming_ms'])} | {ms(lv['in_worker_ms'])} | "
+            f"{ms(lv['client_loop_lag_ms'])} | {ms(lv['queue_wait_ms'])} | {edge_text} | "
+            f"{lv['steal_cores']:.2f}"
+            + (f" ({len(lv['noisy_attempts'])} set aside)" if lv["noisy_attempts"] else "")
+            + " |"
+        )
+    lines += [
+        "",
+        "| sessions | p50 / echo | p99 / echo | p50 / gRPC direct | p99 / gRPC direct |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}x"
+
+    for row in result["ratios"]:
+        lines.append(
+            f"| {row['sessions']} | {fmt(row.get('p50_vs_ws-echo'))} | "
+            f"{fmt(row.get('p99_vs_ws-echo'))} | {fmt(row.get('p50_vs_grpc-direct'))} | "
+            f"{fmt(row.get('p99_vs_grpc-direct'))} |"
+        )
+    lines += [
+        "",
+        "| sessions | path | process | CPU cores | CPU s | RSS peak MiB |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+    for lv in sorted(levels, key=lambda x: (x["sessions"], PATHS.index(x["path"]))):
+        for name, p in sorted(lv["processes"].items()):
+            lines.append(
+                f"| {lv['sessions']} | {lv['path']} | {name} | {p['cores']:.2f} | "
+                f"{p['cpu_s']:.2f} | {p['rss_mib_peak']:.1f} |"
+            )
+    targets = result["targets"]
+    if targets:
+        lines += [""]
+        at = targets.get("at_target_sessions")
+        if at:
+            lines.append(
+                f"- {at['sessions']} sessions: p99 {at['p99_ms']:.2f} ms, lost {at['lost']} "
+                f"(+{at['lost_in_noisy_attempts']} in attempts set aside), steal "
+                f"{at['steal_cores']:.2f} cores "
+                f"(target {at['target']}): {'PASS' if at['passed'] else 'MISS'}"
+            )
+        mx = targets.get("max_sessions_within")
+        if mx:
+            capped = " (the search's cap: --max-sessions)" if mx["capped"] else ""
+            again = ""
+            if "remeasured_p99_ms" in mx:
+                again = (
+                    f"; measured again with the baselines: p99 {mx['remeasured_p99_ms']:.2f} ms"
+                    f" ({'within' if mx['remeasured_within'] else 'over'} the limit)"
+                )
+            lines.append(
+                f"- largest session count with p99 <= {mx['max_p99_ms']:g} ms and nothing "
+                f"lost: {mx['sessions']}{capped}{again}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Overhead p50/p95/p99 against session count, one colour per path (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    colours = {"fabric": "tab:red", "ws-echo": "tab:blue", "grpc-direct": "tab:green"}
+    styles = {"p50": ":", "p95": "--", "p99": "-"}
+    for name in PATHS:
+        points = sorted(
+            (lv["sessions"], lv["overhead_ms"]) for lv in result["levels"] if lv["path"] == name
+        )
+        if not points:
+            continue
+        xs = [n for n, _ in points]
+        for q, style in styles.items():
+            ax.plot(
+                xs,
+                [o[q] for _, o in points],
+                style,
+                marker="o",
+                markersize=3,
+                color=colours[name],
+                label=f"{name} {q}",
+            )
+    for y, text in (
+        (result["config"]["target_p99_ms"], "p99 target"),
+        (result["config"]["max_p99_ms"], "max-search limit"),
+    ):
+        ax.axhline(y, color="grey", linewidth=0.8)
+        ax.annotate(
+            text,
+            (0.005, y),
+            xycoords=("axes fraction", "data"),
+            fontsize=8,
+            va="bottom",
+            color="grey",
+        )
+    probes = result.get("max_search") or []
+    if probes:
+        ax.scatter(
+            [p["sessions"] for p in probes],
+            [p["p99_ms"] for p in probes],
+            marker="x",
+            color="black",
+            zorder=3,
+            label="max search: fabric p99 per probe",
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("concurrent sessions (1 unit/s each)")
+    ax.set_ylabel("overhead per unit, ms (round trip - engine compute)")
+    ax.set_title("omnifabric bench: fabric overhead vs baselines, same run")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
