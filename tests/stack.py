@@ -54,3 +54,15 @@ def start_serve(*extra: str, env: dict[str, str] | None = None) -> subprocess.Po
     """`omnifabric serve` on free ports (every service), output on its stdout pipe; `env`
     adds variables to the children's environment."""
     return _stack.start_serve(*extra, cwd=ROOT, env=env)
+
+
+def keyed_stack(tmp_path: Path, keys: str, *edge_args: str) -> Stack:
+    """Scheduler, one synthetic worker (2 slots) and an edge with the key file `keys`
+    (and `edge_args`): the stack the HTTP API tests share. The caller stops it."""
+    stack = Stack(tmp_path)
+    key_file = tmp_path / "keys"
+    key_file.write_text(keys)
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    stack.start_edge("--api-keys-file", str(key_file), *edge_args)
+    return stack

@@ -11,17 +11,12 @@ from tests.e2e.test_default_voice import http_url
 from tests.e2e.test_queue_api import ADMIN, USER, open_client
 from tests.e2e.wsclient import WsClient
 from tests.edge.test_voices import request
-from tests.stack import Stack
+from tests.stack import keyed_stack
 
 
 @pytest.fixture
 def stack(tmp_path):
-    stack = Stack(tmp_path)
-    keys = tmp_path / "keys"
-    keys.write_text(f"{USER}\n{ADMIN} admin\n")
-    stack.start_scheduler()
-    stack.start_worker("--slots", "2", "--compute-ms", "5")
-    stack.start_edge("--api-keys-file", str(keys))
+    stack = keyed_stack(tmp_path, f"{USER}\n{ADMIN} admin\n")
     yield stack
     stack.stop()
 

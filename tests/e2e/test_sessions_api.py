@@ -17,7 +17,7 @@ from tests.e2e.test_default_voice import http_url
 from tests.e2e.test_queue_api import USER, open_client
 from tests.e2e.wsclient import SILENCE, SPEECH
 from tests.edge.test_voices import request
-from tests.stack import Stack
+from tests.stack import Stack, keyed_stack
 
 
 def raw_get(url: str, key: str | None = USER) -> tuple[int, dict[str, str], bytes]:
@@ -33,12 +33,7 @@ def raw_get(url: str, key: str | None = USER) -> tuple[int, dict[str, str], byte
 
 @pytest.fixture
 def stack(tmp_path):
-    stack = Stack(tmp_path)
-    keys = tmp_path / "keys"
-    keys.write_text(f"{USER}\n")
-    stack.start_scheduler()
-    stack.start_worker("--slots", "2", "--compute-ms", "5")
-    stack.start_edge("--record-dir", str(tmp_path / "records"), "--api-keys-file", str(keys))
+    stack = keyed_stack(tmp_path, f"{USER}\n", "--record-dir", str(tmp_path / "records"))
     yield stack
     stack.stop()
 

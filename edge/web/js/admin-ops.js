@@ -3,39 +3,18 @@
 // and plots of the queue length and this edge's unit time over the last minutes.
 // Actions need an admin key when the edge has keys (the page's saved key is sent).
 
+import { el, table } from './dom.js';
+
 const HISTORY_S = 300;
 const history = []; // { t, queued, p50, p99 }
 
 const $ = (id) => document.getElementById(id);
-
-function el(tag, text, className) {
-  const node = document.createElement(tag);
-  if (text !== undefined && text !== null) node.textContent = String(text);
-  if (className) node.className = className;
-  return node;
-}
 
 function button(text, onClick) {
   const b = el('button', text);
   b.type = 'button';
   b.addEventListener('click', onClick);
   return b;
-}
-
-function table(headers, rows) {
-  const t = el('table');
-  const head = t.createTHead().insertRow();
-  for (const h of headers) head.appendChild(el('th', h));
-  const body = t.createTBody();
-  for (const row of rows) {
-    const tr = body.insertRow();
-    for (const cell of row) {
-      const td = tr.insertCell();
-      if (cell instanceof Node) td.appendChild(cell);
-      else td.textContent = cell === undefined || cell === null ? '' : String(cell);
-    }
-  }
-  return t;
 }
 
 export class Ops {

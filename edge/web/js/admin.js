@@ -1,6 +1,7 @@
 // The admin page: GET /status every 2 s, rendered as workers, queue and sessions tables.
 // State for tests and people in the console: window.omni = { state, status, error, refreshes }.
 
+import { el, table } from './dom.js';
 import { bindApiKeyField, saveApiKey } from './realtime.js';
 import { Ops } from './admin-ops.js';
 
@@ -18,31 +19,6 @@ const ops = new Ops(() => document.getElementById('apikey').value.trim());
 omni.ops = ops.state;
 
 const $ = (id) => document.getElementById(id);
-
-function el(tag, text, className) {
-  const node = document.createElement(tag);
-  if (text !== undefined && text !== null) node.textContent = String(text);
-  if (className) node.className = className;
-  return node;
-}
-
-// Builds a table from header names and rows of cells (strings or nodes); text only, so
-// worker details and ids never become markup.
-function table(headers, rows) {
-  const t = el('table');
-  const head = t.createTHead().insertRow();
-  for (const h of headers) head.appendChild(el('th', h));
-  const body = t.createTBody();
-  for (const row of rows) {
-    const tr = body.insertRow();
-    for (const cell of row) {
-      const td = tr.insertCell();
-      if (cell instanceof Node) td.appendChild(cell);
-      else td.textContent = cell === undefined || cell === null ? '' : String(cell);
-    }
-  }
-  return t;
-}
 
 function mib(bytes) {
   return `${(bytes / (1024 * 1024)).toFixed(1)} MiB`;
