@@ -176,6 +176,12 @@ class DuplexConnection:
             self._send(message)
         if isinstance(event, ev.Closed):
             self.transport.close(1000, event.reason)
+        elif isinstance(event, ev.Output):
+            for cmd in self.dialect.after_output(event):
+                try:
+                    await self._handle(cmd)
+                except EdgeError as err:  # the session ended meanwhile: nothing to feed
+                    log.debug("dialect command after an output dropped: %s", err)
 
     async def shutdown(self, timeout_s: float) -> None:
         """Drain: end the session with server_shutdown (see shutdown_core)."""
@@ -203,8 +209,9 @@ class DuplexConnection:
 
     async def _serve(self, first: list[ev.Command]) -> None:
         assert self.dialect.mode is not None
-        if not self.app.apps.enabled(self.dialect.mode):
-            self.fail(AppDisabled(f"{self.dialect.mode} sessions are switched off"))
+        kind = getattr(self.dialect, "app_mode", None) or self.dialect.mode
+        if not self.app.apps.enabled(kind):
+            self.fail(AppDisabled(f"{kind} sessions are switched off"))
             return
         config = self.app.config
         core = self.core = SessionCore(

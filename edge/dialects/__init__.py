@@ -12,6 +12,7 @@ from typing import Generic, TypeVar
 
 from omnifabric.edge.dialects.base import ChatDialect, DuplexDialect
 from omnifabric.edge.dialects.grpc_realtime import GrpcRealtime
+from omnifabric.edge.dialects.half_duplex import HalfDuplex
 from omnifabric.edge.dialects.http_chat import HttpChat
 from omnifabric.edge.dialects.legacy_chat import LegacyChat
 from omnifabric.edge.dialects.legacy_duplex import LegacyDuplex
@@ -47,6 +48,7 @@ WEBSOCKET: tuple[Route[Dialect], ...] = (
     Route("/v1/realtime", _realtime),
     Route("/ws/duplex/", lambda rest, _q, _m: LegacyDuplex(rest), prefix=True),
     Route("/ws/chat", lambda _r, _q, _m: LegacyChat()),
+    Route("/ws/half_duplex/", lambda rest, _q, _m: HalfDuplex(rest), prefix=True),
 )
 HTTP: tuple[Route[ChatDialect], ...] = (Route("/api/chat", lambda _r, _q, _m: HttpChat()),)
 GRPC_CONNECT = Route("/omni.realtime.v1.RealtimeService/Connect", lambda _r, _q, _m: GrpcRealtime())

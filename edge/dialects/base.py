@@ -72,6 +72,11 @@ class DuplexDialect:
     def appended(self, seq: int, cmd: ev.AppendCommand) -> None:
         """A unit went to the worker as `seq` (dialects that report input time use it)."""
 
+    def after_output(self, event: ev.Output) -> list[ev.Command]:
+        """Commands the driver runs once `event` went out (half-duplex feeds the engine its
+        own input while the model answers); none by default."""
+        return []
+
     def check_init_again(self) -> None:
         """Raise InvalidEvent for a second init (the driver calls this)."""
         raise InvalidEvent(self.already_initialized)

@@ -34,7 +34,12 @@ async def test_switch_an_app_off_and_on(stack):
     admin_url = http_url(stack.url, "/api/admin/apps")
     status, body = request(apps_url, "GET")  # public: the pages read it
     assert status == 200
-    assert [a["app_id"] for a in body["apps"]] == ["turnbased", "omni", "audio_duplex"]
+    assert [a["app_id"] for a in body["apps"]] == [
+        "turnbased",
+        "omni",
+        "audio_duplex",
+        "half_duplex_audio",
+    ]
     assert body["apps"][1] == {
         "app_id": "omni",
         "name": "Omni full-duplex (video)",
@@ -58,6 +63,7 @@ async def test_switch_an_app_off_and_on(stack):
     assert [a["app_id"] for a in request(apps_url, "GET")[1]["apps"]] == [
         "turnbased",
         "audio_duplex",
+        "half_duplex_audio",
     ]
 
     video = await WsClient.open(

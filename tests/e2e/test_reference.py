@@ -159,3 +159,41 @@ def test_eval_asks_a_spoken_question_and_scores_the_answer(stack, tmp_path):
     assert "| piper | 1 | 1/1 (100%) |" in run.stdout
     assert "1/1" in run.stderr  # the progress line
     assert (tmp_path / "results.json").exists()
+
+
+async def test_half_duplex_call_answers_the_spoken_question(stack):
+    """/ws/half_duplex on the reference engine: the question in real time (0.5 s chunks),
+    then silence until the engine ends the user's turn; the answer streams to turn_done
+    without more input, and names Paris."""
+    import asyncio
+    import base64
+    import json
+
+    from websockets.asyncio.client import connect
+
+    with wave.open(str(FIXTURE)) as w:
+        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
+        assert w.getframerate() == 16000
+    audio = np.concatenate([pcm, np.zeros(16000 * 4, np.float32)])
+    url = stack.url.replace("/v1/realtime", "/ws/half_duplex/hd_ref")
+    async with connect(url, open_timeout=scaled(10)) as ws:
+
+        async def next_of(*kinds: str) -> dict:
+            while True:
+                event = json.loads(await asyncio.wait_for(ws.recv(), scaled(60)))
+                assert event["type"] != "error", event
+                if event["type"] in kinds:
+                    return event
+
+        await next_of("queue_done")
+        await ws.send(json.dumps({"type": "prepare", "system_prompt": "Be brief."}))
+        await next_of("prepared")
+        done: asyncio.Future = asyncio.ensure_future(next_of("turn_done"))
+        for i in range(0, audio.size, 8000):
+            if done.done():
+                break
+            chunk = base64.b64encode(audio[i : i + 8000].astype("<f4").tobytes()).decode()
+            await ws.send(json.dumps({"type": "audio_chunk", "audio_base64": chunk}))
+            await asyncio.sleep(0.5)
+        turn = await asyncio.wait_for(done, scaled(60))
+    assert turn["turn_index"] == 0 and "paris" in turn["text"].lower(), turn

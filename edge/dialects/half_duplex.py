@@ -1,0 +1,203 @@
+"""The half-duplex voice call `/ws/half_duplex/{session_id}`, as the reference server offers
+it: the user speaks, the server hears the end of the turn, the model answers with streamed
+text and speech while the user's input is ignored, and the conversation (the model's
+context) goes on across turns.
+
+Client: `prepare{system_prompt, config{tts{enabled}, ...}, ref_audio_base64?}`,
+`audio_chunk{audio_base64}` (float32 16 kHz, ~0.5 s), `stop`. Server: `queued` /
+`queue_update` / `queue_done`, `prepared{session_id, timeout_s, recording_session_id}`,
+`vad_state{speaking}`, `generating{speech_duration_ms}`, `chunk{text_delta, audio_data}`,
+`turn_done{turn_index, text}`, `stopped`, `timeout{reason}`, `error{error}`.
+
+How it runs on the fabric: as a duplex session of the worker's engine, so every duplex engine
+serves it (reference, minicpmo, synthetic). The engine decides when the user's turn ended
+(its own turn-taking); from its first speaking unit the reply streams, and the edge feeds
+the session silent units itself (as fast as the answers come, not in real time) until the
+engine ends its turn, so the reply does not wait for the client, which stops sending audio
+while it plays the answer. `audio_chunk` during the answer is ignored, as the protocol says.
+`vad_state` comes from the input's energy (RMS above 0.01), reported with the unit's answer.
+Not honoured (said here, not refused): `config.vad` (the engine's own turn-taking decides),
+`config.generation`, and `config.session.timeout_s` (the worker's session limit applies).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from omnifabric.edge import events as ev
+from omnifabric.edge import fields, pcm
+from omnifabric.edge.dialects.base import DuplexDialect
+from omnifabric.edge.dialects.legacy_duplex import end_json
+from omnifabric.edge.errors import EdgeError, InvalidPayload, MissingField, UnknownEvent
+
+#: Input louder than this (RMS) counts as speech for vad_state.
+SPEECH_RMS = 0.01
+#: What the reference server answers in prepared.timeout_s.
+TIMEOUT_S = 180
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+#: One second of silence at 16 kHz: what the edge feeds the engine while it answers (a unit
+#: length every engine takes).
+SILENCE = np.zeros(16000, "<f4").tobytes()
+
+
+def _error(text: str) -> dict[str, Any]:
+    return {"type": "error", "error": text, "message": text}
+
+
+class HalfDuplex(DuplexDialect):
+    """/ws/half_duplex/{session_id}."""
+
+    name = "half_duplex"
+    already_initialized = "the session is already prepared"
+    #: The app it belongs to (edge.apps): switched on and off apart from audio duplex.
+    app_mode = "half_duplex"
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.mode = "audio"
+        self._stopping = False
+        self._answering = False
+        self._speaking = False
+        self._speech_ms = 0
+        self._turn_index = 0
+        self._turn_text = ""
+        self._speech_seqs: set[int] = set()
+
+    def refusal(self) -> EdgeError | None:
+        if not _SESSION_ID.fullmatch(self.session_id or ""):
+            return InvalidPayload(
+                "the session id must be 1-128 letters, digits or _.:-", close_code=1008
+            )
+        return None
+
+    def not_ready(self, cmd: ev.Command) -> str:
+        return "send prepare and wait for prepared before audio_chunk"
+
+    # ---- client -> commands -------------------------------------------------------------
+
+    def decode(self, message: Any) -> list[ev.Command]:
+        if isinstance(message, bytes):
+            raise InvalidPayload("binary frames are not part of the protocol")
+        event = fields.parse_frame(message)
+        kind = event["type"]
+        if kind == "audio_chunk":
+            audio = event.get("audio_base64", event.get("audio"))
+            if audio is None:
+                raise MissingField("'audio_base64' is required")
+            unit = pcm.unit_pcm(audio, "audio_base64")
+            if self._answering:
+                return []  # the model is answering: input is ignored (no echo of its voice)
+            return [ev.AppendCommand(pcm=unit)]
+        if kind == "prepare":
+            return [self._prepare(event)]
+        if kind == "stop":
+            self._stopping = True
+            return [ev.CloseCommand()]
+        raise UnknownEvent(f"unknown message type {kind[:64]!r}")
+
+    def _prepare(self, event: dict[str, Any]) -> ev.InitCommand:
+        prompt = event.get("system_prompt", "")
+        if prompt is None:
+            prompt = ""
+        if not isinstance(prompt, str):
+            raise InvalidPayload("'system_prompt' must be a string")
+        cfg = fields.obj(event, "config")
+        tts = fields.obj(cfg, "tts")
+        settings = fields.duplex_settings({"tts_enabled": tts.get("enabled")})
+        ref = event.get("ref_audio_base64")
+        return ev.InitCommand(
+            dialect=ev.Dialect.CURRENT,
+            system_prompt=prompt,
+            config=settings,
+            ref_audio=pcm.reference_audio(ref, "ref_audio_base64") if ref else b"",
+            ref_audio_id=fields.voice_id((event,), "ref_audio_id", "ref_audio_base64"),
+        )
+
+    def appended(self, seq: int, cmd: ev.AppendCommand) -> None:
+        samples = np.frombuffer(cmd.pcm, "<f4")
+        if samples.size and float(np.sqrt(np.mean(samples**2))) > SPEECH_RMS:
+            self._speech_seqs.add(seq)
+            self._speech_ms += samples.size * 1000 // 16000
+
+    def after_output(self, event: ev.Output) -> list[ev.Command]:
+        """While the model answers, one silent unit per answer keeps the reply going."""
+        return [ev.AppendCommand(pcm=SILENCE)] if self._answering else []
+
+    # ---- session events -> client -------------------------------------------------------
+
+    def encode(self, event: ev.SessionEvent) -> list[Any]:
+        if isinstance(event, ev.Queued):
+            return [
+                {
+                    "type": "queued" if event.first else "queue_update",
+                    "position": event.position,
+                    "estimated_wait_s": round(event.estimated_wait_s, 1),
+                    "ticket_id": event.ticket_id,
+                    "queue_length": event.queue_length,
+                }
+            ]
+        if isinstance(event, ev.QueueDone):
+            return [{"type": "queue_done"}]
+        if isinstance(event, ev.Created):
+            return [
+                {
+                    "type": "prepared",
+                    "session_id": self.session_id,
+                    "timeout_s": TIMEOUT_S,
+                    "recording_session_id": None,
+                    "prompt_length": event.prompt_length,
+                }
+            ]
+        if isinstance(event, ev.Output):
+            return self._output(event)
+        if isinstance(event, ev.Paused | ev.Resumed):
+            return []
+        assert isinstance(event, ev.Closed)
+        if self._stopping:
+            return [{"type": "stopped", "session_id": self.session_id}]
+        return [end_json(event)]
+
+    def _output(self, out: ev.Output) -> list[Any]:
+        messages: list[Any] = []
+        heard_speech = out.seq in self._speech_seqs
+        self._speech_seqs.discard(out.seq)
+        if out.is_listen:
+            if heard_speech and not self._speaking and not self._answering:
+                self._speaking = True
+                messages.append({"type": "vad_state", "speaking": True})
+            if self._answering and out.end_of_turn:
+                messages += self._turn_done()
+            return messages
+        if not self._answering:
+            self._answering = True
+            if self._speaking:
+                messages.append({"type": "vad_state", "speaking": False})
+            self._speaking = False
+            messages.append({"type": "generating", "speech_duration_ms": self._speech_ms})
+            self._speech_ms = 0
+            self._turn_text = ""
+        self._turn_text += out.text
+        messages.append(
+            {
+                "type": "chunk",
+                "text_delta": out.text,
+                "audio_data": pcm.encode_pcm(out.pcm) if out.pcm else None,
+            }
+        )
+        if out.end_of_turn:
+            messages += self._turn_done()
+        return messages
+
+    def _turn_done(self) -> list[Any]:
+        done = {"type": "turn_done", "turn_index": self._turn_index, "text": self._turn_text}
+        self._turn_index += 1
+        self._answering = False
+        self._turn_text = ""
+        self._speech_seqs.clear()
+        return [done]
+
+    def error(self, err: EdgeError) -> dict[str, Any]:
+        return _error(err.message if err.close_code is None else f"{err.code}: {err.message}")

@@ -1,0 +1,104 @@
+"""The half-duplex voice call (/ws/half_duplex/{id}) on a real stack (synthetic engine): the
+user speaks, vad_state and generating mark the end of the turn, the reply streams in chunks
+to turn_done without further input from the client (input during the answer is ignored),
+the next turn continues the same session; stop ends it."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import pytest
+from websockets.asyncio.client import connect
+
+from tests.conftest import scaled
+from tests.e2e.wsclient import SILENCE, SPEECH
+from tests.stack import Stack
+
+HALF = 8000  # 0.5 s chunks, as the reference's pages send
+
+
+@pytest.fixture
+def stack(tmp_path):
+    stack = Stack(tmp_path)
+    stack.start_scheduler()
+    stack.start_worker("--slots", "2", "--compute-ms", "5")
+    stack.start_edge()
+    yield stack
+    stack.stop()
+
+
+def chunk(samples) -> str:
+    audio = base64.b64encode(samples.astype("<f4").tobytes()).decode()
+    return json.dumps({"type": "audio_chunk", "audio_base64": audio})
+
+
+async def until(ws, kind: str, seen: list[dict]) -> dict:
+    while True:
+        event = json.loads(await ws.recv(decode=True))
+        seen.append(event)
+        if event["type"] == kind:
+            return event
+        assert event["type"] != "error", event
+
+
+async def speak_a_turn(ws, seen: list[dict]) -> None:
+    """One second of speech then one of silence, in real time as a microphone sends it (the
+    worker keeps the newest unit when they come faster than it answers)."""
+    for samples in (SPEECH[:HALF], SPEECH[HALF:], SILENCE[:HALF], SILENCE[HALF:]):
+        await ws.send(chunk(samples))
+        await asyncio.sleep(0.5)
+
+
+def url(stack, sid: str) -> str:
+    return stack.url.replace("/v1/realtime", f"/ws/half_duplex/{sid}")
+
+
+async def test_two_turns_then_stop(stack):
+    seen: list[dict] = []
+    async with connect(url(stack, "hd_1"), open_timeout=scaled(10)) as ws:
+        await until(ws, "queue_done", seen)
+        await ws.send(json.dumps({"type": "prepare", "system_prompt": "be brief"}))
+        prepared = await until(ws, "prepared", seen)
+        assert prepared["session_id"] == "hd_1" and prepared["timeout_s"] > 0
+        for turn in range(2):
+            start = len(seen)
+            await speak_a_turn(ws, seen)
+            generating = await until(ws, "generating", seen)
+            # The turn's speech; a chunk sent during the last answer may count here too, when
+            # the answer had ended before it came.
+            assert generating["speech_duration_ms"] in (1000, 1500)
+            # Sent while the model answers: ignored, never an error.
+            await ws.send(chunk(SPEECH[:HALF]))
+            done = await until(ws, "turn_done", seen)
+            turn_events = seen[start:]
+            kinds = [e["type"] for e in turn_events]
+            assert kinds.index("vad_state") < kinds.index("generating") < kinds.index("chunk")
+            assert [e["speaking"] for e in turn_events if e["type"] == "vad_state"] == [True, False]
+            chunks = [e for e in turn_events if e["type"] == "chunk"]
+            assert len(chunks) >= 2 and all(c["audio_data"] for c in chunks)
+            assert done["turn_index"] == turn
+            assert done["text"] == "".join(c["text_delta"] for c in chunks)
+            assert f"reply {turn + 1}" in done["text"]
+        await ws.send(json.dumps({"type": "stop"}))
+        assert (await until(ws, "stopped", seen))["session_id"] == "hd_1"
+
+
+async def test_bad_input_answers_error_and_the_call_goes_on(stack):
+    seen: list[dict] = []
+    async with connect(url(stack, "hd_2"), open_timeout=scaled(10)) as ws:
+        await until(ws, "queue_done", seen)
+        await ws.send(chunk(SPEECH[:HALF]))  # before prepare
+        assert "prepare" in (await until(ws, "error", seen))["error"]
+        await ws.send(json.dumps({"type": "prepare", "system_prompt": 5}))
+        assert "system_prompt" in (await until(ws, "error", seen))["error"]
+        await ws.send(json.dumps({"type": "dance"}))
+        assert "dance" in (await until(ws, "error", seen))["error"]
+        await ws.send(json.dumps({"type": "prepare", "config": {"tts": {"enabled": False}}}))
+        await until(ws, "prepared", seen)
+        await speak_a_turn(ws, seen)
+        done = await until(ws, "turn_done", seen)
+        chunks = [e for e in seen if e["type"] == "chunk"]
+        assert chunks and all(c["audio_data"] is None for c in chunks)  # text only
+        assert done["turn_index"] == 0
