@@ -21,6 +21,7 @@ from omnifabric.edge import queue_api, sessions_api
 from omnifabric.edge.access import is_admin, key_digest
 from omnifabric.edge.apps import Apps
 from omnifabric.edge.config import EdgeConfig
+from omnifabric.edge.connection import DuplexConnection
 from omnifabric.edge.dialects.http_chat import HttpResponse
 from omnifabric.edge.errors import InvalidPayload
 from omnifabric.edge.fabric import Fabric
@@ -34,11 +35,13 @@ VOICES = "/api/assets/ref_audio"
 QUEUE = "/api/queue"
 ETA = "/api/config/eta"
 APPS = "/api/apps"
+HALF_DUPLEX_STOP = "/api/half_duplex/stop"
 ADMIN_APPS = "/api/admin/apps"
 
 
 class ApiContext(Protocol):
     config: EdgeConfig
+    connections: set[DuplexConnection]
     fabric: Fabric
     apps: Apps
     recordings: Recordings
@@ -61,6 +64,7 @@ def is_api(path: str) -> bool:
         ETA,
         APPS,
         ADMIN_APPS,
+        HALF_DUPLEX_STOP,
         sessions_api.PREFIX,
     ) or path.startswith(
         (PRESETS + "/", VOICES + "/", QUEUE + "/", ADMIN_APPS + "/", sessions_api.PREFIX + "/")
@@ -92,6 +96,8 @@ async def handle(
                 "service_unavailable",
                 "the scheduler cannot be reached",
             )
+    if path == HALF_DUPLEX_STOP:
+        return await _half_duplex_stop(context, method, body, authorization)
     if path == APPS or path.startswith(ADMIN_APPS):
         return _apps(context, method, path, body, authorization)
     if path == FRONTEND_DEFAULTS or path.startswith(PRESETS):
@@ -161,6 +167,29 @@ async def _queue(
     if method == "GET":
         return await queue_api.ticket(stub, ticket_id)
     return await queue_api.cancel(stub, ticket_id)
+
+
+async def _half_duplex_stop(
+    context: ApiContext, method: str, body: bytes, authorization: str
+) -> HttpResponse:
+    """POST /api/half_duplex/stop {session_id}: end the model's answer in that call now."""
+    if key_digest(context.config, authorization) is None:
+        return error(HTTPStatus.UNAUTHORIZED, "unauthorized", "missing or invalid API key")
+    if method != "POST":
+        return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use POST")
+    try:
+        request: Any = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return error(HTTPStatus.BAD_REQUEST, "invalid_request", "the body is not JSON")
+    session_id = request.get("session_id") if isinstance(request, dict) else None
+    if not isinstance(session_id, str) or not session_id:
+        return error(HTTPStatus.BAD_REQUEST, "invalid_request", 'send {"session_id": "..."}')
+    for connection in list(context.connections):
+        if connection.dialect.name == "half_duplex" and connection.dialect.session_id == session_id:
+            stopped = await connection.stop_turn()
+            message = "the answer was stopped" if stopped else "no answer in progress"
+            return HttpResponse(HTTPStatus.OK, {"success": stopped, "message": message})
+    return error(HTTPStatus.NOT_FOUND, "not_found", f"no half-duplex call {session_id}")
 
 
 def _apps(

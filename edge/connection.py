@@ -183,6 +183,14 @@ class DuplexConnection:
                 except EdgeError as err:  # the session ended meanwhile: nothing to feed
                     log.debug("dialect command after an output dropped: %s", err)
 
+    async def stop_turn(self) -> bool:
+        """End the model's turn now (POST /api/half_duplex/stop); False when the dialect has
+        nothing to stop (no answer in progress)."""
+        commands = self.dialect.stop_turn()
+        for cmd in commands:
+            await self._handle(cmd)
+        return bool(commands)
+
     async def shutdown(self, timeout_s: float) -> None:
         """Drain: end the session with server_shutdown (see shutdown_core)."""
         if self.core is not None:

@@ -72,6 +72,11 @@ class DuplexDialect:
     def appended(self, seq: int, cmd: ev.AppendCommand) -> None:
         """A unit went to the worker as `seq` (dialects that report input time use it)."""
 
+    def stop_turn(self) -> list[ev.Command]:
+        """Commands that end the model's turn now (an operator's or a page's stop button);
+        none where the dialect has no such stop."""
+        return []
+
     def after_output(self, event: ev.Output) -> list[ev.Command]:
         """Commands the driver runs once `event` went out (half-duplex feeds the engine its
         own input while the model answers); none by default."""

@@ -122,6 +122,12 @@ class HalfDuplex(DuplexDialect):
             self._speech_seqs.add(seq)
             self._speech_ms += samples.size * 1000 // 16000
 
+    def stop_turn(self) -> list[ev.Command]:
+        """An external stop (POST /api/half_duplex/stop): while the model answers, a unit
+        with force_listen ends its turn (turn_done follows with what was said); nothing to do
+        otherwise."""
+        return [ev.AppendCommand(pcm=SILENCE, force_listen=True)] if self._answering else []
+
     def after_output(self, event: ev.Output) -> list[ev.Command]:
         """While the model answers, one silent unit per answer keeps the reply going."""
         return [ev.AppendCommand(pcm=SILENCE)] if self._answering else []

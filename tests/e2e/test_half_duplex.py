@@ -102,3 +102,38 @@ async def test_bad_input_answers_error_and_the_call_goes_on(stack):
         chunks = [e for e in seen if e["type"] == "chunk"]
         assert chunks and all(c["audio_data"] is None for c in chunks)  # text only
         assert done["turn_index"] == 0
+
+
+async def test_an_external_stop_ends_the_answer(tmp_path):
+    """POST /api/half_duplex/stop {session_id} while the model answers: its turn ends at once
+    (turn_done with what was said so far, fewer chunks than a whole reply); unknown ids 404."""
+    from tests.e2e.test_default_voice import http_url
+    from tests.edge.test_voices import request
+
+    stack = Stack(tmp_path)
+    try:
+        stack.start_scheduler()
+        stack.start_worker("--slots", "2", "--compute-ms", "400")  # a 3-unit answer: ~1.2 s
+        stack.start_edge()
+        stop_url = http_url(stack.url, "/api/half_duplex/stop")
+        seen: list[dict] = []
+        async with connect(url(stack, "hd_stop"), open_timeout=scaled(10)) as ws:
+            await until(ws, "queue_done", seen)
+            await ws.send(json.dumps({"type": "prepare"}))
+            await until(ws, "prepared", seen)
+            assert request(stop_url, "POST", {"session_id": "hd_stop"})[1]["success"] is False
+            await speak_a_turn(ws, seen)
+            await until(ws, "generating", seen)
+            status, body = await asyncio.to_thread(
+                request, stop_url, "POST", {"session_id": "hd_stop"}
+            )
+            assert status == 200 and body["success"] is True, body
+            start = len(seen)
+            done = await until(ws, "turn_done", seen)
+            assert done["turn_index"] == 0
+            chunks = [e for e in seen if e["type"] == "chunk"]
+            assert len(chunks) < 3, [e["type"] for e in seen[start:]]
+        assert request(stop_url, "POST", {"session_id": "nope"})[0] == 404
+        assert request(stop_url, "POST", {"nothing": 1})[0] == 400
+    finally:
+        stack.stop()
