@@ -385,8 +385,9 @@ class DuplexConnection:
             # A second pause restarts the watchdog with its own timeout.
             self._stop_pause()
             self._pause = asyncio.create_task(self._expire(cmd.timeout_s))
-            log.info("session %s paused for at most %.1fs", core.session_id, cmd.timeout_s)
-            await self._emit(ev.Paused(cmd.timeout_s))
+            if not cmd.idle:
+                log.info("session %s paused for at most %.1fs", core.session_id, cmd.timeout_s)
+                await self._emit(ev.Paused(cmd.timeout_s))
         elif isinstance(cmd, ev.ResumeCommand):
             self.dialect.check_ready(cmd, core.started)
             # Resuming a session that is not paused is harmless: confirmed all the same.

@@ -79,6 +79,9 @@ class PauseCommand:
     """Hold the session open without input for at most `timeout_s` (legacy `pause`)."""
 
     timeout_s: float
+    idle: bool = False
+    """An inactivity timer, not a pause the client asked for (half-duplex: restarted by
+    every chunk): no Paused event, no log line."""
 
 
 @dataclass(frozen=True)

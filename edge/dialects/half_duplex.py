@@ -16,13 +16,15 @@ the session silent units itself (as fast as the answers come, not in real time) 
 engine ends its turn, so the reply does not wait for the client, which stops sending audio
 while it plays the answer. `audio_chunk` during the answer is ignored, as the protocol says.
 `vad_state` comes from the input's energy (RMS above 0.01), reported with the unit's answer.
-Not honoured (said here, not refused): `config.vad` (the engine's own turn-taking decides),
-`config.generation`, and `config.session.timeout_s` (the worker's session limit applies).
+`config.session.timeout_s` (default 180 s) ends the call after that long without an
+`audio_chunk` (`timeout{elapsed_s}`). Not honoured (said here, not refused): `config.vad`
+(the engine's own turn-taking decides) and `config.generation`.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -35,8 +37,10 @@ from omnifabric.edge.errors import EdgeError, InvalidPayload, MissingField, Unkn
 
 #: Input louder than this (RMS) counts as speech for vad_state.
 SPEECH_RMS = 0.01
-#: What the reference server answers in prepared.timeout_s.
-TIMEOUT_S = 180
+#: The call ends after this long without an audio_chunk (config.session.timeout_s; the
+#: reference server's default), and the most accepted, seconds.
+TIMEOUT_S = 180.0
+MAX_TIMEOUT_S = 3600.0
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 #: One second of silence at 16 kHz: what the edge feeds the engine while it answers (a unit
 #: length every engine takes).
@@ -65,6 +69,9 @@ class HalfDuplex(DuplexDialect):
         self._turn_index = 0
         self._turn_text = ""
         self._speech_seqs: set[int] = set()
+        self._timeout_s = TIMEOUT_S
+        self._last_chunk = 0.0
+        self._prepared = False
 
     def refusal(self) -> EdgeError | None:
         if not _SESSION_ID.fullmatch(self.session_id or ""):
@@ -88,9 +95,14 @@ class HalfDuplex(DuplexDialect):
             if audio is None:
                 raise MissingField("'audio_base64' is required")
             unit = pcm.unit_pcm(audio, "audio_base64")
+            # Every chunk restarts the inactivity timer, also one ignored during an answer.
+            self._last_chunk = time.monotonic()
+            idle: list[ev.Command] = (
+                [ev.PauseCommand(self._timeout_s, idle=True)] if self._prepared else []
+            )
             if self._answering:
-                return []  # the model is answering: input is ignored (no echo of its voice)
-            return [ev.AppendCommand(pcm=unit)]
+                return idle  # the model is answering: input is ignored (no echo of its voice)
+            return [ev.AppendCommand(pcm=unit), *idle]
         if kind == "prepare":
             return [self._prepare(event)]
         if kind == "stop":
@@ -106,15 +118,22 @@ class HalfDuplex(DuplexDialect):
             raise InvalidPayload("'system_prompt' must be a string")
         cfg = fields.obj(event, "config")
         tts = fields.obj(cfg, "tts")
+        timeout = fields.number_field(
+            fields.obj(cfg, "session"), "timeout_s", 1.0, MAX_TIMEOUT_S, "config.session"
+        )
+        if timeout is not None:
+            self._timeout_s = timeout
         settings = fields.duplex_settings({"tts_enabled": tts.get("enabled")})
         ref = event.get("ref_audio_base64")
-        return ev.InitCommand(
+        init = ev.InitCommand(
             dialect=ev.Dialect.CURRENT,
             system_prompt=prompt,
             config=settings,
             ref_audio=pcm.reference_audio(ref, "ref_audio_base64") if ref else b"",
             ref_audio_id=fields.voice_id((event,), "ref_audio_id", "ref_audio_base64"),
         )
+        self._prepared = True
+        return init
 
     def appended(self, seq: int, cmd: ev.AppendCommand) -> None:
         samples = np.frombuffer(cmd.pcm, "<f4")
@@ -152,7 +171,7 @@ class HalfDuplex(DuplexDialect):
                 {
                     "type": "prepared",
                     "session_id": self.session_id,
-                    "timeout_s": TIMEOUT_S,
+                    "timeout_s": self._timeout_s,
                     "recording_session_id": None,
                     "prompt_length": event.prompt_length,
                 }
@@ -162,6 +181,9 @@ class HalfDuplex(DuplexDialect):
         if isinstance(event, ev.Paused | ev.Resumed):
             return []
         assert isinstance(event, ev.Closed)
+        if event.client_reason == ev.PAUSE_TIMEOUT:  # no audio_chunk for timeout_s
+            elapsed = round(time.monotonic() - self._last_chunk, 1)
+            return [{"type": "timeout", "elapsed_s": elapsed, "reason": "timeout"}]
         if self._stopping:
             return [{"type": "stopped", "session_id": self.session_id}]
         return [end_json(event)]

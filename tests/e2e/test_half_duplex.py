@@ -137,3 +137,23 @@ async def test_an_external_stop_ends_the_answer(tmp_path):
         assert request(stop_url, "POST", {"nothing": 1})[0] == 400
     finally:
         stack.stop()
+
+
+async def test_the_call_times_out_without_audio(stack):
+    """config.session.timeout_s: a call with no audio_chunk for that long ends with timeout;
+    each chunk restarts the clock; an out-of-range value is refused."""
+    seen: list[dict] = []
+    async with connect(url(stack, "hd_idle"), open_timeout=scaled(10)) as ws:
+        await until(ws, "queue_done", seen)
+        await ws.send(json.dumps({"type": "prepare", "config": {"session": {"timeout_s": 0}}}))
+        assert "timeout_s" in (await until(ws, "error", seen))["error"]
+        prepare = {"type": "prepare", "config": {"session": {"timeout_s": 1.5}}}
+        await ws.send(json.dumps(prepare))
+        assert (await until(ws, "prepared", seen))["timeout_s"] == 1.5
+        for _ in range(3):  # 3 s of chunks, each within the timeout: the call goes on
+            await ws.send(chunk(SILENCE[:HALF]))
+            await asyncio.sleep(0.5)
+        await ws.send(chunk(SILENCE[:HALF]))
+        timeout = await asyncio.wait_for(until(ws, "timeout", seen), scaled(10))
+        assert 1.4 <= timeout["elapsed_s"] <= scaled(4)
+        assert "stopped" not in [e["type"] for e in seen]
