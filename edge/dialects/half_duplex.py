@@ -32,7 +32,7 @@ import numpy as np
 from omnifabric.edge import events as ev
 from omnifabric.edge import fields, pcm
 from omnifabric.edge.dialects.base import DuplexDialect
-from omnifabric.edge.dialects.legacy_duplex import end_json
+from omnifabric.edge.dialects.legacy_duplex import end_json, queue_json
 from omnifabric.edge.errors import EdgeError, InvalidPayload, MissingField, UnknownEvent
 
 #: Input louder than this (RMS) counts as speech for vad_state.
@@ -154,18 +154,8 @@ class HalfDuplex(DuplexDialect):
     # ---- session events -> client -------------------------------------------------------
 
     def encode(self, event: ev.SessionEvent) -> list[Any]:
-        if isinstance(event, ev.Queued):
-            return [
-                {
-                    "type": "queued" if event.first else "queue_update",
-                    "position": event.position,
-                    "estimated_wait_s": round(event.estimated_wait_s, 1),
-                    "ticket_id": event.ticket_id,
-                    "queue_length": event.queue_length,
-                }
-            ]
-        if isinstance(event, ev.QueueDone):
-            return [{"type": "queue_done"}]
+        if isinstance(event, ev.Queued | ev.QueueDone):
+            return [queue_json(event)]
         if isinstance(event, ev.Created):
             return [
                 {

@@ -151,6 +151,21 @@ def result_json(out: ev.Output, current_time_ms: int) -> dict[str, Any]:
     }
 
 
+def queue_json(event: ev.Queued | ev.QueueDone) -> dict[str, Any]:
+    """The reference server's flat queue messages: queued, queue_update, queue_done."""
+    if isinstance(event, ev.QueueDone):
+        return {"type": "queue_done"}
+    wait = round(event.estimated_wait_s, 1)
+    return {
+        "type": "queued" if event.first else "queue_update",
+        "position": event.position,
+        "estimated_wait_s": wait,
+        "eta_seconds": wait,
+        "ticket_id": event.ticket_id,
+        "queue_length": event.queue_length,
+    }
+
+
 def end_json(closed: ev.Closed) -> dict[str, Any]:
     """The last message of a session the server (not the client) ended."""
     if closed.reason in (ev.TIMEOUT, ev.CONTEXT_FULL):
@@ -216,20 +231,8 @@ class LegacyDuplex(DuplexDialect):
         self._input_ms[seq] = self._input_total_ms
 
     def encode(self, event: ev.SessionEvent) -> list[Any]:
-        if isinstance(event, ev.Queued):
-            wait = round(event.estimated_wait_s, 1)
-            return [
-                {
-                    "type": "queued" if event.first else "queue_update",
-                    "position": event.position,
-                    "estimated_wait_s": wait,
-                    "eta_seconds": wait,
-                    "ticket_id": event.ticket_id,
-                    "queue_length": event.queue_length,
-                }
-            ]
-        if isinstance(event, ev.QueueDone):
-            return [{"type": "queue_done"}]
+        if isinstance(event, ev.Queued | ev.QueueDone):
+            return [queue_json(event)]
         if isinstance(event, ev.Created):
             return [
                 {
