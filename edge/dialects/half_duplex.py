@@ -23,7 +23,6 @@ while it plays the answer. `audio_chunk` during the answer is ignored, as the pr
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
@@ -32,7 +31,13 @@ import numpy as np
 from omnifabric.edge import events as ev
 from omnifabric.edge import fields, pcm
 from omnifabric.edge.dialects.base import DuplexDialect
-from omnifabric.edge.dialects.legacy_duplex import end_json, queue_json
+from omnifabric.edge.dialects.legacy_duplex import (
+    end_json,
+    error_json,
+    error_text,
+    path_id_refusal,
+    queue_json,
+)
 from omnifabric.edge.errors import EdgeError, InvalidPayload, MissingField, UnknownEvent
 
 #: Input louder than this (RMS) counts as speech for vad_state.
@@ -41,14 +46,9 @@ SPEECH_RMS = 0.01
 #: reference server's default), and the most accepted, seconds.
 TIMEOUT_S = 180.0
 MAX_TIMEOUT_S = 3600.0
-_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 #: One second of silence at 16 kHz: what the edge feeds the engine while it answers (a unit
 #: length every engine takes).
 SILENCE = np.zeros(16000, "<f4").tobytes()
-
-
-def _error(text: str) -> dict[str, Any]:
-    return {"type": "error", "error": text, "message": text}
 
 
 class HalfDuplex(DuplexDialect):
@@ -74,11 +74,7 @@ class HalfDuplex(DuplexDialect):
         self._prepared = False
 
     def refusal(self) -> EdgeError | None:
-        if not _SESSION_ID.fullmatch(self.session_id or ""):
-            return InvalidPayload(
-                "the session id must be 1-128 letters, digits or _.:-", close_code=1008
-            )
-        return None
+        return path_id_refusal(self.session_id)
 
     def not_ready(self, cmd: ev.Command) -> str:
         return "send prepare and wait for prepared before audio_chunk"
@@ -218,4 +214,4 @@ class HalfDuplex(DuplexDialect):
         return [done]
 
     def error(self, err: EdgeError) -> dict[str, Any]:
-        return _error(err.message if err.close_code is None else f"{err.code}: {err.message}")
+        return error_json(error_text(err))

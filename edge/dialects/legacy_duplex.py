@@ -63,8 +63,24 @@ _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 _IGNORED_TYPES = frozenset({"client_diagnostic"})
 
 
-def _error(text: str) -> dict[str, Any]:
+def error_json(text: str) -> dict[str, Any]:
+    """The reference server's flat `error` message (`message` too: its pages read it)."""
     return {"type": "error", "error": text, "message": text}
+
+
+def error_text(err: EdgeError) -> str:
+    """An error's text in the flat messages: errors that end the connection name their code."""
+    return err.message if err.close_code is None else f"{err.code}: {err.message}"
+
+
+def path_id_refusal(session_id: str | None) -> EdgeError | None:
+    """The refusal of a session id taken from the URL path that may not be used (it ends up
+    in logs and worker requests); None for a good one."""
+    if not _SESSION_ID.fullmatch(session_id or ""):
+        return InvalidPayload(
+            "the session id must be 1-128 letters, digits or _.:-", close_code=1008
+        )
+    return None
 
 
 def prepare_command(event: dict[str, Any]) -> ev.InitCommand:
@@ -171,10 +187,10 @@ def end_json(closed: ev.Closed) -> dict[str, Any]:
     if closed.reason in (ev.TIMEOUT, ev.CONTEXT_FULL):
         return {"type": "timeout", "reason": closed.reason}
     if closed.reason == ev.SERVER_SHUTDOWN:
-        return _error("the server is shutting down")
+        return error_json("the server is shutting down")
     if closed.error_code == InferenceError.code:
-        return _error(f"inference failed: {closed.message or 'engine error'}")
-    return _error(f"session closed: {closed.message or closed.reason}")
+        return error_json(f"inference failed: {closed.message or 'engine error'}")
+    return error_json(f"session closed: {closed.message or closed.reason}")
 
 
 class LegacyDuplex(DuplexDialect):
@@ -192,11 +208,7 @@ class LegacyDuplex(DuplexDialect):
         self._input_total_ms = 0
 
     def refusal(self) -> EdgeError | None:
-        if not _SESSION_ID.fullmatch(self.session_id or ""):
-            return InvalidPayload(
-                "the session id must be 1-128 letters, digits or _.:-", close_code=1008
-            )
-        return None
+        return path_id_refusal(self.session_id)
 
     def not_ready(self, cmd: ev.Command) -> str:
         what = {
@@ -258,4 +270,4 @@ class LegacyDuplex(DuplexDialect):
         return [end_json(event)]
 
     def error(self, err: EdgeError) -> dict[str, Any]:
-        return _error(err.message if err.close_code is None else f"{err.code}: {err.message}")
+        return error_json(error_text(err))
