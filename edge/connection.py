@@ -348,6 +348,7 @@ class DuplexConnection:
             return
         if self.recorder is not None:
             self.recorder.start(init)
+            self.dialect.recording_id = self.recorder.recording_id
         try:
             await self.core.start(init)
         except EdgeError as err:

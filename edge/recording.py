@@ -1,6 +1,10 @@
 """Opt-in session recording (`omnifabric edge --record-dir DIR`) and its retention.
 
-One folder per /v1/realtime audio/video session, `DIR/<session_id>/`:
+One folder per duplex session (the Realtime dialects, legacy `/ws/duplex` and
+`/ws/half_duplex`), `DIR/<recording id>/`: the session id, or the session id with a short
+suffix when a client-chosen id (legacy paths) is already taken or holds characters a
+recording id may not (RECORDING_ID). Dialects hand the id to their clients
+(`recording_session_id`).
 
 - `meta.json`: session id, mode, dialect, URL path and query (keys that look like
   secrets dropped), start/end times, close reason, the client's own close reason,
@@ -31,6 +35,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import struct
 import time
@@ -50,6 +55,8 @@ log = logging.getLogger("omnifabric.edge.recording")
 USER_RATE = 16000
 MODEL_RATE = 24000
 FORMAT_VERSION = 1
+#: What a recording id (its folder's name, the `{sid}` of /api/sessions) looks like.
+RECORDING_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 #: Query keys never written to meta.json.
 _SECRET = re.compile(r"key|token|secret|auth|pass|sig|cred", re.IGNORECASE)
 #: Events kept in memory before the session starts (queue updates), at most.
@@ -187,8 +194,7 @@ class SessionRecorder:
     def start(self, init: ev.InitCommand) -> None:
         """The session is initialized (dialect known): open the folder, write meta."""
         assert self.root is not None
-        folder = self.root / self.session_id
-        (folder / "in").mkdir(parents=True, exist_ok=False)
+        folder = self._new_folder(self.root)
         self.folder = folder
         _ACTIVE.add(folder)
         self._events = open(folder / "events.jsonl", "w", encoding="utf-8")
@@ -205,6 +211,7 @@ class SessionRecorder:
         self._meta = {
             "format": FORMAT_VERSION,
             "session_id": self.session_id,
+            "recording_id": folder.name,
             "mode": self.mode,
             "dialect": dialect,
             "path": self.path,
@@ -240,6 +247,26 @@ class SessionRecorder:
         }
         init_event.update({k: {"wav": v} for k, v in voices.items()})
         self._log("in", init_event)
+
+    @property
+    def recording_id(self) -> str | None:
+        """The folder's name once recording started (the id clients fetch it by)."""
+        return self.folder.name if self.enabled and self.folder is not None else None
+
+    def _new_folder(self, root: Path) -> Path:
+        """Create this session's folder: named by the session id where that is a valid,
+        unused recording id, else by its valid characters and a random suffix."""
+        base = re.sub(r"[^A-Za-z0-9_-]", "_", self.session_id)[:100] or "session"
+        name = base
+        for _ in range(8):
+            folder = root / name
+            try:
+                (folder / "in").mkdir(parents=True, exist_ok=False)
+            except FileExistsError:
+                name = f"{base}-{secrets.token_hex(4)}"
+                continue
+            return folder
+        raise FileExistsError(f"no free recording folder for session {self.session_id}")
 
     @_guarded
     def append(self, cmd: ev.AppendCommand, dialect: ev.Dialect | None) -> None:
@@ -313,15 +340,18 @@ class SessionRecorder:
         """An event as sent to the client (not modified; audio replaced in the copy)."""
         if event.get("type") == "session.closed":
             self._closed_reason = event.get("reason")
-        audio = event.get("audio")
-        if isinstance(audio, str):
+        # Realtime events carry audio as `audio`, the flat dialects' as `audio_data`.
+        for key in ("audio", "audio_data"):
+            audio = event.get(key)
+            if not isinstance(audio, str) or not audio:
+                continue
             event = dict(event)
             seq = (event.get("metrics") or {}).get("seq")
             ref = self._model_refs.get(seq) if isinstance(seq, int) else None
             if ref is not None:
-                event["audio"] = {"wav": "model.wav", "start": ref[0], "samples": ref[1]}
+                event[key] = {"wav": "model.wav", "start": ref[0], "samples": ref[1]}
             else:
-                event["audio"] = {"omitted_bytes": _b64_len(audio)}
+                event[key] = {"omitted_bytes": _b64_len(audio)}
         self._log("out", event)
 
     def finish(self) -> None:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import zipfile
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
+from omnifabric.edge.recording import RECORDING_ID
+
 PREFIX = "/api/sessions"
-SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 #: What an asset is served as, by suffix; other files are not served.
 ASSET_TYPES = {
     ".wav": "audio/wav",
@@ -61,7 +61,7 @@ class Recordings:
         if not rest:
             return Answer(HTTPStatus.OK, self.listing())
         sid, _, tail = rest.partition("/")
-        if not SESSION_ID.fullmatch(sid):
+        if not RECORDING_ID.fullmatch(sid):
             return _error(HTTPStatus.BAD_REQUEST, "invalid_request", "not a session id")
         folder = self.root / sid
         if not (folder / "meta.json").is_file():
@@ -94,6 +94,7 @@ class Recordings:
                     {
                         "session_id": folder.name,
                         "mode": meta.get("mode"),
+                        "path": meta.get("path"),
                         "started_at": meta.get("started_at"),
                         "ended_at": meta.get("ended_at"),
                         "close_reason": meta.get("close_reason"),

@@ -38,6 +38,9 @@ class DuplexDialect:
     session_id: str | None = None
     #: Sessions of this dialect go to the opt-in recorder (edge.recording).
     recorded = False
+    #: The recording's id once the session is being recorded (set by the driver before the
+    #: session starts; None when the edge records nothing or recording failed).
+    recording_id: str | None = None
     #: Read no client message after the init until the session started (gRPC clients
     #: pipeline their units right behind the init).
     holds_input_until_started = False

@@ -55,6 +55,7 @@ class HalfDuplex(DuplexDialect):
     """/ws/half_duplex/{session_id}."""
 
     name = "half_duplex"
+    recorded = True
     already_initialized = "the session is already prepared"
     #: The app it belongs to (edge.apps): switched on and off apart from audio duplex.
     app_mode = "half_duplex"
@@ -158,7 +159,7 @@ class HalfDuplex(DuplexDialect):
                     "type": "prepared",
                     "session_id": self.session_id,
                     "timeout_s": self._timeout_s,
-                    "recording_session_id": None,
+                    "recording_session_id": self.recording_id,
                     "prompt_length": event.prompt_length,
                 }
             ]

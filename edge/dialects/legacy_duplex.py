@@ -8,8 +8,8 @@ client `prepare`, `audio_chunk`, `pause`, `resume`, `stop`; server
 Choices where the spec leaves room (they follow the reference server's documentation):
 - An id starting `adx_` is an audio session; any other id is omni (mode video). The id is
   the session id everywhere (scheduler, worker, logs).
-- `prepared.recording_session_id` is null: these sessions are not recorded, and a null id
-  tells a client there is nothing to fetch.
+- `prepared.recording_session_id` names the session's recording (`/api/sessions/{id}`)
+  when the edge records (`--record-dir`), and is null otherwise: nothing to fetch.
 - `result.audio_data` is base64 float32 24 kHz PCM, and "" when the unit has no audio
   (listening, or text only); `text` is "" when listening. `cost_llm_ms`/`cost_tts_ms` are
   the engine's own costs (0 when it reports none), `cost_all_ms` = prefill + generate,
@@ -197,6 +197,7 @@ class LegacyDuplex(DuplexDialect):
     """/ws/duplex/{session_id}."""
 
     name = "legacy_duplex"
+    recorded = True
     already_initialized = "the session is already prepared"
 
     def __init__(self, session_id: str) -> None:
@@ -250,7 +251,7 @@ class LegacyDuplex(DuplexDialect):
                 {
                     "type": "prepared",
                     "prompt_length": event.prompt_length,
-                    "recording_session_id": None,
+                    "recording_session_id": self.recording_id,
                 }
             ]
         if isinstance(event, ev.Output):

@@ -4,6 +4,7 @@ are on; 404 when the edge records nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import urllib.error
@@ -98,3 +99,60 @@ async def test_an_edge_that_records_nothing_says_so(tmp_path):
         assert status == 404 and "--record-dir" in body["message"]
     finally:
         stack.stop()
+
+
+async def test_flat_dialects_name_their_recording(stack, tmp_path):
+    """Legacy duplex and half-duplex sessions are recorded too: `prepared` names the
+    recording, which /api/sessions serves. A client-chosen id that is taken, or that holds a
+    character a recording id may not, gets a recording id of its own."""
+    from websockets.asyncio.client import connect
+
+    from tests.e2e.test_half_duplex import chunk, speak_a_turn, until
+
+    headers = {"Authorization": f"Bearer {USER}"}
+    ids = []
+    for path in ("/ws/duplex/adx_same.1", "/ws/duplex/adx_same.1", "/ws/half_duplex/hd_rec"):
+        seen: list[dict] = []
+        url = stack.url.replace("/v1/realtime", path)
+        async with connect(url, additional_headers=headers, open_timeout=scaled(10)) as ws:
+            await until(ws, "queue_done", seen)
+            await ws.send(json.dumps({"type": "prepare", "system_prompt": "be brief"}))
+            prepared = await until(ws, "prepared", seen)
+            if "half_duplex" in path:
+                await speak_a_turn(ws, seen)
+                await until(ws, "turn_done", seen)
+            else:
+                for samples in (SPEECH, SILENCE):
+                    await ws.send(chunk(samples))
+                    await until(ws, "result", seen)
+            await ws.send(json.dumps({"type": "stop"}))
+            await until(ws, "stopped", seen)
+        ids.append(prepared["recording_session_id"])
+    legacy_1, legacy_2, half = ids
+    assert legacy_1.startswith("adx_same_1") and legacy_2.startswith("adx_same_1-")
+    assert half == "hd_rec" and len(set(ids)) == 3
+
+    base = http_url(stack.url, "/api/sessions")
+    deadline = scaled(10)
+    while True:  # the edge finishes a recording just after the connection ended
+        listing = request(base, "GET", key=USER)[1]["sessions"]
+        paths = {s["session_id"]: s["path"] for s in listing}
+        if all(s["ended_at"] for s in listing) and len(listing) == 3 or deadline < 0:
+            break
+        await asyncio.sleep(0.1)
+        deadline -= 0.1
+    assert paths == {
+        legacy_1: "/ws/duplex/adx_same.1",
+        legacy_2: "/ws/duplex/adx_same.1",
+        half: "/ws/half_duplex/hd_rec",
+    }
+    for rid in ids:
+        status, body = request(f"{base}/{rid}", "GET", key=USER)
+        assert status == 200 and body["recording_id"] == rid and body["timeline"]
+    # The half-duplex answer's audio is referenced or counted, never inline.
+    status, _, events = raw_get(f"{base}/{half}/assets/events.jsonl")
+    lines = [json.loads(line) for line in events.decode().splitlines()]
+    chunks = [e["event"] for e in lines if e["event"]["type"] == "chunk"]
+    assert status == 200 and chunks
+    assert all(isinstance(c["audio_data"], dict) for c in chunks)
+    assert max(len(line) for line in events.decode().splitlines()) < 2000
