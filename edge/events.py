@@ -39,6 +39,9 @@ class DuplexSettings:
     max_kv_tokens: int | None = None
     tts_enabled: bool | None = None
     max_tokens: int | None = None
+    vad_threshold: float | None = None
+    min_speech_ms: int | None = None
+    end_of_turn_silence_ms: int | None = None
 
 
 @dataclass(frozen=True)

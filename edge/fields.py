@@ -160,19 +160,33 @@ def slice_count(value: Any, where: str = "max_slice_nums") -> int:
     return value
 
 
-def duplex_settings(cfg: dict[str, Any]) -> DuplexSettings:
+#: Voice-activity turn-taking (engines that detect the user's turn by VAD): a window's speech
+#: probability threshold, the speech a turn needs (ms) and the silence that ends it (ms).
+VAD_THRESHOLD = (0.05, 0.99)
+MIN_SPEECH_MS = (0, 5000)
+END_OF_TURN_SILENCE_MS = (100, 5000)
+
+
+def duplex_settings(cfg: dict[str, Any], where: str = "config") -> DuplexSettings:
     """Validate a duplex `config` object, mapping the SDK's own keys; others ignored."""
     return DuplexSettings(
-        length_penalty=number_field(cfg, "length_penalty", 0.0, 10.0),
-        temperature=number_field(cfg, "temperature", 0.0, 5.0),
-        top_k=integer_field(cfg, "top_k", 1, 1000),
-        top_p=number_field(cfg, "top_p", 0.0, 1.0),
-        listen_prob_scale=number_field(cfg, "listen_prob_scale", 0.0, 100.0),
-        force_listen_count=integer_field(cfg, "force_listen_count", 0, 100),
-        max_new_speak_tokens_per_chunk=integer_field(cfg, "max_new_speak_tokens_per_chunk", 1, 200),
-        max_kv_tokens=integer_field(cfg, "max_kv_tokens", 64, MAX_CONTEXT_TOKENS),
-        tts_enabled=flag(cfg, "tts_enabled"),
-        max_tokens=integer_field(cfg, "max_tokens", 1, 1 << 20),
+        length_penalty=number_field(cfg, "length_penalty", 0.0, 10.0, where),
+        temperature=number_field(cfg, "temperature", 0.0, 5.0, where),
+        top_k=integer_field(cfg, "top_k", 1, 1000, where),
+        top_p=number_field(cfg, "top_p", 0.0, 1.0, where),
+        listen_prob_scale=number_field(cfg, "listen_prob_scale", 0.0, 100.0, where),
+        force_listen_count=integer_field(cfg, "force_listen_count", 0, 100, where),
+        max_new_speak_tokens_per_chunk=integer_field(
+            cfg, "max_new_speak_tokens_per_chunk", 1, 200, where
+        ),
+        max_kv_tokens=integer_field(cfg, "max_kv_tokens", 64, MAX_CONTEXT_TOKENS, where),
+        tts_enabled=flag(cfg, "tts_enabled", where),
+        max_tokens=integer_field(cfg, "max_tokens", 1, 1 << 20, where),
+        vad_threshold=number_field(cfg, "vad_threshold", *VAD_THRESHOLD, where),
+        min_speech_ms=integer_field(cfg, "min_speech_ms", *MIN_SPEECH_MS, where),
+        end_of_turn_silence_ms=integer_field(
+            cfg, "end_of_turn_silence_ms", *END_OF_TURN_SILENCE_MS, where
+        ),
     )
 
 

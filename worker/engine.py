@@ -57,8 +57,26 @@ class DuplexSettings:
     max_kv_tokens: int | None = None
     tts_enabled: bool | None = None
     max_tokens: int | None = None
+    vad_threshold: float | None = None
+    min_speech_ms: int | None = None
+    end_of_turn_silence_ms: int | None = None
     max_slice_nums: int = 1
     """Video mode: image slices per frame (within the engine's EngineLimits)."""
+
+    def vad_note(self) -> tuple[str, ...]:
+        """The note of an engine that decides the user's turn without voice activity, when
+        the session set voice-activity turn-taking (empty when it set none)."""
+        names = [
+            k
+            for k in ("vad_threshold", "min_speech_ms", "end_of_turn_silence_ms")
+            if getattr(self, k) is not None
+        ]
+        if not names:
+            return ()
+        return (
+            f"{', '.join(names)}: not used; this engine decides the end of the user's turn "
+            "itself, not by voice activity",
+        )
 
 
 @dataclass

@@ -5,7 +5,7 @@ context) goes on across turns.
 
 Client: `prepare{system_prompt, config{tts{enabled}, ...}, ref_audio_base64?}`,
 `audio_chunk{audio_base64}` (float32 16 kHz, ~0.5 s), `stop`. Server: `queued` /
-`queue_update` / `queue_done`, `prepared{session_id, timeout_s, recording_session_id}`,
+`queue_update` / `queue_done`, `prepared{session_id, timeout_s, recording_session_id, notes?}`,
 `vad_state{speaking}`, `generating{speech_duration_ms}`, `chunk{text_delta, audio_data}`,
 `turn_done{turn_index, text}`, `stopped`, `timeout{reason}`, `error{error}`.
 
@@ -17,12 +17,17 @@ engine ends its turn, so the reply does not wait for the client, which stops sen
 while it plays the answer. `audio_chunk` during the answer is ignored, as the protocol says.
 `vad_state` comes from the input's energy (RMS above 0.01), reported with the unit's answer.
 `config.session.timeout_s` (default 180 s) ends the call after that long without an
-`audio_chunk` (`timeout{elapsed_s}`). Not honoured (said here, not refused): `config.vad`
-(the engine's own turn-taking decides) and `config.generation`.
+`audio_chunk` (`timeout{elapsed_s}`). `config.vad` (`threshold`, `min_speech_duration_ms`,
+`min_silence_duration_ms`) goes to engines that find the end of the turn by voice activity
+(the reference engine); `speech_pad_ms` is not used (the engine keeps its own margins).
+`config.generation`: `temperature` and `length_penalty` go to the engine as session
+settings; `max_new_tokens` ends an answer once its tokens reach it (the edge sends the
+engine a force_listen unit, as the external stop does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -69,6 +74,8 @@ class HalfDuplex(DuplexDialect):
         self._speech_ms = 0
         self._turn_index = 0
         self._turn_text = ""
+        self._turn_tokens = 0
+        self._max_turn_tokens: int | None = None
         self._speech_seqs: set[int] = set()
         self._timeout_s = TIMEOUT_S
         self._last_chunk = 0.0
@@ -114,13 +121,12 @@ class HalfDuplex(DuplexDialect):
         if not isinstance(prompt, str):
             raise InvalidPayload("'system_prompt' must be a string")
         cfg = fields.obj(event, "config")
-        tts = fields.obj(cfg, "tts")
         timeout = fields.number_field(
             fields.obj(cfg, "session"), "timeout_s", 1.0, MAX_TIMEOUT_S, "config.session"
         )
         if timeout is not None:
             self._timeout_s = timeout
-        settings = fields.duplex_settings({"tts_enabled": tts.get("enabled")})
+        settings = self._settings(cfg)
         ref = event.get("ref_audio_base64")
         init = ev.InitCommand(
             dialect=ev.Dialect.CURRENT,
@@ -131,6 +137,33 @@ class HalfDuplex(DuplexDialect):
         )
         self._prepared = True
         return init
+
+    def _settings(self, cfg: dict[str, Any]) -> ev.DuplexSettings:
+        """The session's settings from `config.tts`, `config.generation` and `config.vad`."""
+        generation = fields.obj(cfg, "generation")
+        sampling = {
+            k: generation.get(k) for k in ("temperature", "length_penalty", "top_p", "top_k")
+        }
+        settings = fields.duplex_settings(sampling, "config.generation")
+        cap = fields.integer_field(
+            generation, "max_new_tokens", 1, fields.MAX_CONTEXT_TOKENS, "config.generation"
+        )
+        self._max_turn_tokens = cap
+        vad = fields.obj(cfg, "vad")
+
+        def ms(key: str, bounds: tuple[int, int]) -> int | None:
+            value = fields.number_field(vad, key, *bounds, "config.vad")
+            return None if value is None else round(value)
+
+        return dataclasses.replace(
+            settings,
+            tts_enabled=fields.flag(fields.obj(cfg, "tts"), "enabled", "config.tts"),
+            vad_threshold=fields.number_field(
+                vad, "threshold", *fields.VAD_THRESHOLD, "config.vad"
+            ),
+            min_speech_ms=ms("min_speech_duration_ms", fields.MIN_SPEECH_MS),
+            end_of_turn_silence_ms=ms("min_silence_duration_ms", fields.END_OF_TURN_SILENCE_MS),
+        )
 
     def appended(self, seq: int, cmd: ev.AppendCommand) -> None:
         samples = np.frombuffer(cmd.pcm, "<f4")
@@ -145,8 +178,12 @@ class HalfDuplex(DuplexDialect):
         return [ev.AppendCommand(pcm=SILENCE, force_listen=True)] if self._answering else []
 
     def after_output(self, event: ev.Output) -> list[ev.Command]:
-        """While the model answers, one silent unit per answer keeps the reply going."""
-        return [ev.AppendCommand(pcm=SILENCE)] if self._answering else []
+        """While the model answers, one silent unit per answer keeps the reply going; once
+        the answer reached `config.generation.max_new_tokens`, that unit ends it."""
+        if not self._answering:
+            return []
+        cap = self._max_turn_tokens
+        return [ev.AppendCommand(pcm=SILENCE, force_listen=bool(cap and self._turn_tokens >= cap))]
 
     # ---- session events -> client -------------------------------------------------------
 
@@ -154,15 +191,16 @@ class HalfDuplex(DuplexDialect):
         if isinstance(event, ev.Queued | ev.QueueDone):
             return [queue_json(event)]
         if isinstance(event, ev.Created):
-            return [
-                {
-                    "type": "prepared",
-                    "session_id": self.session_id,
-                    "timeout_s": self._timeout_s,
-                    "recording_session_id": self.recording_id,
-                    "prompt_length": event.prompt_length,
-                }
-            ]
+            prepared: dict[str, Any] = {
+                "type": "prepared",
+                "session_id": self.session_id,
+                "timeout_s": self._timeout_s,
+                "recording_session_id": self.recording_id,
+                "prompt_length": event.prompt_length,
+            }
+            if event.notes:  # what the engine could not do as asked (settings it ignores)
+                prepared["notes"] = list(event.notes)
+            return [prepared]
         if isinstance(event, ev.Output):
             return self._output(event)
         if isinstance(event, ev.Paused | ev.Resumed):
@@ -194,7 +232,9 @@ class HalfDuplex(DuplexDialect):
             messages.append({"type": "generating", "speech_duration_ms": self._speech_ms})
             self._speech_ms = 0
             self._turn_text = ""
+            self._turn_tokens = 0
         self._turn_text += out.text
+        self._turn_tokens += out.n_tokens
         messages.append(
             {
                 "type": "chunk",

@@ -445,3 +445,56 @@ def test_inits_name_registered_voices():
         )
     with pytest.raises(errors.InvalidPayload, match="must be a string"):
         parse({"type": "session.init", "payload": {"voice": {"ref_audio_id": 5}}})
+
+
+def test_half_duplex_maps_vad_and_generation_config():
+    from omnifabric.edge.dialects.half_duplex import SILENCE, HalfDuplex
+
+    d = HalfDuplex("hd_1")
+    config = {
+        "vad": {
+            "threshold": 0.8,
+            "min_speech_duration_ms": 128,
+            "min_silence_duration_ms": 800.0,
+            "speech_pad_ms": 30,
+        },
+        "generation": {"max_new_tokens": 5, "length_penalty": 1.1, "temperature": 0.7},
+        "tts": {"enabled": False},
+        "session": {"timeout_s": 60},
+    }
+    [init] = d.decode(_frame({"type": "prepare", "system_prompt": "hi", "config": config}))
+    s = init.config
+    assert (s.vad_threshold, s.min_speech_ms, s.end_of_turn_silence_ms) == (0.8, 128, 800)
+    assert (s.temperature, s.length_penalty, s.tts_enabled) == (0.7, 1.1, False)
+    [prepared] = d.encode(ev.Created("hd_1", 10, ("min_speech_ms: not used",)))
+    assert prepared["timeout_s"] == 60 and prepared["notes"] == ["min_speech_ms: not used"]
+    assert "notes" not in HalfDuplex("hd_2").encode(ev.Created("hd_2", 10))[0]
+    # The answer goes on with silent units until its tokens reach max_new_tokens (5): then
+    # the unit that follows ends it.
+    d.encode(_out(seq=1, n_tokens=3))
+    assert d.after_output(_out(seq=1)) == [ev.AppendCommand(pcm=SILENCE)]
+    d.encode(_out(seq=2, n_tokens=2))
+    assert d.after_output(_out(seq=2)) == [ev.AppendCommand(pcm=SILENCE, force_listen=True)]
+    [*_, done] = d.encode(_out(seq=3, text="", n_tokens=0, end_of_turn=True))
+    assert done["type"] == "turn_done" and d.after_output(_out(seq=3)) == []
+    # The next answer counts from zero.
+    d.encode(_out(seq=4, n_tokens=4))
+    assert d.after_output(_out(seq=4)) == [ev.AppendCommand(pcm=SILENCE)]
+
+
+@pytest.mark.parametrize(
+    ("config", "error"),
+    [
+        ({"vad": {"threshold": 1.5}}, "config.vad.threshold must be in"),
+        ({"vad": {"min_silence_duration_ms": 10}}, "config.vad.min_silence_duration_ms"),
+        ({"vad": {"min_speech_duration_ms": "x"}}, "config.vad.min_speech_duration_ms"),
+        ({"generation": {"max_new_tokens": 0}}, "config.generation.max_new_tokens"),
+        ({"generation": {"temperature": -1}}, "config.generation.temperature"),
+        ({"vad": []}, "vad"),
+    ],
+)
+def test_half_duplex_config_errors_name_the_field(config, error):
+    from omnifabric.edge.dialects.half_duplex import HalfDuplex
+
+    with pytest.raises(errors.InvalidPayload, match=error):
+        HalfDuplex("hd_1").decode(_frame({"type": "prepare", "config": config}))

@@ -132,3 +132,13 @@ def test_memory_cleanup_reports_without_importing_torch():
     assert report.before_bytes > 0 and report.after_bytes > 0
     assert report.device in ("cpu", "cuda")
     assert ("torch" in sys.modules) == had_torch
+
+
+def test_voice_activity_settings_are_noted_as_unused():
+    engine = SyntheticEngine(compute_ms=0)
+    session = engine.open_session("s", "audio")
+    session.prepare("", None, None, DuplexSettings(vad_threshold=0.8, min_speech_ms=100))
+    (note,) = session.notes
+    assert note.startswith("vad_threshold, min_speech_ms: not used")
+    session.prepare("", None, None, DuplexSettings(temperature=0.5))
+    assert session.notes == ()

@@ -76,6 +76,7 @@ class SyntheticSession(EngineSession):
     ) -> int:
         self._check_open()
         self.settings = config
+        self.notes = config.vad_note()
         self.kv_cache_length = PROMPT_OVERHEAD_TOKENS + len(system_prompt) // 4
         return self.kv_cache_length
 

@@ -243,3 +243,17 @@ def test_chat_reports_every_unusable_field(engine):
         "length_penalty",
     ):
         assert word in ignored, word
+
+
+def test_session_turn_taking_settings_reach_the_session(engine):
+    # The question has ~2.5 s of speech: with 5 s required it is never a turn.
+    steps = drive(engine, "question", settings=DuplexSettings(min_speech_ms=5000))
+    assert all(s.result.is_listen and not s.result.end_of_turn for s in steps)
+    session = engine.open_session("test-settings", "audio")
+    try:
+        settings = DuplexSettings(vad_threshold=0.8, end_of_turn_silence_ms=1200)
+        session.prepare("", None, None, settings)
+        assert session.vad.threshold == 0.8 and session.turn.rules.end_silence_s == 1.2
+        assert session.notes == ()
+    finally:
+        session.close()

@@ -117,3 +117,25 @@ def test_reply_cut_before_a_loop():
 def test_cut_at_limit_never_inside_a_word():
     assert cut_at_limit("It is cold. And then the wea") == len("It is cold.")
     assert cut_at_limit("Spiders have eight le") == len("Spiders have eight")
+
+
+def test_a_sessions_own_speech_minimum_and_end_silence():
+    rules = RULES.tuned(min_speech_ms=128, end_silence_ms=1500)
+    assert (rules.min_speech_s, rules.end_silence_s) == (0.128, 1.5)
+    assert rules.quick_silence_s == RULES.quick_silence_s
+    assert RULES.tuned(None, None) == RULES
+    # Silence shorter than the quick end: the quick end waits no longer than asked.
+    assert RULES.tuned(None, 150).quick_silence_s == 0.15
+    # A 1.0 s pause ends the default turn but not one that asked for 1.5 s of silence.
+    pattern = "s" * windows(1.0) + "." * (windows(1.0) + 1)
+    default, patient = TurnTracker(RULES, WINDOW), TurnTracker(rules, WINDOW)
+    feed(default, pattern)
+    feed(patient, pattern)
+    assert default.take_ended() is not None
+    assert patient.take_ended() is None and patient.started
+    # 0.2 s of speech is a turn for a 128 ms minimum, a click for the default 0.3 s.
+    short = "s" * windows(0.2) + "." * (windows(1.5) + 1)
+    default, eager = TurnTracker(RULES, WINDOW), TurnTracker(rules, WINDOW)
+    feed(default, short)
+    feed(eager, short)
+    assert default.take_ended() is None and eager.take_ended() is not None

@@ -167,6 +167,7 @@ class MiniCPMOSession(EngineSession):
         config: DuplexSettings,
     ) -> int:
         self.settings = config
+        self.notes = config.vad_note()
         engine = self.engine
         with engine.using(self):
             self.handle.reset()

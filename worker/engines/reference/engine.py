@@ -118,6 +118,13 @@ class ReferenceSession(EngineSession):
         config: DuplexSettings,
     ) -> int:
         self.settings = config
+        # The session's voice-activity turn-taking (half-duplex `config.vad`, or the keys
+        # of the same names in a Realtime config).
+        self.rules = self.turn.rules = self.engine.rules.tuned(
+            config.min_speech_ms, config.end_of_turn_silence_ms
+        )
+        if self.vad is not None and config.vad_threshold is not None:
+            self.vad.threshold = config.vad_threshold
         prompt = system_prompt.strip() or self.engine.default_prompt
         conversation = self.engine.llm.conversation(f"{prompt}\n{SPOKEN_STYLE}")
         self.conversation = conversation

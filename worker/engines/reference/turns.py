@@ -16,7 +16,7 @@ word (``reply_cut``).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -60,6 +60,19 @@ class TurnRules:
     another session's unit is being computed)."""
     max_utterance_s: float = 25.0
     """Longer user turns are transcribed once they reach this (Whisper takes 30 s)."""
+
+    def tuned(self, min_speech_ms: int | None, end_silence_ms: int | None) -> TurnRules:
+        """These rules with a session's own speech minimum and end-of-turn silence (None
+        keeps the default); the quick end never waits longer than the silence asked for."""
+        rules = self
+        if min_speech_ms is not None:
+            rules = replace(rules, min_speech_s=min_speech_ms / 1000)
+        if end_silence_ms is not None:
+            end = end_silence_ms / 1000
+            rules = replace(
+                rules, end_silence_s=end, quick_silence_s=min(rules.quick_silence_s, end)
+            )
+        return rules
 
 
 class TurnTracker:
