@@ -7,6 +7,7 @@ event loop serializes them and no lock is needed.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
@@ -18,6 +19,9 @@ from omnifabric.scheduler.errors import (
     InvalidRequest,
     NoWorker,
     QueueFull,
+    ResumeExpired,
+    ResumeForbidden,
+    ResumeUnknown,
     ShuttingDown,
     UnknownLease,
 )
@@ -89,7 +93,17 @@ class LeaseLoss:
     reason: str
 
 
-AcquireEvent = QueueUpdate | LeaseOffer | LeaseLoss
+@dataclass(frozen=True)
+class LeaseMove:
+    """Another holder reattached the lease: this holder's stream ends."""
+
+    lease_id: str
+
+
+AcquireEvent = QueueUpdate | LeaseOffer | LeaseLoss | LeaseMove
+#: Resume keys of ended sessions remembered (to tell an expired window from an unknown
+#: token), at most.
+MAX_ENDED_RESUMES = 10000
 
 
 @dataclass(frozen=True)
@@ -161,6 +175,8 @@ class Scheduler:
         self.metrics = SchedulerMetrics(self)
         self.draining = False
         """Set by drain(): no new registrations, requests or grants; leases stay as they are."""
+        self._ended_resumes: dict[str, str] = {}
+        """Resume keys of freed resumable leases -> "expired" or "closed" (newest last)."""
         self._stopping = asyncio.Event()
 
     # --- workers ---------------------------------------------------------------------
@@ -273,10 +289,18 @@ class Scheduler:
 
     # --- requests --------------------------------------------------------------------
 
-    async def acquire(self, mode: Mode, session_id: str) -> AsyncGenerator[AcquireEvent, None]:
+    async def acquire(
+        self,
+        mode: Mode,
+        session_id: str,
+        resume_key: str = "",
+        owner: str = "",
+        resume_grace_s: float = 0.0,
+    ) -> AsyncGenerator[AcquireEvent, None]:
         """Queue updates, then the lease, then (if its worker is lost) the loss.
 
-        The lease lasts until this generator is closed. Raises NoWorker or QueueFull, and
+        The lease lasts until this generator is closed (a resumable one, `resume_key` and
+        a grace, waits detached for a Reattach then). Raises NoWorker or QueueFull, and
         ShuttingDown when the scheduler drains (the lease, if any, stays with its worker).
         """
         if self.draining:
@@ -294,45 +318,101 @@ class Scheduler:
             except QueueFull:
                 self.counters.queue_full_rejections += 1
                 raise
+        moved: asyncio.Event | None = None
         try:
             async for update in self._wait(ticket):
                 yield update
             lease = ticket.lease
             assert lease is not None
-            # The worker must know the lease before the holder can present it.
-            if not await self._unless_stopping(lease.announced):
-                raise ShuttingDown()
-            if lease.lost_reason is None:
-                worker = self.registry.get(lease.worker_id)
-                yield LeaseOffer(
-                    lease_id=lease.lease_id,
-                    worker_id=lease.worker_id,
-                    worker_address=worker.address if worker else "",
-                    slot=lease.slot,
-                    ticket_id=ticket.ticket_id,
-                    queue_wait_s=lease.granted_at - ticket.enqueued_at,
-                    limits=worker.limits if worker else None,
-                )
-                if not await self._unless_stopping(lease.lost):
-                    raise ShuttingDown()
-            yield LeaseLoss(lease.lease_id, lease.lost_reason or "lease lost")
+            if resume_key and resume_grace_s > 0:
+                lease.resume_key, lease.owner = resume_key, owner
+                lease.resume_grace_s = resume_grace_s
+            moved = lease.moved
+            async for event in self._hold(
+                lease, ticket.ticket_id, lease.granted_at - ticket.enqueued_at
+            ):
+                yield event
         finally:
             if ticket.lease is not None:
-                self._holder_gone(ticket.lease)
+                if moved is None or not moved.is_set():
+                    self._holder_gone(ticket.lease)
             elif self.queue.remove(ticket):
                 self._notify_waiting()
 
-    async def _unless_stopping(self, event: asyncio.Event) -> bool:
-        """Wait for `event`; False if the scheduler starts draining first."""
-        if event.is_set():
+    async def reattach(self, resume_key: str, owner: str) -> AsyncGenerator[AcquireEvent, None]:
+        """A resumable session's lease for a new holder: the offer at once, then as acquire.
+
+        A detached lease is taken back; one still held moves (its holder is told). Raises
+        ResumeUnknown, ResumeExpired or ResumeForbidden.
+        """
+        lease = self.leases.by_resume_key(resume_key)
+        if lease is None or lease.state in (LeaseState.RETURNING, LeaseState.ORPHAN):
+            if lease is not None or self._ended_resumes.get(resume_key) == "expired":
+                raise ResumeExpired()
+            raise ResumeUnknown()
+        if not hmac.compare_digest(lease.owner, owner):
+            raise ResumeForbidden()
+        if lease.worker_released:
+            raise ResumeUnknown()  # the session ended; its holder has not let go yet
+        if lease.state is LeaseState.DETACHED:
+            if lease.release_timer is not None:
+                lease.release_timer.cancel()
+                lease.release_timer = None
+            lease.state = LeaseState.ACTIVE
+            log.info("lease %s reattached (session %s)", lease.lease_id, lease.session_id)
+        else:  # held: the present holder is superseded
+            previous, lease.moved = lease.moved, asyncio.Event()
+            previous.set()
+            log.info(
+                "lease %s moved to a new holder (session %s)", lease.lease_id, lease.session_id
+            )
+        self.counters.leases_reattached += 1
+        moved = lease.moved
+        try:
+            async for event in self._hold(lease, lease.ticket_id, 0.0):
+                yield event
+        finally:
+            if not moved.is_set():
+                self._holder_gone(lease)
+
+    async def _hold(
+        self, lease: Lease, ticket_id: str, queue_wait_s: float
+    ) -> AsyncGenerator[AcquireEvent, None]:
+        """The offer of `lease` to its holder, then its loss or its move; returns then."""
+        moved = lease.moved
+        # The worker must know the lease before the holder can present it.
+        if not await self._unless_stopping(lease.announced):
+            raise ShuttingDown()
+        if lease.lost_reason is None:
+            worker = self.registry.get(lease.worker_id)
+            yield LeaseOffer(
+                lease_id=lease.lease_id,
+                worker_id=lease.worker_id,
+                worker_address=worker.address if worker else "",
+                slot=lease.slot,
+                ticket_id=ticket_id,
+                queue_wait_s=queue_wait_s,
+                limits=worker.limits if worker else None,
+            )
+            if not await self._unless_stopping(lease.lost, moved):
+                raise ShuttingDown()
+            if moved.is_set() and not lease.lost.is_set():
+                yield LeaseMove(lease.lease_id)
+                return
+        yield LeaseLoss(lease.lease_id, lease.lost_reason or "lease lost")
+
+    async def _unless_stopping(self, *events: asyncio.Event) -> bool:
+        """Wait for any of `events`; False if the scheduler starts draining first."""
+        if any(e.is_set() for e in events):
             return True
-        waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stopping.wait())}
+        waits = {asyncio.ensure_future(e.wait()) for e in events}
+        waits.add(asyncio.ensure_future(self._stopping.wait()))
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for waiter in waits:
                 waiter.cancel()
-        return event.is_set()
+        return any(e.is_set() for e in events)
 
     async def _wait(self, ticket: Ticket) -> AsyncIterator[QueueUpdate]:
         """Updates while `ticket` waits: on every position change and at least every interval.
@@ -544,8 +624,24 @@ class Scheduler:
         if lease.worker_released:
             self._free(lease)
             return
-        lease.state = LeaseState.RETURNING
         worker = self.registry.get(lease.worker_id)
+        if lease.resume_grace_s > 0 and worker is not None:
+            # The worker keeps the session detached for the grace and releases the lease
+            # when it passes; past grace + release timeout the slot is taken back anyway.
+            lease.state = LeaseState.DETACHED
+            lease.release_timer = asyncio.get_running_loop().call_later(
+                lease.resume_grace_s + self.config.release_timeout_s,
+                self._detach_overdue,
+                lease.lease_id,
+            )
+            log.info(
+                "lease %s detached: resumable for %.0f s (session %s)",
+                lease.lease_id,
+                lease.resume_grace_s,
+                lease.session_id,
+            )
+            return
+        lease.state = LeaseState.RETURNING
         if worker is None:
             self._free(lease)
             return
@@ -557,6 +653,22 @@ class Scheduler:
             return
         worker.outbox.put_nowait(LeaseRevokeNotice(lease.lease_id, "holder gone"))
         lease.release_timer = loop.call_later(
+            self.config.release_timeout_s, self._release_overdue, lease.lease_id
+        )
+
+    def _detach_overdue(self, lease_id: str) -> None:
+        """A detached lease the worker did not release after its grace: revoke it."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.state is not LeaseState.DETACHED:
+            return
+        lease.release_timer = None
+        lease.state = LeaseState.RETURNING
+        worker = self.registry.get(lease.worker_id)
+        if worker is None:
+            self._free(lease)
+            return
+        worker.outbox.put_nowait(LeaseRevokeNotice(lease.lease_id, "resume window passed"))
+        lease.release_timer = asyncio.get_running_loop().call_later(
             self.config.release_timeout_s, self._release_overdue, lease.lease_id
         )
 
@@ -577,6 +689,13 @@ class Scheduler:
 
     def _free(self, lease: Lease) -> None:
         self.leases.pop(lease.lease_id)
+        if lease.resume_key:
+            # A resume after this is refused with why: the window passed (the lease was
+            # detached or being taken back) or the session ended.
+            fate = "closed" if lease.state is LeaseState.ACTIVE else "expired"
+            self._ended_resumes[lease.resume_key] = fate
+            while len(self._ended_resumes) > MAX_ENDED_RESUMES:
+                self._ended_resumes.pop(next(iter(self._ended_resumes)))
         worker = self.registry.get(lease.worker_id)
         if worker is not None:
             worker.free_slot(lease.lease_id)

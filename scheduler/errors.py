@@ -66,6 +66,33 @@ class UnknownLease(SchedulerError):
         super().__init__(f"unknown lease {lease_id}")
 
 
+class ResumeUnknown(SchedulerError):
+    """No resumable session has that token (never issued, or the session closed)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+    def __init__(self) -> None:
+        super().__init__("resume_unknown: no session to resume with this token")
+
+
+class ResumeExpired(SchedulerError):
+    """The session's resume window passed; it was freed."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self) -> None:
+        super().__init__("resume_expired: the session's resume window has passed")
+
+
+class ResumeForbidden(SchedulerError):
+    """The token was issued to another owner (API key)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+    def __init__(self) -> None:
+        super().__init__("resume_forbidden: this session belongs to another key")
+
+
 def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and details to send for `error`; unknown errors leak nothing."""
     if isinstance(error, SchedulerError):

@@ -19,6 +19,9 @@ class LeaseState(enum.Enum):
     ACTIVE = "active"
     #: The holder is gone; the worker was told and its lease_released is awaited.
     RETURNING = "returning"
+    #: A resumable lease whose holder is gone: it waits for a Reattach within its grace
+    #: (the worker keeps the session detached and releases it when the grace passes).
+    DETACHED = "detached"
     #: Reported by a reconnecting worker, unknown here, no holder; freed on release.
     ORPHAN = "orphan"
 
@@ -46,6 +49,14 @@ class Lease:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     #: Timer that frees the slot if the worker never answers a revocation.
     release_timer: asyncio.TimerHandle | None = None
+    #: Resumable leases: sha256 hex of the resume token, of the owner's identity, and the
+    #: grace a detached lease waits for a Reattach.
+    resume_key: str = ""
+    owner: str = ""
+    resume_grace_s: float = 0.0
+    #: Set when another holder reattached the lease; each holder waits on the event it
+    #: was handed (a reattach hands the new holder a fresh one).
+    moved: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,15 @@ class LeaseTable:
             lease.release_timer.cancel()
             lease.release_timer = None
         return lease
+
+    def by_resume_key(self, resume_key: str) -> Lease | None:
+        """The resumable lease issued with this resume key, if any."""
+        if not resume_key:
+            return None
+        for lease in self._leases.values():
+            if lease.resume_key == resume_key:
+                return lease
+        return None
 
     def on_worker(self, worker_id: str) -> list[Lease]:
         """Every lease on the worker registered as `worker_id`."""

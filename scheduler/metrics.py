@@ -43,6 +43,8 @@ class Counters:
     queue_full_rejections: int = 0
     leases_expired: int = 0
     """Returned leases freed by the release timeout (the worker never confirmed)."""
+    leases_reattached: int = 0
+    """Resumable leases taken over by a new holder (Reattach)."""
 
 
 class SchedulerState(Protocol):
@@ -128,6 +130,11 @@ class _StateCollector(Collector):
                 "leases_lost",
                 "Active leases that ended with their worker (lost or re-registered without it).",
                 counters.leases_lost,
+            ),
+            (
+                "leases_reattached",
+                "Resumable leases taken over by a new holder (a resumed session).",
+                counters.leases_reattached,
             ),
             (
                 "leases_expired",

@@ -20,6 +20,7 @@ from omnifabric.scheduler.core import (
     AcquireEvent,
     EtaSnapshot,
     LeaseLoss,
+    LeaseMove,
     LeaseOffer,
     QueueUpdate,
     Scheduler,
@@ -177,7 +178,13 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
             mode = _mode_from_pb(request.mode)
-            events = self._scheduler.acquire(mode, request.session_id)
+            events = self._scheduler.acquire(
+                mode,
+                request.session_id,
+                request.resume_key,
+                request.owner,
+                request.resume_grace_s,
+            )
             async with contextlib.aclosing(events):
                 async for event in events:
                     message = _acquire_event_to_pb(event)
@@ -191,6 +198,17 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
             if span.is_recording():
                 span.end()
             otel_context.detach(token)
+
+    async def Reattach(
+        self, request: scheduler_pb.ReattachRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb.AcquireResponse]:
+        try:
+            events = self._scheduler.reattach(request.resume_key, request.owner)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield _acquire_event_to_pb(event)
+        except Exception as exc:
+            await _abort(context, exc)
 
     async def GetStatus(
         self, request: scheduler_pb.GetStatusRequest, context: grpc.aio.ServicerContext
@@ -339,6 +357,10 @@ def _acquire_event_to_pb(event: AcquireEvent) -> scheduler_pb.AcquireResponse:
                 queue_wait_s=event.queue_wait_s,
                 limits=_limits_to_pb(event.limits),
             )
+        )
+    if isinstance(event, LeaseMove):
+        return scheduler_pb.AcquireResponse(
+            lease_moved=scheduler_pb.LeaseMoved(lease_id=event.lease_id)
         )
     assert isinstance(event, LeaseLoss)
     return scheduler_pb.AcquireResponse(
