@@ -18,6 +18,7 @@ from omnifabric.worker.engines import memory
 from omnifabric.worker.errors import (
     EngineFailure,
     InvalidRequest,
+    LeaseNotFound,
     ModeMismatch,
     NoFreeSlot,
     NotServing,
@@ -146,6 +147,19 @@ class WorkerRuntime:
             session.close(CloseReason.CLIENT_CLOSED, f"lease revoked: {revoked[0]}")
         if self.draining:
             session.close(CloseReason.SERVER_SHUTDOWN, "worker is draining")
+        return session
+
+    def resumable(self, lease_id: str, session_id: str) -> DuplexSession:
+        """The running session of this lease, for a resumed stream. Raises LeaseNotFound
+        when there is none (never started, ended, or another session's id)."""
+        session = self.sessions.get(lease_id)
+        if (
+            session is None
+            or session.ended is not None
+            or session.session_id != session_id
+            or session.spec.resume_grace_s <= 0
+        ):
+            raise LeaseNotFound(f"no resumable session {session_id} on lease {lease_id}")
         return session
 
     async def chat(self, lease_id: str, turn: ChatTurn) -> AsyncIterator[ChatChunk]:

@@ -124,6 +124,8 @@ def decode_start(start: worker_pb.SessionStart, limits: EngineLimits) -> Session
         ref_audio=ref_audio,
         tts_ref_audio=tts_ref,
         settings=decode_settings(start.config, start.max_slice_nums),
+        resume_grace_s=max(0.0, min(start.resume_grace_s, MAX_RESUME_GRACE_S)),
+        client_state=start.client_state[:MAX_CLIENT_STATE_BYTES],
     )
 
 
@@ -194,6 +196,11 @@ def encode_usage(usage: Usage) -> common_pb2.Usage:
     )
 
 
+#: The longest resume grace a session may ask, and the most client state kept.
+MAX_RESUME_GRACE_S = 600.0
+MAX_CLIENT_STATE_BYTES = 4096
+
+
 def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
     """A session event as the SessionResponse that carries it."""
     if isinstance(event, SessionEnd):
@@ -215,6 +222,7 @@ def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
         )
     result, timings = event.result, event.timings
     audio = np.asarray(result.audio, dtype="<f4")
+    dropped_audio = {"audio_dropped": True} if event.audio_dropped else {}
     return worker_pb.SessionResponse(
         result=worker_pb.UnitResult(
             seq=event.seq,
@@ -236,6 +244,7 @@ def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
             n_tokens=result.n_tokens,
             n_tts_tokens=result.n_tts_tokens,
             input_transcript=result.input_transcript,
+            **dropped_audio,
         )
     )
 
@@ -255,45 +264,91 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
         requests = aiter(request_iterator)
         try:
             first = await anext(requests, None)
-            if first is None or first.WhichOneof("kind") != "start":
-                raise InvalidRequest("the first request must be start")
-            spec = dataclasses.replace(
-                decode_start(first.start, self.runtime.engine.limits),
-                trace_context=telemetry.extract(context.invocation_metadata()),
-            )
-            logs.bind_session(spec.session_id)  # this task and the unit loop it starts
-            # The caller's trace is current for this RPC's task (and the unit loop's task
-            # created from it), so their log lines carry its trace id; the task ends with
-            # the RPC, so nothing needs detaching.
-            otel_context.attach(spec.trace_context)
-            session = await self.runtime.open_session(spec)
+            kind = first.WhichOneof("kind") if first is not None else None
+            if first is None or kind not in ("start", "resume"):
+                raise InvalidRequest("the first request must be start (or resume)")
+            context_in = telemetry.extract(context.invocation_metadata())
+            if kind == "resume":
+                session = self.runtime.resumable(first.resume.lease_id, first.resume.session_id)
+                logs.bind_session(session.session_id)
+                otel_context.attach(context_in)
+            else:
+                spec = dataclasses.replace(
+                    decode_start(first.start, self.runtime.engine.limits),
+                    trace_context=context_in,
+                )
+                logs.bind_session(spec.session_id)  # this task and the unit loop it starts
+                # The caller's trace is current for this RPC's task (and the unit loop's
+                # task created from it), so their log lines carry its trace id; the task
+                # ends with the RPC, so nothing needs detaching.
+                otel_context.attach(spec.trace_context)
+                session = await self.runtime.open_session(spec)
         except Exception as exc:
             code, message = status_for(exc)
             if code == grpc.StatusCode.INTERNAL and not isinstance(exc, WorkerError):
                 log.exception("Session failed before start")
             await context.abort(code, message)
             return
-        reader = asyncio.ensure_future(self._read(requests, session))
+        attachment = session.attach()
+        replay = session.journal_length if kind == "resume" else 0
+        reader = asyncio.ensure_future(self._read(requests, session, attachment))
+        limits = self.runtime.engine.limits
         try:
-            yield worker_pb.SessionResponse(
-                started=worker_pb.SessionStarted(
-                    session_id=session.session_id,
-                    worker_id=self.worker_id,
-                    prompt_length=session.prompt_length,
-                    min_unit_samples=self.runtime.engine.limits.min_unit_samples,
-                    max_unit_samples=self.runtime.engine.limits.max_unit_samples,
-                    notes=list(session.notes),
+            if kind == "resume":
+                log.info("session %s resumed: %d results to replay", session.session_id, replay)
+                yield worker_pb.SessionResponse(
+                    resumed=worker_pb.SessionResumed(
+                        session_id=session.session_id,
+                        worker_id=self.worker_id,
+                        prompt_length=session.prompt_length,
+                        min_unit_samples=limits.min_unit_samples,
+                        max_unit_samples=limits.max_unit_samples,
+                        notes=list(session.notes),
+                        client_state=session.spec.client_state,
+                        last_unit_seq=session.last_unit_seq,
+                        replay_count=replay,
+                    )
                 )
-            )
-            async for event in session.events():
-                if isinstance(event, UnitOutput) and not event.buffered:
+            else:
+                yield worker_pb.SessionResponse(
+                    started=worker_pb.SessionStarted(
+                        session_id=session.session_id,
+                        worker_id=self.worker_id,
+                        prompt_length=session.prompt_length,
+                        min_unit_samples=limits.min_unit_samples,
+                        max_unit_samples=limits.max_unit_samples,
+                        notes=list(session.notes),
+                    )
+                )
+            index = 0
+            async for event in session.events(attachment):
+                message = encode_event(event)
+                if index < replay:
+                    if message.WhichOneof("kind") == "result":
+                        message.result.replayed = True
+                elif isinstance(event, UnitOutput) and not event.buffered:
                     self.runtime.metrics.observe_unit(event, session.spec.mode)
-                yield encode_event(event)
+                index += 1
+                yield message
+            if session.attachment != attachment:  # another stream resumed the session
+                yield worker_pb.SessionResponse(
+                    ended=worker_pb.SessionEnded(
+                        reason=common_pb2.CLOSE_REASON_SUPERSEDED,
+                        message="the session was resumed on another connection",
+                        usage=encode_usage(session.usage),
+                    )
+                )
         finally:
-            # Also on client cancellation: the unit loop frees the engine session itself.
             reader.cancel()
-            if session.ended is None:
-                session.close(CloseReason.CLIENT_CLOSED, "client went away")
+            if session.ended is None and session.attachment == attachment:
+                if session.spec.resume_grace_s > 0 and session.close_requested is None:
+                    # No close: the sender is gone (client dropped, edge lost). The
+                    # session waits for a resume; the unit loop frees it when the grace
+                    # passes.
+                    session.detach()
+                else:
+                    # Also on client cancellation: the unit loop frees the engine session.
+                    session.close(CloseReason.CLIENT_CLOSED, "client went away")
 
     async def Chat(
         self, request: worker_pb.ChatRequest, context: grpc.aio.ServicerContext
@@ -351,11 +406,18 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             )
 
     async def _read(
-        self, request_iterator: AsyncIterator[worker_pb.SessionRequest], session: DuplexSession
+        self,
+        request_iterator: AsyncIterator[worker_pb.SessionRequest],
+        session: DuplexSession,
+        attachment: int,
     ) -> None:
-        """Feed requests into the session until close or the end of the client's stream."""
+        """Feed requests into the session until close or the end of the client's stream
+        (a resumable session is then left to the detach; a superseded stream's requests
+        are ignored)."""
         try:
             async for request in request_iterator:
+                if session.attachment != attachment:
+                    return
                 kind = request.WhichOneof("kind")
                 if kind == "unit":
                     try:
@@ -369,10 +431,11 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                     session.close(reason, "closed by the client")
                     return
                 else:
-                    session.close(CloseReason.ERROR, "start sent twice")
+                    session.close(CloseReason.ERROR, f"{kind} sent after the session started")
                     return
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a broken client stream ends the session
             log.info("session %s: request stream failed: %s", session.session_id, exc)
-        session.close(CloseReason.CLIENT_CLOSED, "client stream ended")
+        if session.spec.resume_grace_s <= 0 and session.attachment == attachment:
+            session.close(CloseReason.CLIENT_CLOSED, "client stream ended")

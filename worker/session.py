@@ -56,6 +56,10 @@ class SessionSpec:
     settings: DuplexSettings = field(default_factory=DuplexSettings)
     trace_context: Any = None
     """OpenTelemetry context of the caller (the edge's session span), or None."""
+    resume_grace_s: float = 0.0
+    """> 0: a stream that ends without close leaves the session detached this long."""
+    client_state: bytes = b""
+    """The sender's own state, handed back on resume (opaque here)."""
 
 
 @dataclass
@@ -105,6 +109,8 @@ class UnitOutput:
     dropped_seqs: list[int]
     buffered: bool = False
     """The unit's audio waits for the next model unit (re-chunking): no model step ran."""
+    audio_dropped: bool = False
+    """Kept for a replay without its speech (beyond JOURNAL_AUDIO_RESULTS)."""
 
 
 @dataclass
@@ -183,6 +189,10 @@ class Mailbox:
         self._units = []
 
 
+#: Results whose speech the session keeps for a resumed stream's replay (the newest); older
+#: results are kept without it (~96 KB a second of speech: ~11 MB per session at most).
+JOURNAL_AUDIO_RESULTS = 120
+
 #: Re-chunked sessions: model units that may wait at once; older audio beyond them is
 #: dropped (counted) so an engine slower than real time builds no backlog.
 MAX_WAITING_MODEL_UNITS = 4
@@ -225,7 +235,14 @@ class DuplexSession:
         self._finalize_task: asyncio.Task[None] | None = None
         self._finalize_error: BaseException | None = None
         self._close_request: tuple[CloseReason, str] | None = None
-        self._events: asyncio.Queue[UnitOutput | SessionEnd] = asyncio.Queue()
+        self._journal: list[UnitOutput | SessionEnd] = []
+        """Every event of the session, in order: streams read it by index (a resumed
+        stream from the start)."""
+        self._grew: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.attachment = 0
+        """Which stream carries the session: each attach (start, resume) counts one."""
+        self.last_unit_seq = 0
+        self._detach_timer: asyncio.TimerHandle | None = None
         self._engine_session: EngineSession | None = None
         self._chunker: Rechunker | None = None
         """Set when the engine needs exact unit lengths: client units are re-chunked."""
@@ -305,8 +322,14 @@ class DuplexSession:
         """Hand a unit to the loop; a unit still waiting is replaced (newest wins)."""
         if self._close_request is not None or self.ended is not None:
             return
+        self.last_unit_seq = max(self.last_unit_seq, unit.seq)
         self._mailbox.put(unit)
         self._wake.set()
+
+    @property
+    def close_requested(self) -> tuple[CloseReason, str] | None:
+        """The first close asked for, if any."""
+        return self._close_request
 
     def close(self, reason: CloseReason, message: str = "") -> None:
         """Ask the loop to end after the unit in progress; the first request wins."""
@@ -314,13 +337,67 @@ class DuplexSession:
             self._close_request = (reason, message)
         self._wake.set()
 
-    async def events(self) -> AsyncIterator[UnitOutput | SessionEnd]:
-        """Results in order, then exactly one SessionEnd."""
+    async def events(self, attachment: int = 0) -> AsyncIterator[UnitOutput | SessionEnd]:
+        """Every event from the first, in order, then exactly one SessionEnd; returns early
+        when another stream attached after `attachment` (superseded)."""
+        index = 0
         while True:
-            event = await self._events.get()
-            yield event
-            if isinstance(event, SessionEnd):
+            if attachment and self.attachment != attachment:
                 return
+            if index < len(self._journal):
+                event = self._journal[index]
+                index += 1
+                yield event
+                if isinstance(event, SessionEnd):
+                    return
+                continue
+            await asyncio.shield(self._grew)
+
+    def _emit(self, event: UnitOutput | SessionEnd) -> None:
+        self._journal.append(event)
+        old = len(self._journal) - 1 - JOURNAL_AUDIO_RESULTS
+        if old >= 0:
+            kept = self._journal[old]
+            if isinstance(kept, UnitOutput) and kept.result.audio.size:
+                audio = np.zeros(0, dtype=np.float32)
+                self._journal[old] = replace(
+                    kept, result=replace(kept.result, audio=audio), audio_dropped=True
+                )
+        self._wake_streams()
+
+    def _wake_streams(self) -> None:
+        grew, self._grew = self._grew, self._loop.create_future()
+        grew.set_result(None)
+
+    @property
+    def journal_length(self) -> int:
+        return len(self._journal)
+
+    def attach(self) -> int:
+        """A stream takes the session (its start, or a resume): the previous one, if any,
+        stops reading; a detached session stops waiting to expire. Returns the stream's
+        attachment number."""
+        if self._detach_timer is not None:
+            self._detach_timer.cancel()
+            self._detach_timer = None
+        self.attachment += 1
+        self._wake_streams()
+        return self.attachment
+
+    @property
+    def detached(self) -> bool:
+        return self._detach_timer is not None
+
+    def detach(self) -> None:
+        """The stream is gone without close: wait resume_grace_s for a resume, then end as
+        a client close. Units still waiting are served; their results are kept."""
+        if self.ended is not None or self._detach_timer is not None:
+            return
+        grace = self.spec.resume_grace_s
+        log.info("session %s detached: resumable for %.0f s", self.session_id, grace)
+        self._detach_timer = self._loop.call_later(
+            grace, self.close, CloseReason.CLIENT_CLOSED, "resume window passed"
+        )
 
     async def run(self) -> SessionEnd:
         """Serve units until an end; frees everything and emits SessionEnd. Never raises."""
@@ -395,7 +472,7 @@ class DuplexSession:
 
     def _buffered(self, unit: UnitInput) -> None:
         """Answer a unit whose audio waits for more (it filled no model unit yet)."""
-        self._events.put_nowait(
+        self._emit(
             UnitOutput(
                 seq=unit.seq,
                 result=GenerateResult(is_listen=True),
@@ -440,7 +517,7 @@ class DuplexSession:
             dropped_seqs=self._mailbox.take_dropped(),
         )
         timings.wall_clock_ms = (time.perf_counter() - unit.received_at) * 1000.0
-        self._events.put_nowait(output)
+        self._emit(output)
         # Deferred finalize: the result is already on its way; the barrier fences the next prefill.
         self._finalized.clear()
         self._finalize_task = asyncio.ensure_future(
@@ -543,7 +620,10 @@ class DuplexSession:
             self.units_served,
             self._mailbox.dropped_total,
         )
-        self._events.put_nowait(self.ended)
+        if self._detach_timer is not None:
+            self._detach_timer.cancel()
+            self._detach_timer = None
+        self._emit(self.ended)
         if self.on_freed is not None:
             try:
                 self.on_freed(self, report)
