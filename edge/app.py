@@ -266,4 +266,6 @@ class EdgeApp:
             return
         route, rest = found
         dialect = route.open(rest, parse_qs(url.query), self.config.default_mode)
-        await connection_for(self, WebSocketTransport(ws, self.config), dialect).run()
+        transport = WebSocketTransport(ws, self.config)
+        transport.owner = self._held_keys.get(ws, "")
+        await connection_for(self, transport, dialect).run()

@@ -181,6 +181,16 @@ class EdgeConfig:
         2 * 1024 * 1024, env="OMNI_EDGE_OUTBOUND_QUEUE_BYTES", range=(64 * 1024, 1 << 30)
     )
     """The same bound in bytes of JSON (one event always fits an empty queue)."""
+    resume_window_s: float = setting(
+        30.0,
+        env="OMNI_EDGE_RESUME_WINDOW_S",
+        flag="--resume-window",
+        range=(0, 600),
+        help="how long a dropped Realtime session waits for its client to resume it, s "
+        "(0: sessions end with their connection)",
+    )
+    """A Realtime duplex session whose connection drops (no close frame) or whose edge is
+    lost keeps its worker slot and context this long for a resume on any edge."""
     drain_grace_s: float = setting(
         5.0,
         env="OMNI_EDGE_DRAIN_GRACE_S",

@@ -165,6 +165,14 @@ class DuplexConnection:
 
     async def _emit(self, event: ev.SessionEvent) -> None:
         """Session events (SessionCore's emit, the pause watchdog) -> the client."""
+        if isinstance(event, ev.Reattached):
+            self.dialect.session_id = event.session_id
+            for message in self.dialect.replay(event):  # ResumeExpired: _resume fails it
+                self._send(message)
+            # The init the session runs with: a second one is refused as usual.
+            variant = getattr(self.dialect, "variant", None) or ev.Dialect.CURRENT
+            self._init = ev.InitCommand(dialect=variant)
+            return
         if isinstance(event, ev.Closed):
             self._stop_pause()
             self._done.set()
@@ -231,9 +239,13 @@ class DuplexConnection:
             unit_timeout_s=config.unit_timeout_s,
             session_id=self.dialect.session_id,
             metrics=self.app.metrics,
+            resume_window_s=config.resume_window_s if self.dialect.resumable else 0.0,
+            owner=getattr(self.transport, "owner", ""),
         )
         self.dialect.session_id = core.session_id
-        if self.dialect.recorded:  # opt-in (--record-dir); a disabled recorder ignores all
+        if (
+            self.dialect.recorded and not self.dialect.resume_token
+        ):  # opt-in (--record-dir); a disabled recorder ignores all
             self.recorder = SessionRecorder.for_session(
                 config, core.session_id, self.dialect.mode, self.transport.path
             )
@@ -241,7 +253,8 @@ class DuplexConnection:
         # The session span is current for everything this connection does (log lines
         # carry its trace id; tasks created below inherit it).
         token = otel_context.attach(core.trace_context)
-        acquire = asyncio.create_task(self._acquire())
+        resuming = bool(self.dialect.resume_token)
+        acquire = asyncio.create_task(self._resume() if resuming else self._acquire())
         try:
             for cmd in first:
                 await self._handle(cmd)
@@ -251,7 +264,8 @@ class DuplexConnection:
             acquire.cancel()
             self._stop_pause()
             if not core.closed.is_set():
-                await core.abort()
+                # A dropped connection (no close frame) keeps a resumable session.
+                await core.abort(keep=getattr(self.transport, "dropped", False))
             if self.recorder is not None:
                 self.recorder.finish()
             otel_context.detach(token)
@@ -318,6 +332,23 @@ class DuplexConnection:
         if self._init is not None:
             await self._start(self._init)
 
+    async def _resume(self) -> None:
+        """Take over the session of the client's resume token instead of a new one."""
+        assert self.core is not None
+        try:
+            await self.core.resume(self.dialect.resume_token)
+        except EdgeError as err:
+            if not self.core.closed.is_set():
+                self.fail(err)
+                await self.core.abort(keep=True)
+            return
+        except Exception:
+            log.exception("session %s: the resume failed", self.core.session_id)
+            self.fail(InternalError("internal error"))
+            await self.core.abort(keep=True)
+            return
+        self._leased.set()
+
     def _with_voices(self, init: ev.InitCommand) -> ev.InitCommand:
         """The init with its registered voices (ref_audio_id) filled in as audio; an unknown
         id is refused like any bad init field."""
@@ -350,7 +381,7 @@ class DuplexConnection:
             self.recorder.start(init)
             self.dialect.recording_id = self.recorder.recording_id
         try:
-            await self.core.start(init)
+            await self.core.start(init, self.dialect.client_state())
         except EdgeError as err:
             self.fail(err)
             if err.close_code is None and not self.core.started:

@@ -47,6 +47,27 @@ class InvalidPayload(ClientError):
     code = "invalid_payload"
 
 
+class ResumeUnknown(ClientError):
+    """No session to resume with the token (never issued, or the session closed)."""
+
+    code = "resume_unknown"
+    close_code = 1008
+
+
+class ResumeExpired(ClientError):
+    """The session's resume window passed (or what the client missed is no longer kept)."""
+
+    code = "resume_expired"
+    close_code = 1008
+
+
+class ResumeForbidden(ClientError):
+    """The token belongs to a session of another API key."""
+
+    code = "resume_forbidden"
+    close_code = 1008
+
+
 class QueueFull(EdgeError):
     code = "queue_full"
     close_code = 1013

@@ -23,6 +23,8 @@ CONTEXT_FULL = "context_full"
 SERVER_SHUTDOWN = "server_shutdown"
 ERROR = "error"
 CLIENT_CLOSED = "client_closed"
+#: Another connection resumed the session (resumable sessions).
+SUPERSEDED = "superseded"
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,9 @@ class Created:
     session_id: str
     prompt_length: int
     notes: tuple[str, ...] = ()
+    resume_token: str = ""
+    """A resumable session's token (given to the client once, never logged)."""
+    resume_window_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,8 @@ class Output:
     n_tokens: int = 0
     n_tts_tokens: int = 0
     input_transcript: str = ""
+    audio_dropped: bool = False
+    """A replayed output whose speech the worker no longer keeps."""
 
 
 @dataclass(frozen=True)
@@ -178,4 +185,18 @@ class Resumed:
     """The pause, if any, is over."""
 
 
-SessionEvent = Queued | QueueDone | Created | Output | Closed | Paused | Resumed
+@dataclass(frozen=True)
+class Reattached:
+    """A resumed session's new stream: what its start said, then every output it made
+    (buffered units left out), for the dialect to replay what the client missed."""
+
+    session_id: str
+    prompt_length: int
+    notes: tuple[str, ...]
+    client_state: bytes
+    outputs: tuple[Output, ...]
+    resume_token: str
+    resume_window_s: float
+
+
+SessionEvent = Queued | QueueDone | Created | Output | Closed | Paused | Resumed | Reattached

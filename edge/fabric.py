@@ -14,7 +14,14 @@ import grpc
 
 from omnifabric.common import tls
 from omnifabric.edge import events as ev
-from omnifabric.edge.errors import QueueCancelled, QueueFull, ServiceUnavailable
+from omnifabric.edge.errors import (
+    QueueCancelled,
+    QueueFull,
+    ResumeExpired,
+    ResumeForbidden,
+    ResumeUnknown,
+    ServiceUnavailable,
+)
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
@@ -174,6 +181,10 @@ async def wait_for_lease(
         call.cancel()
         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise QueueFull("the queue is full, try again later") from None
+        resume_error = _RESUME_ERRORS.get(err.code())
+        if resume_error is not None and _from_scheduler(err):
+            # Reattach's refusals: "resume_<why>: <text>"
+            raise resume_error((err.details() or "").partition(": ")[2] or "refused") from None
         if err.code() == grpc.StatusCode.ABORTED and _from_scheduler(err):
             raise QueueCancelled("an operator removed this request from the queue") from None
         if err.code() == grpc.StatusCode.UNAVAILABLE and _from_scheduler(err):
@@ -184,6 +195,13 @@ async def wait_for_lease(
     except BaseException:
         call.cancel()
         raise
+
+
+_RESUME_ERRORS = {
+    grpc.StatusCode.NOT_FOUND: ResumeUnknown,
+    grpc.StatusCode.FAILED_PRECONDITION: ResumeExpired,
+    grpc.StatusCode.PERMISSION_DENIED: ResumeForbidden,
+}
 
 
 def _from_scheduler(err: grpc.aio.AioRpcError) -> bool:

@@ -10,6 +10,7 @@ turns commands into protobuf and worker responses into session events. Adapters
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 import time
@@ -37,6 +38,7 @@ from omnifabric.edge.errors import (
     InvalidEvent,
     InvalidPayload,
     NotReady,
+    ResumeExpired,
     WorkerConnectFailed,
 )
 from omnifabric.edge.fabric import Fabric, wait_for_lease
@@ -58,6 +60,11 @@ _REASONS = {
     ev.SERVER_SHUTDOWN: common_pb2.CLOSE_REASON_SERVER_SHUTDOWN,
     ev.ERROR: common_pb2.CLOSE_REASON_ERROR,
 }
+
+
+def digest(value: str) -> str:
+    """sha256 hex: what the fabric gets of a resume token and of its owner's identity."""
+    return hashlib.sha256(value.encode()).hexdigest()
 
 
 def new_session_id(prefix: str = "rt_") -> str:
@@ -128,6 +135,7 @@ def output_from(result: worker_pb.UnitResult) -> ev.Output:
         n_tokens=result.n_tokens,
         n_tts_tokens=result.n_tts_tokens,
         input_transcript=result.input_transcript,
+        audio_dropped=result.audio_dropped,
     )
 
 
@@ -149,6 +157,8 @@ class SessionCore:
         session_id: str | None = None,
         unit_timeout_s: float = 3.0,
         metrics: EdgeMetrics = METRICS,
+        resume_window_s: float = 0.0,
+        owner: str = "",
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {sorted(_MODES)}")
@@ -186,6 +196,11 @@ class SessionCore:
         self._unit_sent_at: dict[int, float] = {}
         """perf_counter() when each unit in flight went to the worker (metrics)."""
         self._metrics = metrics
+        self.resume_window_s = resume_window_s
+        """> 0: the session is resumable (a token is issued with the lease)."""
+        self._owner = owner
+        self.resume_token = ""
+        """The token a client resumes this session with (never logged)."""
         metrics.track(self)
         # Built in the transport's own task (one per connection or RPC): its log lines,
         # and those of the tasks started below, carry the session id.
@@ -225,6 +240,11 @@ class SessionCore:
         Raises QueueFull or ServiceUnavailable. Emits QueueDone once leased.
         """
         request = scheduler_pb.AcquireRequest(mode=_MODES[self.mode], session_id=self.session_id)
+        if self.resume_window_s > 0:
+            self.resume_token = secrets.token_urlsafe(32)
+            request.resume_key = digest(self.resume_token)
+            request.owner = digest(self._owner)
+            request.resume_grace_s = self.resume_window_s
         queue_span = TRACER.start_span("queue", context=self._trace)
         call = self._fabric.scheduler.Acquire(
             request, metadata=telemetry.inject(trace.set_span_in_context(queue_span))
@@ -260,6 +280,8 @@ class SessionCore:
                 response = await call.read()
                 if response is grpc.aio.EOF or response.WhichOneof("kind") == "lease_lost":
                     break
+                if response.WhichOneof("kind") == "lease_moved":
+                    return  # resumed elsewhere: the worker stream ends it (superseded)
         except asyncio.CancelledError:
             return
         except grpc.aio.AioRpcError as err:
@@ -280,7 +302,7 @@ class SessionCore:
 
     # ---- worker session --------------------------------------------------------
 
-    async def start(self, init: ev.InitCommand) -> ev.Created:
+    async def start(self, init: ev.InitCommand, client_state: bytes = b"") -> ev.Created:
         """Open the worker's Session stream with the lease; emits and returns Created.
 
         Raises NotReady before the lease, InvalidEvent when already started, InvalidPayload
@@ -305,6 +327,9 @@ class SessionCore:
             config=config_to(init.config),
             max_slice_nums=init.max_slice_nums,
         )
+        if self.resume_token:
+            start.resume_grace_s = self.resume_window_s
+            start.client_state = client_state
         for attempt in (1, 2):
             call = self._fabric.worker(address).Session(metadata=telemetry.inject(self._trace))
             self._worker_call = call
@@ -339,12 +364,91 @@ class SessionCore:
         started = response.started
         if started.max_unit_samples:  # what this worker serves (older workers send none)
             self.unit_samples = (started.min_unit_samples, started.max_unit_samples)
-        created = ev.Created(self.session_id, started.prompt_length, tuple(started.notes))
+        created = ev.Created(
+            self.session_id,
+            started.prompt_length,
+            tuple(started.notes),
+            self.resume_token,
+            self.resume_window_s if self.resume_token else 0.0,
+        )
         await self._emit(created)
         self.started_event.set()
         self._tasks.append(asyncio.create_task(self._pump(call)))
         self._tasks.append(asyncio.create_task(self._watchdog()))
         return created
+
+    async def resume(self, token: str) -> ev.Reattached:
+        """Take over the resumable session of `token` (from any edge): its lease from the
+        scheduler, its stream from the worker; emits and returns Reattached with every
+        output the session made, then goes on like a started session.
+
+        Raises ResumeUnknown, ResumeExpired, ResumeForbidden, ServiceUnavailable or
+        WorkerConnectFailed.
+        """
+        call = self._fabric.scheduler.Reattach(
+            scheduler_pb.ReattachRequest(resume_key=digest(token), owner=digest(self._owner)),
+            metadata=telemetry.inject(self._trace),
+        )
+        self._acquire_call = call
+        self._lease = await wait_for_lease(call, self._emit)
+        self._tasks.append(asyncio.create_task(self._watch_lease(call)))
+        request = worker_pb.SessionRequest(
+            resume=worker_pb.SessionResume(lease_id=self._lease.lease_id)
+        )
+        address = self._lease.worker_address
+        worker_call = self._fabric.worker(address).Session(metadata=telemetry.inject(self._trace))
+        self._worker_call = worker_call
+        self.started = True
+        try:
+            await worker_call.write(request)
+            first = await asyncio.wait_for(worker_call.read(), self._start_timeout_s)
+            if first is grpc.aio.EOF or first.WhichOneof("kind") != "resumed":
+                raise WorkerConnectFailed("the worker did not resume the session")
+            resumed = first.resumed
+            outputs = []
+            for _ in range(resumed.replay_count):
+                response = await asyncio.wait_for(worker_call.read(), self._start_timeout_s)
+                if response is grpc.aio.EOF or response.WhichOneof("kind") != "result":
+                    raise WorkerConnectFailed("the worker's replay ended early")
+                if not response.result.buffered:
+                    outputs.append(output_from(response.result))
+        except grpc.aio.AioRpcError as err:
+            worker_call.cancel()
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                raise ResumeExpired("the session is no longer on its worker") from None
+            raise WorkerConnectFailed(f"the worker did not resume: {err.details()}") from None
+        except TimeoutError:
+            worker_call.cancel()
+            raise WorkerConnectFailed("the worker did not resume the session: timed out") from None
+        self.session_id = resumed.session_id
+        logs.bind_session(self.session_id)
+        self.span.set_attribute("session.resumed_id", self.session_id)
+        self.resume_token = token
+        self._seq = resumed.last_unit_seq
+        if resumed.max_unit_samples:
+            self.unit_samples = (resumed.min_unit_samples, resumed.max_unit_samples)
+        if outputs:
+            self._usage = outputs[-1].usage
+        reattached = ev.Reattached(
+            session_id=self.session_id,
+            prompt_length=resumed.prompt_length,
+            notes=tuple(resumed.notes),
+            client_state=resumed.client_state,
+            outputs=tuple(outputs),
+            resume_token=token,
+            resume_window_s=self.resume_window_s,
+        )
+        log.info(
+            "session %s resumed on worker %s: %d outputs replayed",
+            self.session_id,
+            self._lease.worker_id,
+            len(outputs),
+        )
+        await self._emit(reattached)
+        self.started_event.set()
+        self._tasks.append(asyncio.create_task(self._pump(worker_call)))
+        self._tasks.append(asyncio.create_task(self._watchdog()))
+        return reattached
 
     async def _watchdog(self) -> None:
         """A worker that stops answering (hung process, stuck GPU) ends the session: the
@@ -485,9 +589,21 @@ class SessionCore:
         except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await self._finish(ev.Closed(reason, self._usage, client_reason=client_reason))
 
-    async def abort(self) -> None:
-        """The client is gone: drop the worker stream and the lease without events."""
+    async def abort(self, keep: bool = False) -> None:
+        """The client is gone: drop the worker stream and the lease without events. A
+        resumable session is kept for a resume when `keep` (the connection dropped);
+        otherwise its worker is told to end it first (the client left)."""
         self._emit = _discard
+        if self.resume_token and not keep and self.started and not self.closed.is_set():
+            # Without a close the worker would keep the session for a resume.
+            await self.close(ev.CLIENT_CLOSED)
+            return
+        if keep and self.resume_token:
+            log.info(
+                "session %s: the connection dropped; resumable for %.0f s",
+                self.session_id,
+                self.resume_window_s,
+            )
         await self._finish(ev.Closed(ev.CLIENT_CLOSED, self._usage))
 
     async def _finish(self, closed: ev.Closed) -> None:

@@ -629,6 +629,7 @@ class Scheduler:
             # The worker keeps the session detached for the grace and releases the lease
             # when it passes; past grace + release timeout the slot is taken back anyway.
             lease.state = LeaseState.DETACHED
+            lease.detached_at = time.monotonic()
             lease.release_timer = asyncio.get_running_loop().call_later(
                 lease.resume_grace_s + self.config.release_timeout_s,
                 self._detach_overdue,
@@ -692,7 +693,13 @@ class Scheduler:
         if lease.resume_key:
             # A resume after this is refused with why: the window passed (the lease was
             # detached or being taken back) or the session ended.
-            fate = "closed" if lease.state is LeaseState.ACTIVE else "expired"
+            # (a detached session the worker ended before its grace passed was closed:
+            # its close raced the holder's end, or it reached its time limit)
+            waited = time.monotonic() - lease.detached_at
+            expired = lease.state is LeaseState.RETURNING or (
+                lease.state is LeaseState.DETACHED and waited >= lease.resume_grace_s - 0.5
+            )
+            fate = "expired" if expired else "closed"
             self._ended_resumes[lease.resume_key] = fate
             while len(self._ended_resumes) > MAX_ENDED_RESUMES:
                 self._ended_resumes.pop(next(iter(self._ended_resumes)))

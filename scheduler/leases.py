@@ -54,6 +54,8 @@ class Lease:
     resume_key: str = ""
     owner: str = ""
     resume_grace_s: float = 0.0
+    #: time.monotonic() when the lease was last detached.
+    detached_at: float = 0.0
     #: Set when another holder reattached the lease; each holder waits on the event it
     #: was handed (a reattach hands the new holder a fresh one).
     moved: asyncio.Event = field(default_factory=asyncio.Event)

@@ -156,7 +156,7 @@ class WorkerRuntime:
         if (
             session is None
             or session.ended is not None
-            or session.session_id != session_id
+            or (session_id and session.session_id != session_id)
             or session.spec.resume_grace_s <= 0
         ):
             raise LeaseNotFound(f"no resumable session {session_id} on lease {lease_id}")

@@ -41,7 +41,10 @@ class Route(Generic[D]):
 
 def _realtime(_: str, query: Mapping[str, list[str]], default_mode: str) -> Dialect:
     mode = (query.get("mode") or [default_mode])[0]
-    return RealtimeChat() if mode == "chat" else RealtimeDuplex(mode)
+    if mode == "chat":
+        return RealtimeChat()
+    token = (query.get("resume_token") or [""])[0]
+    return RealtimeDuplex(mode, token, (query.get("last_seq") or [""])[0])
 
 
 WEBSOCKET: tuple[Route[Dialect], ...] = (

@@ -38,6 +38,13 @@ class DuplexDialect:
     session_id: str | None = None
     #: Sessions of this dialect go to the opt-in recorder (edge.recording).
     recorded = False
+    #: Sessions of this dialect can be resumed after a dropped connection (a token in
+    #: their start, `seq` on their events).
+    resumable = False
+    #: Set when the client asks to resume a session instead of starting one: its token and
+    #: the last event seq it received.
+    resume_token = ""
+    last_seq = 0
     #: The recording's id once the session is being recorded (set by the driver before the
     #: session starts; None when the edge records nothing or recording failed).
     recording_id: str | None = None
@@ -84,6 +91,16 @@ class DuplexDialect:
         """Commands the driver runs once `event` went out (half-duplex feeds the engine its
         own input while the model answers); none by default."""
         return []
+
+    def client_state(self) -> bytes:
+        """What the dialect needs back to rebuild itself on a resume (kept by the worker)."""
+        return b""
+
+    def replay(self, event: ev.Reattached) -> list[Any]:
+        """A resumed session's first messages: the answer to the resume and the events the
+        client missed (after `last_seq`). Raises EdgeError (ResumeExpired) when those are
+        no longer kept."""
+        raise NotImplementedError
 
     def check_init_again(self) -> None:
         """Raise InvalidEvent for a second init (the driver calls this)."""

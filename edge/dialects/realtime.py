@@ -5,6 +5,8 @@ realtime chat dialect shares (usage, queue events, errors)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from typing import Any
 
 from omnifabric.edge import events as ev
@@ -15,6 +17,7 @@ from omnifabric.edge.errors import (
     InferenceError,
     InvalidPayload,
     MissingField,
+    ResumeExpired,
     UnknownEvent,
 )
 from omnifabric.edge.events import Dialect
@@ -283,18 +286,77 @@ class RealtimeDuplex(DuplexDialect):
     #: The URL's ?mode=, known before any message (never None here, unlike the gRPC dialect).
     mode: str
 
-    def __init__(self, mode: str) -> None:
+    resumable = True
+
+    def __init__(self, mode: str, resume_token: str = "", last_seq: str = "") -> None:
         self.mode = mode
         self.variant: Dialect | None = None
         """The dialect the client's first init chose."""
         self._renderer: OutputRenderer | None = None
+        self.resume_token = resume_token
+        self._last_seq_text = last_seq
+        self._event_seq = 0
+        """The seq of the last session event sent (session.created is 1)."""
 
     def refusal(self) -> EdgeError | None:
         if self.mode not in ev.MODES:
             return InvalidPayload(
                 f"unknown mode {self.mode[:32]!r}: use chat, audio or video", close_code=1008
             )
+        if self.resume_token:
+            text = self._last_seq_text or "0"
+            if not text.isdigit() or len(text) > 12:
+                return InvalidPayload(
+                    "last_seq must be the seq of the last event received (an integer >= 0)",
+                    close_code=1008,
+                )
+            self.last_seq = int(text)
         return None
+
+    def client_state(self) -> bytes:
+        variant = self.variant or Dialect.CURRENT
+        return json.dumps({"variant": variant.value}).encode()
+
+    def _numbered(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Session events carry `seq`, from 1 without gaps (what a resume counts by)."""
+        for message in messages:
+            self._event_seq += 1
+            message["seq"] = self._event_seq
+        return messages
+
+    def replay(self, event: ev.Reattached) -> list[Any]:
+        try:
+            state = json.loads(event.client_state or b"{}")
+            variant = Dialect(state.get("variant", Dialect.CURRENT.value))
+        except (ValueError, AttributeError):
+            variant = Dialect.CURRENT
+        self.variant = variant
+        self.session_id = event.session_id
+        self._renderer = OutputRenderer(variant, event.session_id)
+        # The events the session sent so far, rebuilt in order (the renderer is
+        # deterministic): session.created, then each output's events.
+        self._event_seq = 1
+        missed: list[dict[str, Any]] = []
+        for out in event.outputs:
+            # An output whose speech is no longer kept still made its audio event.
+            shown = replace(out, pcm=b"\0\0\0\0") if out.audio_dropped else out
+            for message in self._numbered(self._renderer.render(shown)):
+                if message["seq"] <= self.last_seq:
+                    continue
+                if out.audio_dropped and "audio" in message:
+                    raise ResumeExpired(
+                        f"events after seq {self.last_seq} are no longer kept: resume sooner"
+                    )
+                missed.append(message)
+        resumed = {
+            "type": "session.resumed",
+            "session_id": event.session_id,
+            "last_seq": self.last_seq,
+            "replayed": len(missed),
+            "resume_token": event.resume_token,
+            "resume_window_s": event.resume_window_s,
+        }
+        return [resumed, *missed]
 
     def not_ready(self, cmd: ev.Command) -> str:
         return "send session.init (or session.update) after session.queue_done"
@@ -315,16 +377,20 @@ class RealtimeDuplex(DuplexDialect):
         if isinstance(event, ev.Created):
             variant = self.variant or Dialect.CURRENT
             self._renderer = OutputRenderer(variant, event.session_id)
-            return [created_json(event, variant, self.mode or "audio")]
+            created = created_json(event, variant, self.mode or "audio")
+            if event.resume_token:
+                created["resume_token"] = event.resume_token
+                created["resume_window_s"] = event.resume_window_s
+            return self._numbered([created])
         if isinstance(event, ev.Output):
             assert self._renderer is not None, "an output before session.created"
-            return self._renderer.render(event)
+            return self._numbered(self._renderer.render(event))
         if isinstance(event, ev.Closed):
             sent = []
             if event.error_code == InferenceError.code:
                 sent.append(error_json(InferenceError(event.message or "inference failed")))
             sent.append(closed_json(event, self.variant, self.session_id))
-            return sent
+            return self._numbered(sent)
         return []  # no pause in this protocol
 
     def error(self, err: EdgeError) -> dict[str, Any]:

@@ -47,6 +47,12 @@ class WebSocketTransport:
         self.config = config
         self.path = ws.request.path if ws.request is not None else ""
         self.outbox: Outbox | None = None
+        self.owner = ""
+        """The API key digest the connection was opened with ("" without keys): only
+        it may resume the connection's session."""
+        self.dropped = False
+        """The input ended without the client's close frame (a lost network, a killed
+        client, a keepalive timeout): a resumable session waits for a resume."""
 
     def bind(
         self, on_overflow: Callable[[], None], render_error: Callable[[EdgeError], Any]
@@ -56,7 +62,8 @@ class WebSocketTransport:
     async def receive(self) -> str | bytes | None:
         try:
             return await self.ws.recv()
-        except ConnectionClosed:
+        except ConnectionClosed as closed:
+            self.dropped = closed.rcvd is None
             return None
 
     def send(self, message: dict[str, Any]) -> None:

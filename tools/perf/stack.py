@@ -146,9 +146,10 @@ class Stack:
         svc.wait_ready()
         return svc
 
-    def start_edge(self, *extra: str) -> Service:
+    def start_edge(self, *extra: str, name: str = "edge") -> Service:
+        """An edge (the stack's `edge` and `url` are the last one started)."""
         args = ["--port", "0", "--grpc-port", "0", "--scheduler", self.scheduler_address, *extra]
-        svc = self._start("edge", "omnifabric.edge", args)
+        svc = self._start(name, "omnifabric.edge", args)
         self.edge = svc
         words = svc.wait_ready()
         self.url = words[0]
