@@ -635,6 +635,11 @@ class Scheduler:
                 self._detach_overdue,
                 lease.lease_id,
             )
+            # A lease whose session never started has nothing to resume: the worker
+            # releases it at once.
+            worker.outbox.put_nowait(
+                LeaseRevokeNotice(lease.lease_id, "holder gone", unused_only=True)
+            )
             log.info(
                 "lease %s detached: resumable for %.0f s (session %s)",
                 lease.lease_id,

@@ -74,6 +74,8 @@ class LeaseRevokeNotice:
 
     lease_id: str
     reason: str
+    unused_only: bool = False
+    """Release it only if no session uses it (a resumable lease's holder is gone)."""
 
 
 class LeaseTable:

@@ -99,7 +99,9 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                 elif isinstance(notice, LeaseRevokeNotice):
                     yield scheduler_pb.RegisterResponse(
                         lease_revoked=scheduler_pb.LeaseRevoked(
-                            lease_id=notice.lease_id, reason=notice.reason
+                            lease_id=notice.lease_id,
+                            reason=notice.reason,
+                            unused_only=notice.unused_only,
                         )
                     )
             if reader.done() and not reader.cancelled():

@@ -99,10 +99,12 @@ class LeaseBook:
         if self.on_released is not None:
             self.on_released(lease_id)
 
-    def revoke(self, lease_id: str, reason: str) -> None:
+    def revoke(self, lease_id: str, reason: str, unused_only: bool = False) -> None:
         """The holder is gone: end the session using the lease (released once freed),
-        or release an unused lease at once."""
+        or release an unused lease at once; `unused_only` leaves a session using it."""
         on_revoke = self._in_use.get(lease_id)
+        if on_revoke is not None and unused_only:
+            return  # a resumable session: it waits detached and is released when it ends
         if on_revoke is not None:
             log.info("lease %s revoked (%s): ending its session", lease_id, reason)
             on_revoke(reason)

@@ -261,7 +261,7 @@ class Registration:
                 self._on_granted(response.lease_granted)
             elif kind == "lease_revoked":
                 revoked = response.lease_revoked
-                self.runtime.leases.revoke(revoked.lease_id, revoked.reason)
+                self.runtime.leases.revoke(revoked.lease_id, revoked.reason, revoked.unused_only)
         if not self._stopping:
             log.warning("scheduler %s ended the registration stream", self.config.scheduler_address)
         return registered

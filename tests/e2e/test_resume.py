@@ -87,3 +87,111 @@ async def test_drop_mid_reply_and_resume_on_the_other_edge(stack):
     everything = seqs(got_a) + seqs(b.events)
     assert everything == list(range(1, closed["seq"] + 1))  # no gap, nothing twice
     await b.close()
+
+
+def status(url: str) -> dict:
+    from tests.e2e.test_default_voice import http_url
+    from tests.edge.test_voices import request
+
+    code, body = request(http_url(url, "/status"), "GET")
+    assert code == 200, body
+    return body
+
+
+async def refused(url: str) -> tuple[dict, int]:
+    """The error event and the close code a refused resume ends with."""
+    async with connect(url, open_timeout=scaled(10)) as ws:
+        error = json.loads(await asyncio.wait_for(ws.recv(), scaled(10)))
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), scaled(10))
+        return error, ws.close_code
+
+
+async def test_the_edge_is_killed_and_the_session_goes_on_elsewhere(stack):
+    a = await WsClient.open(f"{stack.url1}?mode=audio")
+    created = await a.start()
+    await speak(a)
+    await unit(a, SILENCE)
+    edge1 = next(s for s in stack.services if s.name == "edge1")
+    edge1.kill(signal.SIGKILL)
+    edge1.proc.wait()
+    last = max(seqs(a.events))
+    url = f"{stack.url}?mode=audio&resume_token={created['resume_token']}&last_seq={last}"
+    b = await WsClient.open(url)
+    resumed = await b.until("session.resumed")
+    replayed = [await b.recv() for _ in range(resumed["replayed"])]
+    assert seqs(replayed) == list(range(last + 1, last + 1 + len(replayed)))
+    for _ in range(4):
+        await unit(b, SILENCE)
+    await speak(b)
+    await b.until("delta.text", timeout_s=20)
+    await b.send({"type": "session.close"})
+    closed = await b.until("session.closed")
+    assert seqs(a.events) + seqs(b.events) == list(range(1, closed["seq"] + 1))
+    text = "".join(e.get("text", "") for e in [*a.events, *b.events] if e.get("kind") == "text")
+    assert "reply 1" in text and "reply 2" in text
+
+
+async def test_refusals_expiry_and_superseding(stack):
+    # A resume while the first connection still holds the session supersedes it.
+    a = await WsClient.open(f"{stack.url1}?mode=audio")
+    created = await a.start()
+    token = created["resume_token"]
+    await unit(a, SILENCE)
+    b = await WsClient.open(f"{stack.url}?mode=audio&resume_token={token}&last_seq=2")
+    resumed = await b.until("session.resumed")
+    assert resumed["replayed"] == 0
+    gone = await a.until("session.closed")
+    assert gone["reason"] == "superseded"
+    event = await unit(b, SILENCE)
+    assert event["seq"] == 3
+    # Forged, malformed and expired tokens; a session closed on purpose cannot come back.
+    error, code = await refused(f"{stack.url}?mode=audio&resume_token=forged&last_seq=0")
+    assert error["error"]["code"] == "resume_unknown" and code == 1008
+    error, code = await refused(f"{stack.url}?mode=audio&resume_token={token}&last_seq=x")
+    assert error["error"]["code"] == "invalid_payload" and code == 1008
+    drop(b)
+    await asyncio.sleep(0.5)
+    assert status(stack.url)["slots"]["free"] == 1  # held for the resume
+    await asyncio.sleep(WINDOW_S + 1)
+    error, code = await refused(f"{stack.url1}?mode=audio&resume_token={token}&last_seq=3")
+    assert error["error"]["code"] == "resume_expired" and code == 1008
+    assert status(stack.url)["slots"]["free"] == 2  # the window passed: freed
+    c = await WsClient.open(f"{stack.url}?mode=audio")
+    token = (await c.start())["resume_token"]
+    await c.send({"type": "session.close"})
+    await c.until("session.closed")
+    error, _ = await refused(f"{stack.url}?mode=audio&resume_token={token}&last_seq=1")
+    assert error["error"]["code"] == "resume_unknown"
+    # A client that closes its WebSocket (a close frame) without session.close has left:
+    # its slot comes back at once.
+    d = await WsClient.open(f"{stack.url}?mode=audio")
+    await d.start()
+    await d.close()
+    await asyncio.sleep(0.5)
+    assert status(stack.url)["slots"]["free"] == 2
+
+
+async def test_a_token_is_bound_to_its_key(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("key-one\nkey-two\n")
+    stack = Stack(tmp_path)
+    try:
+        stack.start_scheduler()
+        stack.start_worker("--slots", "1", "--compute-ms", "5")
+        stack.start_edge("--api-keys-file", str(keys), "--resume-window", "5")
+        one = {"Authorization": "Bearer key-one"}
+        two = {"Authorization": "Bearer key-two"}
+        a = await WsClient.open(f"{stack.url}?mode=audio", additional_headers=one)
+        token = (await a.start())["resume_token"]
+        drop(a)
+        url = f"{stack.url}?mode=audio&resume_token={token}&last_seq=1"
+        async with connect(url, additional_headers=two, open_timeout=scaled(10)) as ws:
+            error = json.loads(await asyncio.wait_for(ws.recv(), scaled(10)))
+        assert error["error"]["code"] == "resume_forbidden"
+        b = await WsClient.open(url, additional_headers=one)
+        assert (await b.until("session.resumed"))["replayed"] == 0
+        await b.send({"type": "session.close"})
+        await b.until("session.closed")
+    finally:
+        stack.stop()
