@@ -197,6 +197,8 @@ class Reattached:
     outputs: tuple[Output, ...]
     resume_token: str
     resume_window_s: float
+    last_input_seq: int = 0
+    """The last unit the session received: the client resends what came after it."""
 
 
 SessionEvent = Queued | QueueDone | Created | Output | Closed | Paused | Resumed | Reattached

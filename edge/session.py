@@ -437,6 +437,7 @@ class SessionCore:
             outputs=tuple(outputs),
             resume_token=token,
             resume_window_s=self.resume_window_s,
+            last_input_seq=resumed.last_unit_seq,
         )
         log.info(
             "session %s resumed on worker %s: %d outputs replayed",

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from websockets.typing import Subprotocol
 
 SILENCE_UNIT = np.zeros(16000, dtype=np.float32)
@@ -66,6 +66,8 @@ class SessionReport:
     error: dict[str, Any] | None = None
     session_id: str = ""
     queue_wait_s: float = 0.0
+    resumes_s: list[float] = field(default_factory=list)
+    """Per resume: seconds from the lost connection to session.resumed."""
 
     @property
     def reply_audio(self) -> np.ndarray:
@@ -87,11 +89,40 @@ class SessionReport:
         """Units with neither a result nor a counted drop."""
         return [u.seq for u in self.units.values() if u.kind == ""]
 
+    def event_seqs(self) -> list[int]:
+        """The `seq` of every session event received, in order (resumable sessions)."""
+        return [e["seq"] for e in self.events if isinstance(e.get("seq"), int)]
+
+    def seq_faults(self) -> tuple[int, int]:
+        """(events missed, events received twice) by their seq: (0, 0) when the session's
+        events came complete and once each, across resumes."""
+        seqs = self.event_seqs()
+        if not seqs:
+            return 0, 0
+        repeated = len(seqs) - len(set(seqs))
+        missed = len(set(range(1, max(seqs) + 1)) - set(seqs))
+        return missed, repeated
+
 
 def _ev_type(event: dict[str, Any]) -> str:
     if event.get("type") == "response.output.delta":
         return f"delta.{event.get('kind')}"
     return str(event.get("type"))
+
+
+#: Reconnect delays after a lost connection (then the last one, until the window ends).
+RECONNECT_DELAYS_S = (0.0, 0.2, 0.5, 1.0, 2.0)
+
+
+class _Link:
+    """The session's current connection, replaced when it drops and the session resumes."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.up = asyncio.Event()
+        self.up.set()
+        self.resend_from: int | None = None
+        """Set by a resume: the next unit to send (the session got the ones before)."""
 
 
 async def run_session(
@@ -109,6 +140,8 @@ async def run_session(
     init_extra: dict[str, Any] | None = None,
     unit_extra: list[dict[str, Any]] | None = None,
     reply_tail_s: int = 0,
+    resume: bool = True,
+    drop_after: int | None = None,
 ) -> SessionReport:
     """Run one full-duplex session: queue, init, units at `pace_s`, close.
 
@@ -119,21 +152,30 @@ async def run_session(
     `on_event(event, report)` is called for every server event (e.g. to print it).
     `init_extra` adds fields to the init body (`payload` / `session`: config, voice...),
     `unit_extra[i]` to unit i's append body (force_listen, max_slice_nums).
+    A connection lost without a close is resumed (`resume`, when the server gave a
+    resume token) with backoff for the session's resume window; the units the session did
+    not get are sent again. `drop_after` cuts the connection once after that unit (to
+    measure resuming).
     """
     report = SessionReport()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+
+    def dial(target: str) -> Any:
+        return connect(
+            target,
+            subprotocols=[Subprotocol("map.realtime")],
+            additional_headers=headers,
+            compression=None,
+            max_size=None,
+            open_timeout=30,
+        )
+
     t0 = time.monotonic()
-    async with connect(
-        url,
-        subprotocols=[Subprotocol("map.realtime")],
-        additional_headers=headers,
-        compression=None,
-        max_size=None,
-        open_timeout=30,
-    ) as ws:
+    async with dial(url) as first_ws:
+        link = _Link(first_ws)
 
         async def next_event() -> dict[str, Any]:
-            event = json.loads(await ws.recv())
+            event = json.loads(await link.ws.recv())
             report.events.append(event)
             if on_event:
                 on_event(event, report)
@@ -149,21 +191,60 @@ async def run_session(
                 return report
         if dialect == "first":
             session = {"instructions": system_prompt, **(init_extra or {})}
-            await ws.send(json.dumps({"type": "session.update", "session": session}))
+            await link.ws.send(json.dumps({"type": "session.update", "session": session}))
         else:
             payload = {"system_prompt": system_prompt, **(init_extra or {})}
-            await ws.send(json.dumps({"type": "session.init", "payload": payload}))
+            await link.ws.send(json.dumps({"type": "session.init", "payload": payload}))
         event = await next_event()
         if event["type"] != "session.created":
             report.error = event.get("error", {"code": "unexpected", "message": event["type"]})
             return report
         report.session_id = event.get("session_id", "")
+        token = event.get("resume_token") if resume else None
+        window_s = float(event.get("resume_window_s") or 0)
         done = asyncio.Event()
+
+        async def reconnect() -> bool:
+            """Resume the session on a new connection; False when it cannot be."""
+            lost = time.monotonic()
+            seqs = report.event_seqs()
+            sep = "&" if "?" in url else "?"
+            target = f"{url}{sep}resume_token={token}&last_seq={max(seqs) if seqs else 0}"
+            attempt = 0
+            while time.monotonic() - lost < window_s:
+                await asyncio.sleep(RECONNECT_DELAYS_S[min(attempt, len(RECONNECT_DELAYS_S) - 1)])
+                attempt += 1
+                try:
+                    ws = await dial(target).__aenter__()
+                except (OSError, TimeoutError, InvalidHandshake):
+                    continue
+                link.ws = ws
+                try:
+                    answer = await next_event()
+                except ConnectionClosed:
+                    continue
+                if answer["type"] == "session.resumed":
+                    report.resumes_s.append(time.monotonic() - lost)
+                    link.resend_from = int(answer.get("last_input_seq", 0))
+                    return True
+                report.error = answer.get("error") or {"code": "unexpected"}
+                return False
+            report.error = {"code": "resume_expired", "message": "could not reconnect in time"}
+            return False
 
         async def receive() -> None:
             try:
                 while True:
-                    event = await next_event()
+                    try:
+                        event = await next_event()
+                    except ConnectionClosed as closed:
+                        if done.is_set() or not token or closed.rcvd is not None:
+                            raise
+                        link.up.clear()
+                        if not await reconnect():
+                            raise
+                        link.up.set()
+                        continue
                     _record(event, report, dialect)
                     if event["type"] == "session.closed":
                         report.closed_reason = event.get("reason")
@@ -173,11 +254,21 @@ async def run_session(
                         report.error = event["error"]
             except Exception:
                 done.set()
+                link.up.set()
 
         receiver = asyncio.create_task(receive())
         start = time.monotonic()
         i = 0
+        dropped_once = False
         while not done.is_set():
+            await link.up.wait()
+            if done.is_set():
+                break
+            if link.resend_from is not None:
+                # Resumed: the session got units up to resend_from; the rest go again.
+                i, link.resend_from = link.resend_from, None
+                for seq in [s for s in report.units if s > i]:
+                    del report.units[seq]
             if i < len(units):
                 unit = units[i]
             elif i < len(units) + reply_tail_s and not report.reply_done():
@@ -188,7 +279,7 @@ async def run_session(
                 delay = start + i * pace_s - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            elif i:
+            elif i and i in report.units:
                 # Lockstep: the next unit once the previous one is answered.
                 await _answered(report.units[i], done, settle_s)
             if i >= len(units) and report.reply_done():
@@ -206,11 +297,18 @@ async def run_session(
                 else {"type": "input.append", "input": body}
             )
             try:
-                await ws.send(json.dumps(event))
+                await link.ws.send(json.dumps(event))
             except ConnectionClosed:
                 del report.units[seq]  # never sent
-                break
+                if not token:
+                    break
+                link.up.clear()  # the receiver resumes the session (or gives up)
+                await asyncio.sleep(0.05)
+                continue
             i += 1
+            if drop_after is not None and seq == drop_after and not dropped_once:
+                dropped_once = True
+                link.ws.transport.abort()  # a network that went away: no close frame
         # Let the last results arrive, then close.
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline and any(u.kind == "" for u in report.units.values()):
@@ -218,12 +316,14 @@ async def run_session(
                 break
             await asyncio.sleep(0.02)
         if not done.is_set():
-            await ws.send(json.dumps({"type": "session.close", "reason": close_reason}))
             try:
+                await link.ws.send(json.dumps({"type": "session.close", "reason": close_reason}))
                 await asyncio.wait_for(done.wait(), 10)
-            except TimeoutError:
+            except (TimeoutError, ConnectionClosed):
                 pass
         receiver.cancel()
+        if link.ws is not first_ws:
+            await link.ws.close()
     return report
 
 

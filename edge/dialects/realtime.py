@@ -353,6 +353,7 @@ class RealtimeDuplex(DuplexDialect):
             "session_id": event.session_id,
             "last_seq": self.last_seq,
             "replayed": len(missed),
+            "last_input_seq": event.last_input_seq,
             "resume_token": event.resume_token,
             "resume_window_s": event.resume_window_s,
         }

@@ -195,3 +195,16 @@ async def test_a_token_is_bound_to_its_key(tmp_path):
         await b.until("session.closed")
     finally:
         stack.stop()
+
+
+async def test_the_client_resumes_by_itself_and_resends_what_was_lost(stack):
+    from omnifabric.tools.client import run_session
+
+    units = [SPEECH, SPEECH, SILENCE, SILENCE, SILENCE, SPEECH, SILENCE, SILENCE, SILENCE]
+    report = await run_session(f"{stack.url}?mode=audio", units, pace_s=0, drop_after=4)
+    assert report.error is None and report.closed_reason == "user_stop"
+    assert len(report.resumes_s) == 1 and report.resumes_s[0] < 2
+    assert report.seq_faults() == (0, 0)  # no event missed, none twice
+    assert report.lost_units() == [] and sorted(report.units) == list(range(1, 10))
+    text = "".join(u.text for u in report.units.values())
+    assert "reply 1" in text

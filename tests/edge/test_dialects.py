@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import wave
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -498,3 +499,50 @@ def test_half_duplex_config_errors_name_the_field(config, error):
 
     with pytest.raises(errors.InvalidPayload, match=error):
         HalfDuplex("hd_1").decode(_frame({"type": "prepare", "config": config}))
+
+
+def test_realtime_events_are_numbered_and_a_resume_replays_what_was_missed():
+    d = realtime.RealtimeDuplex("audio")
+    [init] = d.decode(_frame({"type": "session.init", "payload": {}}))
+    created = d.encode(ev.Created("rt_1", 10, (), "tok", 30.0))
+    assert created[0]["seq"] == 1 and created[0]["resume_token"] == "tok"
+    assert created[0]["resume_window_s"] == 30.0
+    outputs = [
+        _out(seq=1, is_listen=True, text="", pcm=b""),
+        _out(seq=2, text="Hi", end_of_turn=False),
+        _out(seq=3, text="there", end_of_turn=True),
+    ]
+    sent = [m for out in outputs for m in d.encode(out)]
+    assert [m["seq"] for m in sent] == list(range(2, 2 + len(sent)))
+    state = d.client_state()
+
+    # A new edge rebuilds the numbering from the outputs and sends what came after 3.
+    again = realtime.RealtimeDuplex("audio", "tok", "3")
+    assert again.refusal() is None and again.last_seq == 3
+    reattached = ev.Reattached("rt_1", 10, (), state, tuple(outputs), "tok", 30.0)
+    resumed, *missed = again.replay(reattached)
+    assert resumed == {
+        "type": "session.resumed",
+        "session_id": "rt_1",
+        "last_seq": 3,
+        "replayed": len(sent) - 2,
+        "last_input_seq": 0,
+        "resume_token": "tok",
+        "resume_window_s": 30.0,
+    }
+    assert missed == sent[2:]  # the same events, the same seqs and response ids
+    [nxt] = again.encode(_out(seq=4, is_listen=True, text="", pcm=b""))
+    assert nxt["seq"] == sent[-1]["seq"] + 1
+    # Speech no longer kept cannot be replayed: the resume is refused, not silently cut.
+    gone = replace(outputs[1], pcm=b"", audio_dropped=True)
+    late = realtime.RealtimeDuplex("audio", "tok", "1")
+    late.refusal()
+    with pytest.raises(errors.ResumeExpired):
+        late.replay(ev.Reattached("rt_1", 10, (), state, (outputs[0], gone), "tok", 30.0))
+    # ... but what the client already has may be gone.
+    early = realtime.RealtimeDuplex("audio", "tok", str(sent[-1]["seq"]))
+    early.refusal()
+    reattached = ev.Reattached("rt_1", 10, (), state, (outputs[0], gone, outputs[2]), "tok", 30)
+    assert early.replay(reattached)[0]["replayed"] == 0
+    bad = realtime.RealtimeDuplex("audio", "tok", "-1")
+    assert bad.refusal().code == "invalid_payload"
