@@ -398,7 +398,6 @@ class SessionCore:
         address = self._lease.worker_address
         worker_call = self._fabric.worker(address).Session(metadata=telemetry.inject(self._trace))
         self._worker_call = worker_call
-        self.started = True
         try:
             await worker_call.write(request)
             first = await asyncio.wait_for(worker_call.read(), self._start_timeout_s)
@@ -425,6 +424,7 @@ class SessionCore:
         self.span.set_attribute("session.resumed_id", self.session_id)
         self.resume_token = token
         self._seq = resumed.last_unit_seq
+        self.started = True  # input is taken from here (before: not_ready)
         if resumed.max_unit_samples:
             self.unit_samples = (resumed.min_unit_samples, resumed.max_unit_samples)
         if outputs:

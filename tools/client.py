@@ -142,6 +142,7 @@ async def run_session(
     reply_tail_s: int = 0,
     resume: bool = True,
     drop_after: int | None = None,
+    resume_url: str | None = None,
 ) -> SessionReport:
     """Run one full-duplex session: queue, init, units at `pace_s`, close.
 
@@ -154,8 +155,8 @@ async def run_session(
     `unit_extra[i]` to unit i's append body (force_listen, max_slice_nums).
     A connection lost without a close is resumed (`resume`, when the server gave a
     resume token) with backoff for the session's resume window; the units the session did
-    not get are sent again. `drop_after` cuts the connection once after that unit (to
-    measure resuming).
+    not get are sent again (at `resume_url` when given: another edge). `drop_after` cuts
+    the connection once after that unit (to measure resuming).
     """
     report = SessionReport()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -174,8 +175,8 @@ async def run_session(
     async with dial(url) as first_ws:
         link = _Link(first_ws)
 
-        async def next_event() -> dict[str, Any]:
-            event = json.loads(await link.ws.recv())
+        async def next_event(ws: Any = None) -> dict[str, Any]:
+            event = json.loads(await (ws or link.ws).recv())
             report.events.append(event)
             if on_event:
                 on_event(event, report)
@@ -208,8 +209,9 @@ async def run_session(
             """Resume the session on a new connection; False when it cannot be."""
             lost = time.monotonic()
             seqs = report.event_seqs()
-            sep = "&" if "?" in url else "?"
-            target = f"{url}{sep}resume_token={token}&last_seq={max(seqs) if seqs else 0}"
+            base = resume_url or url
+            sep = "&" if "?" in base else "?"
+            target = f"{base}{sep}resume_token={token}&last_seq={max(seqs) if seqs else 0}"
             attempt = 0
             while time.monotonic() - lost < window_s:
                 await asyncio.sleep(RECONNECT_DELAYS_S[min(attempt, len(RECONNECT_DELAYS_S) - 1)])
@@ -218,14 +220,15 @@ async def run_session(
                     ws = await dial(target).__aenter__()
                 except (OSError, TimeoutError, InvalidHandshake):
                     continue
-                link.ws = ws
                 try:
-                    answer = await next_event()
+                    answer = await next_event(ws)
                 except ConnectionClosed:
                     continue
                 if answer["type"] == "session.resumed":
+                    # Units go on the new connection only from here.
                     report.resumes_s.append(time.monotonic() - lost)
                     link.resend_from = int(answer.get("last_input_seq", 0))
+                    link.ws = ws
                     return True
                 report.error = answer.get("error") or {"code": "unexpected"}
                 return False
@@ -284,6 +287,8 @@ async def run_session(
                 await _answered(report.units[i], done, settle_s)
             if i >= len(units) and report.reply_done():
                 break
+            if not link.up.is_set() or link.resend_from is not None:
+                continue  # resumed (or resuming) meanwhile: start again from what it says
             seq = i + 1
             body: dict[str, Any] = {"audio": pcm_b64(unit)}
             if frames and i < len(frames) and frames[i]:

@@ -34,7 +34,14 @@ def script(seconds: int) -> list[np.ndarray]:
     return [pattern[i % len(pattern)] for i in range(seconds)]
 
 
-async def run(url: str, sessions: int, seconds: int, wav: str | None = None) -> dict:
+async def run(
+    url: str,
+    sessions: int,
+    seconds: int,
+    wav: str | None = None,
+    drop_after: int | None = None,
+    resume_url: str | None = None,
+) -> dict:
     if wav:
         from pathlib import Path
 
@@ -47,7 +54,10 @@ async def run(url: str, sessions: int, seconds: int, wav: str | None = None) -> 
 
     async def one(i: int) -> SessionReport:
         await asyncio.sleep(i * 1.0 / max(1, sessions))  # spread the units over the second
-        return await run_session(url, units, pace_s=1.0)
+        # With drop_after: each session loses its connection once (at a unit spread over
+        # the sessions) and resumes, at resume_url when given.
+        drop = None if drop_after is None else drop_after + i % 5
+        return await run_session(url, units, pace_s=1.0, drop_after=drop, resume_url=resume_url)
 
     reports = await asyncio.gather(*(one(i) for i in range(sessions)))
     overheads = [
@@ -62,6 +72,8 @@ async def run(url: str, sessions: int, seconds: int, wav: str | None = None) -> 
         for u in r.units.values()
         if u.kind == "speak" and u.overhead_ms is not None
     ]
+    resumes = [t for r in reports for t in r.resumes_s]
+    faults = [r.seq_faults() for r in reports]
     return {
         "sessions": sessions,
         "seconds": seconds,
@@ -70,6 +82,15 @@ async def run(url: str, sessions: int, seconds: int, wav: str | None = None) -> 
         "dropped": sum(u.kind == "dropped" for r in reports for u in r.units.values()),
         "lost": sum(len(r.lost_units()) for r in reports),
         "closed_ok": sum(r.closed_reason == "user_stop" for r in reports),
+        "errors": [r.error for r in reports if r.error],
+        "resumed": len(resumes),
+        "resume_s": {
+            "p50": percentile(resumes, 50),
+            "p99": percentile(resumes, 99),
+            "max": max(resumes, default=float("nan")),
+        },
+        "events_missed": sum(m for m, _ in faults),
+        "events_repeated": sum(r for _, r in faults),
         "overhead_ms": {
             "p50": percentile(overheads, 50),
             "p95": percentile(overheads, 95),
@@ -96,10 +117,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=1)
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--input", help="WAV looped as every session's speech (default: tones)")
+    parser.add_argument(
+        "--drop-after",
+        type=int,
+        help="each session loses its connection once, after about this many units, and "
+        "resumes (resume time, missed and repeated events are reported)",
+    )
+    parser.add_argument("--resume-url", help="resume at this URL (another edge)")
     args = parser.parse_args(argv)
-    result = run_loop(run(args.url, args.sessions, args.seconds, args.input))
+    result = run_loop(
+        run(args.url, args.sessions, args.seconds, args.input, args.drop_after, args.resume_url)
+    )
     print(json.dumps(result, indent=2))
-    return 0 if result["lost"] == 0 else 1
+    faults = result["events_missed"] + result["events_repeated"] + len(result["errors"])
+    return 0 if result["lost"] == 0 and faults == 0 else 1
 
 
 if __name__ == "__main__":
