@@ -320,3 +320,38 @@ def test_admin_operator_tools(stack, open_page, tmp_path):
     assert bp.omni()["ops"]["lastAction"]["isError"] is False
     assert bp.page_errors == [] and bp.failed_requests == [], bp.failed_requests
     bp.shot()
+
+
+def test_the_page_reconnects_when_its_edge_is_replaced(open_page, tmp_path):
+    """The edge dies mid-session and a new one comes up at the same address: the page says
+    it is reconnecting, resumes the session by itself and goes on (no error shown)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stack = Stack(tmp_path)
+    try:
+        stack.start_scheduler()
+        stack.start_worker("--slots", "1", "--compute-ms", "5")
+        args = ("--port", str(port), "--resume-window", "20")
+        edge = stack.start_edge(*args, name="edge-a")
+        bp = open_page(f"{http_base(stack.url)}/audio")
+        bp.page.click("#start")
+        bp.wait("omni => omni.state === 'active' && omni.unitsAnswered >= 2", "active", 30)
+        session_id = bp.omni()["sessionId"]
+        edge.kill()
+        edge.proc.wait()
+        bp.wait("omni => omni.reconnecting", "reconnecting shown", 10)
+        assert "reconnecting" in bp.page.inner_text("#status").lower()
+        stack.start_edge(*args, name="edge-b")
+        bp.wait("omni => omni.resumes === 1 && !omni.reconnecting", "resumed", 20)
+        answered = bp.omni()["unitsAnswered"]
+        bp.wait(f"omni => omni.unitsAnswered >= {answered + 2}", "units answered again", 15)
+        state = bp.omni()
+        assert state["state"] == "active" and state["sessionId"] == session_id
+        assert "reconnected" in bp.page.inner_text("#status").lower()
+        assert bp.page_errors == [] and state["errors"] == [], state["errors"]
+        bp.shot()
+        bp.page.click("#stop")
+        bp.wait("omni => omni.state === 'closed'", "closed after Stop", 15)
+    finally:
+        stack.stop()

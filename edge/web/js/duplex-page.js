@@ -61,6 +61,8 @@ function freshState(mode) {
     timeLeftS: null,
     errors: [],
     closeReason: null,
+    reconnecting: false,
+    resumes: 0,
     timings: [],
   };
 }
@@ -233,6 +235,7 @@ class DuplexPage {
       apiKey,
       onEvent: guarded((event) => client === this.client && this._onEvent(event), report),
       onClose: guarded((info) => client === this.client && this._onClose(info), report),
+      onReconnecting: guarded((info) => client === this.client && this._reconnecting(info), report),
     });
     try {
       client.connect();
@@ -266,6 +269,11 @@ class DuplexPage {
         break;
       case 'session.created':
         this._created(event);
+        break;
+      case 'session.resumed':
+        this.omni.reconnecting = false;
+        this.omni.resumes = (this.omni.resumes || 0) + 1;
+        this._status('Reconnected: the conversation goes on.');
         break;
       case 'response.output.delta':
         this._delta(event);
@@ -371,6 +379,13 @@ class DuplexPage {
     const text = errorText(code, message);
     appendItem(this.el.errors, text);
     this._status(text, 'error');
+  }
+
+  /** The connection dropped: the client resumes the session by itself meanwhile. */
+  _reconnecting({ attempt }) {
+    this.omni.reconnecting = true;
+    this._status(attempt > 1 ? `Reconnecting… (attempt ${attempt})` : 'Connection lost: reconnecting…');
+    this._render();
   }
 
   _onClose({ code, reason }) {

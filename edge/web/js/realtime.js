@@ -92,35 +92,62 @@ export function decodeFloat32(text) {
 
 // ---- the connection ------------------------------------------------------------------
 
+/** Delays before each reconnect attempt of a dropped session (then the last, until its
+ * resume window ends), ms. */
+export const RECONNECT_DELAYS_MS = [0, 250, 500, 1000, 2000];
+
 /**
- * One Realtime session over one WebSocket.
+ * One Realtime session over one WebSocket, resumed over a new one when the connection
+ * drops (the server gave a resume token and the session did not end).
  *
- * Server events are delivered to `onEvent(event)` as parsed objects; the socket's end to
- * `onClose({code, reason, wasClean})`, exactly once. `connect()` throws synchronously when
- * the browser refuses the URL or the subprotocols (e.g. a key with characters a
- * subprotocol cannot carry); every later failure arrives through onClose.
+ * Server events are delivered to `onEvent(event)` as parsed objects (after a resume:
+ * `session.resumed`, then the events the lost connection missed); the session's end to
+ * `onClose({code, reason, wasClean})`, exactly once. While it reconnects,
+ * `onReconnecting({attempt, code})` is called before each attempt and `send()` returns
+ * false. `connect()` throws synchronously when the browser refuses the URL or the
+ * subprotocols (e.g. a key with characters a subprotocol cannot carry); every later
+ * failure arrives through onClose.
  */
 export class RealtimeClient {
-  constructor({ mode, apiKey = '', url = realtimeUrl(mode), onEvent, onClose }) {
+  constructor({ mode, apiKey = '', url = realtimeUrl(mode), onEvent, onClose, onReconnecting }) {
     this.mode = mode;
     this.apiKey = apiKey;
     this.url = url;
     this.onEvent = onEvent || (() => {});
     this.onClose = onClose || (() => {});
+    this.onReconnecting = onReconnecting || (() => {});
     this.ws = null;
     this.closed = false;
+    this.resumeToken = '';
+    this.resumeWindowMs = 0;
+    this.lastSeq = 0;
+    this.ended = false; // session.closed (or a refused resume) came: nothing to resume
+    this.leaving = false; // the page closed the session itself
+    this.lostAt = null;
+    this.attempt = 0;
+    this.reconnectTimer = null;
   }
 
   /** Open the socket. */
   connect() {
-    this.ws = new WebSocket(this.url, subprotocols(this.apiKey));
-    this.ws.addEventListener('message', (msg) => this._receive(msg));
-    this.ws.addEventListener('close', (ev) => this._closed(ev.code, ev.reason, ev.wasClean));
+    this._open(this.url);
+  }
+
+  _open(url) {
+    const ws = new WebSocket(url, subprotocols(this.apiKey));
+    this.ws = ws;
+    ws.addEventListener('message', (msg) => ws === this.ws && this._receive(msg));
+    ws.addEventListener('close', (ev) => ws === this.ws && this._lost(ev.code, ev.reason, ev.wasClean));
   }
 
   /** True while events can be sent. */
   get open() {
-    return this.ws !== null && this.ws.readyState === WebSocket.OPEN;
+    return this.ws !== null && this.ws.readyState === WebSocket.OPEN && this.lostAt === null;
+  }
+
+  /** True while a dropped session is being resumed. */
+  get reconnecting() {
+    return this.lostAt !== null && !this.closed;
   }
 
   /** Bytes queued in the browser and not yet on the wire (back-pressure signal). */
@@ -147,12 +174,16 @@ export class RealtimeClient {
 
   /** session.close; the server answers session.closed and closes the socket. */
   close(reason = 'user_stop') {
+    this.leaving = true;
     return this.send({ type: 'session.close', reason });
   }
 
   /** Drop the socket at once (no session.close), e.g. when the server stops answering. */
   abort(code = 1000, reason = 'client closed') {
+    this.leaving = true;
+    clearTimeout(this.reconnectTimer);
     if (this.ws && this.ws.readyState < WebSocket.CLOSING) this.ws.close(code, reason);
+    else if (this.lostAt !== null) this._closed(code, reason, false);
   }
 
   _receive(msg) {
@@ -163,14 +194,53 @@ export class RealtimeClient {
     } catch {
       return;
     }
-    if (event && typeof event === 'object' && typeof event.type === 'string') {
-      this.onEvent(event);
+    if (!event || typeof event !== 'object' || typeof event.type !== 'string') return;
+    if (typeof event.seq === 'number') this.lastSeq = event.seq;
+    if (event.type === 'session.created' && typeof event.resume_token === 'string') {
+      this.resumeToken = event.resume_token;
+      this.resumeWindowMs = 1000 * (Number(event.resume_window_s) || 0);
+    } else if (event.type === 'session.resumed') {
+      this.lostAt = null;
+      this.attempt = 0;
+    } else if (event.type === 'session.closed') {
+      this.ended = true;
+    } else if (event.type === 'error' && event.error && /^resume_/.test(event.error.code || '')) {
+      this.ended = true; // the session cannot be resumed: this connection's end is final
     }
+    this.onEvent(event);
+  }
+
+  /** The socket ended: resume the session on a new one, or report the end. */
+  _lost(code, reason, wasClean) {
+    const resumable = this.resumeToken && !this.ended && !this.leaving && code !== 1000;
+    if (!resumable) {
+      this._closed(code, reason, wasClean);
+      return;
+    }
+    if (this.lostAt === null) this.lostAt = performance.now();
+    if (performance.now() - this.lostAt > this.resumeWindowMs) {
+      this._closed(code, reason, wasClean);
+      return;
+    }
+    const delay = RECONNECT_DELAYS_MS[Math.min(this.attempt, RECONNECT_DELAYS_MS.length - 1)];
+    this.attempt += 1;
+    this.onReconnecting({ attempt: this.attempt, code });
+    const sep = this.url.includes('?') ? '&' : '?';
+    const url = `${this.url}${sep}resume_token=${encodeURIComponent(this.resumeToken)}&last_seq=${this.lastSeq}`;
+    this.reconnectTimer = setTimeout(() => {
+      if (this.closed || this.leaving) return;
+      try {
+        this._open(url);
+      } catch {
+        this._closed(code, reason, wasClean);
+      }
+    }, delay);
   }
 
   _closed(code, reason, wasClean) {
     if (this.closed) return;
     this.closed = true;
+    this.lostAt = null;
     this.onClose({ code, reason, wasClean });
   }
 }
