@@ -291,7 +291,12 @@ class DuplexConnection:
                     return
             message = await self.transport.receive()
             if message is None:
-                if self.transport.input_end_closes and not self.core.closed.is_set():
+                dropped = getattr(self.transport, "dropped", False)
+                if (
+                    self.transport.input_end_closes
+                    and not dropped
+                    and not self.core.closed.is_set()
+                ):
                     await self.core.close(ev.CLIENT_CLOSED)
                 return
             if self._done.is_set():

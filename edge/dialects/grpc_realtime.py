@@ -26,6 +26,9 @@ from omnifabric.edge.errors import (
     MissingField,
     QueueCancelled,
     QueueFull,
+    ResumeExpired,
+    ResumeForbidden,
+    ResumeUnknown,
     SlowClient,
 )
 from omnifabric.omni.realtime.v1 import common_pb2
@@ -39,6 +42,9 @@ _STATUS = {
     QueueFull: "RESOURCE_EXHAUSTED",
     SlowClient: "RESOURCE_EXHAUSTED",
     InvalidPayload: "INVALID_ARGUMENT",  # an init outside the leased worker's limits
+    ResumeUnknown: "NOT_FOUND",
+    ResumeExpired: "FAILED_PRECONDITION",
+    ResumeForbidden: "PERMISSION_DENIED",
 }
 #: A first request the call cannot start from.
 _BAD_START = 1008
@@ -117,10 +123,12 @@ class GrpcRealtime(DuplexDialect):
     name = "grpc_realtime"
     holds_input_until_started = True
     already_initialized = "init may be sent only once"
+    resumable = True
 
     def __init__(self) -> None:
         self._opened = False
-        """The first request (init) was accepted."""
+        """The first request (init or resume) was accepted."""
+        self._event_seq = 0
 
     def not_ready(self, cmd: ev.Command) -> str:
         return "send init first"
@@ -132,6 +140,17 @@ class GrpcRealtime(DuplexDialect):
     def decode(self, message: rt_pb.ConnectRequest) -> list[ev.Command]:
         kind = message.WhichOneof("kind")
         if not self._opened:
+            if kind == "resume":
+                resume = message.resume
+                mode = _MODE_NAMES.get(resume.mode)
+                if mode is None or not resume.resume_token:
+                    raise InvalidPayload(
+                        "resume needs mode AUDIO or VIDEO and the resume_token",
+                        close_code=_BAD_START,
+                    )
+                self.mode, self._opened = mode, True
+                self.resume_token, self.last_seq = resume.resume_token, resume.last_seq
+                return []
             if kind != "init":
                 raise InvalidPayload("the first request must be init", close_code=_BAD_START)
             mode = _MODE_NAMES.get(message.init.mode)
@@ -150,6 +169,54 @@ class GrpcRealtime(DuplexDialect):
         if kind == "init":
             raise InvalidPayload(self.already_initialized)
         raise InvalidPayload("an empty request")
+
+    def _numbered(self, responses: list[rt_pb.ConnectResponse]) -> list[rt_pb.ConnectResponse]:
+        for response in responses:
+            self._event_seq += 1
+            response.event_seq = self._event_seq
+        return responses
+
+    def replay(self, event: ev.Reattached) -> list[Any]:
+        """`resumed`, then the outputs after last_seq (session created is 1, each output
+        one more)."""
+        self.session_id = event.session_id
+        self._event_seq = 1
+        missed = []
+        for out in event.outputs:
+            [response] = self._numbered(self._output(out))
+            if response.event_seq <= self.last_seq:
+                continue
+            if out.audio_dropped:
+                raise ResumeExpired(
+                    f"events after seq {self.last_seq} are no longer kept: resume sooner"
+                )
+            missed.append(response)
+        resumed = rt_pb.ResumedEvent(
+            session_id=event.session_id,
+            last_seq=self.last_seq,
+            replayed=len(missed),
+            last_input_seq=event.last_input_seq,
+            resume_token=event.resume_token,
+            resume_window_s=event.resume_window_s,
+        )
+        return [rt_pb.ConnectResponse(resumed=resumed), *missed]
+
+    def _output(self, event: ev.Output) -> list[rt_pb.ConnectResponse]:
+        output = rt_pb.OutputUnit(
+            seq=event.seq,
+            is_listen=event.is_listen,
+            text=event.text,
+            audio=event.pcm,
+            end_of_turn=event.end_of_turn,
+            kv_cache_length=event.kv_cache_length,
+            timings=timings_to(event.timings_ms),
+            usage=usage_to(event.usage),
+            dropped_seqs=list(event.dropped_seqs),
+            input_transcript=event.input_transcript,
+            n_tokens=event.n_tokens,
+            n_tts_tokens=event.n_tts_tokens,
+        )
+        return [rt_pb.ConnectResponse(output=output)]
 
     def encode(self, event: ev.SessionEvent) -> list[Any]:
         if isinstance(event, ev.Queued):
@@ -170,24 +237,12 @@ class GrpcRealtime(DuplexDialect):
                 session_id=event.session_id,
                 prompt_length=event.prompt_length,
                 notes=list(event.notes),
+                resume_token=event.resume_token,
+                resume_window_s=event.resume_window_s,
             )
-            return [rt_pb.ConnectResponse(created=created)]
+            return self._numbered([rt_pb.ConnectResponse(created=created)])
         if isinstance(event, ev.Output):
-            output = rt_pb.OutputUnit(
-                seq=event.seq,
-                is_listen=event.is_listen,
-                text=event.text,
-                audio=event.pcm,
-                end_of_turn=event.end_of_turn,
-                kv_cache_length=event.kv_cache_length,
-                timings=timings_to(event.timings_ms),
-                usage=usage_to(event.usage),
-                dropped_seqs=list(event.dropped_seqs),
-                input_transcript=event.input_transcript,
-                n_tokens=event.n_tokens,
-                n_tts_tokens=event.n_tts_tokens,
-            )
-            return [rt_pb.ConnectResponse(output=output)]
+            return self._numbered(self._output(event))
         if isinstance(event, ev.Closed):
             sent = []
             if event.error_code == InferenceError.code:
@@ -201,7 +256,7 @@ class GrpcRealtime(DuplexDialect):
                 message=event.message,
             )
             sent.append(rt_pb.ConnectResponse(closed=closed))
-            return sent
+            return self._numbered(sent)
         return []
 
     def error(self, err: EdgeError) -> rt_pb.ConnectResponse | Refusal:

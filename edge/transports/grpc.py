@@ -99,6 +99,10 @@ class Outbound:
         self._last = self.on_overflow()
 
 
+#: How long (x 10 ms) the end of a call's requests waits to tell a cancel from a half-close.
+CANCEL_WAIT_STEPS = 10
+
+
 class GrpcTransport:
     """One Connect call: its request iterator in, an Outbound out."""
 
@@ -106,10 +110,21 @@ class GrpcTransport:
     """A half-closed call still reads: the session ends gracefully (client_closed)."""
     path = "grpc:RealtimeService/Connect"
 
-    def __init__(self, requests: AsyncIterator[Any], max_messages: int, max_bytes: int) -> None:
+    def __init__(
+        self,
+        requests: AsyncIterator[Any],
+        max_messages: int,
+        max_bytes: int,
+        context: grpc.aio.ServicerContext | None = None,
+    ) -> None:
         self._requests = requests
+        self._context = context
         self._limits = (max_messages, max_bytes)
         self.out: Outbound | None = None
+        self.owner = ""
+        """The API key digest of the call ("" without keys): only it may resume."""
+        self.dropped = False
+        """The call was cancelled or lost (not half-closed): a resumable session waits."""
 
     def bind(
         self, on_overflow: Callable[[], None], render_error: Callable[[EdgeError], Any]
@@ -129,9 +144,19 @@ class GrpcTransport:
 
     async def receive(self) -> Any | None:
         try:
-            return await anext(self._requests, None)
+            message = await anext(self._requests, None)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            self.dropped = True
             return None
+        if message is None and self._context is not None:
+            # A cancelled call ends its requests like a half-close, and is flagged
+            # cancelled a moment later: wait that moment before taking it as a close.
+            for _ in range(CANCEL_WAIT_STEPS):
+                if self._context.cancelled():
+                    self.dropped = True
+                    break
+                await asyncio.sleep(0.01)
+        return message
 
     def send(self, message: Any) -> None:
         assert self.out is not None
@@ -175,8 +200,9 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
             )
         config = app.config
         transport = GrpcTransport(
-            request_iterator, config.outbound_queue_max, config.outbound_queue_bytes
+            request_iterator, config.outbound_queue_max, config.outbound_queue_bytes, context
         )
+        transport.owner = digest
         connection = DuplexConnection(app, transport, GRPC_CONNECT.open("", {}, ""))
         runner = asyncio.create_task(connection.run())
         try:
@@ -191,7 +217,10 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
             failed = runner.exception() if runner.done() and not runner.cancelled() else None
             if failed is not None:
                 raise failed
-        except (grpc.aio.AbortError, asyncio.CancelledError):
+        except asyncio.CancelledError:
+            transport.dropped = True  # the client cancelled or lost the call
+            raise
+        except grpc.aio.AbortError:
             raise
         except Exception:
             # Internals (exception text, paths) stay in the log, not in the status.

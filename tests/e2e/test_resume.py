@@ -26,7 +26,7 @@ def stack(tmp_path):
     stack.start_scheduler()
     stack.start_worker("--slots", "2", "--compute-ms", "5")
     stack.start_edge("--resume-window", str(WINDOW_S), name="edge1")
-    stack.url1 = stack.url
+    stack.url1, stack.grpc1 = stack.url, stack.grpc_address
     stack.start_edge("--resume-window", str(WINDOW_S), name="edge2")
     yield stack
     stack.stop()
@@ -208,3 +208,61 @@ async def test_the_client_resumes_by_itself_and_resends_what_was_lost(stack):
     assert report.lost_units() == [] and sorted(report.units) == list(range(1, 10))
     text = "".join(u.text for u in report.units.values())
     assert "reply 1" in text
+
+
+async def test_a_grpc_call_resumes_on_the_other_edge(stack):
+    import grpc
+
+    from omnifabric.omni.realtime.v1 import common_pb2
+    from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+    from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+
+    def append(samples) -> rt_pb.ConnectRequest:
+        return rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=samples.astype("<f4").tobytes()))
+
+    async def read(call) -> rt_pb.ConnectResponse:
+        return await asyncio.wait_for(call.read(), scaled(10))
+
+    first = grpc.aio.insecure_channel(stack.grpc1)
+    call = rt_grpc.RealtimeServiceStub(first).Connect()
+    await call.write(rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO)))
+    while (response := await read(call)).WhichOneof("kind") != "created":
+        assert response.event_seq == 0  # queue events are not numbered
+    created = response.created
+    assert response.event_seq == 1 and created.resume_token and created.resume_window_s == 4
+    got = [1]
+    for samples in (SPEECH, SPEECH, SILENCE):
+        await call.write(append(samples))
+        got.append((await read(call)).event_seq)
+    call.cancel()  # the call is lost: the session waits for a resume
+    await first.close()
+
+    second = grpc.aio.insecure_channel(stack.grpc_address)
+    call = rt_grpc.RealtimeServiceStub(second).Connect()
+    resume = rt_pb.SessionResumeRequest(
+        mode=common_pb2.MODE_AUDIO, resume_token=created.resume_token, last_seq=got[-1] - 1
+    )
+    await call.write(rt_pb.ConnectRequest(resume=resume))
+    resumed = (await read(call)).resumed
+    assert resumed.session_id == created.session_id and resumed.replayed == 1
+    assert resumed.last_input_seq == 3
+    replayed = await read(call)
+    assert replayed.event_seq == got[-1] and replayed.output.seq == 3  # sent again
+    await call.write(append(SILENCE))
+    live = await read(call)
+    assert live.event_seq == got[-1] + 1 and live.output.seq == 4
+    await call.write(rt_pb.ConnectRequest(close=rt_pb.SessionCloseRequest()))
+    while (response := await read(call)).WhichOneof("kind") != "closed":
+        pass
+    await second.close()
+
+    # A forged token ends the call with NOT_FOUND.
+    third = grpc.aio.insecure_channel(stack.grpc_address)
+    call = rt_grpc.RealtimeServiceStub(third).Connect()
+    forged = rt_pb.SessionResumeRequest(mode=common_pb2.MODE_AUDIO, resume_token="forged")
+    await call.write(rt_pb.ConnectRequest(resume=forged))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await read(call)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "resume_unknown" in info.value.details()
+    await third.close()
