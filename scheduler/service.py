@@ -203,12 +203,14 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
 
     async def Reattach(
         self, request: scheduler_pb.ReattachRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[scheduler_pb.AcquireResponse]:
+    ) -> AsyncIterator[scheduler_pb.ReattachResponse]:
         try:
             events = self._scheduler.reattach(request.resume_key, request.owner)
             async with contextlib.aclosing(events):
                 async for event in events:
-                    yield _acquire_event_to_pb(event)
+                    # The same fields, the same numbers: the edge reads both alike.
+                    message = _acquire_event_to_pb(event)
+                    yield scheduler_pb.ReattachResponse.FromString(message.SerializeToString())
         except Exception as exc:
             await _abort(context, exc)
 

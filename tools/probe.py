@@ -137,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"unit {metrics.get('seq')}: speak {event['text']!r} "
                 f"end_of_turn={event['end_of_turn']}"
             )
+        elif kind == "session.resumed":
+            print(
+                f"connection lost: session resumed ({event.get('replayed')} events replayed, "
+                f"units after {event.get('last_input_seq')} sent again)"
+            )
         elif kind == "session.closed":
             print(f"closed: {event.get('reason')}")
         elif kind == "error":

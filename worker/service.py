@@ -17,6 +17,7 @@ import numpy as np
 from opentelemetry import context as otel_context
 
 from omnifabric.common import logs, telemetry
+from omnifabric.common.calls import cancelled_soon
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
@@ -291,7 +292,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             return
         attachment = session.attach()
         replay = session.journal_length if kind == "resume" else 0
-        reader = asyncio.ensure_future(self._read(requests, session, attachment))
+        reader = asyncio.ensure_future(self._read(requests, session, attachment, context))
         limits = self.runtime.engine.limits
         try:
             if kind == "resume":
@@ -410,6 +411,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
         request_iterator: AsyncIterator[worker_pb.SessionRequest],
         session: DuplexSession,
         attachment: int,
+        context: grpc.aio.ServicerContext,
     ) -> None:
         """Feed requests into the session until close or the end of the client's stream
         (a resumable session is then left to the detach; a superseded stream's requests
@@ -437,5 +439,11 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             raise
         except Exception as exc:  # noqa: BLE001 - a broken client stream ends the session
             log.info("session %s: request stream failed: %s", session.session_id, exc)
-        if session.spec.resume_grace_s <= 0 and session.attachment == attachment:
-            session.close(CloseReason.CLIENT_CLOSED, "client stream ended")
+            if session.spec.resume_grace_s > 0:
+                return  # broken: the handler's end detaches the session for a resume
+        if session.attachment != attachment:
+            return
+        if session.spec.resume_grace_s > 0 and await cancelled_soon(context):
+            return  # cancelled (the sender is gone): detached by the handler's end
+        # A half-close: the sender is done with the session.
+        session.close(CloseReason.CLIENT_CLOSED, "client stream ended")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from omnifabric.common.calls import cancelled_soon
 from omnifabric.edge.access import key_digest
 from omnifabric.edge.connection import DuplexConnection
 from omnifabric.edge.dialects import GRPC_CONNECT
@@ -99,10 +100,6 @@ class Outbound:
         self._last = self.on_overflow()
 
 
-#: How long (x 10 ms) the end of a call's requests waits to tell a cancel from a half-close.
-CANCEL_WAIT_STEPS = 10
-
-
 class GrpcTransport:
     """One Connect call: its request iterator in, an Outbound out."""
 
@@ -149,13 +146,8 @@ class GrpcTransport:
             self.dropped = True
             return None
         if message is None and self._context is not None:
-            # A cancelled call ends its requests like a half-close, and is flagged
-            # cancelled a moment later: wait that moment before taking it as a close.
-            for _ in range(CANCEL_WAIT_STEPS):
-                if self._context.cancelled():
-                    self.dropped = True
-                    break
-                await asyncio.sleep(0.01)
+            # A cancelled call ends its requests like a half-close: tell them apart.
+            self.dropped = await cancelled_soon(self._context)
         return message
 
     def send(self, message: Any) -> None:

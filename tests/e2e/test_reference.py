@@ -197,3 +197,27 @@ async def test_half_duplex_call_answers_the_spoken_question(stack):
             await asyncio.sleep(0.5)
         turn = await asyncio.wait_for(done, scaled(60))
     assert turn["turn_index"] == 0 and "paris" in turn["text"].lower(), turn
+
+
+async def test_a_dropped_session_resumes_with_its_context(stack):
+    """The connection drops after "My name is Anna." was answered; the client resumes the
+    session by itself and "What is my name?" is answered from the same context."""
+    from omnifabric.tools.client import SILENCE_UNIT, run_session
+    from omnifabric.tools.eval_reference import render
+    from omnifabric.tools.probe import split_units
+
+    lead = np.zeros(8000, np.float32)
+    told = split_units(np.concatenate([lead, render("piper", "joe", 1.0, "My name is Anna.")]), 0)
+    asked = split_units(np.concatenate([lead, render("piper", "joe", 1.0, "What is my name?")]), 0)
+    drop_at = len(told) + 5
+    units = told + [SILENCE_UNIT] * 5 + asked
+    report = await run_session(
+        f"{stack.url}?mode=audio", units, pace_s=0, drop_after=drop_at, reply_tail_s=10
+    )
+    assert report.error is None and report.closed_reason == "user_stop", report.error
+    assert len(report.resumes_s) == 1 and report.seq_faults() == (0, 0)
+    assert report.lost_units() == []
+    first = "".join(u.text for u in report.units.values() if u.seq <= drop_at)
+    after = "".join(u.text for u in report.units.values() if u.seq > drop_at)
+    print(f"before the drop: {first!r}; after the resume: {after!r}")
+    assert "anna" in after.lower()
