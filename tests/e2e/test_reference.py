@@ -210,7 +210,7 @@ async def test_a_dropped_session_resumes_with_its_context(stack):
     told = split_units(np.concatenate([lead, render("piper", "joe", 1.0, "My name is Anna.")]), 0)
     asked = split_units(np.concatenate([lead, render("piper", "joe", 1.0, "What is my name?")]), 0)
     drop_at = len(told) + 5
-    units = told + [SILENCE_UNIT] * 5 + asked
+    units = told + [SILENCE_UNIT] * 5 + asked + [SILENCE_UNIT] * 8
     report = await run_session(
         f"{stack.url}?mode=audio", units, pace_s=0, drop_after=drop_at, reply_tail_s=10
     )
