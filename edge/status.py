@@ -77,6 +77,7 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
         },
         "queue": {"length": snap.queue_length, "max": snap.queue_max},
         "leases_active": snap.leases_active,
+        "leases_detached": snap.leases_detached,
         "mean_session_s": dict(snap.mean_session_s),
         "slots": {
             "total": sum(w.slots for w in snap.workers),

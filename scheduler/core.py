@@ -157,6 +157,7 @@ class StatusSnapshot:
     queue_max: int
     leases_active: int
     mean_session_s: dict[Mode, float]
+    leases_detached: int = 0
     queue: tuple[QueueEntry, ...] = ()
     running: tuple[RunningLease, ...] = ()
     eta: EtaSnapshot | None = None
@@ -560,6 +561,7 @@ class Scheduler:
             queue_length=len(self.queue),
             queue_max=self.queue.queue_max,
             leases_active=self.leases.count(LeaseState.ACTIVE),
+            leases_detached=self.leases.count(LeaseState.DETACHED),
             mean_session_s={mode: self.sessions.mean_s(mode) for mode in Mode},
             queue=queue,
             running=running,

@@ -156,6 +156,11 @@ class _StateCollector(Collector):
             sum(1 for lease in leases if lease.state.value == "active"),
         )
         yield _gauge(
+            "omni_scheduler_leases_detached",
+            "Resumable sessions whose holder is gone, waiting for a resume.",
+            sum(1 for lease in leases if lease.state.value == "detached"),
+        )
+        yield _gauge(
             "omni_scheduler_leases_occupying",
             "Leases occupying a slot (active, returning or orphan).",
             len(leases),

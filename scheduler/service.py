@@ -241,6 +241,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
             queue_length=status.queue_length,
             queue_max=status.queue_max,
             leases_active=status.leases_active,
+            leases_detached=status.leases_detached,
             mean_session_s={mode.value: s for mode, s in status.mean_session_s.items()},
             queue=[
                 scheduler_pb.QueueEntry(

@@ -14,7 +14,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.conftest import scaled
-from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, pcm_b64
+from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
 from tests.stack import Stack
 
 WINDOW_S = 4
@@ -152,11 +152,13 @@ async def test_refusals_expiry_and_superseding(stack):
     assert error["error"]["code"] == "invalid_payload" and code == 1008
     drop(b)
     await asyncio.sleep(0.5)
-    assert status(stack.url)["slots"]["free"] == 1  # held for the resume
+    held = status(stack.url)
+    assert held["slots"]["free"] == 1 and held["leases_detached"] == 1  # held for the resume
     await asyncio.sleep(WINDOW_S + 1)
     error, code = await refused(f"{stack.url1}?mode=audio&resume_token={token}&last_seq=3")
     assert error["error"]["code"] == "resume_expired" and code == 1008
-    assert status(stack.url)["slots"]["free"] == 2  # the window passed: freed
+    freed = status(stack.url)
+    assert freed["slots"]["free"] == 2 and freed["leases_detached"] == 0  # the window passed
     c = await WsClient.open(f"{stack.url}?mode=audio")
     token = (await c.start())["resume_token"]
     await c.send({"type": "session.close"})
