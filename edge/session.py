@@ -50,7 +50,7 @@ from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 log = logging.getLogger("omnifabric.edge.session")
 TRACER = telemetry.tracer("edge")
 
-Event = ev.Queued | ev.QueueDone | ev.Created | ev.Output | ev.Closed
+Event = ev.Queued | ev.QueueDone | ev.Created | ev.Output | ev.Closed | ev.Reattached
 Emit = Callable[[Event], Awaitable[None]]
 
 _MODES = {"audio": common_pb2.MODE_AUDIO, "video": common_pb2.MODE_VIDEO}

@@ -170,7 +170,7 @@ class GrpcRealtime(DuplexDialect):
             raise InvalidPayload(self.already_initialized)
         raise InvalidPayload("an empty request")
 
-    def _numbered(self, responses: list[rt_pb.ConnectResponse]) -> list[rt_pb.ConnectResponse]:
+    def _numbered(self, responses: list[Any]) -> list[Any]:
         for response in responses:
             self._event_seq += 1
             response.event_seq = self._event_seq

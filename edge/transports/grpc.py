@@ -194,7 +194,7 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
         transport = GrpcTransport(
             request_iterator, config.outbound_queue_max, config.outbound_queue_bytes, context
         )
-        transport.owner = digest
+        transport.owner = digest or ""
         connection = DuplexConnection(app, transport, GRPC_CONNECT.open("", {}, ""))
         runner = asyncio.create_task(connection.run())
         try:
