@@ -6,8 +6,9 @@ import asyncio
 
 import grpc
 
-#: How long the end of a call's requests waits to tell a cancel from a half-close, s.
-CANCEL_WAIT_S = 0.1
+#: How long the end of a call's requests waits to tell a cancel from a half-close, s (a
+#: loaded process flags a cancel some 100 ms late; a half-close is taken as one after this).
+CANCEL_WAIT_S = 1.0
 
 
 async def cancelled_soon(context: grpc.aio.ServicerContext, wait_s: float = CANCEL_WAIT_S) -> bool:

@@ -17,7 +17,6 @@ import numpy as np
 from opentelemetry import context as otel_context
 
 from omnifabric.common import logs, telemetry
-from omnifabric.common.calls import cancelled_soon
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
@@ -292,7 +291,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             return
         attachment = session.attach()
         replay = session.journal_length if kind == "resume" else 0
-        reader = asyncio.ensure_future(self._read(requests, session, attachment, context))
+        reader = asyncio.ensure_future(self._read(requests, session, attachment))
         limits = self.runtime.engine.limits
         try:
             if kind == "resume":
@@ -331,7 +330,8 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                     self.runtime.metrics.observe_unit(event, session.spec.mode)
                 index += 1
                 yield message
-            if session.attachment != attachment:  # another stream resumed the session
+            if session.attachment != attachment and session.ended is None:
+                # another stream resumed the session
                 yield worker_pb.SessionResponse(
                     ended=worker_pb.SessionEnded(
                         reason=common_pb2.CLOSE_REASON_SUPERSEDED,
@@ -411,7 +411,6 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
         request_iterator: AsyncIterator[worker_pb.SessionRequest],
         session: DuplexSession,
         attachment: int,
-        context: grpc.aio.ServicerContext,
     ) -> None:
         """Feed requests into the session until close or the end of the client's stream
         (a resumable session is then left to the detach; a superseded stream's requests
@@ -443,7 +442,10 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 return  # broken: the handler's end detaches the session for a resume
         if session.attachment != attachment:
             return
-        if session.spec.resume_grace_s > 0 and await cancelled_soon(context):
-            return  # cancelled (the sender is gone): detached by the handler's end
-        # A half-close: the sender is done with the session.
+        if session.spec.resume_grace_s > 0:
+            # A resumable session ends only with `close` (the edge always sends one): the
+            # end of its stream, cancelled or half-closed, leaves it detached, and this
+            # call ends (without `ended`).
+            session.let_go(attachment)
+            return
         session.close(CloseReason.CLIENT_CLOSED, "client stream ended")

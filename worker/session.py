@@ -241,6 +241,8 @@ class DuplexSession:
         self._grew: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.attachment = 0
         """Which stream carries the session: each attach (start, resume) counts one."""
+        self._let_go: set[int] = set()
+        """Attachments whose sender ended its stream without close (they read no more)."""
         self.last_unit_seq = 0
         self._detach_timer: asyncio.TimerHandle | None = None
         self._engine_session: EngineSession | None = None
@@ -342,7 +344,7 @@ class DuplexSession:
         when another stream attached after `attachment` (superseded)."""
         index = 0
         while True:
-            if attachment and self.attachment != attachment:
+            if attachment and (self.attachment != attachment or attachment in self._let_go):
                 return
             if index < len(self._journal):
                 event = self._journal[index]
@@ -383,6 +385,11 @@ class DuplexSession:
         self.attachment += 1
         self._wake_streams()
         return self.attachment
+
+    def let_go(self, attachment: int) -> None:
+        """The stream of `attachment` ended without close: it stops reading events."""
+        self._let_go.add(attachment)
+        self._wake_streams()
 
     @property
     def detached(self) -> bool:
