@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+from omnifabric.edge import codec
 from omnifabric.edge.errors import InvalidPayload, MissingField
 from omnifabric.edge.events import DuplexSettings
 
@@ -40,7 +41,19 @@ def parse_object(text: str) -> dict[str, Any]:
     for JSON that is too deep, uses NaN/Infinity, has an integer past Python's digit limit,
     or is not an object."""
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = codec.loads_fast(text)
+    except codec.JSONDecodeError:
+        value = _parse_strictly(text)
+    if not isinstance(value, dict):
+        raise InvalidPayload("an event must be a JSON object")
+    return value
+
+
+def _parse_strictly(text: str) -> Any:
+    """The standard library's reading of what orjson refused: the exact error (or the
+    value: integers past 64 bits are JSON)."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
         raise InvalidPayload("JSON nesting too deep") from None
     except _NonFinite as exc:
@@ -50,9 +63,6 @@ def parse_object(text: str) -> dict[str, Any]:
     except ValueError:
         # Valid JSON all the same: an integer past Python's digit limit (4300 digits).
         raise InvalidPayload("a number in the event is too long") from None
-    if not isinstance(value, dict):
-        raise InvalidPayload("an event must be a JSON object")
-    return value
 
 
 def parse_frame(text: str) -> dict[str, Any]:

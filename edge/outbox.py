@@ -11,7 +11,6 @@ for the buffers to drain before it starts its timeout, so it never fires then).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from omnifabric.edge import codec
 from omnifabric.edge.errors import EdgeError, SlowClient
 
 log = logging.getLogger("omnifabric.edge.outbox")
@@ -112,7 +112,7 @@ class Outbox:
         """Queue one event; on overflow the queue is replaced by slow_client and a close."""
         if self._closing:
             return
-        text = json.dumps(event, separators=(",", ":"))
+        text = codec.dumps(event)
         if self._items and (
             len(self._items) >= self.max_events or self._bytes + len(text) > self.max_bytes
         ):
@@ -159,7 +159,7 @@ class Outbox:
             f"the client is not reading: over {self.max_events} events or "
             f"{self.max_bytes} bytes were waiting to be sent"
         )
-        self._items.append(json.dumps(self.render_error(err), separators=(",", ":")))
+        self._items.append(codec.dumps(self.render_error(err)))
         self._items.append((1008, err.code))
         self._closing = True
         self._ready.set()
@@ -185,7 +185,7 @@ class Outbox:
                     await self.ws.close(*item)
                     return
                 self._bytes -= len(item)
-                await self.ws.send(item)
+                await self.ws.send(item, text=True)  # UTF-8 JSON bytes, as a text frame
         except ConnectionClosed:
             pass
         finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 import struct
@@ -10,6 +9,7 @@ import wave
 
 import numpy as np
 
+from omnifabric.edge import codec
 from omnifabric.edge.errors import InvalidPayload
 
 #: WAV sample rates accepted (reference voices, probe input), Hz.
@@ -23,7 +23,7 @@ def b64decode(value: object, what: str) -> bytes:
     if not value:
         raise InvalidPayload(f"{what} is empty")
     try:
-        return base64.b64decode(value, validate=True)
+        return codec.b64decode(value)
     except (binascii.Error, ValueError):
         raise InvalidPayload(f"{what} base64 decode failed") from None
 
@@ -116,4 +116,4 @@ def check_jpeg(raw: bytes, what: str) -> bytes:
 
 def encode_pcm(pcm: bytes) -> str:
     """Base64 text of raw PCM bytes, for the JSON protocol."""
-    return base64.b64encode(pcm).decode("ascii")
+    return codec.b64encode(pcm)
