@@ -77,7 +77,7 @@ class Outbox:
         self.max_bytes = max_bytes
         self.close_grace_s = close_grace_s
         self.overflowed = False
-        self._items: deque[str | tuple[int, str]] = deque()
+        self._items: deque[bytes | tuple[int, str]] = deque()
         self._bytes = 0
         self._ready = asyncio.Event()
         self._closing = False
