@@ -119,6 +119,27 @@ class EdgeConfig:
         help="RealtimeService port, 0 = any, -1 = off",
     )
     """RealtimeService gRPC port for internal clients; 0 picks a free port, -1 disables."""
+    processes: int = setting(
+        1,
+        env="OMNI_EDGE_PROCESSES",
+        flag="--processes",
+        range=(1, 256),
+        help="edge processes sharing the ports (SO_REUSEPORT), one per core",
+    )
+    """Edge processes on this host: N > 1 starts N children that listen on the same
+    WebSocket and gRPC ports (SO_REUSEPORT: the kernel spreads new connections over them)
+    and stops them together on SIGTERM, each draining its own sessions."""
+    reuse_port: bool = setting(
+        False,
+        env="OMNI_EDGE_REUSE_PORT",
+        flag="--reuse-port",
+        help="listen with SO_REUSEPORT (set by --processes; lets edges share a port)",
+    )
+    """Bind both ports with SO_REUSEPORT so that several edge processes share them. Off, a
+    second edge on a taken port fails to start (the WebSocket and the gRPC port alike)."""
+    process_index: int = setting(0, env="OMNI_EDGE_PROCESS_INDEX", range=(0, 256))
+    """Set by --processes for its children: which one this is, 1..N (0: a lone edge). Shown
+    in /status and as /metrics' omni_edge_process{index, pid}."""
     scheduler: str = setting(
         "127.0.0.1:50051", env="OMNI_EDGE_SCHEDULER", flag="--scheduler", help="scheduler host:port"
     )

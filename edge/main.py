@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"omnifabric edge: {exc}", file=sys.stderr)
         return 2
+    if config.processes > 1:
+        from omnifabric.edge import processes
+
+        return processes.run(config, sys.argv[1:] if argv is None else argv)
     process.run(_run(config, config.drain_grace_s))
     return 0
 
@@ -60,6 +64,7 @@ async def _run(config: EdgeConfig, grace_s: float) -> None:
     gc.collect()
     gc.freeze()
     METRICS.time_gc()
+    METRICS.identify(config.process_index)
     stop = process.stop_on_signals()
     print(f"omnifabric edge ready: {edge.url} grpc={config.host}:{edge.grpc_port}", flush=True)
     await stop.wait()

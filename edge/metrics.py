@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -115,6 +116,17 @@ class EdgeMetrics:
             "Live asyncio tasks on the edge's event loop, counted at scrape time.",
             registry=r,
         ).set_function(_live_tasks)
+
+    def identify(self, index: int) -> None:
+        """Name this process in the exposition: omni_edge_process{index, pid} 1 (index 1..N
+        under `--processes N`, 0 for a lone edge), so scrapes of a shared port are told
+        apart."""
+        Gauge(
+            "omni_edge_process",
+            "The edge process that answered this scrape (index under --processes, pid).",
+            ["index", "pid"],
+            registry=self.registry,
+        ).labels(str(index), str(os.getpid())).set(1)
 
     def time_gc(self) -> None:
         """Observe every garbage-collector pause from now on (gc.callbacks)."""

@@ -106,7 +106,10 @@ async def start_edge(config: EdgeConfig, metrics: EdgeMetrics = METRICS) -> Runn
     servicer = None
     grpc_port = -1
     if config.grpc_port >= 0:
-        grpc_server = grpc.aio.server(options=channel_options(config.grpc_max_message_bytes))
+        options = channel_options(config.grpc_max_message_bytes)
+        # gRPC listens with SO_REUSEPORT unless told not to: only --reuse-port shares a port.
+        options.append(("grpc.so_reuseport", int(config.reuse_port)))
+        grpc_server = grpc.aio.server(options=options)
         servicer = RealtimeServicer(app)
         rt_grpc.add_RealtimeServiceServicer_to_server(servicer, grpc_server)
         health_servicer = health.HealthServicer()

@@ -6,6 +6,7 @@ keys, audio or transcripts.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from omnifabric.omni.realtime.v1 import common_pb2
@@ -71,6 +72,8 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
     ]
     return {
         "edge": {
+            "pid": os.getpid(),
+            "process": app.config.process_index,
             "draining": app.draining,
             "sessions": len(sessions),
             "chat_sessions": len(app.chats),

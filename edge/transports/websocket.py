@@ -125,6 +125,7 @@ async def serve_port(
             config.host,
             config.port,
             backlog=LISTEN_BACKLOG,
+            reuse_port=config.reuse_port,
             **kwargs,
         )
 

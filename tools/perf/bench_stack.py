@@ -26,7 +26,7 @@ class BenchStack:
     pids: dict[str, int]
 
     def stop(self) -> None:
-        from omnifabric.tools.serve import stop
+        from omnifabric.common.children import stop
 
         for kind in ("echo", "edge", "worker", "scheduler"):
             group = [c for c in self.children if c.name.rstrip("0123456789") == kind]
@@ -36,7 +36,7 @@ class BenchStack:
 def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> BenchStack:
     """Start what the measured paths need: scheduler and synthetic workers (fabric without
     --url, grpc-direct), the edge (fabric without --url), the echo server (ws-echo)."""
-    from omnifabric.tools.serve import spawn
+    from omnifabric.common.children import spawn
 
     host = args.host
     children: list[Any] = []

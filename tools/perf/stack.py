@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omnifabric.tools.serve import READY
+from omnifabric.common.children import READY
 
 
 @dataclass
