@@ -255,6 +255,16 @@ class EdgeConfig:
     """PEM private key of fabric_tls_cert."""
     worker_start_timeout_s: float = 30.0
     """Time allowed for a worker to prepare a session (system prompt, voices)."""
+    ws_compression: str = setting(
+        "off",
+        env="OMNI_EDGE_WS_COMPRESSION",
+        flag="--ws-compression",
+        choices=("off", "deflate"),
+        help="permessage-deflate for WebSocket clients that offer it",
+    )
+    """off: WebSocket frames go uncompressed whatever the client offers (audio barely
+    compresses and deflate costs 2-4 ms per 85 KB frame on each side); deflate: accept a
+    client's permessage-deflate offer (for links where bytes cost more than CPU)."""
     allowed_origins: tuple[str, ...] = setting(
         (),
         env="OMNI_EDGE_ALLOWED_ORIGINS",

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.exceptions import ConnectionClosed
+from websockets.extensions.permessage_deflate import enable_server_permessage_deflate
 from websockets.http11 import SERVER, Request, Response
 from websockets.protocol import State
 from websockets.server import ServerProtocol
@@ -159,6 +160,12 @@ async def serve_port(
     if config.allowed_origins:
         origins = [*map(Origin, config.allowed_origins), None]
 
+    # Off unless configured: audio frames barely compress and deflate costs milliseconds
+    # per frame on each side.
+    extensions = None
+    if config.ws_compression == "deflate":
+        extensions = enable_server_permessage_deflate(None)
+
     def open_websocket(transport: asyncio.Transport, first: bytes) -> None:
         connection: ServerConnection
 
@@ -168,8 +175,7 @@ async def serve_port(
         protocol = ServerProtocol(
             origins=origins,
             select_subprotocol=select,
-            # Audio frames barely compress and deflate costs ms per frame on each side.
-            extensions=None,
+            extensions=extensions,
             max_size=config.max_frame_bytes,
         )
         connection = ServerConnection(

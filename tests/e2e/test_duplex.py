@@ -19,7 +19,7 @@ from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
 from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 from tests.conftest import scaled
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
-from tests.stack import Stack
+from tests.stack import Stack, start_service
 
 # Units: startup protection (3 listen), speech, then silence for the reply.
 SCRIPT = [SILENCE] * 3 + [SPEECH] * 2 + [SILENCE] * 7
@@ -431,3 +431,38 @@ async def test_grpc_reports_what_the_json_dialects_report(stack):
         assert (out.n_tokens, out.n_tts_tokens) == (metrics["n_tokens"], metrics["n_tts_tokens"])
     assert any(grpc_units[s].n_tts_tokens > 0 for s in spoke)
     assert all(grpc_units[s].usage.total_tokens > 0 for s in spoke)
+
+
+async def test_compression_is_off_unless_configured(stack, tmp_path):
+    # Default: a client's permessage-deflate offer is declined; the session runs plain.
+    plain = await WsClient.open(url(stack), compression="deflate")
+    assert plain.ws.protocol.extensions == []
+    await plain.start()
+    await plain.append(SILENCE)
+    await plain.until("delta.listen", "delta.audio")
+    # --ws-compression deflate: the offer is taken and the session runs compressed.
+    edge = start_service(
+        "edge-deflate",
+        "omnifabric.edge",
+        [
+            "--port",
+            "0",
+            "--grpc-port",
+            "-1",
+            "--scheduler",
+            stack.scheduler_address,
+            "--ws-compression",
+            "deflate",
+        ],
+        tmp_path,
+    )
+    try:
+        deflate = await WsClient.open(f"{edge.wait_ready()[0]}?mode=audio", compression="deflate")
+        [extension] = deflate.ws.protocol.extensions
+        assert extension.name == "permessage-deflate"
+        await deflate.start()
+        await deflate.append(SILENCE)
+        await deflate.until("delta.listen", "delta.audio")
+        await deflate.ws.close()
+    finally:
+        edge.stop()
