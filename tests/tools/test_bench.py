@@ -100,6 +100,23 @@ def test_against_a_running_edge(tmp_path):
     assert not (tmp_path / "out" / "logs" / "scheduler.log").exists()
 
 
+def test_several_edge_processes_measured_as_one_edge(tmp_path):
+    out = tmp_path / "bench"
+    result = run_bench(
+        *("--paths", "fabric", "--sessions", "4", "--seconds", "3", "--warmup-seconds", "0"),
+        *("--workers", "1", "--slots", "4", "--compute-ms", "10", "--edge-processes", "2"),
+        *("--noisy-retries", "0", "--out", str(out)),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (level,) = json.loads((out / "bench.json").read_text())["levels"]
+    assert level["answered"] == 12 and level["lost"] == 0
+    processes = level["processes"]
+    assert {"edge-supervisor", "edge-1", "edge-2"} <= set(processes) and "edge" not in processes
+    # The edge's CPU per unit is the sum over its processes.
+    edge_s = sum(p["cpu_s"] for name, p in processes.items() if name.startswith("edge-"))
+    assert level["edge_cpu_us_per_unit"] == pytest.approx(edge_s / 12 * 1e6, rel=0.01)
+
+
 def test_max_search_grows_then_bisects():
     steps, passed, failed = [], 100, None
     limit_ok = 260  # a fabric that holds up to 260 sessions
@@ -125,6 +142,7 @@ def test_max_search_grows_then_bisects():
         (["--sessions", "50", "--workers", "1", "--slots", "8"], "cannot hold every session"),
         (["--paths", "ws-echo", "--find-max"], "--find-max measures the fabric"),
         (["--seconds", "5", "--ramp-s", "5"], "--ramp-s must be"),
+        (["--edge-processes", "0"], "--edge-processes must be at least 1"),
     ],
 )
 def test_bad_arguments_refused_before_anything_starts(args, message, capsys):

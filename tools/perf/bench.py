@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--edge-pid", type=int, help="with --url: the edge's pid, to measure its CPU and memory"
     )
+    p.add_argument(
+        "--edge-processes",
+        type=int,
+        default=1,
+        help="edge processes of the started stack (omnifabric edge --processes N); the edge's "
+        "CPU and memory are their sum",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the started services bind")
     p.add_argument("--workers", type=int, default=4, help="synthetic workers")
     p.add_argument("--slots", type=int, default=150, help="slots per worker")
@@ -191,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in args.paths.split(",") if p and p not in PATHS]
     if args.ramp_s < 0 or args.ramp_s >= args.seconds:
         print("omnifabric bench: --ramp-s must be >= 0 and shorter than --seconds", file=sys.stderr)
+        return 2
+    if args.edge_processes < 1:
+        print("omnifabric bench: --edge-processes must be at least 1", file=sys.stderr)
         return 2
     if not counts or min(counts) < 1 or bad or args.seconds < 1:
         print(

@@ -79,12 +79,18 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> Be
                 [
                     *("--host", host, "--port", "0", "--grpc-port", "0"),
                     *("--scheduler", stack.scheduler, "--grace", "2"),
+                    *("--processes", str(args.edge_processes)),
                 ],
                 log_dir / "edge.log",
             )
             children.append(edge)
             stack.url = edge.wait_ready(args.ready_timeout).split()[0]
-            pids["edge"] = edge.proc.pid
+            if args.edge_processes == 1:
+                pids["edge"] = edge.proc.pid
+            else:  # the supervisor and its edge processes, summed as the edge
+                pids["edge-supervisor"] = edge.proc.pid
+                for i, pid in enumerate(child_pids(edge.proc.pid)):
+                    pids[f"edge-{i + 1}"] = pid
         if "ws-echo" in paths:
             echo = spawn(
                 "echo", "omnifabric.tools.perf.bench", ["--echo-server", host], log_dir / "echo.log"
@@ -98,6 +104,21 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> Be
         stack.stop()
         raise
     return stack
+
+
+def child_pids(parent: int) -> list[int]:
+    """The live child processes of `parent`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            found.append(int(entry.name))
+    return sorted(found)
 
 
 def wait_line(child: Any, log: Path, prefix: str, timeout_s: float) -> None:

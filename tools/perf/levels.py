@@ -46,7 +46,7 @@ async def run_level(
         runs = [fabric_session(url, d, units, frames, samples) for d in delays]
         # A fabric of its own: every service; a --url fabric: the client (and --edge-pid).
         watched = [
-            n for n in stack.pids if n != "echo" and (not args.url or n in ("client", "edge"))
+            n for n in stack.pids if n != "echo" and (not args.url or n == "client" or is_edge(n))
         ]
     elif path == "ws-echo":
         frames = [append_frame(u) for u in units]
@@ -75,14 +75,14 @@ async def run_level(
     steady: list[tuple[float, float | None, int]] = []
 
     async def steady_window() -> None:
-        pid = stack.pids.get("edge") if path == "fabric" else None
+        pids = edge_pids(stack.pids) if path == "fabric" else []
         if args.seconds < 3:
             return
         for mark in (sessions, sessions * (args.seconds - 1)):
             while samples.sent < mark:
                 await asyncio.sleep(0.02)
-            sample = proc_sample(pid) if pid else None
-            cpu = sample[0] if sample else None
+            cpus = [sample[0] for pid in pids if (sample := proc_sample(pid)) is not None]
+            cpu = sum(cpus) if pids and len(cpus) == len(pids) else None
             steady.append((time.monotonic(), cpu, len(samples.overhead)))
 
     lags: list[float] = []
@@ -115,9 +115,9 @@ async def run_level(
     level.wall_s = round(watch.wall_s, 2)
     level.machine_cores = round(watch.machine_cores, 2)
     level.steal_cores = round(watch.steal_cores, 2)
-    edge = level.processes.get("edge")
-    if edge and level.answered:
-        level.edge_cpu_us_per_unit = round(edge["cpu_s"] / level.answered * 1e6, 1)
+    edge_cpu_s = [p["cpu_s"] for n, p in level.processes.items() if is_edge(n)]
+    if edge_cpu_s and level.answered:
+        level.edge_cpu_us_per_unit = round(sum(edge_cpu_s) / level.answered * 1e6, 1)
     if len(steady) == 2:
         (t0, cpu0, n0), (t1, cpu1, n1) = steady
         level.overhead_streaming_ms = stats(
@@ -186,12 +186,22 @@ async def measure(
         )
 
 
+def is_edge(name: str) -> bool:
+    """An edge process's name in a stack's pids: `edge`, or `edge-N` and `edge-supervisor`
+    under `--edge-processes N`."""
+    return name == "edge" or name.startswith("edge-")
+
+
+def edge_pids(pids: dict[str, int]) -> list[int]:
+    return [pid for name, pid in pids.items() if is_edge(name)]
+
+
 def _start_profile(args: argparse.Namespace, stack: BenchStack, path: str, sessions: int) -> Any:
     """py-spy on the edge for a fabric level (--profile): a flame graph SVG in --out."""
     import shutil
     import subprocess
 
-    pid = stack.pids.get("edge")
+    pid = stack.pids.get("edge") or stack.pids.get("edge-1")  # the first of several
     if not args.profile or path != "fabric" or pid is None:
         return None
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
