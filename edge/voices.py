@@ -3,20 +3,26 @@
 
 An upload is a WAV (16- or 32-bit PCM, any rate 8-48 kHz, mono or stereo) in base64 with a
 display name; it is stored normalized (16 kHz mono 16-bit WAV) as `DIR/<id>.wav`, listed in
-`DIR/registry.json` (written atomically, read at start). One edge owns its folder: edges
-behind a load balancer each have their own unless DIR is shared storage.
+`DIR/registry.json`. Several processes may share the folder (`omnifabric edge --processes
+N`, or edges on one host given the same DIR): each change is a read-modify-write of the
+registry under an exclusive lock on `DIR/.lock` (flock), written atomically, and every read
+takes the registry again when the file changed since this process last saw it. Edges on
+other hosts have their own folder unless DIR is storage that honours flock.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import threading
 import uuid
 import wave
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -54,12 +60,34 @@ class VoiceRegistry:
         self.root = Path(root)
         self._lock = threading.Lock()
         self._voices: dict[str, Voice] = {}
-        self._load()
+        self._seen: tuple[int, int, int] | None = None
+        """(inode, size, mtime) of the registry file as last read or written."""
+        self._refresh()
 
     def list(self) -> dict[str, Any]:
         """{total, ref_audios: [...]} in upload order."""
+        with self._lock:
+            self._refresh()
+            return self._listing()
+
+    def _listing(self) -> dict[str, Any]:
         voices = [asdict(v) for v in self._voices.values()]
         return {"total": len(voices), "ref_audios": voices}
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """A change of the registry: this process's lock, then the folder's (other
+        processes), the registry as it is on disk now, and the change saved at the end."""
+        with self._lock:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(self.root / ".lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    self._refresh()
+                    yield
+                    self._save()
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
 
     def upload(self, name: Any, audio_base64: Any) -> Voice:
         """Store a voice; InvalidPayload (the message says what is wrong) for a bad one."""
@@ -78,7 +106,7 @@ class VoiceRegistry:
             raise InvalidPayload(
                 f"the voice is {pcm.size / 16000:.1f} s: at most {MAX_SECONDS:g} s"
             )
-        with self._lock:
+        with self._changing():
             if len(self._voices) >= MAX_VOICES:
                 raise InvalidPayload(f"{MAX_VOICES} voices are stored: delete one first")
             voice_id = str(uuid.uuid4())
@@ -89,26 +117,24 @@ class VoiceRegistry:
                 duration_ms=int(pcm.size / 16),
                 created_at=datetime.now(UTC).isoformat(timespec="seconds"),
             )
-            self.root.mkdir(parents=True, exist_ok=True)
             _write_wav(self.root / voice.filename, pcm)
             self._voices[voice_id] = voice
-            self._save()
         log.info("voice %s stored: %r, %d ms", voice_id, voice.name, voice.duration_ms)
         return voice
 
     def delete(self, voice_id: str) -> bool:
         """Remove a voice; False when there is none with that id."""
-        with self._lock:
+        with self._changing():
             voice = self._voices.pop(voice_id, None)
-            if voice is None:
-                return False
-            self._save()
-        (self.root / voice.filename).unlink(missing_ok=True)
-        return True
+            if voice is not None:
+                (self.root / voice.filename).unlink(missing_ok=True)
+        return voice is not None
 
     def pcm(self, voice_id: str) -> bytes | None:
         """A voice's audio as float32 16 kHz PCM (what sessions send as reference audio)."""
-        voice = self._voices.get(voice_id)
+        with self._lock:
+            self._refresh()
+            voice = self._voices.get(voice_id)
         if voice is None:
             return None
         try:
@@ -117,24 +143,39 @@ class VoiceRegistry:
             log.error("voice %s unreadable: %s", voice_id, exc)
             return None
 
-    def _load(self) -> None:
-        index = self.root / "registry.json"
-        if not index.is_file():
-            return
+    def _stamp(self) -> tuple[int, int, int] | None:
         try:
-            entries = json.loads(index.read_text())["ref_audios"]
-            for entry in entries:
-                voice = Voice(**entry)
-                if (self.root / voice.filename).is_file():
-                    self._voices[voice.id] = voice
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.error("voice registry %s unreadable, starting empty: %s", index, exc)
+            st = (self.root / "registry.json").stat()
+        except OSError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _refresh(self) -> None:
+        """Take the registry from disk when it changed since this process last saw it (an
+        unreadable one keeps what was known, with an error logged)."""
+        stamp = self._stamp()
+        if stamp == self._seen:
+            return
+        index = self.root / "registry.json"
+        voices: dict[str, Voice] = {}
+        if stamp is not None:
+            try:
+                for entry in json.loads(index.read_text())["ref_audios"]:
+                    voice = Voice(**entry)
+                    if (self.root / voice.filename).is_file():
+                        voices[voice.id] = voice
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.error("voice registry %s unreadable, keeping what was known: %s", index, exc)
+                return
+        self._voices = voices
+        self._seen = stamp
 
     def _save(self) -> None:
         index = self.root / "registry.json"
-        tmp = index.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.list(), ensure_ascii=False, indent=1))
+        tmp = index.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self._listing(), ensure_ascii=False, indent=1))
         os.replace(tmp, index)
+        self._seen = self._stamp()
 
 
 def _write_wav(path: Path, pcm: np.ndarray) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import multiprocessing
 import socket
 import urllib.error
 import urllib.request
@@ -53,6 +54,35 @@ def test_upload_list_delete_and_restart(tmp_path):
     assert VoiceRegistry(tmp_path / "voices").list()["total"] == 0
     assert not (tmp_path / "voices" / entry["filename"]).exists()
     assert registry.pcm("nope") is None
+
+
+def _upload_many(root: str, tag: str, count: int) -> None:
+    registry = VoiceRegistry(root)
+    for i in range(count):
+        registry.upload(f"{tag}-{i}", wav_b64(0.2))
+
+
+def test_processes_sharing_the_folder_lose_nothing(tmp_path):
+    # Two registries on one folder (two edge processes): each sees the other's changes.
+    first, second = VoiceRegistry(tmp_path), VoiceRegistry(tmp_path)
+    a = first.upload("a", wav_b64(0.2))
+    b = second.upload("b", wav_b64(0.2))
+    assert [v["name"] for v in first.list()["ref_audios"]] == ["a", "b"]
+    assert second.pcm(a.id) is not None
+    assert first.delete(b.id) and not second.delete(b.id)
+    assert [v["name"] for v in second.list()["ref_audios"]] == ["a"]
+    # Processes uploading at the same time: every upload is kept.
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_upload_many, args=(str(tmp_path), t, 8)) for t in "xyz"]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(scaled(60))
+        assert proc.exitcode == 0
+    names = {v["name"] for v in first.list()["ref_audios"]}
+    assert names == {"a"} | {f"{t}-{i}" for t in "xyz" for i in range(8)}
+    assert len(list(tmp_path.glob("*.wav"))) == 25
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 @pytest.mark.parametrize(
