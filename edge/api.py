@@ -99,7 +99,14 @@ async def handle(
     if path == HALF_DUPLEX_STOP:
         return await _half_duplex_stop(context, method, body, authorization)
     if path == APPS or path.startswith(ADMIN_APPS):
-        return _apps(context, method, path, body, authorization)
+        try:
+            return await _apps(context, method, path, body, authorization)
+        except grpc.aio.AioRpcError:
+            return error(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "the scheduler cannot be reached: app switches are the fabric's",
+            )
     if path == FRONTEND_DEFAULTS or path.startswith(PRESETS):
         # What the pages load before a session: no key, as the reference server.
         if method != "GET":
@@ -192,7 +199,7 @@ async def _half_duplex_stop(
     return error(HTTPStatus.NOT_FOUND, "not_found", f"no half-duplex call {session_id}")
 
 
-def _apps(
+async def _apps(
     context: ApiContext, method: str, path: str, body: bytes, authorization: str
 ) -> HttpResponse:
     """The enabled apps (public, the pages read them), every app and the switch (admin)."""
@@ -215,7 +222,7 @@ def _apps(
     if not isinstance(request, dict) or not isinstance(request.get("enabled"), bool):
         return error(HTTPStatus.BAD_REQUEST, "invalid_request", 'send {"enabled": true|false}')
     app_id = unquote(path.removeprefix(ADMIN_APPS + "/"))
-    app = context.apps.set_enabled(app_id, request["enabled"])
+    app = await context.apps.switch(context.fabric.scheduler, app_id, request["enabled"])
     if app is None:
         return error(HTTPStatus.NOT_FOUND, "not_found", f"no app {app_id}")
     return HttpResponse(HTTPStatus.OK, {"success": True, "app": app})

@@ -2,15 +2,29 @@
 `GET /api/apps`, `GET /api/admin/apps`, `PUT /api/admin/apps/{id}`, as the reference server
 offers them. A disabled app refuses new sessions on every endpoint of its mode (WebSocket:
 error `app_disabled` and close 1008; POST /api/chat: 403; gRPC: PERMISSION_DENIED); sessions
-already open go on. The state lives in this edge's memory: it starts all enabled, and each
-edge of a fleet is switched on its own.
+already open go on. The switches are the fabric's: a change goes to the scheduler
+(SetApp) and every edge process reads them from it about once a second (`follow`), so a
+switch reaches every edge of the fabric within that; an edge that cannot reach the
+scheduler keeps what it last read.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+import grpc
+
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+
+log = logging.getLogger("omnifabric.edge.apps")
+
+#: How often an edge reads the fabric's app switches from the scheduler, s.
+FOLLOW_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,27 @@ class Apps:
     def __init__(self, apps: tuple[App, ...] = DEFAULT_APPS) -> None:
         self._lock = threading.Lock()
         self._apps = {app.app_id: app for app in apps}
+        self._generation = -1
+        """The scheduler's generation of the switches applied last (-1: none yet)."""
+
+    def known(self, app_id: str) -> bool:
+        return app_id in self._apps
+
+    def apply(self, disabled: Iterable[str], generation: int) -> None:
+        """Take the fabric's switches (the ids off), unless newer ones were applied."""
+        off = set(disabled)
+        with self._lock:
+            if generation < self._generation:
+                return
+            self._generation = generation
+            for app_id, app in self._apps.items():
+                self._apps[app_id] = replace(app, enabled=app_id not in off)
+
+    def view(self, app_id: str) -> dict[str, Any] | None:
+        """One app's admin view, or None for an unknown id."""
+        with self._lock:
+            app = self._apps.get(app_id)
+        return None if app is None else _admin_view(app)
 
     def enabled(self, mode: str) -> bool:
         """Whether new sessions of `mode` are taken (a mode no app names: yes)."""
@@ -55,14 +90,36 @@ class Apps:
             apps = list(self._apps.values())
         return {"apps": [_admin_view(a) for a in apps]}
 
-    def set_enabled(self, app_id: str, enabled: bool) -> dict[str, Any] | None:
-        """Switch an app; its admin view, or None for an unknown id."""
-        with self._lock:
-            app = self._apps.get(app_id)
-            if app is None:
-                return None
-            self._apps[app_id] = app = replace(app, enabled=enabled)
-        return _admin_view(app)
+    async def switch(self, stub: Any, app_id: str, enabled: bool) -> dict[str, Any] | None:
+        """Switch an app for the whole fabric (the scheduler's SetApp; its AioRpcError
+        when it cannot be reached) and here at once; its admin view, or None for an id not
+        in the catalog."""
+        if not self.known(app_id):
+            return None
+        reply = await stub.SetApp(
+            scheduler_pb.SetAppRequest(app_id=app_id, enabled=enabled), timeout=5.0
+        )
+        self.apply(reply.disabled_app_ids, reply.generation)
+        return self.view(app_id)
+
+
+async def follow(apps: Apps, stub: Any, interval_s: float = FOLLOW_INTERVAL_S) -> None:
+    """Keep `apps` as the scheduler says, reading GetApps every `interval_s` until
+    cancelled; while the scheduler does not answer the last switches stay (logged once)."""
+    failing = False
+    while True:
+        try:
+            reply = await stub.GetApps(scheduler_pb.GetAppsRequest(), timeout=2 * interval_s)
+        except grpc.aio.AioRpcError as err:
+            if not failing:
+                log.warning("app switches: the scheduler did not answer (%s)", err.code().name)
+            failing = True
+        else:
+            if failing:
+                log.info("app switches: read from the scheduler again")
+            failing = False
+            apps.apply(reply.disabled_app_ids, reply.generation)
+        await asyncio.sleep(interval_s)
 
 
 def _admin_view(app: App) -> dict[str, Any]:

@@ -11,7 +11,7 @@ the supervisor exits when they have. Children get SIGTERM from the kernel if the
 supervisor dies.
 
 What lives in one edge process's memory stays per process, as between separate edges:
-app switches, per-key session limits, /status, /metrics (each scrape sees the process that
+per-key session limits, /status, /metrics (each scrape sees the process that
 took the connection; its `edge_process` label says which), the half-duplex stop."""
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from websockets.asyncio.server import Server
 
 from omnifabric.common.tls import server_credentials
 from omnifabric.edge.app import EdgeApp
+from omnifabric.edge.apps import follow
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.connection import ChatConnection, DuplexConnection
 from omnifabric.edge.fabric import Fabric, channel_options
@@ -36,6 +37,8 @@ class RunningEdge:
     grpc_port: int
 
     servicer: RealtimeServicer | None = None
+    follow_apps: asyncio.Task[None] | None = None
+    """Reads the fabric's app switches from the scheduler (edge.apps.follow)."""
 
     @property
     def url(self) -> str:
@@ -79,6 +82,9 @@ class RunningEdge:
             log.warning("drain: WebSocket connections still closing at the end of the grace")
         if self.grpc_server is not None:
             await self.grpc_server.stop(max(0.1, deadline - loop.time()))
+        if self.follow_apps is not None:
+            self.follow_apps.cancel()
+            await asyncio.gather(self.follow_apps, return_exceptions=True)
         await self.app.fabric.close()
 
 
@@ -125,6 +131,7 @@ async def start_edge(config: EdgeConfig, metrics: EdgeMetrics = METRICS) -> Runn
         await grpc_server.start()
         for name in ("", "omni.realtime.v1.RealtimeService"):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    follow_apps = asyncio.create_task(follow(app.apps, fabric.scheduler))
     return RunningEdge(
-        config, app, ws_server, grpc_server, health_servicer, port, grpc_port, servicer
+        config, app, ws_server, grpc_server, health_servicer, port, grpc_port, servicer, follow_apps
     )

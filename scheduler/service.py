@@ -56,11 +56,19 @@ _HEALTH_TO_PB = {
 }
 
 
+#: Bounds of the fabric's app switches (ids are the edges' catalog: a handful, short).
+MAX_APP_ID_CHARS = 64
+MAX_APPS_OFF = 64
+
+
 class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
     """The gRPC face of one `Scheduler`."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
+        self._disabled_apps: set[str] = set()
+        """App ids switched off for the whole fabric (GetApps/SetApp)."""
+        self._apps_generation = 0
 
     async def Register(
         self,
@@ -273,6 +281,31 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb.CancelTicketResponse:
         return scheduler_pb.CancelTicketResponse(
             cancelled=self._scheduler.cancel(request.ticket_id)
+        )
+
+    async def GetApps(
+        self, request: scheduler_pb.GetAppsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb.GetAppsResponse:
+        return scheduler_pb.GetAppsResponse(
+            disabled_app_ids=sorted(self._disabled_apps), generation=self._apps_generation
+        )
+
+    async def SetApp(
+        self, request: scheduler_pb.SetAppRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb.SetAppResponse:
+        app_id = request.app_id
+        if not app_id or len(app_id) > MAX_APP_ID_CHARS:
+            await _abort(context, InvalidRequest(f"app_id must be 1 to {MAX_APP_ID_CHARS} chars"))
+        if request.enabled:
+            self._disabled_apps.discard(app_id)
+        elif app_id not in self._disabled_apps:
+            if len(self._disabled_apps) >= MAX_APPS_OFF:
+                await _abort(context, InvalidRequest(f"at most {MAX_APPS_OFF} apps can be off"))
+            self._disabled_apps.add(app_id)
+        self._apps_generation += 1
+        log.info("app %s switched %s", app_id, "on" if request.enabled else "off")
+        return scheduler_pb.SetAppResponse(
+            disabled_app_ids=sorted(self._disabled_apps), generation=self._apps_generation
         )
 
     async def SetEta(

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 from websockets.exceptions import ConnectionClosed
 
+from tests.conftest import scaled
 from tests.e2e.test_default_voice import http_url
 from tests.e2e.test_queue_api import ADMIN, USER, open_client
-from tests.e2e.wsclient import WsClient
+from tests.e2e.wsclient import WsClient, wait_for
 from tests.edge.test_voices import request
 from tests.stack import keyed_stack
 
@@ -92,3 +93,48 @@ async def test_switch_an_app_off_and_on(stack):
     assert request(f"{admin_url}/karaoke", "PUT", {"enabled": True}, key=ADMIN)[0] == 404
     assert request(f"{admin_url}/omni", "PUT", {"enabled": "yes"}, key=ADMIN)[0] == 400
     assert request(f"{admin_url}/omni", "DELETE", key=ADMIN)[0] == 405
+
+
+async def test_a_switch_reaches_every_edge_of_the_fabric(stack, tmp_path):
+    first_url = stack.url
+    # A second edge process on the same scheduler (another host of the fleet, or another
+    # process of `edge --processes`).
+    stack.start_edge("--api-keys-file", str(tmp_path / "keys"), name="edge2")
+    second_url = stack.url
+    admin = http_url(first_url, "/api/admin/apps")
+    assert request(f"{admin}/audio_duplex", "PUT", {"enabled": False}, key=ADMIN)[0] == 200
+
+    async def second_refuses() -> bool:
+        apps = request(http_url(second_url, "/api/apps"), "GET")[1]["apps"]
+        return "audio_duplex" not in [a["app_id"] for a in apps]
+
+    took = await wait_for(second_refuses, 5, interval_s=0.1)
+    assert took < scaled(2.5)  # read about once a second
+    client = await WsClient.open(
+        f"{second_url}?mode=audio", additional_headers={"Authorization": f"Bearer {USER}"}
+    )
+    error, code = await refused(client)
+    assert (error["code"], code) == ("app_disabled", 1008)
+    # Back on from the second edge: the first takes it.
+    assert (
+        request(
+            f"{http_url(second_url, '/api/admin/apps')}/audio_duplex",
+            "PUT",
+            {"enabled": True},
+            key=ADMIN,
+        )[0]
+        == 200
+    )
+
+    async def first_takes() -> bool:
+        apps = request(http_url(first_url, "/api/apps"), "GET")[1]["apps"]
+        return "audio_duplex" in [a["app_id"] for a in apps]
+
+    await wait_for(first_takes, 5, interval_s=0.1)
+    # Without the scheduler a switch cannot be made fabric-wide: 503, the state stays.
+    stack.services[0].stop()
+    status, body = request(f"{admin}/omni", "PUT", {"enabled": False}, key=ADMIN)
+    assert status == 503 and body["error"] == "service_unavailable", body
+    assert "omni" in [
+        a["app_id"] for a in request(http_url(first_url, "/api/apps"), "GET")[1]["apps"]
+    ]

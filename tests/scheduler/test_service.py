@@ -529,3 +529,26 @@ async def test_eta_settings_change_at_run_time(start_scheduler: StartScheduler) 
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (await status(harness)).eta.alpha == 0.5  # a refused change changed nothing
     await worker.close()
+
+
+async def test_app_switches_are_kept_for_the_fabric(start_scheduler: StartScheduler) -> None:
+    harness = await start_scheduler()
+    first = await harness.stub.GetApps(scheduler_pb.GetAppsRequest())
+    assert list(first.disabled_app_ids) == [] and first.generation == 0
+    off = await harness.stub.SetApp(scheduler_pb.SetAppRequest(app_id="omni", enabled=False))
+    assert list(off.disabled_app_ids) == ["omni"] and off.generation == 1
+    await harness.stub.SetApp(scheduler_pb.SetAppRequest(app_id="audio_duplex", enabled=False))
+    on = await harness.stub.SetApp(scheduler_pb.SetAppRequest(app_id="omni", enabled=True))
+    assert list(on.disabled_app_ids) == ["audio_duplex"] and on.generation == 3
+    read = await harness.stub.GetApps(scheduler_pb.GetAppsRequest())
+    assert list(read.disabled_app_ids) == ["audio_duplex"] and read.generation == 3
+    for bad in ("", "x" * 65):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await harness.stub.SetApp(scheduler_pb.SetAppRequest(app_id=bad, enabled=False))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for i in range(63):  # 64 off at most: the catalog is a handful
+        await harness.stub.SetApp(scheduler_pb.SetAppRequest(app_id=f"a{i}", enabled=False))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await harness.stub.SetApp(scheduler_pb.SetAppRequest(app_id="one-more", enabled=False))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (await harness.stub.GetApps(scheduler_pb.GetAppsRequest())).generation == 66
