@@ -61,11 +61,14 @@ class SyntheticSession(EngineSession):
         self.closed = False
 
     def _busy(self, share: float) -> float:
-        """Spend `share` of the unit's compute time; returns the ms spent."""
+        """Spend `share` of the unit's compute time; returns the ms spent, as measured (a
+        sleep overshoots by ~0.1 ms here: that is compute, not the fabric's overhead)."""
         seconds = self.engine.compute_ms * share / 1000.0
-        if seconds > 0:
-            time.sleep(seconds)
-        return seconds * 1000.0
+        if seconds <= 0:
+            return 0.0
+        started = time.perf_counter()
+        time.sleep(seconds)
+        return (time.perf_counter() - started) * 1000.0
 
     def prepare(
         self,
