@@ -267,7 +267,7 @@ class DuplexConnection:
                 # A dropped connection (no close frame) keeps a resumable session.
                 await core.abort(keep=getattr(self.transport, "dropped", False))
             if self.recorder is not None:
-                self.recorder.finish()
+                self.recorder.finish(core.worker_id)
             otel_context.detach(token)
 
     def _decode(self, message: Any, into: list[ev.Command]) -> bool:

@@ -22,6 +22,13 @@ recording id may not (RECORDING_ID). Dialects hand the id to their clients
   the client sent reference voices.
 - `units.jsonl`: per unit answered: seq, kind (listen/speak/dropped), text, end_of_turn,
   kv, prefill_ms, generate_ms, wall_clock_ms, edge_ms (edge receive -> send).
+- The reference server's layout too, so that its clients and tools read our recordings:
+  `recording.json` (`{session_id, mode: "duplex", worker_id, start_ts, config, chunks}`,
+  one chunk per answered unit: `{index, receive_ts_ms, user_audio, result: {mode:
+  LISTEN|SPEAK, timing, text, ai_audio, ai_audio_duration_ms, end_of_turn}}`), each unit's
+  input as `user_audio/<index>.wav` and each speaking unit's speech as
+  `ai_audio/turn_<turn>_chunk_<k>.wav` (16-bit PCM, 16 and 24 kHz), and meta.json's
+  `app_type`, `created_at`, `duration_s`, `worker_id` and `title` beside ours.
 
 Writes happen on the event loop but stay small (appends, one ~64 KB file per unit, no
 fsync). Any failure logs once and turns the recorder off: recording never breaks a session.
@@ -115,6 +122,20 @@ def _pcm16(samples: np.ndarray) -> bytes:
     return (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
+def _user_audio(seq: int) -> str:
+    """The reference layout's name of unit `seq`'s input (its chunks count from 0)."""
+    return f"user_audio/{seq - 1:03d}.wav"
+
+
+def _write_pcm16_wav(path: Path, pcm16: bytes, rate: int) -> None:
+    path.parent.mkdir(exist_ok=True)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm16)
+
+
 def _b64_len(value: str) -> int:
     """Decoded byte length of a base64 string, without decoding it."""
     pad = 2 if value.endswith("==") else 1 if value.endswith("=") else 0
@@ -178,6 +199,11 @@ class SessionRecorder:
         self._model_refs: dict[int, tuple[int, int]] = {}
         self._received: dict[int, float] = {}
         self._seq = 0
+        self._chunks: list[dict[str, Any]] = []
+        """recording.json's timeline (the reference server's), one entry per answered unit."""
+        self._received_ms: dict[int, float] = {}
+        self._turn = 0
+        self._speak_in_turn = 0
         self._closed_reason: str | None = None
         self._client_reason: str | None = None
         self._last_flush = self._t0
@@ -223,10 +249,18 @@ class SessionRecorder:
             "close_reason": None,
             "client_close_reason": None,
             "system_prompt": init.system_prompt,
-            "config": config,
+            # The settings as sent, and the system prompt (where the reference server's
+            # meta.json has it).
+            "config": {**config, "system_prompt": init.system_prompt},
             "max_slice_nums": init.max_slice_nums,
             "voices": voices,
             "units": 0,
+            # The reference server's names for what its clients read.
+            "app_type": self._app_type(),
+            "created_at": _iso(self._wall0),
+            "title": "Session " + datetime.fromtimestamp(self._wall0, UTC).strftime("%m-%d %H:%M"),
+            "duration_s": None,
+            "worker_id": None,
             "files": {
                 "user.wav": "user audio, 16 kHz mono 16-bit PCM, units back to back",
                 "model.wav": "model speech, 24 kHz mono 16-bit PCM, speaking units back to back",
@@ -276,10 +310,13 @@ class SessionRecorder:
         self._seq += 1
         seq = self._seq
         self._received[seq] = time.monotonic()
+        self._received_ms[seq] = (self._received[seq] - self._t0) * 1000.0
         name = f"in/{seq:06d}.wav"
         (self.folder / name).write_bytes(float32_wav(cmd.pcm))
+        pcm16 = _pcm16(np.frombuffer(cmd.pcm, dtype="<f4"))
         assert self._user is not None
-        self._user.writeframes(_pcm16(np.frombuffer(cmd.pcm, dtype="<f4")))
+        self._user.writeframes(pcm16)
+        _write_pcm16_wav(self.folder / _user_audio(seq), pcm16, USER_RATE)
         kind = "input_audio_buffer.append" if dialect is ev.Dialect.FIRST else "input.append"
         self._log(
             "in",
@@ -329,6 +366,7 @@ class SessionRecorder:
             "audio_samples": len(out.pcm) // 4,
         }
         self._units.write(json.dumps(unit, ensure_ascii=False) + "\n")
+        self._chunk(out)
         if now - self._last_flush > 5.0:  # bounded loss on a crash, no fsync
             self._last_flush = now
             assert self._events is not None  # opened with _units by start
@@ -354,8 +392,9 @@ class SessionRecorder:
                 event[key] = {"omitted_bytes": _b64_len(audio)}
         self._log("out", event)
 
-    def finish(self) -> None:
-        """The connection is over: close the files, complete meta.json."""
+    def finish(self, worker_id: str = "") -> None:
+        """The connection is over: close the files, complete meta.json and write
+        recording.json (`worker_id`: the worker that served the session, when known)."""
         if self.enabled and self.folder is not None:
             try:
                 now = time.time()
@@ -365,15 +404,72 @@ class SessionRecorder:
                     close_reason=self._closed_reason or ev.CLIENT_CLOSED,
                     client_close_reason=self._client_reason,
                     units=self._seq,
+                    duration_s=round(now - self._wall0, 1),
+                    worker_id=worker_id,
                 )
                 self._close_files()
                 self._write_meta()
+                self._write_recording_json(worker_id)
                 log.info("session %s recorded in %s", self.session_id, self.folder)
             except Exception:
                 log.exception("session %s: recording not finished", self.session_id)
         self._disable()
 
     # ---- internals -------------------------------------------------------------
+
+    def _app_type(self) -> str:
+        """The reference server's app type of this session."""
+        if urlsplit(self.path).path.startswith("/ws/half_duplex"):
+            return "half_duplex_audio"
+        return "omni_duplex" if self.mode == "video" else "audio_duplex"
+
+    def _chunk(self, out: ev.Output) -> None:
+        """recording.json's entry for one answered unit (and its speech file)."""
+        assert self.folder is not None
+        timing: dict[str, Any] = {
+            key: round(out.timings_ms[key], 1)
+            for key in ("prefill_ms", "generate_ms", "wall_clock_ms")
+            if key in out.timings_ms
+        }
+        timing["kv_cache_length"] = out.kv_cache_length
+        result: dict[str, Any] = {"mode": "LISTEN" if out.is_listen else "SPEAK", "timing": timing}
+        if not out.is_listen:
+            if out.text:
+                result["text"] = out.text
+            if out.pcm:
+                name = f"ai_audio/turn_{self._turn}_chunk_{self._speak_in_turn:03d}.wav"
+                self._speak_in_turn += 1
+                pcm16 = _pcm16(np.frombuffer(out.pcm, dtype="<f4"))
+                _write_pcm16_wav(self.folder / name, pcm16, MODEL_RATE)
+                result["ai_audio"] = name
+                result["ai_audio_duration_ms"] = round(len(out.pcm) / 4 / MODEL_RATE * 1000)
+            if out.end_of_turn:
+                result["end_of_turn"] = True
+                self._turn += 1
+                self._speak_in_turn = 0
+        self._chunks.append(
+            {
+                "index": out.seq - 1,
+                "receive_ts_ms": round(self._received_ms.pop(out.seq, 0.0), 1),
+                "user_audio": _user_audio(out.seq),
+                "result": result,
+            }
+        )
+
+    def _write_recording_json(self, worker_id: str) -> None:
+        assert self.folder is not None
+        config = dict(self._meta["config"])
+        recording = {
+            "session_id": self.folder.name,
+            "mode": "duplex",
+            "worker_id": worker_id,
+            "start_ts": self._meta["started_at"],
+            "config": config,
+            "chunks": self._chunks,
+        }
+        tmp = self.folder / "recording.json.tmp"
+        tmp.write_text(json.dumps(recording, ensure_ascii=False, indent=1) + "\n")
+        os.replace(tmp, self.folder / "recording.json")
 
     def _log(self, direction: str, event: dict[str, Any]) -> None:
         now = time.monotonic()

@@ -1,6 +1,7 @@
 """Recorded sessions over HTTP (the edge's `--record-dir`, edge/recording.py), as the
 reference server offers them: `GET /api/sessions`, `GET /api/sessions/{sid}` (meta and the
-per-unit timeline), `GET /api/sessions/{sid}/recording` (the timeline), `GET
+per-unit timeline), `GET /api/sessions/{sid}/recording` (the reference's recording.json
+timeline and ours), `GET
 /api/sessions/{sid}/assets/{path}` (a file of the recording: its audio, its units' inputs),
 `GET /api/sessions/{sid}/download` (the folder as a zip). The viewer page `/s/{sid}` reads
 them. Session ids and asset paths are checked: nothing outside the recording folder is ever
@@ -70,7 +71,11 @@ class Recordings:
             meta = _json(folder / "meta.json")
             return Answer(HTTPStatus.OK, {**meta, "timeline": _units(folder)})
         if tail == "recording":
-            return Answer(HTTPStatus.OK, {"session_id": sid, "units": _units(folder)})
+            # The reference server's recording.json (chunks) where the recording has one
+            # (it is written when the session ends), and our per-unit lines.
+            timeline = folder / "recording.json"
+            body = _json(timeline) if timeline.is_file() else {"session_id": sid}
+            return Answer(HTTPStatus.OK, {**body, "units": _units(folder)})
         if tail == "download":
             return Answer(HTTPStatus.OK, _zip(folder), "application/zip", f"{sid}.zip")
         if tail.startswith("assets/"):

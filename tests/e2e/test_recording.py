@@ -140,6 +140,41 @@ def test_record_then_replay(stack, record_dir, tmp_path):
     assert "paris" in "".join(u["text"] for u in speak).lower()
     assert all(u["edge_ms"] is not None and u["edge_ms"] >= 0 for u in units)
 
+    # The reference server's layout: recording.json's chunks, 16-bit WAVs its tools read,
+    # meta.json's names for what its clients read.
+    assert meta["app_type"] == "audio_duplex" and meta["created_at"] == meta["started_at"]
+    assert meta["worker_id"] and meta["duration_s"] > 0 and meta["title"].startswith("Session ")
+    assert meta["config"]["system_prompt"] == "You are a helpful assistant."
+    recording = json.loads((folder / "recording.json").read_text())
+    assert recording["session_id"] == folder.name and recording["mode"] == "duplex"
+    assert recording["worker_id"] == meta["worker_id"]
+    assert recording["config"]["system_prompt"] == meta["system_prompt"]
+    chunks = recording["chunks"]
+    assert [c["index"] for c in chunks] == list(range(n_units))
+    assert [c["result"]["mode"] for c in chunks] == [u["kind"].upper() for u in units]
+    assert all(c["receive_ts_ms"] > 0 for c in chunks)
+    stamps = [c["receive_ts_ms"] for c in chunks]
+    assert stamps == sorted(stamps)
+    assert {"prefill_ms", "wall_clock_ms", "kv_cache_length"} <= chunks[0]["result"][
+        "timing"
+    ].keys()
+    with wave.open(str(folder / chunks[0]["user_audio"])) as w:
+        assert (w.getframerate(), w.getsampwidth(), w.getnchannels()) == (16000, 2, 1)
+        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32767.0
+    assert np.abs(pcm - source).max() < 1e-3
+    spoken = [c["result"] for c in chunks if c["result"]["mode"] == "SPEAK"]
+    assert "paris" in "".join(r.get("text", "") for r in spoken).lower()
+    assert spoken[-1]["end_of_turn"] is True
+    speech = 0
+    for i, result in enumerate(r for r in spoken if "ai_audio" in r):
+        assert result["ai_audio"] == f"ai_audio/turn_0_chunk_{i:03d}.wav"
+        with wave.open(str(folder / result["ai_audio"])) as w:
+            assert (w.getframerate(), w.getsampwidth()) == (24000, 2)
+            assert result["ai_audio_duration_ms"] == round(w.getnframes() / 24)
+            speech += w.getnframes()
+    with wave.open(str(folder / "model.wav")) as w:
+        assert speech == w.getnframes()
+
     # The reference engine is deterministic: the replay matches unit for unit.
     replay = _cli("replay", str(folder), "--url", stack.url, "--fast")
     assert replay.returncode == 0, replay.stdout + replay.stderr

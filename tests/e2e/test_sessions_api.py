@@ -67,6 +67,11 @@ async def test_sessions_listed_read_served_and_zipped(stack, tmp_path):
     assert all("wall_clock_ms" in u for u in meta["timeline"])
     status, timeline = request(f"{base}/{sid}/recording", "GET", key=USER)
     assert status == 200 and timeline["units"] == meta["timeline"]
+    # The reference server's shape too: its clients read `chunks` and their assets.
+    assert timeline["mode"] == "duplex" and [c["index"] for c in timeline["chunks"]] == [0, 1, 2]
+    assert meta["app_type"] == "audio_duplex" and meta["config"]["system_prompt"] == "be brief"
+    status, _, chunk_wav = raw_get(f"{base}/{sid}/assets/{timeline['chunks'][0]['user_audio']}")
+    assert status == 200 and chunk_wav[:4] == b"RIFF"
 
     status, headers, wav = raw_get(f"{base}/{sid}/assets/user.wav")
     assert status == 200 and headers["Content-Type"] == "audio/wav" and wav[:4] == b"RIFF"
