@@ -11,18 +11,37 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
+import os
+import re
 import zipfile
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from omnifabric.edge.recording import RECORDING_ID
 
 PREFIX = "/api/sessions"
+#: POST /api/sessions/{sid}/upload-recording: the page's own recording of the session.
+UPLOAD = "upload-recording"
+#: The largest uploaded file, bytes (the reference server's limit), and the multipart
+#: framing allowed around it.
+UPLOAD_MAX_BYTES = 200 * 1024 * 1024
+UPLOAD_FRAMING_BYTES = 64 * 1024
+#: What may be uploaded, by content type -> the stored file's suffix.
+UPLOAD_TYPES = {
+    "video/webm": ".webm",
+    "video/mp4": ".mp4",
+    "audio/wav": ".wav",
+    "audio/webm": ".webm",
+}
+_COPY_BYTES = 1 << 20
 #: What an asset is served as, by suffix; other files are not served.
 ASSET_TYPES = {
     ".wav": "audio/wav",
+    ".webm": "video/webm",
+    ".mp4": "video/mp4",
     ".jpg": "image/jpeg",
     ".jpeg": "image/jpeg",
     ".png": "image/png",
@@ -82,6 +101,55 @@ class Recordings:
             return self._asset(folder, tail.removeprefix("assets/"))
         return _error(HTTPStatus.NOT_FOUND, "not_found", f"no such endpoint: {path}")
 
+    def upload_target(self, path: str) -> str | None:
+        """The session id a POST .../{sid}/upload-recording names, else None."""
+        rest = path.removeprefix(PREFIX + "/")
+        sid, _, tail = rest.partition("/")
+        return sid if path.startswith(PREFIX + "/") and tail == UPLOAD else None
+
+    def upload(self, sid: str, content_type: str, body: BinaryIO) -> Answer:
+        """Store the file part of a multipart/form-data body (field `file`) as the
+        session's `frontend_replay.<ext>`, as the reference server does."""
+        if self.root is None:
+            return _error(
+                HTTPStatus.NOT_FOUND, "not_found", "this edge records no sessions (--record-dir)"
+            )
+        if not RECORDING_ID.fullmatch(sid):
+            return _error(HTTPStatus.BAD_REQUEST, "invalid_request", "not a session id")
+        folder = self.root / sid
+        if not (folder / "meta.json").is_file():
+            return _error(HTTPStatus.NOT_FOUND, "not_found", f"Session not found: {sid}")
+        try:
+            part_type, start, end = file_part(content_type, body)
+        except ValueError as exc:
+            return _error(HTTPStatus.BAD_REQUEST, "invalid_request", str(exc))
+        suffix = UPLOAD_TYPES.get(part_type)
+        if suffix is None:
+            allowed = ", ".join(UPLOAD_TYPES)
+            return _error(
+                HTTPStatus.BAD_REQUEST,
+                "invalid_request",
+                f"Unsupported file type: {part_type or 'none'} (send {allowed})",
+            )
+        size = end - start
+        if size > UPLOAD_MAX_BYTES:
+            return _error(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "too_large", "File too large (max 200MB)"
+            )
+        name = f"frontend_replay{suffix}"
+        tmp = folder / f".{name}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as out:
+            body.seek(start)
+            left = size
+            while left:
+                chunk = body.read(min(left, _COPY_BYTES))
+                if not chunk:
+                    break
+                out.write(chunk)
+                left -= len(chunk)
+        os.replace(tmp, folder / name)
+        return Answer(HTTPStatus.OK, {"status": "ok", "path": name, "size_bytes": size})
+
     def listing(self) -> dict[str, Any]:
         """Every recorded session, newest first: id, mode, times, units, size."""
         assert self.root is not None
@@ -125,6 +193,48 @@ class Recordings:
         if content_type is None or not path.is_file():
             return _error(HTTPStatus.NOT_FOUND, "not_found", f"no asset {relative}")
         return Answer(HTTPStatus.OK, path.read_bytes(), content_type)
+
+
+_BOUNDARY = re.compile(r'boundary="?([^";]{1,70})"?', re.IGNORECASE)
+_FIELD = re.compile(r'\bname="([^"]*)"', re.IGNORECASE)
+
+
+def file_part(content_type: str, body: BinaryIO) -> tuple[str, int, int]:
+    """(its content type, start, end) of the part named `file` in a multipart/form-data
+    body held in a real file (searched through mmap: never read into memory whole);
+    ValueError naming what is wrong."""
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise ValueError("send multipart/form-data with the file in a field named 'file'")
+    match = _BOUNDARY.search(content_type)
+    if match is None:
+        raise ValueError("multipart/form-data without a boundary")
+    delimiter = b"--" + match.group(1).encode("latin-1")
+    body.seek(0, os.SEEK_END)
+    if body.tell() == 0:
+        raise ValueError("the body is empty")
+    with mmap.mmap(body.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        pos = data.find(delimiter)
+        while pos >= 0:
+            start = pos + len(delimiter)
+            if data[start : start + 2] == b"--":
+                break  # the closing delimiter
+            head_end = data.find(b"\r\n\r\n", start, start + 16 * 1024)
+            if head_end < 0:
+                raise ValueError("a multipart part without headers")
+            head = data[start:head_end].decode("latin-1")
+            end = data.find(b"\r\n" + delimiter, head_end + 4)
+            if end < 0:
+                raise ValueError("a multipart part without its closing boundary")
+            headers = {}
+            for line in head.split("\r\n"):
+                key, _, value = line.partition(":")
+                headers[key.strip().lower()] = value.strip()
+            field = _FIELD.search(headers.get("content-disposition", ""))
+            if field is not None and field.group(1) == "file":
+                part_type = headers.get("content-type", "").split(";")[0].strip().lower()
+                return part_type, head_end + 4, end
+            pos = end + 2
+    raise ValueError("no field named 'file' in the form")
 
 
 def _json(path: Path) -> dict[str, Any]:

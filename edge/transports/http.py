@@ -19,14 +19,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import tempfile
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any, cast
+from typing import Any, BinaryIO, cast
 from urllib.parse import parse_qs, urlsplit
 
 from websockets.datastructures import Headers
 
-from omnifabric.edge import api, dialects
+from omnifabric.edge import api, dialects, sessions_api
 from omnifabric.edge.access import key_digest
 from omnifabric.edge.connection import ChatConnection, EdgeContext
 from omnifabric.edge.dialects.base import ChatDialect
@@ -36,30 +37,56 @@ from omnifabric.edge.errors import EdgeError
 log = logging.getLogger("omnifabric.edge.http")
 
 MAX_HEAD_BYTES = 16 * 1024
+#: Time an upload's body may take once its head is read, s (200 MB at ~0.35 MB/s).
+UPLOAD_BODY_S = 600.0
+#: The error code of a request refused while it is read, by status.
+_REFUSALS = {
+    HTTPStatus.UNAUTHORIZED: "unauthorized",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "too_large",
+}
 #: Requests this reader serves (with a body, or DELETE); anything else goes to the WebSocket
 #: server (GET: upgrades, pages, health, the GET API).
 HTTP_METHODS = (b"POST ", b"PUT ", b"DELETE ")
 
 
+#: What a reader does with a request's body, decided once its head is read: None keeps it
+#: in memory (within the frame limit), an int spools it to a temporary file within that
+#: many bytes (uploads), a (status, text) refuses the request before its body is read.
+BodyPlan = int | tuple[HTTPStatus, str] | None
+
+
 class HttpRequestReader:
     """One HTTP/1.1 request read from raw bytes (no I/O: fed by the connection)."""
 
-    def __init__(self, max_body: int) -> None:
+    def __init__(
+        self, max_body: int, plan: Callable[[str, str, Headers], BodyPlan] | None = None
+    ) -> None:
         self.max_body = max_body
-        self.buffer = b""
+        self.plan = plan
+        self.buffer = bytearray()
         self.head_done = False
         self.method = self.target = ""
         self.headers = Headers()
         self.length = 0
+        self.spool: BinaryIO | None = None
+        """The body's file when it is spooled (an upload), else None."""
+        self._spooled = 0
         self.ready = asyncio.get_running_loop().create_future()
         """None once the request is complete, or (status, text) for one that cannot be."""
 
     @property
     def body(self) -> bytes:
-        return self.buffer[: self.length]
+        return bytes(self.buffer[: self.length])
+
+    def close(self) -> None:
+        if self.spool is not None:
+            self.spool.close()
 
     def feed(self, data: bytes) -> None:
         if self.ready.done():
+            return
+        if self.spool is not None:
+            self._to_spool(data)
             return
         self.buffer += data
         if not self.head_done:
@@ -88,13 +115,32 @@ class HttpRequestReader:
             if self.length < 0:
                 self._refuse(HTTPStatus.LENGTH_REQUIRED, "Content-Length required")
                 return
-            if self.length > self.max_body:
+            plan = None if self.plan is None else self.plan(self.method, self.target, self.headers)
+            if isinstance(plan, tuple):
+                self._refuse(*plan)
+                return
+            limit = self.max_body if plan is None else plan
+            if self.length > limit:
                 self._refuse(
                     HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                    f"body too large: at most {self.max_body} bytes",
+                    f"body too large: at most {limit} bytes",
                 )
                 return
+            if plan is not None:
+                self.spool = tempfile.TemporaryFile()
+                data, self.buffer = bytes(self.buffer), bytearray()
+                self._to_spool(data)
+                return
         if len(self.buffer) >= self.length:
+            self.ready.set_result(None)
+
+    def _to_spool(self, data: bytes) -> None:
+        assert self.spool is not None
+        data = data[: self.length - self._spooled]
+        self.spool.write(data)
+        self._spooled += len(data)
+        if self._spooled >= self.length:
+            self.spool.flush()
             self.ready.set_result(None)
 
     def eof(self) -> None:
@@ -212,11 +258,20 @@ class FrontProtocol(asyncio.Protocol):
             self._handed_over = True
             self.open_websocket(self.transport, first)
             return
-        self._http = HttpRequestReader(self.app.config.max_frame_bytes)
+        self._http = HttpRequestReader(self.app.config.max_frame_bytes, self._plan)
         self._http.feed(first)
         task = asyncio.ensure_future(self._serve(self._http, self.transport))
         self.app.http_tasks.add(task)
         task.add_done_callback(self.app.http_tasks.discard)
+
+    def _plan(self, method: str, target: str, headers: Headers) -> BodyPlan:
+        """Uploads (POST /api/sessions/{id}/upload-recording) are spooled to a file, once
+        their key is checked; other bodies stay in memory."""
+        if method != "POST" or self.app.recordings.upload_target(urlsplit(target).path) is None:
+            return None
+        if key_digest(self.app.config, headers.get("Authorization", "")) is None:
+            return HTTPStatus.UNAUTHORIZED, "missing or invalid API key"
+        return sessions_api.UPLOAD_MAX_BYTES + sessions_api.UPLOAD_FRAMING_BYTES
 
     def eof_received(self) -> bool | None:
         if self._http is not None:
@@ -236,6 +291,7 @@ class FrontProtocol(asyncio.Protocol):
         try:
             problem = await self._request(reader)
         except (ConnectionError, TimeoutError):
+            reader.close()
             raw.abort()
             return
         path = urlsplit(reader.target).path
@@ -243,7 +299,19 @@ class FrontProtocol(asyncio.Protocol):
         transport = HttpTransport(path, reader.body, raw, self._gone)
         authorization = reader.headers.get("Authorization", "")
         if problem is not None:
-            transport.answer(failure(problem[0], "invalid_request", problem[1]))
+            code = _REFUSALS.get(problem[0], "invalid_request")
+            transport.answer(failure(problem[0], code, problem[1]))
+        elif reader.spool is not None:
+            sid = self.app.recordings.upload_target(path)
+            assert sid is not None  # spooled only for an upload
+            content_type = reader.headers.get("Content-Type", "")
+            try:
+                upload = await asyncio.to_thread(
+                    self.app.recordings.upload, sid, content_type, reader.spool
+                )
+            finally:
+                reader.close()
+            transport.answer(HttpResponse(upload.status, upload.body))
         elif found is None:
             answer = await api.handle(self.app, reader.method, path, reader.body, authorization)
             if answer is None:
@@ -303,8 +371,10 @@ class FrontProtocol(asyncio.Protocol):
                 log.info("HTTP request head not received within %.1fs: dropped", limit)
                 reader.ready.cancel()  # nothing waits on it any more
                 raise
+        body_limit = UPLOAD_BODY_S if reader.spool is not None else 5 * limit
         try:
-            return await asyncio.wait_for(asyncio.shield(reader.ready), 5 * limit)
+            return await asyncio.wait_for(asyncio.shield(reader.ready), body_limit)
         except TimeoutError:
             reader.ready.cancel()
+            reader.close()
             return HTTPStatus.REQUEST_TIMEOUT, "request body not received in time"

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
 import urllib.error
 import urllib.request
 import zipfile
 
+import numpy as np
 import pytest
 
 from tests.conftest import scaled
@@ -161,3 +163,74 @@ async def test_flat_dialects_name_their_recording(stack, tmp_path):
     assert status == 200 and chunks
     assert all(isinstance(c["audio_data"], dict) for c in chunks)
     assert max(len(line) for line in events.decode().splitlines()) < 2000
+
+
+def multipart(fields: list[tuple[str, str, bytes]], boundary: str = "b0undary") -> bytes:
+    """A multipart/form-data body: (field name, content type, data) per part."""
+    out = b""
+    for name, content_type, data in fields:
+        out += (
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; '
+                f'filename="{name}.bin"\r\nContent-Type: {content_type}\r\n\r\n'
+            ).encode()
+            + data
+            + b"\r\n"
+        )
+    return out + f"--{boundary}--\r\n".encode()
+
+
+def post(url: str, body: bytes, content_type: str, key: str | None = USER) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, method="POST")
+    req.add_header("Content-Type", content_type)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=scaled(30)) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+async def test_a_page_uploads_its_recording_of_the_session(stack, tmp_path):
+    sid = await record_a_session(stack)
+    base = http_url(stack.url, "/api/sessions")
+    url = f"{base}/{sid}/upload-recording"
+    form = "multipart/form-data; boundary=b0undary"
+    # 3 MB of "video" (random bytes hold every byte value, CRLFs and dashes included).
+    video = np.random.default_rng(5).integers(0, 256, 3 * 1024 * 1024, dtype=np.uint8).tobytes()
+    body = multipart([("note", "text/plain", b"hello"), ("file", "video/webm", video)])
+    status, answer = await asyncio.to_thread(post, url, body, form)
+    assert status == 200, answer
+    assert answer == {"status": "ok", "path": "frontend_replay.webm", "size_bytes": len(video)}
+    assert (tmp_path / "records" / sid / "frontend_replay.webm").read_bytes() == video
+    assert not list((tmp_path / "records" / sid).glob(".*.tmp"))
+    status, headers, served = raw_get(f"{base}/{sid}/assets/frontend_replay.webm")
+    assert status == 200 and headers["Content-Type"] == "video/webm" and served == video
+
+    small = multipart([("file", "audio/wav", b"RIFF....")])
+    cases = [
+        (post(url, small, form, key=None), 401, "unauthorized"),
+        (post(f"{base}/nope_123/upload-recording", small, form), 404, "not_found"),
+        (post(f"{base}/bad%20id/upload-recording", small, form), 400, "invalid_request"),
+        (post(url, multipart([("file", "text/html", b"<p>")]), form), 400, "invalid_request"),
+        (post(url, multipart([("other", "audio/wav", b"x")]), form), 400, "invalid_request"),
+        (post(url, small, "application/json"), 400, "invalid_request"),
+        (post(url, small[:40], form), 400, "invalid_request"),
+    ]
+    for (status, answer), want_status, want_code in cases:
+        assert (status, answer.get("error")) == (want_status, want_code), answer
+    assert "Unsupported file type: text/html" in cases[3][0][1]["message"]
+    # Past 200 MB (as Content-Length says) it is refused before the body is read.
+    with socket.create_connection(stack.url.split("/")[2].rsplit(":", 1)) as sock:
+        sock.sendall(
+            (
+                f"POST /api/sessions/{sid}/upload-recording HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {USER}\r\nContent-Type: {form}\r\n"
+                f"Content-Length: {201 * 1024 * 1024}\r\n\r\n"
+            ).encode()
+        )
+        head = sock.recv(4096).decode()
+    assert head.startswith("HTTP/1.1 413") and "too_large" in head
+    # The earlier file is still the one stored.
+    assert (tmp_path / "records" / sid / "frontend_replay.webm").read_bytes() == video
