@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -169,6 +170,23 @@ class EdgeApp:
             if not key_allowed(self.config, request.headers):
                 return _plain(HTTPStatus.UNAUTHORIZED, "missing or invalid API key\n")
             return await self.status_response()
+        if path in ("/workers", "/cache"):
+            # The reference server's operator views, from the scheduler's snapshot.
+            if not key_allowed(self.config, request.headers):
+                return _plain(HTTPStatus.UNAUTHORIZED, "missing or invalid API key\n")
+            return await self.workers_response(cache=path == "/cache")
+        if path == "/health":  # the reference server's health check
+            if self.draining:
+                return _plain(
+                    HTTPStatus.SERVICE_UNAVAILABLE, '{"status":"draining"}', "application/json"
+                )
+            now = datetime.now(UTC).isoformat(timespec="milliseconds")
+            body = json.dumps({"status": "healthy", "timestamp": now})
+            return _plain(HTTPStatus.OK, body, "application/json")
+        if path in static.REFERENCE_PAGES:
+            # The reference server's page paths lead to ours.
+            headers = Headers([("Location", static.REFERENCE_PAGES[path])])
+            return Response(302, "Found", headers, b"")
         if path == "/healthz":
             if self.draining:
                 return _plain(
@@ -229,6 +247,28 @@ class EdgeApp:
                 )
             self._default_ref_audio = json.dumps(body)
         return _plain(HTTPStatus.OK, self._default_ref_audio, "application/json")
+
+    async def workers_response(self, cache: bool) -> Response:
+        """GET /workers ({total, workers}) or GET /cache ({workers: [{worker_id, status}]})
+        as the reference server answers them."""
+        from omnifabric.edge.status import reference_workers, snapshot
+
+        try:
+            workers = reference_workers(await snapshot(self))
+        except Exception as exc:
+            log.warning("workers: scheduler unavailable: %s", exc)
+            return _plain(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                json.dumps({"error": "scheduler unavailable"}),
+                "application/json",
+            )
+        if cache:
+            body: dict[str, Any] = {
+                "workers": [{"worker_id": w["worker_id"], "status": w["status"]} for w in workers]
+            }
+        else:
+            body = {"total": len(workers), "workers": workers}
+        return _plain(HTTPStatus.OK, json.dumps(body), "application/json")
 
     async def status_response(self) -> Response:
         """GET /status: workers, slots, queue and sessions as JSON (no secrets, no audio)."""

@@ -26,7 +26,8 @@ def _type(mode: int) -> str:
     return REQUEST_TYPES.get(name, name)
 
 
-def _iso(ago_s: float) -> str:
+def started_at(ago_s: float) -> str:
+    """ISO time `ago_s` seconds ago."""
     return (datetime.now(UTC) - timedelta(seconds=ago_s)).isoformat(timespec="milliseconds")
 
 
@@ -37,7 +38,7 @@ def _item(entry: scheduler_pb.QueueEntry) -> dict[str, Any]:
         "session_id": entry.session_id,
         "position": entry.position,
         "estimated_wait_s": round(entry.estimated_wait_s, 1),
-        "enqueued_at": _iso(entry.waited_s),
+        "enqueued_at": started_at(entry.waited_s),
         "wait_elapsed_s": round(entry.waited_s, 1),
     }
 
@@ -46,24 +47,28 @@ async def _status(stub: Any) -> scheduler_pb.GetStatusResponse:
     return await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=TIMEOUT_S)
 
 
-async def queue(stub: Any) -> HttpResponse:
-    snap = await _status(stub)
-    running = [
+def running_tasks(snap: scheduler_pb.GetStatusResponse) -> list[dict[str, Any]]:
+    """The sessions on workers as the reference server lists them (RunningTaskInfo)."""
+    return [
         {
             "worker_id": r.worker_id,
             "request_type": _type(r.mode),
             "session_id": r.session_id,
-            "started_at": _iso(r.elapsed_s),
+            "started_at": started_at(r.elapsed_s),
             "elapsed_s": round(r.elapsed_s, 1),
             "estimated_remaining_s": round(r.estimated_remaining_s, 1),
         }
         for r in snap.running
     ]
+
+
+async def queue(stub: Any) -> HttpResponse:
+    snap = await _status(stub)
     body = {
         "queue_length": snap.queue_length,
         "max_queue_size": snap.queue_max,
         "items": [_item(q) for q in snap.queue],
-        "running_tasks": running,
+        "running_tasks": running_tasks(snap),
     }
     return HttpResponse(HTTPStatus.OK, body)
 

@@ -16,6 +16,14 @@ from websockets.http11 import Request, Response
 WEB_ROOT = Path(__file__).resolve().parent / "web"
 STATIC_PREFIX = "/static/"
 
+#: The reference server's page paths -> ours (302). It has a half-duplex page; we do not:
+#: half-duplex calls are for clients of /ws/half_duplex/{id}, so that path leads home.
+REFERENCE_PAGES = {
+    "/turnbased": "/chat",
+    "/omni": "/video",
+    "/audio_duplex": "/audio",
+    "/half_duplex": "/",
+}
 PAGES = {
     "/": "index.html",
     "/audio": "audio.html",

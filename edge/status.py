@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from omnifabric.edge import queue_api
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 
@@ -24,12 +25,83 @@ def _name(enum_type: EnumTypeWrapper, value: int, prefix: str) -> str:
     return enum_type.Name(value).removeprefix(prefix).lower()
 
 
+async def snapshot(app: EdgeContext) -> scheduler_pb.GetStatusResponse:
+    """The scheduler's snapshot (grpc.aio.AioRpcError when it cannot be reached)."""
+    return await app.fabric.scheduler.GetStatus(
+        scheduler_pb.GetStatusRequest(), timeout=STATUS_TIMEOUT_S
+    )
+
+
+def reference_workers(snap: scheduler_pb.GetStatusResponse) -> list[dict[str, Any]]:
+    """Workers as the reference server's GET /workers lists them (its WorkerInfo). A worker
+    here serves several sessions: `status` is `duplex_active` when one of them is a duplex
+    session, `busy_chat` when they are chats, `idle` with none, `loading` while it does not
+    take sessions; `current_session_id` is the first; `gpu_id` the CUDA index (-1: CPU)."""
+    running: dict[str, list[scheduler_pb.RunningLease]] = {}
+    for lease in snap.running:
+        running.setdefault(lease.worker_id, []).append(lease)
+    out = []
+    for w in snap.workers:
+        host, _, port = w.address.rpartition(":")
+        leases = running.get(w.worker_id, [])
+        modes = {_name(common_pb2.Mode, r.mode, "MODE_") for r in leases}
+        if w.health != common_pb2.WORKER_HEALTH_SERVING:
+            status = "loading"
+        elif modes - {"chat"}:
+            status = "duplex_active"
+        elif modes:
+            status = "busy_chat"
+        else:
+            status = "idle"
+        device = w.memory.device if w.HasField("memory") else ""
+        index = device.partition(":")[2] if device.startswith("cuda") else ""
+        first = max(leases, key=lambda r: r.elapsed_s) if leases else None
+        out.append(
+            {
+                "worker_id": w.worker_id,
+                "host": host,
+                "port": int(port) if port.isdigit() else 0,
+                "gpu_id": int(index) if index.isdigit() else (0 if device == "cuda" else -1),
+                "status": status,
+                "current_session_id": first.session_id if first else None,
+                "current_request_type": (
+                    queue_api.REQUEST_TYPES.get(_name(common_pb2.Mode, first.mode, "MODE_"))
+                    if first
+                    else None
+                ),
+                "task_started_at": (
+                    queue_api.started_at(first.elapsed_s) if first is not None else None
+                ),
+                "sessions": len(leases),
+                "slots": w.slots,
+            }
+        )
+    return out
+
+
+def reference_summary(snap: scheduler_pb.GetStatusResponse) -> dict[str, Any]:
+    """The reference server's GET /status fields (its ServiceStatus)."""
+    workers = reference_workers(snap)
+    count = {s: sum(w["status"] == s for w in workers) for s in ("idle", "loading")}
+    return {
+        "gateway_healthy": True,
+        "total_workers": len(workers),
+        "idle_workers": count["idle"],
+        "busy_workers": sum(w["status"] == "busy_chat" for w in workers),
+        "duplex_workers": sum(w["status"] == "duplex_active" for w in workers),
+        "loading_workers": count["loading"],
+        "error_workers": 0,
+        "offline_workers": 0,
+        "queue_length": snap.queue_length,
+        "max_queue_size": snap.queue_max,
+        "running_tasks": queue_api.running_tasks(snap),
+    }
+
+
 async def edge_status(app: EdgeContext) -> dict[str, Any]:
     """Ask the scheduler for its snapshot and add this edge's sessions. Raises on an
     unreachable scheduler (grpc.aio.AioRpcError)."""
-    snap = await app.fabric.scheduler.GetStatus(
-        scheduler_pb.GetStatusRequest(), timeout=STATUS_TIMEOUT_S
-    )
+    snap = await snapshot(app)
     workers = []
     for w in snap.workers:
         worker: dict[str, Any] = {
@@ -90,4 +162,6 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
         "sessions": sessions,
         # This edge's units in the last 10 s (the admin page plots it over time).
         "units_recent": app.metrics.recent_units(),
+        # The reference server's names for the same, for its clients.
+        **reference_summary(snap),
     }

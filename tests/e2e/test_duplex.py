@@ -466,3 +466,55 @@ async def test_compression_is_off_unless_configured(stack, tmp_path):
         await deflate.ws.close()
     finally:
         edge.stop()
+
+
+async def test_the_reference_servers_operator_views(stack):
+    """GET /health, /workers, /cache and the /status fields the reference server's clients
+    read, and its page paths leading to ours."""
+    client = await WsClient.open(url(stack))
+    created = await client.start()
+    await client.append(SILENCE)
+    await client.until("delta.listen", "delta.audio")
+    base = "http://" + stack.url.split("/")[2]
+
+    def get(path: str) -> tuple[int, dict, str]:
+        request = urllib.request.Request(base + path)
+        opener = urllib.request.build_opener(NoRedirect)
+        try:
+            with opener.open(request, timeout=scaled(5)) as resp:
+                return resp.status, dict(resp.headers), resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, dict(err.headers), err.read().decode()
+
+    status, _, text = await asyncio.to_thread(get, "/health")
+    assert status == 200 and json.loads(text)["status"] == "healthy"
+    status, _, text = await asyncio.to_thread(get, "/workers")
+    body = json.loads(text)
+    assert status == 200 and body["total"] == 1
+    [worker] = body["workers"]
+    assert worker["status"] == "duplex_active" and worker["gpu_id"] == -1
+    assert worker["current_session_id"] == created["session_id"]
+    assert worker["current_request_type"] == "audio_duplex" and worker["port"] > 0
+    status, _, text = await asyncio.to_thread(get, "/cache")
+    assert json.loads(text) == {
+        "workers": [{"worker_id": worker["worker_id"], "status": "duplex_active"}]
+    }
+    status, _, text = await asyncio.to_thread(get, "/status")
+    summary = json.loads(text)
+    assert (summary["total_workers"], summary["duplex_workers"], summary["idle_workers"]) == (
+        1,
+        1,
+        0,
+    )
+    assert summary["max_queue_size"] == 100 and summary["gateway_healthy"] is True
+    [task] = summary["running_tasks"]
+    assert task["session_id"] == created["session_id"] and task["request_type"] == "audio_duplex"
+    for path, target in (("/omni", "/video"), ("/turnbased", "/chat"), ("/audio_duplex", "/audio")):
+        status, headers, _ = await asyncio.to_thread(get, path)
+        assert (status, headers["Location"]) == (302, target)
+    await client.close()
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None
