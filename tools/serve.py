@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
     parser.add_argument(
+        "--edge-processes",
+        type=int,
+        default=1,
+        help="edge processes on the edge's ports (omnifabric edge --processes)",
+    )
+    parser.add_argument(
         "--engine", default="reference", choices=["synthetic", "reference", "minicpmo"]
     )
     parser.add_argument("--slots", type=int, help="sessions per worker (engine default)")
@@ -86,8 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.workers < 1:
-        print("omnifabric serve: --workers must be at least 1", file=sys.stderr)
+    if args.workers < 1 or args.edge_processes < 1:
+        print(
+            "omnifabric serve: --workers and --edge-processes must be at least 1",
+            file=sys.stderr,
+        )
         return 2
     children: list[Child] = []
     stopping = threading.Event()
@@ -157,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--scheduler",
                 sched_addr,
                 *grace,
+                *("--processes", str(args.edge_processes)),
                 *(["--record-dir", args.record_dir] if args.record_dir else []),
                 *(["--default-ref-audio", voice] if voice else []),
             ],

@@ -183,7 +183,8 @@ async def test_edge_killed_returns_lease(stack, window_s):
 
 
 def test_serve_then_probe(tmp_path):
-    """`omnifabric serve --engine synthetic` then `omnifabric probe` prints the exchange."""
+    """`omnifabric serve --engine synthetic` (its edge as two processes) then `omnifabric
+    probe` prints the exchange; Ctrl-C stops everything (the edge's port is free)."""
     import wave
 
     import numpy as np
@@ -198,7 +199,7 @@ def test_serve_then_probe(tmp_path):
         w.setframerate(16000)
         w.writeframes((audio * 32767).astype("<i2").tobytes())
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    serve = start_serve("--engine", "synthetic", "--workers", "2")
+    serve = start_serve("--engine", "synthetic", "--workers", "2", "--edge-processes", "2")
     try:
         url = read_until_line(serve, "omnifabric ready: ").split()[-1]
         web = serve.stdout.readline()
@@ -240,6 +241,11 @@ def test_serve_then_probe(tmp_path):
         rest, _ = serve.communicate(timeout=scaled(30))
     assert serve.returncode == 0, rest
     assert "omnifabric stopped" in rest
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", int(url.split("/")[2].rsplit(":", 1)[1])))  # nothing listens
 
 
 async def test_inference_error_then_closed_and_worker_keeps_serving(stack):
