@@ -28,7 +28,12 @@ recording id may not (RECORDING_ID). Dialects hand the id to their clients
   LISTEN|SPEAK, timing, text, ai_audio, ai_audio_duration_ms, end_of_turn}}`), each unit's
   input as `user_audio/<index>.wav` and each speaking unit's speech as
   `ai_audio/turn_<turn>_chunk_<k>.wav` (16-bit PCM, 16 and 24 kHz), and meta.json's
-  `app_type`, `created_at`, `duration_s`, `worker_id` and `title` beside ours.
+  `app_type`, `created_at`, `duration_s`, `worker_id` and `title` beside ours. Half-duplex
+  calls are laid out turn by turn, as the reference records them: `{..., mode:
+  "half_duplex_audio", turns: [{turn_index, request_ts_ms, input: {type: "voice",
+  duration_ms, audio: "user_audio/<turn>.wav"}, output: {text, audio:
+  "ai_audio/turn_<turn>.wav", audio_duration_ms}, timing: {elapsed_ms, speech_input_ms}}]}`
+  (the user's turn is what came since the last reply, at most 30 units).
 
 Writes happen on the event loop but stay small (appends, one ~64 KB file per unit, no
 fsync). Any failure logs once and turns the recorder off: recording never breaks a session.
@@ -37,6 +42,7 @@ fsync). Any failure logs once and turns the recorder off: recording never breaks
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -66,6 +72,9 @@ FORMAT_VERSION = 1
 RECORDING_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 #: Query keys never written to meta.json.
 _SECRET = re.compile(r"key|token|secret|auth|pass|sig|cred", re.IGNORECASE)
+#: A half-duplex user turn recorded at most (units, seconds): the reference engine ends a
+#: turn by 25 s.
+_MAX_TURN_UNITS = 30
 #: Events kept in memory before the session starts (queue updates), at most.
 _MAX_PENDING = 256
 #: Recording folders still being written (retention never removes them).
@@ -204,6 +213,13 @@ class SessionRecorder:
         self._received_ms: dict[int, float] = {}
         self._turn = 0
         self._speak_in_turn = 0
+        self._turns: list[dict[str, Any]] = []
+        """recording.json's turns (the reference's half-duplex layout)."""
+        self._heard: collections.deque[bytes] = collections.deque(maxlen=_MAX_TURN_UNITS)
+        """Half-duplex: the input of the units since the last reply (the user's turn)."""
+        self._inputs: dict[int, bytes] = {}
+        self._reply: dict[str, Any] | None = None
+        """Half-duplex: the reply being spoken (text, speech, when it was asked)."""
         self._closed_reason: str | None = None
         self._client_reason: str | None = None
         self._last_flush = self._t0
@@ -316,7 +332,10 @@ class SessionRecorder:
         pcm16 = _pcm16(np.frombuffer(cmd.pcm, dtype="<f4"))
         assert self._user is not None
         self._user.writeframes(pcm16)
-        _write_pcm16_wav(self.folder / _user_audio(seq), pcm16, USER_RATE)
+        if self._turn_based():
+            self._inputs[seq] = cmd.pcm
+        else:
+            _write_pcm16_wav(self.folder / _user_audio(seq), pcm16, USER_RATE)
         kind = "input_audio_buffer.append" if dialect is ev.Dialect.FIRST else "input.append"
         self._log(
             "in",
@@ -366,7 +385,10 @@ class SessionRecorder:
             "audio_samples": len(out.pcm) // 4,
         }
         self._units.write(json.dumps(unit, ensure_ascii=False) + "\n")
-        self._chunk(out)
+        if self._turn_based():
+            self._turn_step(out)
+        else:
+            self._chunk(out)
         if now - self._last_flush > 5.0:  # bounded loss on a crash, no fsync
             self._last_flush = now
             assert self._events is not None  # opened with _units by start
@@ -423,6 +445,64 @@ class SessionRecorder:
             return "half_duplex_audio"
         return "omni_duplex" if self.mode == "video" else "audio_duplex"
 
+    def _turn_based(self) -> bool:
+        """Half-duplex calls are recorded turn by turn, as the reference server does."""
+        return self._app_type() == "half_duplex_audio"
+
+    def _turn_step(self, out: ev.Output) -> None:
+        """recording.json's turns: the units heard since the last reply are the user's turn
+        (`user_audio/<turn>.wav`); the speaking units up to the end of the turn are the
+        reply (`ai_audio/turn_<turn>.wav`)."""
+        assert self.folder is not None
+        heard = self._inputs.pop(out.seq, b"")
+        for seq in out.dropped_seqs:
+            self._heard.append(self._inputs.pop(seq, b""))
+        received_ms = self._received_ms.pop(out.seq, 0.0)
+        if out.is_listen and self._reply is None:
+            self._heard.append(heard)
+            return
+        if self._reply is None:  # the unit that ended the user's turn
+            self._heard.append(heard)
+            said = b"".join(self._heard)
+            self._heard.clear()
+            name = f"user_audio/{self._turn:03d}.wav"
+            _write_pcm16_wav(self.folder / name, _pcm16(np.frombuffer(said, "<f4")), USER_RATE)
+            duration_ms = round(len(said) / 4 / USER_RATE * 1000)
+            self._reply = {
+                "turn_index": self._turn,
+                "request_ts_ms": round(received_ms, 1),
+                "input": {"type": "voice", "duration_ms": duration_ms, "audio": name},
+                "text": [],
+                "speech": [],
+            }
+        reply = self._reply
+        reply["text"].append(out.text)
+        reply["speech"].append(out.pcm)
+        if not out.end_of_turn:
+            return
+        output: dict[str, Any] = {"text": "".join(reply["text"])}
+        speech = b"".join(reply["speech"])
+        if speech:
+            name = f"ai_audio/turn_{self._turn}.wav"
+            pcm16 = _pcm16(np.frombuffer(speech, "<f4"))
+            _write_pcm16_wav(self.folder / name, pcm16, MODEL_RATE)
+            output["audio"] = name
+            output["audio_duration_ms"] = round(len(speech) / 4 / MODEL_RATE * 1000)
+        self._turns.append(
+            {
+                "turn_index": reply["turn_index"],
+                "request_ts_ms": reply["request_ts_ms"],
+                "input": reply["input"],
+                "output": output,
+                "timing": {
+                    "elapsed_ms": round(received_ms - reply["request_ts_ms"], 1),
+                    "speech_input_ms": reply["input"]["duration_ms"],
+                },
+            }
+        )
+        self._reply = None
+        self._turn += 1
+
     def _chunk(self, out: ev.Output) -> None:
         """recording.json's entry for one answered unit (and its speech file)."""
         assert self.folder is not None
@@ -459,14 +539,17 @@ class SessionRecorder:
     def _write_recording_json(self, worker_id: str) -> None:
         assert self.folder is not None
         config = dict(self._meta["config"])
-        recording = {
+        recording: dict[str, Any] = {
             "session_id": self.folder.name,
-            "mode": "duplex",
+            "mode": "half_duplex_audio" if self._turn_based() else "duplex",
             "worker_id": worker_id,
             "start_ts": self._meta["started_at"],
             "config": config,
-            "chunks": self._chunks,
         }
+        if self._turn_based():
+            recording["turns"] = self._turns
+        else:
+            recording["chunks"] = self._chunks
         tmp = self.folder / "recording.json.tmp"
         tmp.write_text(json.dumps(recording, ensure_ascii=False, indent=1) + "\n")
         os.replace(tmp, self.folder / "recording.json")

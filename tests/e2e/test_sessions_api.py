@@ -163,6 +163,23 @@ async def test_flat_dialects_name_their_recording(stack, tmp_path):
     assert status == 200 and chunks
     assert all(isinstance(c["audio_data"], dict) for c in chunks)
     assert max(len(line) for line in events.decode().splitlines()) < 2000
+    # The reference server's layouts: half-duplex turn by turn, legacy duplex unit by unit.
+    status, timeline = request(f"{base}/{half}/recording", "GET", key=USER)
+    assert timeline["mode"] == "half_duplex_audio" and "chunks" not in timeline
+    [turn] = timeline["turns"]
+    assert turn["turn_index"] == 0 and turn["input"]["type"] == "voice"
+    assert turn["input"]["duration_ms"] >= 1000 and turn["output"]["text"]
+    turn_answer = "".join(c.get("text_delta") or "" for c in chunks)
+    assert turn["output"]["text"] == turn_answer
+    assert turn["input"]["audio"] == "user_audio/000.wav"
+    assert turn["output"]["audio"] == "ai_audio/turn_0.wav"
+    assert turn["output"]["audio_duration_ms"] > 0
+    for asset in (turn["input"]["audio"], turn["output"]["audio"]):
+        status, _, wav = raw_get(f"{base}/{half}/assets/{asset}")
+        assert status == 200 and wav[:4] == b"RIFF", asset
+    assert turn["timing"]["elapsed_ms"] >= 0
+    status, timeline = request(f"{base}/{legacy_1}/recording", "GET", key=USER)
+    assert timeline["mode"] == "duplex" and len(timeline["chunks"]) == 2
 
 
 def multipart(fields: list[tuple[str, str, bytes]], boundary: str = "b0undary") -> bytes:
