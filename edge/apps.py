@@ -53,17 +53,20 @@ class Apps:
         self._apps = {app.app_id: app for app in apps}
         self._generation = -1
         """The scheduler's generation of the switches applied last (-1: none yet)."""
+        self._epoch = ""
+        """The scheduler process that generation counts in."""
 
     def known(self, app_id: str) -> bool:
         return app_id in self._apps
 
-    def apply(self, disabled: Iterable[str], generation: int) -> None:
-        """Take the fabric's switches (the ids off), unless newer ones were applied."""
+    def apply(self, disabled: Iterable[str], generation: int, epoch: str = "") -> None:
+        """Take the fabric's switches (the ids off), unless newer ones of the same
+        scheduler process were applied (another epoch: a restarted scheduler, taken)."""
         off = set(disabled)
         with self._lock:
-            if generation < self._generation:
+            if epoch == self._epoch and generation < self._generation:
                 return
-            self._generation = generation
+            self._generation, self._epoch = generation, epoch
             for app_id, app in self._apps.items():
                 self._apps[app_id] = replace(app, enabled=app_id not in off)
 
@@ -99,7 +102,7 @@ class Apps:
         reply = await stub.SetApp(
             scheduler_pb.SetAppRequest(app_id=app_id, enabled=enabled), timeout=5.0
         )
-        self.apply(reply.disabled_app_ids, reply.generation)
+        self.apply(reply.disabled_app_ids, reply.generation, reply.epoch)
         return self.view(app_id)
 
 
@@ -118,7 +121,7 @@ async def follow(apps: Apps, stub: Any, interval_s: float = FOLLOW_INTERVAL_S) -
             if failing:
                 log.info("app switches: read from the scheduler again")
             failing = False
-            apps.apply(reply.disabled_app_ids, reply.generation)
+            apps.apply(reply.disabled_app_ids, reply.generation, reply.epoch)
         await asyncio.sleep(interval_s)
 
 

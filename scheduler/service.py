@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from typing import NoReturn
 
@@ -69,6 +70,8 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
         self._disabled_apps: set[str] = set()
         """App ids switched off for the whole fabric (GetApps/SetApp)."""
         self._apps_generation = 0
+        self._apps_epoch = secrets.token_hex(8)
+        """This process's name for its generations (a restart counts from 0 again)."""
 
     async def Register(
         self,
@@ -287,7 +290,9 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb.GetAppsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb.GetAppsResponse:
         return scheduler_pb.GetAppsResponse(
-            disabled_app_ids=sorted(self._disabled_apps), generation=self._apps_generation
+            disabled_app_ids=sorted(self._disabled_apps),
+            generation=self._apps_generation,
+            epoch=self._apps_epoch,
         )
 
     async def SetApp(
@@ -305,7 +310,9 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
         self._apps_generation += 1
         log.info("app %s switched %s", app_id, "on" if request.enabled else "off")
         return scheduler_pb.SetAppResponse(
-            disabled_app_ids=sorted(self._disabled_apps), generation=self._apps_generation
+            disabled_app_ids=sorted(self._disabled_apps),
+            generation=self._apps_generation,
+            epoch=self._apps_epoch,
         )
 
     async def SetEta(

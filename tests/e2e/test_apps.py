@@ -4,6 +4,8 @@ takes effect at once."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from websockets.exceptions import ConnectionClosed
 
@@ -132,9 +134,19 @@ async def test_a_switch_reaches_every_edge_of_the_fabric(stack, tmp_path):
 
     await wait_for(first_takes, 5, interval_s=0.1)
     # Without the scheduler a switch cannot be made fabric-wide: 503, the state stays.
+    assert request(f"{admin}/omni", "PUT", {"enabled": False}, key=ADMIN)[0] == 200
     stack.services[0].stop()
-    status, body = request(f"{admin}/omni", "PUT", {"enabled": False}, key=ADMIN)
+    status, body = request(f"{admin}/turnbased", "PUT", {"enabled": False}, key=ADMIN)
     assert status == 503 and body["error"] == "service_unavailable", body
-    assert "omni" in [
-        a["app_id"] for a in request(http_url(first_url, "/api/apps"), "GET")[1]["apps"]
-    ]
+
+    def enabled(url: str) -> list[str]:
+        return [a["app_id"] for a in request(http_url(url, "/api/apps"), "GET")[1]["apps"]]
+
+    assert "omni" not in enabled(first_url) and "turnbased" in enabled(first_url)
+    # A restarted scheduler starts with every app on; the edges take that, though its
+    # changes count from 0 again (another epoch), and take its next change too.
+    stack.restart_scheduler()
+    for url in (first_url, second_url):
+        await wait_for(lambda u=url: asyncio.sleep(0, "omni" in enabled(u)), 10, interval_s=0.2)
+    assert request(f"{admin}/omni", "PUT", {"enabled": False}, key=ADMIN)[0] == 200
+    await wait_for(lambda: asyncio.sleep(0, "omni" not in enabled(second_url)), 5, interval_s=0.1)

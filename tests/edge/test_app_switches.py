@@ -25,3 +25,13 @@ def test_newer_switches_win():
         "half_duplex_audio",
     ]
     assert apps.view("karaoke") is None and not apps.known("karaoke")
+
+
+def test_a_restarted_scheduler_is_taken():
+    apps = Apps()
+    apps.apply(["omni"], generation=7, epoch="first")
+    apps.apply([], generation=0, epoch="second")  # a new scheduler process: all on
+    assert all(a["enabled"] for a in apps.admin()["apps"])
+    apps.apply(["omni"], generation=1, epoch="second")
+    apps.apply([], generation=0, epoch="second")  # late, of the same process: ignored
+    assert not apps.enabled("video")
