@@ -70,6 +70,10 @@ class Apps:
             for app_id, app in self._apps.items():
                 self._apps[app_id] = replace(app, enabled=app_id not in off)
 
+    def take(self, switches: scheduler_pb.AppSwitches) -> None:
+        """Apply the scheduler's switches (GetApps and SetApp answer them alike)."""
+        self.apply(switches.disabled_app_ids, switches.generation, switches.epoch)
+
     def view(self, app_id: str) -> dict[str, Any] | None:
         """One app's admin view, or None for an unknown id."""
         with self._lock:
@@ -102,7 +106,7 @@ class Apps:
         reply = await stub.SetApp(
             scheduler_pb.SetAppRequest(app_id=app_id, enabled=enabled), timeout=5.0
         )
-        self.apply(reply.disabled_app_ids, reply.generation, reply.epoch)
+        self.take(reply.switches)
         return self.view(app_id)
 
 
@@ -121,7 +125,7 @@ async def follow(apps: Apps, stub: Any, interval_s: float = FOLLOW_INTERVAL_S) -
             if failing:
                 log.info("app switches: read from the scheduler again")
             failing = False
-            apps.apply(reply.disabled_app_ids, reply.generation, reply.epoch)
+            apps.take(reply.switches)
         await asyncio.sleep(interval_s)
 
 

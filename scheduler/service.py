@@ -289,11 +289,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
     async def GetApps(
         self, request: scheduler_pb.GetAppsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb.GetAppsResponse:
-        return scheduler_pb.GetAppsResponse(
-            disabled_app_ids=sorted(self._disabled_apps),
-            generation=self._apps_generation,
-            epoch=self._apps_epoch,
-        )
+        return scheduler_pb.GetAppsResponse(switches=self._app_switches())
 
     async def SetApp(
         self, request: scheduler_pb.SetAppRequest, context: grpc.aio.ServicerContext
@@ -309,7 +305,10 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
             self._disabled_apps.add(app_id)
         self._apps_generation += 1
         log.info("app %s switched %s", app_id, "on" if request.enabled else "off")
-        return scheduler_pb.SetAppResponse(
+        return scheduler_pb.SetAppResponse(switches=self._app_switches())
+
+    def _app_switches(self) -> scheduler_pb.AppSwitches:
+        return scheduler_pb.AppSwitches(
             disabled_app_ids=sorted(self._disabled_apps),
             generation=self._apps_generation,
             epoch=self._apps_epoch,

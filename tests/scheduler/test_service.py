@@ -533,14 +533,17 @@ async def test_eta_settings_change_at_run_time(start_scheduler: StartScheduler) 
 
 async def test_app_switches_are_kept_for_the_fabric(start_scheduler: StartScheduler) -> None:
     harness = await start_scheduler()
-    first = await harness.stub.GetApps(scheduler_pb.GetAppsRequest())
-    assert list(first.disabled_app_ids) == [] and first.generation == 0
-    off = await harness.stub.SetApp(scheduler_pb.SetAppRequest(app_id="omni", enabled=False))
+    first = (await harness.stub.GetApps(scheduler_pb.GetAppsRequest())).switches
+    assert list(first.disabled_app_ids) == [] and first.generation == 0 and first.epoch
+    request = scheduler_pb.SetAppRequest(app_id="omni", enabled=False)
+    off = (await harness.stub.SetApp(request)).switches
     assert list(off.disabled_app_ids) == ["omni"] and off.generation == 1
+    assert off.epoch == first.epoch
     await harness.stub.SetApp(scheduler_pb.SetAppRequest(app_id="audio_duplex", enabled=False))
-    on = await harness.stub.SetApp(scheduler_pb.SetAppRequest(app_id="omni", enabled=True))
+    request = scheduler_pb.SetAppRequest(app_id="omni", enabled=True)
+    on = (await harness.stub.SetApp(request)).switches
     assert list(on.disabled_app_ids) == ["audio_duplex"] and on.generation == 3
-    read = await harness.stub.GetApps(scheduler_pb.GetAppsRequest())
+    read = (await harness.stub.GetApps(scheduler_pb.GetAppsRequest())).switches
     assert list(read.disabled_app_ids) == ["audio_duplex"] and read.generation == 3
     for bad in ("", "x" * 65):
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -551,4 +554,4 @@ async def test_app_switches_are_kept_for_the_fabric(start_scheduler: StartSchedu
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await harness.stub.SetApp(scheduler_pb.SetAppRequest(app_id="one-more", enabled=False))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (await harness.stub.GetApps(scheduler_pb.GetAppsRequest())).generation == 66
+    assert (await harness.stub.GetApps(scheduler_pb.GetAppsRequest())).switches.generation == 66
