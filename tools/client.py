@@ -73,17 +73,28 @@ class SessionReport:
     def reply_audio(self) -> np.ndarray:
         return np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
 
-    def reply_done(self) -> bool:
-        """The model spoke and its turn has ended (end_of_turn, or a listen after speech)."""
-        spoke = False
+    def reply_done(self, input_units: int = 0) -> bool:
+        """The model's last reply has ended: it spoke, and its latest run of speech ended
+        (end_of_turn, or a listen after speech). With `input_units` (the units of real input;
+        silence is sent after them), a reply that ended within the input counts only once
+        two units after the input were answered with listening: a last question's reply may
+        still be on its way."""
+        ended_at: int | None = None  # the seq that ended the latest run of speech
+        speaking = False
+        quiet_after_input = 0
         for unit in sorted(self.units.values(), key=lambda u: u.seq):
             if unit.kind == "speak":
-                spoke = True
+                speaking, ended_at = True, None
                 if unit.end_of_turn:
-                    return True
-            elif unit.kind == "listen" and spoke:
-                return True
-        return False
+                    speaking, ended_at = False, unit.seq
+            elif unit.kind == "listen":
+                if speaking:
+                    speaking, ended_at = False, unit.seq
+                if unit.seq > input_units:
+                    quiet_after_input += 1
+        if ended_at is None:
+            return False
+        return ended_at > input_units or quiet_after_input >= QUIET_UNITS_AFTER_INPUT
 
     def lost_units(self) -> list[int]:
         """Units with neither a result nor a counted drop."""
@@ -112,6 +123,9 @@ def _ev_type(event: dict[str, Any]) -> str:
 
 #: Reconnect delays after a lost connection (then the last one, until the window ends).
 RECONNECT_DELAYS_S = (0.0, 0.2, 0.5, 1.0, 2.0)
+#: Listening units answered after the input that end the wait for a last reply, when the
+#: latest reply ended within the input (a last question may still be heard then).
+QUIET_UNITS_AFTER_INPUT = 2
 
 
 class _Link:
@@ -274,7 +288,7 @@ async def run_session(
                     del report.units[seq]
             if i < len(units):
                 unit = units[i]
-            elif i < len(units) + reply_tail_s and not report.reply_done():
+            elif i < len(units) + reply_tail_s and not report.reply_done(len(units)):
                 unit = SILENCE_UNIT  # the reply is still coming: keep the line open
             else:
                 break
@@ -285,7 +299,7 @@ async def run_session(
             elif i and i in report.units:
                 # Lockstep: the next unit once the previous one is answered.
                 await _answered(report.units[i], done, settle_s)
-            if i >= len(units) and report.reply_done():
+            if i >= len(units) and report.reply_done(len(units)):
                 break
             if not link.up.is_set() or link.resend_from is not None:
                 continue  # resumed (or resuming) meanwhile: start again from what it says

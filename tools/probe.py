@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         f"overhead p50 {percentile(overheads, 50):.1f} ms p99 {percentile(overheads, 99):.1f} ms; "
         f"closed: {report.closed_reason}"
     )
-    if reply_tail_s and not report.reply_done():
+    if reply_tail_s and not report.reply_done(len(units)):
         print(f"the reply had not ended after {reply_tail_s} s of silence (--tail-s)")
     if args.output:
         write_wav_24k(args.output, report.reply_audio)
