@@ -161,6 +161,16 @@ class WorkerConfig:
         0.9, env="OMNI_WORKER_TURN_END_SILENCE_S", range=(0.064, 10.0)
     )
     """Reference engine: silence after speech that ends the user's turn, seconds."""
+    asr: str = setting(
+        "both",
+        env="OMNI_WORKER_ASR",
+        flag="--asr",
+        choices=("both", "whisper"),
+        help="reference: recognizers, both (Whisper base and Moonshine base-en) or whisper",
+    )
+    """Reference engine: ``both`` hears every utterance with Whisper base and Moonshine
+    base-en and keeps the transcript both find likelier (``hearing.Ears``); ``whisper`` uses
+    Whisper base alone (less CPU and ~250 MB less memory, more mishearings)."""
     llm_model: str | None = setting(
         None,
         env="OMNI_WORKER_LLM_MODEL",

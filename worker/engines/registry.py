@@ -37,6 +37,7 @@ def _reference(config: WorkerConfig) -> Engine:
         device=config.device or "cpu",
         llm_threads=config.llm_threads,
         llm_model=config.llm_model,
+        asr=config.asr,
     )
 
 

@@ -50,6 +50,7 @@ from transformers.models.whisper.feature_extraction_whisper import WhisperFeatur
 from transformers.models.whisper.modeling_whisper import WhisperForConditionalGeneration
 
 from omnifabric.common.paths import cache_root
+from omnifabric.worker.engines.reference.linears import use_onednn
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -540,6 +541,8 @@ class Transcriber:
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir(model)
         self.device = torch.device(device)
         self.model = load_whisper(self.model_dir, device)
+        if self.device.type == "cpu":
+            use_onednn(self.model)
         self.encoder = self.model.model.encoder
         self.decoder = self.model.model.decoder
         self.features = WhisperFeatureExtractor(
@@ -598,12 +601,20 @@ class Transcriber:
         return self._transcribe(audio, full_window)[0]
 
     def _transcribe(self, audio: np.ndarray, full_window: bool) -> tuple[str, float]:
-        audio = np.asarray(audio, dtype=np.float32).reshape(-1)[: FULL_FRAMES * HOP]
         self._timings = {"features": 0.0, "encoder": 0.0, "decoder": 0.0, "tokens": 0.0}
         self.last_no_speech_prob = 1.0
         self.last_avg_logprob = float("-inf")
-        if audio.size == 0 or float(np.abs(audio).max()) < SILENCE_PEAK:
+        enc = self.encode(audio, full_window=full_window)
+        if enc is None:
             return "", float("-inf")
+        return self.decode(enc)
+
+    def encode(self, audio: np.ndarray, *, full_window: bool = False) -> torch.Tensor | None:
+        """The encoder's states for float32 mono 16 kHz ``audio`` (up to 30 s, on a cut
+        window unless ``full_window``); None for silence (a peak under ``SILENCE_PEAK``)."""
+        audio = np.asarray(audio, dtype=np.float32).reshape(-1)[: FULL_FRAMES * HOP]
+        if audio.size == 0 or float(np.abs(audio).max()) < SILENCE_PEAK:
+            return None
         with torch.inference_mode():
             t0 = time.perf_counter()
             frames = FULL_FRAMES if full_window else window_frames(audio.size)
@@ -618,19 +629,47 @@ class Transcriber:
             t1 = time.perf_counter()
             enc = self._encode(mel)
             t2 = time.perf_counter()
-            tokens, no_speech, logprob = self._decode(enc)
-            t3 = time.perf_counter()
         self._timings = {
             "features": (t1 - t0) * 1000.0,
             "encoder": (t2 - t1) * 1000.0,
-            "decoder": (t3 - t2) * 1000.0,
-            "tokens": float(len(tokens)),
+            "decoder": 0.0,
+            "tokens": 0.0,
         }
+        return enc
+
+    def decode(self, enc: torch.Tensor) -> tuple[str, float]:
+        """Greedy transcript of ``encode``'s states and its mean token log-probability; ""
+        when Whisper's no-speech rule says nothing was said. Sets ``last_no_speech_prob``
+        and ``last_avg_logprob`` (mean over the decoded tokens and the end token; -inf
+        when decoding stopped at the prompt)."""
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            tokens, no_speech, logprob = self._decode(enc)
+            t1 = time.perf_counter()
+        self._timings["decoder"] = (t1 - t0) * 1000.0
+        self._timings["tokens"] = float(len(tokens))
         self.last_no_speech_prob = no_speech
         self.last_avg_logprob = logprob
         if no_speech > NO_SPEECH_THRESHOLD and logprob < LOGPROB_THRESHOLD:
             return "", logprob
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), logprob
+
+    def score(self, enc: torch.Tensor, text: str) -> tuple[float, int]:
+        """How likely Whisper finds ``text`` as the transcript of ``encode``'s states: the
+        summed log-probability of its tokens and the end token (one teacher-forced pass),
+        and how many tokens that is."""
+        ids = self.tokenizer.encode(" " + text.strip(), add_special_tokens=False).ids
+        targets = [*ids, self.tokens.eot]
+        with torch.inference_mode():
+            inputs = torch.tensor([[*self.prompt, *ids]], dtype=torch.long, device=self.device)
+            out = self.decoder(
+                input_ids=inputs, encoder_hidden_states=enc, use_cache=False, return_dict=True
+            )
+            start = len(self.prompt) - 1
+            hidden = out.last_hidden_state[0, start : start + len(targets)]
+            logprobs = (self.model.proj_out(hidden).float() + self._mask).log_softmax(-1)
+            picked = logprobs[torch.arange(len(targets)), torch.tensor(targets)]
+        return float(picked.sum()), len(targets)
 
     def _encode(self, mel: torch.Tensor) -> torch.Tensor:
         """WhisperEncoder.forward on a window of any even length <= 3000 frames.

@@ -1,0 +1,168 @@
+"""Moonshine base-en from moonshine-cpp's ORT files, run in torch; and Ears, which hears with
+Whisper base and Moonshine together. Real weights, speech from espeak-ng."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from scipy.io import wavfile
+from scipy.signal import resample_poly
+
+from omnifabric.worker.engines.reference import moonshine
+from omnifabric.worker.engines.reference.asr import Transcriber, model_installed
+from omnifabric.worker.engines.reference.hearing import Ears
+from omnifabric.worker.engines.reference.linears import use_onednn
+from omnifabric.worker.engines.reference.moonshine import Moonshine, _loop_end, read_ort
+
+pytestmark = pytest.mark.skipif(
+    not moonshine.model_installed() or not model_installed("base"),
+    reason="Moonshine (moonshine-cpp) or Whisper base weights not installed",
+)
+ESPEAK = "/usr/bin/espeak-ng"
+
+
+@pytest.fixture(scope="module")
+def ms() -> Moonshine:
+    return Moonshine()
+
+
+@pytest.fixture(scope="module")
+def ears(ms) -> Ears:
+    return Ears(Transcriber(model="base"), ms)
+
+
+@pytest.fixture(scope="module")
+def speak(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("speech")
+
+    def make(text: str, voice: str = "en-us", rate: int = 160) -> np.ndarray:
+        path = folder / "say.wav"
+        subprocess.run([ESPEAK, "-v", voice, "-s", str(rate), "-w", str(path), text], check=True)
+        sr, pcm = wavfile.read(path)
+        audio = resample_poly(pcm.astype(np.float32) / 32768.0, 320, 441).astype(np.float32)
+        return np.concatenate([np.zeros(4000, np.float32), audio, np.zeros(4800, np.float32)])
+
+    return make
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def test_every_parameter_comes_from_the_files(ms):
+    params = dict(ms.model.named_parameters())
+    assert 55e6 < sum(p.numel() for p in params.values()) < 65e6
+    assert not any(p.is_meta for p in params.values())
+    # The output projection is the token embedding (tied in the files' logits MatMul).
+    assert torch.equal(ms.model.proj_out.weight, ms.model.model.decoder.embed_tokens.weight)
+    # Dequantized weights are not what a random init gives: int8 steps show in each tensor.
+    q = ms.model.model.decoder.layers[0].self_attn.q_proj.weight
+    steps = torch.unique(q).numel()
+    assert 100 < steps <= 256, steps
+
+
+def test_transcribes_a_question(ms, speak):
+    audio = speak("What time does the train leave for Boston?")
+    text, logprob = ms.decode(ms.encode(audio))
+    assert words(text) == words("What time does the train leave for Boston?"), text
+    assert -1.0 < logprob <= 0
+
+
+def test_scoring_agrees_with_decoding(ms, speak):
+    enc = ms.encode(speak("Can you tell me the weather for tomorrow morning?"))
+    text, mean = ms.decode(enc)
+    total, n = ms.score(enc, text)
+    assert total / n == pytest.approx(mean, abs=1e-3)
+    # The tokenizer gives back the ids the model chose, and text the model finds unlikely
+    # scores lower.
+    assert ms.text(ms.ids(text)) == text
+    wrong, _ = ms.score(enc, "Can you sell me the feather for tomorrow morning?")
+    assert wrong < total - 5
+
+
+def test_ids_fall_back_to_bytes(ms):
+    ids = ms.ids("naïve ☃")
+    assert ms.text(ids) == "naïve ☃"
+    assert any(3 <= i < 259 for i in ids)  # the snowman has no piece of its own
+
+
+def test_loop_guard():
+    assert _loop_end([5, 6, 7, 6, 7, 6, 7]) == 3  # "x y z y z y z": keep "x y z"
+    assert _loop_end([1, 2, 1, 2]) is None  # one repeat of two tokens is speech ("no no")
+    assert _loop_end([9, 9, 9, 9, 9]) == 1
+
+
+def test_a_file_that_is_not_the_model_is_refused(tmp_path):
+    fake = tmp_path / "encoder_model.ort"
+    fake.write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match="not an ORT-format model"):
+        read_ort(fake)
+    folder = tmp_path / "swapped"
+    folder.mkdir()
+    source = moonshine.model_dir()
+    # The decoder's file where the encoder's should be: its weights map to nothing there.
+    shutil.copy(source / "decoder_model_merged.ort", folder / "encoder_model.ort")
+    shutil.copy(source / "decoder_model_merged.ort", folder / "decoder_model_merged.ort")
+    with pytest.raises(ValueError):
+        moonshine.load_model(folder)
+
+
+def test_missing_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(moonshine, "PACKAGE", "no_such_moonshine_package")
+    with pytest.raises(FileNotFoundError, match="pip install moonshine-cpp"):
+        moonshine.model_dir()
+    assert not moonshine.model_installed()
+
+
+def test_onednn_layers_give_the_stock_result():
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        stock = layer(x)
+    model = torch.nn.Sequential(layer)
+    if use_onednn(model) == 0:
+        pytest.skip("this torch build has no oneDNN linear kernel")
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), stock, atol=1e-5)
+
+
+# --- both recognizers --------------------------------------------------------------------------
+
+
+def test_ears_take_the_transcript_both_models_find_likelier(ears, speak):
+    # espeak's en-us+f3 voice at 150 wpm: Whisper base hears "How many people are there in a
+    # week?", Moonshine "days"; forced through both decoders, "days" wins by a wide margin.
+    audio = speak("How many days are there in a week?", "en-us+f3", 150)
+    enc = ears.whisper.encode(audio)
+    alone, _ = ears.whisper.decode(enc)
+    assert "days" not in words(alone), alone  # else this test shows nothing
+    before = dict(ears.picked)
+    text, confidence = ears.hear(audio)
+    assert words(text) == words("How many days are there in a week?"), (alone, text)
+    assert ears.picked["moonshine"] == before["moonshine"] + 1
+    assert confidence > -1.0
+    # Each model scores its own transcript higher: the sum decides.
+    m_enc = ears.moonshine.encode(audio)
+    assert ears.whisper.score(enc, alone)[0] > ears.whisper.score(enc, text)[0]
+    assert ears.moonshine.score(m_enc, text)[0] > ears.moonshine.score(m_enc, alone)[0]
+
+
+def test_ears_agree_on_clear_speech(ears, speak):
+    before = ears.picked["agree"]
+    said = "Can you tell me the weather for tomorrow morning?"
+    text, confidence = ears.hear(speak(said))
+    assert words(text) == words(said)
+    assert ears.picked["agree"] == before + 1
+    assert confidence > -0.5
+    assert set(ears.last_timings) == {"whisper", "moonshine", "scoring"}
+
+
+def test_ears_hear_nothing_in_silence(ears):
+    assert ears.hear(np.zeros(16000, np.float32)) == ("", float("-inf"))
+    noise = (np.random.default_rng(0).standard_normal(32000) * 1e-4).astype(np.float32)
+    assert ears.transcribe(noise) == ""
