@@ -64,7 +64,7 @@ def use_onednn(model: nn.Module) -> int:
             log.warning("oneDNN linear kernel disagrees with nn.Linear: stock layers kept")
             return 0
     for layer in linears:
-        layer.forward = _forward(kernel, layer)  # type: ignore[method-assign]
+        layer.forward = _forward(kernel, layer)  # type: ignore[method-assign,assignment]
     return len(linears)
 
 
