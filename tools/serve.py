@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--llm-model", help="reference: reply model, qwen2.5-coder-1.5b (default) or -0.5b"
     )
     parser.add_argument(
+        "--asr",
+        choices=["both", "whisper"],
+        help="reference: recognizers, both (Whisper base and Moonshine base-en) or whisper",
+    )
+    parser.add_argument(
         "--llm-threads",
         type=int,
         help="reference: llama.cpp threads per worker (2 on 2+ cores, else 1)",
@@ -142,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("--device", args.device),
                 ("--minicpmo-api", args.minicpmo_api),
                 ("--llm-model", args.llm_model),
+                ("--asr", args.asr),
                 ("--llm-threads", None if args.llm_threads is None else str(args.llm_threads)),
                 ("--default-voice", voice),
             ):
