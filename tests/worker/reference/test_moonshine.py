@@ -159,7 +159,7 @@ def test_ears_agree_on_clear_speech(ears, speak):
     assert words(text) == words(said)
     assert ears.picked["agree"] == before + 1
     assert confidence > -0.5
-    assert set(ears.last_timings) == {"whisper", "moonshine", "scoring"}
+    assert set(ears.last_timings) == {"whisper", "moonshine", "both", "scoring"}
 
 
 def test_ears_hear_nothing_in_silence(ears):

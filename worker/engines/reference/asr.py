@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import numpy as np
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 # From their own modules: for a type checker, transformers' top level gives the dummy
 # classes it defines for an install without torch (same classes at run time).
@@ -497,6 +497,22 @@ class SpecialTokens:
         return (self.sot, *task, self.no_timestamps)
 
 
+@dataclass(frozen=True)
+class Hypothesis:
+    """A recognizer's greedy transcript of one encoding: its text, the summed log-probability
+    of its tokens and end token, how many those are, and the cross-attention keys and values
+    computed on the way (for scoring other transcripts of the same encoding)."""
+
+    text: str
+    total: float
+    count: int
+    cross: Cache
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else float("-inf")
+
+
 # --- transcription -------------------------------------------------------------------------
 
 
@@ -642,28 +658,46 @@ class Transcriber:
         when Whisper's no-speech rule says nothing was said. Sets ``last_no_speech_prob``
         and ``last_avg_logprob`` (mean over the decoded tokens and the end token; -inf
         when decoding stopped at the prompt)."""
+        found = self.hypothesis(enc)
+        return found.text, found.mean
+
+    def hypothesis(self, enc: torch.Tensor) -> Hypothesis:
+        """``decode`` with its token count and the cross-attention keys and values it
+        computed from ``enc``, which ``score`` can reuse instead of computing them again."""
         with torch.inference_mode():
             t0 = time.perf_counter()
-            tokens, no_speech, logprob = self._decode(enc)
+            tokens, no_speech, logprob, cache = self._decode(enc)
             t1 = time.perf_counter()
         self._timings["decoder"] = (t1 - t0) * 1000.0
         self._timings["tokens"] = float(len(tokens))
         self.last_no_speech_prob = no_speech
         self.last_avg_logprob = logprob
+        count = len(tokens) + 1 if logprob > float("-inf") else 0
+        total = logprob * count if count else float("-inf")
+        cross = cache.cross_attention_cache
         if no_speech > NO_SPEECH_THRESHOLD and logprob < LOGPROB_THRESHOLD:
-            return "", logprob
-        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), logprob
+            return Hypothesis("", total, count, cross)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        return Hypothesis(text, total, count, cross)
 
-    def score(self, enc: torch.Tensor, text: str) -> tuple[float, int]:
+    def score(self, enc: torch.Tensor, text: str, cross: Cache | None = None) -> tuple[float, int]:
         """How likely Whisper finds ``text`` as the transcript of ``encode``'s states: the
         summed log-probability of its tokens and the end token (one teacher-forced pass),
-        and how many tokens that is."""
+        and how many tokens that is. ``cross``: ``hypothesis``'s cross-attention cache for
+        the same ``enc`` (only read)."""
         ids = self.tokenizer.encode(" " + text.strip(), add_special_tokens=False).ids
         targets = [*ids, self.tokens.eot]
         with torch.inference_mode():
             inputs = torch.tensor([[*self.prompt, *ids]], dtype=torch.long, device=self.device)
+            cache = None
+            if cross is not None and cross.get_seq_length() > 0:
+                cache = EncoderDecoderCache(DynamicCache(), cross)
             out = self.decoder(
-                input_ids=inputs, encoder_hidden_states=enc, use_cache=False, return_dict=True
+                input_ids=inputs,
+                encoder_hidden_states=enc,
+                past_key_values=cache,
+                use_cache=cache is not None,
+                return_dict=True,
             )
             start = len(self.prompt) - 1
             hidden = out.last_hidden_state[0, start : start + len(targets)]
@@ -686,8 +720,9 @@ class Transcriber:
             x = layer(x, None, layer_head_mask=None)[0]
         return e.layer_norm(x)
 
-    def _decode(self, enc: torch.Tensor) -> tuple[list[int], float, float]:
-        """Greedy decoding with the KV cache: tokens, no-speech probability, mean logprob."""
+    def _decode(self, enc: torch.Tensor) -> tuple[list[int], float, float, EncoderDecoderCache]:
+        """Greedy decoding with the KV cache: tokens, no-speech probability, mean logprob,
+        and the cache."""
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         ids = torch.tensor([self.prompt], dtype=torch.long, device=self.device)
         eot = self.tokens.eot
@@ -709,7 +744,7 @@ class Transcriber:
                 sot_logits = self.model.proj_out(hidden[0, self._sot_at])
                 no_speech = float(sot_logits.softmax(-1)[self.tokens.no_speech])
                 if no_speech > NO_SPEECH_CERTAIN:
-                    return [], no_speech, float("-inf")
+                    return [], no_speech, float("-inf"), cache
             logits = self.model.proj_out(hidden[0, -1]).float()
             logits = logits + (self._mask_begin if step == 0 else self._mask)
             logprobs = logits.log_softmax(-1)
@@ -721,4 +756,4 @@ class Transcriber:
             if _ends_in_loop(tokens):
                 break
             ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        return tokens, no_speech, total_logprob / (len(tokens) + 1)
+        return tokens, no_speech, total_logprob / (len(tokens) + 1), cache

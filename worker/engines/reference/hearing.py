@@ -11,7 +11,8 @@ against Whisper's 35. Measured with the scratch tools described in the project n
 engine's own figures come from `omnifabric eval`.
 
 Whisper stays the silence gate (its no-speech rule and peak gate): Moonshine has no no-speech
-estimate, and on silence or noise it is not asked. The confidence returned (for the engine's
+estimate, so its transcript of what Whisper calls silence or noise is dropped. The two run at
+once on two threads. The confidence returned (for the engine's
 "say it again" repair) is the mean of the two models' per-token log-probabilities of the
 chosen transcript.
 """
@@ -20,12 +21,16 @@ from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
+
+from omnifabric.worker.engines.reference.asr import SILENCE_PEAK
 
 if TYPE_CHECKING:
-    from omnifabric.worker.engines.reference.asr import Transcriber
+    from omnifabric.worker.engines.reference.asr import Hypothesis, Transcriber
     from omnifabric.worker.engines.reference.moonshine import Moonshine
 
 _WORD = re.compile(r"[a-z0-9']+")
@@ -38,56 +43,60 @@ def _words(text: str) -> list[str]:
 class Ears:
     """Whisper and Moonshine together, with Transcriber's ``hear``/``transcribe`` interface.
 
-    Thread-safe as far as the models are: each call keeps its own encodings; the models'
-    weights are only read.
+    The two recognizers run at once (Moonshine on a thread of its own: torch releases the
+    GIL), so an utterance costs about the slower of the two plus the scoring, not their sum.
+    Thread-safe as far as the models are: each call keeps its own encodings; the weights are
+    only read.
     """
 
-    def __init__(self, whisper: Transcriber, moonshine: Moonshine) -> None:
+    def __init__(self, whisper: Transcriber, moonshine: Moonshine, threads: int = 2) -> None:
         self.whisper = whisper
         self.moonshine = moonshine
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moonshine")
         self.picked = {"agree": 0, "whisper": 0, "moonshine": 0}
         """How often the two agreed, or which one's transcript was taken (for logs/tests)."""
         self.last_timings: dict[str, float] = {}
+
+    def _moonshine(self, audio: np.ndarray) -> tuple[torch.Tensor, Hypothesis, float]:
+        t0 = time.perf_counter()
+        enc = self.moonshine.encode(audio)
+        found = self.moonshine.hypothesis(enc)
+        return enc, found, (time.perf_counter() - t0) * 1000.0
 
     def hear(self, audio: np.ndarray) -> tuple[str, float]:
         """The transcript of float32 mono 16 kHz ``audio`` and its confidence (mean token
         log-probability over both models); ("", -inf) for silence."""
         audio = np.asarray(audio, dtype=np.float32).reshape(-1)
-        t0 = time.perf_counter()
-        w_enc = self.whisper.encode(audio)
-        if w_enc is None:
+        if audio.size == 0 or float(np.abs(audio).max()) < SILENCE_PEAK:
             return "", float("-inf")
-        w_text, w_mean = self.whisper.decode(w_enc)
+        t0 = time.perf_counter()
+        moon = self._pool.submit(self._moonshine, audio)
+        w_enc = self.whisper.encode(audio)
+        w = None if w_enc is None else self.whisper.hypothesis(w_enc)
+        whisper_ms = (time.perf_counter() - t0) * 1000.0
+        m_enc, m, moonshine_ms = moon.result()
         t1 = time.perf_counter()
-        if not w_text:
-            return "", w_mean  # Whisper's no-speech rule: nothing was said
-        m_enc = self.moonshine.encode(audio)
-        m_text, m_mean = self.moonshine.decode(m_enc)
-        t2 = time.perf_counter()
-        if not _words(m_text) or _words(m_text) == _words(w_text):
+        timings = {"whisper": whisper_ms, "moonshine": moonshine_ms, "both": (t1 - t0) * 1000.0}
+        if w_enc is None or w is None or not w.text:
+            return "", float("-inf") if w is None else w.mean  # Whisper: nothing was said
+        if not _words(m.text) or _words(m.text) == _words(w.text):
             self.picked["agree"] += 1
-            self.last_timings = _timings(t0, t1, t2)
-            return w_text, (w_mean + m_mean) / 2
-        # Each transcript forced through both decoders: summed log-probabilities decide.
-        scores = {}
-        for text in (w_text, m_text):
-            w_total, w_n = self.whisper.score(w_enc, text)
-            m_total, m_n = self.moonshine.score(m_enc, text)
-            scores[text] = (w_total + m_total, (w_total / w_n + m_total / m_n) / 2)
-        best = max((w_text, m_text), key=lambda text: scores[text][0])
-        self.picked["whisper" if best == w_text else "moonshine"] += 1
-        self.last_timings = _timings(t0, t1, t2)
-        return best, scores[best][1]
+            self.last_timings = {**timings, "scoring": 0.0}
+            return w.text, (w.mean + m.mean) / 2
+        # Each transcript is forced through the other model's decoder (reusing the
+        # cross-attention keys and values of its decoding); its own model gave its
+        # log-probability while decoding it. The summed log-probabilities decide.
+        w_by_m, m_n = self.moonshine.score(m_enc, w.text, m.cross)
+        m_by_w, w_n = self.whisper.score(w_enc, m.text, w.cross)
+        whisper_total = w.total + w_by_m
+        moonshine_total = m.total + m_by_w
+        self.last_timings = {**timings, "scoring": (time.perf_counter() - t1) * 1000.0}
+        if whisper_total >= moonshine_total:
+            self.picked["whisper"] += 1
+            return w.text, (w.mean + w_by_m / m_n) / 2
+        self.picked["moonshine"] += 1
+        return m.text, (m.mean + m_by_w / w_n) / 2
 
     def transcribe(self, audio: np.ndarray) -> str:
         """``hear`` without the confidence."""
         return self.hear(audio)[0]
-
-
-def _timings(t0: float, t1: float, t2: float) -> dict[str, float]:
-    done = time.perf_counter()
-    return {
-        "whisper": (t1 - t0) * 1000.0,
-        "moonshine": (t2 - t1) * 1000.0,
-        "scoring": (done - t2) * 1000.0,
-    }

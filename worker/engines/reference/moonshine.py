@@ -38,10 +38,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.models.moonshine.configuration_moonshine import MoonshineConfig
 from transformers.models.moonshine.modeling_moonshine import MoonshineForConditionalGeneration
 
+from omnifabric.worker.engines.reference.asr import Hypothesis
 from omnifabric.worker.engines.reference.linears import use_onednn
 
 SAMPLE_RATE = 16000
@@ -419,6 +420,12 @@ class Moonshine:
     def decode(self, enc: torch.Tensor) -> tuple[str, float]:
         """Greedy transcript of ``encode``'s states with the KV cache, and its mean token
         log-probability (the end token included)."""
+        found = self.hypothesis(enc)
+        return found.text, found.mean
+
+    def hypothesis(self, enc: torch.Tensor) -> Hypothesis:
+        """``decode`` with its token count and the cross-attention keys and values it
+        computed from ``enc``, which ``score`` can reuse instead of computing them again."""
         seconds = enc.shape[1] * ENCODER_STRIDE / SAMPLE_RATE
         limit = int(seconds * TOKENS_PER_SECOND) + 4
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
@@ -437,15 +444,18 @@ class Moonshine:
                     del out[keep:], logprobs[keep:]
                     break
         self.last_timings = {"decoder": (time.perf_counter() - t0) * 1000.0, "tokens": len(out)}
-        return self.text(out), float(np.mean(logprobs)) if logprobs else float("-inf")
+        total = float(np.sum(logprobs)) if logprobs else float("-inf")
+        return Hypothesis(self.text(out), total, len(logprobs), cache.cross_attention_cache)
 
-    def score(self, enc: torch.Tensor, text: str) -> tuple[float, int]:
+    def score(self, enc: torch.Tensor, text: str, cross: Cache | None = None) -> tuple[float, int]:
         """Summed log-probability of ``text``'s tokens and the end token given ``encode``'s
-        states (one teacher-forced pass), and how many tokens that is."""
+        states (one teacher-forced pass), and how many tokens that is. ``cross``:
+        ``hypothesis``'s cross-attention cache for the same ``enc`` (only read)."""
         ids = self.ids(text)
         targets = [*ids, END]
+        known = cross if cross is not None and cross.get_seq_length() > 0 else DynamicCache()
         with torch.inference_mode():
-            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+            cache = EncoderDecoderCache(DynamicCache(), known)
             logprobs = self._logits([START, *ids], enc, cache).log_softmax(-1)
             picked = logprobs[torch.arange(len(targets)), torch.tensor(targets)]
         return float(picked.sum()), len(targets)
