@@ -165,9 +165,11 @@ _NUMBERS = (
 
 
 def words_of(text: str) -> list[str]:
-    """Lower-case words, digits spelled out (0-20), punctuation dropped."""
+    """Lower-case words, digits spelled out (0-20), punctuation dropped. Letters and digits
+    run together are two words: a recognizer writes "has three" as "S3", "24 hours" as
+    "24hours"."""
     out = []
-    for w in re.findall(r"[a-z0-9']+", text.lower()):
+    for w in re.findall(r"[a-z']+|[0-9]+", text.lower()):
         out.append(_NUMBERS[int(w)] if w.isdigit() and int(w) < len(_NUMBERS) else w)
     return out
 

@@ -19,6 +19,8 @@ from omnifabric.tools.eval_reference import (
 
 def test_words_spell_digits_and_drop_punctuation():
     assert words_of("It's 7, not 10!") == ["it's", "seven", "not", "ten"]
+    # How Whisper tiny.en wrote "A triangle has three sides." spoken by Piper.
+    assert words_of("I triangle S3 sides.") == ["i", "triangle", "s", "three", "sides"]
 
 
 def test_wer_counts_edits_per_reference_word():
