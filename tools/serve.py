@@ -19,6 +19,7 @@ from pathlib import Path
 from types import FrameType
 
 from omnifabric.common.children import Child, spawn, stop
+from omnifabric.worker.config import ASR_CHOICES
 
 
 def metrics_port(base: int, offset: int) -> int:
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--asr",
-        choices=["both", "whisper"],
+        choices=ASR_CHOICES,
         help="reference: recognizers, both (Whisper base and Moonshine base-en) or whisper",
     )
     parser.add_argument(

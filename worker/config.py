@@ -12,6 +12,9 @@ from typing import Any
 from omnifabric.common import config as settings
 from omnifabric.common.config import ConfigError, setting
 
+ASR_CHOICES = ("both", "whisper")
+"""The reference engine's recognizer settings (``WorkerConfig.asr``)."""
+
 
 def _default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -165,7 +168,7 @@ class WorkerConfig:
         "both",
         env="OMNI_WORKER_ASR",
         flag="--asr",
-        choices=("both", "whisper"),
+        choices=ASR_CHOICES,
         help="reference: recognizers, both (Whisper base and Moonshine base-en) or whisper",
     )
     """Reference engine: ``both`` hears every utterance with Whisper base and Moonshine

@@ -166,3 +166,17 @@ def test_ears_hear_nothing_in_silence(ears):
     assert ears.hear(np.zeros(16000, np.float32)) == ("", float("-inf"))
     noise = (np.random.default_rng(0).standard_normal(32000) * 1e-4).astype(np.float32)
     assert ears.transcribe(noise) == ""
+
+
+def test_the_worker_setting_reaches_the_engine():
+    from omnifabric.common.config import ConfigError
+    from omnifabric.worker.config import WorkerConfig
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine
+    from omnifabric.worker.engines.registry import ENGINES
+
+    assert ENGINES["reference"](WorkerConfig()).asr_choice == "both"
+    assert ENGINES["reference"](WorkerConfig(asr="whisper")).asr_choice == "whisper"
+    with pytest.raises(ConfigError, match="OMNI_WORKER_ASR must be one of both, whisper"):
+        WorkerConfig(asr="moonshine")
+    with pytest.raises(ValueError, match="choose one of both, whisper"):
+        ReferenceEngine(asr="moonshine")

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from omnifabric.worker.config import ASR_CHOICES
 from omnifabric.worker.engine import (
     OUTPUT_RATE,
     ChatChunk,
@@ -476,8 +477,8 @@ class ReferenceEngine(Engine):
         self.rules = rules or TurnRules()
         self.llm_threads = llm_threads
         self.llm_model = llm_model
-        if asr not in ("both", "whisper"):
-            raise ValueError(f"asr {asr!r}: choose both or whisper")
+        if asr not in ASR_CHOICES:
+            raise ValueError(f"asr {asr!r}: choose one of {', '.join(ASR_CHOICES)}")
         self.asr_choice = asr
         self._running = 0
         self._running_lock = threading.Lock()
