@@ -78,6 +78,31 @@ ITEMS = (
     Item(("My name is Anna.", "What is my name?"), ("anna",)),
 )
 
+
+def read_items(text: str) -> tuple[Item, ...]:
+    """Questions from a file's text: one conversation a line, its turns separated by " / ",
+    then " | " and the accepted answers separated by commas, e.g.
+    ``My name is Anna. / What is my name? | anna``. Blank lines and lines starting with "#"
+    are skipped. Raises ValueError naming the line that is malformed."""
+    items = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        question, bar, answers = line.partition("|")
+        turns = tuple(t.strip() for t in question.split(" / ") if t.strip())
+        expect = tuple(a.strip().lower() for a in answers.split(",") if a.strip())
+        if not bar or not turns or not expect:
+            raise ValueError(
+                f"line {number}: expected 'question [/ next turn ...] | answer[, answer ...]', "
+                f"got {line!r}"
+            )
+        items.append(Item(turns, expect))
+    if not items:
+        raise ValueError("no questions in the file")
+    return tuple(items)
+
+
 #: voice kind -> (voice, speaking-rate setting) variants; piper: length scale, espeak: wpm.
 VOICES = {
     "piper": (("joe", 1.0), ("joe", 0.85), ("joe", 1.2)),
@@ -376,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--voices", default="piper,espeak", help="voice kinds: piper, espeak")
     parser.add_argument("--repeat", type=int, default=1, help="rounds over the question set")
     parser.add_argument("--limit", type=int, help="only the first N questions")
+    parser.add_argument(
+        "--questions",
+        type=Path,
+        help="your own questions, one a line: 'question [/ next turn] | answer[, answer]'",
+    )
     parser.add_argument("--parallel", type=int, default=1, help="sessions at once")
     parser.add_argument("--tail-s", type=int, default=15, help="silence after the question, max s")
     parser.add_argument("--out", type=Path, help="folder for results.json and table.md")
@@ -386,7 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         if kind not in VOICES:
             parser.error(f"unknown voice kind {kind!r}: choose from {', '.join(VOICES)}")
-    items = ITEMS[: args.limit] if args.limit else ITEMS
+    items = ITEMS
+    if args.questions:
+        try:
+            items = read_items(args.questions.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            parser.error(f"--questions {args.questions}: {exc}")
+    items = items[: args.limit] if args.limit else items
     runs = plan(kinds, items, args.repeat)
     print(f"rendering {len(runs)} spoken questions ...", file=sys.stderr)
     for item, kind, voice, rate, _ in runs:  # fail early (a missing voice) and warm caches

@@ -11,6 +11,7 @@ from omnifabric.tools.eval_reference import (
     names_answer,
     plan,
     playback_gaps,
+    read_items,
     table,
     wer,
     words_of,
@@ -82,3 +83,31 @@ def test_playback_gaps_are_the_silences_a_client_hears_inside_a_reply():
     assert playback_gaps([(10.0, 1.0), (10.9, 1.0), (11.95, 0.5)]) == []
     # Units without audio do not count.
     assert playback_gaps([(10.0, 0.5), (10.4, 0.0), (11.0, 0.5)]) == [pytest.approx(0.5)]
+
+
+def test_own_questions_are_read_from_a_file():
+    items = read_items(
+        "# capitals\n\nWhat is the capital of Italy? | Rome\n"
+        "My name is Anna. / What is my name? | anna, ana\n"
+    )
+    assert items[0].turns == ("What is the capital of Italy?",) and items[0].expect == ("rome",)
+    assert items[1].turns == ("My name is Anna.", "What is my name?")
+    assert items[1].expect == ("anna", "ana")
+    with pytest.raises(ValueError, match="line 2: expected"):
+        read_items("What is two plus two? | four\nWhat is three plus three?\n")
+    with pytest.raises(ValueError, match="no questions"):
+        read_items("# nothing here\n")
+
+
+def test_a_bad_questions_file_is_a_usage_error(tmp_path, capsys):
+    from omnifabric.tools.eval_reference import main
+
+    bad = tmp_path / "q.txt"
+    bad.write_text("What is two plus two?\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["--questions", str(bad), "--url", "ws://127.0.0.1:9/v1/realtime"])
+    assert stop.value.code == 2
+    assert "line 1: expected" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--questions", str(tmp_path / "missing.txt")])
+    assert "missing.txt" in capsys.readouterr().err
