@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         if kind not in VOICES:
             parser.error(f"unknown voice kind {kind!r}: choose from {', '.join(VOICES)}")
-    items = ITEMS
+    items: tuple[Item, ...] = ITEMS
     if args.questions:
         try:
             items = read_items(args.questions.read_text(encoding="utf-8"))
