@@ -516,6 +516,12 @@ class Hypothesis:
 # --- transcription -------------------------------------------------------------------------
 
 
+def is_silent(audio: np.ndarray) -> bool:
+    """Whether ``audio`` is empty or its peak stays under ``SILENCE_PEAK`` (no model is run
+    on it: Whisper hears digital silence as something)."""
+    return audio.size == 0 or float(np.abs(audio).max()) < SILENCE_PEAK
+
+
 def window_frames(n_samples: int) -> int:
     """Encoder window (mel frames) for an utterance: whole seconds, >= 1 s, <= 30 s."""
     need = -(-n_samples // HOP) + TAIL_FRAMES
@@ -629,7 +635,7 @@ class Transcriber:
         """The encoder's states for float32 mono 16 kHz ``audio`` (up to 30 s, on a cut
         window unless ``full_window``); None for silence (a peak under ``SILENCE_PEAK``)."""
         audio = np.asarray(audio, dtype=np.float32).reshape(-1)[: FULL_FRAMES * HOP]
-        if audio.size == 0 or float(np.abs(audio).max()) < SILENCE_PEAK:
+        if is_silent(audio):
             return None
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -666,14 +672,14 @@ class Transcriber:
         computed from ``enc``, which ``score`` can reuse instead of computing them again."""
         with torch.inference_mode():
             t0 = time.perf_counter()
-            tokens, no_speech, logprob, cache = self._decode(enc)
+            tokens, no_speech, total, cache = self._decode(enc)
             t1 = time.perf_counter()
         self._timings["decoder"] = (t1 - t0) * 1000.0
         self._timings["tokens"] = float(len(tokens))
+        count = len(tokens) + 1 if total > float("-inf") else 0
+        logprob = total / count if count else float("-inf")
         self.last_no_speech_prob = no_speech
         self.last_avg_logprob = logprob
-        count = len(tokens) + 1 if logprob > float("-inf") else 0
-        total = logprob * count if count else float("-inf")
         cross = cache.cross_attention_cache
         if no_speech > NO_SPEECH_THRESHOLD and logprob < LOGPROB_THRESHOLD:
             return Hypothesis("", total, count, cross)
@@ -721,7 +727,8 @@ class Transcriber:
         return e.layer_norm(x)
 
     def _decode(self, enc: torch.Tensor) -> tuple[list[int], float, float, EncoderDecoderCache]:
-        """Greedy decoding with the KV cache: tokens, no-speech probability, mean logprob,
+        """Greedy decoding with the KV cache: tokens, no-speech probability, the summed
+        log-probability of the tokens and the end token (-inf when stopped at the prompt),
         and the cache."""
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         ids = torch.tensor([self.prompt], dtype=torch.long, device=self.device)
@@ -756,4 +763,4 @@ class Transcriber:
             if _ends_in_loop(tokens):
                 break
             ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        return tokens, no_speech, total_logprob / (len(tokens) + 1), cache
+        return tokens, no_speech, total_logprob, cache

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from omnifabric.worker.engines.reference.asr import SILENCE_PEAK
+from omnifabric.worker.engines.reference.asr import is_silent
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.reference.asr import Hypothesis, Transcriber
@@ -71,7 +71,7 @@ class Ears:
         """The transcript of float32 mono 16 kHz ``audio`` and its confidence (mean token
         log-probability over both models); ("", -inf) for silence."""
         audio = np.asarray(audio, dtype=np.float32).reshape(-1)
-        if audio.size == 0 or float(np.abs(audio).max()) < SILENCE_PEAK:
+        if is_silent(audio):
             return "", float("-inf")
         t0 = time.perf_counter()
         moon = self._pool.submit(self._moonshine, audio)

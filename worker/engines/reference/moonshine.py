@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -400,7 +399,6 @@ class Moonshine:
             if i > END and i not in BYTE_IDS:
                 ids.setdefault(piece.decode("utf-8", "surrogateescape"), i)
         self._ids = ids
-        self.last_timings: dict[str, float] = {}
 
     def encode(self, audio: np.ndarray) -> torch.Tensor:
         """The encoder's states for float32 mono 16 kHz ``audio``."""
@@ -430,7 +428,6 @@ class Moonshine:
         limit = int(seconds * TOKENS_PER_SECOND) + 4
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         token, out, logprobs = START, [], []
-        t0 = time.perf_counter()
         with torch.inference_mode():
             for _ in range(limit):
                 logits = self._logits([token], enc, cache)[-1]
@@ -443,7 +440,6 @@ class Moonshine:
                 if keep is not None:
                     del out[keep:], logprobs[keep:]
                     break
-        self.last_timings = {"decoder": (time.perf_counter() - t0) * 1000.0, "tokens": len(out)}
         total = float(np.sum(logprobs)) if logprobs else float("-inf")
         return Hypothesis(self.text(out), total, len(logprobs), cache.cross_attention_cache)
 
@@ -459,9 +455,6 @@ class Moonshine:
             logprobs = self._logits([START, *ids], enc, cache).log_softmax(-1)
             picked = logprobs[torch.arange(len(targets)), torch.tensor(targets)]
         return float(picked.sum()), len(targets)
-
-    def transcribe(self, audio: np.ndarray) -> str:
-        return self.decode(self.encode(audio))[0]
 
     def text(self, ids: list[int]) -> str:
         raw = b"".join(self.pieces[i] for i in ids if i > END and i < len(self.pieces))
