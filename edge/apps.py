@@ -42,8 +42,8 @@ DEFAULT_APPS = (
     App("turnbased", "Turn-based chat", "/chat", "chat"),
     App("omni", "Omni full-duplex (video)", "/video", "video"),
     App("audio_duplex", "Audio full-duplex", "/audio", "audio"),
-    # No page of its own: clients connect to /ws/half_duplex/{id}.
-    App("half_duplex_audio", "Half-duplex voice call", "/ws/half_duplex", "half_duplex"),
+    # Its page; clients of the protocol connect to /ws/half_duplex/{id}.
+    App("half_duplex_audio", "Half-duplex voice call", "/half_duplex", "half_duplex"),
 )
 
 

@@ -44,6 +44,7 @@ class DuplexSettings:
     vad_threshold: float | None = None
     min_speech_ms: int | None = None
     end_of_turn_silence_ms: int | None = None
+    half_duplex: bool | None = None
 
 
 @dataclass(frozen=True)

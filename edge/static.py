@@ -1,7 +1,7 @@
 """The browser client's files, served by the edge on its WebSocket port with no build step.
 
-Pages (`/`, `/audio`, `/video`, `/chat`, `/admin`) and `/static/<path>` from edge/web/.
-They hold no data, so they need no API key; what they fetch or open does.
+Pages (`/`, `/audio`, `/half_duplex`, `/video`, `/chat`, `/admin`) and `/static/<path>` from
+edge/web/. They hold no data, so they need no API key; what they fetch or open does.
 """
 
 from __future__ import annotations
@@ -16,17 +16,16 @@ from websockets.http11 import Request, Response
 WEB_ROOT = Path(__file__).resolve().parent / "web"
 STATIC_PREFIX = "/static/"
 
-#: The reference server's page paths -> ours (302). It has a half-duplex page; we do not:
-#: half-duplex calls are for clients of /ws/half_duplex/{id}, so that path leads home.
+#: The reference server's page paths -> ours (302); its half-duplex page's path is ours too.
 REFERENCE_PAGES = {
     "/turnbased": "/chat",
     "/omni": "/video",
     "/audio_duplex": "/audio",
-    "/half_duplex": "/",
 }
 PAGES = {
     "/": "index.html",
     "/audio": "audio.html",
+    "/half_duplex": "half_duplex.html",
     "/video": "video.html",
     "/chat": "chat.html",
     "/admin": "admin.html",

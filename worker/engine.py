@@ -60,6 +60,7 @@ class DuplexSettings:
     vad_threshold: float | None = None
     min_speech_ms: int | None = None
     end_of_turn_silence_ms: int | None = None
+    half_duplex: bool | None = None
     max_slice_nums: int = 1
     """Video mode: image slices per frame (within the engine's EngineLimits)."""
 

@@ -3,23 +3,30 @@ it: the user speaks, the server hears the end of the turn, the model answers wit
 text and speech while the user's input is ignored, and the conversation (the model's
 context) goes on across turns.
 
-Client: `prepare{system_prompt, config{tts{enabled}, ...}, ref_audio_base64?}`,
+Client: `prepare{system_content | system_prompt, config{tts{enabled}, ...}, ref_audio_base64?}`
+(`system_content`, the reference page's form: text parts joined into the system prompt, the
+first audio part the reference voice),
 `audio_chunk{audio_base64}` (float32 16 kHz, ~0.5 s), `stop`. Server: `queued` /
 `queue_update` / `queue_done`, `prepared{session_id, timeout_s, recording_session_id, notes?}`,
 `vad_state{speaking}`, `generating{speech_duration_ms}`, `chunk{text_delta, audio_data}`,
-`turn_done{turn_index, text}`, `stopped`, `timeout{reason}`, `error{error}`.
+`turn_done{turn_index, text}` (turn_index: the turns answered so far, 1 after the first),
+`stopped`, `timeout{reason}`, `error{error}`.
 
-How it runs on the fabric: as a duplex session of the worker's engine, so every duplex engine
-serves it (reference, minicpmo, synthetic). The engine decides when the user's turn ended
-(its own turn-taking); from its first speaking unit the reply streams, and the edge feeds
-the session silent units itself (as fast as the answers come, not in real time) until the
+How it runs on the fabric: as a session of the worker's engine marked `half_duplex`, so every
+engine serves it. MiniCPM-o answers through its turn-based streaming chat path (silero-vad
+finds the turn, the turn's audio is prefilled whole, the context goes on across turns:
+worker/engines/minicpmo/half_duplex.py); the reference engine and the synthetic one take
+turns as in a duplex session. From the engine's first speaking unit the reply streams, and
+the edge feeds the
+session silent units itself (as fast as the answers come, not in real time) until the
 engine ends its turn, so the reply does not wait for the client, which stops sending audio
 while it plays the answer. `audio_chunk` during the answer is ignored, as the protocol says.
 `vad_state` comes from the input's energy (RMS above 0.01), reported with the unit's answer.
 `config.session.timeout_s` (default 180 s) ends the call after that long without an
 `audio_chunk` (`timeout{elapsed_s}`). `config.vad` (`threshold`, `min_speech_duration_ms`,
 `min_silence_duration_ms`) goes to engines that find the end of the turn by voice activity
-(the reference engine); `speech_pad_ms` is not used (the engine keeps its own margins).
+(the reference engine, MiniCPM-o's calls); `speech_pad_ms` is not used (the engine keeps
+its own margins).
 `config.generation`: `temperature` and `length_penalty` go to the engine as session
 settings; `max_new_tokens` ends an answer once its tokens reach it (the edge sends the
 engine a force_listen unit, as the external stop does).
@@ -54,6 +61,34 @@ MAX_TIMEOUT_S = 3600.0
 #: One second of silence at 16 kHz: what the edge feeds the engine while it answers (a unit
 #: length every engine takes).
 SILENCE = np.zeros(16000, "<f4").tobytes()
+
+
+def system_content(value: Any) -> tuple[list[str], bytes]:
+    """The reference server's `system_content` ([{type: "text", text}, {type: "audio", data:
+    base64 float32 16 kHz}], in any order): its texts, and its first audio as the reference
+    voice (b"" when it has none; later audio parts are not used)."""
+    if not isinstance(value, list):
+        raise InvalidPayload("'system_content' must be a list of {type, text|data} parts")
+    texts: list[str] = []
+    audio = b""
+    for i, part in enumerate(value):
+        where = f"system_content[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise InvalidPayload(f"{where}.text must be a string")
+            if text:
+                texts.append(text)
+        elif kind == "audio":
+            data = part.get("data")
+            if data and not audio:  # the reference page sends null until a voice is loaded
+                audio = pcm.reference_audio(data, f"{where}.data")
+        else:
+            raise InvalidPayload(
+                f"{where} must be {{type: 'text', text}} or {{type: 'audio', data}}"
+            )
+    return texts, audio
 
 
 class HalfDuplex(DuplexDialect):
@@ -120,6 +155,13 @@ class HalfDuplex(DuplexDialect):
             prompt = ""
         if not isinstance(prompt, str):
             raise InvalidPayload("'system_prompt' must be a string")
+        ref = event.get("ref_audio_base64")
+        ref_audio = pcm.reference_audio(ref, "ref_audio_base64") if ref else b""
+        content = event.get("system_content")
+        if content is not None:
+            texts, audio = system_content(content)
+            prompt = "\n".join(t for t in (prompt, *texts) if t)
+            ref_audio = ref_audio or audio
         cfg = fields.obj(event, "config")
         timeout = fields.number_field(
             fields.obj(cfg, "session"), "timeout_s", 1.0, MAX_TIMEOUT_S, "config.session"
@@ -127,12 +169,11 @@ class HalfDuplex(DuplexDialect):
         if timeout is not None:
             self._timeout_s = timeout
         settings = self._settings(cfg)
-        ref = event.get("ref_audio_base64")
         init = ev.InitCommand(
             dialect=ev.Dialect.CURRENT,
             system_prompt=prompt,
             config=settings,
-            ref_audio=pcm.reference_audio(ref, "ref_audio_base64") if ref else b"",
+            ref_audio=ref_audio,
             ref_audio_id=fields.voice_id((event,), "ref_audio_id", "ref_audio_base64"),
         )
         self._prepared = True
@@ -163,6 +204,7 @@ class HalfDuplex(DuplexDialect):
             ),
             min_speech_ms=ms("min_speech_duration_ms", fields.MIN_SPEECH_MS),
             end_of_turn_silence_ms=ms("min_silence_duration_ms", fields.END_OF_TURN_SILENCE_MS),
+            half_duplex=True,
         )
 
     def appended(self, seq: int, cmd: ev.AppendCommand) -> None:
@@ -247,8 +289,8 @@ class HalfDuplex(DuplexDialect):
         return messages
 
     def _turn_done(self) -> list[Any]:
+        self._turn_index += 1  # the turns answered so far, as the reference server counts
         done = {"type": "turn_done", "turn_index": self._turn_index, "text": self._turn_text}
-        self._turn_index += 1
         self._answering = False
         self._turn_text = ""
         self._speech_seqs.clear()

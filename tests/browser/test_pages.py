@@ -34,7 +34,7 @@ def assert_clean(bp) -> None:
 def test_landing_page_links_every_mode(stack, open_page):
     bp = open_page(f"{http_base(stack.url)}/")
     links = bp.page.eval_on_selector_all("main a", "as => as.map(a => a.getAttribute('href'))")
-    assert {"/audio", "/video", "/chat", "/admin"} <= set(links), links
+    assert {"/audio", "/half_duplex", "/video", "/chat", "/admin"} <= set(links), links
     bp.page.click("main a[href='/chat']")
     bp.page.wait_for_url("**/chat")
     assert bp.page_errors == [] and bp.failed_requests == [], bp.failed_requests
@@ -68,6 +68,35 @@ def test_audio_page_answers_the_spoken_question(stack, open_page):
     )
     bp.page.click("#stop")
     bp.wait("omni => omni.state === 'closed'", "closed after Stop", 15)
+    assert_clean(bp)
+
+
+def test_voice_call_page_answers_each_turn_aloud(stack, open_page):
+    """/half_duplex: the fake microphone asks its question and pauses; the server hears the
+    end of the turn, the answer streams as text and speech, the page sends nothing while it
+    answers and plays, then listens again; Stop ends the call with the server's `stopped`."""
+    bp = open_page(f"{http_base(stack.url)}/half_duplex")
+    bp.wait("omni => omni.state === 'idle'", "idle on load", 10)
+    bp.page.click("#start")
+    bp.wait("omni => omni.state === 'active'", "prepared", 30)
+    bp.wait(
+        "omni => omni.turns.length >= 1 && /paris/i.test(omni.turns[0].text) "
+        "&& omni.audioSamplesPlayed > 0",
+        "the first turn answered aloud, about Paris",
+        60,
+    )
+    bp.wait("omni => omni.phase === 'listening'", "listening again after the answer", 30)
+    state = bp.omni()
+    turn = state["turns"][0]
+    assert turn["index"] == 1 and turn["heardMs"] > 0, turn
+    assert state["chunksSent"] > 0 and state["chunksHeld"] > 0  # held while it answered
+    assert "Paris" in bp.page.inner_text("#conversation")
+    assert bp.page.inner_text("#turns") == str(len(state["turns"]))
+    assert_clean(bp)
+    bp.shot()
+    bp.page.click("#stop")
+    bp.wait("omni => omni.state === 'closed'", "closed after Stop", 15)
+    assert bp.omni()["closeReason"] == "stopped"
     assert_clean(bp)
 
 

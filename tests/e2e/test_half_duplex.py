@@ -78,7 +78,7 @@ async def test_two_turns_then_stop(stack):
             assert [e["speaking"] for e in turn_events if e["type"] == "vad_state"] == [True, False]
             chunks = [e for e in turn_events if e["type"] == "chunk"]
             assert len(chunks) >= 2 and all(c["audio_data"] for c in chunks)
-            assert done["turn_index"] == turn
+            assert done["turn_index"] == turn + 1
             assert done["text"] == "".join(c["text_delta"] for c in chunks)
             assert f"reply {turn + 1}" in done["text"]
         await ws.send(json.dumps({"type": "stop"}))
@@ -101,7 +101,7 @@ async def test_bad_input_answers_error_and_the_call_goes_on(stack):
         done = await until(ws, "turn_done", seen)
         chunks = [e for e in seen if e["type"] == "chunk"]
         assert chunks and all(c["audio_data"] is None for c in chunks)  # text only
-        assert done["turn_index"] == 0
+        assert done["turn_index"] == 1
 
 
 async def test_an_external_stop_ends_the_answer(tmp_path):
@@ -130,7 +130,7 @@ async def test_an_external_stop_ends_the_answer(tmp_path):
             assert status == 200 and body["success"] is True, body
             start = len(seen)
             done = await until(ws, "turn_done", seen)
-            assert done["turn_index"] == 0
+            assert done["turn_index"] == 1
             chunks = [e for e in seen if e["type"] == "chunk"]
             assert len(chunks) < 3, [e["type"] for e in seen[start:]]
         assert request(stop_url, "POST", {"session_id": "nope"})[0] == 404

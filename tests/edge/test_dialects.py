@@ -467,6 +467,7 @@ def test_half_duplex_maps_vad_and_generation_config():
     s = init.config
     assert (s.vad_threshold, s.min_speech_ms, s.end_of_turn_silence_ms) == (0.8, 128, 800)
     assert (s.temperature, s.length_penalty, s.tts_enabled) == (0.7, 1.1, False)
+    assert s.half_duplex is True  # the engine answers whole turns (MiniCPM-o: its chat path)
     [prepared] = d.encode(ev.Created("hd_1", 10, ("min_speech_ms: not used",)))
     assert prepared["timeout_s"] == 60 and prepared["notes"] == ["min_speech_ms: not used"]
     assert "notes" not in HalfDuplex("hd_2").encode(ev.Created("hd_2", 10))[0]
@@ -478,6 +479,8 @@ def test_half_duplex_maps_vad_and_generation_config():
     assert d.after_output(_out(seq=2)) == [ev.AppendCommand(pcm=SILENCE, force_listen=True)]
     [*_, done] = d.encode(_out(seq=3, text="", n_tokens=0, end_of_turn=True))
     assert done["type"] == "turn_done" and d.after_output(_out(seq=3)) == []
+    assert done["turn_index"] == 1  # turns answered so far, as the reference server counts
+
     # The next answer counts from zero.
     d.encode(_out(seq=4, n_tokens=4))
     assert d.after_output(_out(seq=4)) == [ev.AppendCommand(pcm=SILENCE)]
@@ -499,6 +502,42 @@ def test_half_duplex_config_errors_name_the_field(config, error):
 
     with pytest.raises(errors.InvalidPayload, match=error):
         HalfDuplex("hd_1").decode(_frame({"type": "prepare", "config": config}))
+
+
+def test_half_duplex_takes_the_reference_pages_system_content():
+    """The reference page's prepare: system_content parts (text, a voice not loaded yet,
+    text), then the same with the voice; bad parts are refused by position."""
+    from omnifabric.edge.dialects.half_duplex import HalfDuplex
+
+    voice = np.linspace(-0.5, 0.5, 8000, dtype="<f4")
+    voice_b64 = base64.b64encode(voice.tobytes()).decode()
+
+    def prepare(content, **more):
+        [init] = HalfDuplex("hd_1").decode(
+            _frame({"type": "prepare", "system_content": content, **more})
+        )
+        return init
+
+    parts = [
+        {"type": "text", "text": "Imitate the voice of the sample."},
+        {"type": "audio", "data": None, "name": "", "duration": 0},
+        {"type": "text", "text": "Be a helpful assistant."},
+    ]
+    init = prepare(parts)
+    assert init.system_prompt == "Imitate the voice of the sample.\nBe a helpful assistant."
+    assert init.ref_audio == b""
+    parts[1] = {"type": "audio", "data": voice_b64, "name": "v.wav", "duration": 0.5}
+    init = prepare(parts, system_prompt="First.")
+    assert init.system_prompt.startswith("First.\nImitate")
+    assert np.array_equal(np.frombuffer(init.ref_audio, "<f4"), voice)
+    for bad, match in (
+        ("text", "must be a list"),
+        ([{"type": "video"}], r"system_content\[0\] must be"),
+        ([{"type": "text", "text": "a"}, {"type": "text", "text": 3}], r"\[1\].text"),
+        ([{"type": "audio", "data": "%%%"}], r"system_content\[0\].data"),
+    ):
+        with pytest.raises(errors.InvalidPayload, match=match):
+            prepare(bad)
 
 
 def test_realtime_events_are_numbered_and_a_resume_replays_what_was_missed():

@@ -1,6 +1,6 @@
 // Which apps (kinds of session) the operator has switched off (GET /api/apps): links to
 // them are marked, and a page of a switched-off app says so before anyone presses start.
-const ROUTES = ['/audio', '/video', '/chat'];
+const ROUTES = ['/audio', '/half_duplex', '/video', '/chat'];
 
 export async function markSwitchedOff(doc = document) {
   let enabled;

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import wave
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -27,6 +28,7 @@ from omnifabric.worker.session import (
     SessionSpec,
 )
 from omnifabric.worker.units import UnitInput
+from tests.conftest import ROOT
 from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
 
 pytestmark = [needs_code, pytest.mark.timeout(600)]
@@ -350,3 +352,143 @@ def test_chat_streams_with_real_counts(engine, max_new_tokens):
     assert done.output_tokens <= max_new_tokens
     if max_new_tokens == 6:
         assert done.cut and done.output_tokens == 6
+
+
+# ---- half-duplex calls (the model's streaming chat path) ------------------------------------
+
+CALL = DuplexSettings(half_duplex=True, temperature=0)
+QUESTION = ROOT / "tests" / "fixtures" / "speech" / "question.wav"
+
+
+def question() -> np.ndarray:
+    """The fixture's spoken question (speech from 3.0 to 4.8 s) from 2.5 s to 5.5 s."""
+    with wave.open(str(QUESTION), "rb") as wav:
+        pcm = np.frombuffer(wav.readframes(wav.getnframes()), "<i2").astype(np.float32) / 32768
+    return pcm[int(2.5 * 16000) : int(5.5 * 16000)]
+
+
+def question_units() -> list[np.ndarray]:
+    """The spoken question in 1 s units, then 1 s of silence (the end of the user's turn)."""
+    pcm = np.concatenate([question(), np.zeros(16000, np.float32)])
+    return [pcm[i : i + 16000] for i in range(0, pcm.size - 15999, 16000)]
+
+
+def call_turn(session, units, silence_limit=200, force_at=None):
+    """Feed a user turn, then silence (what the edge sends while the model answers) until the
+    answer ends; returns (results while listening, answer results, the result ending it)."""
+    listened, answer = [], []
+    pending = list(units)
+    for _ in range(len(units) + silence_limit):
+        pcm = pending.pop(0) if pending else np.zeros(16000, np.float32)
+        session.prefill(pcm, [], 1)
+        result = session.generate(force_at is not None and len(answer) == force_at)
+        session.finalize()
+        if result.is_listen and result.end_of_turn:
+            return listened, answer, result
+        (listened if result.is_listen and not answer else answer).append(result)
+    raise AssertionError("the answer did not end")
+
+
+def test_a_half_duplex_call_answers_each_turn_and_keeps_its_context(engine):
+    s = engine.open_session("call-1", "audio")
+    try:
+        prompt_tokens = s.prepare("Be brief.", None, None, CALL)
+        assert prompt_tokens > 0
+        assert not any("vad" in note for note in s.notes)  # the VAD settings are used
+        # Silence is never a turn.
+        for _ in range(3):
+            s.prefill(np.zeros(16000, np.float32), [], 1)
+            assert s.generate(False).is_listen
+            s.finalize()
+        listened, answer, end = call_turn(s, question_units())
+        assert listened and all(r.is_listen for r in listened)
+        assert answer and not any(r.is_listen for r in answer)
+        first = answer[0]
+        # The turn's audio went into the context as one user message after the prompt.
+        assert first.input_audio_tokens > 10
+        assert first.kv_cache_length > prompt_tokens + first.input_audio_tokens
+        text = "".join(r.text for r in answer)
+        assert text and sum(r.n_tokens for r in answer) > 0
+        assert end.kv_cache_length >= answer[-1].kv_cache_length
+        # The second turn starts from the first one's context, not from the prompt again.
+        _, answer2, end2 = call_turn(s, question_units())
+        assert answer2[0].kv_cache_length > end.kv_cache_length + answer2[0].input_audio_tokens
+        assert end2.kv_cache_length > end.kv_cache_length
+    finally:
+        s.close()
+    assert s.call is not None and s.call.reply is None
+
+
+def test_a_half_duplex_answer_does_not_hear_and_stops_on_force_listen(engine):
+    s = engine.open_session("call-2", "audio")
+    try:
+        s.prepare("Be brief.", None, None, CALL)
+        _, answer, end = call_turn(s, question_units(), force_at=1)
+        assert len(answer) == 1 and end.end_of_turn  # the external stop's unit ended it
+        # Speech sent during an answer is not heard: the same question again, fed while the
+        # model answers, starts no turn once the answer ended.
+        for unit in question_units():
+            s.prefill(unit, [], 1)
+            s.generate(False)
+            s.finalize()
+        s.prefill(np.zeros(16000, np.float32), [], 1)
+        after = s.generate(False)
+        s.finalize()
+        # A turn started after the stop is answered from the context the stop left.
+        _, again, _ = call_turn(s, question_units())
+        assert again and again[0].kv_cache_length > end.kv_cache_length
+        assert after is not None
+    finally:
+        s.close()
+
+
+def test_half_duplex_calls_interleaved_match_solo(engine):
+    """Two calls on one model, unit by unit in turn, with a chat turn's chunks between: each
+    answers exactly what it answers alone (the conversation kept on the model is swapped)."""
+
+    def answers(session_units, other=None):
+        out = []
+        for pcm in session_units:
+            for s, chat in [other] if other else []:
+                s.prefill(np.zeros(16000, np.float32), [], 1)
+                s.generate(False)
+                s.finalize()
+                next(chat, None)
+            main.prefill(pcm, [], 1)
+            r = main.generate(False)
+            main.finalize()
+            out.append((r.is_listen, r.text, r.kv_cache_length))
+        return out
+
+    units = question_units() + [np.zeros(16000, np.float32)] * 12
+    main = engine.open_session("call-a", "audio")
+    try:
+        main.prepare("Be brief.", None, None, CALL)
+        alone = answers(units)
+    finally:
+        main.close()
+    main = engine.open_session("call-a", "audio")
+    other = engine.open_session("call-b", "audio")
+    turn = ChatTurn(messages=(ChatMessage("user", ("Hi.", noise(8))),), max_new_tokens=60)
+    chat = engine.chat(turn)
+    try:
+        main.prepare("Be brief.", None, None, CALL)
+        other.prepare("Answer in French.", None, None, CALL)
+        mixed = answers(units, (other, chat))
+    finally:
+        list(chat)
+        main.close()
+        other.close()
+    assert any(not listen for listen, _, _ in alone)
+    assert mixed == alone
+
+
+def test_a_chat_turn_hears_audio_longer_than_one_chunk(engine):
+    """4.5 s of speech in one user message: whole where the code takes whole audio, in the
+    model's streaming chunks where it only streams (both used to fail past one chunk)."""
+    speech = np.concatenate([question(), question()])[: int(4.5 * 16000)]
+    short = ChatTurn(messages=(ChatMessage("user", ("Hi.", speech[:16000])),), max_new_tokens=4)
+    long = ChatTurn(messages=(ChatMessage("user", ("Hi.", speech)),), max_new_tokens=4)
+    short_in = list(engine.chat(short))[0].input_tokens
+    long_in = list(engine.chat(long))[0].input_tokens
+    assert long_in > short_in + 20  # the whole 4.5 s reached the context

@@ -130,3 +130,66 @@ def test_chat_turn(served):
     texts = [e for e in events if e.get("kind") == "text"]
     assert texts and done["text"]
     assert done["usage"]["output_tokens"] <= 8 and done["usage"]["input_tokens"] > 0
+
+
+def test_half_duplex_call(served):
+    """/ws/half_duplex on the model's chat path, prepared as the reference page does
+    (system_content): the turn is heard, the answer streams to turn_done, the next turn goes
+    on in the same call, stop ends it."""
+    import base64
+    import json
+
+    from websockets.asyncio.client import connect
+
+    from tests.worker.minicpmo.test_real_code import question
+
+    speech = np.concatenate([question(), np.zeros(16000, np.float32)])
+
+    async def main():
+        seen = []
+
+        async def until(ws, kind):
+            while True:
+                event = json.loads(await asyncio.wait_for(ws.recv(decode=True), 120))
+                seen.append(event)
+                assert event["type"] != "error", event
+                if event["type"] == kind:
+                    return event
+
+        url = served.replace("/v1/realtime", "/ws/half_duplex/hd_tiny")
+        async with connect(url) as ws:
+            await until(ws, "queue_done")
+            content = [
+                {"type": "text", "text": "Be brief."},
+                {"type": "audio", "data": None, "name": "", "duration": 0},
+            ]
+            generation = {"temperature": 0, "max_new_tokens": 40}
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "prepare",
+                        "system_content": content,
+                        "config": {"generation": generation},
+                    }
+                )
+            )
+            prepared = await until(ws, "prepared")
+            done = []
+            for _ in range(2):
+                for i in range(0, speech.size, 8000):  # half-second chunks, in real time
+                    audio = base64.b64encode(speech[i : i + 8000].tobytes()).decode()
+                    await ws.send(json.dumps({"type": "audio_chunk", "audio_base64": audio}))
+                    await asyncio.sleep(0.5)
+                done.append(await until(ws, "turn_done"))
+            await ws.send(json.dumps({"type": "stop"}))
+            await until(ws, "stopped")
+        return prepared, seen, done
+
+    prepared, seen, done = asyncio.run(main())
+    assert prepared["session_id"] == "hd_tiny"
+    kinds = [e["type"] for e in seen]
+    assert kinds.count("generating") == 2
+    assert [d["turn_index"] for d in done] == [1, 2]
+    first = seen[: kinds.index("turn_done") + 1]
+    chunks = [e["text_delta"] for e in first if e["type"] == "chunk"]
+    assert chunks and done[0]["text"] == "".join(chunks)

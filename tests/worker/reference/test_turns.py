@@ -7,13 +7,13 @@ import pytest
 
 from omnifabric.worker.engines.reference.turns import (
     TurnRules,
-    TurnTracker,
     cut_at_limit,
     looks_finished,
     repeated_from,
     reply_cut,
     sentence_ends,
 )
+from omnifabric.worker.engines.vad import TurnTracker
 
 WINDOW = 512
 RULES = TurnRules()

@@ -40,13 +40,146 @@ class ChatEngine(Protocol):
     def chat_content(self, message: ChatMessage) -> list[Any]: ...
 
 
+def prefill(
+    model: Any,
+    session_id: str,
+    role: str,
+    content: list[Any],
+    *,
+    speech: bool,
+    omni_mode: bool = False,
+    max_slice_nums: int | None = None,
+    enable_thinking: bool = False,
+) -> None:
+    """One message into the conversation kept under `session_id` (streaming_prefill takes
+    one message a call). A user's audio longer than one streaming chunk goes in whole where
+    the code takes whole audio (`stream_input=False`: the demo's unified class, as the
+    reference server prefills a half-duplex turn); the HF code only streams it, so there it
+    goes in the model's own chunks (FIRST_CHUNK_MS, then CHUNK_MS; the message's other parts
+    before the audio with the first chunk, after it with the last), the last one flagged."""
+    common: dict[str, Any] = {
+        "session_id": session_id,
+        "omni_mode": omni_mode,
+        "max_slice_nums": max_slice_nums,
+        "use_tts_template": speech,
+        "enable_thinking": enable_thinking,
+    }
+    audios = [i for i, part in enumerate(content) if isinstance(part, np.ndarray)]
+    rate = int(getattr(model, "SAMPLE_RATE", 16000))
+    first = rate * int(getattr(model, "FIRST_CHUNK_MS", 1035)) // 1000
+    every = rate * int(getattr(model, "CHUNK_MS", 1000)) // 1000
+    whole = "stream_input" in inspect.signature(model.streaming_prefill).parameters
+    if whole:
+        common["stream_input"] = False
+    if whole or role == "system" or len(audios) != 1 or content[audios[0]].size <= first:
+        msg = {"role": role, "content": content}
+        model.streaming_prefill(msgs=[msg], is_last_chunk=True, **common)
+        return
+    at = audios[0]
+    audio = content[at]
+    cuts = [0, first, *range(first + every, audio.size, every), audio.size]
+    pieces = [audio[a:b] for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+    for i, piece in enumerate(pieces):
+        parts = [piece]
+        if i == 0:
+            parts = [*content[:at], *parts]
+        if i == len(pieces) - 1:
+            parts = [*parts, *content[at + 1 :]]
+        msg = {"role": role, "content": parts}
+        model.streaming_prefill(msgs=[msg], is_last_chunk=i == len(pieces) - 1, **common)
+
+
+class Reply:
+    """One answer of the model's streaming_generate on the conversation prefilled under
+    `session_id`: text (and speech) pieces as they come, held to `max_new_tokens`. Pulled
+    piece by piece (`next_piece`), so a chat turn streams it and a half-duplex call speaks
+    one piece per unit. Raises what the model raises."""
+
+    def __init__(
+        self,
+        engine: ChatEngine,
+        session_id: str,
+        speech: bool,
+        max_new_tokens: int,
+        *,
+        enable_thinking: bool = False,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        length_penalty: float | None = None,
+    ) -> None:
+        self.tokenizer = engine.tokenizer
+        self.speech = speech
+        self.max_new_tokens = max_new_tokens
+        self.text = ""
+        self.finished = False
+        """The model ended the answer itself (text-only streams say so)."""
+        self.cut = False
+        """The answer reached max_new_tokens."""
+        model = engine.model
+        kwargs: dict[str, Any] = {
+            "session_id": session_id,
+            "generate_audio": speech,
+            "max_new_tokens": max_new_tokens,
+            "enable_thinking": enable_thinking,
+            "use_tts_template": speech,
+            "do_sample": temperature != 0,
+        }
+        if temperature is not None and temperature > 0:
+            kwargs["temperature"] = temperature
+        for key, value in (("top_p", top_p), ("top_k", top_k), ("length_penalty", length_penalty)):
+            if value is not None:
+                kwargs[key] = value
+        if "tokenizer" in inspect.signature(model.streaming_generate).parameters:
+            kwargs["tokenizer"] = self.tokenizer  # the HF code takes it; the demo's uses its own
+        self._stream = model.streaming_generate(**kwargs)
+        self._ended = False
+
+    def next_piece(self) -> ChatChunk | None:
+        """The answer's next piece with text or speech, None once it has ended."""
+        while not self._ended:
+            item = next(self._stream, None)
+            if item is None:
+                self.close()
+                return None
+            first, second = item
+            wave = None
+            if self.speech:
+                wave = first.numpy() if hasattr(first, "numpy") else np.asarray(first)
+                piece = _clean(str(second or ""))
+            else:
+                piece = _clean(str(first or ""))
+                self.finished = self.finished or bool(second)
+            # The model generates in chunks of several tokens: hold it to the limit.
+            ids = self.tokenizer.encode(self.text + piece, add_special_tokens=False)
+            if len(ids) > self.max_new_tokens:
+                piece = self.tokenizer.decode(ids[: self.max_new_tokens])[len(self.text) :]
+                self.cut = True
+                self.close()
+            self.text += piece
+            if piece or wave is not None:
+                audio = np.zeros(0, np.float32)
+                if wave is not None:
+                    audio = np.asarray(wave, np.float32).reshape(-1)
+                return ChatChunk(text=piece, audio=audio)
+        return None
+
+    def output_tokens(self) -> int:
+        return len(self.tokenizer.encode(self.text, add_special_tokens=False)) if self.text else 0
+
+    def close(self) -> None:
+        """Stop generating (idempotent)."""
+        if not self._ended:
+            self._ended = True
+            self._stream.close()
+
+
 def stream_turn(engine: ChatEngine, turn: ChatTurn) -> Generator[ChatChunk, None, None]:
     """Prefilled chunk, text/audio chunks, then done with the real counts. Raises what the
     model raises (the worker reports it as an error event)."""
     import torch
 
     model = engine.model
-    tokenizer = engine.tokenizer
     session_id = f"chat-{uuid.uuid4().hex[:12]}"
     speech = bool(turn.speech) and engine.audio_on
     ignored: list[str] = []
@@ -58,70 +191,51 @@ def stream_turn(engine: ChatEngine, turn: ChatTurn) -> Generator[ChatChunk, None
     if speech:
         voice_pcm = turn.voice
         if voice_pcm is None or not voice_pcm.size:
-            from omnifabric.worker.engines.minicpmo.voice import read_wav
-
-            voice_pcm = read_wav(engine.default_voice) if engine.default_voice else None
+            voice_pcm = default_voice_pcm(engine)
         if voice_pcm is not None:
             model.init_token2wav_cache(voice_pcm)
     with torch.no_grad():
         for message in turn.messages:
-            model.streaming_prefill(
-                session_id=session_id,
-                msgs=[{"role": message.role, "content": engine.chat_content(message)}],
+            prefill(
+                model,
+                session_id,
+                message.role,
+                engine.chat_content(message),
+                speech=speech,
                 omni_mode=turn.omni_mode,
                 max_slice_nums=turn.max_slice_nums,
-                use_tts_template=speech,
                 enable_thinking=turn.enable_thinking,
-                is_last_chunk=True,
             )
         input_tokens = int(model._get_kv_cache_length())
         yield ChatChunk(prefilled=True, input_tokens=input_tokens)
-        kwargs: dict[str, Any] = {
-            "session_id": session_id,
-            "generate_audio": speech,
-            "max_new_tokens": turn.max_new_tokens,
-            "enable_thinking": turn.enable_thinking,
-            "use_tts_template": speech,
-            "do_sample": turn.temperature != 0,
-        }
-        if turn.temperature is not None and turn.temperature > 0:
-            kwargs["temperature"] = turn.temperature
-        if turn.top_p is not None:
-            kwargs["top_p"] = turn.top_p
-        if "tokenizer" in inspect.signature(model.streaming_generate).parameters:
-            kwargs["tokenizer"] = tokenizer  # the HF code takes it; the demo's uses its own
-        text = ""
-        finished = cut = False
-        stream = model.streaming_generate(**kwargs)
+        reply = Reply(
+            engine,
+            session_id,
+            speech,
+            turn.max_new_tokens,
+            enable_thinking=turn.enable_thinking,
+            temperature=turn.temperature,
+            top_p=turn.top_p,
+        )
         try:
-            for first, second in stream:
-                wave = None
-                if speech:
-                    wave = first.numpy() if hasattr(first, "numpy") else np.asarray(first)
-                    piece = _clean(str(second or ""))
-                else:
-                    piece = _clean(str(first or ""))
-                    finished = finished or bool(second)
-                # The model generates in chunks of several tokens: hold it to the limit.
-                ids = tokenizer.encode(text + piece, add_special_tokens=False)
-                if len(ids) > turn.max_new_tokens:
-                    piece = tokenizer.decode(ids[: turn.max_new_tokens])[len(text) :]
-                    cut = True
-                text += piece
-                if piece or wave is not None:
-                    audio = np.zeros(0, np.float32)
-                    if wave is not None:
-                        audio = np.asarray(wave, np.float32).reshape(-1)
-                    yield ChatChunk(text=piece, audio=audio)
-                if cut:
-                    break
+            while (chunk := reply.next_piece()) is not None:
+                yield chunk
         finally:
-            stream.close()
-    output_tokens = len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
+            reply.close()
+    output_tokens = reply.output_tokens()
     yield ChatChunk(
         done=True,
         input_tokens=input_tokens,
         output_tokens=output_tokens,
-        cut=cut or output_tokens >= turn.max_new_tokens or (not speech and not finished),
+        cut=reply.cut
+        or output_tokens >= turn.max_new_tokens
+        or (not speech and not reply.finished),
         ignored=tuple(ignored),
     )
+
+
+def default_voice_pcm(engine: ChatEngine) -> np.ndarray | None:
+    """The engine's default voice as 16 kHz float32 samples (None when it has none)."""
+    from omnifabric.worker.engines.minicpmo.voice import read_wav
+
+    return read_wav(engine.default_voice) if engine.default_voice else None

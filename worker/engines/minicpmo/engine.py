@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from omnifabric.worker.engines.minicpmo import layouts, voice
 from omnifabric.worker.engines.minicpmo.code import import_module
 from omnifabric.worker.engines.minicpmo.state import SharedState
 from omnifabric.worker.errors import EngineUnavailable
+
+if TYPE_CHECKING:  # it imports torch (silero-vad)
+    from omnifabric.worker.engines.minicpmo.half_duplex import HalfDuplexCall
 
 log = logging.getLogger("omnifabric.worker.minicpmo")
 
@@ -155,6 +158,8 @@ class MiniCPMOSession(EngineSession):
         self.vision_tokens = 0
         self.input_tokens = 0
         self.closed = False
+        self.call: HalfDuplexCall | None = None
+        """Set by prepare for a half-duplex call (the model's chat path, not its duplex)."""
 
     def unit_samples(self) -> tuple[int, int]:
         return self.engine.first_unit_samples, self.engine.unit_samples
@@ -167,8 +172,10 @@ class MiniCPMOSession(EngineSession):
         config: DuplexSettings,
     ) -> int:
         self.settings = config
-        self.notes = config.vad_note()
         engine = self.engine
+        if config.half_duplex:
+            return self._prepare_call(system_prompt, ref_audio, tts_ref_audio, config)
+        self.notes = config.vad_note()
         with engine.using(self):
             self.handle.reset()
             speech = engine.audio_on and config.tts_enabled is not False
@@ -187,9 +194,36 @@ class MiniCPMOSession(EngineSession):
             )
             return self.handle.kv_length()
 
+    def _prepare_call(
+        self,
+        system_prompt: str,
+        ref_audio: np.ndarray | None,
+        tts_ref_audio: np.ndarray | None,
+        config: DuplexSettings,
+    ) -> int:
+        """A half-duplex call: the model's streaming chat path under this session's id."""
+        from omnifabric.worker.engines.minicpmo.half_duplex import HalfDuplexCall
+
+        notes = []
+        if config.tts_enabled is not False and not self.engine.audio_on:
+            notes.append("speech: this worker runs the model text-only (no vocoder)")
+        self.notes = tuple(notes)
+        voice_pcm = tts_ref_audio if tts_ref_audio is not None and tts_ref_audio.size else None
+        with self.engine.using(self):
+            self.handle.reset()
+            self.call = HalfDuplexCall(self.engine, f"call-{self.session_id}", config)
+            return self.call.prepare(
+                system_prompt.strip() or DEFAULT_SYSTEM_PROMPT,
+                ref_audio,
+                voice_pcm if voice_pcm is not None else ref_audio,
+            )
+
     def prefill(
         self, pcm: np.ndarray, frames: list[bytes], max_slice_nums: int
     ) -> dict[str, float]:
+        if self.call is not None:
+            with self.engine.using(self):
+                return self.call.hear(pcm.astype(np.float32, copy=False))
         with self.engine.using(self):
             images = _images(frames) if frames else []
             slices = max(1, max_slice_nums)
@@ -202,6 +236,12 @@ class MiniCPMOSession(EngineSession):
             return _ms(out, rename_all="prefill_all") if isinstance(out, dict) else {}
 
     def generate(self, force_listen: bool) -> GenerateResult:
+        if self.call is not None:
+            with self.engine.using(self):
+                self.units += 1
+                result = self.call.step(force_listen)
+                self.output_tokens += result.n_tokens
+                return result
         with self.engine.using(self):
             self.units += 1
             s = self.settings
@@ -252,6 +292,8 @@ class MiniCPMOSession(EngineSession):
         return args
 
     def finalize(self) -> None:
+        if self.call is not None:
+            return  # the chat path closes a turn with the next prefill
         with self.engine.using(self):
             self.handle.finalize()
 
@@ -267,6 +309,8 @@ class MiniCPMOSession(EngineSession):
         self.closed = True
         try:
             with self.engine.using(self):
+                if self.call is not None:
+                    self.call.close()
                 self.handle.reset()
                 self.engine.state.clear()
                 self.engine.forget(self)

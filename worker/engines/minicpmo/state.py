@@ -1,19 +1,24 @@
 """Per-session state that the model code keeps on the shared model, swapped per session.
 
-Each duplex handle has its own LLM decoder and KV cache, but three pieces of per-stream
-state live on the one model object: the audio encoder's streaming cache
-(`model.audio_past_key_values`, with `audio_chunk_idx`), the streaming mel processor
-(`model.processor._streaming_mel_processor`, replaced by every prepare) and the vocoder's
-stream caches (`model.tts.audio_tokenizer`). The global torch RNG is shared too. A session's
-values are put on the model before each of its calls and taken back when another session's
-call comes, under the engine's lock; nothing is copied, only references move.
+Each duplex handle has its own LLM decoder and KV cache, but pieces of per-stream state live
+on the one model object: the audio encoder's streaming cache (`model.audio_past_key_values`,
+with `audio_chunk_idx`), the streaming mel processor (`model.processor._streaming_mel_processor`,
+replaced by every prepare) and the vocoder's stream caches (`model.tts.audio_tokenizer`).
+The model's own turn-based streaming path (`streaming_prefill` / `streaming_generate`, used by
+chat turns and half-duplex calls) keeps its whole conversation there too: the LLM's KV cache,
+the turn flags, the session id, the round bookkeeping, the voice's vocoder cache and the
+tokens of the answer being streamed. The global torch RNG is shared too. A session's values
+are put on the model before each of its calls and taken back when another session's call
+comes, under the engine's lock; nothing is copied, only references move.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-#: (path from the model, attribute, value of a fresh session).
+#: A value that is no attribute at all (the code tests for the attribute with hasattr).
+ABSENT = object()
+#: (path from the model, attribute, value of a fresh session; a type builds a new one).
 FIELDS: tuple[tuple[str, str, Any], ...] = (
     ("", "audio_past_key_values", None),
     ("", "audio_chunk_idx", 0),
@@ -22,8 +27,37 @@ FIELDS: tuple[tuple[str, str, Any], ...] = (
     ("tts.audio_tokenizer", "hift_cache_dict", None),
     ("tts.audio_tokenizer", "_stream_prompt", None),
     ("tts.audio_tokenizer", "cache", None),
+    # The streaming chat path (reset_session's fields, and the answer being streamed).
+    ("", "llm_past_key_values", None),
+    ("", "session_id", None),
+    ("", "new_user_msg", True),
+    ("", "llm_generated", False),
+    ("", "llm_generate_completed", False),
+    ("", "tts_last_turn_tokens", None),
+    ("", "token2wav_cache", None),
+    ("", "streaming_text_preserve", 0),
+    ("", "streaming_position_offset", 0),
+    ("", "_next_round_id", 0),
+    ("", "_pending_round_id", None),
+    ("", "_omni_chunk_history", list),
+    ("", "_round_history", list),
+    ("", "_streaming_generated_token_ids", ABSENT),
+    ("", "_last_streaming_text", ABSENT),
 )
 RNG = "rng"
+
+
+def _initial(value: Any) -> Any:
+    """A fresh session's value (a new list where the field holds one)."""
+    return value() if isinstance(value, type) else value
+
+
+def _put(owner: Any, name: str, value: Any) -> None:
+    if value is ABSENT:
+        if hasattr(owner, name):
+            delattr(owner, name)
+    else:
+        setattr(owner, name, value)
 
 
 def _owner(model: Any, path: str) -> Any:
@@ -44,7 +78,7 @@ class SharedState:
 
     def fresh(self) -> dict[str, Any]:
         """The values a new session starts from (the RNG as it is now)."""
-        values = {f"{path}:{name}": value for path, name, value in FIELDS}
+        values = {f"{path}:{name}": _initial(value) for path, name, value in FIELDS}
         values[RNG] = self._rng()
         return values
 
@@ -53,7 +87,7 @@ class SharedState:
         for path, name, _ in FIELDS:
             owner = _owner(self.model, path)
             if owner is not None:
-                setattr(owner, name, values.get(f"{path}:{name}"))
+                _put(owner, name, values.get(f"{path}:{name}"))
         rng = values.get(RNG)
         if rng is not None:
             self._set_rng(rng)
@@ -63,7 +97,9 @@ class SharedState:
         values: dict[str, Any] = {}
         for path, name, default in FIELDS:
             owner = _owner(self.model, path)
-            values[f"{path}:{name}"] = getattr(owner, name, default) if owner is not None else None
+            values[f"{path}:{name}"] = (
+                getattr(owner, name, ABSENT) if owner is not None else _initial(default)
+            )
         values[RNG] = self._rng()
         return values
 
@@ -72,7 +108,7 @@ class SharedState:
         for path, name, value in FIELDS:
             owner = _owner(self.model, path)
             if owner is not None and hasattr(owner, name):
-                setattr(owner, name, value)
+                _put(owner, name, _initial(value))
 
     @staticmethod
     def _rng() -> tuple[Any, Any]:

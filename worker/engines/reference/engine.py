@@ -46,12 +46,11 @@ from omnifabric.worker.engine import (
 from omnifabric.worker.engines.reference.tts import split_for_speech
 from omnifabric.worker.engines.reference.turns import (
     TurnRules,
-    TurnTracker,
     cut_at_limit,
     looks_finished,
     reply_cut,
 )
-from omnifabric.worker.engines.reference.vad import WINDOW, WINDOW_S, VoiceActivity
+from omnifabric.worker.engines.vad import WINDOW, WINDOW_S, TurnTracker, VoiceActivity
 
 if TYPE_CHECKING:  # loaded by ReferenceEngine.load (they import torch models)
     from omnifabric.worker.engines.reference.asr import Transcriber
@@ -491,7 +490,7 @@ class ReferenceEngine(Engine):
     def load(self) -> None:
         from omnifabric.worker.engines.reference.llm_gguf import DEFAULT_MODEL, ReplyModel
         from omnifabric.worker.engines.reference.tts import make_speaker
-        from omnifabric.worker.engines.reference.vad import model_path
+        from omnifabric.worker.engines.vad import model_path
 
         check_device(self.device)  # CUDA may have gone away between __init__ and load
         if self._torch_device.type == "cpu":

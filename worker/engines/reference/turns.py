@@ -1,7 +1,8 @@
 """Turn-taking and reply shaping rules of the reference engine (no models here).
 
-The user's turn: silero-vad flags every 32 ms window; an utterance starts at the first speech
-window (with a short pre-roll so the recognizer hears the onset) and ends
+The user's turn (followed by omnifabric.worker.engines.vad.TurnTracker): silero-vad flags
+every 32 ms window; an utterance starts at the first speech window (with a short pre-roll so
+the recognizer hears the onset) and ends
 
 - at once when a unit ends with at least ``quick_silence_s`` of silence after enough speech
   and what was said so far reads as a finished sentence (``looks_finished``), or
@@ -16,25 +17,16 @@ word (``reply_cut``).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import numpy as np
-
-RATE = 16000
+from omnifabric.worker.engines.vad import UtteranceRules
 
 
 @dataclass(frozen=True)
-class TurnRules:
-    """Turn-taking by rule (seconds), and reply shaping."""
+class TurnRules(UtteranceRules):
+    """The user's turn by rule (UtteranceRules, with the reference engine's defaults), and
+    reply shaping."""
 
-    min_speech_s: float = 0.3
-    """Speech needed before a pause can end the user's turn."""
-    end_silence_s: float = 0.9
-    """Silence after speech that ends the user's turn whatever was said."""
-    quick_silence_s: float = 0.2
-    """Silence at a unit's end that ends the turn when the words read as finished (0.2 s
-    answers 0.11 s sooner on average than 0.3 s, with no question split on 144 spoken
-    questions)."""
     barge_in_s: float = 0.2
     """Speech within one unit, while the model speaks, that interrupts it."""
     piece_chars: int = 16
@@ -50,111 +42,10 @@ class TurnRules:
     """A reply is cut after this many tokens (at its last finished sentence when it has one)."""
     max_sentences: int = 2
     """Sentences spoken at most per reply."""
-    pre_roll_s: float = 0.25
-    """Audio kept before the first speech window, so the recognizer hears the onset."""
-    tail_s: float = 0.3
-    """Silence after the last speech window given to the recognizer."""
     warm_ahead: bool = True
     """At the end of a unit inside an utterance, transcribe it so far and prefill its words
     but the last, so the unit that ends the turn prefills only the rest (skipped while
     another session's unit is being computed)."""
-    max_utterance_s: float = 25.0
-    """Longer user turns are transcribed once they reach this (Whisper takes 30 s)."""
-
-    def tuned(self, min_speech_ms: int | None, end_silence_ms: int | None) -> TurnRules:
-        """These rules with a session's own speech minimum and end-of-turn silence (None
-        keeps the default); the quick end never waits longer than the silence asked for."""
-        rules = self
-        if min_speech_ms is not None:
-            rules = replace(rules, min_speech_s=min_speech_ms / 1000)
-        if end_silence_ms is not None:
-            end = end_silence_ms / 1000
-            rules = replace(
-                rules, end_silence_s=end, quick_silence_s=min(rules.quick_silence_s, end)
-            )
-        return rules
-
-
-class TurnTracker:
-    """Follows one user's utterances window by window (VAD flags in, finished audio out)."""
-
-    def __init__(self, rules: TurnRules, window: int) -> None:
-        self.rules = rules
-        self.window = window
-        self.window_s = window / RATE
-        self.utterance: list[np.ndarray] = []
-        self.samples = 0
-        self.speech_end = 0
-        """Samples of the utterance up to the end of its last speech window."""
-        self.pre_roll = np.zeros(0, np.float32)
-        self.speech_s = 0.0
-        self.silence_s = 0.0
-        self.ended: np.ndarray | None = None
-        """A finished utterance waiting to be taken (audio up to tail_s after the speech)."""
-
-    @property
-    def started(self) -> bool:
-        return bool(self.utterance)
-
-    def feed(self, pcm: np.ndarray, flags: np.ndarray) -> None:
-        """One unit's windows and their speech flags."""
-        rules = self.rules
-        for i, speech in enumerate(flags):
-            window = pcm[i * self.window : (i + 1) * self.window]
-            if not self.started:
-                if speech:
-                    self.utterance = [self.pre_roll, window]
-                    self.samples = self.pre_roll.size + window.size
-                    self.speech_end = self.samples
-                    self.speech_s, self.silence_s = self.window_s, 0.0
-                else:
-                    keep = int(rules.pre_roll_s * RATE)
-                    self.pre_roll = np.concatenate([self.pre_roll, window])[-keep:]
-                continue
-            self.utterance.append(window)
-            self.samples += window.size
-            if speech:
-                self.speech_s += self.window_s
-                self.silence_s = 0.0
-                self.speech_end = self.samples
-            else:
-                self.silence_s += self.window_s
-                if self.silence_s >= rules.end_silence_s:
-                    if self.speech_s >= rules.min_speech_s:
-                        self.ended = self.audio()
-                    self.reset()  # the turn, or a click or breath that was not one
-            if self.started and self.samples >= rules.max_utterance_s * RATE:
-                self.ended = self.audio()
-                self.reset()
-
-    def audio(self) -> np.ndarray:
-        """The current utterance up to tail_s after its last speech."""
-        whole = np.concatenate(self.utterance) if self.utterance else np.zeros(0, np.float32)
-        return whole[: self.speech_end + int(self.rules.tail_s * RATE)]
-
-    def may_end(self) -> bool:
-        """The utterance has enough speech and the unit ended in enough silence for the
-        quick end (when the words read as finished)."""
-        return (
-            self.started
-            and self.speech_s >= self.rules.min_speech_s
-            and self.silence_s >= self.rules.quick_silence_s
-        )
-
-    def take_ended(self) -> np.ndarray | None:
-        audio, self.ended = self.ended, None
-        return audio
-
-    def take_current(self) -> np.ndarray:
-        audio = self.audio()
-        self.reset()
-        return audio
-
-    def reset(self) -> None:
-        self.utterance = []
-        self.samples = self.speech_end = 0
-        self.speech_s = self.silence_s = 0.0
-        self.pre_roll = np.zeros(0, np.float32)
 
 
 # Words that leave a sentence open: a pause after them is a pause, not the end of a turn.
