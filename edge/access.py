@@ -57,7 +57,9 @@ def key_label(digest: str) -> str:
 
 
 class KeySessions:
-    """Open sessions per key digest, against each key's limit (0 = unlimited).
+    """Open sessions per key digest in this edge process, against each key's limit (0 =
+    unlimited). The scheduler holds the key to the same limit across every edge
+    (session.key_claim): this count answers 429 before the upgrade, that one after.
 
     A slot is taken before the upgrade (or at the RPC's start) and given back when the
     connection ends, whatever ends it.

@@ -230,6 +230,7 @@ class DuplexConnection:
             self.fail(AppDisabled(f"{kind} sessions are switched off"))
             return
         config = self.app.config
+        owner = getattr(self.transport, "owner", "")
         core = self.core = SessionCore(
             self.dialect.mode,
             self.app.fabric,
@@ -240,7 +241,8 @@ class DuplexConnection:
             session_id=self.dialect.session_id,
             metrics=self.app.metrics,
             resume_window_s=config.resume_window_s if self.dialect.resumable else 0.0,
-            owner=getattr(self.transport, "owner", ""),
+            owner=owner,
+            key_limit=self.app.key_sessions.limit(owner) if owner else 0,
         )
         self.dialect.session_id = core.session_id
         if (
@@ -606,7 +608,15 @@ class ChatConnection:
 
         await emit(TurnStarted(chat.streaming, chat.speech))
         try:
-            done = await run_turn(self.app.fabric, chat, self.dialect.session_id, emit)
+            owner = getattr(self.transport, "owner", "")
+            done = await run_turn(
+                self.app.fabric,
+                chat,
+                self.dialect.session_id,
+                emit,
+                owner,
+                self.app.key_sessions.limit(owner) if owner else 0,
+            )
         except EdgeError as err:
             self.fail(err)
             return

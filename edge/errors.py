@@ -73,6 +73,14 @@ class QueueFull(EdgeError):
     close_code = 1013
 
 
+class TooManySessions(ClientError):
+    """The API key holds its limit of sessions across the fabric (the scheduler counts every
+    edge's; the edge's own 429 before the upgrade counts its own)."""
+
+    code = "too_many_sessions"
+    close_code = 1008
+
+
 class AppDisabled(ClientError):
     """The operator switched this kind of session off (PUT /api/admin/apps/{id})."""
 

@@ -21,6 +21,7 @@ from omnifabric.edge.errors import (
     ResumeForbidden,
     ResumeUnknown,
     ServiceUnavailable,
+    TooManySessions,
 )
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
@@ -180,6 +181,9 @@ async def wait_for_lease(
     except grpc.aio.AioRpcError as err:
         call.cancel()
         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            details = err.details() or ""
+            if details.startswith(KEY_LIMIT_PREFIX) and _from_scheduler(err):
+                raise TooManySessions(details.partition(": ")[2]) from None
             raise QueueFull("the queue is full, try again later") from None
         resume_error = _RESUME_ERRORS.get(err.code())
         if resume_error is not None and _from_scheduler(err):
@@ -197,6 +201,9 @@ async def wait_for_lease(
         raise
 
 
+#: The scheduler's refusal of a key at its fabric-wide session limit starts so
+#: (scheduler.errors.KeySessionLimit).
+KEY_LIMIT_PREFIX = "key_session_limit:"
 _RESUME_ERRORS = {
     grpc.StatusCode.NOT_FOUND: ResumeUnknown,
     grpc.StatusCode.FAILED_PRECONDITION: ResumeExpired,

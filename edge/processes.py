@@ -11,8 +11,9 @@ the supervisor exits when they have. Children get SIGTERM from the kernel if the
 supervisor dies.
 
 What lives in one edge process's memory stays per process, as between separate edges:
-per-key session limits, /status, /metrics (each scrape sees the process that
-took the connection; its `edge_process` label says which), the half-duplex stop."""
+/status, /metrics (each scrape sees the process that took the connection; its
+`edge_process` label says which), the half-duplex stop. Per-key session limits are the
+fabric's: the scheduler counts each key's sessions of every process (AcquireRequest.key)."""
 
 from __future__ import annotations
 

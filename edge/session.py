@@ -159,6 +159,7 @@ class SessionCore:
         metrics: EdgeMetrics = METRICS,
         resume_window_s: float = 0.0,
         owner: str = "",
+        key_limit: int = 0,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {sorted(_MODES)}")
@@ -199,6 +200,8 @@ class SessionCore:
         self.resume_window_s = resume_window_s
         """> 0: the session is resumable (a token is issued with the lease)."""
         self._owner = owner
+        self._key_limit = key_limit
+        """The session limit of its API key (`owner`), kept across the fabric; 0: none."""
         self.resume_token = ""
         """The token a client resumes this session with (never logged)."""
         metrics.track(self)
@@ -240,6 +243,7 @@ class SessionCore:
         Raises QueueFull or ServiceUnavailable. Emits QueueDone once leased.
         """
         request = scheduler_pb.AcquireRequest(mode=_MODES[self.mode], session_id=self.session_id)
+        key_claim(request, self._owner, self._key_limit)
         if self.resume_window_s > 0:
             self.resume_token = secrets.token_urlsafe(32)
             request.resume_key = digest(self.resume_token)
@@ -639,19 +643,29 @@ class SessionCore:
             log.debug("session %s: closed event not delivered", self.session_id)
 
 
+def key_claim(request: scheduler_pb.AcquireRequest, owner: str, limit: int) -> None:
+    """Let the scheduler hold the API key (`owner`, its digest) to its session limit across
+    the fabric: the digest hashed again, and the limit (nothing without either)."""
+    if owner and limit:
+        request.key = digest(owner)
+        request.key_session_limit = limit
+
+
 async def run_turn(
     fabric: Fabric,
     chat: ChatInput,
     session_id: str,
     emit: Callable[[TurnEvent], Awaitable[None]],
+    owner: str = "",
+    key_limit: int = 0,
 ) -> ChatResult:
     """Lease a chat slot, run the turn, stream its events to `emit` (TurnQueued while
     queued, TurnLeased, TurnPrefilled, TurnDelta...); the lease and the worker's call end
-    with it, also when it is cancelled. Raises QueueFull, ServiceUnavailable,
-    WorkerConnectFailed, InvalidPayload, InferenceError."""
-    acquire = fabric.scheduler.Acquire(
-        scheduler_pb.AcquireRequest(mode=common_pb2.MODE_CHAT, session_id=session_id)
-    )
+    with it, also when it is cancelled. Raises QueueFull, TooManySessions,
+    ServiceUnavailable, WorkerConnectFailed, InvalidPayload, InferenceError."""
+    request = scheduler_pb.AcquireRequest(mode=common_pb2.MODE_CHAT, session_id=session_id)
+    key_claim(request, owner, key_limit)
+    acquire = fabric.scheduler.Acquire(request)
     result = ChatResult()
     t0 = time.monotonic()
     waited = False

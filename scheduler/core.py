@@ -17,6 +17,7 @@ from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.errors import (
     Cancelled,
     InvalidRequest,
+    KeySessionLimit,
     NoWorker,
     QueueFull,
     ResumeExpired,
@@ -297,18 +298,27 @@ class Scheduler:
         resume_key: str = "",
         owner: str = "",
         resume_grace_s: float = 0.0,
+        key: str = "",
+        key_limit: int = 0,
     ) -> AsyncGenerator[AcquireEvent, None]:
         """Queue updates, then the lease, then (if its worker is lost) the loss.
 
         The lease lasts until this generator is closed (a resumable one, `resume_key` and
-        a grace, waits detached for a Reattach then). Raises NoWorker or QueueFull, and
-        ShuttingDown when the scheduler drains (the lease, if any, stays with its worker).
+        a grace, waits detached for a Reattach then). Raises NoWorker, QueueFull,
+        KeySessionLimit (`key` holds `key_limit` sessions: waiting, leased or detached),
+        and ShuttingDown when the scheduler drains (the lease, if any, stays with its
+        worker).
         """
         if self.draining:
             raise ShuttingDown()
         if not self.registry.serves(mode):
             raise NoWorker(mode.value)
-        ticket = Ticket(mode=mode, session_id=session_id)
+        if key and key_limit:
+            held = self.leases.held_by(key) + sum(1 for t in self.queue if t.key == key)
+            if held >= key_limit:
+                self.counters.key_limit_rejections += 1
+                raise KeySessionLimit(held, key_limit)
+        ticket = Ticket(mode=mode, session_id=session_id, key=key if key_limit else "")
         worker = self.registry.pick(mode)
         if worker is not None:
             # After every change the queue is dispatched, so nobody waiting can use this slot.
@@ -591,6 +601,7 @@ class Scheduler:
             mode=ticket.mode,
             session_id=ticket.session_id,
             ticket_id=ticket.ticket_id,
+            key=ticket.key,
         )
         lease.slot = worker.take_slot(lease.lease_id)
         self.leases.add(lease)

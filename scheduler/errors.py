@@ -24,6 +24,20 @@ class QueueFull(SchedulerError):
         super().__init__(f"queue_full: {waiting} requests waiting (max {queue_max})")
 
 
+class KeySessionLimit(SchedulerError):
+    """The request's API key holds as many sessions as its limit, fabric-wide."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    #: The details' prefix that tells this refusal from a full queue.
+    PREFIX = "key_session_limit"
+
+    def __init__(self, held: int, limit: int) -> None:
+        super().__init__(
+            f"{self.PREFIX}: this API key holds {held} sessions across the fabric, "
+            f"its limit is {limit}"
+        )
+
+
 class NoWorker(SchedulerError):
     """No registered worker, in any health, serves the requested mode."""
 

@@ -54,6 +54,8 @@ class Lease:
     resume_key: str = ""
     owner: str = ""
     resume_grace_s: float = 0.0
+    #: The hash of its API key, for the key's fabric-wide session limit ("" when none).
+    key: str = ""
     #: time.monotonic() when the lease was last detached.
     detached_at: float = 0.0
     #: Set when another holder reattached the lease; each holder waits on the event it
@@ -121,6 +123,11 @@ class LeaseTable:
         """The leases being served, oldest first."""
         leases = [lease for lease in self._leases.values() if lease.state is LeaseState.ACTIVE]
         return sorted(leases, key=lambda lease: lease.granted_at)
+
+    def held_by(self, key: str) -> int:
+        """Leases of the sessions of this API key: active, or detached and resumable."""
+        held = (LeaseState.ACTIVE, LeaseState.DETACHED)
+        return sum(1 for lease in self._leases.values() if lease.key == key and lease.state in held)
 
     def count(self, state: LeaseState) -> int:
         """How many leases are in `state`."""

@@ -41,6 +41,8 @@ class Counters:
     leases_returned: int = 0
     leases_lost: int = 0
     queue_full_rejections: int = 0
+    key_limit_rejections: int = 0
+    """Acquire requests refused: their API key held its limit of sessions."""
     leases_expired: int = 0
     """Returned leases freed by the release timeout (the worker never confirmed)."""
     leases_reattached: int = 0
@@ -146,6 +148,12 @@ class _StateCollector(Collector):
                 "queue_full_rejections",
                 "Acquire requests rejected with queue_full.",
                 counters.queue_full_rejections,
+            ),
+            (
+                "key_limit_rejections",
+                "Acquire requests rejected because their API key held its limit of sessions "
+                "across the fabric.",
+                counters.key_limit_rejections,
             ),
         ):
             yield CounterMetricFamily(f"omni_scheduler_{name}", help_text, value=value)

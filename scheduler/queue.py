@@ -24,6 +24,8 @@ class Ticket:
     mode: Mode
     session_id: str
     ticket_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: The hash of the request's API key (AcquireRequest.key; "" without a limit to keep).
+    key: str = ""
     #: time.monotonic() at arrival.
     enqueued_at: float = field(default_factory=time.monotonic)
     #: Set once granted.

@@ -197,6 +197,8 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                 request.resume_key,
                 request.owner,
                 request.resume_grace_s,
+                request.key,
+                request.key_session_limit,
             )
             async with contextlib.aclosing(events):
                 async for event in events:

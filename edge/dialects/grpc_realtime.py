@@ -30,6 +30,7 @@ from omnifabric.edge.errors import (
     ResumeForbidden,
     ResumeUnknown,
     SlowClient,
+    TooManySessions,
 )
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
@@ -40,6 +41,7 @@ _STATUS = {
     AppDisabled: "PERMISSION_DENIED",
     QueueCancelled: "ABORTED",
     QueueFull: "RESOURCE_EXHAUSTED",
+    TooManySessions: "RESOURCE_EXHAUSTED",
     SlowClient: "RESOURCE_EXHAUSTED",
     InvalidPayload: "INVALID_ARGUMENT",  # an init outside the leased worker's limits
     ResumeUnknown: "NOT_FOUND",

@@ -27,6 +27,7 @@ from omnifabric.edge.errors import (
     InvalidPayload,
     QueueFull,
     ServiceUnavailable,
+    TooManySessions,
 )
 
 
@@ -93,6 +94,8 @@ class HttpChat(ChatDialect):
             status = HTTPStatus.SERVICE_UNAVAILABLE
         elif isinstance(err, AppDisabled):
             status = HTTPStatus.FORBIDDEN
+        elif isinstance(err, TooManySessions):
+            status = HTTPStatus.TOO_MANY_REQUESTS  # as the edge's own count answers
         elif err.kind == "client_error":
             status = HTTPStatus.BAD_REQUEST
         else:

@@ -182,6 +182,8 @@ class HttpTransport:
         self._raw = raw
         self._gone = gone
         self.answered = False
+        self.owner = ""
+        """The API key digest whose session the request is ("" without keys)."""
 
     def bind(
         self, on_overflow: Callable[[], None], render_error: Callable[[EdgeError], Any]
@@ -353,6 +355,7 @@ class FrontProtocol(asyncio.Protocol):
                 )
             )
             return
+        transport.owner = digest  # the key whose session the turn is, also fabric-wide
         try:
             await ChatConnection(app, transport, dialect).run()
         finally:

@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from omnifabric.edge.app import EdgeApp
 from omnifabric.edge.config import EdgeConfig, hash_key
@@ -28,7 +28,7 @@ from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
 from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
 from tests.conftest import ROOT, scaled
-from tests.e2e.wsclient import SILENCE, WsClient
+from tests.e2e.wsclient import SILENCE, WsClient, post_json, scrape_metrics
 from tests.stack import Stack
 
 PCM = SILENCE.astype("<f4").tobytes()
@@ -143,6 +143,73 @@ async def test_per_key_session_limit_across_endpoints(stack, tmp_path):
     for key in ("sk-team-alpha", "sk-solo-beta"):
         assert key not in log
     assert f"sha256:{hash_key('sk-team-alpha')[:8]}" in log  # a digest prefix at most
+
+
+async def test_a_keys_session_limit_holds_across_edges(stack, tmp_path):
+    """Two edges on one scheduler (two hosts, or two processes of `edge --processes`): a
+    key with max_sessions=1 holding a session on one is refused on the other, on every
+    surface, with too_many_sessions; another key is not; once the first session ends the
+    key is taken on either."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-fleet-zeta max_sessions=1\nsk-other-eta\n")
+    scheduler = stack.start_scheduler()
+    stack.start_worker("--slots", "4", "--compute-ms", "400")
+    stack.start_edge("--api-keys-file", str(keys))
+    first = stack.url
+    stack.start_edge("--api-keys-file", str(keys), name="edge2")
+    second, second_grpc = stack.url, stack.grpc_address
+    holder = await WsClient.open(f"{first}?mode=audio", additional_headers=bearer("sk-fleet-zeta"))
+    await holder.start()
+    # The second edge holds nothing of this key itself: the scheduler refuses it.
+    other = await WsClient.open(f"{second}?mode=audio", additional_headers=bearer("sk-fleet-zeta"))
+    error = await other.until("error")
+    assert error["error"]["code"] == "too_many_sessions", error
+    assert "limit is 1" in error["error"]["message"]
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            await other.recv()
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+    legacy = second.split("/v1/")[0] + "/ws/half_duplex/hd_fleet"
+    call = await WsClient.open(legacy, additional_headers=bearer("sk-fleet-zeta"))
+    refusal = await call.until("error")
+    assert "limit" in refusal["error"], refusal
+    code, details = await grpc_refusal(
+        second_grpc, (("authorization", "Bearer sk-fleet-zeta"),), send_init=True
+    )
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "too_many_sessions" in details
+    api = second.split("/v1/")[0].replace("ws://", "http://") + "/api/chat"
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "tts": {"enabled": False}})
+    status, answer = await asyncio.to_thread(post_json, api, chat.encode(), bearer("sk-fleet-zeta"))
+    assert status == 429 and answer["error"] == "too_many_sessions", answer
+    # Another key is not held to it.
+    free = await WsClient.open(f"{second}?mode=audio", additional_headers=bearer("sk-other-eta"))
+    await free.start()
+    await free.close()
+    # The holder ends: the key is taken on the other edge.
+    await holder.close()
+    deadline = time.monotonic() + scaled(5)
+    while True:
+        # Until the scheduler has the holder's lease back, an attempt is refused (and, for
+        # as long as its own connection takes to end, holds the second edge's count).
+        assert time.monotonic() < deadline, "the ended session's lease never came back"
+        try:
+            again = await WsClient.open(
+                f"{second}?mode=audio", additional_headers=bearer("sk-fleet-zeta")
+            )
+        except InvalidStatus as exc:
+            assert exc.response.status_code == 429
+            await asyncio.sleep(0.05)
+            continue
+        event = await again.until("session.queue_done", "error")
+        if event["type"] == "session.queue_done":
+            break
+        assert event["error"]["code"] == "too_many_sessions"
+        await asyncio.sleep(0.05)
+    await again.send({"type": "session.init", "payload": {}})
+    await again.until("session.created")
+    await again.close()
+    rejections = scrape_metrics(scheduler.metrics_address())
+    assert rejections["omni_scheduler_key_limit_rejections_total"][0][1] >= 4
 
 
 def test_key_file_errors_name_the_line_not_the_key(tmp_path):

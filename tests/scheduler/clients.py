@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Any
 
 import grpc
 
@@ -129,8 +130,11 @@ class Holder:
         mode: int = common_pb2.MODE_AUDIO,
         session_id: str = "",
         order: list[tuple[str, str]] | None = None,
+        **fields: Any,
     ) -> None:
-        self.call = stub.Acquire(scheduler_pb.AcquireRequest(mode=mode, session_id=session_id))
+        """`fields`: more AcquireRequest fields (resume, key limits)."""
+        request = scheduler_pb.AcquireRequest(mode=mode, session_id=session_id, **fields)
+        self.call = stub.Acquire(request)
         self.order = order
 
     async def next(self, timeout: float = STEP_S) -> scheduler_pb.AcquireResponse:

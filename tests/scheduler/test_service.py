@@ -123,6 +123,35 @@ async def test_queue_full_is_resource_exhausted(start_scheduler: StartScheduler)
     await worker.close()
 
 
+async def test_a_keys_session_limit_counts_waiting_and_leased(
+    start_scheduler: StartScheduler,
+) -> None:
+    """A key with limit 2: one lease and one waiting request hold it; a third request is
+    refused with key_session_limit (RESOURCE_EXHAUSTED), other keys and unlimited requests
+    are not; the waiting request's cancel gives its place back."""
+    harness = await start_scheduler()
+    worker = await WorkerStream(harness.stub, "w1", slots=1).start()
+    team = {"key": "k" * 64, "key_session_limit": 2}
+    await Holder(harness.stub, AUDIO, **team).expect_lease()
+    waiting = Holder(harness.stub, AUDIO, **team)
+    await waiting.expect("queued")
+    error = await Holder(harness.stub, AUDIO, **team).error()
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.details() == (
+        "key_session_limit: this API key holds 2 sessions across the fabric, its limit is 2"
+    )
+    assert harness.core.counters.key_limit_rejections == 1
+    await Holder(harness.stub, AUDIO, key="o" * 64, key_session_limit=2).expect("queued")
+    await Holder(harness.stub, AUDIO, key="k" * 64).expect("queued")  # no limit given
+    waiting.cancel()
+    for _ in range(50):
+        if (await status(harness)).queue_length == 2:
+            break
+        await asyncio.sleep(0.01)
+    await Holder(harness.stub, AUDIO, **team).expect("queued")
+    await worker.close()
+
+
 async def test_no_worker_for_mode_is_unavailable(start_scheduler: StartScheduler) -> None:
     harness = await start_scheduler()
     error = await Holder(harness.stub, AUDIO).error()

@@ -15,6 +15,7 @@ export const ERROR_TEXTS = {
   worker_connect_failed: 'The server could not reach the model: try again shortly.',
   slow_client: 'The connection was too slow to receive the replies, so the server ended the session.',
   internal_error: 'The server hit an internal error.',
+  too_many_sessions: 'This API key already holds as many sessions as it may, counting every server of the service: close one and try again.',
   app_disabled: 'The operator has switched this kind of session off for now: try again later.',
   cancelled: 'An operator removed your request from the waiting line.',
 };
