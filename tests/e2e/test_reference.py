@@ -196,7 +196,7 @@ async def test_half_duplex_call_answers_the_spoken_question(stack):
             await ws.send(json.dumps({"type": "audio_chunk", "audio_base64": chunk}))
             await asyncio.sleep(0.5)
         turn = await asyncio.wait_for(done, scaled(60))
-    assert turn["turn_index"] == 0 and "paris" in turn["text"].lower(), turn
+    assert turn["turn_index"] == 1 and "paris" in turn["text"].lower(), turn
 
 
 async def test_a_dropped_session_resumes_with_its_context(stack):

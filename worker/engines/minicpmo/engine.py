@@ -173,50 +173,37 @@ class MiniCPMOSession(EngineSession):
     ) -> int:
         self.settings = config
         engine = self.engine
+        prompt = system_prompt.strip() or DEFAULT_SYSTEM_PROMPT
+        ref = ref_audio if ref_audio is not None and ref_audio.size else None
+        voice_pcm = tts_ref_audio if tts_ref_audio is not None and tts_ref_audio.size else ref
         if config.half_duplex:
-            return self._prepare_call(system_prompt, ref_audio, tts_ref_audio, config)
+            return self._prepare_call(prompt, ref, voice_pcm)
         self.notes = config.vad_note()
         with engine.using(self):
             self.handle.reset()
             speech = engine.audio_on and config.tts_enabled is not False
             self.handle.duplex.generate_audio = speech
-            voice_pcm = tts_ref_audio if tts_ref_audio is not None and tts_ref_audio.size else None
-            if voice_pcm is None and ref_audio is not None and ref_audio.size:
-                voice_pcm = ref_audio
             if speech and voice_pcm is not None:
                 self.voice_path, self._own_voice = voice.write_wav(voice_pcm), True
             elif speech:
                 self.voice_path = str(engine.default_voice)
-            self.handle.prepare(
-                system_prompt.strip() or DEFAULT_SYSTEM_PROMPT,
-                ref_audio if ref_audio is not None and ref_audio.size else None,
-                self.voice_path,
-            )
+            self.handle.prepare(prompt, ref, self.voice_path)
             return self.handle.kv_length()
 
     def _prepare_call(
-        self,
-        system_prompt: str,
-        ref_audio: np.ndarray | None,
-        tts_ref_audio: np.ndarray | None,
-        config: DuplexSettings,
+        self, prompt: str, ref_audio: np.ndarray | None, voice_pcm: np.ndarray | None
     ) -> int:
         """A half-duplex call: the model's streaming chat path under this session's id."""
         from omnifabric.worker.engines.minicpmo.half_duplex import HalfDuplexCall
 
         notes = []
-        if config.tts_enabled is not False and not self.engine.audio_on:
+        if self.settings.tts_enabled is not False and not self.engine.audio_on:
             notes.append("speech: this worker runs the model text-only (no vocoder)")
         self.notes = tuple(notes)
-        voice_pcm = tts_ref_audio if tts_ref_audio is not None and tts_ref_audio.size else None
         with self.engine.using(self):
             self.handle.reset()
-            self.call = HalfDuplexCall(self.engine, f"call-{self.session_id}", config)
-            return self.call.prepare(
-                system_prompt.strip() or DEFAULT_SYSTEM_PROMPT,
-                ref_audio,
-                voice_pcm if voice_pcm is not None else ref_audio,
-            )
+            self.call = HalfDuplexCall(self.engine, f"call-{self.session_id}", self.settings)
+            return self.call.prepare(prompt, ref_audio, voice_pcm)
 
     def prefill(
         self, pcm: np.ndarray, frames: list[bytes], max_slice_nums: int

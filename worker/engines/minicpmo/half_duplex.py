@@ -61,9 +61,10 @@ class HalfDuplexCall:
         self.reply: Reply | None = None
         self.heard_tokens = 0
         """Context tokens the last user turn took."""
-        self.turn_index = 0
 
-    def prepare(self, system_prompt: str, ref_audio: np.ndarray | None, voice: Any) -> int:
+    def prepare(
+        self, system_prompt: str, ref_audio: np.ndarray | None, voice: np.ndarray | None
+    ) -> int:
         """A new conversation: the system message (the prompt, then the reference audio when
         given) and the answer's voice; returns the context length."""
         model = self.engine.model
@@ -149,7 +150,6 @@ class HalfDuplexCall:
 
     def _end_answer(self, costs: dict[str, float]) -> GenerateResult:
         self.close()
-        self.turn_index += 1
         self.vad.reset()
         self.turns.reset()
         return self._listen(end_of_turn=True, costs=costs)
