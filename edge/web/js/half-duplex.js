@@ -46,14 +46,14 @@ export function readConfig(fields) {
   return {
     vad: {
       threshold: number(fields.threshold, 0.7),
-      min_speech_duration_ms: Math.round(number(fields.speech, 128)),
+      min_speech_duration_ms: Math.round(number(fields.speechMs, 128)),
       min_silence_duration_ms: Math.round(number(fields.silence, 500)),
     },
     generation: {
       max_new_tokens: Math.round(number(fields.maxTokens, 256)),
       temperature: number(fields.temperature, 0.7),
     },
-    tts: { enabled: fields.speech ? Boolean(fields.spoken && fields.spoken.checked) : true },
+    tts: { enabled: fields.spoken ? Boolean(fields.spoken.checked) : true },
     session: { timeout_s: Math.round(number(fields.timeout, 180)) },
   };
 }
@@ -112,7 +112,7 @@ class HalfDuplexPage {
     this.answering = false;
     this.player = new Player();
     this.player.unlock(); // inside the click: browsers let the page play audio from here on
-    const key = (byId('apikey') && byId('apikey').value.trim()) || '';
+    const key = apiKey();
     saveApiKey(key);
     const ws = new WebSocket(callUrl(this.omni.sessionId), key ? [`bearer.${key}`] : []);
     this.ws = ws;
@@ -126,13 +126,12 @@ class HalfDuplexPage {
     const config = readConfig({
       threshold: byId('vad-threshold'),
       silence: byId('vad-silence'),
-      speech: byId('vad-speech'),
+      speechMs: byId('vad-speech'),
       maxTokens: byId('max-tokens'),
       temperature: byId('temperature'),
       spoken: byId('speech'),
       timeout: byId('timeout'),
     });
-    config.tts.enabled = Boolean(byId('speech') ? byId('speech').checked : true);
     const systemContent = prompt ? [{ type: 'text', text: prompt }] : [];
     this.send({ type: 'prepare', system_content: systemContent, config });
   }
@@ -180,7 +179,7 @@ class HalfDuplexPage {
 
   async stopAnswer() {
     if (!this.answering || !this.omni.sessionId) return;
-    const key = loadKey();
+    const key = apiKey();
     const headers = { 'Content-Type': 'application/json' };
     if (key) headers.Authorization = `Bearer ${key}`;
     const reply = await fetch('/api/half_duplex/stop', {
@@ -373,7 +372,7 @@ class HalfDuplexPage {
   }
 }
 
-function loadKey() {
+function apiKey() {
   return (byId('apikey') && byId('apikey').value.trim()) || '';
 }
 
