@@ -28,7 +28,8 @@ while it plays the answer. `audio_chunk` during the answer is ignored, as the pr
 (the reference engine, MiniCPM-o's calls); `speech_pad_ms` is not used (the engine keeps
 its own margins).
 `config.generation`: `temperature` and `length_penalty` go to the engine as session
-settings; `max_new_tokens` ends an answer once its tokens reach it (the edge sends the
+settings; `max_new_tokens` (default 256, as the reference server's) ends an answer once its
+tokens reach it (the edge sends the
 engine a force_listen unit, as the external stop does).
 """
 
@@ -58,6 +59,9 @@ SPEECH_RMS = 0.01
 #: reference server's default), and the most accepted, seconds.
 TIMEOUT_S = 180.0
 MAX_TIMEOUT_S = 3600.0
+#: An answer's tokens at most unless `config.generation.max_new_tokens` says otherwise (the
+#: reference server's default).
+MAX_NEW_TOKENS = 256
 #: One second of silence at 16 kHz: what the edge feeds the engine while it answers (a unit
 #: length every engine takes).
 SILENCE = np.zeros(16000, "<f4").tobytes()
@@ -110,7 +114,7 @@ class HalfDuplex(DuplexDialect):
         self._turn_index = 0
         self._turn_text = ""
         self._turn_tokens = 0
-        self._max_turn_tokens: int | None = None
+        self._max_turn_tokens = MAX_NEW_TOKENS
         self._speech_seqs: set[int] = set()
         self._timeout_s = TIMEOUT_S
         self._last_chunk = 0.0
@@ -189,7 +193,7 @@ class HalfDuplex(DuplexDialect):
         cap = fields.integer_field(
             generation, "max_new_tokens", 1, fields.MAX_CONTEXT_TOKENS, "config.generation"
         )
-        self._max_turn_tokens = cap
+        self._max_turn_tokens = MAX_NEW_TOKENS if cap is None else cap
         vad = fields.obj(cfg, "vad")
 
         def ms(key: str, bounds: tuple[int, int]) -> int | None:
@@ -224,8 +228,8 @@ class HalfDuplex(DuplexDialect):
         the answer reached `config.generation.max_new_tokens`, that unit ends it."""
         if not self._answering:
             return []
-        cap = self._max_turn_tokens
-        return [ev.AppendCommand(pcm=SILENCE, force_listen=bool(cap and self._turn_tokens >= cap))]
+        ending = self._turn_tokens >= self._max_turn_tokens
+        return [ev.AppendCommand(pcm=SILENCE, force_listen=ending)]
 
     # ---- session events -> client -------------------------------------------------------
 

@@ -585,3 +585,15 @@ def test_realtime_events_are_numbered_and_a_resume_replays_what_was_missed():
     assert early.replay(reattached)[0]["replayed"] == 0
     bad = realtime.RealtimeDuplex("audio", "tok", "-1")
     assert bad.refusal().code == "invalid_payload"
+
+
+def test_half_duplex_answers_stop_at_256_tokens_unless_asked():
+    """The reference server's default max_new_tokens (256) when the call sets none."""
+    from omnifabric.edge.dialects.half_duplex import SILENCE, HalfDuplex
+
+    d = HalfDuplex("hd_1")
+    d.decode(_frame({"type": "prepare"}))
+    d.encode(_out(seq=1, n_tokens=255))
+    assert d.after_output(_out(seq=1)) == [ev.AppendCommand(pcm=SILENCE)]
+    d.encode(_out(seq=2, n_tokens=1))
+    assert d.after_output(_out(seq=2)) == [ev.AppendCommand(pcm=SILENCE, force_listen=True)]
