@@ -1,7 +1,8 @@
 """Flow control of one WebSocket client: a bounded outbound queue and the keepalive.
 
-Session code never awaits the client's socket: events go into the connection's `Outbox`
-and one sender task writes them out. A client that stops reading fills the outbox, not
+Session code never awaits the client's socket: an event is written at once when the socket
+has taken everything before it, else it goes into the connection's `Outbox` and one sender
+task writes it out once the socket drains. A client that stops reading fills the outbox, not
 the edge's memory: past its bound the connection closes with `slow_client` (1008). The
 keepalive drops a client whose pong does not come in time, also when the ping itself
 cannot be written because the client's buffers are full (websockets' own keepalive waits
@@ -18,6 +19,7 @@ from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
 
 from omnifabric.edge import codec
 from omnifabric.edge.errors import EdgeError, SlowClient
@@ -84,6 +86,8 @@ class Outbox:
         """A close is queued: later events are dropped."""
         self._finishing = False
         """The connection is over: the sender stops once the queue is empty."""
+        self._sending = False
+        """The sender task is writing an event (later ones wait for it, in order)."""
         self._sender = asyncio.create_task(self._run())
 
     @classmethod
@@ -118,9 +122,24 @@ class Outbox:
         ):
             self._overflow()
             return
+        if not self._items and self._write_now(text):
+            return
         self._items.append(text)
         self._bytes += len(text)
         self._ready.set()
+
+    def _write_now(self, text: bytes) -> bool:
+        """Write the event at once when nothing is waiting or being written and the socket
+        has taken everything before (the common case): no task switch, no loop turn. False
+        leaves it to the sender task, which waits for the socket (flow control)."""
+        ws = self.ws
+        if self._sending or ws.send_in_progress is not None or ws.protocol.state is not State.OPEN:
+            return False
+        if ws.transport.is_closing() or ws.transport.get_write_buffer_size():
+            return False
+        ws.protocol.send_text(text)
+        ws.send_data()
+        return True
 
     def close(self, code: int, reason: str) -> None:
         """Close the connection once everything queued before was sent."""
@@ -185,7 +204,11 @@ class Outbox:
                     await self.ws.close(*item)
                     return
                 self._bytes -= len(item)
-                await self.ws.send(item, text=True)  # UTF-8 JSON bytes, as a text frame
+                self._sending = True
+                try:
+                    await self.ws.send(item, text=True)  # UTF-8 JSON bytes, as a text frame
+                finally:
+                    self._sending = False
         except ConnectionClosed:
             pass
         finally:
