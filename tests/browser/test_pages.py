@@ -233,6 +233,14 @@ def test_admin_page_explains_401_and_503_and_keys_work_from_a_browser(stack, ope
             [f"{keyed.url}?mode=chat", "sk-not-a-key"],
         )
         assert wrong == "refused"
+        # The voice call page with the key typed in: its call is let in and prepared.
+        call = open_page(f"{http_base(keyed.url)}/half_duplex", name="voice_call_keyed")
+        call.page.fill("#apikey", "sk-browser-admin")
+        call.page.click("#start")
+        call.wait("omni => omni.state === 'active'", "prepared with the key", 30)
+        call.page.click("#stop")
+        call.wait("omni => omni.state === 'closed'", "closed after Stop", 15)
+        assert call.omni()["closeReason"] == "stopped" and call.omni()["errors"] == []
         # An edge that cannot reach its scheduler: the page says so instead of going blank.
         down = open_page(f"{http_base(orphan.url)}/admin", name="admin_503")
         down.wait("omni => omni.state === 'unavailable'", "reporting the scheduler down", 15)

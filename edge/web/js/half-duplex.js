@@ -14,7 +14,7 @@
 import { INPUT_RATE, MicCapture, UnitAssembler } from './capture.js';
 import { mediaErrorText, socketCloseText } from './messages.js';
 import { Player } from './player.js';
-import { bindApiKeyField, bytesToBase64, decodeFloat32, saveApiKey } from './realtime.js';
+import { bindApiKeyField, bytesToBase64, decodeFloat32, saveApiKey, subprotocols } from './realtime.js';
 import { appendItem, byId, enable, guarded, setText, show } from './ui.js';
 
 /** Samples per audio_chunk: half a second, as the reference server's page sends. */
@@ -114,7 +114,8 @@ class HalfDuplexPage {
     this.player.unlock(); // inside the click: browsers let the page play audio from here on
     const key = apiKey();
     saveApiKey(key);
-    const ws = new WebSocket(callUrl(this.omni.sessionId), key ? [`bearer.${key}`] : []);
+    // The key as a `bearer.` subprotocol beside map.realtime, as every page offers it.
+    const ws = new WebSocket(callUrl(this.omni.sessionId), subprotocols(key));
     this.ws = ws;
     ws.onmessage = guarded((event) => this.onMessage(JSON.parse(event.data)), this.report);
     ws.onclose = (event) => this.onClose(event);
