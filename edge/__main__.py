@@ -1,5 +1,9 @@
 import sys
 
-from omnifabric.edge.main import main
+from omnifabric.common import grpc_io
+
+grpc_io.choose()  # before anything imports grpc
+
+from omnifabric.edge.main import main  # noqa: E402
 
 sys.exit(main())

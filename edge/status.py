@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from omnifabric.common import grpc_io
 from omnifabric.edge import queue_api
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -149,6 +150,7 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
             "draining": app.draining,
             "sessions": len(sessions),
             "chat_sessions": len(app.chats),
+            "grpc_io": grpc_io.report(),
         },
         "queue": {"length": snap.queue_length, "max": snap.queue_max},
         "leases_active": snap.leases_active,

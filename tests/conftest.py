@@ -29,6 +29,12 @@ if _installed_tree() != ROOT:
         f"run `pip install -e {ROOT}` in this environment (bash tools/dev test does)"
     )
 
+from omnifabric.common import grpc_io  # noqa: E402 - after the check above
+
+# The suite's own gRPC clients and servers run on the I/O layer the services use.
+grpc_io.choose()
+
+
 #: Multiply every timeout in the tests by this (slow or loaded CI machines).
 TIME_FACTOR = float(os.environ.get("OMNI_TEST_TIME_FACTOR", "1"))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from omnifabric.common import grpc_io
+
 USAGE = """usage: omnifabric COMMAND [args]
 
 commands:
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     command, rest = args[0], args[1:]
+    grpc_io.choose()  # before a command's imports load grpc
     if command == "serve":
         from omnifabric.tools.serve import main as run
     elif command == "scheduler":

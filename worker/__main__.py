@@ -2,6 +2,10 @@
 
 import sys
 
-from omnifabric.worker.main import main
+from omnifabric.common import grpc_io
+
+grpc_io.choose()  # before anything imports grpc
+
+from omnifabric.worker.main import main  # noqa: E402
 
 sys.exit(main())

@@ -209,8 +209,12 @@ class RealtimeServicer(rt_grpc.RealtimeServiceServicer):
             failed = runner.exception() if runner.done() and not runner.cancelled() else None
             if failed is not None:
                 raise failed
-        except asyncio.CancelledError:
-            transport.dropped = True  # the client cancelled or lost the call
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client cancelled or lost the call. Cancelled while a response was being
+            # written, gRPC leaves this generator at its `yield`: the loop's finalizer
+            # closes it later (GeneratorExit), not a CancelledError. Before both were
+            # caught, that window closed a resumable session instead of keeping it.
+            transport.dropped = True
             raise
         except grpc.aio.AbortError:
             raise

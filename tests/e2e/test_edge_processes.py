@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnifabric.common import grpc_io
 from tests.conftest import scaled
 from tests.e2e.wsclient import SILENCE, WsClient, wait_for
 from tests.stack import Stack, start_service
@@ -81,6 +82,9 @@ async def test_processes_share_the_ports_and_drain_together(stack):
     pids = await pids_answering(stack.url, 2)
     assert len(pids) == 2, pids  # the kernel spread the connections over both children
     assert all(parent_of(pid) == supervisor.proc.pid for pid in pids)
+    # Each child chose gRPC's I/O layer before loading grpc (common/grpc_io.py).
+    io = (await asyncio.to_thread(status, stack.url))["edge"]["grpc_io"]
+    assert io == {"experiments": grpc_io.IOMGR_TCP, "chosen_before_grpc": True}
     assert await asyncio.to_thread(grpc_serving, stack.grpc_address)
     clients = []
     for _ in range(6):

@@ -268,3 +268,44 @@ async def test_a_grpc_call_resumes_on_the_other_edge(stack):
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert "resume_unknown" in info.value.details()
     await third.close()
+
+
+async def test_a_grpc_call_cancelled_while_answers_wait_is_kept(stack):
+    """A call cancelled while the edge is writing it an answer (the client reads nothing,
+    so the answers wait on gRPC's flow control) leaves the session resumable: gRPC then
+    closes the edge's response generator at its yield instead of cancelling it."""
+    import grpc
+
+    from omnifabric.omni.realtime.v1 import common_pb2
+    from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+    from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+
+    first = grpc.aio.insecure_channel(stack.grpc1)
+    call = rt_grpc.RealtimeServiceStub(first).Connect()
+    await call.write(rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO)))
+    while (response := await asyncio.wait_for(call.read(), scaled(10))).WhichOneof(
+        "kind"
+    ) != "created":
+        pass
+    created = response.created
+    audio = SPEECH.astype("<f4").tobytes()
+    for _ in range(6):  # ~100 KB of answer audio each: more than the call's window
+        await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=audio)))
+        await asyncio.sleep(0.1)  # each unit served (a waiting unit is replaced by a newer)
+    await asyncio.sleep(scaled(1))  # answered by the worker, waiting at the edge
+    call.cancel()
+    await first.close()
+
+    second = grpc.aio.insecure_channel(stack.grpc_address)
+    call = rt_grpc.RealtimeServiceStub(second).Connect()
+    resume = rt_pb.SessionResumeRequest(
+        mode=common_pb2.MODE_AUDIO, resume_token=created.resume_token, last_seq=1
+    )
+    await call.write(rt_pb.ConnectRequest(resume=resume))
+    resumed = (await asyncio.wait_for(call.read(), scaled(10))).resumed
+    assert resumed.session_id == created.session_id and resumed.last_input_seq == 6
+    assert resumed.replayed == 6
+    got = [await asyncio.wait_for(call.read(), scaled(10)) for _ in range(6)]
+    assert [(r.event_seq, r.output.seq) for r in got] == [(n + 1, n) for n in range(1, 7)]
+    await call.write(rt_pb.ConnectRequest(close=rt_pb.SessionCloseRequest()))
+    await second.close()
