@@ -79,9 +79,13 @@ def reason_name(value: int) -> str:
     return common_pb2.CloseReason.Name(value).removeprefix("CLOSE_REASON_").lower()
 
 
+#: Usage's field names, read from its descriptor once (every result carries a Usage).
+_USAGE_FIELDS = tuple(f.name for f in common_pb2.Usage.DESCRIPTOR.fields)
+
+
 def usage_from(msg: common_pb2.Usage) -> ev.Usage:
     """Protobuf usage -> domain usage."""
-    return ev.Usage(**{f.name: getattr(msg, f.name) for f in common_pb2.Usage.DESCRIPTOR.fields})
+    return ev.Usage(**{name: getattr(msg, name) for name in _USAGE_FIELDS})
 
 
 def config_to(settings: ev.DuplexSettings) -> common_pb2.DuplexConfig:
