@@ -238,7 +238,10 @@ class DuplexSession:
         self._journal: list[UnitOutput | SessionEnd] = []
         """Every event of the session, in order: streams read it by index (a resumed
         stream from the start)."""
-        self._grew: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._readers: set[asyncio.Future[None]] = set()
+        """One future per stream waiting for the journal to grow: setting it wakes that
+        stream's task directly (one loop turn; a shared future behind asyncio.shield takes
+        two, and the result would queue behind the unit's finalize)."""
         self.attachment = 0
         """Which stream carries the session: each attach (start, resume) counts one."""
         self._let_go: set[int] = set()
@@ -268,22 +271,26 @@ class DuplexSession:
         the thread cannot be interrupted, so the call is left running (and the engine
         session is freed only once it returns, see _free)."""
         timeout = self.limits.unit_timeout_s
-        future = self._loop.run_in_executor(self.executor, fn, *args)
+        call = self.executor.submit(fn, *args)
         if timeout is None:
-            return await future
+            return await asyncio.wrap_future(call, loop=self._loop)
+        # The task awaits the call's own future: its result wakes the task in one loop
+        # turn (asyncio.wait would add a waiter future and a turn to every engine call).
+        deadline = asyncio.timeout(timeout)
         try:
-            done, _ = await asyncio.wait({future}, timeout=timeout)
-        except asyncio.CancelledError:
-            future.cancel()  # as an awaited call would be (the thread runs on regardless)
-            raise
-        if not done:
-            self._stuck = future
-            detail = f"engine stuck: {what} of session {self.session_id} over {timeout:g} s"
-            log.error("session %s: %s", self.session_id, detail)
-            if self.on_stuck is not None:
-                self.on_stuck(self, detail)
-            raise EngineStuck(f"the engine did not finish {what} within {timeout:g} s")
-        return future.result()
+            async with deadline:
+                return await asyncio.wrap_future(call, loop=self._loop)
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # the engine's own TimeoutError
+        # Expired: the awaited future was cancelled; the call goes on in its thread, and a
+        # new future follows it to its end.
+        self._stuck = asyncio.wrap_future(call, loop=self._loop)
+        detail = f"engine stuck: {what} of session {self.session_id} over {timeout:g} s"
+        log.error("session %s: %s", self.session_id, detail)
+        if self.on_stuck is not None:
+            self.on_stuck(self, detail)
+        raise EngineStuck(f"the engine did not finish {what} within {timeout:g} s")
 
     async def open(self) -> int:
         """Open the engine session and prepare the prompt; returns the prompt length.
@@ -353,7 +360,15 @@ class DuplexSession:
                 if isinstance(event, SessionEnd):
                     return
                 continue
-            await asyncio.shield(self._grew)
+            await self._journal_grew()
+
+    async def _journal_grew(self) -> None:
+        waiter = self._loop.create_future()
+        self._readers.add(waiter)
+        try:
+            await waiter
+        finally:  # cancelled: only this stream's future goes
+            self._readers.discard(waiter)
 
     def _emit(self, event: UnitOutput | SessionEnd) -> None:
         self._journal.append(event)
@@ -368,8 +383,10 @@ class DuplexSession:
         self._wake_streams()
 
     def _wake_streams(self) -> None:
-        grew, self._grew = self._grew, self._loop.create_future()
-        grew.set_result(None)
+        for waiter in self._readers:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._readers.clear()
 
     @property
     def journal_length(self) -> int:
@@ -439,7 +456,10 @@ class DuplexSession:
             if not units:
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), remaining)
+                    # asyncio.timeout, not wait_for: no task per wait (3.11's wait_for
+                    # wraps the wait in one, two more loop turns before a unit starts).
+                    async with asyncio.timeout(remaining):
+                        await self._wake.wait()
                 except TimeoutError:
                     pass
                 continue

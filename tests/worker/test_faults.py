@@ -34,6 +34,23 @@ class SlowFinalizeEngine(SyntheticEngine):
     finalize_s = 0.0
 
 
+class TimeoutRaisingSession(SyntheticSession):
+    engine: TimeoutRaisingEngine
+
+    def generate(self, force_listen: bool):
+        if self.engine.raising:
+            raise TimeoutError("the engine's own timeout")
+        return super().generate(force_listen)
+
+
+class TimeoutRaisingEngine(SyntheticEngine):
+    """generate() raises TimeoutError at once once `raising` (not during warm-up): an
+    engine failure, not a stuck call."""
+
+    session_class = TimeoutRaisingSession
+    raising = False
+
+
 async def open_session(workers, worker, lease_id):
     workers.scheduler.grant(worker.worker_id, lease_id)
     client = SessionClient(workers.stub(worker))
@@ -134,6 +151,24 @@ async def test_hung_finalize_ends_the_session_at_once(workers):
     )
     engine.finalize_s = 0.0
     await report_where(workers, lambda r: r.health == SERVING)
+
+
+async def test_an_engine_raising_timeout_error_fails_the_unit_and_is_not_stuck(workers):
+    """The unit timeout tells its own expiry from a TimeoutError the engine raised: the
+    latter is an inference failure, the worker stays serving."""
+    engine = TimeoutRaisingEngine(compute_ms=2, slots=2)
+    worker = await workers.start(engine=engine, unit_timeout_s=5)
+    engine.raising = True
+    client = await open_session(workers, worker, "L1")
+    began = time.monotonic()
+    client.unit(1, SILENCE)
+    (ended,) = await client.until_ended()
+    assert time.monotonic() - began < scaled(2.0)
+    assert ended.ended.error_code == "inference_error"
+    assert ended.ended.message == "inference failed"
+    assert not worker.runtime.stuck
+    assert worker.runtime.metrics.registry.get_sample_value("omni_worker_engine_stuck") == 0
+    assert await health(worker) == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_oversized_unit_is_resource_exhausted_and_the_worker_goes_on(workers):
