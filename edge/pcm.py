@@ -40,9 +40,23 @@ def check_unit_pcm(raw: bytes, what: str = "audio") -> bytes:
     edge.session.SessionCore.append); the frame size limit bounds it before."""
     if len(raw) % 4:
         raise InvalidPayload(f"{what}: {len(raw)} bytes is not a whole number of float32 samples")
-    if not np.isfinite(np.frombuffer(raw, dtype="<f4")).all():
+    if not all_finite(raw):
         raise InvalidPayload(f"{what}: samples must be finite numbers")
     return raw
+
+
+def all_finite(raw: bytes) -> bool:
+    """Whether every little-endian float32 in `raw` is finite.
+
+    NaN and the infinities have all eight exponent bits set, so a sample's high byte is
+    0x7F or 0xFF; when no sample's is, all are finite, which holds for any real audio. That
+    takes ~30 us on a unit's cold path (the first call after a second idle) where numpy's
+    check takes ~100 us (and 4.6 against 2.6 us back to back). A high byte of 0x7F or 0xFF
+    is also |x| >= 2**127 (finite): numpy decides those."""
+    high = raw[3::4]
+    if b"\x7f" not in high and b"\xff" not in high:
+        return True
+    return bool(np.isfinite(np.frombuffer(raw, dtype="<f4")).all())
 
 
 def reference_audio(value: object, what: str) -> bytes:

@@ -604,6 +604,8 @@ class DuplexSession:
         span = TRACER.start_span(
             "unit", context=parent, start_time=_ns(unit.received_at), attributes=attributes
         )
+        if not span.is_recording():
+            return  # tracing off here, or the trace sampled out: its children would be too
         ctx = trace.set_span_in_context(span)
         p1 = unit.started + timings.prefill_ms / 1000.0
         g1 = p1 + timings.generate_ms / 1000.0

@@ -1,0 +1,39 @@
+"""The edge's finiteness check of unit audio agrees with numpy on every float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from omnifabric.edge import pcm
+from omnifabric.edge.errors import InvalidPayload
+
+
+def f32(*values: float) -> bytes:
+    return np.array(values, dtype="<f4").tobytes()
+
+
+@given(st.lists(st.binary(min_size=4, max_size=4), max_size=64))
+def test_all_finite_agrees_with_numpy_on_any_bits(samples):
+    raw = b"".join(samples)
+    assert pcm.all_finite(raw) == bool(np.isfinite(np.frombuffer(raw, dtype="<f4")).all())
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -np.nan])
+@pytest.mark.parametrize("at", [0, 7999, 15999])
+def test_one_non_finite_sample_anywhere_is_refused(bad, at):
+    audio = (np.random.default_rng(at).standard_normal(16000) * 0.3).astype("<f4")
+    audio[at] = bad
+    with pytest.raises(InvalidPayload, match="samples must be finite numbers"):
+        pcm.check_unit_pcm(audio.tobytes())
+
+
+def test_huge_tiny_and_ordinary_finite_samples_pass():
+    largest = float(np.finfo(np.float32).max)
+    smallest = float(np.finfo(np.float32).smallest_subnormal)
+    raw = f32(largest, -largest, 2.0**127, -(2.0**127), smallest, -0.0, 0.0, 0.5, -1.0)
+    assert pcm.check_unit_pcm(raw) is raw
+    speech = (np.random.default_rng(1).standard_normal(16000) * 0.3).astype("<f4").tobytes()
+    assert pcm.check_unit_pcm(speech) is speech
