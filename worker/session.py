@@ -588,6 +588,9 @@ class DuplexSession:
         parent = self.spec.trace_context
         if parent is None:
             return
+        span = TRACER.start_span("unit", context=parent, start_time=_ns(unit.received_at))
+        if not span.is_recording():
+            return  # tracing off here, or the trace sampled out: its children would be too
         out = unit.output
         result, timings = out.result, out.timings
         attributes: dict[str, AttributeValue] = {
@@ -601,11 +604,7 @@ class DuplexSession:
             "unit.deadline_missed": timings.wall_clock_ms > UNIT_DEADLINE_MS,
             "unit.dropped_before": len(out.dropped_seqs),
         }
-        span = TRACER.start_span(
-            "unit", context=parent, start_time=_ns(unit.received_at), attributes=attributes
-        )
-        if not span.is_recording():
-            return  # tracing off here, or the trace sampled out: its children would be too
+        span.set_attributes(attributes)
         ctx = trace.set_span_in_context(span)
         p1 = unit.started + timings.prefill_ms / 1000.0
         g1 = p1 + timings.generate_ms / 1000.0
