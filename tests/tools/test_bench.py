@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from omnifabric.tools.perf.bench import build_parser, default_paths, next_probe
 from omnifabric.tools.perf.bench import main as bench_main
-from omnifabric.tools.perf.bench import next_probe
 from tests.conftest import ROOT, scaled
 from tests.stack import Stack
 
@@ -37,7 +37,8 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     assert "/3 s," in result.stdout
     doc = json.loads((out / "bench.json").read_text())
     levels = {(lv["path"], lv["sessions"]): lv for lv in doc["levels"]}
-    assert set(levels) == {(p, n) for p in ("fabric", "ws-echo", "grpc-direct") for n in (1, 3)}
+    paths = ("fabric", "grpc-realtime", "ws-echo", "grpc-direct")
+    assert set(levels) == {(p, n) for p in paths for n in (1, 3)}
     for (path, n), lv in levels.items():
         assert lv["units_sent"] == 3 * n, (path, n, lv)
         assert lv["answered"] == lv["units_sent"] and lv["lost"] == 0, (path, n, lv)
@@ -56,13 +57,29 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     assert "edge" not in levels[("grpc-direct", 3)]["processes"]
     assert fabric["edge_cpu_us_per_unit"] > 0
     assert fabric["queue_wait_ms"]["p99"] >= 0
-    ratios = {row["sessions"]: row for row in doc["ratios"]}
-    for key in ("p50_vs_ws-echo", "p99_vs_ws-echo", "p50_vs_grpc-direct", "p99_vs_grpc-direct"):
-        assert math.isfinite(ratios[3][key]) and ratios[3][key] > 0, ratios
+    # The edge's RealtimeService: through the edge (its CPU counted), the worker's compute
+    # taken out as on the WebSocket.
+    realtime = levels[("grpc-realtime", 3)]
+    assert {"edge", "scheduler", "worker0", "client"} <= set(realtime["processes"])
+    assert realtime["edge_cpu_us_per_unit"] > 0 and realtime["engine_ms"]["p50"] >= 19.0
+    assert 0 <= realtime["in_worker_ms"]["p50"] <= realtime["overhead_ms"]["p50"]
+    ratios = {(row["sessions"], row["path"]): row for row in doc["ratios"]}
+    assert set(ratios) == {(n, p) for n in (1, 3) for p in ("fabric", "grpc-realtime")}
+    for path in ("fabric", "grpc-realtime"):
+        row = ratios[(3, path)]
+        for key in ("p50_vs_ws-echo", "p99_vs_ws-echo", "p50_vs_grpc-direct", "p99_vs_grpc-direct"):
+            assert math.isfinite(row[key]) and row[key] > 0, row
+        # The added milliseconds are the difference of the two levels' own figures.
+        echo = levels[("ws-echo", 3)]["overhead_ms"]["p50"]
+        assert row["p50_added_to_ws-echo_ms"] == pytest.approx(
+            levels[(path, 3)]["overhead_ms"]["p50"] - echo, abs=0.002
+        )
+    assert set(doc["targets"]["edge_cpu_us_per_unit"]) == {"1", "3"}
     assert doc["targets"]["at_target_sessions"]["sessions"] == 3
     table = (out / "bench.md").read_text()
     assert "| 3 | fabric | 9 | 9 | 0 | 0 |" in table, table
-    assert "p99 / gRPC direct" in table
+    assert "| 3 | grpc-realtime | 9 | 9 | 0 | 0 |" in table, table
+    assert "p99 / gRPC direct" in table and "added to echo p50 / p99" in table
     assert table in result.stdout
     # Where the overhead goes: inside the worker, in the measuring client, while all stream.
     assert 0 <= fabric["in_worker_ms"]["p50"] <= fabric["overhead_ms"]["p50"]
@@ -79,7 +96,8 @@ def test_against_a_running_edge(tmp_path):
         stack.start_worker("--compute-ms", "10")
         edge = stack.start_edge()
         result = run_bench(
-            *("--url", stack.url, "--edge-pid", str(edge.proc.pid), "--paths", "fabric"),
+            *("--url", stack.url, "--edge-pid", str(edge.proc.pid)),
+            *("--grpc", stack.grpc_address, "--paths", "fabric,grpc-realtime"),
             *("--sessions", "2", "--seconds", "4", "--warmup-seconds", "0", "--ramp-s", "2"),
             # Every attempt counts as noisy: measured twice, the first set aside.
             *("--max-steal", "-1", "--noisy-retries", "1", "--out", str(tmp_path / "out")),
@@ -87,7 +105,11 @@ def test_against_a_running_edge(tmp_path):
     finally:
         stack.stop()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (level,) = json.loads((tmp_path / "out" / "bench.json").read_text())["levels"]
+    level, realtime = json.loads((tmp_path / "out" / "bench.json").read_text())["levels"]
+    # The given edge's RealtimeService, measured on the given edge's pid.
+    assert realtime["path"] == "grpc-realtime" and realtime["answered"] == 8
+    assert realtime["lost"] == 0 and realtime["lost_sessions"] == 0
+    assert set(realtime["processes"]) == {"edge", "client"}
     assert level["path"] == "fabric" and level["answered"] == 8 and level["lost"] == 0
     # The second session opened 1 s after the first (--ramp-s 2 over 2 sessions), and
     # each sent 4 units a second apart: the level lasts at least 1 + 3 s.
@@ -133,6 +155,15 @@ def test_max_search_grows_then_bisects():
     assert next_probe(500, None, limit=600, resolution=0.1) == 600
 
 
+def test_default_paths_leave_out_a_running_edges_unknown_grpc_port():
+    def paths(*argv: str) -> list[str]:
+        return default_paths(build_parser().parse_args(list(argv))).split(",")
+
+    assert paths() == ["fabric", "grpc-realtime", "ws-echo", "grpc-direct"]
+    assert paths("--url", "ws://h:1/v1/realtime") == ["fabric", "ws-echo", "grpc-direct"]
+    assert "grpc-realtime" in paths("--url", "ws://h:1/v1/realtime", "--grpc", "h:2")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -143,6 +174,11 @@ def test_max_search_grows_then_bisects():
         (["--paths", "ws-echo", "--find-max"], "--find-max measures the fabric"),
         (["--seconds", "5", "--ramp-s", "5"], "--ramp-s must be"),
         (["--edge-processes", "0"], "--edge-processes must be at least 1"),
+        (
+            ["--url", "ws://127.0.0.1:9/v1/realtime", "--paths", "fabric,grpc-realtime"],
+            "needs the edge's gRPC address (--grpc HOST:PORT)",
+        ),
+        (["--grpc", "127.0.0.1:9"], "--grpc goes with --url"),
     ],
 )
 def test_bad_arguments_refused_before_anything_starts(args, message, capsys):

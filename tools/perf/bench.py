@@ -1,10 +1,12 @@
 """`omnifabric bench`: fabric overhead per unit against two baselines measured in the same run.
 
 For each session count N (`--sessions 1,10,50,100`), N concurrent real-time audio sessions
-send one 1 s unit per second for S seconds over three paths on this machine:
+send one 1 s unit per second for S seconds over four paths on this machine:
 
 - **fabric**: the public WebSocket protocol through edge, scheduler and worker (a stack
   this command starts: synthetic engine with `--compute-ms`, or `--url` of a running edge);
+- **grpc-realtime**: the same sessions in protobuf over the edge's RealtimeService (what
+  an internal client that skips JSON gets; with `--url`, at `--grpc`);
 - **ws-echo**: a raw websockets server (uvloop, own process) echoing the same JSON frames;
 - **grpc-direct**: a lease from the scheduler, then WorkerService.Session straight to the
   worker with the same PCM (no edge, no JSON; the scheduler is not on the unit path).
@@ -32,6 +34,7 @@ from typing import Any
 from omnifabric.tools.perf.baselines import GrpcDirect, echo_server_main
 from omnifabric.tools.perf.bench_stack import start_stack
 from omnifabric.tools.perf.console import run_loop
+from omnifabric.tools.perf.fabric import GrpcRealtime
 from omnifabric.tools.perf.ledger import PATHS, Level, within
 from omnifabric.tools.perf.levels import measure, run_level, say
 from omnifabric.tools.perf.report import markdown, plot, summarize
@@ -62,12 +65,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     paths = [p for p in args.paths.split(",") if p]
     say(f"starting the stack (logs in {log_dir})")
     stack = await asyncio.to_thread(start_stack, args, paths, log_dir)
-    grpc_direct = GrpcDirect(stack.scheduler) if "grpc-direct" in paths else None
+    grpc_clients: dict[str, Any] = {}
+    if "grpc-direct" in paths:
+        grpc_clients["grpc-direct"] = GrpcDirect(stack.scheduler)
+    if "grpc-realtime" in paths:
+        grpc_clients["grpc-realtime"] = GrpcRealtime(stack.grpc)
     levels: list[Level] = []
     max_search: list[dict[str, Any]] = []
     try:
         say(
-            f"fabric at {stack.url or '-'}; echo at {stack.echo_url or '-'}; "
+            f"fabric at {stack.url or '-'} (gRPC {stack.grpc or '-'}); "
+            f"echo at {stack.echo_url or '-'}; "
             f"scheduler {stack.scheduler or '-'}"
         )
         if args.warmup_seconds > 0:
@@ -75,10 +83,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             warm_n = min(max(counts), 10)
             say(f"warm-up: {warm_n} sessions x {args.warmup_seconds} s per path (not reported)")
             for path in paths:
-                await run_level(path, warm_n, warm, stack, grpc_direct)
+                await run_level(path, warm_n, warm, stack, grpc_clients)
         for n in counts:
             for path in paths:
-                levels.append(await measure(path, n, args, stack, grpc_direct))
+                levels.append(await measure(path, n, args, stack, grpc_clients))
         if args.find_max:
             fabric = {lv.sessions: lv for lv in levels if lv.path == "fabric"}
             passed = max((n for n, lv in fabric.items() if within(lv, args.max_p99_ms)), default=0)
@@ -88,7 +96,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             )
             while (probe := next_probe(passed, failed, args.max_sessions, 0.1)) is not None:
                 say(f"max search: {passed} passed, {failed or '-'} failed; trying {probe}")
-                level = await measure("fabric", probe, args, stack, grpc_direct)
+                level = await measure("fabric", probe, args, stack, grpc_clients)
                 ok = within(level, args.max_p99_ms)
                 max_search.append(
                     {
@@ -106,15 +114,22 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             if passed and passed not in counts:
                 say(f"max {passed} sessions: measuring it on every path")
                 for path in paths:
-                    levels.append(await measure(path, passed, args, stack, grpc_direct))
+                    levels.append(await measure(path, passed, args, stack, grpc_clients))
             max_sessions = passed
         else:
             max_sessions = None
     finally:
-        if grpc_direct is not None:
-            await grpc_direct.close()
+        for client in grpc_clients.values():
+            await client.close()
         await asyncio.to_thread(stack.stop)
     return summarize(args, levels, max_sessions, max_search)
+
+
+def default_paths(args: argparse.Namespace) -> str:
+    """Every path, but grpc-realtime against a running edge (--url) whose gRPC port was not
+    given (--grpc)."""
+    skip = ("grpc-realtime",) if args.url and not args.grpc else ()
+    return ",".join(p for p in PATHS if p not in skip)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,7 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sessions", default="1,10,50,100", help="comma-separated session counts")
     p.add_argument("--seconds", type=int, default=30, help="units (seconds) per session")
-    p.add_argument("--paths", default=",".join(PATHS), help="paths to measure")
+    p.add_argument(
+        "--paths",
+        help=f"paths to measure, of {','.join(PATHS)} (default: every one; with --url and "
+        "no --grpc, every one but grpc-realtime)",
+    )
     p.add_argument(
         "--ramp-s",
         type=float,
@@ -136,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--url",
         help="a running edge (ws://HOST:PORT/v1/realtime) instead of "
         "the fabric stack this command starts; baselines still run locally",
+    )
+    p.add_argument(
+        "--grpc",
+        metavar="HOST:PORT",
+        help="with --url: that edge's gRPC port (RealtimeService), for the grpc-realtime path",
     )
     p.add_argument(
         "--edge-pid", type=int, help="with --url: the edge's pid, to measure its CPU and memory"
@@ -195,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.paths is None:
+        args.paths = default_paths(args)
     bad = [p for p in args.paths.split(",") if p and p not in PATHS]
     if args.ramp_s < 0 or args.ramp_s >= args.seconds:
         print("omnifabric bench: --ramp-s must be >= 0 and shorter than --seconds", file=sys.stderr)
@@ -208,6 +234,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{', '.join(PATHS)} (got {bad or args.sessions})",
             file=sys.stderr,
         )
+        return 2
+    if "grpc-realtime" in args.paths.split(",") and args.url and not args.grpc:
+        print(
+            "omnifabric bench: grpc-realtime against --url needs the edge's gRPC address "
+            "(--grpc HOST:PORT)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.grpc and not args.url:
+        print("omnifabric bench: --grpc goes with --url (a running edge)", file=sys.stderr)
         return 2
     if "fabric" not in args.paths.split(",") and args.find_max:
         print("omnifabric bench: --find-max measures the fabric path", file=sys.stderr)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omnifabric.tools.perf.ledger import THROUGH_EDGE
 from omnifabric.tools.perf.metrics import http_address, metric, scrape_metrics
 
 
@@ -24,6 +25,8 @@ class BenchStack:
     scheduler: str
     echo_url: str
     pids: dict[str, int]
+    grpc: str = ""
+    """The edge's RealtimeService address (HOST:PORT): the grpc-realtime path."""
 
     def stop(self) -> None:
         from omnifabric.common.children import stop
@@ -34,8 +37,9 @@ class BenchStack:
 
 
 def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> BenchStack:
-    """Start what the measured paths need: scheduler and synthetic workers (fabric without
-    --url, grpc-direct), the edge (fabric without --url), the echo server (ws-echo)."""
+    """Start what the measured paths need: scheduler and synthetic workers (fabric or
+    grpc-realtime without --url, grpc-direct), the edge (fabric or grpc-realtime without
+    --url), the echo server (ws-echo)."""
     from omnifabric.common.children import spawn
 
     host = args.host
@@ -43,8 +47,8 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> Be
     pids: dict[str, int] = {"client": os.getpid()}
     if args.edge_pid:
         pids["edge"] = args.edge_pid
-    stack = BenchStack(children, args.url or "", "", "", pids)
-    own_fabric = "fabric" in paths and not args.url
+    stack = BenchStack(children, args.url or "", "", "", pids, args.grpc or "")
+    own_fabric = any(p in THROUGH_EDGE for p in paths) and not args.url
     try:
         if own_fabric or "grpc-direct" in paths:
             sched = spawn(
@@ -84,7 +88,9 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> Be
                 log_dir / "edge.log",
             )
             children.append(edge)
-            stack.url = edge.wait_ready(args.ready_timeout).split()[0]
+            words = edge.wait_ready(args.ready_timeout).split()
+            stack.url = words[0]
+            stack.grpc = next(w.removeprefix("grpc=") for w in words if w.startswith("grpc="))
             if args.edge_processes == 1:
                 pids["edge"] = edge.proc.pid
             else:  # the supervisor and its edge processes, summed as the edge

@@ -1,5 +1,6 @@
-"""The fabric path of `omnifabric bench`: one session over the public WebSocket protocol
-through edge, scheduler and worker, its units into a UnitLedger."""
+"""The paths of `omnifabric bench` through the edge: one session over the public WebSocket
+protocol (fabric) or over the edge's RealtimeService (grpc-realtime), through edge,
+scheduler and worker, its units into a UnitLedger."""
 
 from __future__ import annotations
 
@@ -97,3 +98,94 @@ async def fabric_session(
     except Exception as exc:  # the session is counted lost; the run goes on
         s.errors.append(f"{type(exc).__name__}: {exc}"[:120])
     units_by_seq.tally(closed_cleanly=reason == ["user_stop"])
+
+
+class GrpcRealtime:
+    """The edge's RealtimeService (what an internal client that skips JSON gets): the same
+    session as the fabric path in protobuf over gRPC, through edge, scheduler and worker.
+    Each session dials its own connection, as each WebSocket session has one (a shared
+    channel would put every stream on one HTTP/2 connection, and on one edge process)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    async def close(self) -> None:
+        """Nothing is held between sessions."""
+
+    async def session(
+        self, delay_s: float, units: list[np.ndarray], pcms: list[bytes], s: Samples
+    ) -> None:
+        """One session over RealtimeService.Connect, opened after `delay_s`; figures into `s`."""
+        import grpc
+
+        from omnifabric.edge.fabric import channel_options
+        from omnifabric.omni.realtime.v1 import common_pb2
+        from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+        from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+
+        units_by_seq = UnitLedger(s)
+        closed = asyncio.Event()
+        reasons: list[int] = []
+        await asyncio.sleep(delay_s)  # opens spread over --ramp-s
+        options = [*channel_options(16 * 2**20), ("grpc.use_local_subchannel_pool", 1)]
+        t0 = time.monotonic()
+        try:
+            async with grpc.aio.insecure_channel(self.address, options=options) as channel:
+                call = rt_grpc.RealtimeServiceStub(channel).Connect()
+                await call.write(
+                    rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO))
+                )
+                while True:
+                    first = await call.read()
+                    kind = "eof" if first is grpc.aio.EOF else first.WhichOneof("kind")
+                    if kind == "queue_done":
+                        s.queue_wait.append((time.monotonic() - t0) * 1000.0)
+                    elif kind == "created":
+                        break
+                    elif kind not in ("queued", "queue_update"):
+                        raise RuntimeError(f"init: {kind}")
+
+                async def receive() -> None:
+                    # read(), not `async for`: grpc.aio refuses both styles on one call.
+                    try:
+                        while (response := await call.read()) is not grpc.aio.EOF:
+                            now = time.monotonic()
+                            kind = response.WhichOneof("kind")
+                            if kind == "closed":
+                                reasons.append(response.closed.reason)
+                                return
+                            if kind == "error":
+                                s.errors.append(response.error.code)
+                            elif kind == "output":
+                                out, timings = response.output, response.output.timings
+                                units_by_seq.result(
+                                    out.seq,
+                                    out.dropped_seqs,
+                                    now,
+                                    timings.prefill_ms + timings.generate_ms,
+                                    timings.wall_clock_ms,
+                                )
+                    except Exception as exc:
+                        s.errors.append(f"receive: {type(exc).__name__}")
+                    finally:
+                        closed.set()
+
+                receiver = asyncio.create_task(receive())
+
+                async def send(k: int) -> bool:
+                    if closed.is_set():
+                        return False
+                    units_by_seq.send(k + 1)
+                    await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=pcms[k])))
+                    return True
+
+                await paced(len(units), send)
+                await settle(units_by_seq.settled, closed, 5.0)
+                if not closed.is_set():
+                    close = rt_pb.SessionCloseRequest(reason="user_stop")
+                    await call.write(rt_pb.ConnectRequest(close=close))
+                    await asyncio.wait_for(closed.wait(), 15)
+                receiver.cancel()
+        except Exception as exc:  # the session is counted lost; the run goes on
+            s.errors.append(f"{type(exc).__name__}: {exc}"[:120])
+        units_by_seq.tally(closed_cleanly=reasons == [common_pb2.CLOSE_REASON_USER_STOP])

@@ -14,10 +14,10 @@ from typing import Any
 
 from omnifabric.tools.client import percentile
 from omnifabric.tools.perf import console
-from omnifabric.tools.perf.baselines import GrpcDirect, echo_session
+from omnifabric.tools.perf.baselines import echo_session
 from omnifabric.tools.perf.bench_stack import BenchStack, edge_idle
 from omnifabric.tools.perf.fabric import fabric_session
-from omnifabric.tools.perf.ledger import Level, Samples, stats
+from omnifabric.tools.perf.ledger import THROUGH_EDGE, Level, Samples, stats
 from omnifabric.tools.perf.procs import ProcessWatch, proc_sample
 from omnifabric.tools.perf.units import append_frame, pcm, unit_script
 
@@ -32,9 +32,11 @@ async def run_level(
     sessions: int,
     args: argparse.Namespace,
     stack: BenchStack,
-    grpc_direct: GrpcDirect | None,
+    grpc_clients: dict[str, Any],
 ) -> Level:
-    """N concurrent sessions over one path, with a progress line every --progress-every s."""
+    """N concurrent sessions over one path, with a progress line every --progress-every s.
+    `grpc_clients`: the client of each gRPC path measured (grpc-realtime, grpc-direct), by
+    path; each has `session(delay_s, units, pcms, samples)`."""
     units = unit_script(args.seconds)
     samples = Samples()
     # Session i opens at i * ramp / N s; its units follow once a second from then on, so
@@ -44,18 +46,21 @@ async def run_level(
         frames = [append_frame(u) for u in units]
         url = f"{stack.url}?mode=audio"
         runs = [fabric_session(url, d, units, frames, samples) for d in delays]
+    elif path == "ws-echo":
+        frames = [append_frame(u) for u in units]
+        runs = [echo_session(stack.echo_url, d, units, frames, samples) for d in delays]
+    else:
+        pcms = [pcm(u) for u in units]
+        client = grpc_clients[path]  # made whenever the path is measured
+        runs = [client.session(d, units, pcms, samples) for d in delays]
+    if path in THROUGH_EDGE:
         # A fabric of its own: every service; a --url fabric: the client (and --edge-pid).
         watched = [
             n for n in stack.pids if n != "echo" and (not args.url or n == "client" or is_edge(n))
         ]
     elif path == "ws-echo":
-        frames = [append_frame(u) for u in units]
-        runs = [echo_session(stack.echo_url, d, units, frames, samples) for d in delays]
         watched = ["echo", "client"]
     else:
-        pcms = [pcm(u) for u in units]
-        assert grpc_direct is not None  # started whenever the path is measured
-        runs = [grpc_direct.session(d, units, pcms, samples) for d in delays]
         watched = [n for n in stack.pids if n.startswith(("worker", "scheduler")) or n == "client"]
     watch = ProcessWatch({n: stack.pids[n] for n in watched})
     started = time.monotonic()
@@ -75,7 +80,7 @@ async def run_level(
     steady: list[tuple[float, float | None, int]] = []
 
     async def steady_window() -> None:
-        pids = edge_pids(stack.pids) if path == "fabric" else []
+        pids = edge_pids(stack.pids) if path in THROUGH_EDGE else []
         if args.seconds < 3:
             return
         for mark in (sessions, sessions * (args.seconds - 1)):
@@ -150,7 +155,7 @@ async def run_level(
         )
         + (f"; errors {level.errors}" if level.errors else "")
     )
-    if path == "fabric" and stack.url:
+    if path in THROUGH_EDGE and stack.url:
         await edge_idle(stack.url, 30)
     return level
 
@@ -160,14 +165,14 @@ async def measure(
     sessions: int,
     args: argparse.Namespace,
     stack: BenchStack,
-    grpc_direct: GrpcDirect | None,
+    grpc_clients: dict[str, Any],
 ) -> Level:
     """run_level, again (up to --noisy-retries times) when the machine's host took more than
     --max-steal cores meanwhile: on a shared virtual machine, steal alone moves the tail
     several-fold. The attempts set aside stay in the result (`noisy_attempts`)."""
     noisy: list[dict[str, Any]] = []
     while True:
-        level = await run_level(path, sessions, args, stack, grpc_direct)
+        level = await run_level(path, sessions, args, stack, grpc_clients)
         if level.steal_cores <= args.max_steal or len(noisy) >= args.noisy_retries:
             level.noisy_attempts = noisy
             return level

@@ -12,13 +12,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from omnifabric.tools.perf.ledger import PATHS, Level, within
+from omnifabric.tools.perf.ledger import PATHS, THROUGH_EDGE, Level, within
 
 
 def _ratio(a: float, b: float) -> float | None:
     if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
         return None
     return round(a / b, 2)
+
+
+def _added(a: float, b: float) -> float | None:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return None
+    return round(a - b, 3)
 
 
 def summarize(
@@ -30,16 +36,18 @@ def summarize(
     """The JSON document: config, every level, ratios to the baselines, target checks."""
     by = {(lv.path, lv.sessions): lv for lv in levels}
     ratios = []
-    for (path, n), lv in sorted(by.items(), key=lambda kv: kv[0][1]):
-        if path != "fabric":
+    for (path, n), lv in sorted(by.items(), key=lambda kv: (kv[0][1], PATHS.index(kv[0][0]))):
+        if path not in THROUGH_EDGE:
             continue
-        row: dict[str, Any] = {"sessions": n}
+        row: dict[str, Any] = {"sessions": n, "path": path}
         for base in ("ws-echo", "grpc-direct"):
             other = by.get((base, n))
             if other is None:
                 continue
             for q in ("p50", "p99"):
                 row[f"{q}_vs_{base}"] = _ratio(lv.overhead_ms[q], other.overhead_ms[q])
+                # What the path adds over the baseline, in ms (the issue targets' unit).
+                row[f"{q}_added_to_{base}_ms"] = _added(lv.overhead_ms[q], other.overhead_ms[q])
         ratios.append(row)
     targets: dict[str, Any] = {}
     at = by.get(("fabric", args.target_sessions))
@@ -71,15 +79,15 @@ def summarize(
             found["remeasured_streaming_p99_ms"] = again.overhead_streaming_ms.get("p99")
             found["remeasured_within"] = within(again, args.max_p99_ms)
         targets["max_sessions_within"] = found
-    edge_us = [lv.edge_cpu_us_per_unit for lv in levels if lv.edge_cpu_us_per_unit]
+    # The public path's figure (grpc-realtime levels have their own, in their level).
+    edge_us = [lv for lv in levels if lv.edge_cpu_us_per_unit and lv.path == "fabric"]
     if edge_us:
         targets["edge_cpu_us_per_unit"] = {
             str(lv.sessions): {
                 "whole_level": lv.edge_cpu_us_per_unit,
                 "streaming_only": lv.edge_cpu_us_per_unit_steady,
             }
-            for lv in levels
-            if lv.edge_cpu_us_per_unit
+            for lv in edge_us
         }
     return {
         "config": {
@@ -127,18 +135,23 @@ def markdown(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| sessions | p50 / echo | p99 / echo | p50 / gRPC direct | p99 / gRPC direct |",
-        "|---:|---:|---:|---:|---:|",
+        "| sessions | path | p50 / echo | p99 / echo | p50 / gRPC direct | p99 / gRPC direct "
+        "| added to echo p50 / p99 |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
 
     def fmt(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}x"
 
+    def added(row: dict[str, Any]) -> str:
+        p50, p99 = row.get("p50_added_to_ws-echo_ms"), row.get("p99_added_to_ws-echo_ms")
+        return "-" if p50 is None or p99 is None else f"{p50:+.2f} / {p99:+.2f} ms"
+
     for row in result["ratios"]:
         lines.append(
-            f"| {row['sessions']} | {fmt(row.get('p50_vs_ws-echo'))} | "
+            f"| {row['sessions']} | {row['path']} | {fmt(row.get('p50_vs_ws-echo'))} | "
             f"{fmt(row.get('p99_vs_ws-echo'))} | {fmt(row.get('p50_vs_grpc-direct'))} | "
-            f"{fmt(row.get('p99_vs_grpc-direct'))} |"
+            f"{fmt(row.get('p99_vs_grpc-direct'))} | {added(row)} |"
         )
     lines += [
         "",
@@ -186,7 +199,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
-    colours = {"fabric": "tab:red", "ws-echo": "tab:blue", "grpc-direct": "tab:green"}
+    colours = {
+        "fabric": "tab:red",
+        "grpc-realtime": "tab:orange",
+        "ws-echo": "tab:blue",
+        "grpc-direct": "tab:green",
+    }
     styles = {"p50": ":", "p95": "--", "p99": "-"}
     for name in PATHS:
         points = sorted(
