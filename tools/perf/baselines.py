@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -130,20 +129,16 @@ class GrpcDirect:
             if lease is None:
                 raise RuntimeError("acquire: ended without a lease")
             s.queue_wait.append((time.monotonic() - t0) * 1000.0)
-            requests: asyncio.Queue = asyncio.Queue()
-            requests.put_nowait(
+            # Written with call.write(), as the edge writes (a request iterator fed from a
+            # queue would put a task switch in front of every unit).
+            call = self.worker(lease.worker_address).Session()
+            await call.write(
                 worker_pb.SessionRequest(
                     start=worker_pb.SessionStart(
                         lease_id=lease.lease_id, session_id=session_id, mode=common_pb2.MODE_AUDIO
                     )
                 )
             )
-
-            async def outgoing() -> AsyncIterator[Any]:
-                while (request := await requests.get()) is not None:
-                    yield request
-
-            call = self.worker(lease.worker_address).Session(outgoing())
             first = await call.read()
             if first is self._grpc.aio.EOF or first.WhichOneof("kind") != "started":
                 raise RuntimeError("session: no started")
@@ -182,21 +177,22 @@ class GrpcDirect:
                 if done.is_set():
                     return False
                 units_by_seq.send(k + 1)
-                requests.put_nowait(
+                await call.write(
                     worker_pb.SessionRequest(unit=worker_pb.Unit(seq=k + 1, pcm=pcms[k]))
                 )
                 return True
 
             await paced(len(units), send)
             await settle(units_by_seq.settled, done, 5.0)
-            requests.put_nowait(
-                worker_pb.SessionRequest(
-                    close=worker_pb.SessionClose(reason=common_pb2.CLOSE_REASON_USER_STOP)
+            if not done.is_set():
+                await call.write(
+                    worker_pb.SessionRequest(
+                        close=worker_pb.SessionClose(reason=common_pb2.CLOSE_REASON_USER_STOP)
+                    )
                 )
-            )
+                await call.done_writing()
             await asyncio.wait_for(done.wait(), 15)
             receiver.cancel()
-            requests.put_nowait(None)
         except Exception as exc:
             s.errors.append(f"{type(exc).__name__}: {str(exc)[:100]}")
         finally:
