@@ -37,7 +37,7 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     assert "/3 s," in result.stdout
     doc = json.loads((out / "bench.json").read_text())
     levels = {(lv["path"], lv["sessions"]): lv for lv in doc["levels"]}
-    paths = ("fabric", "grpc-realtime", "ws-echo", "grpc-direct")
+    paths = ("fabric", "grpc-realtime", "ws-echo", "grpc-echo", "grpc-direct")
     assert set(levels) == {(p, n) for p in paths for n in (1, 3)}
     for (path, n), lv in levels.items():
         assert lv["units_sent"] == 3 * n, (path, n, lv)
@@ -54,6 +54,8 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     )
     assert {"edge", "scheduler", "worker0", "client"} <= set(fabric["processes"])
     assert set(levels[("ws-echo", 3)]["processes"]) == {"echo", "client"}
+    assert set(levels[("grpc-echo", 3)]["processes"]) == {"grpc-echo", "client"}
+    assert levels[("grpc-echo", 3)]["engine_ms"]["p50"] == 0
     assert "edge" not in levels[("grpc-direct", 3)]["processes"]
     assert fabric["edge_cpu_us_per_unit"] > 0
     assert fabric["queue_wait_ms"]["p99"] >= 0
@@ -75,11 +77,22 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
             levels[(path, 3)]["overhead_ms"]["p50"] - echo, abs=0.002
         )
     assert set(doc["targets"]["edge_cpu_us_per_unit"]) == {"1", "3"}
+    # Where the fabric's added p50 goes, from the same run's levels.
+    split = {row["sessions"]: row for row in doc["split"]}
+    assert set(split) == {1, 3}
+    p50 = {path: levels[(path, 3)]["overhead_ms"]["p50"] for path in paths}
+    assert split[3]["added_ms"] == pytest.approx(p50["fabric"] - p50["ws-echo"], abs=0.002)
+    assert split[3]["grpc_exchange_ms"] == p50["grpc-echo"]
+    assert split[3]["worker_ms"] == pytest.approx(p50["grpc-direct"] - p50["grpc-echo"], abs=0.002)
+    assert split[3]["edge_ms"] == pytest.approx(
+        p50["fabric"] - p50["ws-echo"] - p50["grpc-direct"], abs=0.002
+    )
     assert doc["targets"]["at_target_sessions"]["sessions"] == 3
     table = (out / "bench.md").read_text()
     assert "| 3 | fabric | 9 | 9 | 0 | 0 |" in table, table
     assert "| 3 | grpc-realtime | 9 | 9 | 0 | 0 |" in table, table
     assert "p99 / gRPC direct" in table and "added to echo p50 / p99" in table
+    assert "| worker (grpc-direct - grpc-echo) |" in table
     assert table in result.stdout
     # Where the overhead goes: inside the worker, in the measuring client, while all stream.
     assert 0 <= fabric["in_worker_ms"]["p50"] <= fabric["overhead_ms"]["p50"]
@@ -159,8 +172,13 @@ def test_default_paths_leave_out_a_running_edges_unknown_grpc_port():
     def paths(*argv: str) -> list[str]:
         return default_paths(build_parser().parse_args(list(argv))).split(",")
 
-    assert paths() == ["fabric", "grpc-realtime", "ws-echo", "grpc-direct"]
-    assert paths("--url", "ws://h:1/v1/realtime") == ["fabric", "ws-echo", "grpc-direct"]
+    assert paths() == ["fabric", "grpc-realtime", "ws-echo", "grpc-echo", "grpc-direct"]
+    assert paths("--url", "ws://h:1/v1/realtime") == [
+        "fabric",
+        "ws-echo",
+        "grpc-echo",
+        "grpc-direct",
+    ]
     assert "grpc-realtime" in paths("--url", "ws://h:1/v1/realtime", "--grpc", "h:2")
 
 

@@ -1,12 +1,14 @@
-"""The two baseline paths of `omnifabric bench`, measured in the same run as the fabric:
-a raw websockets echo server (its own process) and its sessions, and gRPC straight to a
-worker on a lease from the scheduler (no edge, no JSON)."""
+"""The baseline paths of `omnifabric bench`, measured in the same run as the fabric: a raw
+websockets echo server (its own process) and its sessions, a raw gRPC echo server (its own
+process: one gRPC exchange of the unit's PCM, nothing else), and gRPC straight to a worker
+on a lease from the scheduler (no edge, no JSON)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -70,6 +72,93 @@ async def echo_session(
         s.errors.append(f"{type(exc).__name__}: {exc}"[:120])
         s.lost_sessions += 1
     s.lost += len(pending) - answered
+
+
+#: The grpc-echo server's one method: a bidirectional stream of raw bytes.
+GRPC_ECHO_METHOD = "/omnifabric.bench.Echo/Stream"
+
+
+def grpc_echo_server_main(host: str) -> int:
+    """`python -m omnifabric.tools.perf.bench --grpc-echo-server HOST`: a grpc.aio server
+    (uvloop, the worker's message limits) that sends every message of a stream back;
+    prints `grpc echo ready: HOST:PORT`."""
+
+    async def serve() -> None:
+        import grpc
+
+        async def echo(requests: AsyncIterator[bytes], _context: Any) -> AsyncIterator[bytes]:
+            async for message in requests:
+                yield message
+
+        limit = 16 * 2**20
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+            ]
+        )
+        service, method = GRPC_ECHO_METHOD.strip("/").split("/")
+        handler = grpc.stream_stream_rpc_method_handler(echo)  # bytes in, bytes out
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, {method: handler}),)
+        )
+        port = server.add_insecure_port(f"{host}:0")
+        await server.start()
+        print(f"grpc echo ready: {host}:{port}", flush=True)
+        await server.wait_for_termination()
+
+    run_loop(serve())
+    return 0
+
+
+class GrpcEcho:
+    """Sessions against the grpc-echo server: each unit's PCM as one message, answered in
+    order. One connection per session, as each session of the other paths has its own."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    async def close(self) -> None:
+        """Nothing is held between sessions."""
+
+    async def session(
+        self, delay_s: float, units: list[np.ndarray], pcms: list[bytes], s: Samples
+    ) -> None:
+        import grpc
+
+        from omnifabric.edge.fabric import channel_options
+
+        pending: list[float] = []
+        answered = 0
+        await asyncio.sleep(delay_s)
+        options = [*channel_options(16 * 2**20), ("grpc.use_local_subchannel_pool", 1)]
+        try:
+            async with grpc.aio.insecure_channel(self.address, options=options) as channel:
+                call = channel.stream_stream(GRPC_ECHO_METHOD)()
+
+                async def receive() -> None:
+                    nonlocal answered
+                    while (await call.read()) is not grpc.aio.EOF:
+                        now = time.monotonic()
+                        s.answer(pending[answered], (now - pending[answered]) * 1000.0, 0.0)
+                        answered += 1
+
+                receiver = asyncio.create_task(receive())
+
+                async def send(k: int) -> bool:
+                    pending.append(time.monotonic())
+                    s.sent += 1
+                    await call.write(pcms[k])
+                    return True
+
+                await paced(len(units), send)
+                await settle(lambda: answered >= len(pending), asyncio.Event(), 5.0)
+                await call.done_writing()
+                await asyncio.wait_for(receiver, 15)
+        except Exception as exc:
+            s.errors.append(f"{type(exc).__name__}: {exc}"[:120])
+            s.lost_sessions += 1
+        s.lost += len(pending) - answered
 
 
 class GrpcDirect:

@@ -1,13 +1,15 @@
 """`omnifabric bench`: fabric overhead per unit against two baselines measured in the same run.
 
 For each session count N (`--sessions 1,10,50,100`), N concurrent real-time audio sessions
-send one 1 s unit per second for S seconds over four paths on this machine:
+send one 1 s unit per second for S seconds over five paths on this machine:
 
 - **fabric**: the public WebSocket protocol through edge, scheduler and worker (a stack
   this command starts: synthetic engine with `--compute-ms`, or `--url` of a running edge);
 - **grpc-realtime**: the same sessions in protobuf over the edge's RealtimeService (what
   an internal client that skips JSON gets; with `--url`, at `--grpc`);
 - **ws-echo**: a raw websockets server (uvloop, own process) echoing the same JSON frames;
+- **grpc-echo**: a raw grpc.aio server (uvloop, own process) echoing the same PCM as one
+  message each: the cost of one gRPC exchange and nothing else;
 - **grpc-direct**: a lease from the scheduler, then WorkerService.Session straight to the
   worker with the same PCM (no edge, no JSON; the scheduler is not on the unit path).
 
@@ -31,7 +33,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from omnifabric.tools.perf.baselines import GrpcDirect, echo_server_main
+from omnifabric.tools.perf.baselines import (
+    GrpcDirect,
+    GrpcEcho,
+    echo_server_main,
+    grpc_echo_server_main,
+)
 from omnifabric.tools.perf.bench_stack import start_stack
 from omnifabric.tools.perf.console import run_loop
 from omnifabric.tools.perf.fabric import GrpcRealtime
@@ -70,6 +77,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         grpc_clients["grpc-direct"] = GrpcDirect(stack.scheduler)
     if "grpc-realtime" in paths:
         grpc_clients["grpc-realtime"] = GrpcRealtime(stack.grpc)
+    if "grpc-echo" in paths:
+        grpc_clients["grpc-echo"] = GrpcEcho(stack.grpc_echo)
     levels: list[Level] = []
     max_search: list[dict[str, Any]] = []
     try:
@@ -210,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--echo-server"]:
         return echo_server_main(argv[1] if len(argv) > 1 else "127.0.0.1")
+    if argv[:1] == ["--grpc-echo-server"]:
+        return grpc_echo_server_main(argv[1] if len(argv) > 1 else "127.0.0.1")
     args = build_parser().parse_args(argv)
     try:
         counts = [int(n) for n in args.sessions.split(",") if n.strip()]

@@ -27,11 +27,13 @@ class BenchStack:
     pids: dict[str, int]
     grpc: str = ""
     """The edge's RealtimeService address (HOST:PORT): the grpc-realtime path."""
+    grpc_echo: str = ""
+    """The gRPC echo server's address (HOST:PORT): the grpc-echo path."""
 
     def stop(self) -> None:
         from omnifabric.common.children import stop
 
-        for kind in ("echo", "edge", "worker", "scheduler"):
+        for kind in ("echo", "grpc-echo", "edge", "worker", "scheduler"):
             group = [c for c in self.children if c.name.rstrip("0123456789") == kind]
             stop(group, 2.0, who="omnifabric bench")
 
@@ -39,7 +41,7 @@ class BenchStack:
 def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> BenchStack:
     """Start what the measured paths need: scheduler and synthetic workers (fabric or
     grpc-realtime without --url, grpc-direct), the edge (fabric or grpc-realtime without
-    --url), the echo server (ws-echo)."""
+    --url), the echo servers (ws-echo, grpc-echo)."""
     from omnifabric.common.children import spawn
 
     host = args.host
@@ -106,6 +108,14 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> Be
             text = (log_dir / "echo.log").read_text()
             stack.echo_url = text.split("echo ready: ")[1].split()[0]
             pids["echo"] = echo.proc.pid
+        if "grpc-echo" in paths:
+            log = log_dir / "grpc-echo.log"
+            args_ = ["--grpc-echo-server", host]
+            grpc_echo = spawn("grpc-echo", "omnifabric.tools.perf.bench", args_, log)
+            children.append(grpc_echo)
+            wait_line(grpc_echo, log, "grpc echo ready: ", args.ready_timeout)
+            stack.grpc_echo = log.read_text().split("grpc echo ready: ")[1].split()[0]
+            pids["grpc-echo"] = grpc_echo.proc.pid
     except BaseException:
         stack.stop()
         raise

@@ -35,8 +35,8 @@ async def run_level(
     grpc_clients: dict[str, Any],
 ) -> Level:
     """N concurrent sessions over one path, with a progress line every --progress-every s.
-    `grpc_clients`: the client of each gRPC path measured (grpc-realtime, grpc-direct), by
-    path; each has `session(delay_s, units, pcms, samples)`."""
+    `grpc_clients`: the client of each gRPC path measured (grpc-realtime, grpc-echo,
+    grpc-direct), by path; each has `session(delay_s, units, pcms, samples)`."""
     units = unit_script(args.seconds)
     samples = Samples()
     # Session i opens at i * ramp / N s; its units follow once a second from then on, so
@@ -58,8 +58,8 @@ async def run_level(
         watched = [
             n for n in stack.pids if n != "echo" and (not args.url or n == "client" or is_edge(n))
         ]
-    elif path == "ws-echo":
-        watched = ["echo", "client"]
+    elif path in ("ws-echo", "grpc-echo"):
+        watched = ["echo" if path == "ws-echo" else path, "client"]
     else:
         watched = [n for n in stack.pids if n.startswith(("worker", "scheduler")) or n == "client"]
     watch = ProcessWatch({n: stack.pids[n] for n in watched})

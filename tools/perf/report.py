@@ -90,6 +90,7 @@ def summarize(
             for lv in edge_us
         }
     return {
+        "split": split(by),
         "config": {
             k: (str(v) if isinstance(v, Path) else v)
             for k, v in vars(args).items()
@@ -101,6 +102,33 @@ def summarize(
         "max_search": max_search,
         "targets": targets,
     }
+
+
+def split(by: dict[tuple[str, int], Level]) -> list[dict[str, Any]]:
+    """Where the fabric's added p50 goes, per session count with every path measured:
+    differences of p50s of the same run (percentiles do not add up exactly).
+    - added: fabric - ws-echo (the WebSocket exchange both make);
+    - gRPC exchange: grpc-echo (one gRPC round trip of the PCM, nothing else);
+    - worker: grpc-direct - grpc-echo (the worker's session machinery);
+    - edge: fabric - ws-echo - grpc-direct (the edge's own work: translation, checks,
+      session logic, one process more on the way)."""
+    rows = []
+    for (path, n), fabric in sorted(by.items(), key=lambda kv: kv[0][1]):
+        levels = [by.get((p, n)) for p in ("ws-echo", "grpc-echo", "grpc-direct")]
+        if path != "fabric" or any(lv is None for lv in levels):
+            continue
+        ws, echo, direct = (lv.overhead_ms["p50"] for lv in levels if lv is not None)
+        f = fabric.overhead_ms["p50"]
+        rows.append(
+            {
+                "sessions": n,
+                "added_ms": _added(f, ws),
+                "grpc_exchange_ms": echo,
+                "worker_ms": _added(direct, echo),
+                "edge_ms": _added(f - ws, direct),
+            }
+        )
+    return rows
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -153,6 +181,23 @@ def markdown(result: dict[str, Any]) -> str:
             f"{fmt(row.get('p99_vs_ws-echo'))} | {fmt(row.get('p50_vs_grpc-direct'))} | "
             f"{fmt(row.get('p99_vs_grpc-direct'))} | {added(row)} |"
         )
+    if result.get("split"):
+        lines += [
+            "",
+            "| sessions | fabric added p50 (- ws-echo) | one gRPC exchange (grpc-echo) | worker "
+            "(grpc-direct - grpc-echo) | edge (fabric - ws-echo - grpc-direct) |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+
+        def signed(x: float | None) -> str:
+            return "-" if x is None else f"{x:+.2f} ms"
+
+        for row in result["split"]:
+            lines.append(
+                f"| {row['sessions']} | {signed(row['added_ms'])} | "
+                f"{signed(row['grpc_exchange_ms'])} | {signed(row['worker_ms'])} | "
+                f"{signed(row['edge_ms'])} |"
+            )
     lines += [
         "",
         "| sessions | path | process | CPU cores | CPU s | RSS peak MiB |",
@@ -203,6 +248,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         "fabric": "tab:red",
         "grpc-realtime": "tab:orange",
         "ws-echo": "tab:blue",
+        "grpc-echo": "tab:purple",
         "grpc-direct": "tab:green",
     }
     styles = {"p50": ":", "p95": "--", "p99": "-"}
