@@ -7,7 +7,8 @@ The commands:
 bench's rooms:
 - units: the units every path sends, and their pacing;
 - ledger: per-unit figures (Samples, UnitLedger) and what a level measured (Level);
-- fabric: the fabric path (the public WebSocket protocol through the edge);
+- fabric: the paths through the edge (fabric: the public WebSocket protocol;
+  grpc-realtime: the edge's RealtimeService);
 - baselines: the ws-echo, grpc-echo and grpc-direct paths;
 - bench_stack: the processes a bench run starts and stops;
 - levels: running one level of one path (progress, processes, steal retries, py-spy);

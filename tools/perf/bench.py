@@ -1,4 +1,4 @@
-"""`omnifabric bench`: fabric overhead per unit against two baselines measured in the same run.
+"""`omnifabric bench`: fabric overhead per unit against baselines measured in the same run.
 
 For each session count N (`--sessions 1,10,50,100`), N concurrent real-time audio sessions
 send one 1 s unit per second for S seconds over five paths on this machine:
@@ -14,13 +14,14 @@ send one 1 s unit per second for S seconds over five paths on this machine:
   worker with the same PCM (no edge, no JSON; the scheduler is not on the unit path).
 
 Overhead per unit = client send to client receive minus the engine's reported compute
-(prefill + generate; zero for the echo). Reported per path and count: p50/p95/p99/max,
+(prefill + generate; zero for the echoes). Reported per path and count: p50/p95/p99/max,
 lost units (no result and no counted drop; also sessions without a close), dropped units,
 queue waits, CPU and peak RSS of every process, the edge's CPU microseconds per unit, and
-the ratios fabric / baseline. `--find-max` then searches the largest count whose fabric
-p99 stays within `--max-p99-ms` with nothing lost. Output: bench.json, bench.md and
-bench.png (overhead percentiles against session count) in `--out`; progress lines while
-it runs.
+the ratios and the milliseconds added to the baselines (fabric, grpc-realtime), and the
+split of the fabric's added p50 (gRPC round trip, worker, edge). `--find-max` then
+searches the largest count whose fabric p99 stays within `--max-p99-ms` with nothing lost.
+Output: bench.json, bench.md and bench.png (overhead percentiles against session count) in
+`--out`; progress lines while it runs.
 """
 
 from __future__ import annotations
