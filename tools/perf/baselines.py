@@ -44,34 +44,28 @@ async def echo_session(
     """One session of the same frames against the echo server (order preserved: FIFO)."""
     from websockets.asyncio.client import connect
 
-    pending: list[float] = []
-    answered = 0
+    fifo = EchoFifo(s)
     await asyncio.sleep(delay_s)
     try:
         async with connect(url, compression=None, max_size=None, open_timeout=60) as ws:
 
             async def receive() -> None:
-                nonlocal answered
                 async for _ in ws:
-                    now = time.monotonic()
-                    s.answer(pending[answered], (now - pending[answered]) * 1000.0, 0.0)
-                    answered += 1
+                    fifo.answer()
 
             receiver = asyncio.create_task(receive())
 
             async def send(k: int) -> bool:
-                pending.append(time.monotonic())
-                s.sent += 1
+                fifo.send()
                 await ws.send(frames[k])
                 return True
 
             await paced(len(units), send)
-            await settle(lambda: answered >= len(pending), asyncio.Event(), 5.0)
+            await settle(fifo.settled, asyncio.Event(), 5.0)
             receiver.cancel()
     except Exception as exc:
-        s.errors.append(f"{type(exc).__name__}: {exc}"[:120])
-        s.lost_sessions += 1
-    s.lost += len(pending) - answered
+        fifo.failed(exc)
+    fifo.tally()
 
 
 #: The grpc-echo server's one method: a bidirectional stream of raw bytes.
@@ -111,54 +105,90 @@ def grpc_echo_server_main(host: str) -> int:
     return 0
 
 
-class GrpcEcho:
-    """Sessions against the grpc-echo server: each unit's PCM as one message, answered in
-    order. One connection per session, as each session of the other paths has its own."""
+class OwnConnections:
+    """A gRPC path whose sessions each dial their own connection, as each WebSocket session
+    has one (a shared channel would put every stream on one HTTP/2 connection, and on one
+    process of an `--edge-processes N` edge)."""
 
     def __init__(self, address: str) -> None:
         self.address = address
 
+    def channel(self) -> Any:
+        """A new channel with a connection of its own (not gRPC's shared subchannels)."""
+        import grpc
+
+        from omnifabric.edge.fabric import channel_options
+
+        options = [*channel_options(16 * 2**20), ("grpc.use_local_subchannel_pool", 1)]
+        return grpc.aio.insecure_channel(self.address, options=options)
+
     async def close(self) -> None:
         """Nothing is held between sessions."""
+
+
+class EchoFifo:
+    """An echo session's units: each answer is the oldest unit not yet answered (an echo
+    keeps the order)."""
+
+    def __init__(self, samples: Samples) -> None:
+        self.samples = samples
+        self.pending: list[float] = []
+        self.answered = 0
+
+    def send(self) -> None:
+        self.pending.append(time.monotonic())
+        self.samples.sent += 1
+
+    def answer(self) -> None:
+        sent_at = self.pending[self.answered]
+        self.samples.answer(sent_at, (time.monotonic() - sent_at) * 1000.0, 0.0)
+        self.answered += 1
+
+    def settled(self) -> bool:
+        return self.answered >= len(self.pending)
+
+    def failed(self, exc: BaseException) -> None:
+        """The session broke: counted lost, the reason among the level's errors."""
+        self.samples.errors.append(f"{type(exc).__name__}: {exc}"[:120])
+        self.samples.lost_sessions += 1
+
+    def tally(self) -> None:
+        self.samples.lost += len(self.pending) - self.answered
+
+
+class GrpcEcho(OwnConnections):
+    """Sessions against the grpc-echo server: each unit's PCM as one message, answered in
+    order, one connection per session."""
 
     async def session(
         self, delay_s: float, units: list[np.ndarray], pcms: list[bytes], s: Samples
     ) -> None:
         import grpc
 
-        from omnifabric.edge.fabric import channel_options
-
-        pending: list[float] = []
-        answered = 0
+        fifo = EchoFifo(s)
         await asyncio.sleep(delay_s)
-        options = [*channel_options(16 * 2**20), ("grpc.use_local_subchannel_pool", 1)]
         try:
-            async with grpc.aio.insecure_channel(self.address, options=options) as channel:
+            async with self.channel() as channel:
                 call = channel.stream_stream(GRPC_ECHO_METHOD)()
 
                 async def receive() -> None:
-                    nonlocal answered
                     while (await call.read()) is not grpc.aio.EOF:
-                        now = time.monotonic()
-                        s.answer(pending[answered], (now - pending[answered]) * 1000.0, 0.0)
-                        answered += 1
+                        fifo.answer()
 
                 receiver = asyncio.create_task(receive())
 
                 async def send(k: int) -> bool:
-                    pending.append(time.monotonic())
-                    s.sent += 1
+                    fifo.send()
                     await call.write(pcms[k])
                     return True
 
                 await paced(len(units), send)
-                await settle(lambda: answered >= len(pending), asyncio.Event(), 5.0)
+                await settle(fifo.settled, asyncio.Event(), 5.0)
                 await call.done_writing()
                 await asyncio.wait_for(receiver, 15)
         except Exception as exc:
-            s.errors.append(f"{type(exc).__name__}: {exc}"[:120])
-            s.lost_sessions += 1
-        s.lost += len(pending) - answered
+            fifo.failed(exc)
+        fifo.tally()
 
 
 class GrpcDirect:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from websockets.typing import Subprotocol
 
+from omnifabric.tools.perf.baselines import OwnConnections
 from omnifabric.tools.perf.ledger import Samples, UnitLedger
 from omnifabric.tools.perf.units import paced, settle
 
@@ -100,17 +101,10 @@ async def fabric_session(
     units_by_seq.tally(closed_cleanly=reason == ["user_stop"])
 
 
-class GrpcRealtime:
+class GrpcRealtime(OwnConnections):
     """The edge's RealtimeService (what an internal client that skips JSON gets): the same
-    session as the fabric path in protobuf over gRPC, through edge, scheduler and worker.
-    Each session dials its own connection, as each WebSocket session has one (a shared
-    channel would put every stream on one HTTP/2 connection, and on one edge process)."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-
-    async def close(self) -> None:
-        """Nothing is held between sessions."""
+    session as the fabric path in protobuf over gRPC, through edge, scheduler and worker,
+    one connection per session."""
 
     async def session(
         self, delay_s: float, units: list[np.ndarray], pcms: list[bytes], s: Samples
@@ -118,7 +112,6 @@ class GrpcRealtime:
         """One session over RealtimeService.Connect, opened after `delay_s`; figures into `s`."""
         import grpc
 
-        from omnifabric.edge.fabric import channel_options
         from omnifabric.omni.realtime.v1 import common_pb2
         from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
         from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
@@ -127,10 +120,9 @@ class GrpcRealtime:
         closed = asyncio.Event()
         reasons: list[int] = []
         await asyncio.sleep(delay_s)  # opens spread over --ramp-s
-        options = [*channel_options(16 * 2**20), ("grpc.use_local_subchannel_pool", 1)]
         t0 = time.monotonic()
         try:
-            async with grpc.aio.insecure_channel(self.address, options=options) as channel:
+            async with self.channel() as channel:
                 call = rt_grpc.RealtimeServiceStub(channel).Connect()
                 await call.write(
                     rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO))
