@@ -53,6 +53,7 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
         fabric["overhead_ms"]["p50"], abs=5.0
     )
     assert {"edge", "scheduler", "worker0", "client"} <= set(fabric["processes"])
+    assert not {"echo", "grpc-echo"} & set(fabric["processes"])  # each echo is its own path's
     assert set(levels[("ws-echo", 3)]["processes"]) == {"echo", "client"}
     assert set(levels[("grpc-echo", 3)]["processes"]) == {"grpc-echo", "client"}
     assert levels[("grpc-echo", 3)]["engine_ms"]["p50"] == 0
@@ -63,6 +64,7 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     # taken out as on the WebSocket.
     realtime = levels[("grpc-realtime", 3)]
     assert {"edge", "scheduler", "worker0", "client"} <= set(realtime["processes"])
+    assert not {"echo", "grpc-echo"} & set(realtime["processes"])
     assert realtime["edge_cpu_us_per_unit"] > 0 and realtime["engine_ms"]["p50"] >= 19.0
     assert 0 <= realtime["in_worker_ms"]["p50"] <= realtime["overhead_ms"]["p50"]
     ratios = {(row["sessions"], row["path"]): row for row in doc["ratios"]}

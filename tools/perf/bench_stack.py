@@ -15,6 +15,9 @@ from typing import Any
 from omnifabric.tools.perf.ledger import THROUGH_EDGE
 from omnifabric.tools.perf.metrics import http_address, metric, scrape_metrics
 
+#: The echo servers' process names (ws-echo, grpc-echo): no path but their own watches them.
+ECHOES = ("echo", "grpc-echo")
+
 
 @dataclass
 class BenchStack:
@@ -33,7 +36,7 @@ class BenchStack:
     def stop(self) -> None:
         from omnifabric.common.children import stop
 
-        for kind in ("echo", "grpc-echo", "edge", "worker", "scheduler"):
+        for kind in (*ECHOES, "edge", "worker", "scheduler"):
             group = [c for c in self.children if c.name.rstrip("0123456789") == kind]
             stop(group, 2.0, who="omnifabric bench")
 
@@ -51,6 +54,17 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> Be
         pids["edge"] = args.edge_pid
     stack = BenchStack(children, args.url or "", "", "", pids, args.grpc or "")
     own_fabric = any(p in THROUGH_EDGE for p in paths) and not args.url
+
+    def start_echo(name: str, flag: str, ready: str) -> str:
+        """An echo server of the bench's own (`bench FLAG HOST`); returns the address its
+        ready line names."""
+        log = log_dir / f"{name}.log"
+        echo = spawn(name, "omnifabric.tools.perf.bench", [flag, host], log)
+        children.append(echo)
+        wait_line(echo, log, ready, args.ready_timeout)
+        pids[name] = echo.proc.pid
+        return log.read_text().split(ready)[1].split()[0]
+
     try:
         if own_fabric or "grpc-direct" in paths:
             sched = spawn(
@@ -100,22 +114,9 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> Be
                 for i, pid in enumerate(child_pids(edge.proc.pid)):
                     pids[f"edge-{i + 1}"] = pid
         if "ws-echo" in paths:
-            echo = spawn(
-                "echo", "omnifabric.tools.perf.bench", ["--echo-server", host], log_dir / "echo.log"
-            )
-            children.append(echo)
-            wait_line(echo, log_dir / "echo.log", "echo ready: ", args.ready_timeout)
-            text = (log_dir / "echo.log").read_text()
-            stack.echo_url = text.split("echo ready: ")[1].split()[0]
-            pids["echo"] = echo.proc.pid
+            stack.echo_url = start_echo("echo", "--echo-server", "echo ready: ")
         if "grpc-echo" in paths:
-            log = log_dir / "grpc-echo.log"
-            args_ = ["--grpc-echo-server", host]
-            grpc_echo = spawn("grpc-echo", "omnifabric.tools.perf.bench", args_, log)
-            children.append(grpc_echo)
-            wait_line(grpc_echo, log, "grpc echo ready: ", args.ready_timeout)
-            stack.grpc_echo = log.read_text().split("grpc echo ready: ")[1].split()[0]
-            pids["grpc-echo"] = grpc_echo.proc.pid
+            stack.grpc_echo = start_echo("grpc-echo", "--grpc-echo-server", "grpc echo ready: ")
     except BaseException:
         stack.stop()
         raise

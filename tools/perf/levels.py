@@ -15,7 +15,7 @@ from typing import Any
 from omnifabric.tools.client import percentile
 from omnifabric.tools.perf import console
 from omnifabric.tools.perf.baselines import echo_session
-from omnifabric.tools.perf.bench_stack import BenchStack, edge_idle
+from omnifabric.tools.perf.bench_stack import ECHOES, BenchStack, edge_idle
 from omnifabric.tools.perf.fabric import fabric_session
 from omnifabric.tools.perf.ledger import THROUGH_EDGE, Level, Samples, stats
 from omnifabric.tools.perf.procs import ProcessWatch, proc_sample
@@ -56,7 +56,9 @@ async def run_level(
     if path in THROUGH_EDGE:
         # A fabric of its own: every service; a --url fabric: the client (and --edge-pid).
         watched = [
-            n for n in stack.pids if n != "echo" and (not args.url or n == "client" or is_edge(n))
+            n
+            for n in stack.pids
+            if n not in ECHOES and (not args.url or n == "client" or is_edge(n))
         ]
     elif path in ("ws-echo", "grpc-echo"):
         watched = ["echo" if path == "ws-echo" else path, "client"]
