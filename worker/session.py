@@ -157,13 +157,11 @@ class SessionLimits:
 
 class Mailbox:
     """The next unit: one slot where a unit that arrives while one waits replaces it (the
-    newest wins); with `join`, every waiting unit is kept instead (for the re-chunker, or a
-    half-duplex turn), the oldest dropped beyond `limit` when one is set."""
+    newest wins); with `join`, every waiting unit is kept for the re-chunker instead."""
 
     def __init__(self) -> None:
         self._units: list[UnitInput] = []
         self.join = False
-        self.limit: int | None = None
         self.dropped: list[int] = []
         """Seqs replaced since the last take_dropped()."""
         self.dropped_total = 0
@@ -171,8 +169,6 @@ class Mailbox:
     def put(self, unit: UnitInput) -> None:
         if self._units and not self.join:
             self.drop(self._units.pop().seq)
-        elif self.limit is not None and len(self._units) >= self.limit:
-            self.drop(self._units.pop(0).seq)
         self._units.append(unit)
 
     def drop(self, seq: int) -> None:
@@ -196,11 +192,6 @@ class Mailbox:
 #: Results whose speech the session keeps for a resumed stream's replay (the newest); older
 #: results are kept without it (~96 KB a second of speech: ~11 MB per session at most).
 JOURNAL_AUDIO_RESULTS = 120
-
-#: Half-duplex calls on engines that take client units as they come: units that may wait
-#: at once. A turn is heard whole (the reference server buffers it) instead of the newest
-#: unit winning; beyond this (~15-30 s of audio behind) the oldest is dropped (counted).
-HALF_DUPLEX_WAITING_UNITS = 30
 
 #: Re-chunked sessions: model units that may wait at once; older audio beyond them is
 #: dropped (counted) so an engine slower than real time builds no backlog.
@@ -330,10 +321,6 @@ class DuplexSession:
         sizes = self._engine_session.unit_samples()
         self._chunker = Rechunker(*sizes) if sizes else None
         self._mailbox.join = self._chunker is not None
-        if self._chunker is None and spec.settings.half_duplex:
-            # A half-duplex turn loses no audio to an engine slower than real time.
-            self._mailbox.join = True
-            self._mailbox.limit = HALF_DUPLEX_WAITING_UNITS
         return int(
             self._engine_session.prepare(
                 spec.system_prompt, spec.ref_audio, spec.tts_ref_audio, spec.settings
@@ -341,8 +328,7 @@ class DuplexSession:
         )
 
     def submit(self, unit: UnitInput) -> None:
-        """Hand a unit to the loop; a unit still waiting is replaced (newest wins), except
-        in a re-chunked session or a half-duplex call (see Mailbox.join)."""
+        """Hand a unit to the loop; a unit still waiting is replaced (newest wins)."""
         if self._close_request is not None or self.ended is not None:
             return
         self.last_unit_seq = max(self.last_unit_seq, unit.seq)

@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from omnifabric.worker.engine import DuplexSettings
 from omnifabric.worker.engines.synthetic import SyntheticEngine
 from omnifabric.worker.errors import LeaseInUse, LeaseNotFound, ModeMismatch
 from omnifabric.worker.leases import LeaseBook, LeaseGrant
@@ -40,46 +39,6 @@ def test_mailbox_newest_wins():
     for seq in (5, 6):
         box.put(UnitInput(seq=seq, pcm=SILENCE))
     assert [u.seq for u in box.take_all()] == [5, 6] and box.take_dropped() == []
-    box.limit = 2  # a half-duplex turn: every unit kept, the oldest dropped past the limit
-    for seq in (7, 8, 9):
-        box.put(UnitInput(seq=seq, pcm=SILENCE))
-    assert [u.seq for u in box.take_all()] == [8, 9] and box.take_dropped() == [7]
-
-
-@pytest.mark.parametrize("half_duplex", [False, True])
-async def test_a_half_duplex_turn_loses_no_unit_to_a_slow_engine(half_duplex):
-    """Units arriving faster than the engine serves them: a duplex session keeps the newest
-    (real time first), a half-duplex call hears every one of them, in order."""
-    executor = ThreadPoolExecutor(2)
-    session = DuplexSession(
-        SessionSpec(
-            session_id="s",
-            lease_id="l",
-            mode="audio",
-            settings=DuplexSettings(half_duplex=half_duplex),
-        ),
-        SyntheticEngine(compute_ms=60),
-        executor,
-        SessionLimits(60, 8192),
-    )
-    await session.open()
-    runner = asyncio.ensure_future(session.run())
-    for seq in range(1, 6):  # every 10 ms, each unit taking 60 ms to serve
-        session.submit(UnitInput(seq=seq, pcm=SILENCE))
-        await asyncio.sleep(0.01)
-    served: list[int] = []
-    async for event in session.events():
-        if isinstance(event, SessionEnd):
-            break
-        served.append(event.seq)
-        if event.seq == 5:
-            session.close(CloseReason.USER_STOP)
-    end = await asyncio.wait_for(runner, scaled(5))
-    executor.shutdown()
-    if half_duplex:
-        assert served == [1, 2, 3, 4, 5] and end.units_dropped == 0
-    else:
-        assert served[0] == 1 and served[-1] == 5 and end.units_dropped == 5 - len(served) > 0
 
 
 async def test_lease_book_claims():
