@@ -108,7 +108,8 @@ class UnitOutput:
     """Cumulative snapshot after this unit."""
     dropped_seqs: list[int]
     buffered: bool = False
-    """The unit's audio waits for the next model unit (re-chunking): no model step ran."""
+    """The unit's audio waits for the next model unit (re-chunking) or was heard with a
+    later unit (a half-duplex join): no model step ran for it."""
     audio_dropped: bool = False
     """Kept for a replay without its speech (beyond JOURNAL_AUDIO_RESULTS)."""
 
@@ -157,7 +158,8 @@ class SessionLimits:
 
 class Mailbox:
     """The next unit: one slot where a unit that arrives while one waits replaces it (the
-    newest wins); with `join`, every waiting unit is kept for the re-chunker instead."""
+    newest wins); with `join`, every waiting unit is kept instead (for the re-chunker, or
+    to be heard as one unit in a half-duplex call)."""
 
     def __init__(self) -> None:
         self._units: list[UnitInput] = []
@@ -196,6 +198,12 @@ JOURNAL_AUDIO_RESULTS = 120
 #: Re-chunked sessions: model units that may wait at once; older audio beyond them is
 #: dropped (counted) so an engine slower than real time builds no backlog.
 MAX_WAITING_MODEL_UNITS = 4
+
+#: Half-duplex calls on engines that take client units as they come: the units that
+#: arrived while the engine was busy are heard as one unit (a turn is heard whole, as the
+#: reference server buffers it), of this much audio at most (16 kHz samples, 30 s); older
+#: units beyond it are dropped (counted).
+HALF_DUPLEX_JOIN_SAMPLES = 30 * 16000
 
 
 class DuplexSession:
@@ -251,6 +259,8 @@ class DuplexSession:
         self._engine_session: EngineSession | None = None
         self._chunker: Rechunker | None = None
         """Set when the engine needs exact unit lengths: client units are re-chunked."""
+        self._joins = False
+        """A half-duplex call without a chunker: units that waited are heard as one."""
         self._deadline = 0.0
         self._loop = asyncio.get_running_loop()
 
@@ -320,7 +330,8 @@ class DuplexSession:
         self._engine_session = self.engine.open_session(spec.session_id, spec.mode)
         sizes = self._engine_session.unit_samples()
         self._chunker = Rechunker(*sizes) if sizes else None
-        self._mailbox.join = self._chunker is not None
+        self._joins = self._chunker is None and spec.settings.half_duplex is True
+        self._mailbox.join = self._chunker is not None or self._joins
         return int(
             self._engine_session.prepare(
                 spec.system_prompt, spec.ref_audio, spec.tts_ref_audio, spec.settings
@@ -328,7 +339,8 @@ class DuplexSession:
         )
 
     def submit(self, unit: UnitInput) -> None:
-        """Hand a unit to the loop; a unit still waiting is replaced (newest wins)."""
+        """Hand a unit to the loop; a unit still waiting is replaced (newest wins), except
+        in a re-chunked session or a half-duplex call (see Mailbox.join)."""
         if self._close_request is not None or self.ended is not None:
             return
         self.last_unit_seq = max(self.last_unit_seq, unit.seq)
@@ -476,7 +488,7 @@ class DuplexSession:
         re-chunked (client units that complete none are answered as buffered; beyond
         MAX_WAITING_MODEL_UNITS the oldest audio is dropped and its units reported)."""
         if self._chunker is None:
-            return units
+            return self._joined(units) if self._joins and len(units) > 1 else units
         pieces: list[UnitInput] = []
         for unit in units:
             made = self._chunker.push(unit)
@@ -496,6 +508,39 @@ class DuplexSession:
                 excess,
             )
         return pieces
+
+    def _joined(self, units: list[UnitInput]) -> list[UnitInput]:
+        """A half-duplex call's units that waited while the engine was busy, as one unit
+        under the newest's seq: the others are answered as buffered, and those beyond
+        HALF_DUPLEX_JOIN_SAMPLES (the oldest) as dropped. An engine slower than real time
+        then hears the whole question instead of its newest half-second."""
+        kept: list[UnitInput] = []
+        samples = 0
+        for unit in reversed(units):
+            samples += len(unit.pcm)
+            if kept and samples > HALF_DUPLEX_JOIN_SAMPLES:
+                break
+            kept.append(unit)
+        kept.reverse()
+        for unit in units[: len(units) - len(kept)]:
+            self._mailbox.drop(unit.seq)
+        if len(kept) < len(units):
+            log.warning(
+                "session %s: %d units waited: the oldest %d dropped",
+                self.session_id,
+                len(units),
+                len(units) - len(kept),
+            )
+        for unit in kept[:-1]:
+            self._buffered(unit)
+        newest = kept[-1]
+        joined = replace(
+            newest,
+            pcm=np.concatenate([u.pcm for u in kept]),
+            frames=[f for u in kept for f in u.frames],
+            force_listen=any(u.force_listen for u in kept),
+        )
+        return [joined]
 
     def _buffered(self, unit: UnitInput) -> None:
         """Answer a unit whose audio waits for more (it filled no model unit yet)."""

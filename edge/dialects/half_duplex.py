@@ -261,8 +261,10 @@ class HalfDuplex(DuplexDialect):
 
     def _output(self, out: ev.Output) -> list[Any]:
         messages: list[Any] = []
-        heard_speech = out.seq in self._speech_seqs
-        self._speech_seqs.discard(out.seq)
+        # This unit and those the worker heard with it (a slow engine joins waiting units).
+        heard = {seq for seq in self._speech_seqs if seq <= out.seq}
+        heard_speech = bool(heard)
+        self._speech_seqs -= heard
         if out.is_listen:
             if heard_speech and not self._speaking and not self._answering:
                 self._speaking = True

@@ -8,7 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from omnifabric.worker.engines.synthetic import SyntheticEngine
+from omnifabric.worker import session as session_module
+from omnifabric.worker.engine import DuplexSettings
+from omnifabric.worker.engines.synthetic import SyntheticEngine, SyntheticSession
 from omnifabric.worker.errors import LeaseInUse, LeaseNotFound, ModeMismatch
 from omnifabric.worker.leases import LeaseBook, LeaseGrant
 from omnifabric.worker.session import (
@@ -39,6 +41,80 @@ def test_mailbox_newest_wins():
     for seq in (5, 6):
         box.put(UnitInput(seq=seq, pcm=SILENCE))
     assert [u.seq for u in box.take_all()] == [5, 6] and box.take_dropped() == []
+
+
+class HearingEngine(SyntheticEngine):
+    """The synthetic engine, keeping the audio of every unit its sessions prefill."""
+
+    def __init__(self, compute_ms: float) -> None:
+        super().__init__(compute_ms=compute_ms)
+        self.heard: list[np.ndarray] = []
+
+    def open_session(self, session_id: str, mode: str) -> SyntheticSession:
+        engine_session = super().open_session(session_id, mode)
+        prefill = engine_session.prefill
+
+        def hearing(pcm, frames, max_slice_nums):
+            self.heard.append(np.array(pcm, copy=True))
+            return prefill(pcm, frames, max_slice_nums)
+
+        engine_session.prefill = hearing  # type: ignore[method-assign]
+        return engine_session
+
+
+async def feed_a_slow_engine(half_duplex: bool, units: int = 6):
+    """`units` half-second units, one every 10 ms, to an engine taking 60 ms a unit: the
+    audio it heard (joined), the seqs answered with a model step, those answered as
+    buffered, and the session's end."""
+    engine = HearingEngine(compute_ms=60)
+    executor = ThreadPoolExecutor(2)
+    spec = SessionSpec(
+        session_id="s", lease_id="l", mode="audio", settings=DuplexSettings(half_duplex=half_duplex)
+    )
+    session = DuplexSession(spec, engine, executor, SessionLimits(60, 8192))
+    await session.open()
+    runner = asyncio.ensure_future(session.run())
+    for seq in range(1, units + 1):
+        session.submit(UnitInput(seq=seq, pcm=np.full(8000, seq / 100, np.float32)))
+        await asyncio.sleep(0.01)
+    served: list[int] = []
+    buffered: list[int] = []
+    async for event in session.events():
+        if isinstance(event, SessionEnd):
+            break
+        (buffered if event.buffered else served).append(event.seq)
+        if event.seq == units:
+            session.close(CloseReason.USER_STOP)
+    end = await asyncio.wait_for(runner, scaled(5))
+    executor.shutdown()
+    return np.concatenate(engine.heard), served, buffered, end
+
+
+async def test_a_half_duplex_turn_loses_no_audio_to_a_slow_engine():
+    """Units arriving faster than the engine serves them: a half-duplex call hears all of
+    their audio in order (those that waited joined into one unit, the others answered as
+    buffered); a duplex session keeps the newest (real time first)."""
+    sent = np.concatenate([np.full(8000, seq / 100, np.float32) for seq in range(1, 7)])
+    heard, served, buffered, end = await feed_a_slow_engine(half_duplex=True)
+    assert np.array_equal(heard, sent) and end.units_dropped == 0
+    assert sorted(served + buffered) == [1, 2, 3, 4, 5, 6] and buffered and served[-1] == 6
+    assert len(served) < 6  # fewer model steps than units: the waiting ones were joined
+
+    heard, served, buffered, end = await feed_a_slow_engine(half_duplex=False)
+    assert buffered == [] and served[0] == 1 and served[-1] == 6
+    assert end.units_dropped == 6 - len(served) > 0 and len(heard) == 8000 * len(served)
+
+
+async def test_a_half_duplex_join_keeps_the_newest_audio_within_its_cap(monkeypatch):
+    """Beyond HALF_DUPLEX_JOIN_SAMPLES of waiting audio, the oldest units are dropped
+    (counted), never a piece from the middle."""
+    monkeypatch.setattr(session_module, "HALF_DUPLEX_JOIN_SAMPLES", 16000)
+    heard, served, buffered, end = await feed_a_slow_engine(half_duplex=True)
+    assert end.units_dropped > 0 and served[-1] == 6
+    # What was heard is the sent audio with whole units left out, in order, the last one kept.
+    seqs = [round(float(v) * 100) for v in heard[::8000]]
+    assert seqs == sorted(seqs) and seqs[-1] == 6 and len(heard) == 8000 * len(seqs)
+    assert len(seqs) == 6 - end.units_dropped
 
 
 async def test_lease_book_claims():
