@@ -34,6 +34,9 @@ HOSTS = ["sched", "w1", "w2", "edge", "client"]
 SCHEDULER_PORT, SCHEDULER_METRICS_PORT = 50051, 9150
 WORKER_PORT, WORKER_METRICS_PORT = 22400, 9160
 EDGE_PORT, EDGE_GRPC_PORT = 8006, 8007
+#: The edge's resume window here (its default is 30 s): how long the cut worker keeps a
+#: session whose stream broke before it frees it.
+RESUME_WINDOW_S = 5
 
 
 class Hosts:
@@ -79,12 +82,14 @@ class Hosts:
         )  # fmt: skip
 
     def edge(self) -> Service:
-        """An edge on the edge host's address (WebSocket and gRPC ports)."""
+        """An edge on the edge host's address (WebSocket and gRPC ports); a dropped session
+        waits RESUME_WINDOW_S for its client's resume."""
         return self.start(
             "edge", "edge", "omnifabric.edge",
             "--host", self.net.address("edge"), "--port", str(EDGE_PORT),
             "--grpc-port", str(EDGE_GRPC_PORT),
             "--scheduler", f"{self.net.address('sched')}:{SCHEDULER_PORT}",
+            "--resume-window", str(RESUME_WINDOW_S),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -283,7 +288,10 @@ async def test_sessions_across_hosts_survive_a_cut_link_and_a_scheduler_restart(
         await served_unit(e)
         assert sessions_on(workers[cut]) >= 1
 
-        # The session the cut worker held for a it frees once the edge's reset reaches it.
+        # The session the cut worker held for a: its stream broke (the edge's reset once the
+        # link is back, or the worker's keepalive during the cut), so it waited for a resume
+        # (the edge's resume window; a's client was told `error` and asks for none), then
+        # the worker freed it.
         async def stale_freed() -> bool:
             return sessions_on(workers[cut]) == 1
 
