@@ -5,7 +5,9 @@ deep nesting, bad base64, broken WAV and JPEG payloads).
 
 Only the documented errors may come out: InvalidJson (close 1003) and the client
 EdgeErrors (an `error` event, session usable). Valid JSON is never "not JSON".
-10k examples per property, derandomized and without a database, so CI is stable.
+OMNI_FUZZ_EXAMPLES examples per property (tests.fuzz.EXAMPLES: 2000 in the default suite,
+10,000 in `omnifabric soak --rows FUZZ`), derandomized and without a database, so CI is
+stable.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from hypothesis import strategies as st
 from omnifabric.edge import fields
 from omnifabric.edge.dialects import realtime
 from omnifabric.edge.errors import EdgeError
+from tests.fuzz import EXAMPLES
 
 FUZZ = settings(
-    max_examples=10_000,
+    max_examples=EXAMPLES,
     deadline=None,
     derandomize=True,
     database=None,

@@ -12,7 +12,6 @@ OMNI_FUZZ_EXAMPLES sets the number of examples (`omnifabric soak --rows FUZZ` ru
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -33,9 +32,9 @@ from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 from tests.conftest import scaled
+from tests.fuzz import EXAMPLES
 from tests.stack import Stack
 
-EXAMPLES = int(os.environ.get("OMNI_FUZZ_EXAMPLES", "2000"))
 #: What a servicer may answer (README, gRPC status codes); INTERNAL/UNKNOWN are bugs.
 DOCUMENTED = {
     grpc.StatusCode.OK,
