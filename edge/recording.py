@@ -454,9 +454,11 @@ class SessionRecorder:
         (`user_audio/<turn>.wav`); the speaking units up to the end of the turn are the
         reply (`ai_audio/turn_<turn>.wav`)."""
         assert self.folder is not None
+        # Earlier units without a result of their own: dropped by the worker, or heard with
+        # this one (a half-duplex call joins the units that waited for a slow engine).
+        for seq in sorted(s for s in self._inputs if s < out.seq):
+            self._heard.append(self._inputs.pop(seq))
         heard = self._inputs.pop(out.seq, b"")
-        for seq in out.dropped_seqs:
-            self._heard.append(self._inputs.pop(seq, b""))
         received_ms = self._received_ms.pop(out.seq, 0.0)
         if out.is_listen and self._reply is None:
             self._heard.append(heard)

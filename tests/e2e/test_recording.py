@@ -269,3 +269,24 @@ def test_recording_failure_disables_the_recorder(tmp_path):
     rec.append(ev.AppendCommand(pcm=b"\0" * 64000), ev.Dialect.CURRENT)
     rec.outbound({"type": "session.closed"})
     rec.finish()
+
+
+def test_a_half_duplex_turn_records_the_units_heard_together(tmp_path):
+    """A slow engine hears a call's waiting chunks as one unit (the others get no result of
+    their own): the turn's user audio still holds all of them."""
+    import json
+
+    from omnifabric.edge import events as ev
+    from omnifabric.edge.recording import SessionRecorder
+
+    rec = SessionRecorder(tmp_path, "hdx_1", "audio", "/ws/half_duplex/hdx_1")
+    rec.start(ev.InitCommand(dialect=ev.Dialect.CURRENT))
+    for _ in range(3):  # three half-second chunks
+        rec.append(ev.AppendCommand(pcm=b"\0" * 32000), ev.Dialect.CURRENT)
+    usage = ev.Usage()
+    rec.output(ev.Output(3, False, "Paris.", b"\0" * 9600, True, 10, {}, usage))
+    rec.finish()
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    turns = json.loads((folder / "recording.json").read_text())["turns"]
+    assert [t["input"]["duration_ms"] for t in turns] == [1500]
+    assert turns[0]["output"]["text"] == "Paris."

@@ -597,3 +597,21 @@ def test_half_duplex_answers_stop_at_256_tokens_unless_asked():
     assert d.after_output(_out(seq=1)) == [ev.AppendCommand(pcm=SILENCE)]
     d.encode(_out(seq=2, n_tokens=1))
     assert d.after_output(_out(seq=2)) == [ev.AppendCommand(pcm=SILENCE, force_listen=True)]
+
+
+def test_half_duplex_speech_in_chunks_heard_together_sets_vad_state():
+    """A slow engine hears waiting chunks as one unit, answering the others as buffered (no
+    event): speech in any of them still turns vad_state on with the unit's result."""
+    from omnifabric.edge.dialects.half_duplex import HalfDuplex
+
+    d = HalfDuplex("hd_1")
+    d.decode(_frame({"type": "prepare"}))
+    loud = ev.AppendCommand(pcm=np.full(8000, 0.1, "<f4").tobytes())
+    quiet = ev.AppendCommand(pcm=np.zeros(8000, "<f4").tobytes())
+    d.appended(1, loud)
+    d.appended(2, quiet)  # 1 and 2 were heard with 2: only 2's result comes
+    assert d.encode(_out(seq=2, is_listen=True, text="", pcm=b"")) == [
+        {"type": "vad_state", "speaking": True}
+    ]
+    d.appended(3, quiet)
+    assert d.encode(_out(seq=3, is_listen=True, text="", pcm=b"")) == []
