@@ -159,7 +159,7 @@ class SessionCore:
         start_timeout_s: float = 30.0,
         close_timeout_s: float = 5.0,
         session_id: str | None = None,
-        unit_timeout_s: float = 3.0,
+        unit_timeout_s: float = 6.0,
         metrics: EdgeMetrics = METRICS,
         resume_window_s: float = 0.0,
         owner: str = "",

@@ -96,3 +96,14 @@ def test_every_service_declares_its_settings(cls):
     assert all(spec.env.startswith("OMNI_") for spec in declared.values())
     flags = [flag for spec in declared.values() for flag in spec.flags]
     assert len(flags) == len(set(flags)), "a flag used twice"
+
+
+def test_the_watches_on_a_slow_unit_are_ordered():
+    """A unit that takes long is judged first by its worker (the engine timeout ends the
+    session with inference_error), a silent worker process by the scheduler (its leases
+    end); the edge's unit watchdog comes last, so it never closes a session of a healthy
+    worker whose engine is slow but within the worker's limit."""
+    edge = EdgeConfig.from_env({}).unit_timeout_s
+    worker = WorkerConfig.from_env({}).unit_timeout_s
+    scheduler = SchedulerConfig.from_env({}).worker_timeout_s
+    assert scheduler < worker < edge

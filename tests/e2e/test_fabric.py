@@ -303,9 +303,10 @@ async def test_edge_sigterm_closes_sessions_with_server_shutdown(stack):
 
 
 async def test_hung_worker_detected_within_5s(stack):
-    """F2: SIGSTOP a worker mid-session: its client is closed with error within 5 s (edge
-    unit watchdog), the scheduler drops the worker (server keepalive) and the next client
-    is served by the other worker."""
+    """F2: SIGSTOP a worker mid-session: the scheduler drops the worker (it stops
+    reporting) and its client is closed with error within 5 s (the lease ends; the edge's
+    unit watchdog would only come at 6 s), and the next client is served by the other
+    worker."""
     stack.start_scheduler()
     victim = stack.start_worker("--slots", "1", "--compute-ms", "5", name="hung")
     stack.start_worker("--slots", "1", "--compute-ms", "5", name="healthy")
