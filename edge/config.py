@@ -278,7 +278,9 @@ class EdgeConfig:
     """A unit with no result (nor a counted drop) after this long means the worker is hung:
     the session closes with error. It is the last of three watches and must exceed the
     worker's own engine timeout (OMNI_WORKER_UNIT_TIMEOUT_S, 5 s): a slow engine call is
-    the worker's to judge (inference_error); a hung worker process is dropped by the
+    the worker's to judge (inference_error). The worker states its timeout when a session
+    starts, and that session's watch waits at least that plus 1 s whatever is set here
+    (edge/session.py WORKER_TIMEOUT_MARGIN_S). A hung worker process is dropped by the
     scheduler within 3-4 s (its leases end, which closes the session: RELIABILITY.md F2,
     within 5 s). At 3 s the edge closed sessions of a CPU engine whose turn-taking unit
     took 3 s on a loaded host while its worker was healthy."""

@@ -62,6 +62,11 @@ _REASONS = {
 }
 
 
+#: The unit watchdog waits at least this long past the worker's own engine timeout (its
+#: SessionStarted.unit_timeout_ms): a slow unit of a healthy worker is the worker's to end.
+WORKER_TIMEOUT_MARGIN_S = 1.0
+
+
 def digest(value: str) -> str:
     """sha256 hex: what the fabric gets of a resume token and of its owner's identity."""
     return hashlib.sha256(value.encode()).hexdigest()
@@ -372,6 +377,7 @@ class SessionCore:
         started = response.started
         if started.max_unit_samples:  # what this worker serves (older workers send none)
             self.unit_samples = (started.min_unit_samples, started.max_unit_samples)
+        self._outwait_worker(started.unit_timeout_ms)
         created = ev.Created(
             self.session_id,
             started.prompt_length,
@@ -435,6 +441,7 @@ class SessionCore:
         self.started = True  # input is taken from here (before: not_ready)
         if resumed.max_unit_samples:
             self.unit_samples = (resumed.min_unit_samples, resumed.max_unit_samples)
+        self._outwait_worker(resumed.unit_timeout_ms)
         if outputs:
             self._usage = outputs[-1].usage
         reattached = ev.Reattached(
@@ -458,6 +465,13 @@ class SessionCore:
         self._tasks.append(asyncio.create_task(self._pump(worker_call)))
         self._tasks.append(asyncio.create_task(self._watchdog()))
         return reattached
+
+    def _outwait_worker(self, unit_timeout_ms: int) -> None:
+        """Let the unit watchdog wait past the leased worker's own engine timeout (0: the
+        worker sets none, or is older and does not say)."""
+        if unit_timeout_ms:
+            worker_s = unit_timeout_ms / 1000 + WORKER_TIMEOUT_MARGIN_S
+            self._unit_timeout_s = max(self._unit_timeout_s, worker_s)
 
     async def _watchdog(self) -> None:
         """A worker that stops answering (hung process, stuck GPU) ends the session: the

@@ -293,6 +293,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
         replay = session.journal_length if kind == "resume" else 0
         reader = asyncio.ensure_future(self._read(requests, session, attachment))
         limits = self.runtime.engine.limits
+        unit_timeout_ms = round((session.limits.unit_timeout_s or 0) * 1000)
         try:
             if kind == "resume":
                 log.info("session %s resumed: %d results to replay", session.session_id, replay)
@@ -307,6 +308,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                         client_state=session.spec.client_state,
                         last_unit_seq=session.last_unit_seq,
                         replay_count=replay,
+                        unit_timeout_ms=unit_timeout_ms,
                     )
                 )
             else:
@@ -318,6 +320,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                         min_unit_samples=limits.min_unit_samples,
                         max_unit_samples=limits.max_unit_samples,
                         notes=list(session.notes),
+                        unit_timeout_ms=unit_timeout_ms,
                     )
                 )
             index = 0

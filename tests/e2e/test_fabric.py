@@ -369,6 +369,31 @@ async def test_hung_worker_detected_within_5s(stack):
         victim.kill(signal.SIGKILL)
 
 
+async def test_a_slow_unit_is_judged_by_its_worker_not_the_edge(stack, monkeypatch):
+    """The edge's unit watchdog never ends a session before the worker's own engine
+    timeout could: the worker says its timeout in SessionStarted, and the edge waits past
+    it. Here units take 1.5 s on a worker that allows 3 s, behind an edge told to give up
+    after 0.5 s: every unit is answered and the session stays open."""
+    monkeypatch.setenv("OMNI_EDGE_UNIT_TIMEOUT_S", "0.5")
+    stack.start_scheduler()
+    stack.start_worker("--slots", "1", "--compute-ms", "1500", "--unit-timeout", "3")
+    stack.start_edge()
+    client = await WsClient.open(f"{stack.url}?mode=audio")
+    await client.start()
+    took = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        await client.append(SILENCE)
+        event = await client.until("delta.listen", "session.closed", timeout_s=10)
+        took.append(time.monotonic() - t0)
+        assert event["type"] != "session.closed", event
+    print(f"slow units answered after {', '.join(f'{t:.2f}' for t in took)} s (edge 0.5 s)")
+    assert min(took) > 1.0  # the units really outlasted the edge's own setting
+    await client.send({"type": "session.close"})
+    closed = await client.until("session.closed")
+    assert closed["reason"] != "error", closed
+
+
 async def test_origin_allow_list(stack):
     stack.start_scheduler()
     stack.start_worker("--slots", "1", "--compute-ms", "5")
