@@ -389,6 +389,7 @@ class SessionRecorder:
             self._turn_step(out)
         else:
             self._chunk(out)
+        self._forget_through(out.seq)
         if now - self._last_flush > 5.0:  # bounded loss on a crash, no fsync
             self._last_flush = now
             assert self._events is not None  # opened with _units by start
@@ -438,6 +439,13 @@ class SessionRecorder:
         self._disable()
 
     # ---- internals -------------------------------------------------------------
+
+    def _forget_through(self, seq: int) -> None:
+        """Results come in seq order: a unit at or before `seq` that still has a receive
+        time got no result of its own (dropped, or heard with a later unit) and never will."""
+        for times in (self._received, self._received_ms):
+            while times and next(iter(times)) <= seq:
+                del times[next(iter(times))]
 
     def _app_type(self) -> str:
         """The reference server's app type of this session."""
