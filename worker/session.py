@@ -196,7 +196,9 @@ class Mailbox:
 JOURNAL_AUDIO_RESULTS = 120
 
 #: Re-chunked sessions: model units that may wait at once; older audio beyond them is
-#: dropped (counted) so an engine slower than real time builds no backlog.
+#: dropped (counted) so an engine slower than real time builds no backlog. A half-duplex
+#: call's model units may wait up to HALF_DUPLEX_JOIN_SAMPLES of audio instead: its turn
+#: is heard whole, late rather than in pieces.
 MAX_WAITING_MODEL_UNITS = 4
 
 #: Half-duplex calls on engines that take client units as they come: the units that
@@ -486,7 +488,8 @@ class DuplexSession:
     def _model_units(self, units: list[UnitInput]) -> list[UnitInput]:
         """The model units to serve for the client units taken: the units themselves, or
         re-chunked (client units that complete none are answered as buffered; beyond
-        MAX_WAITING_MODEL_UNITS the oldest audio is dropped and its units reported)."""
+        MAX_WAITING_MODEL_UNITS, or a half-duplex call's 30 s, the oldest audio is dropped
+        and its units reported)."""
         if self._chunker is None:
             return self._joined(units) if self._joins and len(units) > 1 else units
         pieces: list[UnitInput] = []
@@ -495,7 +498,10 @@ class DuplexSession:
             if not made:
                 self._buffered(unit)
             pieces += made
-        excess = len(pieces) - MAX_WAITING_MODEL_UNITS
+        waiting = MAX_WAITING_MODEL_UNITS
+        if self.spec.settings.half_duplex is True:
+            waiting = max(waiting, HALF_DUPLEX_JOIN_SAMPLES // self._chunker.size)
+        excess = len(pieces) - waiting
         if excess > 0:
             dropped, pieces = pieces[:excess], pieces[excess:]
             kept = {p.seq for p in pieces}

@@ -44,15 +44,20 @@ def test_mailbox_newest_wins():
 
 
 class HearingEngine(SyntheticEngine):
-    """The synthetic engine, keeping the audio of every unit its sessions prefill."""
+    """The synthetic engine, keeping the audio of every unit its sessions prefill; with
+    `model_unit` its sessions take units of exactly that many samples (re-chunked)."""
 
-    def __init__(self, compute_ms: float) -> None:
+    def __init__(self, compute_ms: float, model_unit: int = 0) -> None:
         super().__init__(compute_ms=compute_ms)
         self.heard: list[np.ndarray] = []
+        self.model_unit = model_unit
 
     def open_session(self, session_id: str, mode: str) -> SyntheticSession:
         engine_session = super().open_session(session_id, mode)
         prefill = engine_session.prefill
+        if self.model_unit:
+            sizes = (self.model_unit, self.model_unit)
+            engine_session.unit_samples = lambda: sizes  # type: ignore[method-assign]
 
         def hearing(pcm, frames, max_slice_nums):
             self.heard.append(np.array(pcm, copy=True))
@@ -62,11 +67,11 @@ class HearingEngine(SyntheticEngine):
         return engine_session
 
 
-async def feed_a_slow_engine(half_duplex: bool, units: int = 6):
-    """`units` half-second units, one every 10 ms, to an engine taking 60 ms a unit: the
-    audio it heard (joined), the seqs answered with a model step, those answered as
-    buffered, and the session's end."""
-    engine = HearingEngine(compute_ms=60)
+async def feed_a_slow_engine(half_duplex: bool, units: int = 6, model_unit: int = 0):
+    """`units` half-second units, one every 10 ms, to an engine taking 60 ms a unit (of
+    `model_unit` samples, re-chunked, when given): the audio it heard (joined), the seqs
+    answered with a model step, those answered as buffered, and the session's end."""
+    engine = HearingEngine(compute_ms=60, model_unit=model_unit)
     executor = ThreadPoolExecutor(2)
     spec = SessionSpec(
         session_id="s", lease_id="l", mode="audio", settings=DuplexSettings(half_duplex=half_duplex)
@@ -103,6 +108,19 @@ async def test_a_half_duplex_turn_loses_no_audio_to_a_slow_engine():
     heard, served, buffered, end = await feed_a_slow_engine(half_duplex=False)
     assert buffered == [] and served[0] == 1 and served[-1] == 6
     assert end.units_dropped == 6 - len(served) > 0 and len(heard) == 8000 * len(served)
+
+
+async def test_a_half_duplex_turn_loses_no_audio_to_a_slow_rechunked_engine():
+    """An engine that takes fixed model units (MiniCPM-o: 1 s) is fed them one by
+    one: a half-duplex call hears every one, however many waited; a duplex session
+    keeps the newest MAX_WAITING_MODEL_UNITS."""
+    sent = np.concatenate([np.full(8000, seq / 100, np.float32) for seq in range(1, 13)])
+    heard, served, buffered, end = await feed_a_slow_engine(True, units=12, model_unit=8000)
+    assert end.units_dropped == 0 and np.array_equal(heard, sent)
+    assert sorted(served + buffered) == list(range(1, 13))
+
+    heard, served, buffered, end = await feed_a_slow_engine(False, units=12, model_unit=8000)
+    assert end.units_dropped > 0 and len(heard) < len(sent)
 
 
 async def test_a_half_duplex_join_keeps_the_newest_audio_within_its_cap(monkeypatch):
