@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 
-from edge import events as ev
-from edge.recording import SessionRecorder
+from omnifabric.edge import events as ev
+from omnifabric.edge.recording import SessionRecorder
 
 
 def output(seq: int, dropped: tuple[int, ...] = ()) -> ev.Output:
