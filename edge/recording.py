@@ -444,8 +444,8 @@ class SessionRecorder:
         """Results come in seq order: a unit at or before `seq` that still has a receive
         time got no result of its own (dropped, or heard with a later unit) and never will."""
         for times in (self._received, self._received_ms):
-            while times and next(iter(times)) <= seq:
-                del times[next(iter(times))]
+            while times and (oldest := next(iter(times))) <= seq:
+                del times[oldest]
 
     def _app_type(self) -> str:
         """The reference server's app type of this session."""

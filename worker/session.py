@@ -263,6 +263,8 @@ class DuplexSession:
         """Set when the engine needs exact unit lengths: client units are re-chunked."""
         self._joins = False
         """A half-duplex call without a chunker: units that waited are heard as one."""
+        self._max_waiting = MAX_WAITING_MODEL_UNITS
+        """Re-chunked: the model units that may wait at once (more in a half-duplex call)."""
         self._deadline = 0.0
         self._loop = asyncio.get_running_loop()
 
@@ -333,6 +335,10 @@ class DuplexSession:
         sizes = self._engine_session.unit_samples()
         self._chunker = Rechunker(*sizes) if sizes else None
         self._joins = self._chunker is None and spec.settings.half_duplex is True
+        if self._chunker is not None and spec.settings.half_duplex is True:
+            self._max_waiting = max(
+                MAX_WAITING_MODEL_UNITS, HALF_DUPLEX_JOIN_SAMPLES // self._chunker.size
+            )
         self._mailbox.join = self._chunker is not None or self._joins
         return int(
             self._engine_session.prepare(
@@ -498,10 +504,7 @@ class DuplexSession:
             if not made:
                 self._buffered(unit)
             pieces += made
-        waiting = MAX_WAITING_MODEL_UNITS
-        if self.spec.settings.half_duplex is True:
-            waiting = max(waiting, HALF_DUPLEX_JOIN_SAMPLES // self._chunker.size)
-        excess = len(pieces) - waiting
+        excess = len(pieces) - self._max_waiting
         if excess > 0:
             dropped, pieces = pieces[:excess], pieces[excess:]
             kept = {p.seq for p in pieces}
