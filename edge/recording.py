@@ -205,7 +205,9 @@ class SessionRecorder:
         self._user: wave.Wave_write | None = None
         self._model: wave.Wave_write | None = None
         self._model_samples = 0
-        self._model_refs: dict[int, tuple[int, int]] = {}
+        self._model_ref: tuple[int, int, int] | None = None
+        """(seq, first sample in model.wav, samples) of the latest speaking unit: its events
+        are rendered and sent right after `output`, so no older one is looked up again."""
         self._received: dict[int, float] = {}
         self._seq = 0
         self._chunks: list[dict[str, Any]] = []
@@ -363,7 +365,7 @@ class SessionRecorder:
         now = time.monotonic()
         if out.pcm:
             n = len(out.pcm) // 4
-            self._model_refs[out.seq] = (self._model_samples, n)
+            self._model_ref = (out.seq, self._model_samples, n)
             assert self._model is not None
             self._model.writeframes(_pcm16(np.frombuffer(out.pcm, dtype="<f4")))
             self._model_samples += n
@@ -408,9 +410,9 @@ class SessionRecorder:
                 continue
             event = dict(event)
             seq = (event.get("metrics") or {}).get("seq")
-            ref = self._model_refs.get(seq) if isinstance(seq, int) else None
-            if ref is not None:
-                event[key] = {"wav": "model.wav", "start": ref[0], "samples": ref[1]}
+            ref = self._model_ref
+            if ref is not None and ref[0] == seq:
+                event[key] = {"wav": "model.wav", "start": ref[1], "samples": ref[2]}
             else:
                 event[key] = {"omitted_bytes": _b64_len(audio)}
         self._log("out", event)

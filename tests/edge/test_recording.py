@@ -10,12 +10,12 @@ from omnifabric.edge import events as ev
 from omnifabric.edge.recording import SessionRecorder
 
 
-def output(seq: int, dropped: tuple[int, ...] = ()) -> ev.Output:
+def output(seq: int, dropped: tuple[int, ...] = (), pcm: bytes = b"") -> ev.Output:
     return ev.Output(
         seq=seq,
-        is_listen=True,
+        is_listen=not pcm,
         text="",
-        pcm=b"",
+        pcm=pcm,
         end_of_turn=False,
         kv_cache_length=0,
         timings_ms={},
@@ -43,3 +43,32 @@ def test_units_without_a_result_of_their_own_are_not_kept(tmp_path):
     assert [u["seq"] for u in units if u.get("kind") == "dropped"][:3] == [1, 2, 3]
     answered = [u for u in units if u.get("kind") == "listen"]
     assert len(answered) == 50 and all(u["edge_ms"] is not None for u in answered)
+
+
+def test_each_audio_event_points_at_its_own_unit_in_model_wav(tmp_path):
+    """An audio event is logged as a range of model.wav, looked up by its unit's seq; the
+    recorder keeps that lookup for the latest speaking unit only, not one per unit."""
+    recorder = SessionRecorder(tmp_path, "rt_test", "audio", "/v1/realtime?mode=audio")
+    recorder.start(ev.InitCommand(ev.Dialect.CURRENT))
+    unit = ev.AppendCommand(np.zeros(16000, dtype="<f4").tobytes())
+    for seq in range(1, 101):
+        recorder.append(unit, ev.Dialect.CURRENT)
+        samples = 1000 + seq  # a different length per unit
+        recorder.output(output(seq, pcm=np.zeros(samples, dtype="<f4").tobytes()))
+        recorder.outbound(
+            {"type": "response.output_audio.delta", "audio": "AAAA", "metrics": {"seq": seq}}
+        )
+    # An event for a unit that is not the latest one (none is sent that way) is not
+    # given another unit's audio.
+    recorder.outbound(
+        {"type": "response.output_audio.delta", "audio": "AAAA", "metrics": {"seq": 3}}
+    )
+    assert recorder._model_ref == (100, sum(1000 + s for s in range(1, 100)), 1100)
+    recorder.finish("w0")
+    assert recorder.folder is not None
+    sent = [json.loads(line) for line in (recorder.folder / "events.jsonl").open()]
+    refs = [e["event"]["audio"] for e in sent if e["dir"] == "out"]
+    assert len(refs) == 101
+    assert [r.get("samples") for r in refs[:100]] == [1000 + s for s in range(1, 101)]
+    assert [r.get("start") for r in refs[:3]] == [0, 1001, 2003]
+    assert refs[100] == {"omitted_bytes": 3}
