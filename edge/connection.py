@@ -94,6 +94,9 @@ class Transport(Protocol):
 
     def send(self, message: Any) -> None: ...
 
+    def send_all(self, messages: list[Any]) -> None:
+        """Send messages in order; a transport may write them together."""
+
     def close(self, code: int, reason: str) -> None: ...
 
     async def finish(self) -> None: ...
@@ -141,9 +144,15 @@ class DuplexConnection:
     # ---- out ------------------------------------------------------------------------
 
     def _send(self, message: Any) -> None:
-        if self.recorder is not None and isinstance(message, dict):
-            self.recorder.outbound(message)
-        self.transport.send(message)
+        self._send_all([message])
+
+    def _send_all(self, messages: list[Any]) -> None:
+        """One event's messages (a unit's text, audio and end of turn): written together."""
+        if self.recorder is not None:
+            for message in messages:
+                if isinstance(message, dict):
+                    self.recorder.outbound(message)
+        self.transport.send_all(messages)
 
     def _render_error(self, err: EdgeError) -> Any:
         self.app.metrics.client_error(err.code)
@@ -167,8 +176,8 @@ class DuplexConnection:
         """Session events (SessionCore's emit, the pause watchdog) -> the client."""
         if isinstance(event, ev.Reattached):
             self.dialect.session_id = event.session_id
-            for message in self.dialect.replay(event):  # ResumeExpired: _resume fails it
-                self._send(message)
+            # ResumeExpired: _resume fails it
+            self._send_all(list(self.dialect.replay(event)))
             # The init the session runs with: a second one is refused as usual.
             variant = getattr(self.dialect, "variant", None) or ev.Dialect.CURRENT
             self._init = ev.InitCommand(dialect=variant)
@@ -180,8 +189,7 @@ class DuplexConnection:
                 self.app.metrics.client_error(event.error_code)
         elif isinstance(event, ev.Output) and self.recorder is not None:
             self.recorder.output(event)
-        for message in self.dialect.encode(event):
-            self._send(message)
+        self._send_all(self.dialect.encode(event))
         if isinstance(event, ev.Closed):
             self.transport.close(1000, event.reason)
         elif isinstance(event, ev.Output):
@@ -476,8 +484,7 @@ class ChatConnection:
         return self.dialect.error(err)
 
     def _send_all(self, messages: list[Any]) -> None:
-        for message in messages:
-            self.transport.send(message)
+        self.transport.send_all(messages)
 
     def _overflowed(self) -> None:
         # The transport already queued slow_client and its end. The turn would only fill

@@ -1,20 +1,22 @@
 """Flow control of one WebSocket client: a bounded outbound queue and the keepalive.
 
-Session code never awaits the client's socket: an event is written at once when the socket
-has taken everything before it, else it goes into the connection's `Outbox` and one sender
-task writes it out once the socket drains. A client that stops reading fills the outbox, not
-the edge's memory: past its bound the connection closes with `slow_client` (1008). The
-keepalive drops a client whose pong does not come in time, also when the ping itself
-cannot be written because the client's buffers are full (websockets' own keepalive waits
-for the buffers to drain before it starts its timeout, so it never fires then).
+Session code never awaits the client's socket: events are written at once when the socket
+has taken everything before them (one unit's events in one system call), else they go into
+the connection's `Outbox` and one sender task writes them out once the socket drains. A
+client that stops reading fills the outbox, not the edge's memory: past its bound the
+connection closes with `slow_client` (1008). The keepalive drops a client whose pong does
+not come in time, also when the ping itself cannot be written because the client's buffers
+are full (websockets' own keepalive waits for the buffers to drain before it starts its
+timeout, so it never fires then).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from websockets.asyncio.server import ServerConnection
@@ -25,6 +27,17 @@ from omnifabric.edge import codec
 from omnifabric.edge.errors import EdgeError, SlowClient
 
 log = logging.getLogger("omnifabric.edge.outbox")
+
+
+def text_frame_header(size: int) -> bytes:
+    """The header of a server's unmasked, unfragmented WebSocket text frame of `size`
+    payload bytes (RFC 6455 5.2: FIN and opcode 1, then the length in 7, 7+16 or 7+64
+    bits)."""
+    if size < 126:
+        return bytes((0x81, size))
+    if size < 1 << 16:
+        return struct.pack("!BBH", 0x81, 126, size)
+    return struct.pack("!BBQ", 0x81, 127, size)
 
 
 async def cut_off(ws: ServerConnection, code: int, reason: str) -> None:
@@ -114,31 +127,62 @@ class Outbox:
 
     def send(self, event: dict[str, Any]) -> None:
         """Queue one event; on overflow the queue is replaced by slow_client and a close."""
+        self.send_all((event,))
+
+    def send_all(self, events: Sequence[dict[str, Any]]) -> None:
+        """Queue events in order (one unit's output, say): when the socket has taken
+        everything before, they go out at once in one write. A batch over the byte bound
+        (a resume's replay) goes one event at a time, each at once while the socket takes
+        them. On overflow the queue is replaced by slow_client and a close."""
         if self._closing:
             return
-        text = codec.dumps(event)
-        if self._items and (
-            len(self._items) >= self.max_events or self._bytes + len(text) > self.max_bytes
+        texts = [codec.dumps(event) for event in events]
+        if (
+            not self._items
+            and sum(len(text) for text in texts) <= self.max_bytes
+            and self._write_now(texts)
         ):
-            self._overflow()
             return
-        if not self._items and self._write_now(text):
-            return
-        self._items.append(text)
-        self._bytes += len(text)
+        for text in texts:
+            if self._closing:
+                return
+            if not self._items and self._write_now([text]):
+                continue
+            if self._items and (
+                len(self._items) >= self.max_events or self._bytes + len(text) > self.max_bytes
+            ):
+                self._overflow()
+                return
+            self._items.append(text)
+            self._bytes += len(text)
         self._ready.set()
 
-    def _write_now(self, text: bytes) -> bool:
-        """Write the event at once when nothing is waiting or being written and the socket
-        has taken everything before (the common case): no task switch, no loop turn. False
-        leaves it to the sender task, which waits for the socket (flow control)."""
+    def _write_now(self, texts: list[bytes]) -> bool:
+        """Write the events at once when nothing is waiting or being written and the socket
+        has taken everything before (the common case): no task switch, no loop turn, and
+        one system call for all of them. False leaves them to the sender task, which waits
+        for the socket (flow control)."""
         ws = self.ws
         if self._sending or ws.send_in_progress is not None or ws.protocol.state is not State.OPEN:
             return False
-        if ws.transport.is_closing() or ws.transport.get_write_buffer_size():
+        transport = ws.transport
+        if transport.is_closing() or transport.get_write_buffer_size():
             return False
-        ws.protocol.send_text(text)
-        ws.send_data()
+        protocol = ws.protocol
+        if protocol.extensions:
+            # permessage-deflate: websockets compresses and frames them.
+            for text in texts:
+                protocol.send_text(text)
+            ws.send_data()
+            return True
+        # Plain text frames: a header before each payload, written as they are (websockets
+        # would copy each payload into a new frame); whatever websockets has not written
+        # yet (a pong) goes first.
+        buffers = protocol.data_to_send()
+        for text in texts:
+            buffers.append(text_frame_header(len(text)))
+            buffers.append(text)
+        transport.writelines(buffers)
         return True
 
     def close(self, code: int, reason: str) -> None:

@@ -154,6 +154,10 @@ class GrpcTransport:
         assert self.out is not None
         self.out.put(message)
 
+    def send_all(self, messages: list[Any]) -> None:
+        for message in messages:
+            self.send(message)
+
     def close(self, code: int, reason: str) -> None:
         assert self.out is not None
         self.out.put(_END)

@@ -200,6 +200,10 @@ class HttpTransport:
     def send(self, message: HttpResponse) -> None:
         self.answer(message)
 
+    def send_all(self, messages: list[HttpResponse]) -> None:
+        for message in messages:
+            self.answer(message)
+
     def answer(self, response: HttpResponse) -> None:
         if self.answered:
             return

@@ -71,6 +71,10 @@ class WebSocketTransport:
         assert self.outbox is not None
         self.outbox.send(message)
 
+    def send_all(self, messages: list[dict[str, Any]]) -> None:
+        assert self.outbox is not None
+        self.outbox.send_all(messages)
+
     def close(self, code: int, reason: str) -> None:
         assert self.outbox is not None
         self.outbox.close(code, reason)

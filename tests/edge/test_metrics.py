@@ -83,6 +83,9 @@ class _Wire:
     def send(self, message) -> None:
         self.sent.append(message)
 
+    def send_all(self, messages) -> None:
+        self.sent.extend(messages)
+
     def close(self, code: int, reason: str) -> None:
         self.sent.append((code, reason))
 
