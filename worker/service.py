@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -183,17 +184,22 @@ def decode_chat(request: worker_pb.ChatRequest) -> ChatTurn:
     )
 
 
+def usage_fields(usage: Usage) -> dict[str, int]:
+    """A Usage message's fields (a message built from a dict is not copied into its parent)."""
+    return {
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "total_tokens": usage.total_tokens,
+        "input_text_tokens": usage.input_text_tokens,
+        "input_audio_tokens": usage.input_audio_tokens,
+        "input_vision_tokens": usage.input_vision_tokens,
+        "output_text_tokens": usage.output_text_tokens,
+        "output_audio_tokens": usage.output_audio_tokens,
+    }
+
+
 def encode_usage(usage: Usage) -> common_pb2.Usage:
-    return common_pb2.Usage(
-        input_tokens=usage.input_tokens,
-        output_tokens=usage.output_tokens,
-        total_tokens=usage.total_tokens,
-        input_text_tokens=usage.input_text_tokens,
-        input_audio_tokens=usage.input_audio_tokens,
-        input_vision_tokens=usage.input_vision_tokens,
-        output_text_tokens=usage.output_text_tokens,
-        output_audio_tokens=usage.output_audio_tokens,
-    )
+    return common_pb2.Usage(**usage_fields(usage))
 
 
 #: The longest resume grace a session may ask, and the most client state kept.
@@ -221,32 +227,33 @@ def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
             )
         )
     result, timings = event.result, event.timings
-    audio = np.asarray(result.audio, dtype="<f4")
-    dropped_audio = {"audio_dropped": True} if event.audio_dropped else {}
-    return worker_pb.SessionResponse(
-        result=worker_pb.UnitResult(
-            seq=event.seq,
-            is_listen=result.is_listen,
-            text=result.text,
-            pcm=b"" if result.is_listen else audio.tobytes(),
-            end_of_turn=result.end_of_turn,
-            kv_cache_length=result.kv_cache_length,
-            timings=common_pb2.UnitTimings(
-                prefill_ms=timings.prefill_ms,
-                generate_ms=timings.generate_ms,
-                finalize_wait_ms=timings.finalize_wait_ms,
-                wall_clock_ms=timings.wall_clock_ms,
-                queue_ms=timings.queue_ms,
-                engine_costs_ms=timings.engine_costs_ms,
-            ),
-            usage=encode_usage(event.usage),
-            dropped_seqs=event.dropped_seqs,
-            n_tokens=result.n_tokens,
-            n_tts_tokens=result.n_tts_tokens,
-            input_transcript=result.input_transcript,
-            **dropped_audio,
-        )
-    )
+    # The nested messages as dicts: a message passed to its parent's constructor is copied
+    # (the result's speech with it). Per unit: 15 -> 9 us back to back, 244 -> 204 us on
+    # a cold path.
+    fields: dict[str, Any] = {
+        "seq": event.seq,
+        "is_listen": result.is_listen,
+        "text": result.text,
+        "pcm": b"" if result.is_listen else np.asarray(result.audio, dtype="<f4").tobytes(),
+        "end_of_turn": result.end_of_turn,
+        "kv_cache_length": result.kv_cache_length,
+        "timings": {
+            "prefill_ms": timings.prefill_ms,
+            "generate_ms": timings.generate_ms,
+            "finalize_wait_ms": timings.finalize_wait_ms,
+            "wall_clock_ms": timings.wall_clock_ms,
+            "queue_ms": timings.queue_ms,
+            "engine_costs_ms": timings.engine_costs_ms,
+        },
+        "usage": usage_fields(event.usage),
+        "dropped_seqs": event.dropped_seqs,
+        "n_tokens": result.n_tokens,
+        "n_tts_tokens": result.n_tts_tokens,
+        "input_transcript": result.input_transcript,
+    }
+    if event.audio_dropped:
+        fields["audio_dropped"] = True
+    return worker_pb.SessionResponse(result=fields)
 
 
 class WorkerServicer(worker_grpc.WorkerServiceServicer):
@@ -324,13 +331,16 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                     )
                 )
             index = 0
+            loop = asyncio.get_running_loop()
             async for event in session.events(attachment):
                 message = encode_event(event)
                 if index < replay:
                     if message.WhichOneof("kind") == "result":
                         message.result.replayed = True
                 elif isinstance(event, UnitOutput) and not event.buffered:
-                    self.runtime.metrics.observe_unit(event, session.spec.mode)
+                    # Counted once the result is on its way: the next loop turn, after
+                    # gRPC started writing it (~0.1 ms of a cold path, off the unit's).
+                    loop.call_soon(self._observe, event, session.spec.mode)
                 index += 1
                 yield message
             if session.attachment != attachment and session.ended is None:
@@ -353,6 +363,11 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 else:
                     # Also on client cancellation: the unit loop frees the engine session.
                     session.close(CloseReason.CLIENT_CLOSED, "client went away")
+
+    def _observe(self, output: UnitOutput, mode: str) -> None:
+        """A unit's metrics, apart from its stream: an instrument that fails is logged (by
+        the loop) and ends nothing."""
+        self.runtime.metrics.observe_unit(output, mode)
 
     async def Chat(
         self, request: worker_pb.ChatRequest, context: grpc.aio.ServicerContext

@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.worker import service
 from omnifabric.worker.engines.synthetic import SyntheticEngine, SyntheticSession
 from tests.conftest import scaled
 from tests.worker.conftest import SILENCE, SessionClient, pcm_bytes
@@ -185,7 +186,7 @@ async def test_oversized_unit_is_resource_exhausted_and_the_worker_goes_on(worke
     await serve_unit(again, 1)
 
 
-async def test_unexpected_errors_are_internal_without_details(workers):
+async def test_unexpected_errors_are_internal_without_details(workers, monkeypatch):
     """G2: an exception nobody foresaw becomes INTERNAL "internal error", before the
     session starts (the servicer's mapping) and after (the interceptor); the worker
     serves the next session."""
@@ -201,15 +202,33 @@ async def test_unexpected_errors_are_internal_without_details(workers):
     assert info.value.details() == "internal error"
 
     client = await open_session(workers, worker, "L2")
-    metrics, runtime.metrics = runtime.metrics, None
-    try:
+
+    def broken(event):
+        raise AttributeError("'NoneType' object has no attribute 'seq'")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(service, "encode_event", broken)
         client.unit(1, SILENCE)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await client.next()
-    finally:
-        runtime.metrics = metrics
     assert info.value.code() == grpc.StatusCode.INTERNAL
     assert info.value.details() == "internal error"
     assert await workers.scheduler.next_released() == "L2"
     again = await open_session(workers, worker, "L3")
     await serve_unit(again, 1)
+
+
+async def test_a_failing_metric_does_not_end_the_session(workers):
+    """A unit is counted after its result went out, apart from the stream: an instrument
+    that raises is logged and the session goes on."""
+    worker = await workers.start()
+    runtime = worker.runtime
+    client = await open_session(workers, worker, "L1")
+    metrics, runtime.metrics = runtime.metrics, None  # observe_unit raises AttributeError
+    try:
+        for seq in (1, 2):
+            client.unit(seq, SILENCE)
+            response = await client.next()
+            assert response.WhichOneof("kind") == "result" and response.result.seq == seq
+    finally:
+        runtime.metrics = metrics
