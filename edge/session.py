@@ -475,22 +475,28 @@ class SessionCore:
 
     async def _watchdog(self) -> None:
         """A worker that stops answering (hung process, stuck GPU) ends the session: the
-        transport's keepalive would take far longer to notice a peer that is alive but stuck."""
-        interval = min(0.5, self._unit_timeout_s / 4)
+        transport's keepalive would take far longer to notice a peer that is alive but stuck.
+
+        It sleeps until the oldest unanswered unit would be overdue (a unit sent later is
+        due later; with none waiting, one timeout), not on a fixed tick: a healthy session
+        wakes it about once per timeout instead of twice a second."""
         while not self.closed.is_set():
-            await asyncio.sleep(interval)
+            wait = self._unit_timeout_s
             if self._waiting:
                 oldest = min(self._waiting.values())
-                if time.monotonic() - oldest > self._unit_timeout_s:
+                overdue = time.monotonic() - oldest - self._unit_timeout_s
+                if overdue > 0:
                     log.warning(
                         "session %s: no result for %.1fs: the worker is not responding",
                         self.session_id,
-                        time.monotonic() - oldest,
+                        self._unit_timeout_s + overdue,
                     )
                     await self._finish(
                         ev.Closed(ev.ERROR, self._usage, "the worker stopped responding")
                     )
                     return
+                wait = -overdue
+            await asyncio.sleep(wait)
 
     async def _pump(self, call: grpc.aio.StreamStreamCall) -> None:
         """Worker responses -> events, until the session's end."""
