@@ -27,6 +27,8 @@ from prometheus_client.metrics import Gauge
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from omnifabric.common.metrics import LabelledChildren
+
 if TYPE_CHECKING:
     from omnifabric.edge.events import Output
 
@@ -107,8 +109,8 @@ class EdgeMetrics:
             buckets=GC_BUCKETS,
             registry=r,
         )
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        """Labelled children of the per-unit instruments, by (id of the metric, labels)."""
+        self._child = LabelledChildren()
+        """Labelled children of the per-unit instruments."""
         self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=20_000)
         """(when, seconds) of the latest units: the admin page's recent latency."""
         r.register(_SessionCollector(self._sessions))
@@ -142,15 +144,6 @@ class EdgeMetrics:
                 by_generation[info["generation"]].observe(time.perf_counter() - started[0])
 
         gc.callbacks.append(on_gc)
-
-    def _child(self, metric: Any, *values: str) -> Any:
-        """`metric.labels(*values)`, looked up once: labels() validates and takes a lock on
-        every call (~33 us on a cold path), a dict lookup does not."""
-        key = (id(metric), values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*values)
-        return child
 
     # ---- hooks --------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from prometheus_client.metrics import Gauge
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from omnifabric.common.metrics import LabelledChildren
 from omnifabric.worker.engines import memory
 
 if TYPE_CHECKING:
@@ -117,12 +118,10 @@ class WorkerMetrics:
             buckets=CONTEXT_BUCKETS,
             registry=r,
         )
-        # Per-unit children looked up once: labels() validates and takes a lock on every
-        # call (a unit's observations: ~144 us on a cold path with it, ~96 us without).
-        self._stage_children = [
-            (field, self.unit_seconds.labels(stage)) for field, stage in STAGES.items()
-        ]
-        self._unit_children: dict[tuple[str, str], Any] = {}
+        self._child = LabelledChildren()
+        """Labelled children of the per-unit instruments (a unit's observations: 147 ->
+        110 us on a cold path, 10.6 -> 5.3 us back to back)."""
+        self._stages = [(field, self._child(self.unit_seconds, s)) for field, s in STAGES.items()]
         self.sessions_ended = Counter(
             "omni_worker_sessions_ended",
             "Duplex sessions ended, by close reason.",
@@ -146,16 +145,13 @@ class WorkerMetrics:
     def observe_unit(self, output: UnitOutput, mode: str = "") -> None:
         """One served unit: its stage times, kind, context length, deadline."""
         timings = output.timings
-        for field, child in self._stage_children:
+        for field, child in self._stages:
             child.observe(max(0.0, getattr(timings, field)) / 1000.0)
         if timings.wall_clock_ms > DEADLINE_S * 1000.0:
             self.deadline_misses.inc()
-        kind = "listen" if output.result.is_listen else "speak"
-        units = self._unit_children.get((mode, kind))
-        if units is None:
-            units = self._unit_children[(mode, kind)] = self.units.labels(mode, kind)
-        units.inc()
-        self.context_tokens.observe(output.result.kv_cache_length)
+        result = output.result
+        self._child(self.units, mode, "listen" if result.is_listen else "speak").inc()
+        self.context_tokens.observe(result.kv_cache_length)
 
     def observe_end(self, end: SessionEnd) -> None:
         """A session ended (after its engine session and memory were freed)."""

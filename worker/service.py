@@ -228,7 +228,7 @@ def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
         )
     result, timings = event.result, event.timings
     # The nested messages as dicts: a message passed to its parent's constructor is copied
-    # (the result's speech with it). Per unit: 15 -> 9 us back to back, 244 -> 204 us on
+    # (the result's speech with it). Per unit: 15 -> 8 us back to back, 244 -> 195 us on
     # a cold path.
     fields: dict[str, Any] = {
         "seq": event.seq,
