@@ -480,7 +480,17 @@ async def test_e8_chat_client_that_stops_reading_gets_slow_client(stack, monkeyp
     # Warm-up with the full reply to a client that reads: channels, code paths and the
     # buffers one large reply needs exist before the baseline, so what is measured after
     # it is what each stuck client costs (and this is what they would have had to hold).
-    done, deltas = await chat_turn(chat_url, long_chat(words))
+    # The reply comes at ~6 MB/s into an outbound queue of 8 events: a reading client
+    # that the loaded host stalls long enough to fill the socket buffers gets slow_client
+    # too, as it should (seen once in CI); the warm-up then goes again.
+    for attempt in (1, 2, 3):
+        try:
+            done, deltas = await chat_turn(chat_url, long_chat(words))
+            break
+        except ConnectionClosed as closed:
+            if attempt == 3 or closed.rcvd is None or closed.rcvd.reason != "slow_client":
+                raise
+            print(f"E8 warm-up: the reading client fell behind (attempt {attempt})")
 
     async def nothing_open() -> bool:
         status = await edge_status(stack)
