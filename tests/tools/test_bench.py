@@ -89,12 +89,26 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     assert split[3]["edge_ms"] == pytest.approx(
         p50["fabric"] - p50["ws-echo"] - p50["grpc-direct"], abs=0.002
     )
+    # The edge's CPU beside what the two echo servers spend on the same I/O.
+    floor = {row["sessions"]: row for row in doc["cpu_floor"]}
+    assert set(floor) == {1, 3}
+    ws_us = levels[("ws-echo", 3)]["processes"]["echo"]["cpu_s"] / 9 * 1e6
+    echo_us = levels[("grpc-echo", 3)]["processes"]["grpc-echo"]["cpu_s"] / 9 * 1e6
+    assert floor[3]["ws_echo_server_us"] == pytest.approx(ws_us, abs=0.1)
+    assert floor[3]["grpc_echo_server_us"] == pytest.approx(echo_us, abs=0.1)
+    assert floor[3]["edge_us"] == fabric["edge_cpu_us_per_unit"]
+    assert floor[3]["edge_over_echo_servers_us"] == pytest.approx(
+        fabric["edge_cpu_us_per_unit"] - ws_us - echo_us, abs=0.2
+    )
     assert doc["targets"]["at_target_sessions"]["sessions"] == 3
     table = (out / "bench.md").read_text()
     assert "| 3 | fabric | 9 | 9 | 0 | 0 |" in table, table
     assert "| 3 | grpc-realtime | 9 | 9 | 0 | 0 |" in table, table
     assert "p99 / gRPC direct" in table and "added to echo p50 / p99" in table
     assert "| worker (grpc-direct - grpc-echo) |" in table
+    assert "| the two servers | edge over them |" in table
+    row = floor[3]
+    assert f"| 3 | {row['edge_us']:.0f} us | {row['ws_echo_server_us']:.0f} us |" in table
     assert table in result.stdout
     # Where the overhead goes: inside the worker, in the measuring client, while all stream.
     assert 0 <= fabric["in_worker_ms"]["p50"] <= fabric["overhead_ms"]["p50"]

@@ -18,7 +18,8 @@ Overhead per unit = client send to client receive minus the engine's reported co
 lost units (no result and no counted drop; also sessions without a close), dropped units,
 queue waits, CPU and peak RSS of every process, the edge's CPU microseconds per unit, and
 the ratios and the milliseconds added to the baselines (fabric, grpc-realtime), and the
-split of the fabric's added p50 (gRPC round trip, worker, edge). `--find-max` then
+split of the fabric's added p50 (gRPC round trip, worker, edge), and the edge's CPU per unit
+beside the two echo servers' (the same I/O without translation). `--find-max` then
 searches the largest count whose fabric p99 stays within `--max-p99-ms` with nothing lost.
 Output: bench.json, bench.md and bench.png (overhead percentiles against session count) in
 `--out`; progress lines while it runs.

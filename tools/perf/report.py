@@ -91,6 +91,7 @@ def summarize(
         }
     return {
         "split": split(by),
+        "cpu_floor": cpu_floor(by),
         "config": {
             k: (str(v) if isinstance(v, Path) else v)
             for k, v in vars(args).items()
@@ -126,6 +127,44 @@ def split(by: dict[tuple[str, int], Level]) -> list[dict[str, Any]]:
                 "grpc_exchange_ms": echo,
                 "worker_ms": _added(direct, echo),
                 "edge_ms": _added(f - ws, direct),
+            }
+        )
+    return rows
+
+
+def _cpu_us_per_unit(level: Level, process: str) -> float | None:
+    proc = level.processes.get(process)
+    if proc is None or not level.answered:
+        return None
+    return round(proc["cpu_s"] / level.answered * 1e6, 1)
+
+
+def cpu_floor(by: dict[tuple[str, int], Level]) -> list[dict[str, Any]]:
+    """The edge's CPU per unit beside what the baselines' servers spend per unit on the
+    same I/O, per session count with fabric, ws-echo and grpc-echo measured (whole levels,
+    as the edge's figure):
+    - ws-echo's server: the unit's WebSocket frames in and out, no translation;
+    - grpc-echo's server: one gRPC message in and one out (the edge makes one such
+      exchange per unit, as the client).
+    Their sum is what a process that only moved a unit's bytes would spend: the part of
+    the edge's figure that no change to the edge's own code can take away."""
+    rows = []
+    for (path, n), fabric in sorted(by.items(), key=lambda kv: kv[0][1]):
+        ws, echo = by.get(("ws-echo", n)), by.get(("grpc-echo", n))
+        edge = fabric.edge_cpu_us_per_unit
+        if path != "fabric" or ws is None or echo is None or not edge:
+            continue
+        ws_us, echo_us = _cpu_us_per_unit(ws, "echo"), _cpu_us_per_unit(echo, "grpc-echo")
+        if ws_us is None or echo_us is None:
+            continue
+        rows.append(
+            {
+                "sessions": n,
+                "edge_us": edge,
+                "ws_echo_server_us": ws_us,
+                "grpc_echo_server_us": echo_us,
+                "echo_servers_us": round(ws_us + echo_us, 1),
+                "edge_over_echo_servers_us": round(edge - ws_us - echo_us, 1),
             }
         )
     return rows
@@ -197,6 +236,19 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {row['sessions']} | {signed(row['added_ms'])} | "
                 f"{signed(row['grpc_exchange_ms'])} | {signed(row['worker_ms'])} | "
                 f"{signed(row['edge_ms'])} |"
+            )
+    if result.get("cpu_floor"):
+        lines += [
+            "",
+            "| sessions | edge CPU per unit | ws-echo server | grpc-echo server "
+            "| the two servers | edge over them |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in result["cpu_floor"]:
+            lines.append(
+                f"| {row['sessions']} | {row['edge_us']:.0f} us | "
+                f"{row['ws_echo_server_us']:.0f} us | {row['grpc_echo_server_us']:.0f} us | "
+                f"{row['echo_servers_us']:.0f} us | {row['edge_over_echo_servers_us']:+.0f} us |"
             )
     lines += [
         "",
