@@ -17,6 +17,11 @@ THROUGH_EDGE = ("fabric", "grpc-realtime")
 """The paths whose units cross the edge: its CPU per unit is measured on them."""
 
 
+def us_per_unit(cpu_s: float, units: int) -> float:
+    """CPU seconds spent on `units` units, in microseconds a unit (0.1 us steps)."""
+    return round(cpu_s / units * 1e6, 1)
+
+
 @dataclass
 class Level:
     """N sessions x S seconds over one path."""

@@ -17,7 +17,7 @@ from omnifabric.tools.perf import console
 from omnifabric.tools.perf.baselines import echo_session
 from omnifabric.tools.perf.bench_stack import ECHOES, BenchStack, edge_idle
 from omnifabric.tools.perf.fabric import fabric_session
-from omnifabric.tools.perf.ledger import THROUGH_EDGE, Level, Samples, stats
+from omnifabric.tools.perf.ledger import THROUGH_EDGE, Level, Samples, stats, us_per_unit
 from omnifabric.tools.perf.procs import ProcessWatch, proc_sample
 from omnifabric.tools.perf.units import append_frame, pcm, unit_script
 
@@ -124,14 +124,14 @@ async def run_level(
     level.steal_cores = round(watch.steal_cores, 2)
     edge_cpu_s = [p["cpu_s"] for n, p in level.processes.items() if is_edge(n)]
     if edge_cpu_s and level.answered:
-        level.edge_cpu_us_per_unit = round(sum(edge_cpu_s) / level.answered * 1e6, 1)
+        level.edge_cpu_us_per_unit = us_per_unit(sum(edge_cpu_s), level.answered)
     if len(steady) == 2:
         (t0, cpu0, n0), (t1, cpu1, n1) = steady
         level.overhead_streaming_ms = stats(
             [o for o, at in zip(samples.overhead, samples.sent_at, strict=True) if t0 <= at < t1]
         )
         if cpu0 is not None and cpu1 is not None and n1 > n0:
-            level.edge_cpu_us_per_unit_steady = round((cpu1 - cpu0) / (n1 - n0) * 1e6, 1)
+            level.edge_cpu_us_per_unit_steady = us_per_unit(cpu1 - cpu0, n1 - n0)
     o = level.overhead_ms
     say(
         f"{path} x{sessions}: {level.answered}/{level.units_sent} answered, lost {level.lost}, "

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from omnifabric.tools.perf.ledger import PATHS, THROUGH_EDGE, Level, within
+from omnifabric.tools.perf.ledger import PATHS, THROUGH_EDGE, Level, us_per_unit, within
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -136,7 +136,7 @@ def _cpu_us_per_unit(level: Level, process: str) -> float | None:
     proc = level.processes.get(process)
     if proc is None or not level.answered:
         return None
-    return round(proc["cpu_s"] / level.answered * 1e6, 1)
+    return us_per_unit(proc["cpu_s"], level.answered)
 
 
 def cpu_floor(by: dict[tuple[str, int], Level]) -> list[dict[str, Any]]:
@@ -146,8 +146,8 @@ def cpu_floor(by: dict[tuple[str, int], Level]) -> list[dict[str, Any]]:
     - ws-echo's server: the unit's WebSocket frames in and out, no translation;
     - grpc-echo's server: one gRPC message in and one out (the edge makes one such
       exchange per unit, as the client).
-    Their sum is what a process that only moved a unit's bytes would spend: the part of
-    the edge's figure that no change to the edge's own code can take away."""
+    Their sum is what a process that only moved a unit's bytes would spend, with no
+    translation and no session."""
     rows = []
     for (path, n), fabric in sorted(by.items(), key=lambda kv: kv[0][1]):
         ws, echo = by.get(("ws-echo", n)), by.get(("grpc-echo", n))
