@@ -37,7 +37,15 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     assert "/3 s," in result.stdout
     doc = json.loads((out / "bench.json").read_text())
     levels = {(lv["path"], lv["sessions"]): lv for lv in doc["levels"]}
-    paths = ("fabric", "grpc-realtime", "ws-echo", "grpc-echo", "grpc-direct")
+    paths = (
+        "fabric",
+        "grpc-realtime",
+        "ws-echo",
+        "grpc-echo",
+        "grpc-thread",
+        "grpc-sync",
+        "grpc-direct",
+    )
     assert set(levels) == {(p, n) for p in paths for n in (1, 3)}
     for (path, n), lv in levels.items():
         assert lv["units_sent"] == 3 * n, (path, n, lv)
@@ -57,6 +65,16 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     assert set(levels[("ws-echo", 3)]["processes"]) == {"echo", "client"}
     assert set(levels[("grpc-echo", 3)]["processes"]) == {"grpc-echo", "client"}
     assert levels[("grpc-echo", 3)]["engine_ms"]["p50"] == 0
+    # grpc-thread (the same server) and grpc-sync (its own): the compute the server's thread
+    # measured is taken out (a sleep of 2 x 10 ms overshoots, it never undershoots).
+    for path, server in (("grpc-thread", "grpc-echo"), ("grpc-sync", "grpc-sync")):
+        thread = levels[(path, 3)]
+        assert set(thread["processes"]) == {server, "client"}, path
+        assert 20.0 <= thread["engine_ms"]["p50"] < 30.0, path
+        assert thread["rtt_ms"]["p50"] - thread["engine_ms"]["p50"] == pytest.approx(
+            thread["overhead_ms"]["p50"], abs=5.0
+        )
+    assert "grpc-sync" not in fabric["processes"]
     assert "edge" not in levels[("grpc-direct", 3)]["processes"]
     assert fabric["edge_cpu_us_per_unit"] > 0
     assert fabric["queue_wait_ms"]["p99"] >= 0
@@ -86,6 +104,15 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     assert split[3]["added_ms"] == pytest.approx(p50["fabric"] - p50["ws-echo"], abs=0.002)
     assert split[3]["grpc_exchange_ms"] == p50["grpc-echo"]
     assert split[3]["worker_ms"] == pytest.approx(p50["grpc-direct"] - p50["grpc-echo"], abs=0.002)
+    assert split[3]["engine_handoff_ms"] == pytest.approx(
+        p50["grpc-thread"] - p50["grpc-echo"], abs=0.002
+    )
+    assert split[3]["session_logic_ms"] == pytest.approx(
+        p50["grpc-direct"] - p50["grpc-thread"], abs=0.002
+    )
+    assert split[3]["sync_handoff_ms"] == pytest.approx(
+        p50["grpc-sync"] - p50["grpc-echo"], abs=0.002
+    )
     assert split[3]["edge_ms"] == pytest.approx(
         p50["fabric"] - p50["ws-echo"] - p50["grpc-direct"], abs=0.002
     )
@@ -106,6 +133,12 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     assert "| 3 | grpc-realtime | 9 | 9 | 0 | 0 |" in table, table
     assert "p99 / gRPC direct" in table and "added to echo p50 / p99" in table
     assert "| worker (grpc-direct - grpc-echo) |" in table
+    assert "| and the session logic (grpc-direct - grpc-thread) |" in table
+    row = split[3]
+    assert (
+        f"| {row['session_logic_ms']:+.2f} ms | {row['edge_ms']:+.2f} ms | "
+        f"{row['sync_handoff_ms']:+.2f} ms |"
+    ) in table
     assert "| the two servers | edge over them |" in table
     row = floor[3]
     assert f"| 3 | {row['edge_us']:.0f} us | {row['ws_echo_server_us']:.0f} us |" in table
@@ -188,11 +221,21 @@ def test_default_paths_leave_out_a_running_edges_unknown_grpc_port():
     def paths(*argv: str) -> list[str]:
         return default_paths(build_parser().parse_args(list(argv))).split(",")
 
-    assert paths() == ["fabric", "grpc-realtime", "ws-echo", "grpc-echo", "grpc-direct"]
+    assert paths() == [
+        "fabric",
+        "grpc-realtime",
+        "ws-echo",
+        "grpc-echo",
+        "grpc-thread",
+        "grpc-sync",
+        "grpc-direct",
+    ]
     assert paths("--url", "ws://h:1/v1/realtime") == [
         "fabric",
         "ws-echo",
         "grpc-echo",
+        "grpc-thread",
+        "grpc-sync",
         "grpc-direct",
     ]
     assert "grpc-realtime" in paths("--url", "ws://h:1/v1/realtime", "--grpc", "h:2")

@@ -9,7 +9,7 @@ bench's rooms:
 - ledger: per-unit figures (Samples, UnitLedger) and what a level measured (Level);
 - fabric: the paths through the edge (fabric: the public WebSocket protocol;
   grpc-realtime: the edge's RealtimeService);
-- baselines: the ws-echo, grpc-echo and grpc-direct paths;
+- baselines: the ws-echo, grpc-echo, grpc-thread, grpc-sync and grpc-direct paths;
 - bench_stack: the processes a bench run starts and stops;
 - levels: running one level of one path (progress, processes, steal retries, py-spy);
 - report: the JSON document, the markdown tables and the plot.

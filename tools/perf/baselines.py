@@ -1,14 +1,17 @@
 """The baseline paths of `omnifabric bench`, measured in the same run as the fabric: a raw
 websockets echo server (its own process) and its sessions, a raw gRPC echo server (its own
-process: one gRPC exchange of the unit's PCM, nothing else), and gRPC straight to a worker
-on a lease from the scheduler (no edge, no JSON)."""
+process: one gRPC exchange of the unit's PCM, nothing else; or, on its second method, the
+same exchange whose answer waits for the engine's compute on a thread, as a worker's does),
+a synchronous gRPC server that spends that compute on the stream's own thread (no hand-off
+at all), and gRPC straight to a worker on a lease from the scheduler (no edge, no JSON)."""
 
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
@@ -68,21 +71,47 @@ async def echo_session(
     fifo.tally()
 
 
-#: The grpc-echo server's one method: a bidirectional stream of raw bytes.
+#: The grpc-echo server's methods, both a bidirectional stream of raw bytes: `Stream`
+#: sends every message back (grpc-echo); `Thread` answers each message once a thread of a
+#: pool has spent the compute on it, as a worker calls its engine (grpc-thread).
 GRPC_ECHO_METHOD = "/omnifabric.bench.Echo/Stream"
+GRPC_THREAD_METHOD = "/omnifabric.bench.Echo/Thread"
+#: A grpc-thread answer: the compute the thread measured (ms, little-endian double), then
+#: the message.
+COMPUTE_HEADER = struct.Struct("<d")
 
 
-def grpc_echo_server_main(host: str) -> int:
-    """`python -m omnifabric.tools.perf.bench --grpc-echo-server HOST`: a grpc.aio server
-    (uvloop, the worker's message limits) that sends every message of a stream back;
+def spend(compute_ms: float) -> float:
+    """A synthetic engine's compute on the calling thread (two sleeps, as its prefill and
+    generate take half each); returns the ms spent, as measured (a sleep overshoots)."""
+    started = time.perf_counter()
+    for _ in range(2):
+        time.sleep(compute_ms / 2000.0)
+    return (time.perf_counter() - started) * 1000.0
+
+
+def grpc_echo_server_main(host: str, compute_ms: float) -> int:
+    """`python -m omnifabric.tools.perf.bench --grpc-echo-server HOST COMPUTE_MS`: a
+    grpc.aio server (uvloop, the worker's message limits) with the two methods above;
     prints `grpc echo ready: HOST:PORT`."""
 
     async def serve() -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         import grpc
 
         async def echo(requests: AsyncIterator[bytes], _context: Any) -> AsyncIterator[bytes]:
             async for message in requests:
                 yield message
+
+        # Threads enough that no unit waits for one (a synthetic worker has one per slot).
+        engine = ThreadPoolExecutor(max_workers=256, thread_name_prefix="engine")
+
+        async def thread(requests: AsyncIterator[bytes], _context: Any) -> AsyncIterator[bytes]:
+            loop = asyncio.get_running_loop()
+            async for message in requests:
+                spent = await loop.run_in_executor(engine, spend, compute_ms)
+                yield COMPUTE_HEADER.pack(spent) + message
 
         limit = 16 * 2**20
         server = grpc.aio.server(
@@ -91,17 +120,52 @@ def grpc_echo_server_main(host: str) -> int:
                 ("grpc.max_receive_message_length", limit),
             ]
         )
-        service, method = GRPC_ECHO_METHOD.strip("/").split("/")
-        handler = grpc.stream_stream_rpc_method_handler(echo)  # bytes in, bytes out
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(service, {method: handler}),)
-        )
+        service = GRPC_ECHO_METHOD.strip("/").split("/")[0]
+        handlers = {  # bytes in, bytes out
+            m.rsplit("/", 1)[1]: grpc.stream_stream_rpc_method_handler(h)
+            for m, h in ((GRPC_ECHO_METHOD, echo), (GRPC_THREAD_METHOD, thread))
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         port = server.add_insecure_port(f"{host}:0")
         await server.start()
         print(f"grpc echo ready: {host}:{port}", flush=True)
         await server.wait_for_termination()
 
     run_loop(serve())
+    return 0
+
+
+def grpc_sync_server_main(host: str, compute_ms: float) -> int:
+    """`python -m omnifabric.tools.perf.bench --grpc-sync-server HOST COMPUTE_MS`: a
+    synchronous gRPC server (a thread per stream, the worker's message limits) whose Thread
+    method spends the compute on the stream's own thread and answers as grpc.aio's does;
+    prints `grpc sync ready: HOST:PORT`. What a worker whose gRPC handler ran the engine
+    itself would pay: no loop, no hand-off."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    def thread(requests: Iterator[bytes], _context: Any) -> Iterator[bytes]:
+        for message in requests:
+            yield COMPUTE_HEADER.pack(spend(compute_ms)) + message
+
+    limit = 16 * 2**20
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=1024, thread_name_prefix="stream"),
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+        ],
+    )
+    service, method = GRPC_THREAD_METHOD.strip("/").split("/")
+    handler = grpc.stream_stream_rpc_method_handler(thread)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service, {method: handler}),)
+    )
+    port = server.add_insecure_port(f"{host}:0")
+    server.start()
+    print(f"grpc sync ready: {host}:{port}", flush=True)
+    server.wait_for_termination()
     return 0
 
 
@@ -139,9 +203,9 @@ class EchoFifo:
         self.pending.append(time.monotonic())
         self.samples.sent += 1
 
-    def answer(self) -> None:
+    def answer(self, compute_ms: float = 0.0) -> None:
         sent_at = self.pending[self.answered]
-        self.samples.answer(sent_at, (time.monotonic() - sent_at) * 1000.0, 0.0)
+        self.samples.answer(sent_at, (time.monotonic() - sent_at) * 1000.0, compute_ms)
         self.answered += 1
 
     def settled(self) -> bool:
@@ -158,7 +222,13 @@ class EchoFifo:
 
 class GrpcEcho(OwnConnections):
     """Sessions against the grpc-echo server: each unit's PCM as one message, answered in
-    order, one connection per session."""
+    order, one connection per session; with `thread`, on its Thread method (the compute the
+    server's thread measured is taken out, as the engine's is on the other paths)."""
+
+    def __init__(self, address: str, thread: bool = False) -> None:
+        super().__init__(address)
+        self.method = GRPC_THREAD_METHOD if thread else GRPC_ECHO_METHOD
+        self.thread = thread
 
     async def session(
         self, delay_s: float, units: list[np.ndarray], pcms: list[bytes], s: Samples
@@ -169,11 +239,11 @@ class GrpcEcho(OwnConnections):
         await asyncio.sleep(delay_s)
         try:
             async with self.channel() as channel:
-                call = channel.stream_stream(GRPC_ECHO_METHOD)()
+                call = channel.stream_stream(self.method)()
 
                 async def receive() -> None:
-                    while (await call.read()) is not grpc.aio.EOF:
-                        fifo.answer()
+                    while (answer := await call.read()) is not grpc.aio.EOF:
+                        fifo.answer(COMPUTE_HEADER.unpack_from(answer)[0] if self.thread else 0.0)
 
                 receiver = asyncio.create_task(receive())
 

@@ -1,7 +1,7 @@
 """`omnifabric bench`: fabric overhead per unit against baselines measured in the same run.
 
 For each session count N (`--sessions 1,10,50,100`), N concurrent real-time audio sessions
-send one 1 s unit per second for S seconds over five paths on this machine:
+send one 1 s unit per second for S seconds over seven paths on this machine:
 
 - **fabric**: the public WebSocket protocol through edge, scheduler and worker (a stack
   this command starts: synthetic engine with `--compute-ms`, or `--url` of a running edge);
@@ -10,6 +10,11 @@ send one 1 s unit per second for S seconds over five paths on this machine:
 - **ws-echo**: a raw websockets server (uvloop, own process) echoing the same JSON frames;
 - **grpc-echo**: a raw grpc.aio server (uvloop, own process) echoing the same PCM as one
   message each: the cost of one gRPC exchange and nothing else;
+- **grpc-thread**: the same server's answer after `--compute-ms` spent on a thread of a
+  pool, as a worker runs its engine: one gRPC exchange and one engine-thread hand-off, the
+  floor of the worker's design before any session logic;
+- **grpc-sync**: a synchronous gRPC server (own process) that spends the compute on the
+  stream's own thread: the floor of a worker without the hand-off;
 - **grpc-direct**: a lease from the scheduler, then WorkerService.Session straight to the
   worker with the same PCM (no edge, no JSON; the scheduler is not on the unit path).
 
@@ -18,7 +23,8 @@ Overhead per unit = client send to client receive minus the engine's reported co
 lost units (no result and no counted drop; also sessions without a close), dropped units,
 queue waits, CPU and peak RSS of every process, the edge's CPU microseconds per unit, and
 the ratios and the milliseconds added to the baselines (fabric, grpc-realtime), and the
-split of the fabric's added p50 (gRPC round trip, worker, edge), and the edge's CPU per unit
+split of the fabric's added p50 (gRPC round trip, engine-thread hand-off, the worker's
+session logic, edge), and the edge's CPU per unit
 beside the two echo servers' (the same I/O without translation). `--find-max` then
 searches the largest count whose fabric p99 stays within `--max-p99-ms` with nothing lost.
 Output: bench.json, bench.md and bench.png (overhead percentiles against session count) in
@@ -40,6 +46,7 @@ from omnifabric.tools.perf.baselines import (
     GrpcEcho,
     echo_server_main,
     grpc_echo_server_main,
+    grpc_sync_server_main,
 )
 from omnifabric.tools.perf.bench_stack import start_stack
 from omnifabric.tools.perf.console import run_loop
@@ -81,6 +88,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         grpc_clients["grpc-realtime"] = GrpcRealtime(stack.grpc)
     if "grpc-echo" in paths:
         grpc_clients["grpc-echo"] = GrpcEcho(stack.grpc_echo)
+    if "grpc-thread" in paths:
+        grpc_clients["grpc-thread"] = GrpcEcho(stack.grpc_echo, thread=True)
+    if "grpc-sync" in paths:
+        grpc_clients["grpc-sync"] = GrpcEcho(stack.grpc_sync, thread=True)
     levels: list[Level] = []
     max_search: list[dict[str, Any]] = []
     try:
@@ -222,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--echo-server"]:
         return echo_server_main(argv[1] if len(argv) > 1 else "127.0.0.1")
     if argv[:1] == ["--grpc-echo-server"]:
-        return grpc_echo_server_main(argv[1] if len(argv) > 1 else "127.0.0.1")
+        host = argv[1] if len(argv) > 1 else "127.0.0.1"
+        return grpc_echo_server_main(host, float(argv[2]) if len(argv) > 2 else 40.0)
+    if argv[:1] == ["--grpc-sync-server"]:
+        host = argv[1] if len(argv) > 1 else "127.0.0.1"
+        return grpc_sync_server_main(host, float(argv[2]) if len(argv) > 2 else 40.0)
     args = build_parser().parse_args(argv)
     try:
         counts = [int(n) for n in args.sessions.split(",") if n.strip()]

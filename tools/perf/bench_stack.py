@@ -15,8 +15,9 @@ from typing import Any
 from omnifabric.tools.perf.ledger import THROUGH_EDGE
 from omnifabric.tools.perf.metrics import http_address, metric, scrape_metrics
 
-#: The echo servers' process names (ws-echo, grpc-echo): no path but their own watches them.
-ECHOES = ("echo", "grpc-echo")
+#: The echo servers' process names (ws-echo; grpc-echo and grpc-thread; grpc-sync): no path
+#: but their own watches them.
+ECHOES = ("echo", "grpc-echo", "grpc-sync")
 
 
 @dataclass
@@ -31,7 +32,9 @@ class BenchStack:
     grpc: str = ""
     """The edge's RealtimeService address (HOST:PORT): the grpc-realtime path."""
     grpc_echo: str = ""
-    """The gRPC echo server's address (HOST:PORT): the grpc-echo path."""
+    """The gRPC echo server's address (HOST:PORT): the grpc-echo and grpc-thread paths."""
+    grpc_sync: str = ""
+    """The synchronous gRPC server's address (HOST:PORT): the grpc-sync path."""
 
     def stop(self) -> None:
         from omnifabric.common.children import stop
@@ -44,7 +47,7 @@ class BenchStack:
 def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> BenchStack:
     """Start what the measured paths need: scheduler and synthetic workers (fabric or
     grpc-realtime without --url, grpc-direct), the edge (fabric or grpc-realtime without
-    --url), the echo servers (ws-echo, grpc-echo)."""
+    --url), the echo servers (ws-echo; grpc-echo and grpc-thread; grpc-sync)."""
     from omnifabric.common.children import spawn
 
     host = args.host
@@ -55,11 +58,11 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> Be
     stack = BenchStack(children, args.url or "", "", "", pids, args.grpc or "")
     own_fabric = any(p in THROUGH_EDGE for p in paths) and not args.url
 
-    def start_echo(name: str, flag: str, ready: str) -> str:
-        """An echo server of the bench's own (`bench FLAG HOST`); returns the address its
-        ready line names."""
+    def start_echo(name: str, flag: str, ready: str, *more: str) -> str:
+        """An echo server of the bench's own (`bench FLAG HOST [MORE]`); returns the address
+        its ready line names."""
         log = log_dir / f"{name}.log"
-        echo = spawn(name, "omnifabric.tools.perf.bench", [flag, host], log)
+        echo = spawn(name, "omnifabric.tools.perf.bench", [flag, host, *more], log)
         children.append(echo)
         wait_line(echo, log, ready, args.ready_timeout)
         pids[name] = echo.proc.pid
@@ -115,8 +118,14 @@ def start_stack(args: argparse.Namespace, paths: list[str], log_dir: Path) -> Be
                     pids[f"edge-{i + 1}"] = pid
         if "ws-echo" in paths:
             stack.echo_url = start_echo("echo", "--echo-server", "echo ready: ")
-        if "grpc-echo" in paths:
-            stack.grpc_echo = start_echo("grpc-echo", "--grpc-echo-server", "grpc echo ready: ")
+        if "grpc-echo" in paths or "grpc-thread" in paths:
+            stack.grpc_echo = start_echo(
+                "grpc-echo", "--grpc-echo-server", "grpc echo ready: ", str(args.compute_ms)
+            )
+        if "grpc-sync" in paths:
+            stack.grpc_sync = start_echo(
+                "grpc-sync", "--grpc-sync-server", "grpc sync ready: ", str(args.compute_ms)
+            )
     except BaseException:
         stack.stop()
         raise

@@ -12,7 +12,15 @@ from typing import Any
 
 from omnifabric.tools.client import percentile
 
-PATHS = ("fabric", "grpc-realtime", "ws-echo", "grpc-echo", "grpc-direct")
+PATHS = (
+    "fabric",
+    "grpc-realtime",
+    "ws-echo",
+    "grpc-echo",
+    "grpc-thread",
+    "grpc-sync",
+    "grpc-direct",
+)
 THROUGH_EDGE = ("fabric", "grpc-realtime")
 """The paths whose units cross the edge: its CPU per unit is measured on them."""
 

@@ -36,7 +36,8 @@ async def run_level(
 ) -> Level:
     """N concurrent sessions over one path, with a progress line every --progress-every s.
     `grpc_clients`: the client of each gRPC path measured (grpc-realtime, grpc-echo,
-    grpc-direct), by path; each has `session(delay_s, units, pcms, samples)`."""
+    grpc-thread, grpc-sync, grpc-direct), by path; each has `session(delay_s, units, pcms,
+    samples)`."""
     units = unit_script(args.seconds)
     samples = Samples()
     # Session i opens at i * ramp / N s; its units follow once a second from then on, so
@@ -60,8 +61,9 @@ async def run_level(
             for n in stack.pids
             if n not in ECHOES and (not args.url or n == "client" or is_edge(n))
         ]
-    elif path in ("ws-echo", "grpc-echo"):
-        watched = ["echo" if path == "ws-echo" else path, "client"]
+    elif path in ("ws-echo", "grpc-echo", "grpc-thread", "grpc-sync"):
+        server = {"ws-echo": "echo", "grpc-thread": "grpc-echo"}.get(path, path)
+        watched = [server, "client"]
     else:
         watched = [n for n in stack.pids if n.startswith(("worker", "scheduler")) or n == "client"]
     watch = ProcessWatch({n: stack.pids[n] for n in watched})

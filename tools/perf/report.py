@@ -110,7 +110,11 @@ def split(by: dict[tuple[str, int], Level]) -> list[dict[str, Any]]:
     differences of p50s of the same run (percentiles do not add up exactly).
     - added: fabric - ws-echo (the WebSocket exchange both make);
     - gRPC exchange: grpc-echo (one gRPC round trip of the PCM, nothing else);
-    - worker: grpc-direct - grpc-echo (the worker's session machinery);
+    - worker: grpc-direct - grpc-echo (the worker's session machinery), and where
+      grpc-thread was measured its two parts: the engine-thread hand-off (grpc-thread -
+      grpc-echo: any worker that runs its engine on a thread pays it) and the session
+      logic (grpc-direct - grpc-thread); where grpc-sync was measured, what the compute
+      costs on the stream's own thread instead (grpc-sync - grpc-echo);
     - edge: fabric - ws-echo - grpc-direct (the edge's own work: translation, checks,
       session logic, one process more on the way)."""
     rows = []
@@ -120,12 +124,19 @@ def split(by: dict[tuple[str, int], Level]) -> list[dict[str, Any]]:
             continue
         ws, echo, direct = (lv.overhead_ms["p50"] for lv in levels if lv is not None)
         f = fabric.overhead_ms["p50"]
+        t, sync = (
+            lv.overhead_ms["p50"] if (lv := by.get((p, n))) is not None else math.nan
+            for p in ("grpc-thread", "grpc-sync")
+        )
         rows.append(
             {
                 "sessions": n,
                 "added_ms": _added(f, ws),
                 "grpc_exchange_ms": echo,
                 "worker_ms": _added(direct, echo),
+                "engine_handoff_ms": _added(t, echo),
+                "session_logic_ms": _added(direct, t),
+                "sync_handoff_ms": _added(sync, echo),
                 "edge_ms": _added(f - ws, direct),
             }
         )
@@ -224,8 +235,11 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "",
             "| sessions | fabric added p50 (- ws-echo) | one gRPC exchange (grpc-echo) | worker "
-            "(grpc-direct - grpc-echo) | edge (fabric - ws-echo - grpc-direct) |",
-            "|---:|---:|---:|---:|---:|",
+            "(grpc-direct - grpc-echo) | of it, the engine-thread hand-off (grpc-thread - "
+            "grpc-echo) | and the session logic (grpc-direct - grpc-thread) | edge (fabric - "
+            "ws-echo - grpc-direct) | the hand-off on a synchronous server (grpc-sync - "
+            "grpc-echo) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
 
         def signed(x: float | None) -> str:
@@ -235,7 +249,9 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {row['sessions']} | {signed(row['added_ms'])} | "
                 f"{signed(row['grpc_exchange_ms'])} | {signed(row['worker_ms'])} | "
-                f"{signed(row['edge_ms'])} |"
+                f"{signed(row.get('engine_handoff_ms'))} | "
+                f"{signed(row.get('session_logic_ms'))} | {signed(row['edge_ms'])} | "
+                f"{signed(row.get('sync_handoff_ms'))} |"
             )
     if result.get("cpu_floor"):
         lines += [
@@ -301,6 +317,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         "grpc-realtime": "tab:orange",
         "ws-echo": "tab:blue",
         "grpc-echo": "tab:purple",
+        "grpc-thread": "tab:brown",
+        "grpc-sync": "tab:pink",
         "grpc-direct": "tab:green",
     }
     styles = {"p50": ":", "p95": "--", "p99": "-"}
