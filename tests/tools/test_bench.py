@@ -12,6 +12,7 @@ import pytest
 
 from omnifabric.tools.perf.bench import build_parser, default_paths, next_probe
 from omnifabric.tools.perf.bench import main as bench_main
+from omnifabric.tools.perf.ledger import PATHS
 from tests.conftest import ROOT, scaled
 from tests.stack import Stack
 
@@ -37,15 +38,7 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     assert "/3 s," in result.stdout
     doc = json.loads((out / "bench.json").read_text())
     levels = {(lv["path"], lv["sessions"]): lv for lv in doc["levels"]}
-    paths = (
-        "fabric",
-        "grpc-realtime",
-        "ws-echo",
-        "grpc-echo",
-        "grpc-thread",
-        "grpc-sync",
-        "grpc-direct",
-    )
+    paths = PATHS  # every one, the floors grpc-thread and grpc-sync among them (below)
     assert set(levels) == {(p, n) for p in paths for n in (1, 3)}
     for (path, n), lv in levels.items():
         assert lv["units_sent"] == 3 * n, (path, n, lv)
@@ -221,23 +214,8 @@ def test_default_paths_leave_out_a_running_edges_unknown_grpc_port():
     def paths(*argv: str) -> list[str]:
         return default_paths(build_parser().parse_args(list(argv))).split(",")
 
-    assert paths() == [
-        "fabric",
-        "grpc-realtime",
-        "ws-echo",
-        "grpc-echo",
-        "grpc-thread",
-        "grpc-sync",
-        "grpc-direct",
-    ]
-    assert paths("--url", "ws://h:1/v1/realtime") == [
-        "fabric",
-        "ws-echo",
-        "grpc-echo",
-        "grpc-thread",
-        "grpc-sync",
-        "grpc-direct",
-    ]
+    assert paths() == list(PATHS)
+    assert paths("--url", "ws://h:1/v1/realtime") == [p for p in PATHS if p != "grpc-realtime"]
     assert "grpc-realtime" in paths("--url", "ws://h:1/v1/realtime", "--grpc", "h:2")
 
 
