@@ -19,7 +19,8 @@ send one 1 s unit per second for S seconds over seven paths on this machine:
   worker with the same PCM (no edge, no JSON; the scheduler is not on the unit path).
 
 Overhead per unit = client send to client receive minus the engine's reported compute
-(prefill + generate; zero for the echoes). Reported per path and count: p50/p95/p99/max,
+(prefill + generate; on grpc-thread and grpc-sync what the server's thread measured; zero
+for the echoes). Reported per path and count: p50/p95/p99/max,
 lost units (no result and no counted drop; also sessions without a close), dropped units,
 queue waits, CPU and peak RSS of every process, the edge's CPU microseconds per unit, and
 the ratios and the milliseconds added to the baselines (fabric, grpc-realtime), and the
