@@ -79,6 +79,15 @@ GRPC_THREAD_METHOD = "/omnifabric.bench.Echo/Thread"
 #: A grpc-thread answer: the compute the thread measured (ms, little-endian double), then
 #: the message.
 COMPUTE_HEADER = struct.Struct("<d")
+#: The largest gRPC message either way, as a worker's default (--max-message-bytes).
+MESSAGE_LIMIT = 16 * 2**20
+
+
+def _server_options() -> list[tuple[str, int]]:
+    """The baseline gRPC servers' options: a worker's own (limits, keepalive)."""
+    from omnifabric.worker.server import server_options
+
+    return server_options(MESSAGE_LIMIT)
 
 
 def spend(compute_ms: float) -> float:
@@ -92,7 +101,7 @@ def spend(compute_ms: float) -> float:
 
 def grpc_echo_server_main(host: str, compute_ms: float) -> int:
     """`python -m omnifabric.tools.perf.bench --grpc-echo-server HOST COMPUTE_MS`: a
-    grpc.aio server (uvloop, the worker's message limits) with the two methods above;
+    grpc.aio server (uvloop, a worker's server options) with the two methods above;
     prints `grpc echo ready: HOST:PORT`."""
 
     async def serve() -> None:
@@ -113,13 +122,7 @@ def grpc_echo_server_main(host: str, compute_ms: float) -> int:
                 spent = await loop.run_in_executor(engine, spend, compute_ms)
                 yield COMPUTE_HEADER.pack(spent) + message
 
-        limit = 16 * 2**20
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_send_message_length", limit),
-                ("grpc.max_receive_message_length", limit),
-            ]
-        )
+        server = grpc.aio.server(options=_server_options())
         service = GRPC_ECHO_METHOD.strip("/").split("/")[0]
         handlers = {  # bytes in, bytes out
             m.rsplit("/", 1)[1]: grpc.stream_stream_rpc_method_handler(h)
@@ -137,7 +140,7 @@ def grpc_echo_server_main(host: str, compute_ms: float) -> int:
 
 def grpc_sync_server_main(host: str, compute_ms: float) -> int:
     """`python -m omnifabric.tools.perf.bench --grpc-sync-server HOST COMPUTE_MS`: a
-    synchronous gRPC server (a thread per stream, the worker's message limits) whose Thread
+    synchronous gRPC server (a thread per stream, a worker's server options) whose Thread
     method spends the compute on the stream's own thread and answers as grpc.aio's does;
     prints `grpc sync ready: HOST:PORT`. What a worker whose gRPC handler ran the engine
     itself would pay: no loop, no hand-off."""
@@ -149,13 +152,9 @@ def grpc_sync_server_main(host: str, compute_ms: float) -> int:
         for message in requests:
             yield COMPUTE_HEADER.pack(spend(compute_ms)) + message
 
-    limit = 16 * 2**20
     server = grpc.server(
         ThreadPoolExecutor(max_workers=1024, thread_name_prefix="stream"),
-        options=[
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-        ],
+        options=_server_options(),
     )
     service, method = GRPC_THREAD_METHOD.strip("/").split("/")
     handler = grpc.stream_stream_rpc_method_handler(thread)
@@ -183,7 +182,7 @@ class OwnConnections:
 
         from omnifabric.edge.fabric import channel_options
 
-        options = [*channel_options(16 * 2**20), ("grpc.use_local_subchannel_pool", 1)]
+        options = [*channel_options(MESSAGE_LIMIT), ("grpc.use_local_subchannel_pool", 1)]
         return grpc.aio.insecure_channel(self.address, options=options)
 
     async def close(self) -> None:
@@ -271,7 +270,7 @@ class GrpcDirect:
         from omnifabric.edge.fabric import channel_options
         from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 
-        options = channel_options(16 * 2**20)
+        options = channel_options(MESSAGE_LIMIT)
         self._grpc = grpc
         self._options = options
         self._sched_channel = grpc.aio.insecure_channel(scheduler, options=options)
