@@ -233,12 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--echo-server"]:
         return echo_server_main(argv[1] if len(argv) > 1 else "127.0.0.1")
-    if argv[:1] == ["--grpc-echo-server"]:
+    servers = {
+        "--grpc-echo-server": grpc_echo_server_main,
+        "--grpc-sync-server": grpc_sync_server_main,
+    }
+    if argv[:1] and argv[0] in servers:  # FLAG [HOST [COMPUTE_MS]], as bench_stack starts them
         host = argv[1] if len(argv) > 1 else "127.0.0.1"
-        return grpc_echo_server_main(host, float(argv[2]) if len(argv) > 2 else 40.0)
-    if argv[:1] == ["--grpc-sync-server"]:
-        host = argv[1] if len(argv) > 1 else "127.0.0.1"
-        return grpc_sync_server_main(host, float(argv[2]) if len(argv) > 2 else 40.0)
+        compute_ms = float(argv[2]) if len(argv) > 2 else build_parser().get_default("compute_ms")
+        return servers[argv[0]](host, compute_ms)
     args = build_parser().parse_args(argv)
     try:
         counts = [int(n) for n in args.sessions.split(",") if n.strip()]

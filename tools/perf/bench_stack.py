@@ -15,9 +15,15 @@ from typing import Any
 from omnifabric.tools.perf.ledger import THROUGH_EDGE
 from omnifabric.tools.perf.metrics import http_address, metric, scrape_metrics
 
-#: The echo servers' process names (ws-echo; grpc-echo and grpc-thread; grpc-sync): no path
-#: but their own watches them.
-ECHOES = ("echo", "grpc-echo", "grpc-sync")
+#: The baseline paths served by a server of the bench's own: the process that serves each.
+BASELINE_SERVERS = {
+    "ws-echo": "echo",
+    "grpc-echo": "grpc-echo",
+    "grpc-thread": "grpc-echo",
+    "grpc-sync": "grpc-sync",
+}
+#: Those servers' process names: no path but their own watches them.
+ECHOES = tuple(dict.fromkeys(BASELINE_SERVERS.values()))
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 from omnifabric.tools.client import percentile
 from omnifabric.tools.perf import console
 from omnifabric.tools.perf.baselines import echo_session
-from omnifabric.tools.perf.bench_stack import ECHOES, BenchStack, edge_idle
+from omnifabric.tools.perf.bench_stack import BASELINE_SERVERS, ECHOES, BenchStack, edge_idle
 from omnifabric.tools.perf.fabric import fabric_session
 from omnifabric.tools.perf.ledger import THROUGH_EDGE, Level, Samples, stats, us_per_unit
 from omnifabric.tools.perf.procs import ProcessWatch, proc_sample
@@ -61,9 +61,8 @@ async def run_level(
             for n in stack.pids
             if n not in ECHOES and (not args.url or n == "client" or is_edge(n))
         ]
-    elif path in ("ws-echo", "grpc-echo", "grpc-thread", "grpc-sync"):
-        server = {"ws-echo": "echo", "grpc-thread": "grpc-echo"}.get(path, path)
-        watched = [server, "client"]
+    elif path in BASELINE_SERVERS:
+        watched = [BASELINE_SERVERS[path], "client"]
     else:
         watched = [n for n in stack.pids if n.startswith(("worker", "scheduler")) or n == "client"]
     watch = ProcessWatch({n: stack.pids[n] for n in watched})
