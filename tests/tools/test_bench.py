@@ -12,7 +12,9 @@ import pytest
 
 from omnifabric.tools.perf.bench import build_parser, default_paths, next_probe
 from omnifabric.tools.perf.bench import main as bench_main
-from omnifabric.tools.perf.ledger import PATHS
+from omnifabric.tools.perf.ledger import PATHS, Level
+from omnifabric.tools.perf.procs import proc_sample
+from omnifabric.tools.perf.report import markdown, summarize
 from tests.conftest import ROOT, scaled
 from tests.stack import Stack
 
@@ -239,3 +241,40 @@ def test_default_paths_leave_out_a_running_edges_unknown_grpc_port():
 def test_bad_arguments_refused_before_anything_starts(args, message, capsys):
     assert bench_main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_process_cpu_time_is_read_finer_than_clock_ticks():
+    # /proc/<pid>/stat counts 10 ms ticks: a short level's edge read 0 CPU (issue 36).
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
+         "while time.process_time() - t < 0.003: pass\nprint(flush=True)\nsys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        before = proc_sample(child.pid)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.stdout.readline()  # it spent 3 ms of CPU
+        after = proc_sample(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert before is not None and after is not None
+    spent = after[0] - before[0]
+    assert 0.003 <= spent < 1.0
+    assert round(spent * 100) != spent * 100  # not a whole number of ticks
+
+
+def test_a_zero_edge_cpu_figure_is_reported():
+    # A level whose edge CPU measured 0 keeps its figure in the targets and the tables.
+    args = build_parser().parse_args(["--sessions", "1,3"])
+    levels = [
+        Level("fabric", 1, 3, units_sent=3, answered=3, edge_cpu_us_per_unit=0.0),
+        Level("fabric", 3, 3, units_sent=9, answered=9, edge_cpu_us_per_unit=812.5),
+    ]
+    for lv in levels:
+        lv.overhead_ms = {"p50": 1.0, "p95": 1.0, "p99": 1.0, "max": 1.0}
+    doc = summarize(args, levels, None, [])
+    assert doc["targets"]["edge_cpu_us_per_unit"]["1"]["whole_level"] == 0.0
+    assert doc["targets"]["edge_cpu_us_per_unit"]["3"]["whole_level"] == 812.5
+    assert "| 0 us |" in markdown(doc)

@@ -134,6 +134,7 @@ async def run_level(
         if cpu0 is not None and cpu1 is not None and n1 > n0:
             level.edge_cpu_us_per_unit_steady = us_per_unit(cpu1 - cpu0, n1 - n0)
     o = level.overhead_ms
+    steady_us = level.edge_cpu_us_per_unit_steady
     say(
         f"{path} x{sessions}: {level.answered}/{level.units_sent} answered, lost {level.lost}, "
         f"dropped {level.dropped}, lost sessions {level.lost_sessions}; overhead p50 "
@@ -152,8 +153,8 @@ async def run_level(
         )
         + (
             f"; edge CPU per unit {level.edge_cpu_us_per_unit:.0f} us "
-            f"(streaming only: {level.edge_cpu_us_per_unit_steady or math.nan:.0f} us)"
-            if level.edge_cpu_us_per_unit
+            f"(streaming only: {math.nan if steady_us is None else steady_us:.0f} us)"
+            if level.edge_cpu_us_per_unit is not None
             else ""
         )
         + (f"; errors {level.errors}" if level.errors else "")

@@ -80,7 +80,8 @@ def summarize(
             found["remeasured_within"] = within(again, args.max_p99_ms)
         targets["max_sessions_within"] = found
     # The public path's figure (grpc-realtime levels have their own, in their level).
-    edge_us = [lv for lv in levels if lv.edge_cpu_us_per_unit and lv.path == "fabric"]
+    # A figure of 0 is a measurement: only a level without one (None) is left out.
+    edge_us = [lv for lv in levels if lv.edge_cpu_us_per_unit is not None and lv.path == "fabric"]
     if edge_us:
         targets["edge_cpu_us_per_unit"] = {
             str(lv.sessions): {
@@ -163,7 +164,7 @@ def cpu_floor(by: dict[tuple[str, int], Level]) -> list[dict[str, Any]]:
     for (path, n), fabric in sorted(by.items(), key=lambda kv: kv[0][1]):
         ws, echo = by.get(("ws-echo", n)), by.get(("grpc-echo", n))
         edge = fabric.edge_cpu_us_per_unit
-        if path != "fabric" or ws is None or echo is None or not edge:
+        if path != "fabric" or ws is None or echo is None or edge is None:
             continue
         ws_us, echo_us = _cpu_us_per_unit(ws, "echo"), _cpu_us_per_unit(echo, "grpc-echo")
         if ws_us is None or echo_us is None:
@@ -199,7 +200,9 @@ def markdown(result: dict[str, Any]) -> str:
         o = lv["overhead_ms"]
         edge, steady = lv["edge_cpu_us_per_unit"], lv["edge_cpu_us_per_unit_steady"]
         edge_text = (
-            "-" if not edge else f"{edge:.0f} us" + (f" / {steady:.0f} us" if steady else "")
+            "-"
+            if edge is None
+            else f"{edge:.0f} us" + (f" / {steady:.0f} us" if steady is not None else "")
         )
         lines.append(
             f"| {lv['sessions']} | {lv['path']} | {lv['units_sent']} | {lv['answered']} | "
