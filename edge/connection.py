@@ -174,6 +174,10 @@ class DuplexConnection:
 
     async def _emit(self, event: ev.SessionEvent) -> None:
         """Session events (SessionCore's emit, the pause watchdog) -> the client."""
+        if isinstance(event, ev.Created | ev.Reattached) and self.core is not None:
+            # Before the client hears that the session started: what the dialect cuts a
+            # stream of audio into (half-duplex calls).
+            self.dialect.unit_bounds = self.core.unit_bounds
         if isinstance(event, ev.Reattached):
             self.dialect.session_id = event.session_id
             # ResumeExpired: _resume fails it

@@ -239,6 +239,17 @@ class SessionCore:
             return None
         return self._lease.limits
 
+    @property
+    def unit_bounds(self) -> tuple[int, int] | None:
+        """(fewest, most) samples per unit the worker serves: from its SessionStarted, else
+        from the lease; None when neither says (the worker alone decides)."""
+        if self.unit_samples is not None:
+            return self.unit_samples
+        limits = self.limits
+        if limits is not None and limits.max_unit_samples:
+            return limits.min_unit_samples, limits.max_unit_samples
+        return None
+
     def check_init(self, init: ev.InitCommand) -> None:
         """An init against the leased worker's limits. Raises InvalidPayload, which leaves
         the session as it was: nothing was sent, a corrected init may follow."""
@@ -568,9 +579,7 @@ class SessionCore:
             raise NotReady("send session.init (or session.update) first")
         if self.closed.is_set():
             raise NotReady("the session is closed")
-        bounds = self.unit_samples
-        if bounds is None and self.limits is not None and self.limits.max_unit_samples:
-            bounds = (self.limits.min_unit_samples, self.limits.max_unit_samples)
+        bounds = self.unit_bounds
         if bounds is not None:
             check_unit_length(len(cmd.pcm) // 4, *bounds)
         check_slices(cmd.max_slice_nums, self.limits)

@@ -48,6 +48,9 @@ class DuplexDialect:
     #: The recording's id once the session is being recorded (set by the driver before the
     #: session starts; None when the edge records nothing or recording failed).
     recording_id: str | None = None
+    #: (fewest, most) samples per unit the leased worker serves, set by the driver as the
+    #: session starts; None before, or when the worker states none.
+    unit_bounds: tuple[int, int] | None = None
     #: Read no client message after the init until the session started (gRPC clients
     #: pipeline their units right behind the init).
     holds_input_until_started = False

@@ -6,7 +6,8 @@ context) goes on across turns.
 Client: `prepare{system_content | system_prompt, config{tts{enabled}, ...}, ref_audio_base64?}`
 (`system_content`, the reference page's form: text parts joined into the system prompt, the
 first audio part the reference voice),
-`audio_chunk{audio_base64}` (float32 16 kHz, ~0.5 s), `stop`. Server: `queued` /
+`audio_chunk{audio_base64}` (float32 16 kHz, any length up to 30 s; the reference pages send
+0.5 s), `stop`. Server: `queued` /
 `queue_update` / `queue_done`, `prepared{session_id, timeout_s, recording_session_id, notes?}`,
 `vad_state{speaking}`, `generating{speech_duration_ms}`, `chunk{text_delta, audio_data}`,
 `turn_done{turn_index, text}` (turn_index: the turns answered so far, 1 after the first),
@@ -16,7 +17,9 @@ How it runs on the fabric: as a session of the worker's engine marked `half_dupl
 engine serves it. MiniCPM-o answers through its turn-based streaming chat path (silero-vad
 finds the turn, the turn's audio is prefilled whole, the context goes on across turns:
 worker/engines/minicpmo/half_duplex.py); the reference engine and the synthetic one take
-turns as in a duplex session. From the engine's first speaking unit the reply streams, and
+turns as in a duplex session. The input is a stream, not units: chunks shorter than the
+leased worker's shortest unit wait for the next ones, longer ones go in units it serves.
+From the engine's first speaking unit the reply streams, and
 the edge feeds the
 session silent units itself (as fast as the answers come, not in real time) until the
 engine ends its turn, so the reply does not wait for the client, which stops sending audio
@@ -62,6 +65,9 @@ MAX_TIMEOUT_S = 3600.0
 #: An answer's tokens at most unless `config.generation.max_new_tokens` says otherwise (the
 #: reference server's default).
 MAX_NEW_TOKENS = 256
+#: The longest audio_chunk taken, 16 kHz samples: 30 s, the most of a turn a worker hears
+#: as one unit; a longer message is refused whole.
+MAX_CHUNK_SAMPLES = 30 * 16000
 #: One second of silence at 16 kHz: what the edge feeds the engine while it answers (a unit
 #: length every engine takes).
 SILENCE = np.zeros(16000, "<f4").tobytes()
@@ -119,6 +125,8 @@ class HalfDuplex(DuplexDialect):
         self._timeout_s = TIMEOUT_S
         self._last_chunk = 0.0
         self._prepared = False
+        self._pending = bytearray()
+        """Audio received and not yet sent: less than the worker's shortest unit."""
 
     def refusal(self) -> EdgeError | None:
         return path_id_refusal(self.session_id)
@@ -137,7 +145,13 @@ class HalfDuplex(DuplexDialect):
             audio = event.get("audio_base64", event.get("audio"))
             if audio is None:
                 raise MissingField("'audio_base64' is required")
-            unit = pcm.unit_pcm(audio, "audio_base64")
+            # Any length, none too: a stream's chunk may be empty.
+            raw = b"" if audio == "" else pcm.unit_pcm(audio, "audio_base64")
+            if len(raw) // 4 > MAX_CHUNK_SAMPLES:
+                raise InvalidPayload(
+                    f"audio_base64: {len(raw) // 4} samples; an audio_chunk carries at most "
+                    f"{MAX_CHUNK_SAMPLES} (30 s)"
+                )
             # Every chunk restarts the inactivity timer, also one ignored during an answer.
             self._last_chunk = time.monotonic()
             idle: list[ev.Command] = (
@@ -145,13 +159,31 @@ class HalfDuplex(DuplexDialect):
             )
             if self._answering:
                 return idle  # the model is answering: input is ignored (no echo of its voice)
-            return [ev.AppendCommand(pcm=unit), *idle]
+            return [*self._units(raw), *idle]
         if kind == "prepare":
             return [self._prepare(event)]
         if kind == "stop":
             self._stopping = True
             return [ev.CloseCommand()]
         raise UnknownEvent(f"unknown message type {kind[:64]!r}")
+
+    def _units(self, raw: bytes) -> list[ev.Command]:
+        """The units a chunk of the stream completes: audio gathers until it reaches the
+        worker's shortest unit, then all of it goes, in as few units as the longest allows
+        (equal parts, so none falls under the shortest). Before the session started the
+        chunk goes as it is, to be refused as not ready."""
+        if self.unit_bounds is None:
+            return [ev.AppendCommand(pcm=raw)]
+        fewest, most = self.unit_bounds
+        self._pending += raw
+        total = len(self._pending) // 4
+        if total < fewest:
+            return []
+        parts = -(-total // most)
+        data = bytes(self._pending)
+        self._pending.clear()
+        cuts = [total * i // parts * 4 for i in range(parts + 1)]
+        return [ev.AppendCommand(pcm=data[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
 
     def _prepare(self, event: dict[str, Any]) -> ev.InitCommand:
         prompt = event.get("system_prompt", "")
@@ -274,6 +306,7 @@ class HalfDuplex(DuplexDialect):
             return messages
         if not self._answering:
             self._answering = True
+            self._pending.clear()  # the user's last instant before the answer: ignored too
             if self._speaking:
                 messages.append({"type": "vad_state", "speaking": False})
             self._speaking = False

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import json
 
+import numpy as np
 import pytest
 from websockets.asyncio.client import connect
 
@@ -83,6 +84,29 @@ async def test_two_turns_then_stop(stack):
             assert f"reply {turn + 1}" in done["text"]
         await ws.send(json.dumps({"type": "stop"}))
         assert (await until(ws, "stopped", seen))["session_id"] == "hd_1"
+
+
+async def test_a_recording_in_chunks_of_any_length_is_answered(stack):
+    """A recording cut into 0.5 s chunks ends with a short piece (here 2484 samples), and
+    other clients send 64 ms frames: every chunk is taken (none refused) and the turn is
+    answered (issue 36)."""
+    seen: list[dict] = []
+    speech = np.concatenate([SPEECH, SPEECH[:2484]])
+    async with connect(url(stack, "hd_any"), open_timeout=scaled(10)) as ws:
+        await until(ws, "queue_done", seen)
+        await ws.send(json.dumps({"type": "prepare"}))
+        await until(ws, "prepared", seen)
+        for turn, size in enumerate((HALF, 1024)):
+            for start in range(0, len(speech), size):
+                await ws.send(chunk(speech[start : start + size]))
+                await asyncio.sleep(size / 16000)
+            for _ in range(4):  # then silence, as a microphone goes on sending
+                await ws.send(chunk(SILENCE[:HALF]))
+                await asyncio.sleep(0.5)
+            assert (await until(ws, "generating", seen))["speech_duration_ms"] >= 1000
+            done = await until(ws, "turn_done", seen)
+            assert done["turn_index"] == turn + 1 and done["text"]
+        assert not [e for e in seen if e["type"] == "error"]
 
 
 async def test_bad_input_answers_error_and_the_call_goes_on(stack):

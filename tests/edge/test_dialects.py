@@ -486,6 +486,47 @@ def test_half_duplex_maps_vad_and_generation_config():
     assert d.after_output(_out(seq=4)) == [ev.AppendCommand(pcm=SILENCE)]
 
 
+def test_half_duplex_audio_is_a_stream_cut_into_the_workers_units():
+    """audio_chunk of any length (issue 36: the 2484-sample last piece of a recording cut
+    into 0.5 s chunks was refused): short chunks wait for the next, long ones go in equal
+    units the worker serves, no sample lost or reordered."""
+    from omnifabric.edge.dialects.half_duplex import MAX_CHUNK_SAMPLES, HalfDuplex
+
+    d = HalfDuplex("hd_1")
+    d.decode(_frame({"type": "prepare"}))
+    audio = np.arange(200000, dtype="<f4") / 200000
+
+    def chunk(a: int, b: int) -> list[ev.Command]:
+        b64 = base64.b64encode(audio[a:b].tobytes()).decode()
+        cmds = d.decode(_frame({"type": "audio_chunk", "audio_base64": b64}))
+        return [c for c in cmds if isinstance(c, ev.AppendCommand)]
+
+    # Before the session started (bounds unknown) a chunk goes as it is (refused as not
+    # ready by the driver, as before).
+    assert [len(c.pcm) // 4 for c in chunk(0, 2484)] == [2484]
+    d.unit_bounds = (4000, 64000)  # set by the driver as the session starts
+    sent: list[ev.AppendCommand] = []
+    sizes = []
+    for a, b in ((0, 8000), (8000, 10484), (10484, 11484), (11484, 13000), (13000, 13000),
+                 (13000, 150000), (150000, 151000)):  # fmt: skip
+        units = chunk(a, b)
+        sizes.append([len(c.pcm) // 4 for c in units])
+        sent += units
+    # 0.5 s goes at once; 2484, 1000 and 1516 wait until they make 5000; an empty chunk is
+    # nothing; 137000 samples go as three equal units within 64000; 1000 waits.
+    assert sizes == [[8000], [], [], [5000], [], [45666, 45667, 45667], []]
+    got = np.frombuffer(b"".join(c.pcm for c in sent), "<f4")
+    assert np.array_equal(got, audio[:150000])
+    # The answer starts: what waited is the user's last instant before it, ignored too.
+    d.encode(_out(seq=5, n_tokens=1))
+    assert chunk(151000, 152000) == []
+    d.encode(_out(seq=6, text="", n_tokens=0, end_of_turn=True))
+    assert [len(c.pcm) // 4 for c in chunk(152000, 156000)] == [4000]
+    with pytest.raises(errors.InvalidPayload, match=f"at most {MAX_CHUNK_SAMPLES}"):
+        big = np.zeros(MAX_CHUNK_SAMPLES + 1, "<f4")
+        d.decode(_frame({"type": "audio_chunk", "audio_base64": base64.b64encode(big).decode()}))
+
+
 @pytest.mark.parametrize(
     ("config", "error"),
     [
