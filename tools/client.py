@@ -9,7 +9,7 @@ import asyncio
 import base64
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,20 @@ def pcm_b64(samples: np.ndarray) -> str:
     return base64.b64encode(samples.astype("<f4").tobytes()).decode()
 
 
+#: A unit's engine time (the rest of its round trip is the fabric's): its prefill and
+#: generate, and its wait for the previous unit's deferred finalize (the engine still making
+#: the speech that went out with that unit; a unit that arrives meanwhile waits for it).
+ENGINE_TIMINGS = ("prefill_ms", "generate_ms", "finalize_wait_ms")
+
+
+def engine_ms(timings: Any) -> float:
+    """A unit's engine time (ENGINE_TIMINGS) from its timings: the public events' `metrics`
+    (a dict; missing fields count 0) or a protobuf UnitTimings."""
+    if isinstance(timings, Mapping):
+        return float(sum(timings.get(key) or 0.0 for key in ENGINE_TIMINGS))
+    return float(sum(getattr(timings, key) for key in ENGINE_TIMINGS))
+
+
 @dataclass
 class UnitRecord:
     """One unit as the client saw it."""
@@ -40,6 +54,7 @@ class UnitRecord:
     kv_cache_length: int = 0
     prefill_ms: float = 0.0
     generate_ms: float = 0.0
+    finalize_wait_ms: float = 0.0
     wall_clock_ms: float = 0.0
 
     @property
@@ -49,10 +64,15 @@ class UnitRecord:
         return (self.received_at - self.sent_at) * 1000.0
 
     @property
+    def engine_ms(self) -> float:
+        """The engine's time in this unit's round trip (ENGINE_TIMINGS)."""
+        return self.prefill_ms + self.generate_ms + self.finalize_wait_ms
+
+    @property
     def overhead_ms(self) -> float | None:
-        """Client send -> client receive minus the engine's compute (prefill + generate)."""
+        """Client send -> client receive minus the engine's time (engine_ms)."""
         rtt = self.rtt_ms
-        return None if rtt is None else rtt - self.prefill_ms - self.generate_ms
+        return None if rtt is None else rtt - self.engine_ms
 
 
 @dataclass
@@ -380,6 +400,7 @@ def _record(event: dict[str, Any], report: SessionReport, dialect: str) -> None:
         unit.kv_cache_length = metrics.get("kv_cache_length", 0)
         unit.prefill_ms = metrics.get("prefill_ms", 0.0)
         unit.generate_ms = metrics.get("generate_ms", 0.0)
+        unit.finalize_wait_ms = metrics.get("finalize_wait_ms", 0.0)
         unit.wall_clock_ms = metrics.get("wall_clock_ms", 0.0)
     if kind in ("delta.listen", "response.listen"):
         if unit.kind == "speak":  # the listen that closes a turn (current dialect)

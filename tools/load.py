@@ -64,7 +64,7 @@ async def run(
         u.overhead_ms for r in reports for u in r.units.values() if u.overhead_ms is not None
     ]
     answered = [u for r in reports for u in r.units.values() if u.received_at is not None]
-    engine_ms = [u.prefill_ms + u.generate_ms for u in answered]
+    engine_ms = [u.engine_ms for u in answered]
     rtts = [rtt for u in answered if (rtt := u.rtt_ms) is not None]  # all: answered
     speak = [
         u.overhead_ms

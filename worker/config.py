@@ -107,6 +107,16 @@ class WorkerConfig:
         help="synthetic engine ms per unit",
     )
     """Busy time per unit of the synthetic engine, milliseconds."""
+    synthetic_finalize_ms: float = setting(
+        0.0,
+        env="OMNI_WORKER_FINALIZE_MS",
+        flag="--finalize-ms",
+        range=(0.0, 60000.0),
+        help="synthetic engine ms per deferred finalize",
+    )
+    """Busy time of the synthetic engine's deferred finalize after each unit, milliseconds
+    (a real engine makes the next second of speech there; a unit that arrives meanwhile
+    waits for it)."""
     device: str | None = setting(
         None,
         env="OMNI_WORKER_DEVICE",

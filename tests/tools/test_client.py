@@ -36,3 +36,36 @@ def test_a_reply_that_ended_within_the_input_waits_for_a_last_question():
 def test_no_speech_is_no_reply():
     assert not report("L", "L", "L", "L").reply_done(2)
     assert not report().reply_done(0)
+
+
+def test_the_wait_for_the_previous_finalize_is_engine_time_not_overhead(tmp_path):
+    """A unit sent right after the previous answer waits for that unit's deferred finalize
+    (the next second of speech on a real engine): the client counts the wait as engine time
+    (`finalize_wait_ms`), and the overhead is the fabric's share only (issue 36: the probe
+    read 369-564 ms of "overhead" on the reference engine)."""
+    import asyncio
+
+    from omnifabric.tools.client import SILENCE_UNIT, run_session
+    from tests.conftest import scaled
+    from tests.stack import Stack
+
+    stack = Stack(tmp_path)
+    try:
+        stack.start_scheduler()
+        stack.start_worker("--slots", "1", "--compute-ms", "5", "--finalize-ms", "500")
+        stack.start_edge()
+        result = asyncio.run(
+            asyncio.wait_for(
+                run_session(f"{stack.url}?mode=audio", [SILENCE_UNIT] * 5, pace_s=0.0),
+                scaled(60),
+            )
+        )
+    finally:
+        stack.stop()
+    units = [result.units[seq] for seq in sorted(result.units)]
+    assert [u.kind for u in units] == ["listen"] * 5, units
+    for u in units[1:]:  # sent as soon as the previous answer came: it waited for finalize
+        assert u.finalize_wait_ms > 250, u
+        assert u.rtt_ms is not None and u.overhead_ms == u.rtt_ms - u.engine_ms
+    overheads = sorted(u.overhead_ms for u in units[1:] if u.overhead_ms is not None)
+    assert overheads[len(overheads) // 2] < 250, overheads  # the 500 ms wait not in it

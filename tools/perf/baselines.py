@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from omnifabric.tools.client import engine_ms
 from omnifabric.tools.perf.console import run_loop
 from omnifabric.tools.perf.ledger import Samples, UnitLedger
 from omnifabric.tools.perf.units import paced, settle
@@ -347,7 +348,7 @@ class GrpcDirect:
                         result.seq,
                         result.dropped_seqs,
                         now,
-                        timings.prefill_ms + timings.generate_ms,
+                        engine_ms(timings),
                         timings.wall_clock_ms,
                     )
 

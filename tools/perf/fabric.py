@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from websockets.typing import Subprotocol
 
+from omnifabric.tools.client import engine_ms
 from omnifabric.tools.perf.baselines import OwnConnections
 from omnifabric.tools.perf.ledger import Samples, UnitLedger
 from omnifabric.tools.perf.units import paced, settle
@@ -76,7 +77,7 @@ async def fabric_session(
                     int(metrics.get("seq") or 0),
                     metrics.get("dropped_seqs", ()),
                     now,
-                    metrics.get("prefill_ms", 0.0) + metrics.get("generate_ms", 0.0),
+                    engine_ms(metrics),
                     metrics.get("wall_clock_ms"),
                 )
                 return True
@@ -154,7 +155,7 @@ class GrpcRealtime(OwnConnections):
                                     out.seq,
                                     out.dropped_seqs,
                                     now,
-                                    timings.prefill_ms + timings.generate_ms,
+                                    engine_ms(timings),
                                     timings.wall_clock_ms,
                                 )
                     except Exception as exc:

@@ -18,6 +18,7 @@ def _synthetic(config: WorkerConfig) -> Engine:
 
     return SyntheticEngine(
         compute_ms=config.synthetic_compute_ms,
+        finalize_ms=config.synthetic_finalize_ms,
         slots=config.slots or 4,
         fail_unit=config.synthetic_fail_unit,
         hang_unit=config.synthetic_hang_unit,

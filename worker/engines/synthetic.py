@@ -132,6 +132,8 @@ class SyntheticSession(EngineSession):
 
     def finalize(self) -> None:
         self._check_open()
+        if self.engine.finalize_ms:
+            time.sleep(self.engine.finalize_ms / 1000.0)
         self.needs_finalize = False
 
     def stop(self) -> None:
@@ -214,6 +216,7 @@ class SyntheticEngine(Engine):
         self,
         compute_ms: float = 40.0,
         slots: int = 4,
+        finalize_ms: float = 0.0,
         force_listen_count: int = 3,
         reply_units: int = 3,
         fail_unit: int | None = None,
@@ -221,6 +224,8 @@ class SyntheticEngine(Engine):
         hang_s: float = 3600.0,
     ) -> None:
         self.compute_ms = compute_ms
+        self.finalize_ms = finalize_ms
+        """Busy time of each deferred finalize (after the unit's result went out)."""
         self.fail_unit = fail_unit
         """Fault injection for tests: generate() raises on this unit (1-based) of each session."""
         self.hang_unit = hang_unit
