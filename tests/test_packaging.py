@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import tomllib
+import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +26,9 @@ NOT_IN_BASE = (
     "torch", "transformers", "accelerate", "scipy", "matplotlib", "xllamacpp", "silero_vad",
     "librosa", "soundfile", "tokenizers", "onnxruntime", "gguf", "piper",
 )  # fmt: skip
+
+#: What tools/gen_stubs.py generates for each .proto file (git-ignored, so not in a clone).
+STUB_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 #: Run with the extras' modules unimportable, as in an environment with the base install.
 BASE_ONLY = textwrap.dedent(
@@ -129,3 +137,101 @@ def test_base_dependencies_hold_no_model_runtime():
     extras = project["optional-dependencies"]
     assert {"reference", "minicpmo", "bench", "dev"} <= set(extras)
     assert any(d.startswith("torch==") for d in extras["reference"])
+
+
+def fresh_clone(dest: Path) -> Path:
+    """The files a clone of this working tree has (tracked, plus untracked ones git does not
+    ignore): no generated stubs, no egg-info, no virtual environment."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():  # a tracked file deleted in the working tree is not copied
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest
+
+
+@pytest.mark.timeout(scaled(300))
+def test_a_wheel_from_a_fresh_clone_holds_the_stubs(tmp_path):
+    """`pip wheel .` in a clone generates the gRPC stubs (git-ignored) and packs them: the
+    wheel, installed alone into a new environment, runs `omnifabric scheduler --help` and
+    imports the stubs from that install (issue 36: a plain `pip install .` had no
+    omnifabric.omni). The build is pip's isolated one, as `pip install .` runs it: its
+    requirements (pyproject's [build-system]) come from the package index (~15 s)."""
+    clone = fresh_clone(tmp_path / "clone")
+    assert not list((clone / "proto").rglob("*_pb2*.py")), "the clone has stubs already"
+    dist = tmp_path / "dist"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", dist, clone],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    (wheel,) = dist.glob("omnifabric-*.whl")
+    package = "omnifabric/omni/realtime/v1"
+    stems = [p.stem for p in (ROOT / "proto" / "omni" / "realtime" / "v1").glob("*.proto")]
+    assert stems
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    expected = {f"{package}/{stem}{suffix}" for stem in stems for suffix in STUB_SUFFIXES}
+    expected |= {f"{p}/__init__.py" for p in ("omnifabric/omni", "omnifabric/omni/realtime")}
+    expected.add(f"{package}/__init__.py")
+    assert expected - names == set()
+
+    # A new environment holding the wheel alone; its dependencies (grpcio, protobuf, ...)
+    # are read from this environment's site-packages, appended after its own.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install",
+         "--no-deps", "--no-index", wheel],
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+    )  # fmt: skip
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    (site,) = venv.glob("lib/python*/site-packages")
+    (site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(tmp_path))}
+
+    helped = subprocess.run(
+        [venv / "bin" / "omnifabric", "scheduler", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+    )
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert "usage:" in helped.stdout
+    modules = [f"omnifabric.omni.realtime.v1.{stem}{suffix[:-3]}" for stem in stems
+               for suffix in STUB_SUFFIXES if suffix.endswith(".py")]  # fmt: skip
+    imported = subprocess.run(
+        [venv / "bin" / "python", "-c",
+         f"import importlib\nfor m in {modules!r}: print(importlib.import_module(m).__file__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+    )  # fmt: skip
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    files = [Path(line) for line in imported.stdout.split()]
+    assert len(files) == len(modules)
+    assert all(f.is_relative_to(site) for f in files), files
+
+
+def test_the_build_generates_with_the_runtime_grpcio_tools():
+    """The stubs a build generates carry the stamp of the grpcio-tools that made them: the
+    build requirement pins the version the package depends on, so an installed package's
+    stubs match `omnifabric stubs` there."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    pins = {d for d in config["project"]["dependencies"] if d.startswith("grpcio-tools")}
+    assert len(pins) == 1
+    assert pins <= set(config["build-system"]["requires"])
