@@ -129,6 +129,7 @@ def output_from(result: worker_pb.UnitResult) -> ev.Output:
         "finalize_wait_ms": t.finalize_wait_ms,
         "wall_clock_ms": t.wall_clock_ms,
         "queue_ms": t.queue_ms,
+        "engine_busy_ms": t.engine_busy_ms,
     }
     timings.update({f"cost_{k}_ms": v for k, v in t.engine_costs_ms.items()})
     return ev.Output(

@@ -27,9 +27,10 @@ def pcm_b64(samples: np.ndarray) -> str:
 
 
 #: A unit's engine time (the rest of its round trip is the fabric's): its prefill and
-#: generate, and its wait for the previous unit's deferred finalize (the engine still making
-#: the speech that went out with that unit; a unit that arrives meanwhile waits for it).
-ENGINE_TIMINGS = ("prefill_ms", "generate_ms", "finalize_wait_ms")
+#: generate, and its waits for the engine to finish the session's earlier unit: that unit's
+#: compute (engine_busy_ms), then its deferred finalize (the engine still making the speech
+#: that went out with it).
+ENGINE_TIMINGS = ("prefill_ms", "generate_ms", "engine_busy_ms", "finalize_wait_ms")
 
 
 def engine_ms(timings: Any) -> float:
@@ -54,6 +55,7 @@ class UnitRecord:
     kv_cache_length: int = 0
     prefill_ms: float = 0.0
     generate_ms: float = 0.0
+    engine_busy_ms: float = 0.0
     finalize_wait_ms: float = 0.0
     wall_clock_ms: float = 0.0
 
@@ -66,7 +68,7 @@ class UnitRecord:
     @property
     def engine_ms(self) -> float:
         """The engine's time in this unit's round trip (ENGINE_TIMINGS)."""
-        return self.prefill_ms + self.generate_ms + self.finalize_wait_ms
+        return self.prefill_ms + self.generate_ms + self.engine_busy_ms + self.finalize_wait_ms
 
     @property
     def overhead_ms(self) -> float | None:
@@ -400,6 +402,7 @@ def _record(event: dict[str, Any], report: SessionReport, dialect: str) -> None:
         unit.kv_cache_length = metrics.get("kv_cache_length", 0)
         unit.prefill_ms = metrics.get("prefill_ms", 0.0)
         unit.generate_ms = metrics.get("generate_ms", 0.0)
+        unit.engine_busy_ms = metrics.get("engine_busy_ms", 0.0)
         unit.finalize_wait_ms = metrics.get("finalize_wait_ms", 0.0)
         unit.wall_clock_ms = metrics.get("wall_clock_ms", 0.0)
     if kind in ("delta.listen", "response.listen"):

@@ -169,15 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     if report.error:
         print(f"omnifabric probe: server error {report.error}", file=sys.stderr)
     units_seen = sorted(report.units.values(), key=lambda u: u.seq)
-    # engine_ms: this unit's prefill + generate; finalize_ms: its wait for the previous
-    # unit's deferred finalize (engine time too); overhead_ms: the rest, the fabric's.
-    print("\nseq  kind    rtt_ms  engine_ms  finalize_ms  overhead_ms  kv    text")
+    # engine_ms: this unit's prefill + generate; busy_ms and finalize_ms: its waits for the
+    # session's earlier unit's compute and deferred finalize (engine time too); overhead_ms:
+    # the rest, the fabric's.
+    print("\nseq  kind    rtt_ms  engine_ms  busy_ms  finalize_ms  overhead_ms  kv    text")
     for u in units_seen:
         rtt = f"{u.rtt_ms:7.1f}" if u.rtt_ms is not None else "      -"
         ovh = f"{u.overhead_ms:11.1f}" if u.overhead_ms is not None else "          -"
         print(
             f"{u.seq:3d}  {u.kind or 'lost':6s} {rtt}  {u.prefill_ms + u.generate_ms:9.1f}  "
-            f"{u.finalize_wait_ms:11.1f}  {ovh}  {u.kv_cache_length:4d}  {u.text}"
+            f"{u.engine_busy_ms:7.1f}  {u.finalize_wait_ms:11.1f}  {ovh}  "
+            f"{u.kv_cache_length:4d}  {u.text}"
         )
     overheads = [u.overhead_ms for u in units_seen if u.overhead_ms is not None]
     speak = sum(u.kind == "speak" for u in units_seen)

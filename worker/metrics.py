@@ -45,6 +45,7 @@ STAGES = {
     "finalize_wait_ms": "finalize_wait",
     "wall_clock_ms": "wall_clock",
     "queue_ms": "queue",
+    "engine_busy_ms": "engine_busy",
 }
 
 
@@ -96,7 +97,8 @@ class WorkerMetrics:
             "omni_worker_unit_stage_seconds",
             "Time per served unit by stage: prefill, generate, finalize_wait (waiting for "
             "the previous unit's deferred finalize), queue (receipt to start), wall_clock "
-            "(receipt to result).",
+            "(receipt to result), engine_busy (of queue, the engine still on the session's "
+            "earlier unit).",
             ["stage"],
             buckets=STAGE_BUCKETS,
             registry=r,

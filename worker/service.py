@@ -243,6 +243,7 @@ def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
             "finalize_wait_ms": timings.finalize_wait_ms,
             "wall_clock_ms": timings.wall_clock_ms,
             "queue_ms": timings.queue_ms,
+            "engine_busy_ms": timings.engine_busy_ms,
             "engine_costs_ms": timings.engine_costs_ms,
         },
         "usage": usage_fields(event.usage),

@@ -94,6 +94,8 @@ class UnitTimings:
     finalize_wait_ms: float = 0.0
     wall_clock_ms: float = 0.0
     queue_ms: float = 0.0
+    engine_busy_ms: float = 0.0
+    """Of queue_ms, the time the engine still computed this session's earlier unit."""
     engine_costs_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -244,6 +246,8 @@ class DuplexSession:
         self._finalized.set()
         self._finalize_task: asyncio.Task[None] | None = None
         self._finalize_error: BaseException | None = None
+        self._computed_at = 0.0
+        """perf_counter() when the engine returned the latest unit's prefill and generate."""
         self._close_request: tuple[CloseReason, str] | None = None
         self._journal: list[UnitOutput | SessionEnd] = []
         """Every event of the session, in order: streams read it by index (a resumed
@@ -572,6 +576,9 @@ class DuplexSession:
 
     async def _serve_unit(self, unit: UnitInput) -> GenerateResult:
         taken = time.perf_counter()
+        # What of its wait the engine spent on this session's earlier unit (the rest is the
+        # loop's own hand-over).
+        engine_busy_ms = max(0.0, min(taken, self._computed_at) - unit.received_at) * 1000.0
         await self._finalized.wait()
         finalize_wait_ms = (time.perf_counter() - taken) * 1000.0
         if self._finalize_error is not None:
@@ -581,6 +588,7 @@ class DuplexSession:
         costs, result, prefill_ms, generate_ms, started = await self._watched(
             f"unit {unit.seq}", self._infer, unit, force_listen, max_slices
         )
+        self._computed_at = time.perf_counter()
         self.units_served += 1
         self._add_usage(result)
         timings = UnitTimings(
@@ -588,6 +596,7 @@ class DuplexSession:
             generate_ms=generate_ms,
             finalize_wait_ms=finalize_wait_ms,
             queue_ms=(taken - unit.received_at) * 1000.0,
+            engine_busy_ms=engine_busy_ms,
             engine_costs_ms={**costs, **result.costs_ms},
         )
         output = UnitOutput(

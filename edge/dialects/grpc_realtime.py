@@ -106,6 +106,7 @@ def timings_to(timings_ms: dict[str, float]) -> common_pb2.UnitTimings:
         finalize_wait_ms=t.get("finalize_wait_ms", 0.0),
         wall_clock_ms=t.get("wall_clock_ms", 0.0),
         queue_ms=t.get("queue_ms", 0.0),
+        engine_busy_ms=t.get("engine_busy_ms", 0.0),
         engine_costs_ms={
             k.removeprefix("cost_").removesuffix("_ms"): v
             for k, v in t.items()

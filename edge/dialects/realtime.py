@@ -170,8 +170,10 @@ def metrics_json(out: ev.Output) -> dict[str, Any]:
         "kv_cache_length": out.kv_cache_length,
         "prefill_ms": round(t.get("prefill_ms", 0.0), 2),
         "generate_ms": round(t.get("generate_ms", 0.0), 2),
-        # Waiting for the previous unit's deferred finalize: the engine's time, not the
-        # fabric's (clients take it out of the round trip with prefill and generate).
+        # Waiting for the engine to finish this session's earlier unit (its compute, then
+        # its deferred finalize): the engine's time, not the fabric's (clients take both
+        # out of the round trip with prefill and generate).
+        "engine_busy_ms": round(t.get("engine_busy_ms", 0.0), 2),
         "finalize_wait_ms": round(t.get("finalize_wait_ms", 0.0), 2),
         "wall_clock_ms": round(t.get("wall_clock_ms", 0.0), 2),
         "n_tokens": out.n_tokens,

@@ -38,11 +38,12 @@ def test_no_speech_is_no_reply():
     assert not report().reply_done(0)
 
 
-def test_the_wait_for_the_previous_finalize_is_engine_time_not_overhead(tmp_path):
-    """A unit sent right after the previous answer waits for that unit's deferred finalize
-    (the next second of speech on a real engine): the client counts the wait as engine time
-    (`finalize_wait_ms`), and the overhead is the fabric's share only (issue 36: the probe
-    read 369-564 ms of "overhead" on the reference engine)."""
+def test_waits_for_the_engine_are_engine_time_not_overhead(tmp_path):
+    """A unit that waits in the worker for the session's earlier unit, for its compute
+    (engine_busy_ms) or for its deferred finalize (finalize_wait_ms: the next second of
+    speech on a real engine), counts the wait as engine time, and the overhead is the
+    fabric's share only (issue 36: the probe read 369-564 ms of "overhead" on the reference
+    engine)."""
     import asyncio
 
     from omnifabric.tools.client import SILENCE_UNIT, run_session
@@ -52,20 +53,28 @@ def test_the_wait_for_the_previous_finalize_is_engine_time_not_overhead(tmp_path
     stack = Stack(tmp_path)
     try:
         stack.start_scheduler()
-        stack.start_worker("--slots", "1", "--compute-ms", "5", "--finalize-ms", "500")
+        stack.start_worker("--slots", "1", "--compute-ms", "400", "--finalize-ms", "500")
         stack.start_edge()
-        result = asyncio.run(
-            asyncio.wait_for(
-                run_session(f"{stack.url}?mode=audio", [SILENCE_UNIT] * 5, pace_s=0.0),
-                scaled(60),
-            )
-        )
+        url = f"{stack.url}?mode=audio"
+
+        async def both():
+            # Each unit as soon as the previous answer came: it waits for that finalize.
+            lockstep = await run_session(url, [SILENCE_UNIT] * 4, pace_s=0.0)
+            # A second unit 0.1 s after the first: it waits for the first one's compute.
+            early = await run_session(url, [SILENCE_UNIT] * 2, pace_s=0.1)
+            return lockstep, early
+
+        lockstep, early = asyncio.run(asyncio.wait_for(both(), scaled(90)))
     finally:
         stack.stop()
-    units = [result.units[seq] for seq in sorted(result.units)]
-    assert [u.kind for u in units] == ["listen"] * 5, units
-    for u in units[1:]:  # sent as soon as the previous answer came: it waited for finalize
+    units = [lockstep.units[seq] for seq in sorted(lockstep.units)]
+    assert [u.kind for u in units] == ["listen"] * 4, units
+    for u in units[1:]:
         assert u.finalize_wait_ms > 250, u
+    second = early.units[2]
+    assert second.kind == "listen" and second.engine_busy_ms > 150, second
+    answered = [*units[1:], second]
+    for u in answered:
         assert u.rtt_ms is not None and u.overhead_ms == u.rtt_ms - u.engine_ms
-    overheads = sorted(u.overhead_ms for u in units[1:] if u.overhead_ms is not None)
-    assert overheads[len(overheads) // 2] < 250, overheads  # the 500 ms wait not in it
+    overheads = sorted(u.overhead_ms for u in answered if u.overhead_ms is not None)
+    assert overheads[len(overheads) // 2] < 150, overheads  # no wait of 300-500 ms in it
