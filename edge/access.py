@@ -7,11 +7,22 @@ digest at most.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
+import socket
+from typing import Any
 
 from omnifabric.edge.config import EdgeConfig, hash_key
 
 log = logging.getLogger("omnifabric.edge.access")
+
+#: Why an edge without keys refuses an operator request from beyond loopback (the 403).
+LOOPBACK_ONLY = (
+    "with no API keys configured, operator endpoints answer only clients on loopback "
+    "(set API keys with an admin key to operate remotely)"
+)
+#: Why an edge with keys refuses an operator request (the 403).
+ADMIN_ONLY = "this needs an admin key"
 
 
 def key_digest(config: EdgeConfig, authorization: str) -> str | None:
@@ -31,11 +42,70 @@ def key_digest(config: EdgeConfig, authorization: str) -> str | None:
     return digest if matched else None
 
 
-def is_admin(config: EdgeConfig, authorization: str) -> bool:
-    """Whether the request may use the operator endpoints: any request when keys are off,
-    else a valid key marked `admin` in the key file."""
+def is_loopback(address: str | None) -> bool:
+    """Whether `address`, an IP literal as a socket names its peer, is this host's loopback:
+    127.0.0.0/8, ::1, or 127.x mapped into IPv6 (::ffff:127.x). Anything else is not:
+    other addresses, hostnames, "" and None."""
+    if not address:
+        return False
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
+
+
+def peer_host(peername: Any) -> str:
+    """The address of a connection's peer from its transport's `peername` (a (host, port,
+    ...) tuple on TCP); "" when there is none. The socket's own peer only: headers such as
+    X-Forwarded-For are the client's word and never taken for it."""
+    if isinstance(peername, tuple) and peername and isinstance(peername[0], str):
+        return peername[0]
+    return ""
+
+
+def operator_refusal(config: EdgeConfig, authorization: str, peer: str) -> str | None:
+    """Who may use the operator endpoints (switching apps, cancelling queue tickets, the wait
+    estimate, deleting voices): None when this request may, else why not (the 403's
+    message). With API keys configured: a valid key marked `admin` in the key file, from any
+    address. Without keys: a client on loopback (`peer`, the connection's own address)."""
+    if not config.api_key_digests:
+        return None if is_loopback(peer) else LOOPBACK_ONLY
     digest = key_digest(config, authorization)
-    return digest == "" or (digest is not None and digest in config.admin_key_digests)
+    if digest is not None and digest in config.admin_key_digests:
+        return None
+    return ADMIN_ONLY
+
+
+def listens_beyond_loopback(host: str) -> bool:
+    """Whether binding `host` listens on more than loopback: "" (every interface), a
+    wildcard or any address it names that is not loopback (a name that does not resolve
+    counts as beyond)."""
+    if not host:
+        return True
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return True
+    return not found or not all(is_loopback(str(info[4][0])) for info in found)
+
+
+def warn_if_open(config: EdgeConfig) -> bool:
+    """At start, once per edge (the process that read the configuration, not each child of
+    `--processes`): log a warning when it listens beyond loopback with no API keys. True
+    when it warned."""
+    if config.api_key_digests or not listens_beyond_loopback(config.host):
+        return False
+    log.warning(
+        "the edge listens on %s, beyond loopback, with no API keys: its public endpoints "
+        "(sessions, POST /api/chat, gRPC, the HTTP API) are open to anyone who reaches the "
+        "port, and operator endpoints answer loopback clients only. Set OMNI_API_KEYS or "
+        "--api-keys-file (a key marked admin operates remotely)",
+        config.host or "every interface",
+    )
+    return True
 
 
 #: Browsers cannot set Authorization on a WebSocket: they offer `bearer.<key>` as a

@@ -1,10 +1,12 @@
 """The edge's small HTTP API beside the sessions, as the reference server offers it: page
 settings, system-prompt presets, registered reference voices, the queue and its estimate.
 
-`handle(context, method, path, body, authorization)` answers one request (None: not an API
-path). GET requests reach it from the WebSocket server's request hook (edge/app.py), the
-others from the HTTP reader (edge/transports/http.py): one table for both. Errors have the
-shape of POST /api/chat's, plus `detail` as the reference server (FastAPI) words it.
+`handle(context, method, path, body, authorization, peer)` answers one request (None: not
+an API path; `peer`: the connection's own address, which the operator endpoints check
+through edge.access.operator_refusal). GET requests reach it from the WebSocket server's
+request hook (edge/app.py), the others from the HTTP reader (edge/transports/http.py): one
+table for both. Errors have the shape of POST /api/chat's, plus `detail` as the reference
+server (FastAPI) words it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from urllib.parse import unquote
 import grpc
 
 from omnifabric.edge import queue_api, sessions_api
-from omnifabric.edge.access import is_admin, key_digest
+from omnifabric.edge.access import key_digest, operator_refusal
 from omnifabric.edge.apps import Apps
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.connection import DuplexConnection
@@ -72,10 +74,11 @@ def is_api(path: str) -> bool:
 
 
 async def handle(
-    context: ApiContext, method: str, path: str, body: bytes, authorization: str
+    context: ApiContext, method: str, path: str, body: bytes, authorization: str, peer: str
 ) -> HttpResponse | sessions_api.Answer | None:
-    """The answer to one API request, or None when `path` is not the API's. Recorded
-    sessions answer with `sessions_api.Answer` (their assets and downloads are bytes)."""
+    """The answer to one API request from `peer` (the connection's address), or None when
+    `path` is not the API's. Recorded sessions answer with `sessions_api.Answer` (their
+    assets and downloads are bytes)."""
     if not is_api(path):
         return None
     if path == sessions_api.PREFIX or path.startswith(sessions_api.PREFIX + "/"):
@@ -87,7 +90,7 @@ async def handle(
         return await asyncio.to_thread(context.recordings.answer, path)
     if path == QUEUE or path.startswith(QUEUE + "/") or path == ETA:
         try:
-            return await _queue(context, method, path, body, authorization)
+            return await _queue(context, method, path, body, authorization, peer)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 return error(HTTPStatus.BAD_REQUEST, "invalid_request", err.details() or "")
@@ -100,7 +103,7 @@ async def handle(
         return await _half_duplex_stop(context, method, body, authorization)
     if path == APPS or path.startswith(ADMIN_APPS):
         try:
-            return await _apps(context, method, path, body, authorization)
+            return await _apps(context, method, path, body, authorization, peer)
         except grpc.aio.AioRpcError:
             return error(
                 HTTPStatus.SERVICE_UNAVAILABLE,
@@ -123,6 +126,10 @@ async def handle(
     voice_id = unquote(path.removeprefix(VOICES + "/"))
     if method != "DELETE":
         return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use DELETE")
+    # A registered voice is everybody's: deleting one is the operator's.
+    refused = operator_refusal(context.config, authorization, peer)
+    if refused is not None:
+        return error(HTTPStatus.FORBIDDEN, "forbidden", refused)
     if not context.voices.delete(voice_id):
         return error(HTTPStatus.NOT_FOUND, "not_found", f"no reference audio {voice_id}")
     return HttpResponse(HTTPStatus.OK, {"success": True, "id": voice_id, "message": "deleted"})
@@ -144,10 +151,10 @@ def _page_data(context: ApiContext, path: str) -> HttpResponse:
 
 
 async def _queue(
-    context: ApiContext, method: str, path: str, body: bytes, authorization: str
+    context: ApiContext, method: str, path: str, body: bytes, authorization: str, peer: str
 ) -> HttpResponse:
     """The queue and the wait estimate: reading them needs an API key (when keys are on),
-    cancelling and changing the estimate an admin key."""
+    cancelling and changing the estimate are the operator's."""
     stub = context.fabric.scheduler
     if key_digest(context.config, authorization) is None:
         return error(HTTPStatus.UNAUTHORIZED, "unauthorized", "missing or invalid API key")
@@ -156,8 +163,10 @@ async def _queue(
     allowed = {"queue": ("GET",), "ticket": ("GET", "DELETE"), "eta": ("GET", "PUT")}[what]
     if method not in allowed:
         return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", f"use {' or '.join(allowed)}")
-    if (method, what) in writes and not is_admin(context.config, authorization):
-        return error(HTTPStatus.FORBIDDEN, "forbidden", "this needs an admin key")
+    if (method, what) in writes:
+        refused = operator_refusal(context.config, authorization, peer)
+        if refused is not None:
+            return error(HTTPStatus.FORBIDDEN, "forbidden", refused)
     if what == "queue":
         return await queue_api.queue(stub)
     if what == "eta":
@@ -200,15 +209,17 @@ async def _half_duplex_stop(
 
 
 async def _apps(
-    context: ApiContext, method: str, path: str, body: bytes, authorization: str
+    context: ApiContext, method: str, path: str, body: bytes, authorization: str, peer: str
 ) -> HttpResponse:
-    """The enabled apps (public, the pages read them), every app and the switch (admin)."""
+    """The enabled apps (public, the pages read them), every app and the switch (the
+    operator's)."""
     if path == APPS:
         if method != "GET":
             return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use GET")
         return HttpResponse(HTTPStatus.OK, context.apps.public())
-    if not is_admin(context.config, authorization):
-        return error(HTTPStatus.FORBIDDEN, "forbidden", "this needs an admin key")
+    refused = operator_refusal(context.config, authorization, peer)
+    if refused is not None:
+        return error(HTTPStatus.FORBIDDEN, "forbidden", refused)
     if path == ADMIN_APPS:
         if method != "GET":
             return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use GET")

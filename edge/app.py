@@ -23,7 +23,7 @@ from websockets.typing import Subprotocol
 
 from omnifabric.common.paths import cache_root
 from omnifabric.edge import api, dialects, static
-from omnifabric.edge.access import KeySessions, key_digest, subprotocol_key
+from omnifabric.edge.access import KeySessions, key_digest, peer_host, subprotocol_key
 from omnifabric.edge.apps import Apps
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.connection import ChatConnection, DuplexConnection, connection_for
@@ -201,7 +201,8 @@ class EdgeApp:
             # The server's own voice, what the pages load before a session: no key.
             return self.default_ref_audio_response()
         auth = request_authorization(request.headers)
-        answer = await api.handle(self, "GET", path, b"", auth)
+        peer = peer_host(conn.remote_address)
+        answer = await api.handle(self, "GET", path, b"", auth, peer)
         if answer is not None:
             # The HTTP API beside the sessions (edge/api.py; it checks keys).
             return _api_response(answer)

@@ -148,8 +148,8 @@ class EdgeConfig:
     """SHA-256 digests of accepted API keys; empty = no authentication."""
     api_key_limits: KeyLimits = ()
     admin_key_digests: frozenset[str] = field(default_factory=frozenset)
-    """Keys marked `admin` in the key file: the operator endpoints (queue cancel, ETA
-    settings) take only these when keys are configured."""
+    """Keys marked `admin` in the key file: the operator endpoints (edge.access.
+    operator_refusal) take only these when keys are configured."""
     """Per-key session limits from the key file (`KEY max_sessions=N`), by digest."""
     max_sessions_per_key: int = setting(
         0,

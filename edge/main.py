@@ -9,6 +9,7 @@ import sys
 
 from omnifabric.common import config as settings
 from omnifabric.common import logs, process
+from omnifabric.edge.access import warn_if_open
 from omnifabric.edge.config import EdgeConfig, read_key_file
 
 
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"omnifabric edge: {exc}", file=sys.stderr)
         return 2
+    if config.process_index == 0:
+        # Once per edge: a lone one, or the supervisor of --processes (not each child);
+        # `omnifabric serve` shows its edge's.
+        warn_if_open(config)
     if config.processes > 1:
         from omnifabric.edge import processes
 

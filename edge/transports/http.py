@@ -28,7 +28,7 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.datastructures import Headers
 
 from omnifabric.edge import api, dialects, sessions_api
-from omnifabric.edge.access import key_digest
+from omnifabric.edge.access import key_digest, peer_host
 from omnifabric.edge.connection import ChatConnection, EdgeContext
 from omnifabric.edge.dialects.base import ChatDialect
 from omnifabric.edge.dialects.http_chat import HttpResponse, failure
@@ -319,7 +319,10 @@ class FrontProtocol(asyncio.Protocol):
                 reader.close()
             transport.answer(HttpResponse(upload.status, upload.body))
         elif found is None:
-            answer = await api.handle(self.app, reader.method, path, reader.body, authorization)
+            peer = peer_host(raw.get_extra_info("peername"))
+            answer = await api.handle(
+                self.app, reader.method, path, reader.body, authorization, peer
+            )
             if answer is None:
                 answer = failure(HTTPStatus.NOT_FOUND, "not_found", f"no {path}")
             transport.answer(HttpResponse(answer.status, answer.body))  # JSON: not a GET

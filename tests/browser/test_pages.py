@@ -359,6 +359,35 @@ def test_admin_operator_tools(stack, open_page, tmp_path):
     bp.shot()
 
 
+def test_admin_page_says_why_a_remote_operator_is_refused(open_page, tmp_path):
+    """An edge without keys on 0.0.0.0, its admin page opened through this machine's
+    non-loopback address: the apps list and a saved wait estimate show the 403's sentence
+    (operator endpoints answer only clients on loopback) instead of acting."""
+    from tests.e2e.test_operator_access import LOOPBACK_ONLY, lan_address
+
+    lan = lan_address()
+    if lan is None:
+        pytest.skip("this machine has no non-loopback address a local client can reach")
+    remote = Stack(tmp_path)
+    try:
+        remote.start_scheduler()
+        remote.start_edge("--host", "0.0.0.0")
+        port = remote.url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1]
+        bp = open_page(f"http://{lan}:{port}/admin")
+        bp.wait("omni => omni.ops.eta", "the wait estimate loaded", 15)
+        bp.page.wait_for_selector(f"#ops-apps :text('{LOOPBACK_ONLY[:40]}')")
+        bp.page.fill("#ops-eta-form input[name=eta_chat_s]", "7")
+        bp.page.click("#ops-eta-form button[type=submit]")
+        bp.wait("omni => omni.ops.lastAction", "the save answered", 10)
+        action = bp.omni()["ops"]["lastAction"]
+        assert action["isError"] is True and LOOPBACK_ONLY in action["text"], action
+        assert LOOPBACK_ONLY in bp.page.inner_text("#ops-message")
+        assert bp.page_errors == []
+        bp.shot()
+    finally:
+        remote.stop()
+
+
 def test_the_page_reconnects_when_its_edge_is_replaced(open_page, tmp_path):
     """The edge dies mid-session and a new one comes up at the same address: the page says
     it is reconnecting, resumes the session by itself and goes on (no error shown)."""

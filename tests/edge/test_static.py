@@ -4,6 +4,7 @@ path traversal, 404 for the rest, ETag revalidation; through EdgeApp.process_req
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 from websockets.datastructures import Headers
@@ -108,7 +109,8 @@ async def test_process_request_serves_pages_without_a_key_but_not_status():
     app = EdgeApp(config, None, EdgeMetrics())  # type: ignore[arg-type]
 
     async def status_of(path: str) -> int:
-        response = await app.process_request(None, request(path))  # type: ignore[arg-type]
+        conn = SimpleNamespace(remote_address=("127.0.0.1", 50000))  # what the API reads
+        response = await app.process_request(conn, request(path))  # type: ignore[arg-type]
         assert response is not None
         return response.status_code
 

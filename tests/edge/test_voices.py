@@ -1,5 +1,6 @@
 """Registered reference voices (/api/assets/ref_audio): stored normalized, listed, deleted,
-kept across restarts; bad uploads refused with a message; the key checked when keys are on."""
+kept across restarts; bad uploads refused with a message; the key checked when keys are on,
+deleting needs an admin key."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def test_endpoints_through_a_real_edge(tmp_path):
     try:
         stack.start_scheduler()
         keys = tmp_path / "keys"
-        keys.write_text("k1\n")
+        keys.write_text("k1\nk2 admin\n")
         stack.start_edge("--voices-dir", str(tmp_path / "v"), "--api-keys-file", str(keys))
         url = http_url(stack.url, "/api/assets/ref_audio")
         assert request(url, "GET")[0] == 401
@@ -150,10 +151,13 @@ def test_endpoints_through_a_real_edge(tmp_path):
         status, body = request(url, "POST", ["not", "an", "object"], "k1")
         assert status == 400
         assert request(url, "PUT", {}, "k1")[0] == 405
-        status, body = request(f"{url}/nope", "DELETE", key="k1")
+        # Deleting a voice (everybody's) is the operator's: an admin key.
+        status, body = request(f"{url}/{voice_id}", "DELETE", key="k1")
+        assert status == 403 and body["message"] == "this needs an admin key"
+        status, body = request(f"{url}/nope", "DELETE", key="k2")
         assert status == 404 and "nope" in body["message"]
         host, port = url.split("//")[1].split("/")[0].split(":")
-        answer = raw_delete(host, int(port), f"/api/assets/ref_audio/{voice_id}", "k1")
+        answer = raw_delete(host, int(port), f"/api/assets/ref_audio/{voice_id}", "k2")
         assert answer.startswith(b"HTTP/1.1 200") and voice_id.encode() in answer
         assert request(url, "GET", key="k1")[1]["total"] == 0
     finally:

@@ -1,7 +1,9 @@
 // The admin page's operator tools, on the edge's HTTP API (edge/api.py): the queue with
 // cancel, the wait estimate, apps on and off, registered voices, presets, recorded sessions,
 // and plots of the queue length and this edge's unit time over the last minutes.
-// Actions need an admin key when the edge has keys (the page's saved key is sent).
+// Actions are the operator endpoints: an admin key when the edge has keys (the page's saved
+// key is sent), a browser on the edge's own host (loopback) when it has none; a refusal shows
+// the edge's reason.
 
 import { el, table } from './dom.js';
 
