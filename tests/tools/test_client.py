@@ -70,11 +70,11 @@ def test_waits_for_the_engine_are_engine_time_not_overhead(tmp_path):
     units = [lockstep.units[seq] for seq in sorted(lockstep.units)]
     assert [u.kind for u in units] == ["listen"] * 4, units
     for u in units[1:]:
-        assert u.finalize_wait_ms > 250, u
+        assert u.finalize_wait_ms > 200, u  # 500 ms less the round trip to the client
     second = early.units[2]
     assert second.kind == "listen" and second.engine_busy_ms > 150, second
     answered = [*units[1:], second]
     for u in answered:
         assert u.rtt_ms is not None and u.overhead_ms == u.rtt_ms - u.engine_ms
     overheads = sorted(u.overhead_ms for u in answered if u.overhead_ms is not None)
-    assert overheads[len(overheads) // 2] < 150, overheads  # no wait of 300-500 ms in it
+    assert overheads[len(overheads) // 2] < 200, overheads  # no wait of 300-500 ms in it
