@@ -1,11 +1,16 @@
 """The browser client's files, served by the edge on its WebSocket port with no build step.
 
-Pages (`/`, `/audio`, `/half_duplex`, `/video`, `/chat`, `/admin`) and `/static/<path>` from
-edge/web/. They hold no data, so they need no API key; what they fetch or open does.
+Pages (`/`, `/audio`, `/half_duplex`, `/video`, `/chat`, `/admin`, the viewer `/s/<id>`) and
+`/static/<path>` from edge/web/. They hold no data, so they need no API key; what they fetch
+or open does. Every page's navigation is written here, from SITE, into the page's empty
+`<nav id="site-nav"></nav>` as it is served (a page copied without the edge keeps it empty).
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+from html import escape
 from http import HTTPStatus
 from pathlib import Path
 from urllib.parse import unquote
@@ -22,14 +27,30 @@ REFERENCE_PAGES = {
     "/omni": "/video",
     "/audio_duplex": "/audio",
 }
-PAGES = {
-    "/": "index.html",
-    "/audio": "audio.html",
-    "/half_duplex": "half_duplex.html",
-    "/video": "video.html",
-    "/chat": "chat.html",
-    "/admin": "admin.html",
-}
+
+
+@dataclass(frozen=True)
+class Page:
+    path: str
+    file: str
+    """Under edge/web/."""
+    label: str
+    """Its entry in the navigation."""
+
+
+#: The pages, in the order of the navigation every page shows: one line per page.
+SITE = (
+    Page("/", "index.html", "omnifabric"),
+    Page("/audio", "audio.html", "audio"),
+    Page("/half_duplex", "half_duplex.html", "voice call"),
+    Page("/video", "video.html", "video"),
+    Page("/chat", "chat.html", "chat"),
+    Page("/admin", "admin.html", "admin"),
+)
+PAGES = {page.path: page.file for page in SITE}
+
+#: What a page holds where its navigation goes; the edge fills it (nav_html).
+NAV_PLACEHOLDER = b'<nav id="site-nav"></nav>'
 
 #: What may be served, by suffix; any other file under edge/web/ is a 404.
 CONTENT_TYPES = {
@@ -52,6 +73,27 @@ MAX_FILE_BYTES = 4 * 1024 * 1024
 
 #: The session viewer: `/s/<session id>` (the page reads the id from its own URL).
 VIEWER_PREFIX = "/s/"
+
+
+def nav_html(current: str | None) -> bytes:
+    """The navigation: a link to every page of SITE, the `current` one (a path) in
+    `<strong aria-current="page">` instead of a link."""
+    entries = [
+        f'<strong aria-current="page">{escape(page.label)}</strong>'
+        if page.path == current
+        else f'<a href="{escape(page.path)}">{escape(page.label)}</a>'
+        for page in SITE
+    ]
+    return f'<nav id="site-nav">{" · ".join(entries)}</nav>'.encode()
+
+
+#: Part of every page's ETag: a page whose file is unchanged still changes with SITE.
+_NAV_TAG = hashlib.sha256(nav_html(None)).hexdigest()[:8]
+
+
+def with_nav(body: bytes, current: str | None) -> bytes:
+    """A page's HTML with its navigation filled in (unchanged without the placeholder)."""
+    return body.replace(NAV_PLACEHOLDER, nav_html(current), 1)
 
 
 def is_static(path: str) -> bool:
@@ -109,7 +151,9 @@ def static_response(request: Request, path: str, root: Path = WEB_ROOT) -> Respo
         stat = target.stat()
         if not target.is_file() or stat.st_size > MAX_FILE_BYTES:
             return not_found(path)
-        etag = f'"{stat.st_mtime_ns:x}-{stat.st_size:x}"'
+        page = path in PAGES or path.startswith(VIEWER_PREFIX)
+        version = f"{stat.st_mtime_ns:x}-{stat.st_size:x}"
+        etag = f'"{version}-{_NAV_TAG}"' if page else f'"{version}"'
         headers = [
             ("Content-Type", CONTENT_TYPES[target.suffix]),
             # Pages change with the server: revalidate every time (cheap with the ETag).
@@ -122,6 +166,8 @@ def static_response(request: Request, path: str, root: Path = WEB_ROOT) -> Respo
             body = f.read(MAX_FILE_BYTES + 1)
     except OSError:  # vanished or unreadable between the checks and the read
         return not_found(path)
+    if page:
+        body = with_nav(body, path)
     return _response(HTTPStatus.OK, headers, body)
 
 

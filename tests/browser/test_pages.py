@@ -255,8 +255,9 @@ def test_admin_page_explains_401_and_503_and_keys_work_from_a_browser(stack, ope
 
 
 def test_a_switched_off_app_is_marked_on_the_pages(stack, open_page):
-    """PUT /api/admin/apps/omni {enabled: false}: the landing page strikes the video link,
-    the video page says so before anyone starts; switched back on, both are plain again."""
+    """PUT /api/admin/apps/omni {enabled: false}: the landing page strikes the video link
+    (so does every page's navigation), the video page says so before anyone starts;
+    switched back on, both are plain again."""
     from tests.edge.test_voices import request
 
     base = http_base(stack.url)
@@ -269,6 +270,10 @@ def test_a_switched_off_app_is_marked_on_the_pages(stack, open_page):
         notice = video.page.wait_for_selector("#switched-off")
         assert "switched this kind of session off" in notice.inner_text()
         assert video.page_errors == [] and bp.page_errors == []
+        # The navigation every page shares strikes it too, on the admin page as well.
+        admin = open_page(f"{base}/admin")
+        admin.page.wait_for_selector("#site-nav a.switched-off[href='/video']")
+        assert admin.page_errors == []
         bp.shot()
     finally:
         request(f"{base}/api/admin/apps/omni", "PUT", {"enabled": True})

@@ -119,3 +119,24 @@ async def test_process_request_serves_pages_without_a_key_but_not_status():
     assert await status_of("/nowhere") == 404
     assert await status_of("/status") == 401
     assert await status_of("/v1/realtime?mode=audio") == 401
+
+
+def test_pages_get_their_navigation_from_the_edge(root):
+    """Each page's empty <nav id="site-nav"> is filled from static.SITE: every page linked,
+    the page itself marked; the same file under /static/ is served as it is."""
+    (root / "audio.html").write_text(f"<header>{static.NAV_PLACEHOLDER.decode()}</header>")
+    body = static.static_response(request("/audio"), "/audio", root).body
+    assert b'<strong aria-current="page">audio</strong>' in body
+    for page in static.SITE:
+        if page.path != "/audio":
+            assert f'<a href="{page.path}">{page.label}</a>'.encode() in body
+    assert b'href="/audio"' not in body
+    raw = static.static_response(request("/static/audio.html"), "/static/audio.html", root)
+    assert static.NAV_PLACEHOLDER in raw.body
+
+
+def test_every_page_file_leaves_its_navigation_to_the_edge():
+    """No page of edge/web/ writes a navigation of its own: each holds the placeholder."""
+    for name in [*static.PAGES.values(), "viewer.html"]:
+        html = (static.WEB_ROOT / name).read_bytes()
+        assert html.count(b"<nav") == 1 and static.NAV_PLACEHOLDER in html, name
