@@ -21,6 +21,7 @@ from websockets.headers import parse_subprotocol
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
+from omnifabric.common.close_reasons import SERVER_SHUTDOWN
 from omnifabric.common.paths import cache_root
 from omnifabric.edge import api, dialects, static
 from omnifabric.edge.access import KeySessions, key_digest, peer_host, subprotocol_key
@@ -289,7 +290,7 @@ class EdgeApp:
     async def handler(self, ws: ServerConnection) -> None:
         """One client connection, from upgrade to close, under the edge's keepalive."""
         if self.draining:  # upgraded in the instant before the drain began
-            await ws.close(1001, "the server is shutting down")
+            await ws.close(1001, SERVER_SHUTDOWN)  # as every drained connection
             return
         pinger = asyncio.create_task(
             keepalive(ws, self.config.ping_interval_s, self.config.ping_timeout_s)

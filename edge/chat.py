@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from omnifabric.common.close_reasons import SERVER_SHUTDOWN, close_message
 from omnifabric.edge import events as ev
 from omnifabric.edge import pcm
 from omnifabric.edge.errors import InvalidPayload, MissingField
@@ -27,8 +28,8 @@ MAX_MESSAGES = 64
 MAX_AUDIO_SECONDS = 120
 MAX_NEW_TOKENS = 4096
 MAX_VIDEO_FRAMES = 64
-#: What a chat client is told when the edge drains.
-SHUTDOWN_MESSAGE = "the server is shutting down"
+#: What a client is told when the edge drains (the one sentence of server_shutdown).
+SHUTDOWN_MESSAGE = close_message(SERVER_SHUTDOWN)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class Shutdown:
     """The edge drains: the connection ends with 1001, "going away" (RFC 6455 7.4.1)."""
 
     close_code = 1001
-    reason = "server_shutdown"
+    reason = SERVER_SHUTDOWN
 
 
 TurnEvent = TurnStarted | TurnQueued | TurnLeased | TurnPrefilled | TurnDelta | TurnDone

@@ -114,7 +114,7 @@ async def shutdown_core(core: SessionCore, emit: Any, timeout_s: float) -> None:
     if not core.closed.is_set():
         log.warning("session %s: no end confirmed by the worker: closed here", core.session_id)
         await core.abort()
-        await emit(ev.Closed(ev.SERVER_SHUTDOWN, ev.Usage(), "the worker did not confirm the end"))
+        await emit(ev.Closed(ev.SERVER_SHUTDOWN, ev.Usage(), SHUTDOWN_MESSAGE))
 
 
 class DuplexConnection:
@@ -600,7 +600,7 @@ class ChatConnection:
 
     async def _begin(self, cmd: ChatTurn) -> None:
         if self.draining:
-            raise InvalidEvent(f"{SHUTDOWN_MESSAGE}: no new turns")
+            raise InvalidEvent(SHUTDOWN_MESSAGE)
         if self.turn is not None and not self.turn.done():
             raise InvalidEvent("a turn is still being generated: wait for response.done")
         # Off the loop: base64, audio resampling and video decoding take milliseconds to
@@ -610,7 +610,7 @@ class ChatConnection:
         if self.ended:
             return
         if self.draining:
-            raise InvalidEvent(f"{SHUTDOWN_MESSAGE}: no new turns")
+            raise InvalidEvent(SHUTDOWN_MESSAGE)
         self.turn = asyncio.create_task(self._turn(chat))
 
     async def _turn(self, chat: ChatInput) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from omnifabric.common import close_reasons
+
 
 class Dialect(enum.Enum):
     """The two public JSON dialects; chosen by the client's first init event."""
@@ -16,15 +18,16 @@ class Dialect(enum.Enum):
 
 MODES = ("audio", "video")
 
-# Close reasons, as the worker proto enumerates them (names without the prefix).
-USER_STOP = "user_stop"
-TIMEOUT = "timeout"
-CONTEXT_FULL = "context_full"
-SERVER_SHUTDOWN = "server_shutdown"
-ERROR = "error"
-CLIENT_CLOSED = "client_closed"
+# Close reasons, as the worker proto enumerates them (names without the prefix), and the
+# edge's own pause_timeout (a client reason); each one's sentence: common.close_reasons.
+USER_STOP = close_reasons.USER_STOP
+TIMEOUT = close_reasons.TIMEOUT
+CONTEXT_FULL = close_reasons.CONTEXT_FULL
+SERVER_SHUTDOWN = close_reasons.SERVER_SHUTDOWN
+ERROR = close_reasons.ERROR
+CLIENT_CLOSED = close_reasons.CLIENT_CLOSED
 #: Another connection resumed the session (resumable sessions).
-SUPERSEDED = "superseded"
+SUPERSEDED = close_reasons.SUPERSEDED
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class ResumeCommand:
 Command = InitCommand | AppendCommand | CloseCommand | PauseCommand | ResumeCommand
 
 #: The client reason of a session a pause outlasted (legacy `timeout{pause_timeout}`).
-PAUSE_TIMEOUT = "pause_timeout"
+PAUSE_TIMEOUT = close_reasons.PAUSE_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ class Closed:
     reason: str
     usage: Usage
     message: str = ""
+    """Why, for people: the reason's sentence (common.close_reasons.close_message)."""
     client_reason: str | None = None
     error_code: str = ""
     """Public error code to report before closing (inference_error), or empty."""

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from omnifabric.common import logs, telemetry
+from omnifabric.common.close_reasons import close_message
 from omnifabric.edge import events as ev
 from omnifabric.edge.chat import (
     ChatInput,
@@ -323,7 +324,7 @@ class SessionCore:
         if not self.closed.is_set():
             if self._lease is not None:
                 self._fabric.forget_worker(self._lease.worker_address)
-            await self._finish(ev.Closed(ev.ERROR, self._usage, "the worker was lost"))
+            await self._finish(self._closed(ev.ERROR, detail="the worker was lost"))
 
     # ---- worker session --------------------------------------------------------
 
@@ -504,7 +505,7 @@ class SessionCore:
                         self._unit_timeout_s + overdue,
                     )
                     await self._finish(
-                        ev.Closed(ev.ERROR, self._usage, "the worker stopped responding")
+                        self._closed(ev.ERROR, detail="the worker stopped responding")
                     )
                     return
                 wait = -overdue
@@ -532,12 +533,8 @@ class SessionCore:
                     e = response.ended
                     if e.HasField("usage"):
                         self._usage = usage_from(e.usage)
-                    closed = ev.Closed(
-                        reason_name(e.reason),
-                        self._usage,
-                        e.message,
-                        self._client_reason,
-                        e.error_code,
+                    closed = self._closed(
+                        reason_name(e.reason), e.message, self._client_reason, e.error_code
                     )
                     break
         except grpc.aio.AioRpcError as err:
@@ -545,7 +542,7 @@ class SessionCore:
                 log.warning("session %s: worker stream failed: %s", self.session_id, err.code())
         except asyncio.CancelledError:
             return
-        await self._finish(closed or ev.Closed(ev.ERROR, self._usage, "the worker was lost"))
+        await self._finish(closed or self._closed(ev.ERROR, detail="the worker was lost"))
 
     def _buffered(self, result: worker_pb.UnitResult) -> None:
         """The worker kept a unit's audio for its next model unit: answered, no event."""
@@ -623,7 +620,7 @@ class SessionCore:
             return
         call = self._worker_call
         if call is None:
-            await self._finish(ev.Closed(reason, self._usage, client_reason=client_reason))
+            await self._finish(self._closed(reason, client_reason=client_reason))
             return
         try:
             async with self._send_lock:
@@ -633,7 +630,7 @@ class SessionCore:
             await call.done_writing()
             await asyncio.wait_for(self.closed.wait(), self._close_timeout_s)
         except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            await self._finish(ev.Closed(reason, self._usage, client_reason=client_reason))
+            await self._finish(self._closed(reason, client_reason=client_reason))
 
     async def abort(self, keep: bool = False) -> None:
         """The client is gone: drop the worker stream and the lease without events. A
@@ -650,7 +647,24 @@ class SessionCore:
                 self.session_id,
                 self.resume_window_s,
             )
-        await self._finish(ev.Closed(ev.CLIENT_CLOSED, self._usage))
+        await self._finish(self._closed(ev.CLIENT_CLOSED))
+
+    def _closed(
+        self,
+        reason: str,
+        worded: str = "",
+        client_reason: str | None = None,
+        error_code: str = "",
+        detail: str = "",
+    ) -> ev.Closed:
+        """The Closed event of an end with `reason`: as the worker `worded` it, else in the
+        reason's sentence (common.close_reasons) with `detail`; the stop the edge asked for
+        when a pause outlasted its timeout is worded as that."""
+        if reason == ev.USER_STOP and client_reason == ev.PAUSE_TIMEOUT:
+            message = close_message(ev.PAUSE_TIMEOUT)
+        else:
+            message = worded or close_message(reason, detail)
+        return ev.Closed(reason, self._usage, message, client_reason, error_code)
 
     async def _finish(self, closed: ev.Closed) -> None:
         if self.closed.is_set():

@@ -146,7 +146,7 @@ class WorkerRuntime:
         if revoked:
             session.close(CloseReason.CLIENT_CLOSED, f"lease revoked: {revoked[0]}")
         if self.draining:
-            session.close(CloseReason.SERVER_SHUTDOWN, "worker is draining")
+            session.close(CloseReason.SERVER_SHUTDOWN)
         return session
 
     def resumable(self, lease_id: str, session_id: str) -> DuplexSession:
@@ -250,7 +250,7 @@ class WorkerRuntime:
         self.draining = True
         self.set_health(False, "draining")
         for session in list(self.sessions.values()):
-            session.close(CloseReason.SERVER_SHUTDOWN, "worker is shutting down")
+            session.close(CloseReason.SERVER_SHUTDOWN)
         tasks = list(self._tasks)
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=grace)

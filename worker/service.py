@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 from opentelemetry import context as otel_context
 
-from omnifabric.common import logs, telemetry
+from omnifabric.common import close_reasons, logs, telemetry
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
@@ -349,7 +349,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 yield worker_pb.SessionResponse(
                     ended=worker_pb.SessionEnded(
                         reason=common_pb2.CLOSE_REASON_SUPERSEDED,
-                        message="the session was resumed on another connection",
+                        message=close_reasons.close_message(close_reasons.SUPERSEDED),
                         usage=encode_usage(session.usage),
                     )
                 )
@@ -363,7 +363,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                     session.detach()
                 else:
                     # Also on client cancellation: the unit loop frees the engine session.
-                    session.close(CloseReason.CLIENT_CLOSED, "client went away")
+                    session.close(CloseReason.CLIENT_CLOSED)
 
     def _observe(self, output: UnitOutput, mode: str) -> None:
         """A unit's metrics, apart from its stream: an instrument that fails is logged (by
@@ -447,8 +447,10 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                         return
                     session.submit(unit)
                 elif kind == "close":
+                    # The sender's reason (the edge forwards its drain's server_shutdown
+                    # too): the session's end is worded by it, not as the client's stop.
                     reason = REASONS_FROM_PROTO.get(request.close.reason, CloseReason.USER_STOP)
-                    session.close(reason, "closed by the client")
+                    session.close(reason)
                     return
                 else:
                     session.close(CloseReason.ERROR, f"{kind} sent after the session started")
@@ -467,4 +469,4 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             # call ends (without `ended`).
             session.let_go(attachment)
             return
-        session.close(CloseReason.CLIENT_CLOSED, "client stream ended")
+        session.close(CloseReason.CLIENT_CLOSED)

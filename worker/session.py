@@ -21,7 +21,7 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
-from omnifabric.common import telemetry
+from omnifabric.common import close_reasons, telemetry
 from omnifabric.worker.engine import DuplexSettings, Engine, EngineSession, GenerateResult
 from omnifabric.worker.engines import memory
 from omnifabric.worker.errors import EngineFailure, EngineStuck
@@ -33,14 +33,14 @@ TRACER = telemetry.tracer("worker")
 
 
 class CloseReason(enum.Enum):
-    """Why a session ended (common.proto CloseReason)."""
+    """Why a session ended (common.proto CloseReason; its sentence: common.close_reasons)."""
 
-    USER_STOP = "user_stop"
-    TIMEOUT = "timeout"
-    CONTEXT_FULL = "context_full"
-    SERVER_SHUTDOWN = "server_shutdown"
-    ERROR = "error"
-    CLIENT_CLOSED = "client_closed"
+    USER_STOP = close_reasons.USER_STOP
+    TIMEOUT = close_reasons.TIMEOUT
+    CONTEXT_FULL = close_reasons.CONTEXT_FULL
+    SERVER_SHUTDOWN = close_reasons.SERVER_SHUTDOWN
+    ERROR = close_reasons.ERROR
+    CLIENT_CLOSED = close_reasons.CLIENT_CLOSED
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,7 @@ class SessionEnd:
 
     reason: CloseReason
     message: str
+    """The reason's sentence (common.close_reasons), with the detail of this end if any."""
     usage: Usage
     units_served: int
     units_dropped: int
@@ -364,10 +365,11 @@ class DuplexSession:
         """The first close asked for, if any."""
         return self._close_request
 
-    def close(self, reason: CloseReason, message: str = "") -> None:
-        """Ask the loop to end after the unit in progress; the first request wins."""
+    def close(self, reason: CloseReason, detail: str = "") -> None:
+        """Ask the loop to end after the unit in progress; the first request wins. `detail`:
+        what exactly ended it, added to the reason's sentence (none for a plain close)."""
         if self._close_request is None:
-            self._close_request = (reason, message)
+            self._close_request = (reason, detail)
         self._wake.set()
 
     async def events(self, attachment: int = 0) -> AsyncIterator[UnitOutput | SessionEnd]:
@@ -444,24 +446,24 @@ class DuplexSession:
         grace = self.spec.resume_grace_s
         log.info("session %s detached: resumable for %.0f s", self.session_id, grace)
         self._detach_timer = self._loop.call_later(
-            grace, self.close, CloseReason.CLIENT_CLOSED, "resume window passed"
+            grace, self.close, CloseReason.CLIENT_CLOSED, "its resume window passed"
         )
 
     async def run(self) -> SessionEnd:
         """Serve units until an end; frees everything and emits SessionEnd. Never raises."""
-        reason, message, code = CloseReason.ERROR, "internal error", ""
+        reason, detail, code = CloseReason.ERROR, "internal error", ""
         try:
-            reason, message = await self._serve()
+            reason, detail = await self._serve()
         except asyncio.CancelledError:
-            reason, message = CloseReason.SERVER_SHUTDOWN, "worker stopped"
+            reason, detail = CloseReason.SERVER_SHUTDOWN, ""
             raise
         except EngineStuck as exc:
-            reason, message, code = CloseReason.ERROR, str(exc), "inference_error"
+            reason, detail, code = CloseReason.ERROR, str(exc), close_reasons.INFERENCE_ERROR
         except Exception:
             log.exception("session %s: engine failure", self.session_id)
-            reason, message, code = CloseReason.ERROR, "inference failed", "inference_error"
+            reason, detail, code = CloseReason.ERROR, "", close_reasons.INFERENCE_ERROR
         finally:
-            end = await asyncio.shield(self._end(reason, message, code))
+            end = await asyncio.shield(self._end(reason, detail, code))
         return end
 
     async def _serve(self) -> tuple[CloseReason, str]:
@@ -472,10 +474,7 @@ class DuplexSession:
                 return self._close_request
             remaining = self._deadline - self._loop.time()
             if remaining <= 0:
-                return (
-                    CloseReason.TIMEOUT,
-                    f"session reached its {self.limits.duration_s:g} s limit",
-                )
+                return CloseReason.TIMEOUT, f"{self.limits.duration_s:g} s"
             units = self._mailbox.take_all()
             if not units:
                 self._wake.clear()
@@ -491,7 +490,7 @@ class DuplexSession:
                 result = await self._serve_unit(piece)
                 cap = self._context_cap()
                 if result.kv_cache_length >= cap:
-                    return CloseReason.CONTEXT_FULL, f"context reached {cap} tokens"
+                    return CloseReason.CONTEXT_FULL, f"{cap} tokens"
                 if self._close_request is not None:
                     return self._close_request
 
@@ -689,15 +688,16 @@ class DuplexSession:
         self.usage.output_text_tokens += result.n_tokens
         self.usage.output_audio_tokens += result.n_tts_tokens
 
-    async def _end(self, reason: CloseReason, message: str, error_code: str = "") -> SessionEnd:
-        """Free the engine session and memory, then emit the one SessionEnd."""
+    async def _end(self, reason: CloseReason, detail: str, error_code: str = "") -> SessionEnd:
+        """Free the engine session and memory, then emit the one SessionEnd, worded by its
+        reason (an engine failure's: by its error code) with `detail`."""
         if self.ended is not None:
             return self.ended
         report = await self._free()
         self._mailbox.discard()
         self.ended = SessionEnd(
             reason=reason,
-            message=message,
+            message=close_reasons.close_message(error_code or reason.value, detail),
             usage=replace(self.usage),
             units_served=self.units_served,
             units_dropped=self._mailbox.dropped_total,
@@ -707,7 +707,7 @@ class DuplexSession:
             "session %s ended: %s (%s), %d units served, %d dropped",
             self.session_id,
             reason.value,
-            message,
+            self.ended.message,
             self.units_served,
             self._mailbox.dropped_total,
         )

@@ -19,7 +19,8 @@ Choices where the spec leaves room (they follow the reference server's documenta
 - Ends: `stop` -> `stopped{session_id}`; a pause outlasting its timeout ->
   `timeout{reason:"pause_timeout"}`; the worker's time limit or a full context ->
   `timeout{reason:"timeout"|"context_full"}`; an engine failure, a lost worker or a
-  server shutdown -> `error{error}`. Each is followed by close 1000.
+  server shutdown -> `error{error}` with the close's sentence (common.close_reasons).
+  Each is followed by close 1000.
 - Client mistakes (unknown type, missing or invalid fields, input before `prepared`)
   answer `error{error:"<text>"}` and the connection stays open; text that is not JSON
   closes it with 1003; errors that end the connection (queue full, worker start failed:
@@ -39,12 +40,12 @@ import re
 import time
 from typing import Any
 
+from omnifabric.common.close_reasons import close_message
 from omnifabric.edge import events as ev
 from omnifabric.edge import fields, pcm
 from omnifabric.edge.dialects.base import DuplexDialect
 from omnifabric.edge.errors import (
     EdgeError,
-    InferenceError,
     InvalidPayload,
     MissingField,
     UnknownEvent,
@@ -183,14 +184,11 @@ def queue_json(event: ev.Queued | ev.QueueDone) -> dict[str, Any]:
 
 
 def end_json(closed: ev.Closed) -> dict[str, Any]:
-    """The last message of a session the server (not the client) ended."""
+    """The last message of a session the server (not the client) ended: its limits as
+    `timeout{reason}`, anything else as `error` with the close's sentence."""
     if closed.reason in (ev.TIMEOUT, ev.CONTEXT_FULL):
         return {"type": "timeout", "reason": closed.reason}
-    if closed.reason == ev.SERVER_SHUTDOWN:
-        return error_json("the server is shutting down")
-    if closed.error_code == InferenceError.code:
-        return error_json(f"inference failed: {closed.message or 'engine error'}")
-    return error_json(f"session closed: {closed.message or closed.reason}")
+    return error_json(closed.message or close_message(closed.reason))
 
 
 class LegacyDuplex(DuplexDialect):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from omnifabric.common.close_reasons import SERVER_SHUTDOWN, close_message
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
 from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
@@ -399,10 +400,11 @@ async def test_e11_sigterm_drains(stack):
         assert reasons == ["server_shutdown", "server_shutdown"]
         shut = time.monotonic() - t0
         legacy_end = await legacy.until("error", timeout_s=grace + 2)
-        assert legacy_end["error"] == "the server is shutting down"
+        assert legacy_end["error"] == close_message(SERVER_SHUTDOWN)
         msg = await asyncio.wait_for(call.read(), scaled(grace + 2))
         assert msg.WhichOneof("kind") == "closed"
         assert msg.closed.reason == common_pb2.CLOSE_REASON_SERVER_SHUTDOWN
+        assert msg.closed.message == close_message(SERVER_SHUTDOWN)
         assert await asyncio.to_thread(edge.proc.wait, scaled(10)) == 0
         exited = time.monotonic() - t0
     finally:
@@ -669,7 +671,7 @@ async def test_e11_sigterm_ends_chat_sessions_in_band(stack):
     assert closed["reason"] == "server_shutdown" and closed["usage"]["total_tokens"] == 0
     silent_end = await silent.until("error", timeout_s=grace + 2)
     silent_s = time.monotonic() - t0
-    assert silent_end["error"] == "the server is shutting down"
+    assert silent_end["error"] == close_message(SERVER_SHUTDOWN)
     done = await busy.until("response.done", timeout_s=grace + 2)
     assert done["text"] == "You said: first"
     busy_closed = await busy.until("session.closed", timeout_s=grace + 2)
@@ -678,7 +680,7 @@ async def test_e11_sigterm_ends_chat_sessions_in_band(stack):
     assert busy_closed["usage"]["total_tokens"] == done["usage"]["total_tokens"] > 0
     cut = await waiting.until("error", "done", timeout_s=grace + 2)
     cut_s = time.monotonic() - t0
-    assert cut == {"type": "error", "error": "the server is shutting down"}
+    assert cut == {"type": "error", "error": close_message(SERVER_SHUTDOWN)}
     codes = [await close_code(c) for c in (idle, silent, busy, waiting)]
     assert codes == [1001, 1001, 1001, 1001]
     assert await asyncio.to_thread(edge.proc.wait, scaled(10)) == 0

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from omnifabric.common.close_reasons import INFERENCE_ERROR, SERVER_SHUTDOWN, close_message
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
@@ -261,11 +262,11 @@ async def test_inference_error_then_closed_and_worker_keeps_serving(stack):
     err = await client.until("error")
     assert err["error"] == {
         "code": "inference_error",
-        "message": "inference failed",
+        "message": close_message(INFERENCE_ERROR),
         "type": "server_error",
     }
     closed = await client.until("session.closed")
-    assert closed["reason"] == "error"
+    assert closed["reason"] == "error" and closed["message"] == close_message(INFERENCE_ERROR)
     # The worker stays healthy: the next session is served (and fails at its unit 2 again).
     again = await WsClient.open(url)
     await again.start()
@@ -299,6 +300,9 @@ async def test_edge_sigterm_closes_sessions_with_server_shutdown(stack):
     for client in (current, first):
         closed = await client.until("session.closed", timeout_s=5)
         assert closed["reason"] == "server_shutdown"
+        # Worded as what happened (issue 36), not as a close of the client's.
+        assert closed["message"] == close_message(SERVER_SHUTDOWN)
+        assert "shutting down" in closed["message"] and "client" not in closed["message"]
     assert edge.proc.wait(timeout=scaled(10)) == 0
 
 

@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from websockets.exceptions import ConnectionClosed
 
+from omnifabric.common.close_reasons import INFERENCE_ERROR, SERVER_SHUTDOWN, close_message
 from omnifabric.edge.fabric import FIRST_REPLY_TIMEOUT_S
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -237,6 +238,7 @@ async def test_worker_drain(stack):
         closed_after(idle), closed_after(busy)
     )
     assert idle_closed["reason"] == busy_closed["reason"] == "server_shutdown"
+    assert idle_closed["message"] == busy_closed["message"] == close_message(SERVER_SHUTDOWN)
     # The unit in progress was answered before the close: nothing lost.
     kinds = [e["type"] for e in busy.events]
     assert "response.output.delta" in kinds
@@ -330,7 +332,9 @@ async def test_hung_engine_call_ends_the_session_and_takes_the_worker_out(stack)
     closed = await client.until("session.closed")
     took = time.monotonic() - t0
     assert err["error"]["code"] == "inference_error"
-    assert err["error"]["message"] == "the engine did not finish unit 2 within 1 s"
+    assert err["error"]["message"] == close_message(
+        INFERENCE_ERROR, "the engine did not finish unit 2 within 1 s"
+    )
     assert closed["reason"] == "error"
     assert took < 2.5  # the worker's 1 s watchdog, before the edge's 3 s one
 

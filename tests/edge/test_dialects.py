@@ -375,6 +375,7 @@ def test_legacy_and_http_chat_dialects():
     from http import HTTPStatus
 
     from omnifabric.edge.chat import (
+        SHUTDOWN_MESSAGE,
         ChatTurn,
         Shutdown,
         TurnDone,
@@ -398,7 +399,7 @@ def test_legacy_and_http_chat_dialects():
     assert legacy.encode(TurnPrefilled(4)) == [{"type": "prefill_done", "input_tokens": 4}]
     [done] = legacy.encode(TurnDone(_result()))
     assert done["type"] == "done" and done["audio_data"] and done["text"] == "Hello."
-    assert legacy.encode(Shutdown()) == [{"type": "error", "error": "the server is shutting down"}]
+    assert legacy.encode(Shutdown()) == [{"type": "error", "error": SHUTDOWN_MESSAGE}]
 
     http = HttpChat()
     with pytest.raises(errors.InvalidPayload, match="not JSON"):

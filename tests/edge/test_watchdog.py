@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from omnifabric.common.close_reasons import close_message
 from omnifabric.edge import events as ev
 from omnifabric.edge.session import SessionCore
 
@@ -48,5 +49,5 @@ async def test_an_unanswered_unit_ends_the_session_at_its_deadline():
     await asyncio.wait_for(watchdog, 5.0)
     took = time.monotonic() - sent
     assert [c.reason for c in closed] == [ev.ERROR]
-    assert closed[0].message == "the worker stopped responding"
+    assert closed[0].message == close_message("error", "the worker stopped responding")
     assert TIMEOUT_S <= took < TIMEOUT_S + 0.3, took

@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnifabric.common.close_reasons import INFERENCE_ERROR, close_message
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.worker import service
 from omnifabric.worker.engines.synthetic import SyntheticEngine, SyntheticSession
@@ -102,7 +103,9 @@ async def test_hung_unit_ends_its_session_and_the_worker_serves_again_once_it_re
     took = time.monotonic() - began
     assert ended.ended.reason == common_pb2.CLOSE_REASON_ERROR
     assert ended.ended.error_code == "inference_error"
-    assert ended.ended.message == "the engine did not finish unit 3 within 0.3 s"
+    assert ended.ended.message == close_message(
+        INFERENCE_ERROR, "the engine did not finish unit 3 within 0.3 s"
+    )
     assert 0.25 < took < scaled(1.0)
     assert await workers.scheduler.next_released() == "L1"
     # Reports queue up (one a second): skip earlier ones such as warm-up's NOT_SERVING.
@@ -145,7 +148,9 @@ async def test_hung_finalize_ends_the_session_at_once(workers):
     # No further unit: the stuck finalize alone ends the session.
     (ended,) = await client.until_ended()
     assert ended.ended.error_code == "inference_error"
-    assert ended.ended.message == "the engine did not finish finalize of unit 1 within 0.3 s"
+    assert ended.ended.message == close_message(
+        INFERENCE_ERROR, "the engine did not finish finalize of unit 1 within 0.3 s"
+    )
     assert time.monotonic() - began < scaled(0.9)
     await report_where(
         workers, lambda r: r.health == NOT_SERVING and r.detail.startswith("engine stuck")
@@ -166,7 +171,7 @@ async def test_an_engine_raising_timeout_error_fails_the_unit_and_is_not_stuck(w
     (ended,) = await client.until_ended()
     assert time.monotonic() - began < scaled(2.0)
     assert ended.ended.error_code == "inference_error"
-    assert ended.ended.message == "inference failed"
+    assert ended.ended.message == close_message(INFERENCE_ERROR)
     assert not worker.runtime.stuck
     assert worker.runtime.metrics.registry.get_sample_value("omni_worker_engine_stuck") == 0
     assert await health(worker) == health_pb2.HealthCheckResponse.SERVING

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnifabric.common import close_reasons
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omnifabric.worker.engine import EngineLimits
@@ -343,6 +344,30 @@ async def test_drain_ends_open_sessions_with_server_shutdown(workers):
     await asyncio.wait_for(drain, scaled(5))
 
 
+@pytest.mark.parametrize(
+    "reason, name",
+    [
+        (common_pb2.CLOSE_REASON_USER_STOP, close_reasons.USER_STOP),
+        (common_pb2.CLOSE_REASON_SERVER_SHUTDOWN, close_reasons.SERVER_SHUTDOWN),
+        (common_pb2.CLOSE_REASON_CLIENT_CLOSED, close_reasons.CLIENT_CLOSED),
+        (common_pb2.CLOSE_REASON_ERROR, close_reasons.ERROR),
+    ],
+)
+async def test_a_close_the_edge_forwards_is_worded_by_its_reason(workers, reason, name):
+    """Issue 36: the edge forwards its own closes (a drain's server_shutdown among them);
+    each ends with the reason's one sentence, and only the client's stop says the client
+    ended it."""
+    worker = await workers.start()
+    client, _ = await open_session(workers, worker)
+    await serve_units(client, [1])
+    client.close(reason)
+    (ended,) = await client.until_ended()
+    assert ended.ended.reason == reason
+    assert ended.ended.message == close_reasons.close_message(name)
+    by_client = close_reasons.SENTENCES[close_reasons.USER_STOP]
+    assert (ended.ended.message == by_client) == (name == close_reasons.USER_STOP)
+
+
 async def test_reregisters_with_active_leases_after_scheduler_restart(workers):
     worker = await workers.start()
     client, _ = await open_session(workers, worker)
@@ -408,7 +433,9 @@ async def test_the_engines_limits_are_advertised_and_enforced(workers, scheduler
     client.unit(2, frames=[b"jpeg"], max_slice_nums=9)
     (ended,) = await client.until_ended()
     assert ended.ended.reason == common_pb2.CLOSE_REASON_ERROR
-    assert ended.ended.message == "unit 2 max_slice_nums: 9; this worker takes 1 to 4"
+    assert ended.ended.message == close_reasons.close_message(
+        close_reasons.ERROR, "unit 2 max_slice_nums: 9; this worker takes 1 to 4"
+    )
 
 
 async def test_default_limits_refuse_three_slices(workers):

@@ -1,5 +1,7 @@
 // Sentences for people: every error code, session.closed reason and WebSocket close
-// code the server can send, so a page never shows a bare code.
+// code the server can send, so a page never shows a bare code. A close reason's sentence
+// is the server's (common/close_reasons.py, which the server sends as `message`): the
+// copies here word the closes that come without one, and a test keeps them equal.
 
 /** `error` event codes (README "Errors" table) -> what happened, for a person. */
 export const ERROR_TEXTS = {
@@ -8,7 +10,7 @@ export const ERROR_TEXTS = {
   unknown_event: 'The page sent a request the server does not know.',
   missing_field: 'The page sent a request with a missing field.',
   invalid_payload: 'The server could not use what the page sent (audio, image or settings).',
-  inference_error: 'The model failed while answering. The session has to end; start a new one.',
+  inference_error: 'The model failed while answering: start a new session.',
   queue_full: 'The server is full and its waiting line is too: try again in a few minutes.',
   service_unavailable: 'No model is available right now: try again later.',
   worker_busy: 'All model servers are busy: try again shortly.',
@@ -20,17 +22,18 @@ export const ERROR_TEXTS = {
   cancelled: 'An operator removed your request from the waiting line.',
 };
 
-/** session.closed reasons -> why the session ended, for a person. */
+/** session.closed reasons -> why the session ended, for a person (the server's sentences). */
 export const CLOSE_REASON_TEXTS = {
   user_stop: 'You ended the session.',
   stopped: 'You ended the session.',
-  client_closed: 'The session ended because the page closed the connection.',
+  client_closed: 'The connection ended without closing the session, so the server closed it.',
   timeout: 'The session reached its time limit.',
-  context_full: 'The conversation filled the model\'s memory (8192 tokens). Start a new session to go on.',
-  server_shutdown: 'The server is restarting. Start a new session in a moment.',
-  error: 'The session ended because of an error on the server.',
-  backend_error: 'The session ended because of an error on the server.',
-  pause_timeout: 'The session was paused too long and was ended.',
+  context_full: 'Start a new session to go on: the conversation filled the model\'s context.',
+  server_shutdown: 'The server is shutting down: try again in a moment.',
+  error: 'The session ended because of an error.',
+  backend_error: 'The session ended because of an error.',
+  superseded: 'The session was resumed on another connection.',
+  pause_timeout: 'The session went too long without input and was ended.',
 };
 
 /** WebSocket close codes -> what they mean, for a person (RFC 6455 section 7.4). */
@@ -54,13 +57,17 @@ export const CLOSE_CODE_TEXTS = {
 /** The sentence for an `error` event; the server's own message is added as detail. */
 export function errorText(code, message) {
   const text = ERROR_TEXTS[code] || `The server reported an error (${code || 'unknown'}).`;
-  return message ? `${text} (${message})` : text;
+  return message && message !== text ? `${text} (${message})` : text;
 }
 
-/** The sentence for a session.closed reason (the reason itself when unknown). */
+/**
+ * The sentence for a session.closed: the server's `message` (the reason's one sentence,
+ * with what exactly happened) when it sent one, else the reason's sentence from the table
+ * (the reason itself when unknown).
+ */
 export function closedText(reason, message) {
-  const text = CLOSE_REASON_TEXTS[reason] || `The session ended (${reason || 'no reason given'}).`;
-  return message ? `${text} (${message})` : text;
+  if (message) return message;
+  return CLOSE_REASON_TEXTS[reason] || `The session ended (${reason || 'no reason given'}).`;
 }
 
 /**
