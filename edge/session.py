@@ -234,6 +234,10 @@ class SessionCore:
         return self._lease.worker_id if self._lease else ""
 
     @property
+    def lease_id(self) -> str:
+        return self._lease.lease_id if self._lease else ""
+
+    @property
     def limits(self) -> common_pb2.EngineLimits | None:
         """What the leased worker's engine accepts, from the lease; None before the lease
         or when the scheduler passed on none."""

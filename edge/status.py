@@ -125,6 +125,21 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
                 "before_cleanup_bytes": m.before_cleanup_bytes,
                 "cleanups": m.cleanups,
             }
+        worker["admits"] = [_name(common_pb2.Mode, m, "MODE_") for m in w.admits]
+        if w.HasField("headroom"):
+            h = w.headroom
+            worker["headroom"] = {
+                "engine_threads": h.engine_threads,
+                "session_cost": {
+                    _name(common_pb2.Mode, c.mode, "MODE_"): round(c.session_cost, 3)
+                    for c in h.costs
+                },
+                "late_units_recent": h.late_units_recent,
+                "late_units_total": h.late_units_total,
+                "late_window_s": h.late_window_s,
+                "unit_p95_ratio": round(h.unit_p95_ratio, 3),
+                "late_units_by_lease": dict(h.late_units_by_lease),
+            }
         if w.HasField("limits"):
             lim = w.limits
             worker["limits"] = {
@@ -132,6 +147,7 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
                 "unit_samples": [lim.min_unit_samples, lim.max_unit_samples],
             }
         workers.append(worker)
+    late = {lease: n for w in snap.workers for lease, n in w.headroom.late_units_by_lease.items()}
     sessions = [
         {
             "session_id": core.session_id,
@@ -139,6 +155,8 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
             "worker_id": core.worker_id,
             "started": core.started,
             "units": core.units_sent,
+            # Units its worker answered later than one unit length after they arrived.
+            "late_units": late.get(core.lease_id, 0),
         }
         for c in list(app.connections)
         if (core := c.core) is not None  # always: a connection is listed once it has one

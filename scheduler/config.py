@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from omnifabric.common import config as settings
+from omnifabric.common import realtime
 from omnifabric.common.config import ConfigError, setting
 
 FABRIC_TLS = ("OMNI_FABRIC_TLS_CERT", "OMNI_FABRIC_TLS_KEY")
@@ -47,6 +48,17 @@ class SchedulerConfig:
         help="longest gap between position updates, s",
     )
     """Longest gap, in seconds, between two position updates to a waiting client."""
+
+    realtime_margin: float = setting(
+        realtime.MARGIN,
+        env="OMNI_SCHEDULER_REALTIME_MARGIN",
+        flag="--realtime-margin",
+        range=(0.0, 64.0),
+        help="share of a worker's engine time its sessions may take (0: slots alone)",
+    )
+    """A worker gets one more session only while its sessions and the new one cost at most
+    this share of its engine threads' time, by the costs it reports (common.realtime), and
+    it has had no late unit lately; 0 leases by free slots alone."""
 
     eta_alpha: float = setting(0.2, env="OMNI_SCHEDULER_ETA_ALPHA", range=(0.001, 1.0))
     """Weight of a newly observed session length in the moving average (0-1]."""

@@ -37,6 +37,7 @@ from omnifabric.scheduler.metrics import Counters, SchedulerMetrics
 from omnifabric.scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
 from omnifabric.scheduler.registry import (
     EngineLimits,
+    Headroom,
     Health,
     MemoryFigures,
     Mode,
@@ -60,6 +61,8 @@ class WorkerHello:
     active_lease_ids: tuple[str, ...] = ()
     limits: EngineLimits | None = None
     """What the worker's engine accepts; None from workers that do not say."""
+    headroom: Headroom | None = None
+    """Its real-time headroom as measured at warm-up; None from workers that do not say."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,9 @@ class WorkerSnapshot:
     lease_ids: tuple[str, ...]
     memory: MemoryFigures | None = None
     limits: EngineLimits | None = None
+    headroom: Headroom | None = None
+    admits: tuple[Mode, ...] = ()
+    """The modes it would take one more session of now."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +205,7 @@ class Scheduler:
             engine=hello.engine,
             health=hello.health,
             limits=hello.limits,
+            headroom=hello.headroom,
         )
         old = self.registry.add(worker)
         claimed = set(hello.active_lease_ids)
@@ -240,10 +247,16 @@ class Scheduler:
         return worker
 
     def report(
-        self, worker: Worker, health: Health, detail: str, memory: MemoryFigures | None = None
+        self,
+        worker: Worker,
+        health: Health,
+        detail: str,
+        memory: MemoryFigures | None = None,
+        headroom: Headroom | None = None,
+        slots: int = 0,
     ) -> None:
-        """Record a worker's health (and memory figures); a SERVING worker may take
-        waiting requests."""
+        """Record a worker's health (and memory figures, headroom, slots now); a SERVING
+        worker may take waiting requests."""
         if not self.registry.is_current(worker):
             return
         if worker.health is not health:
@@ -257,6 +270,16 @@ class Scheduler:
         worker.detail = detail
         if memory is not None:
             worker.memory = memory
+        if headroom is not None:
+            worker.headroom = headroom
+        if slots and slots != worker.slots:
+            log.info(
+                "worker %s holds %d sessions at most (was %d)",
+                worker.worker_id,
+                slots,
+                worker.slots,
+            )
+            worker.slots = slots
         if health is Health.SERVING:
             self._dispatch()
 
@@ -319,7 +342,9 @@ class Scheduler:
                 self.counters.key_limit_rejections += 1
                 raise KeySessionLimit(held, key_limit)
         ticket = Ticket(mode=mode, session_id=session_id, key=key if key_limit else "")
-        worker = self.registry.pick(mode)
+        # Behind anyone already waiting for this mode: the queue is FIFO.
+        waiting = any(t.mode is mode for t in self.queue)
+        worker = None if waiting else self.registry.pick(mode, self.config.realtime_margin)
         if worker is not None:
             # After every change the queue is dispatched, so nobody waiting can use this slot.
             self._grant(ticket, worker)
@@ -463,7 +488,7 @@ class Scheduler:
             estimated_wait_s=estimate_wait_s(
                 position,
                 self.sessions.mean_s(ticket.mode),
-                self.registry.serving_slots(ticket.mode),
+                self.registry.serving_capacity(ticket.mode, self.config.realtime_margin),
             ),
             ticket_id=ticket.ticket_id,
         )
@@ -535,6 +560,10 @@ class Scheduler:
                 lease_ids=tuple(sorted(w.lease_slots, key=w.lease_slots.__getitem__)),
                 memory=w.memory,
                 limits=w.limits,
+                headroom=w.headroom,
+                admits=tuple(
+                    m for m in Mode if m in w.modes and w.can_take(m, self.config.realtime_margin)
+                ),
             )
             for w in self.registry
         )
@@ -586,7 +615,7 @@ class Scheduler:
             return
         granted = False
         for ticket in self.queue:
-            worker = self.registry.pick(ticket.mode)
+            worker = self.registry.pick(ticket.mode, self.config.realtime_margin)
             if worker is not None:
                 self.queue.remove(ticket)
                 self._grant(ticket, worker)
@@ -603,7 +632,7 @@ class Scheduler:
             ticket_id=ticket.ticket_id,
             key=ticket.key,
         )
-        lease.slot = worker.take_slot(lease.lease_id)
+        lease.slot = worker.take_slot(lease.lease_id, mode=ticket.mode)
         self.leases.add(lease)
         self.counters.leases_granted += 1
         self.metrics.observe_queue_wait(ticket.mode.value, lease.granted_at - ticket.enqueued_at)
@@ -733,7 +762,7 @@ class Scheduler:
             if lease.lease_id not in claimed:
                 dropped.append(lease)
                 continue
-            lease.slot = new.take_slot(lease.lease_id, preferred=lease.slot)
+            lease.slot = new.take_slot(lease.lease_id, preferred=lease.slot, mode=lease.mode)
             lease.announced.set()
             if lease.state is LeaseState.RETURNING:
                 new.outbox.put_nowait(LeaseRevokeNotice(lease.lease_id, "holder gone"))

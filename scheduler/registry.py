@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from omnifabric.common import realtime
 
 
 class Mode(enum.Enum):
@@ -48,6 +50,37 @@ class EngineLimits:
     max_unit_samples: int
 
 
+@dataclass(frozen=True)
+class Headroom:
+    """What a worker serves in real time, as it reports it (worker.headroom measures it):
+    engine threads, and per mode what one session costs and what one more adds (engine
+    seconds per second of input); late units lately, and per lease."""
+
+    engine_threads: int
+    session_cost: dict[Mode, float]
+    added_cost: dict[Mode, float]
+    late_recent: int = 0
+    late_total: int = 0
+    late_window_s: float = 0.0
+    unit_p95_ratio: float = 0.0
+    late_by_lease: dict[str, int] = field(default_factory=dict)
+
+    def committed(self, modes: Iterable[Mode | None]) -> float:
+        """What sessions of these modes cost (a lease of unknown mode, a worker's own from
+        before a scheduler restart: the dearest mode)."""
+        dearest = max(self.session_cost.values(), default=0.0)
+        return sum(dearest if m is None else self.session_cost.get(m, dearest) for m in modes)
+
+    def sessions_within(self, mode: Mode, margin: float) -> int:
+        """How many sessions of `mode` alone the worker holds in real time."""
+        return realtime.sessions_within(
+            self.engine_threads,
+            self.session_cost.get(mode, 0.0),
+            self.added_cost.get(mode, 0.0),
+            margin,
+        )
+
+
 @dataclass
 class Worker:
     """One live registration: capacity, modes, health and the leases on its slots."""
@@ -65,10 +98,14 @@ class Worker:
     memory: MemoryFigures | None = None
     #: What the worker's engine accepts, from its hello; None when it sent none.
     limits: EngineLimits | None = None
+    #: The worker's latest headroom; None before it reported one (slots alone decide).
+    headroom: Headroom | None = None
     #: Registration order; ties between equally free workers go to the older one.
     seq: int = 0
     #: lease id -> slot number, for every lease that occupies a slot.
     lease_slots: dict[str, int] = field(default_factory=dict)
+    #: lease id -> the mode it was granted for (None: an orphan, mode unknown).
+    lease_modes: dict[str, Mode | None] = field(default_factory=dict)
     #: Messages for the worker's Register stream (lease notices; None ends the stream).
     outbox: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
 
@@ -77,12 +114,36 @@ class Worker:
         """Slots not occupied by any lease (active, returning or orphan)."""
         return max(0, self.slots - len(self.lease_slots))
 
-    def can_take(self, mode: Mode) -> bool:
-        """True when this worker may receive a new lease for `mode` now."""
-        return self.health is Health.SERVING and mode in self.modes and self.slots_free > 0
+    def can_take(self, mode: Mode, margin: float = 0.0) -> bool:
+        """True when this worker may receive a new lease for `mode` now: SERVING, a free
+        slot, and with a margin (> 0) and a headroom report, keeping real time with one
+        more session (see admits)."""
+        return (
+            self.health is Health.SERVING
+            and mode in self.modes
+            and self.slots_free > 0
+            and self.admits(mode, margin)
+        )
 
-    def take_slot(self, lease_id: str, preferred: int | None = None) -> int:
-        """Occupy the lowest free slot (or `preferred` if free) for `lease_id`."""
+    def admits(self, mode: Mode, margin: float) -> bool:
+        """Whether one more session of `mode` keeps real time here: a worker with no
+        session always takes one; one with late units lately takes none (it is behind);
+        else the sessions leased here and the new one must stay within `margin` of the
+        engine's threads (common.realtime). Always True without a margin or a report."""
+        room = self.headroom
+        if margin <= 0 or room is None or not self.lease_slots:
+            return True
+        if room.late_recent:
+            return False
+        added = room.added_cost.get(mode, room.session_cost.get(mode, 0.0))
+        committed = room.committed(self.lease_modes.values())
+        return realtime.fits(room.engine_threads, committed, added, margin)
+
+    def take_slot(
+        self, lease_id: str, preferred: int | None = None, mode: Mode | None = None
+    ) -> int:
+        """Occupy the lowest free slot (or `preferred` if free) for `lease_id`, a lease for
+        `mode` (None: unknown)."""
         used = set(self.lease_slots.values())
         if preferred is not None and preferred not in used and 0 <= preferred < self.slots:
             slot = preferred
@@ -90,11 +151,13 @@ class Worker:
             # Past `slots` only when a reconnecting worker reports more leases than slots.
             slot = next(n for n in itertools.count() if n not in used)
         self.lease_slots[lease_id] = slot
+        self.lease_modes[lease_id] = mode
         return slot
 
     def free_slot(self, lease_id: str) -> None:
         """Give back the slot `lease_id` occupied, if any."""
         self.lease_slots.pop(lease_id, None)
+        self.lease_modes.pop(lease_id, None)
 
 
 class Registry:
@@ -135,18 +198,26 @@ class Registry:
         """True when any registered worker, in any health, serves `mode`."""
         return any(mode in w.modes for w in self._workers.values())
 
-    def pick(self, mode: Mode) -> Worker | None:
-        """The SERVING worker for `mode` with the most free slots (oldest on ties)."""
+    def pick(self, mode: Mode, margin: float = 0.0) -> Worker | None:
+        """The SERVING worker for `mode` that can take it (Worker.can_take) with the most
+        free slots (oldest on ties)."""
         best: Worker | None = None
         for worker in self._workers.values():
-            if worker.can_take(mode) and (best is None or worker.slots_free > best.slots_free):
+            if worker.can_take(mode, margin) and (
+                best is None or worker.slots_free > best.slots_free
+            ):
                 best = worker
         return best
 
-    def serving_slots(self, mode: Mode) -> int:
-        """Total slots of SERVING workers that serve `mode`."""
-        return sum(
-            w.slots
-            for w in self._workers.values()
-            if w.health is Health.SERVING and mode in w.modes
-        )
+    def serving_capacity(self, mode: Mode, margin: float = 0.0) -> int:
+        """Sessions of `mode` the SERVING workers hold at once: each its slots, or fewer
+        where its headroom says fewer keep real time (with a margin)."""
+        total = 0
+        for w in self._workers.values():
+            if w.health is not Health.SERVING or mode not in w.modes:
+                continue
+            held = w.slots
+            if margin > 0 and w.headroom is not None:
+                held = min(held, w.headroom.sessions_within(mode, margin))
+            total += held
+        return total

@@ -35,7 +35,14 @@ from omnifabric.scheduler.errors import (
     status_for,
 )
 from omnifabric.scheduler.leases import LeaseGrantNotice, LeaseRevokeNotice
-from omnifabric.scheduler.registry import EngineLimits, Health, MemoryFigures, Mode, Worker
+from omnifabric.scheduler.registry import (
+    EngineLimits,
+    Headroom,
+    Health,
+    MemoryFigures,
+    Mode,
+    Worker,
+)
 
 log = logging.getLogger(__name__)
 TRACER = telemetry.tracer("scheduler")
@@ -157,6 +164,8 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                         _health_from_pb(report.health),
                         report.detail,
                         _memory_from_pb(report.memory) if report.HasField("memory") else None,
+                        _headroom_from_pb(report.headroom) if report.HasField("headroom") else None,
+                        report.slots,
                     )
                 elif kind == "lease_released":
                     try:
@@ -248,6 +257,8 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                     lease_ids=list(w.lease_ids),
                     memory=_memory_to_pb(w.memory),
                     limits=_limits_to_pb(w.limits),
+                    headroom=_headroom_to_pb(w.headroom),
+                    admits=[_MODE_TO_PB[m] for m in w.admits],
                 )
                 for w in status.workers
             ],
@@ -379,6 +390,7 @@ def _hello_from_pb(hello: scheduler_pb.WorkerHello) -> WorkerHello:
         health=_health_from_pb(hello.health),
         active_lease_ids=tuple(hello.active_lease_ids),
         limits=_limits_from_pb(hello.limits) if hello.HasField("limits") else None,
+        headroom=_headroom_from_pb(hello.headroom) if hello.HasField("headroom") else None,
     )
 
 
@@ -433,6 +445,39 @@ def _memory_to_pb(figures: MemoryFigures | None) -> common_pb2.MemoryStats | Non
         baseline_bytes=figures.baseline_bytes,
         before_cleanup_bytes=figures.before_cleanup_bytes,
         cleanups=figures.cleanups,
+    )
+
+
+def _headroom_from_pb(msg: scheduler_pb.Headroom) -> Headroom:
+    costs = [(c, _MODE_FROM_PB[c.mode]) for c in msg.costs if c.mode in _MODE_FROM_PB]
+    return Headroom(
+        engine_threads=max(1, msg.engine_threads),
+        session_cost={mode: max(0.0, c.session_cost) for c, mode in costs},
+        added_cost={mode: max(0.0, c.added_cost) for c, mode in costs},
+        late_recent=msg.late_units_recent,
+        late_total=msg.late_units_total,
+        late_window_s=msg.late_window_s,
+        unit_p95_ratio=msg.unit_p95_ratio,
+        late_by_lease=dict(msg.late_units_by_lease),
+    )
+
+
+def _headroom_to_pb(room: Headroom | None) -> scheduler_pb.Headroom | None:
+    if room is None:
+        return None
+    return scheduler_pb.Headroom(
+        engine_threads=room.engine_threads,
+        costs=[
+            scheduler_pb.ModeCost(
+                mode=_MODE_TO_PB[mode], session_cost=cost, added_cost=room.added_cost[mode]
+            )
+            for mode, cost in room.session_cost.items()
+        ],
+        late_units_recent=room.late_recent,
+        late_units_total=room.late_total,
+        late_window_s=room.late_window_s,
+        unit_p95_ratio=room.unit_p95_ratio,
+        late_units_by_lease=room.late_by_lease,
     )
 
 

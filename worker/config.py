@@ -11,6 +11,7 @@ from typing import Any
 
 from omnifabric.common import config as settings
 from omnifabric.common.config import ConfigError, setting
+from omnifabric.worker import headroom
 
 ASR_CHOICES = ("both", "whisper")
 """The reference engine's recognizer settings (``WorkerConfig.asr``)."""
@@ -99,6 +100,16 @@ class WorkerConfig:
     )
     """Largest delay between registration attempts: a scheduler back after an outage has
     every worker again within this (plus one connect)."""
+    headroom_window_s: float = setting(
+        headroom.WINDOW_S,
+        env="OMNI_WORKER_HEADROOM_WINDOW_S",
+        flag="--headroom-window",
+        range=(0.5, 3600.0),
+        help="seconds of recent units the real-time headroom is measured over",
+    )
+    """The worker's real-time headroom (worker.headroom) counts the units of the last this
+    many seconds: a late unit among them holds new sessions back, and their costs say what a
+    session costs. Shorter recovers sooner from a slow spell; longer remembers it longer."""
     synthetic_compute_ms: float = setting(
         40.0,
         env="OMNI_WORKER_COMPUTE_MS",
@@ -117,6 +128,22 @@ class WorkerConfig:
     """Busy time of the synthetic engine's deferred finalize after each unit, milliseconds
     (a real engine makes the next second of speech there; a unit that arrives meanwhile
     waits for it)."""
+    synthetic_threads: int | None = setting(
+        None,
+        env="OMNI_WORKER_ENGINE_THREADS",
+        flag="--engine-threads",
+        range=(1, 1024),
+        help="synthetic engine threads (default: one per slot)",
+    )
+    """Threads the synthetic engine serves units on; fewer than the slots time-slice the
+    sessions, as a GPU engine does (capacity tests)."""
+    synthetic_cpu_bound: bool = setting(
+        False,
+        env="OMNI_WORKER_CPU_BOUND",
+        flag="--cpu-bound",
+        help="synthetic engine spends its compute as CPU time instead of sleeping",
+    )
+    """The synthetic engine's compute spins on the CPU (a neighbour on its core slows it)."""
     device: str | None = setting(
         None,
         env="OMNI_WORKER_DEVICE",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from omnifabric.worker.errors import EngineUnavailable, InvalidRequest
+from omnifabric.worker.headroom import CHAT_COST
 
 #: Input audio rate (prefill) and output audio rate (generate), Hz.
 INPUT_RATE = 16000
@@ -199,6 +200,9 @@ class Engine(abc.ABC):
     name: str = "engine"
     default_slots: int = 1
     """Sessions held at once unless the config says otherwise."""
+    slots_from_warmup: bool = False
+    """Unless the config says otherwise, hold as many sessions as keep real time by the
+    warm-up's measure (worker.runtime), not default_slots."""
     concurrency: int = 1
     """Threads that may call the engine at once (GPU engines: 1)."""
     modes: frozenset[str] = frozenset({"audio"})
@@ -210,6 +214,18 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load(self) -> None:
         """Load weights; blocking, called once before warmup."""
+
+    def cost_estimate(self, mode: str, warmup_s: float) -> float:
+        """Engine seconds one session of `mode` costs per second of its input, before the
+        worker measured any (worker.headroom): by default `warmup_s`, what the warm-up's one
+        second of audio took; a chat turn holds one engine thread."""
+        return CHAT_COST if mode == "chat" else warmup_s
+
+    def added_cost(self, session_cost: float) -> float:
+        """What one more session adds to the engine's time, given what one costs: all of it
+        on an engine that serves sessions one after another (time-sliced); a batched engine
+        adds a fraction."""
+        return session_cost
 
     @abc.abstractmethod
     def open_session(self, session_id: str, mode: str) -> EngineSession:

@@ -30,14 +30,16 @@ from omnifabric.worker.engines import memory
 if TYPE_CHECKING:
     from omnifabric.worker.config import WorkerConfig
     from omnifabric.worker.engine import Engine
+    from omnifabric.worker.headroom import HeadroomFigures
     from omnifabric.worker.session import DuplexSession, SessionEnd, UnitOutput
 
 #: Stage latencies, seconds; the unit loop runs at one unit per second.
 STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 #: Context length, tokens (the cap is 8192 by default).
 CONTEXT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 16384)
-#: A unit whose wall clock exceeds this missed its real-time deadline.
-DEADLINE_S = 1.0
+#: Late units per session (a unit is late when its result left later than one unit length
+#: after it arrived).
+LATE_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 600)
 #: UnitTimings field -> stage label.
 STAGES = {
     "prefill_ms": "prefill",
@@ -79,6 +81,7 @@ class RuntimeState(Protocol):
     def last_cleanup(self) -> memory.MemoryReport | None: ...
     @property
     def cleanups(self) -> int: ...
+    def headroom_figures(self) -> HeadroomFigures | None: ...
 
 
 class WorkerMetrics:
@@ -105,7 +108,14 @@ class WorkerMetrics:
         )
         self.deadline_misses = Counter(
             "omni_worker_unit_deadline_misses",
-            f"Units whose wall clock exceeded {DEADLINE_S:g} s (slower than real time).",
+            "Late units: the result left later than one unit length after the unit arrived "
+            "(slower than real time).",
+            registry=r,
+        )
+        self.session_late_units = Histogram(
+            "omni_worker_session_late_units",
+            "Late units per duplex session, observed when it ends.",
+            buckets=LATE_BUCKETS,
             registry=r,
         )
         self.units_dropped = Counter(
@@ -149,7 +159,7 @@ class WorkerMetrics:
         timings = output.timings
         for field, child in self._stages:
             child.observe(max(0.0, getattr(timings, field)) / 1000.0)
-        if timings.wall_clock_ms > DEADLINE_S * 1000.0:
+        if output.late:
             self.deadline_misses.inc()
         result = output.result
         self._child(self.units, mode, "listen" if result.is_listen else "speak").inc()
@@ -158,6 +168,7 @@ class WorkerMetrics:
     def observe_end(self, end: SessionEnd) -> None:
         """A session ended (after its engine session and memory were freed)."""
         self.sessions_ended.labels(end.reason.value).inc()
+        self.session_late_units.observe(end.late_units)
         if end.units_dropped:
             self.units_dropped.inc(end.units_dropped)
 
@@ -204,6 +215,7 @@ class _RuntimeCollector(Collector):
             "NOT_SERVING while any is).",
             value=len(dict(rt.stuck)),
         )
+        yield from self._headroom()
         info = GaugeMetricFamily(
             "omni_worker_info",
             "Always 1: the worker's id and engine.",
@@ -212,6 +224,35 @@ class _RuntimeCollector(Collector):
         info.add_metric([rt.config.worker_id, rt.engine.name], 1)
         yield info
         yield from self._memory()
+
+    def _headroom(self) -> Iterator[Any]:
+        """The real-time headroom the worker reports to the scheduler (after warm-up)."""
+        figures = self._runtime.headroom_figures()
+        if figures is None:
+            return
+        cost = GaugeMetricFamily(
+            "omni_worker_session_cost",
+            "Engine seconds one session costs per second of its input (chat: the share of "
+            "an engine thread a turn holds), by mode.",
+            labels=["mode"],
+        )
+        for mode, mode_cost in sorted(figures.costs.items()):
+            cost.add_metric([mode], mode_cost.session_cost)
+        yield cost
+        yield GaugeMetricFamily(
+            "omni_worker_engine_threads", "Engine threads.", value=figures.engine_threads
+        )
+        yield GaugeMetricFamily(
+            "omni_worker_late_units_recent",
+            f"Late units in the last {figures.late_window_s:g} s (the worker takes no new "
+            "session while any).",
+            value=figures.late_recent,
+        )
+        yield GaugeMetricFamily(
+            "omni_worker_unit_wall_ratio_p95",
+            "Recent units' wall clock over their length, 95th percentile.",
+            value=figures.unit_p95_ratio,
+        )
 
     def _memory(self) -> Iterator[Any]:
         """Memory figures, for every engine: device "cuda" (torch.cuda.memory_allocated)

@@ -17,6 +17,7 @@ from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.worker.engine import EngineLimits
+from omnifabric.worker.headroom import HeadroomFigures
 from omnifabric.worker.leases import LeaseGrant
 from omnifabric.worker.runtime import Health, WorkerRuntime
 
@@ -53,6 +54,27 @@ def limits_pb(limits: EngineLimits) -> common_pb2.EngineLimits:
         max_slice_nums=limits.max_slice_nums,
         min_unit_samples=limits.min_unit_samples,
         max_unit_samples=limits.max_unit_samples,
+    )
+
+
+def headroom_pb(figures: HeadroomFigures | None) -> scheduler_pb.Headroom | None:
+    """The worker's headroom as hello and reports carry it (None before warm-up)."""
+    if figures is None:
+        return None
+    return scheduler_pb.Headroom(
+        engine_threads=figures.engine_threads,
+        costs=[
+            scheduler_pb.ModeCost(
+                mode=MODE_VALUES[mode], session_cost=cost.session_cost, added_cost=cost.added_cost
+            )
+            for mode, cost in sorted(figures.costs.items())
+            if mode in MODE_VALUES
+        ],
+        late_units_recent=figures.late_recent,
+        late_units_total=figures.late_total,
+        late_window_s=figures.late_window_s,
+        unit_p95_ratio=figures.unit_p95_ratio,
+        late_units_by_lease=figures.late_by_lease,
     )
 
 
@@ -119,7 +141,11 @@ class Registration:
     def _report_request(self, health: Health) -> scheduler_pb.RegisterRequest:
         return scheduler_pb.RegisterRequest(
             report=scheduler_pb.WorkerReport(
-                health=_health_value(health), detail=health.detail, memory=self._memory()
+                health=_health_value(health),
+                detail=health.detail,
+                memory=self._memory(),
+                headroom=headroom_pb(self.runtime.headroom_figures()),
+                slots=self.runtime.slots,
             )
         )
 
@@ -161,6 +187,7 @@ class Registration:
                 health=_health_value(runtime.health),
                 active_lease_ids=runtime.leases.active_ids(),
                 limits=limits_pb(runtime.engine.limits),
+                headroom=headroom_pb(runtime.headroom_figures()),
             )
         )
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from omnifabric.common import realtime
 from omnifabric.worker.config import WorkerConfig
 from omnifabric.worker.engine import ChatChunk, ChatTurn, Engine
 from omnifabric.worker.engines import memory
@@ -23,6 +25,7 @@ from omnifabric.worker.errors import (
     NoFreeSlot,
     NotServing,
 )
+from omnifabric.worker.headroom import Headroom, HeadroomFigures
 from omnifabric.worker.leases import LeaseBook
 from omnifabric.worker.metrics import WorkerMetrics
 from omnifabric.worker.session import CloseReason, DuplexSession, SessionLimits, SessionSpec
@@ -34,6 +37,14 @@ class _End(enum.Enum):
     """What next() gives for an engine's exhausted chat chunks (a typed sentinel)."""
 
     END = enum.auto()
+
+
+def _next_timed(chunks: Iterator[ChatChunk]) -> tuple[ChatChunk | _End, float]:
+    """The engine's next chat chunk (or END), on an engine thread, and the seconds it took
+    there (a wait for a free thread left out)."""
+    t0 = time.perf_counter()
+    chunk = next(chunks, _End.END)
+    return chunk, time.perf_counter() - t0
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,9 @@ class WorkerRuntime:
         """Sessions whose engine call overran the unit timeout and has not returned yet:
         session id -> detail. The worker is NOT_SERVING while any is stuck. After a drain,
         "drain" marks sessions that outlived the grace (their calls may never return)."""
+        self.headroom: Headroom | None = None
+        """What the engine spends per session and whether the worker keeps real time; made
+        at warm-up (its estimates come from it)."""
         self.metrics = WorkerMetrics(self)
         """Prometheus instruments (served on --metrics-port by worker.main)."""
 
@@ -92,11 +106,59 @@ class WorkerRuntime:
     async def warmup(self) -> None:
         """Run one real unit through the engine, note the memory baseline, then SERVING."""
         loop = asyncio.get_running_loop()
+        started = time.perf_counter()
         await loop.run_in_executor(self.executor, self.engine.warmup)
+        self._measure_headroom(time.perf_counter() - started)
         self.baseline = await loop.run_in_executor(self.executor, memory.cleanup)
         await loop.run_in_executor(self.executor, memory.freeze_long_lived)
         if not self.draining:
             self.set_health(True)  # the SERVING report carries the baseline figures
+
+    def _measure_headroom(self, warmup_s: float) -> None:
+        """The engine's cost estimates from its warm-up; an engine that sizes its slots by
+        them gets as many as keep real time (unless --slots says otherwise)."""
+        engine = self.engine
+        estimates = {mode: engine.cost_estimate(mode, warmup_s) for mode in engine.modes}
+        self.headroom = Headroom(
+            engine.concurrency, estimates, engine.added_cost, self.config.headroom_window_s
+        )
+        costs = self.headroom.figures().costs
+        log.info(
+            "warm-up took %.2f s; engine seconds a session costs per second: %s, on %d engine "
+            "threads",
+            warmup_s,
+            ", ".join(f"{mode} {cost.session_cost:.3f}" for mode, cost in sorted(costs.items())),
+            engine.concurrency,
+        )
+        if self.config.slots is None and engine.slots_from_warmup and "audio" in costs:
+            audio = costs["audio"]
+            self.slots = realtime.sessions_within(
+                engine.concurrency, audio.session_cost, audio.added_cost, realtime.MARGIN
+            )
+            log.info(
+                "slots: %d, the audio sessions that keep real time by the warm-up's measure "
+                "(%.0f%% of %d engine threads; --slots overrides)",
+                self.slots,
+                realtime.MARGIN * 100,
+                engine.concurrency,
+            )
+
+    def headroom_figures(self) -> HeadroomFigures | None:
+        """What the worker reports of its headroom now (None before warm-up)."""
+        return None if self.headroom is None else self.headroom.figures()
+
+    def _unit_served(
+        self,
+        session: DuplexSession,
+        length_s: float,
+        engine_s: float,
+        wall_s: float,
+        speaking: bool,
+    ) -> None:
+        if self.headroom is not None:
+            self.headroom.unit(
+                session.spec.mode, session.lease_id, length_s, engine_s, wall_s, speaking
+            )
 
     async def open_session(self, spec: SessionSpec) -> DuplexSession:
         """Claim the lease, open and prepare the engine session, start its unit loop.
@@ -132,6 +194,7 @@ class WorkerRuntime:
                 self._on_freed,
                 on_stuck=self._on_stuck,
                 on_unstuck=self._on_unstuck,
+                on_unit=self._unit_served,
             )
             holder.append(session)
             self.sessions[spec.lease_id] = session
@@ -176,21 +239,25 @@ class WorkerRuntime:
         await self.leases.claim(lease_id, "chat", self.config.lease_wait_s, revoked.append)
         self.chats += 1
         loop = asyncio.get_running_loop()
+        started, engine_s = time.perf_counter(), 0.0
         try:
             if len(self.sessions) + self.chats > self.slots:
                 raise NoFreeSlot(f"all {self.slots} slots of this worker are taken")
             chunks = iter(await loop.run_in_executor(self.executor, self._open_chat, turn))
             while not revoked:
                 try:
-                    chunk = await loop.run_in_executor(self.executor, next, chunks, _End.END)
+                    chunk, spent = await loop.run_in_executor(self.executor, _next_timed, chunks)
                 except ValueError as exc:
                     raise InvalidRequest(str(exc)) from None
                 except Exception as exc:
                     raise EngineFailure("inference failed") from exc
+                engine_s += spent
                 if chunk is _End.END:
                     return
                 yield chunk
         finally:
+            if self.headroom is not None:
+                self.headroom.chat_turn(engine_s, time.perf_counter() - started)
             self.chats -= 1
             self.leases.release(lease_id)
             report = await loop.run_in_executor(self.executor, memory.cleanup)
@@ -202,6 +269,8 @@ class WorkerRuntime:
 
     def _on_freed(self, session: DuplexSession, report: memory.MemoryReport | None) -> None:
         self.sessions.pop(session.lease_id, None)
+        if self.headroom is not None:
+            self.headroom.session_ended(session.lease_id)
         self.leases.release(session.lease_id)
         if session.ended is not None:
             self.metrics.observe_end(session.ended)

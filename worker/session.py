@@ -22,7 +22,13 @@ from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
 from omnifabric.common import close_reasons, telemetry
-from omnifabric.worker.engine import DuplexSettings, Engine, EngineSession, GenerateResult
+from omnifabric.worker.engine import (
+    INPUT_RATE,
+    DuplexSettings,
+    Engine,
+    EngineSession,
+    GenerateResult,
+)
 from omnifabric.worker.engines import memory
 from omnifabric.worker.errors import EngineFailure, EngineStuck
 from omnifabric.worker.rechunk import Rechunker
@@ -112,6 +118,8 @@ class UnitOutput:
     buffered: bool = False
     """The unit's audio waits for the next model unit (re-chunking) or was heard with a
     later unit (a half-duplex join): no model step ran for it."""
+    late: bool = False
+    """Its result left later than one unit length after the unit arrived."""
     audio_dropped: bool = False
     """Kept for a replay without its speech (beyond JOURNAL_AUDIO_RESULTS)."""
 
@@ -128,6 +136,8 @@ class SessionEnd:
     units_dropped: int
     error_code: str = ""
     """Public error code: "inference_error" when the engine failed on a unit."""
+    late_units: int = 0
+    """Units whose result left later than one unit length after they arrived."""
 
 
 @dataclass(frozen=True)
@@ -137,10 +147,14 @@ class UnitTrace:
     received_at: float
     started: float
     output: UnitOutput
+    length_s: float
+    """Seconds of input the unit carried."""
 
 
-#: A unit's result is due within one second of its arrival (the next unit is coming).
-UNIT_DEADLINE_MS = 1000.0
+#: What a served unit tells the worker's headroom (worker.headroom.Headroom.unit): the
+#: session, seconds of input, engine seconds (prefill, generate and its finalize), wall
+#: seconds (arrival to result), and whether it spoke.
+UnitServed = Callable[["DuplexSession", float, float, float, bool], None]
 #: perf_counter -> epoch nanoseconds, for spans built from measured times.
 _EPOCH_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
 
@@ -223,6 +237,7 @@ class DuplexSession:
         on_freed: Callable[[DuplexSession, memory.MemoryReport | None], None] | None = None,
         on_stuck: Callable[[DuplexSession, str], None] | None = None,
         on_unstuck: Callable[[DuplexSession, memory.MemoryReport | None], None] | None = None,
+        on_unit: UnitServed | None = None,
     ) -> None:
         self.spec = spec
         self.engine = engine
@@ -233,6 +248,10 @@ class DuplexSession:
         """Called with a detail when an engine call overran the unit timeout."""
         self.on_unstuck = on_unstuck
         """Called once that call returned and the engine session was freed after all."""
+        self.on_unit = on_unit
+        """Called once each served unit's finalize is done (the worker's headroom)."""
+        self.late_units = 0
+        """Units whose result left later than one unit length after they arrived."""
         self._stuck: asyncio.Future[Any] | None = None
         self._late_free: asyncio.Task[None] | None = None
         self.prompt_length = 0
@@ -606,11 +625,15 @@ class DuplexSession:
             dropped_seqs=self._mailbox.take_dropped(),
         )
         timings.wall_clock_ms = (time.perf_counter() - unit.received_at) * 1000.0
+        length_s = len(unit.pcm) / INPUT_RATE
+        output.late = timings.wall_clock_ms > length_s * 1000.0
+        if output.late:
+            self.late_units += 1
         self._emit(output)
         # Deferred finalize: the result is already on its way; the barrier fences the next prefill.
         self._finalized.clear()
         self._finalize_task = asyncio.ensure_future(
-            self._finalize(UnitTrace(unit.received_at, started, output))
+            self._finalize(UnitTrace(unit.received_at, started, output, length_s))
         )
         return result
 
@@ -627,12 +650,20 @@ class DuplexSession:
         t2 = time.perf_counter()
         return dict(costs), result, (t1 - t0) * 1000.0, (t2 - t1) * 1000.0, t0
 
+    def _finalize_timed(self) -> float:
+        """The engine's finalize, on an engine thread; returns the seconds it took there
+        (a wait for a free engine thread left out)."""
+        assert self._engine_session is not None
+        t0 = time.perf_counter()
+        self._engine_session.finalize()
+        return time.perf_counter() - t0
+
     async def _finalize(self, unit: UnitTrace) -> None:
         f0 = time.perf_counter()
+        spent_s: float | None = None
         try:
-            assert self._engine_session is not None
-            await self._watched(
-                f"finalize of unit {unit.output.seq}", self._engine_session.finalize
+            spent_s = await self._watched(
+                f"finalize of unit {unit.output.seq}", self._finalize_timed
             )
         except EngineStuck as exc:
             self._finalize_error = exc
@@ -643,6 +674,12 @@ class DuplexSession:
         finally:
             self._finalized.set()
             self._trace_unit(unit, f0, time.perf_counter())
+            if spent_s is not None and self.on_unit is not None:
+                timings = unit.output.timings
+                engine_s = (timings.prefill_ms + timings.generate_ms) / 1000.0 + spent_s
+                speaking = not unit.output.result.is_listen
+                wall_s = timings.wall_clock_ms / 1000.0
+                self.on_unit(self, unit.length_s, engine_s, wall_s, speaking)
 
     def _trace_unit(self, unit: UnitTrace, f0: float, f1: float) -> None:
         """One span per unit (receive -> finalize done) under the session's trace, with
@@ -663,7 +700,7 @@ class DuplexSession:
             "unit.n_tokens": result.n_tokens,
             "unit.n_tts_tokens": result.n_tts_tokens,
             "unit.end_of_turn": result.end_of_turn,
-            "unit.deadline_missed": timings.wall_clock_ms > UNIT_DEADLINE_MS,
+            "unit.deadline_missed": out.late,
             "unit.dropped_before": len(out.dropped_seqs),
         }
         span.set_attributes(attributes)
@@ -702,14 +739,16 @@ class DuplexSession:
             units_served=self.units_served,
             units_dropped=self._mailbox.dropped_total,
             error_code=error_code,
+            late_units=self.late_units,
         )
         log.info(
-            "session %s ended: %s (%s), %d units served, %d dropped",
+            "session %s ended: %s (%s), %d units served, %d dropped, %d late",
             self.session_id,
             reason.value,
             self.ended.message,
             self.units_served,
             self._mailbox.dropped_total,
+            self.late_units,
         )
         if self._detach_timer is not None:
             self._detach_timer.cancel()

@@ -21,7 +21,11 @@ def _output(seq: int, wall_clock_ms: float, is_listen: bool = True, kv: int = 30
     timings = UnitTimings(
         prefill_ms=20.0, generate_ms=30.0, finalize_wait_ms=1.0, wall_clock_ms=wall_clock_ms
     )
-    return UnitOutput(seq=seq, result=result, timings=timings, usage=Usage(), dropped_seqs=[])
+    # Late: its result left later than one unit length (1 s here) after it arrived.
+    late = wall_clock_ms > 1000.0
+    return UnitOutput(
+        seq=seq, result=result, timings=timings, usage=Usage(), dropped_seqs=[], late=late
+    )
 
 
 def test_observe_unit_and_end_move_the_instruments():
@@ -36,10 +40,14 @@ def test_observe_unit_and_end_move_the_instruments():
     assert value("omni_worker_unit_stage_seconds_sum", {"stage": "generate"}) == 0.06
     assert value("omni_worker_unit_stage_seconds_bucket", {"stage": "wall_clock", "le": "1.0"}) == 1
     assert value("omni_worker_unit_context_tokens_sum") == 1000
-    end = SessionEnd(CloseReason.USER_STOP, "closed", Usage(), units_served=2, units_dropped=3)
+    end = SessionEnd(
+        CloseReason.USER_STOP, "closed", Usage(), units_served=2, units_dropped=3, late_units=1
+    )
     metrics.observe_end(end)
     assert value("omni_worker_sessions_ended_total", {"reason": "user_stop"}) == 1
     assert value("omni_worker_units_dropped_total") == 3
+    assert value("omni_worker_session_late_units_bucket", {"le": "0.0"}) == 0
+    assert value("omni_worker_session_late_units_bucket", {"le": "1.0"}) == 1
 
 
 async def test_runtime_state_and_a_served_session(scheduler, workers):

@@ -19,6 +19,8 @@ def _synthetic(config: WorkerConfig) -> Engine:
     return SyntheticEngine(
         compute_ms=config.synthetic_compute_ms,
         finalize_ms=config.synthetic_finalize_ms,
+        threads=config.synthetic_threads,
+        cpu_bound=config.synthetic_cpu_bound,
         slots=config.slots or 4,
         fail_unit=config.synthetic_fail_unit,
         hang_unit=config.synthetic_hang_unit,
@@ -32,7 +34,7 @@ def _reference(config: WorkerConfig) -> Engine:
     rules = TurnRules(
         min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s
     )
-    return ReferenceEngine(
+    engine = ReferenceEngine(
         slots=config.slots or 5,
         rules=rules,
         device=config.device or "cpu",
@@ -40,6 +42,9 @@ def _reference(config: WorkerConfig) -> Engine:
         llm_model=config.llm_model,
         asr=config.asr,
     )
+    # Without --slots: as many as keep real time by the warm-up's measure.
+    engine.slots_from_warmup = config.slots is None
+    return engine
 
 
 def _minicpmo(config: WorkerConfig) -> Engine:

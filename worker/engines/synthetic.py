@@ -67,7 +67,14 @@ class SyntheticSession(EngineSession):
         if seconds <= 0:
             return 0.0
         started = time.perf_counter()
-        time.sleep(seconds)
+        if self.engine.cpu_bound:
+            # This thread's CPU time, as a model's forward spends it: a busy neighbour on
+            # the same core slows it down (a sleep would not notice).
+            until = time.thread_time() + seconds
+            while time.thread_time() < until:
+                pass
+        else:
+            time.sleep(seconds)
         return (time.perf_counter() - started) * 1000.0
 
     def prepare(
@@ -217,6 +224,8 @@ class SyntheticEngine(Engine):
         compute_ms: float = 40.0,
         slots: int = 4,
         finalize_ms: float = 0.0,
+        threads: int | None = None,
+        cpu_bound: bool = False,
         force_listen_count: int = 3,
         reply_units: int = 3,
         fail_unit: int | None = None,
@@ -232,12 +241,22 @@ class SyntheticEngine(Engine):
         """Fault injection for tests: generate() blocks `hang_s` seconds on this unit."""
         self.hang_s = hang_s
         self.default_slots = slots
-        self.concurrency = slots
+        self.concurrency = threads or slots
+        """Engine threads: one per slot unless given (fewer time-slice the sessions)."""
+        self.cpu_bound = cpu_bound
+        """Compute spends CPU time (a spin) instead of sleeping."""
         self.force_listen_count = force_listen_count
         self.reply_units = max(1, reply_units)
 
     def load(self) -> None:
         """Nothing to load."""
+
+    def cost_estimate(self, mode: str, warmup_s: float) -> float:
+        """Exactly known: a unit's compute and its finalize per second of audio (units of
+        1 s); a chat turn holds a thread."""
+        if mode == "chat":
+            return super().cost_estimate(mode, warmup_s)
+        return (self.compute_ms + self.finalize_ms) / 1000.0
 
     def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
         """Deterministic chat: echoes the last user message ("You said: ..."; audio parts

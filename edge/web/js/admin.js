@@ -31,6 +31,18 @@ function memory(m) {
   return text;
 }
 
+// What the worker serves in real time: engine seconds a session costs per second, late units
+// lately and in all, and the modes it would take one more session of now.
+function headroom(w) {
+  const h = w.headroom;
+  if (!h) return '—';
+  const costs = Object.entries(h.session_cost || {})
+    .map(([mode, cost]) => `${mode} ${Number(cost).toFixed(2)}`)
+    .join(', ');
+  const admits = (w.admits || []).length ? `takes ${w.admits.join(', ')}` : 'takes none now';
+  return `${costs} of ${h.engine_threads} thread(s); late ${h.late_units_recent} in ${h.late_window_s} s (${h.late_units_total} in all); ${admits}`;
+}
+
 function health(w) {
   const serving = w.health === 'serving';
   const text = serving ? 'serving' : `${w.health}${w.detail ? `: ${w.detail}` : ''}`;
@@ -49,7 +61,7 @@ function render(s) {
     replace(
       'workers',
       table(
-        ['worker', 'address', 'engine', 'modes', 'slots', 'free', 'leases', 'health', 'memory'],
+        ['worker', 'address', 'engine', 'modes', 'slots', 'free', 'leases', 'health', 'headroom', 'memory'],
         workers.map((w) => [
           w.worker_id,
           w.address,
@@ -59,6 +71,7 @@ function render(s) {
           w.slots_free,
           w.leases,
           health(w),
+          headroom(w),
           memory(w.memory),
         ]),
       ),
@@ -89,8 +102,15 @@ function render(s) {
     replace(
       'sessions',
       table(
-        ['session', 'mode', 'worker', 'started', 'units sent'],
-        sessions.map((x) => [x.session_id, x.mode, x.worker_id || '—', x.started ? 'yes' : 'queued', x.units]),
+        ['session', 'mode', 'worker', 'started', 'units sent', 'late units'],
+        sessions.map((x) => [
+          x.session_id,
+          x.mode,
+          x.worker_id || '—',
+          x.started ? 'yes' : 'queued',
+          x.units,
+          x.late_units || 0,
+        ]),
       ),
       chats,
     );

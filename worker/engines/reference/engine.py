@@ -486,6 +486,8 @@ class ReferenceEngine(Engine):
         self._llm: ReplyModel | None = None
         self._tts: TextToSpeech | None = None
         self._lock = threading.Lock()
+        self.reply_cost: float | None = None
+        """A spoken reply's compute per second of its speech, measured at warm-up."""
 
     def load(self) -> None:
         from omnifabric.worker.engines.reference.llm_gguf import DEFAULT_MODEL, ReplyModel
@@ -656,6 +658,36 @@ class ReferenceEngine(Engine):
             elif isinstance(part, np.ndarray) and message.role != "system":
                 pieces.append(self.asr.transcribe(part.astype(np.float32, copy=False)))
         return " ".join(p.strip() for p in pieces if p.strip())
+
+    #: What warm-up asks to measure a spoken reply (a short answer, as a call's are).
+    WARMUP_QUESTION = "In one short sentence: what is the capital of France?"
+
+    def warmup(self) -> GenerateResult:
+        """A unit through a full session, then a short spoken reply, timed: what a session
+        costs while the model speaks (its reply's compute per second of speech), the
+        session's cost that matters for real time (cost_estimate)."""
+        result = super().warmup()
+        turn = ChatTurn(
+            messages=(ChatMessage("user", (self.WARMUP_QUESTION,)),),
+            max_new_tokens=24,
+            speech=True,
+        )
+        for _ in self.chat(turn):  # a first turn loads what the LLM and TTS load lazily
+            pass
+        started, speech = time.perf_counter(), 0
+        for chunk in self.chat(turn):
+            speech += chunk.audio.size
+        if speech:
+            self.reply_cost = (time.perf_counter() - started) / (speech / OUTPUT_RATE)
+        return result
+
+    def cost_estimate(self, mode: str, warmup_s: float) -> float:
+        """A duplex session's: its spoken reply's compute per second of speech, measured at
+        warm-up (listening costs far less, but the admitted must keep real time while they
+        speak)."""
+        if mode == "chat" or self.reply_cost is None:
+            return super().cost_estimate(mode, warmup_s)
+        return self.reply_cost
 
     def open_session(self, session_id: str, mode: str) -> ReferenceSession:
         if mode not in self.modes:

@@ -1,0 +1,116 @@
+"""Real-time admission in the scheduler's core: a worker gets one more session only while
+its sessions and the new one keep within the margin of its engine's time by the costs it
+reports, and none while it is behind (late units lately); the rest wait, their estimate
+counting the sessions the workers hold in real time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from omnifabric.scheduler.config import SchedulerConfig
+from omnifabric.scheduler.core import LeaseOffer, QueueUpdate, Scheduler, WorkerHello
+from omnifabric.scheduler.leases import LeaseGrantNotice
+from omnifabric.scheduler.registry import Headroom, Health, Mode
+from tests.conftest import scaled
+
+
+def headroom(audio: float, chat: float = 1.0, late: int = 0, threads: int = 1) -> Headroom:
+    costs = {Mode.AUDIO: audio, Mode.CHAT: chat}
+    return Headroom(threads, costs, dict(costs), late_recent=late)
+
+
+def hello(room: Headroom | None, slots: int = 8) -> WorkerHello:
+    return WorkerHello(
+        worker_id="w1",
+        address="127.0.0.1:1",
+        slots=slots,
+        modes=frozenset({Mode.AUDIO, Mode.CHAT}),
+        engine="synthetic",
+        health=Health.SERVING,
+        headroom=room,
+    )
+
+
+async def announce(worker) -> None:
+    while True:
+        notice = await worker.outbox.get()
+        if isinstance(notice, LeaseGrantNotice):
+            notice.lease.announced.set()
+
+
+async def test_leases_stop_where_real_time_would_and_the_rest_wait():
+    core = Scheduler(SchedulerConfig(release_timeout_s=0.05, eta_initial_s=30.0))
+    worker = core.register(hello(headroom(0.3)))
+    announcer = asyncio.ensure_future(announce(worker))
+    try:
+        first, second = core.acquire(Mode.AUDIO, "s1"), core.acquire(Mode.AUDIO, "s2")
+        assert isinstance(await anext(first), LeaseOffer)
+        assert isinstance(await anext(second), LeaseOffer)
+        third = core.acquire(Mode.AUDIO, "s3")  # 0.6 + 0.3 is over 0.8 of one thread
+        update = await anext(third)
+        assert isinstance(update, QueueUpdate) and update.position == 1
+        # Two sessions at a time go through the worker: the next starts within one.
+        assert update.estimated_wait_s == pytest.approx(30.0)
+        status = core.status()
+        assert status.workers[0].admits == () and status.workers[0].slots_free == 6
+        # A chat turn holds a whole thread: no room for it either.
+        chat = core.acquire(Mode.CHAT, "c1")
+        assert isinstance(await anext(chat), QueueUpdate)
+        await first.aclose()  # one ends: the waiting audio session fits again
+        assert isinstance(await asyncio.wait_for(anext(third), scaled(2)), LeaseOffer)
+        for call in (second, third, chat):
+            await call.aclose()
+    finally:
+        announcer.cancel()
+
+
+async def test_a_worker_behind_takes_nothing_more_but_an_idle_one_takes_one():
+    core = Scheduler(SchedulerConfig(release_timeout_s=0.05))
+    worker = core.register(hello(headroom(2.0)))  # slower than real time even alone
+    announcer = asyncio.ensure_future(announce(worker))
+    try:
+        first = core.acquire(Mode.AUDIO, "s1")
+        assert isinstance(await anext(first), LeaseOffer)  # idle: it always takes one
+        second = core.acquire(Mode.AUDIO, "s2")
+        assert isinstance(await anext(second), QueueUpdate)
+        await first.aclose()
+        assert isinstance(await asyncio.wait_for(anext(second), scaled(2)), LeaseOffer)
+        # Cheap sessions, but late units lately: the worker is behind, it takes none.
+        core.report(worker, Health.SERVING, "", headroom=headroom(0.1, late=3))
+        third = core.acquire(Mode.AUDIO, "s3")
+        assert isinstance(await anext(third), QueueUpdate)
+        core.report(worker, Health.SERVING, "", headroom=headroom(0.1))  # recovered
+        assert isinstance(await asyncio.wait_for(anext(third), scaled(2)), LeaseOffer)
+        for call in (second, third):
+            await call.aclose()
+    finally:
+        announcer.cancel()
+
+
+async def test_without_a_margin_or_a_report_slots_alone_decide():
+    for config, room in (
+        (SchedulerConfig(realtime_margin=0.0), headroom(0.5)),
+        (SchedulerConfig(), None),
+    ):
+        core = Scheduler(config)
+        worker = core.register(hello(room, slots=3))
+        announcer = asyncio.ensure_future(announce(worker))
+        try:
+            calls = [core.acquire(Mode.AUDIO, f"s{n}") for n in range(4)]
+            events = [await anext(call) for call in calls]
+            assert [type(e) for e in events] == [LeaseOffer] * 3 + [QueueUpdate]
+            for call in calls:
+                await call.aclose()
+        finally:
+            announcer.cancel()
+
+
+def test_a_report_changes_the_slots():
+    core = Scheduler(SchedulerConfig())
+    worker = core.register(hello(headroom(0.3), slots=5))
+    core.report(worker, Health.SERVING, "", slots=2)
+    assert core.status().workers[0].slots == 2
+    core.report(worker, Health.SERVING, "")  # 0: as before
+    assert core.status().workers[0].slots == 2

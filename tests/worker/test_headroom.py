@@ -1,0 +1,83 @@
+"""The worker's real-time headroom: what a session costs (a quantile of recent units, never
+under the median of speaking ones, the engine's estimate until enough were measured), late
+units within the window, and the figures the scheduler reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from omnifabric.worker.headroom import MIN_MEASURED, Headroom
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_estimate_holds_until_units_are_measured_then_recent_units_decide():
+    clock = Clock()
+    room = Headroom(1, {"audio": 0.5, "chat": 1.0}, lambda c: c, window_s=10.0, clock=clock)
+    assert room.session_cost("audio") == 0.5  # before any unit: the engine's estimate
+    for _ in range(MIN_MEASURED - 1):
+        room.unit("audio", "L1", 1.0, 0.1, 0.2)
+        clock.now += 1.0
+    assert room.session_cost("audio") == 0.5  # too few measured to go below it
+    room.unit("audio", "L1", 1.0, 0.1, 0.2)
+    assert room.session_cost("audio") == pytest.approx(0.1)
+    # Half a second of input at 0.1 s of engine time is 0.2 a second.
+    for _ in range(5):
+        clock.now += 1.0
+        room.unit("audio", "L1", 0.5, 0.1, 0.2)
+    assert room.session_cost("audio") == pytest.approx(0.2)
+    figures = room.figures()
+    assert figures.costs["audio"].session_cost == figures.costs["audio"].added_cost
+    assert figures.costs["chat"].session_cost == 1.0 and figures.engine_threads == 1
+
+
+def test_a_session_costs_what_its_replies_cost():
+    """Nine listening units in ten cost 0.05, the speaking ones 0.6: a session is taken to
+    cost what it costs while it speaks (the admitted must keep real time then too)."""
+    clock = Clock()
+    room = Headroom(2, {"audio": 0.0}, lambda c: c / 4, window_s=60.0, clock=clock)
+    for n in range(40):
+        clock.now += 1.0
+        speaking = n % 10 == 0
+        room.unit("audio", "L1", 1.0, 0.6 if speaking else 0.05, 0.7, speaking=speaking)
+    assert room.session_cost("audio") == pytest.approx(0.6)
+    assert room.figures().costs["audio"].added_cost == pytest.approx(0.15)  # the engine's
+
+
+def test_late_units_count_within_the_window_and_by_lease():
+    clock = Clock()
+    room = Headroom(1, {"audio": 0.3}, lambda c: c, window_s=3.0, clock=clock)
+    assert not room.unit("audio", "L1", 1.0, 0.3, 0.99)
+    assert room.unit("audio", "L1", 1.0, 0.3, 1.2)  # later than its own length
+    assert room.unit("audio", "L2", 0.5, 0.3, 0.6)
+    figures = room.figures()
+    assert (figures.late_recent, figures.late_total) == (2, 2)
+    assert figures.late_by_lease == {"L1": 1, "L2": 1}
+    assert figures.unit_p95_ratio == pytest.approx(1.2)
+    clock.now += 3.5  # the window passed: recovered (the total stays)
+    room.session_ended("L2")
+    figures = room.figures()
+    assert (figures.late_recent, figures.late_total) == (0, 2)
+    assert figures.late_by_lease == {"L1": 1}
+
+
+def test_a_slow_spell_leaves_the_costs_with_the_window():
+    clock = Clock()
+    room = Headroom(1, {"audio": 0.3}, lambda c: c, window_s=5.0, clock=clock)
+    for _ in range(MIN_MEASURED):
+        clock.now += 1.0
+        room.unit("audio", "L1", 1.0, 0.3, 0.4)
+    for _ in range(5):  # a neighbour on the core: each unit takes four times as long
+        clock.now += 1.0
+        room.unit("audio", "L1", 1.0, 1.2, 1.3)
+    assert room.session_cost("audio") == pytest.approx(1.2)
+    for _ in range(6):
+        clock.now += 1.0
+        room.unit("audio", "L1", 1.0, 0.3, 0.4)
+    assert room.session_cost("audio") == pytest.approx(0.3)

@@ -1,0 +1,173 @@
+"""A worker's real-time headroom: what its engine spends on a session of each mode, measured
+on recent units, and whether the worker keeps up.
+
+Every served unit brings its engine time (its prefill and generate, then its deferred
+finalize) against its length, and its wall clock (arrival to result). A session of a mode
+costs the engine seconds per second of input of a high quantile of its recent units, and no
+less than the median of its recent speaking units (a reply's units cost many times a
+listening one's, and the sessions admitted must keep real time while they speak). Until
+MIN_MEASURED units of a mode were served, no less than the engine's own estimate from
+warm-up either. "Recent" is the last `window_s` seconds (at least the last MIN_RECENT
+units), so a worker slowed for a while, by its host or its load, reads as dearer, and as
+cheap again soon after. A unit is late when its result left later than one unit length after
+it arrived; a late unit within the window means the worker is behind. The scheduler reads
+these figures (WorkerReport's Headroom) and decides.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Units per mode kept at most.
+RECENT_UNITS = 200
+#: Units a quantile is taken over at least (older than the window if need be).
+MIN_RECENT = 5
+#: The quantile of recent unit costs a session is taken to cost.
+COST_PERCENTILE = 90.0
+#: Units of a mode measured before the engine's estimate gives way to the measurements.
+MIN_MEASURED = 20
+#: The window, seconds, unless configured (worker config headroom_window_s).
+WINDOW_S = 15.0
+#: A chat turn holds one engine thread while it generates.
+CHAT_COST = 1.0
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    """What one session of a mode costs the engine (engine seconds per second of input),
+    and what one more would add."""
+
+    session_cost: float
+    added_cost: float
+
+
+@dataclass(frozen=True)
+class HeadroomFigures:
+    """What the worker reports (scheduler_service.proto Headroom)."""
+
+    engine_threads: int
+    costs: dict[str, ModeCost]
+    late_recent: int
+    late_total: int
+    late_window_s: float
+    unit_p95_ratio: float
+    late_by_lease: dict[str, int]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100, nearest rank) of values; 0.0 when there are none."""
+    return float(np.percentile(values, q, method="nearest")) if values else 0.0
+
+
+class Headroom:
+    """Unit costs and lateness of one worker, as its sessions serve units."""
+
+    def __init__(
+        self,
+        engine_threads: int,
+        estimates: dict[str, float],
+        added: Callable[[float], float],
+        window_s: float = WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`estimates`: engine seconds a session of each mode served costs per second of
+        input before any unit was measured; `added`: what one more session adds, given what
+        one costs (the engine's: time-sliced engines add it whole)."""
+        self.engine_threads = max(1, engine_threads)
+        self.estimates = dict(estimates)
+        self.window_s = window_s
+        self._added = added
+        self._clock = clock
+        # (when, engine seconds per second of input) of recent units, per mode.
+        self._costs = {mode: deque[tuple[float, float]](maxlen=RECENT_UNITS) for mode in estimates}
+        self._speaking = {
+            mode: deque[tuple[float, float]](maxlen=RECENT_UNITS) for mode in estimates
+        }
+        self._measured = dict.fromkeys(estimates, 0)
+        self._ratios = deque[tuple[float, float]](maxlen=RECENT_UNITS)
+        self._late_at = deque[float]()
+        self.late_total = 0
+        self._late_by_lease: dict[str, int] = {}
+
+    def unit(
+        self,
+        mode: str,
+        lease_id: str,
+        length_s: float,
+        engine_s: float,
+        wall_s: float,
+        speaking: bool = False,
+    ) -> bool:
+        """One served unit of `length_s` seconds of input: the engine's time on it and its
+        wall clock. Returns whether it was late."""
+        if length_s <= 0:
+            return False
+        now = self._clock()
+        if mode in self._costs:
+            self._costs[mode].append((now, engine_s / length_s))
+            if speaking:
+                self._speaking[mode].append((now, engine_s / length_s))
+            self._measured[mode] += 1
+        self._ratios.append((now, wall_s / length_s))
+        late = wall_s > length_s
+        if late:
+            self.late_total += 1
+            self._late_at.append(now)
+            self._late_by_lease[lease_id] = self._late_by_lease.get(lease_id, 0) + 1
+        return late
+
+    def chat_turn(self, engine_s: float, wall_s: float) -> None:
+        """One chat turn: the share of an engine thread it held while it ran."""
+        if "chat" in self._costs and wall_s > 0:
+            self._costs["chat"].append((self._clock(), min(1.0, engine_s / wall_s)))
+            self._measured["chat"] += 1
+
+    def session_ended(self, lease_id: str) -> None:
+        """The session of `lease_id` is gone: its late count leaves the report."""
+        self._late_by_lease.pop(lease_id, None)
+
+    def _recent(self, entries: Iterable[tuple[float, float]]) -> list[float]:
+        """The values of the window, or of the last MIN_RECENT entries if it holds fewer."""
+        kept = list(entries)
+        horizon = self._clock() - self.window_s
+        values = [value for when, value in kept if when >= horizon]
+        return values if len(values) >= MIN_RECENT else [value for _, value in kept[-MIN_RECENT:]]
+
+    def late_recent(self) -> int:
+        """Late units within the window."""
+        horizon = self._clock() - self.window_s
+        while self._late_at and self._late_at[0] < horizon:
+            self._late_at.popleft()
+        return len(self._late_at)
+
+    def session_cost(self, mode: str) -> float:
+        """Engine seconds one session of `mode` costs per second of input (see the module)."""
+        if mode not in self._costs:
+            return 0.0
+        cost = max(
+            _percentile(self._recent(self._costs[mode]), COST_PERCENTILE),
+            _percentile(self._recent(self._speaking[mode]), 50.0),
+        )
+        if self._measured[mode] < MIN_MEASURED:
+            cost = max(cost, self.estimates[mode])
+        return cost
+
+    def figures(self) -> HeadroomFigures:
+        costs = {}
+        for mode in self._costs:
+            cost = self.session_cost(mode)
+            costs[mode] = ModeCost(cost, self._added(cost))
+        return HeadroomFigures(
+            engine_threads=self.engine_threads,
+            costs=costs,
+            late_recent=self.late_recent(),
+            late_total=self.late_total,
+            late_window_s=self.window_s,
+            unit_p95_ratio=_percentile(self._recent(self._ratios), 95.0),
+            late_by_lease=dict(self._late_by_lease),
+        )
