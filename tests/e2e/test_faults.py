@@ -21,7 +21,7 @@ from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
-from tests.e2e.wsclient import SILENCE, WsClient, served_unit, wait_for
+from tests.e2e.wsclient import SILENCE, WsClient, metric, scrape_metrics, served_unit, wait_for
 from tests.stack import Stack, read_until_line, start_service
 
 
@@ -208,8 +208,19 @@ async def test_worker_drain(stack):
     assert len(worker_of(snapshot, "wb").lease_ids) == 1
     wa_address = worker_of(snapshot, "wa").address
 
+    edge_address = stack.url.split("://", 1)[1].split("/", 1)[0]
+
+    async def forwarded() -> bool:
+        samples = await asyncio.to_thread(scrape_metrics, edge_address)
+        return metric(samples, "omni_edge_units_forwarded_total") == 1
+
     await busy.append(SILENCE)
-    await asyncio.sleep(0.2)  # the unit is in the engine now
+    # The unit is in the engine now: the edge has sent it to wa (the only unit of the
+    # test so far: polled, however long the client's and the edge's part takes), and wa's
+    # own part, its receipt and the engine's start (~1 ms; no metric shows a unit before
+    # its answer), gets 0.5 s, half of the unit's 1 s of compute.
+    await wait_for(forwarded, 5, interval_s=0.01)
+    await asyncio.sleep(0.5)
     wa.kill(signal.SIGTERM)
     t0 = time.monotonic()
 

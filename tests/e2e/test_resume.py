@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
+from collections.abc import Callable
 
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.conftest import scaled
-from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
+from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, metric, scrape_metrics, wait_for
 from tests.stack import Stack
 
 WINDOW_S = 4
@@ -109,6 +111,17 @@ def status(url: str) -> dict:
     return body
 
 
+async def status_where(url: str, holds: Callable[[dict], bool], timeout_s: float) -> dict:
+    """The edge's /status once `holds` is true of it (polled); AssertionError with the last
+    one after timeout_s (scaled)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + scaled(timeout_s)
+    while not holds(body := await asyncio.to_thread(status, url)):
+        assert loop.time() < deadline, f"not within {scaled(timeout_s)} s: {body}"
+        await asyncio.sleep(0.05)
+    return body
+
+
 async def refused(url: str) -> tuple[dict, int]:
     """The error event and the close code a refused resume ends with."""
     async with connect(url, open_timeout=scaled(10)) as ws:
@@ -160,15 +173,20 @@ async def test_refusals_expiry_and_superseding(stack):
     assert error["error"]["code"] == "resume_unknown" and code == 1008
     error, code = await refused(f"{stack.url}?mode=audio&resume_token={token}&last_seq=x")
     assert error["error"]["code"] == "invalid_payload" and code == 1008
+    dropped = time.monotonic()
     drop(b)
-    await asyncio.sleep(0.5)
-    held = status(stack.url)
+    # Held for the resume once the edge has noticed the lost connection: the lease detached,
+    # its slot still taken (polled well inside the window, which starts after the drop).
+    held = await status_where(stack.url, lambda s: s["leases_detached"] != 0, WINDOW_S / 2)
     assert held["slots"]["free"] == 1 and held["leases_detached"] == 1  # held for the resume
-    await asyncio.sleep(WINDOW_S + 1)
+    # The window passes: the worker lets the session go and the scheduler frees the slot.
+    # Polled; not before the window (counted from after the drop) has passed.
+    freed = await status_where(stack.url, lambda s: s["slots"]["free"] == 2, WINDOW_S + 5)
+    held_s = time.monotonic() - dropped
+    assert freed["slots"]["free"] == 2 and freed["leases_detached"] == 0  # the window passed
+    assert held_s >= WINDOW_S - 0.5, f"freed {held_s:.2f} s after the drop"
     error, code = await refused(f"{stack.url1}?mode=audio&resume_token={token}&last_seq=3")
     assert error["error"]["code"] == "resume_expired" and code == 1008
-    freed = status(stack.url)
-    assert freed["slots"]["free"] == 2 and freed["leases_detached"] == 0  # the window passed
     c = await WsClient.open(f"{stack.url}?mode=audio")
     token = (await c.start())["resume_token"]
     await c.send({"type": "session.close"})
@@ -179,9 +197,16 @@ async def test_refusals_expiry_and_superseding(stack):
     # its slot comes back at once.
     d = await WsClient.open(f"{stack.url}?mode=audio")
     await d.start()
+    closed_at = time.monotonic()
     await d.close()
-    await asyncio.sleep(0.5)
-    assert status(stack.url)["slots"]["free"] == 2
+    await status_where(stack.url, lambda s: s["slots"]["free"] == 2, WINDOW_S / 2)
+    back_s = time.monotonic() - closed_at
+    # Not kept for a resume, which would hold it for the window.
+    assert back_s < WINDOW_S - 1, f"slot back {back_s:.2f} s after the close"
+    print(
+        f"resume: slot held {held_s:.2f} s after a drop (window {WINDOW_S} s), back "
+        f"{back_s:.2f} s after a close frame"
+    )
 
 
 async def test_a_token_is_bound_to_its_key(tmp_path):
@@ -299,10 +324,21 @@ async def test_a_grpc_call_cancelled_while_answers_wait_is_kept(stack):
         pass
     created = response.created
     audio = SPEECH.astype("<f4").tobytes()
-    for _ in range(6):  # ~100 KB of answer audio each: more than the call's window
+    worker_metrics = stack.workers[0].metrics_address()
+
+    def answered(n: int) -> Callable:
+        async def check() -> bool:
+            samples = await asyncio.to_thread(scrape_metrics, worker_metrics)
+            return metric(samples, "omni_worker_units_total") >= n
+
+        return check
+
+    for n in range(1, 7):  # ~100 KB of answer audio each: more than the call's window
         await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=audio)))
-        await asyncio.sleep(0.1)  # each unit served (a waiting unit is replaced by a newer)
-    await asyncio.sleep(scaled(1))  # answered by the worker, waiting at the edge
+        # Answered by the worker before the next is sent (a unit still waiting would be
+        # replaced by the newer one); the client reads nothing, so the answers wait at the
+        # edge.
+        await wait_for(answered(n), 10)
     call.cancel()
     await first.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -27,6 +28,21 @@ async def status(harness: Harness) -> scheduler_pb.GetStatusResponse:
     return await asyncio.wait_for(
         harness.stub.GetStatus(scheduler_pb.GetStatusRequest()), scaled(2)
     )
+
+
+async def status_where(
+    harness: Harness,
+    holds: Callable[[scheduler_pb.GetStatusResponse], bool],
+    timeout_s: float = 5.0,
+) -> scheduler_pb.GetStatusResponse:
+    """GetStatus, polled until `holds` is true of it (what the scheduler does after a call
+    or a stream message ends is asynchronous); AssertionError with the last snapshot after
+    timeout_s (scaled)."""
+    deadline = time.monotonic() + scaled(timeout_s)
+    while not holds(snapshot := await status(harness)):
+        assert time.monotonic() < deadline, f"not within {scaled(timeout_s)} s: {snapshot}"
+        await asyncio.sleep(0.01)
+    return snapshot
 
 
 async def test_free_slot_is_granted_at_once_and_worker_hears_first(
@@ -144,10 +160,7 @@ async def test_a_keys_session_limit_counts_waiting_and_leased(
     await Holder(harness.stub, AUDIO, key="o" * 64, key_session_limit=2).expect("queued")
     await Holder(harness.stub, AUDIO, key="k" * 64).expect("queued")  # no limit given
     waiting.cancel()
-    for _ in range(50):
-        if (await status(harness)).queue_length == 2:
-            break
-        await asyncio.sleep(0.01)
+    await status_where(harness, lambda s: s.queue_length == 2)
     await Holder(harness.stub, AUDIO, **team).expect("queued")
     await worker.close()
 
@@ -220,11 +233,7 @@ async def test_holder_cancel_revokes_and_release_frees_slot(
 
     waiting.cancel()
     await worker.revoke_and_release(next_lease.lease_id)
-    for _ in range(50):
-        snapshot = await status(harness)
-        if snapshot.workers[0].slots_free == 1:
-            break
-        await asyncio.sleep(0.01)
+    snapshot = await status_where(harness, lambda s: s.workers[0].slots_free == 1)
     assert snapshot.workers[0].slots_free == 1 and snapshot.leases_active == 0
     counters = harness.core.counters
     assert (counters.leases_granted, counters.leases_returned, counters.leases_lost) == (2, 2, 0)
@@ -278,12 +287,8 @@ async def test_not_serving_worker_gets_no_leases(start_scheduler: StartScheduler
     harness = await start_scheduler()
     worker = await WorkerStream(harness.stub, "w1", slots=2).start()
     await worker.report(NOT_SERVING, "draining")
-    # GetStatus after the report is read: poll briefly, the report is asynchronous.
-    for _ in range(100):
-        snapshot = await status(harness)
-        if snapshot.workers[0].health == NOT_SERVING:
-            break
-        await asyncio.sleep(0.01)
+    # GetStatus after the report is read: polled, the report is asynchronous.
+    snapshot = await status_where(harness, lambda s: s.workers[0].health == NOT_SERVING)
     assert (snapshot.workers[0].health, snapshot.workers[0].detail) == (NOT_SERVING, "draining")
 
     holder = Holder(harness.stub, AUDIO)

@@ -14,6 +14,8 @@ from omnifabric.tools import gpu_sessions
 from tests.conftest import ROOT, scaled
 
 
+# The global 120 s (unscaled) would cut short the command's own scaled(120) s.
+@pytest.mark.timeout(scaled(300))
 def test_two_sessions_on_cpu(tmp_path: Path):
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "omnifabric.tools.gpu_sessions", "--engine", "reference"]

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, scaled
 
 
@@ -23,14 +25,18 @@ def soak(tmp_path, *flags: str, timeout_s: float = 120) -> tuple[subprocess.Comp
     return proc, body
 
 
+# The global 120 s (unscaled) would cut short the command's own scaled(120) s.
+@pytest.mark.timeout(scaled(300))
 def test_short_soak_passes_every_row(tmp_path):
     proc, body = soak(
         tmp_path,
         "--rows", "L1,L2,L3,F1",
         "--sessions", "5", "--seconds", "5", "--warmup-seconds", "2",
         # 25 units: the "p99" is the single worst one, a scheduling hiccup on a shared
-        # 2-core machine. This run checks the command; the 20 ms figure is L1's full run.
-        "--max-overhead-p99-ms", "250",
+        # 2-core machine (~7 ms quiet, hundreds of ms loaded). This run checks the
+        # command; the 20 ms figure is L1's full run. A broken fabric loses units (0 lost
+        # is checked below) or holds them up for seconds (a retry, a timeout): over 1000.
+        "--max-overhead-p99-ms", "1000",
         "--l2-seconds", "3",
         "--l3-sessions", "3",
         "--f1-repeats", "2",
@@ -49,7 +55,7 @@ def test_short_soak_passes_every_row(tmp_path):
     l1 = rows["L1"]["figures"]
     assert l1["load"]["sessions"] == 5 and l1["load"]["units_sent"] == 25
     assert l1["load"]["lost"] == 0 and l1["load"]["closed_ok"] == 5
-    assert 0 < l1["load"]["overhead_ms"]["p99"] <= 250
+    assert 0 < l1["load"]["overhead_ms"]["p99"] <= 1000
     assert set(l1["before"]) == {"scheduler", "w0", "w1", "w2", "w3", "edge"}
     for name, before in l1["before"].items():
         assert before["rss_mib"] > 10 and before["fds"] > 3 and before["tasks"] >= 1, name
