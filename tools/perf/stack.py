@@ -143,7 +143,9 @@ class Stack:
         args += ["--worker-id", name, *extra]
         svc = self._start(name, "omnifabric.worker", args)
         self.workers.append(svc)
-        svc.wait_ready()
+        # A reference worker loads its models and times a unit and a spoken reply before it
+        # is ready: 15-17 s on a quiet 2-core host, twice that on a loaded one.
+        svc.wait_ready(90.0)
         return svc
 
     def start_edge(self, *extra: str, name: str = "edge") -> Service:
