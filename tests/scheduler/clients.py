@@ -13,6 +13,18 @@ from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import scaled
 
+
+async def announce(worker: Any) -> None:
+    """Play a core-level worker's Register stream: pass every grant in its outbox on (as the
+    stream would), for tests that drive scheduler.core.Scheduler without gRPC."""
+    from omnifabric.scheduler.leases import LeaseGrantNotice
+
+    while True:
+        notice = await worker.outbox.get()
+        if isinstance(notice, LeaseGrantNotice):
+            notice.lease.announced.set()
+
+
 #: Default wait for one expected message.
 STEP_S = 2.0
 

@@ -11,9 +11,9 @@ import pytest
 
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.core import LeaseOffer, QueueUpdate, Scheduler, WorkerHello
-from omnifabric.scheduler.leases import LeaseGrantNotice
 from omnifabric.scheduler.registry import Headroom, Health, Mode
 from tests.conftest import scaled
+from tests.scheduler.clients import announce
 
 
 def headroom(audio: float, chat: float = 1.0, late: int = 0, threads: int = 1) -> Headroom:
@@ -31,13 +31,6 @@ def hello(room: Headroom | None, slots: int = 8) -> WorkerHello:
         health=Health.SERVING,
         headroom=room,
     )
-
-
-async def announce(worker) -> None:
-    while True:
-        notice = await worker.outbox.get()
-        if isinstance(notice, LeaseGrantNotice):
-            notice.lease.announced.set()
 
 
 async def test_leases_stop_where_real_time_would_and_the_rest_wait():

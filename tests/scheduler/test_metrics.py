@@ -15,10 +15,10 @@ from omnifabric.common import logs
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.core import LeaseOffer, QueueUpdate, Scheduler, WorkerHello
 from omnifabric.scheduler.errors import QueueFull
-from omnifabric.scheduler.leases import LeaseGrantNotice
 from omnifabric.scheduler.metrics import serve_http
 from omnifabric.scheduler.registry import Health, Mode
 from tests.conftest import scaled
+from tests.scheduler.clients import announce
 
 
 def _hello(worker_id: str = "w1", slots: int = 1) -> WorkerHello:
@@ -32,19 +32,11 @@ def _hello(worker_id: str = "w1", slots: int = 1) -> WorkerHello:
     )
 
 
-async def _announce(worker) -> None:
-    """Play the Register stream: pass every grant on to the (imaginary) worker."""
-    while True:
-        notice = await worker.outbox.get()
-        if isinstance(notice, LeaseGrantNotice):
-            notice.lease.announced.set()
-
-
 async def test_counters_and_state_follow_the_core():
     core = Scheduler(SchedulerConfig(queue_max=1, release_timeout_s=0.05))
     value = core.metrics.registry.get_sample_value
     worker = core.register(_hello())
-    announcer = asyncio.ensure_future(_announce(worker))
+    announcer = asyncio.ensure_future(announce(worker))
     try:
         assert value("omni_scheduler_workers", {"health": "serving"}) == 1
         assert value("omni_scheduler_worker_slots_free", {"worker_id": "w1"}) == 1
