@@ -210,6 +210,15 @@ def test_a_wheel_from_a_fresh_clone_holds_the_stubs(tmp_path):
     )
     assert helped.returncode == 0, helped.stderr[-3000:]
     assert "usage:" in helped.stdout
+    checked = subprocess.run(
+        [venv / "bin" / "omnifabric", "stubs", "--check"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+    )
+    assert checked.returncode == 0, checked.stderr[-3000:]  # the build's stubs, complete
     modules = [f"omnifabric.omni.realtime.v1.{stem}{suffix[:-3]}" for stem in stems
                for suffix in STUB_SUFFIXES if suffix.endswith(".py")]  # fmt: skip
     imported = subprocess.run(
