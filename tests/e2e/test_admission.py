@@ -23,8 +23,9 @@ from tests.e2e.test_fabric import scheduler_status
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, wait_for
 from tests.stack import Stack
 
-#: A question after the three units a session listens at its start, then silence.
-QUESTION = [SILENCE] * 3 + [SPEECH] + [SILENCE] * 2
+#: A question, then silence until the reply ended (no units forced to listen at the start).
+QUESTION = [SPEECH, SILENCE]
+NO_STARTUP = {"config": {"force_listen_count": 0}}
 
 
 @pytest.fixture
@@ -45,7 +46,10 @@ def queued(report: SessionReport) -> dict | None:
 async def callers(stack: Stack, n: int) -> list[SessionReport]:
     """`n` callers arriving together, each speaking in real time until its reply ended."""
     url = f"{stack.url}?mode=audio"
-    runs = [run_session(url, QUESTION, pace_s=1.0, reply_tail_s=4) for _ in range(n)]
+    runs = [
+        run_session(url, QUESTION, pace_s=1.0, reply_tail_s=4, init_extra=NO_STARTUP)
+        for _ in range(n)
+    ]
     return list(await asyncio.wait_for(asyncio.gather(*runs), scaled(120)))
 
 
@@ -74,8 +78,8 @@ async def test_a_worker_admits_what_it_serves_in_real_time_and_queues_the_rest(s
         assert all(u.kind in ("listen", "speak") for u in report.units.values())
         rtts = [u.rtt_ms for u in report.units.values() if u.rtt_ms is not None]
         assert percentile(rtts, 95) < 1000.0, rtts
-    # The waiting ones were served once the first ended (a session here lasts ~7 s).
-    assert min(r.queue_wait_s for r in first if queued(r)) > 4.0
+    # The waiting ones were served once the first ended (a session here lasts ~5 s).
+    assert min(r.queue_wait_s for r in first if queued(r)) > 2.5
 
     # The queue learned how long a session holds the worker: the next waiting callers'
     # estimate is about their actual wait.
@@ -110,7 +114,19 @@ async def test_a_slowed_worker_stops_taking_sessions_and_recovers(tmp_path):
         stack.start_edge()
         pin(worker.proc.pid, 0)
         url = f"{stack.url}?mode=audio"
-        held = asyncio.ensure_future(run_session(url, [SILENCE] * 30, pace_s=1.0))
+        held = await WsClient.open(url)
+        await held.start()
+
+        async def speak() -> None:  # a unit a second, as a caller does, until cancelled
+            while True:
+                await held.append(SILENCE)
+                await asyncio.sleep(1.0)
+
+        async def hear() -> None:
+            while True:
+                await held.recv(timeout_s=60)
+
+        caller = [asyncio.ensure_future(speak()), asyncio.ensure_future(hear())]
 
         async def status():
             [w] = (await scheduler_status(stack.scheduler_address)).workers
@@ -141,9 +157,12 @@ async def test_a_slowed_worker_stops_taking_sessions_and_recovers(tmp_path):
         await newcomer.append(SILENCE)
         await newcomer.until("delta.listen")
         await newcomer.close()
-        report = await asyncio.wait_for(held, scaled(60))
-        assert report.closed_reason == "user_stop" and report.error is None, report.error
-        assert not report.lost_units()  # late or dropped while slowed, never lost
+        for task in caller:
+            task.cancel()
+        # The session it held went on all along: answered, never ended or refused.
+        kinds = [e["type"] for e in held.events]
+        assert "session.closed" not in kinds and "error" not in kinds, kinds
+        assert kinds.count("response.output.delta") >= 5
         assert (await status()).headroom.late_units_total > 0
     finally:
         for hog in hogs:

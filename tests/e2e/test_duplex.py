@@ -365,7 +365,12 @@ async def test_status_endpoint(stack):
     [mine] = [s for s in body["sessions"] if s["session_id"] == created["session_id"]]
     assert mine["mode"] == "audio" and mine["units"] == 1
     assert mine["worker_id"] == worker["worker_id"] and mine["started"] is True
-    assert set(mine) == {"session_id", "mode", "worker_id", "started", "units"}  # no content
+    assert mine["late_units"] == 0  # its units answered within their length (issue 37)
+    assert set(mine) == {"session_id", "mode", "worker_id", "started", "units", "late_units"}
+    # The worker's real-time headroom: engine seconds per session, late units, what it takes.
+    room = worker["headroom"]
+    assert room["engine_threads"] >= 1 and set(room["session_cost"]) == set(worker["modes"])
+    assert room["late_units_recent"] == 0 and "audio" in worker["admits"]
 
 
 async def test_grpc_reports_what_the_json_dialects_report(stack):
