@@ -3,9 +3,10 @@ on recent units, and whether the worker keeps up.
 
 Every served unit brings its engine time (its prefill and generate, then its deferred
 finalize) against its length, and its wall clock (arrival to result). A session of a mode
-costs the engine seconds per second of input of a high quantile of its recent units, and no
-less than the median of its recent speaking units (a reply's units cost many times a
-listening one's, and the sessions admitted must keep real time while they speak). Until
+costs the engine seconds per second of input of its recent units on average, and no less
+than the average of its recent speaking units: a reply's compute per second of its speech
+(its units cost many times a listening one's, most of it in the first one or two, and the
+sessions admitted must keep real time while they speak). Until
 MIN_MEASURED units of a mode were served, no less than the engine's own estimate from
 warm-up either. "Recent" is the last `window_s` seconds (at least the last MIN_RECENT
 units), so a worker slowed for a while, by its host or its load, reads as dearer, and as
@@ -27,8 +28,6 @@ import numpy as np
 RECENT_UNITS = 200
 #: Units a quantile is taken over at least (older than the window if need be).
 MIN_RECENT = 5
-#: The quantile of recent unit costs a session is taken to cost.
-COST_PERCENTILE = 90.0
 #: Units of a mode measured before the engine's estimate gives way to the measurements.
 MIN_MEASURED = 20
 #: The window, seconds, unless configured (worker config headroom_window_s).
@@ -57,6 +56,10 @@ class HeadroomFigures:
     late_window_s: float
     unit_p95_ratio: float
     late_by_lease: dict[str, int]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -150,8 +153,7 @@ class Headroom:
         if mode not in self._costs:
             return 0.0
         cost = max(
-            _percentile(self._recent(self._costs[mode]), COST_PERCENTILE),
-            _percentile(self._recent(self._speaking[mode]), 50.0),
+            _mean(self._recent(self._costs[mode])), _mean(self._recent(self._speaking[mode]))
         )
         if self._measured[mode] < MIN_MEASURED:
             cost = max(cost, self.estimates[mode])

@@ -1,5 +1,5 @@
-"""The worker's real-time headroom: what a session costs (a quantile of recent units, never
-under the median of speaking ones, the engine's estimate until enough were measured), late
+"""The worker's real-time headroom: what a session costs (its recent units' mean, never under
+the mean of speaking ones, the engine's estimate until enough were measured), late
 units within the window, and the figures the scheduler reads."""
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ def test_the_estimate_holds_until_units_are_measured_then_recent_units_decide():
     assert room.session_cost("audio") == 0.5  # too few measured to go below it
     room.unit("audio", "L1", 1.0, 0.1, 0.2)
     assert room.session_cost("audio") == pytest.approx(0.1)
-    # Half a second of input at 0.1 s of engine time is 0.2 a second.
+    # Half a second of input at 0.1 s of engine time is 0.2 a second; the window (10 s)
+    # holds these 5 and the last 6 of the others.
     for _ in range(5):
         clock.now += 1.0
         room.unit("audio", "L1", 0.5, 0.1, 0.2)
-    assert room.session_cost("audio") == pytest.approx(0.2)
+    assert room.session_cost("audio") == pytest.approx((5 * 0.2 + 6 * 0.1) / 11)
     figures = room.figures()
     assert figures.costs["audio"].session_cost == figures.costs["audio"].added_cost
     assert figures.costs["chat"].session_cost == 1.0 and figures.engine_threads == 1
@@ -39,7 +40,8 @@ def test_the_estimate_holds_until_units_are_measured_then_recent_units_decide():
 
 def test_a_session_costs_what_its_replies_cost():
     """Nine listening units in ten cost 0.05, the speaking ones 0.6: a session is taken to
-    cost what it costs while it speaks (the admitted must keep real time then too)."""
+    cost what it costs while it speaks (the admitted must keep real time then too), not its
+    average (0.105)."""
     clock = Clock()
     room = Headroom(2, {"audio": 0.0}, lambda c: c / 4, window_s=60.0, clock=clock)
     for n in range(40):
@@ -48,6 +50,13 @@ def test_a_session_costs_what_its_replies_cost():
         room.unit("audio", "L1", 1.0, 0.6 if speaking else 0.05, 0.7, speaking=speaking)
     assert room.session_cost("audio") == pytest.approx(0.6)
     assert room.figures().costs["audio"].added_cost == pytest.approx(0.15)  # the engine's
+    # A reply's cost sits in its first units (the reference engine: 2.0, 0.5, then 0.02
+    # a second): the session costs the reply's mean, not its cheapest units' median.
+    clock.now += 60.0  # the earlier units leave the window
+    for cost in (2.0, 0.5, 0.02) * 2 + (0.05,) * 20:
+        clock.now += 1.0
+        room.unit("audio", "L1", 1.0, cost, 1.0, speaking=cost != 0.05)
+    assert room.session_cost("audio") == pytest.approx((2.0 + 0.5 + 0.02) / 3)
 
 
 def test_late_units_count_within_the_window_and_by_lease():
@@ -76,7 +85,8 @@ def test_a_slow_spell_leaves_the_costs_with_the_window():
     for _ in range(5):  # a neighbour on the core: each unit takes four times as long
         clock.now += 1.0
         room.unit("audio", "L1", 1.0, 1.2, 1.3)
-    assert room.session_cost("audio") == pytest.approx(1.2)
+    # The window (5 s, its start included) holds the five slow ones and the last quick one.
+    assert room.session_cost("audio") == pytest.approx((5 * 1.2 + 0.3) / 6)
     for _ in range(6):
         clock.now += 1.0
         room.unit("audio", "L1", 1.0, 0.3, 0.4)
