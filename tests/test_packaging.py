@@ -200,37 +200,28 @@ def test_a_wheel_from_a_fresh_clone_holds_the_stubs(tmp_path):
     (site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(tmp_path))}
 
-    helped = subprocess.run(
-        [venv / "bin" / "omnifabric", "scheduler", "--help"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=scaled(60),
-    )
-    assert helped.returncode == 0, helped.stderr[-3000:]
-    assert "usage:" in helped.stdout
-    checked = subprocess.run(
-        [venv / "bin" / "omnifabric", "stubs", "--check"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=scaled(60),
-    )
-    assert checked.returncode == 0, checked.stderr[-3000:]  # the build's stubs, complete
+    def in_venv(program: str, *args: str) -> subprocess.CompletedProcess:
+        """`program` of the new environment, run outside the checkout; it must succeed."""
+        done = subprocess.run(
+            [venv / "bin" / program, *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=scaled(60),
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    assert "usage:" in in_venv("omnifabric", "scheduler", "--help").stdout
+    in_venv("omnifabric", "stubs", "--check")  # the build's stubs, complete
     modules = [f"omnifabric.omni.realtime.v1.{stem}{suffix[:-3]}" for stem in stems
                for suffix in STUB_SUFFIXES if suffix.endswith(".py")]  # fmt: skip
-    imported = subprocess.run(
-        [venv / "bin" / "python", "-c",
-         f"import importlib\nfor m in {modules!r}: print(importlib.import_module(m).__file__)"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=scaled(60),
-    )  # fmt: skip
-    assert imported.returncode == 0, imported.stderr[-3000:]
+    imported = in_venv(
+        "python",
+        "-c",
+        f"import importlib\nfor m in {modules!r}: print(importlib.import_module(m).__file__)",
+    )
     files = [Path(line) for line in imported.stdout.split()]
     assert len(files) == len(modules)
     assert all(f.is_relative_to(site) for f in files), files
