@@ -118,6 +118,11 @@ class TurnTracker:
         self.silence_s = 0.0
         self.ended: np.ndarray | None = None
         """A finished utterance waiting to be taken (audio up to tail_s after the speech)."""
+        self.serial = 0
+        """Counts the utterances started: with speech_end, it names the speech heard so far
+        (a transcript of it holds while only silence follows): key()."""
+        self.ended_key: tuple[int, int] | None = None
+        """key() of the finished utterance waiting in ``ended``."""
 
     @property
     def started(self) -> bool:
@@ -130,6 +135,7 @@ class TurnTracker:
             window = pcm[i * self.window : (i + 1) * self.window]
             if not self.started:
                 if speech:
+                    self.serial += 1
                     self.utterance = [self.pre_roll, window]
                     self.samples = self.pre_roll.size + window.size
                     self.speech_end = self.samples
@@ -148,16 +154,21 @@ class TurnTracker:
                 self.silence_s += self.window_s
                 if self.silence_s >= rules.end_silence_s:
                     if self.speech_s >= rules.min_speech_s:
-                        self.ended = self.audio()
+                        self.ended, self.ended_key = self.audio(), self.key()
                     self.reset()  # the turn, or a click or breath that was not one
             if self.started and self.samples >= rules.max_utterance_s * RATE:
-                self.ended = self.audio()
+                self.ended, self.ended_key = self.audio(), self.key()
                 self.reset()
 
     def audio(self) -> np.ndarray:
         """The current utterance up to tail_s after its last speech."""
         whole = np.concatenate(self.utterance) if self.utterance else np.zeros(0, np.float32)
         return whole[: self.speech_end + int(self.rules.tail_s * RATE)]
+
+    def key(self) -> tuple[int, int]:
+        """Names the current utterance's speech so far: the same key, the same speech (only
+        silence may have been added since)."""
+        return (self.serial, self.speech_end)
 
     def may_end(self) -> bool:
         """The utterance has enough speech and the unit ended in enough silence for the

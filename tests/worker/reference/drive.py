@@ -35,6 +35,8 @@ class Step:
     seq: int
     result: GenerateResult
     compute_ms: float
+    finalized: dict[str, float]
+    """What the unit's finalize spent, by part (ms)."""
 
     @property
     def kind(self) -> str:
@@ -60,7 +62,8 @@ def drive(
             session.prefill(unit, [], 1)
             result = session.generate(seq in force_listen_at)
             session.finalize()
-            steps.append(Step(seq, result, (time.perf_counter() - t0) * 1000.0))
+            took = (time.perf_counter() - t0) * 1000.0
+            steps.append(Step(seq, result, took, dict(session.finalize_costs)))
     finally:
         session.stop()
         session.close()

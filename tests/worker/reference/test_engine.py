@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from scipy.signal import resample_poly
 
 from omnifabric.worker.engine import DuplexSettings
 from omnifabric.worker.engines.reference.engine import UNIT_TOKENS, ReferenceEngine
+from omnifabric.worker.engines.reference.turns import TurnRules
 from tests.worker.reference.drive import drive, timeline
 
 
 @pytest.fixture(scope="module")
 def engine():
-    e = ReferenceEngine(slots=2)
+    # The unit that ends the turn does its work itself, whatever it costs on this machine
+    # (exact timelines); test_turn_work_* cover the other places.
+    e = ReferenceEngine(slots=2, rules=TurnRules(turn_work="inline"))
     e.load()
     e.warmup()
     return e
@@ -83,9 +89,10 @@ def test_finalize_makes_the_next_second_of_speech(engine):
 
 def test_words_heard_so_far_are_prefilled_ahead(engine):
     steps = drive(engine, "question")
-    # A unit inside the question prefilled its first words; the reply is what it would be
-    # without that (test_question_timeline_and_answer).
-    warmed = [s.seq for s in steps if "llm_warm" in s.result.costs_ms]
+    # A unit inside the question prefilled its first words, in its finalize (after its
+    # result); the reply is what it would be without that (test_question_timeline_and_answer).
+    assert not any("llm_warm" in s.result.costs_ms for s in steps)
+    warmed = [s.seq for s in steps if "llm_warm" in s.finalized]
     turn = next(s.seq for s in steps if s.result.input_transcript)
     assert warmed and all(seq < turn for seq in warmed)
     assert "".join(s.result.text for s in steps).startswith("The capital of France is Paris")
@@ -98,8 +105,57 @@ def test_prefill_ahead_only_in_spare_time(engine):
             assert engine.busy()
             steps = drive(engine, "question")
         assert not engine.busy()
-    assert not any("llm_warm" in s.result.costs_ms for s in steps)
+    assert not any("llm_warm" in s.finalized for s in steps)
     assert "".join(s.result.text for s in steps).startswith("The capital of France is Paris")
+
+
+@contextlib.contextmanager
+def turn_work(engine, where: str):
+    """The engine's sessions opened inside work out a turn's end ``where``."""
+    rules = engine.rules
+    engine.rules = replace(rules, turn_work=where)
+    try:
+        yield
+    finally:
+        engine.rules = rules
+
+
+def test_turn_work_in_finalize_keeps_every_unit_short(engine):
+    with turn_work(engine, "finalize"):
+        steps = drive(engine, "question")
+        barged = drive(engine, "question", force_listen_at=frozenset({7}))
+    # The turn ends with unit 6 as inline, but its finalize hears it, prefills it and makes
+    # the first piece: unit 6 listens and unit 7 speaks (and says what was heard).
+    assert timeline(steps) == "L L L L L L S S S* L L L L L L"
+    heard = [s.result.input_transcript for s in steps]
+    assert "capital" in heard[6].lower() and not any(heard[:6] + heard[7:])
+    assert "".join(s.result.text for s in steps).startswith("The capital of France is Paris")
+    assert "llm_prefill" in steps[5].finalized and "llm" in steps[5].finalized
+    # No unit's own work recognizes speech or prefills: finalize does it after the result.
+    for step in steps:
+        assert not {"asr", "llm_prefill", "llm_warm"} & set(step.result.costs_ms), step
+    # The turn's speech was heard in an earlier unit's finalize: the end hears nothing more.
+    assert "asr" not in steps[5].finalized
+    # force_listen on the unit that would speak: the reply closes, what was heard is said.
+    assert timeline(barged)[: len("L L L L L L L*")] == "L L L L L L L*"
+    assert "capital" in barged[6].result.input_transcript.lower()
+
+
+def test_turn_work_auto_follows_the_measured_cost(engine):
+    measured = engine.hearing_cost, engine.reply_start_s
+    assert all(m is not None and m > 0 for m in measured)  # from warm-up
+    try:
+        with turn_work(engine, "auto"):
+            engine.hearing_cost, engine.reply_start_s = 0.0, 0.0  # fits in any unit
+            cheap = drive(engine, "question")
+            learned = engine.reply_start_s  # the reply's start, measured into the average
+            engine.hearing_cost, engine.reply_start_s = 0.0, 10.0  # fits in none
+            dear = drive(engine, "question")
+    finally:
+        engine.hearing_cost, engine.reply_start_s = measured
+    assert timeline(cheap) == "L L L L L S S S* L L L L L L L"
+    assert timeline(dear) == "L L L L L L S S S* L L L L L L"
+    assert learned is not None and learned > 0.0
 
 
 def test_force_listen_closes_the_turn(engine):

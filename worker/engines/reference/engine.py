@@ -31,9 +31,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from scipy.signal import resample_poly
 
 from omnifabric.worker.config import ASR_CHOICES
 from omnifabric.worker.engine import (
+    INPUT_RATE,
     OUTPUT_RATE,
     ChatChunk,
     ChatMessage,
@@ -102,9 +104,22 @@ class ReferenceSession(EngineSession):
         self.ahead_tokens = 0
         """Reply text (and its tokens) that finalize made ahead, said with the next unit."""
         self.unit_speech_s = 0.0
-        self.heard: tuple[int, str, float] | None = None
-        """(utterance samples, transcript, mean log-probability) of the current utterance,
-        kept so the unit that ends the turn does not transcribe the same audio again."""
+        self.heard: tuple[tuple[int, int], str, float] | None = None
+        """(TurnTracker key, transcript, mean log-probability) of the current utterance's
+        speech, kept so the unit that ends the turn does not transcribe it again."""
+        self.unit_started = 0.0
+        self.unit_s = 1.0
+        """When this unit's prefill began (perf_counter) and how long its input is."""
+        self.turn_later = False
+        """The user's turn may have ended with this unit, but its work did not fit in the
+        unit: finalize does it, and the next unit speaks (TurnRules.turn_work)."""
+        self.warm_due = False
+        """Finalize may prefill the words heard so far (TurnRules.warm_ahead)."""
+        self.opening = ""
+        """What the user said, when finalize started the reply to it: the next unit says it
+        (input_transcript) with the reply's first piece."""
+        self.finalize_costs: dict[str, float] = {}
+        """What the last finalize spent, by part (ms), like a result's costs_ms."""
         self.needs_finalize = False
         self.closed = False
         self.transcripts: list[str] = []
@@ -142,7 +157,8 @@ class ReferenceSession(EngineSession):
             raise RuntimeError("prefill before the previous unit was finalized")
         if self.vad is None:
             raise RuntimeError("prefill after close")
-        t0 = time.perf_counter()
+        t0 = self.unit_started = time.perf_counter()
+        self.unit_s = pcm.size / INPUT_RATE
         flags = self.vad.windows(pcm)
         self.unit_speech_s = float(flags.sum()) * WINDOW_S
         self.turn.feed(pcm, flags)
@@ -161,19 +177,49 @@ class ReferenceSession(EngineSession):
         self.needs_finalize = True
         costs: dict[str, float] = {}
         if self.speaking:
+            heard, self.opening = self.opening, ""
             if force_listen or self.unit_speech_s >= self.rules.barge_in_s:
-                return self._close_turn(costs)
+                return self._close_turn(costs, heard)
+            if heard:  # finalize started the reply: its first piece is ready
+                return self._speak(costs, heard=heard, pieces=0)
             return self._speak(costs)
         startup = self.units <= self._force_listen_count()
         if force_listen or startup:
             return self._result(is_listen=True, costs=costs)
+        due = self._turn_due()
+        if due is not None and not self._fits_in_unit(due):
+            self.turn_later = True
+            return self._result(is_listen=True, costs=costs)
         heard = self._user_turn(costs)
         if heard is None:
-            self._warm(costs)
+            self.warm_due = True
             return self._result(is_listen=True, costs=costs)
-        text, logprob = heard
-        self._start_reply(text, logprob, costs)
-        return self._speak(costs, heard=text)
+        self._begin_reply(*heard, costs)
+        return self._speak(costs, heard=heard[0], pieces=0)
+
+    def _turn_due(self) -> tuple[np.ndarray, tuple[int, int], bool] | None:
+        """What may end the user's turn now: (its audio, its TurnTracker key, whether it ends
+        the turn whatever it says); None while the user goes on."""
+        turn = self.turn
+        if turn.ended is not None and turn.ended_key is not None:
+            return turn.ended, turn.ended_key, True
+        if turn.may_end():
+            return turn.audio(), turn.key(), False
+        return None
+
+    def _fits_in_unit(self, due: tuple[np.ndarray, tuple[int, int], bool]) -> bool:
+        """Whether ending the turn (transcribing what is not yet, prefilling it, the reply's
+        first piece) fits in this unit's real-time budget (TurnRules.turn_work)."""
+        where = self.rules.turn_work
+        if where != "auto":
+            return where == "inline"
+        audio, key, _ = due
+        heard = self.heard is not None and self.heard[0] == key
+        estimate = self.engine.turn_estimate(0.0 if heard else audio.size / INPUT_RATE)
+        if estimate is None:
+            return False
+        spent = time.perf_counter() - self.unit_started
+        return spent + estimate <= self.rules.inline_share * self.unit_s
 
     def _force_listen_count(self) -> int:
         # The reference engine needs no warm-up units (MiniCPM-o's first 3 are forced to
@@ -182,16 +228,20 @@ class ReferenceSession(EngineSession):
         return 0 if count is None else count
 
     def _user_turn(self, costs: dict[str, float]) -> tuple[str, float] | None:
-        """The user's finished turn as (transcript, mean log-probability), or None while the
-        user has not finished (or said nothing the recognizer could make words of)."""
-        audio = self.turn.take_ended()
-        if audio is None and self.turn.may_end():
-            text, logprob = self._transcribe(self.turn.audio(), costs)
-            if looks_finished(text):
-                audio = self.turn.take_current()
-        if audio is None:
+        """The user's finished turn as (transcript, mean log-probability), taken from the
+        tracker; None while the user has not finished (or said nothing the recognizer could
+        make words of)."""
+        due = self._turn_due()
+        if due is None:
             return None
-        text, logprob = self._transcribe(audio, costs)
+        audio, key, ended = due
+        text, logprob = self._transcribe(audio, key, costs)
+        if ended:
+            self.turn.take_ended()
+        elif looks_finished(text):
+            self.turn.take_current()
+        else:
+            return None
         self.heard = None
         if not text:
             return None
@@ -205,22 +255,37 @@ class ReferenceSession(EngineSession):
             return
         if self.engine.busy():
             return  # spare time only: another session's unit is being computed
-        text, _ = self._transcribe(turn.audio(), costs)
+        text, _ = self._transcribe(turn.audio(), turn.key(), costs)
         words = text.split()[:-1]
         if words:
             t0 = time.perf_counter()
             self._dialogue().warm(" ".join(words))
             costs["llm_warm"] = (time.perf_counter() - t0) * 1000.0
 
-    def _transcribe(self, audio: np.ndarray, costs: dict[str, float]) -> tuple[str, float]:
-        """Transcript of the current utterance's audio, reused while only silence was added."""
-        if self.heard is not None and self.heard[0] == audio.size:
+    def _transcribe(
+        self, audio: np.ndarray, key: tuple[int, int], costs: dict[str, float]
+    ) -> tuple[str, float]:
+        """Transcript of the current utterance's audio (its TurnTracker ``key``), reused
+        while only silence was added."""
+        if self.heard is not None and self.heard[0] == key:
             return self.heard[1], self.heard[2]
         t0 = time.perf_counter()
         text, logprob = self.engine.asr.hear(audio)
-        costs["asr"] = costs.get("asr", 0.0) + (time.perf_counter() - t0) * 1000.0
-        self.heard = (audio.size, text, logprob)
+        took = time.perf_counter() - t0
+        costs["asr"] = costs.get("asr", 0.0) + took * 1000.0
+        self.engine.learn_hearing(took, audio.size / INPUT_RATE)
+        self.heard = (key, text, logprob)
         return text, logprob
+
+    def _begin_reply(self, text: str, logprob: float, costs: dict[str, float]) -> None:
+        """Start the reply to what the user said and make its first short piece (text, and
+        its speech), which the next _speak sends."""
+        t0 = time.perf_counter()
+        self._start_reply(text, logprob, costs)
+        said, used = self._fill(1, self.rules.first_piece_chars, costs)
+        self.ahead, self.ahead_tokens = said, used
+        if not self.scripted:
+            self.engine.learn_reply_start(time.perf_counter() - t0)
 
     def _start_reply(self, text: str, logprob: float, costs: dict[str, float]) -> None:
         """Begin the reply to what the user said: the model's, or a request to say it again
@@ -249,19 +314,14 @@ class ReferenceSession(EngineSession):
         self._dialogue().add_user_turn(text)
         costs["llm_prefill"] = (time.perf_counter() - t1) * 1000.0
 
-    def _speak(self, costs: dict[str, float], heard: str = "") -> GenerateResult:
-        """Emit up to 1 s of the reply's speech: what finalize made ahead, topped up with
-        just enough new text to fill it; the turn ends with the unit that empties the last
-        audio."""
+    def _speak(self, costs: dict[str, float], heard: str = "", pieces: int = 2) -> GenerateResult:
+        """Emit up to 1 s of the reply's speech: what was made ahead, topped up with up to
+        ``pieces`` new pieces while it is under 1 s; the turn ends with the unit that empties
+        the last audio. The reply's first unit sends its short first piece alone (pieces=0):
+        finalize makes the next second of speech right after it."""
         said, n_tokens = self.ahead, self.ahead_tokens
         self.ahead, self.ahead_tokens = [], 0
-        # The unit that took the turn has transcribed and prefilled already: one short piece
-        # is enough to start (finalize makes the next second of speech right after); later
-        # units top the audio up to 1 s when finalize has not.
-        if heard:
-            new, used = self._fill(1, self.rules.first_piece_chars, costs)
-        else:
-            new, used = self._fill(2, self.rules.piece_chars, costs)
+        new, used = self._fill(pieces, self.rules.piece_chars, costs)
         said, n_tokens = said + new, n_tokens + used
         take = OUTPUT_RATE
         if self.reply_finished and not self.pending_text.strip():
@@ -354,13 +414,14 @@ class ReferenceSession(EngineSession):
             raise RuntimeError("no conversation: before prepare or after close")
         return self.conversation
 
-    def _close_turn(self, costs: dict[str, float]) -> GenerateResult:
-        """force_listen or barge-in: stop the reply now; the turn closes in the context."""
+    def _close_turn(self, costs: dict[str, float], heard: str = "") -> GenerateResult:
+        """force_listen or barge-in: stop the reply now; the turn closes in the context.
+        ``heard``: what the user said, when finalize had started the reply to it."""
         self._end_reply()
         self.pending_text = ""
         self.audio = np.zeros(0, np.float32)
         self.ahead, self.ahead_tokens = [], 0
-        return self._result(is_listen=True, end_of_turn=True, costs=costs)
+        return self._result(is_listen=True, end_of_turn=True, costs=costs, heard=heard)
 
     def _result(
         self,
@@ -397,19 +458,35 @@ class ReferenceSession(EngineSession):
     # ---- unit end and session end ---------------------------------------------------
 
     def finalize(self) -> None:
-        """After a speaking unit's result has gone out: make the next second of speech now,
-        so the next unit sends it at once (and a short first piece is followed in time)."""
+        """After a unit's result has gone out: the work it left (the end of the user's turn
+        when that did not fit in the unit: the next unit speaks), the next second of speech
+        (so the next unit sends it at once), or the words heard so far prefilled ahead."""
         self.needs_finalize = False
-        if self.speaking and self.settings.tts_enabled is not False:
-            with self.engine.running():
-                said, used = self._fill(2, self.rules.piece_chars, {})
-            self.ahead += said
-            self.ahead_tokens += used
+        costs: dict[str, float] = {}
+        with self.engine.running():
+            if self.turn_later:
+                self.turn_later = False
+                heard = self._user_turn(costs)
+                if heard is not None:
+                    self._begin_reply(*heard, costs)
+                    self.opening = heard[0]
+                else:
+                    self._warm(costs)
+            elif self.speaking and self.settings.tts_enabled is not False:
+                said, used = self._fill(2, self.rules.piece_chars, costs)
+                self.ahead += said
+                self.ahead_tokens += used
+            elif self.warm_due and not self.speaking:
+                self._warm(costs)
+        self.warm_due = False
+        self.finalize_costs = costs
 
     def stop(self) -> None:
         if self.speaking and self.conversation is not None:
             self._end_reply()
         self.speaking = False
+        self.opening = ""
+        self.turn_later = self.warm_due = False
 
     def close(self) -> None:
         if self.closed:
@@ -418,6 +495,11 @@ class ReferenceSession(EngineSession):
         self.conversation = None
         self.turn.reset()
         self.vad = None
+
+
+def _averaged(old: float | None, new: float, weight: float) -> float:
+    """An exponential moving average: ``new`` alone when there is nothing yet."""
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 def check_device(device: str) -> torch.device:
@@ -488,6 +570,10 @@ class ReferenceEngine(Engine):
         self._lock = threading.Lock()
         self.reply_cost: float | None = None
         """A spoken reply's compute per second of its speech, measured at warm-up."""
+        self.hearing_cost: float | None = None
+        """Seconds the recognizers take per second of audio (a moving average, from warm-up)."""
+        self.reply_start_s: float | None = None
+        """Seconds from a transcript to its reply's first piece, with speech (likewise)."""
 
     def load(self) -> None:
         from omnifabric.worker.engines.reference.llm_gguf import DEFAULT_MODEL, ReplyModel
@@ -567,6 +653,25 @@ class ReferenceEngine(Engine):
         finally:
             with self._running_lock:
                 self._running -= 1
+
+    #: The weight of a new measurement in the moving averages of hearing and reply start.
+    LEARN_WEIGHT = 0.3
+
+    def learn_hearing(self, seconds: float, audio_s: float) -> None:
+        """The recognizers took ``seconds`` for ``audio_s`` of audio."""
+        if audio_s > 0:
+            self.hearing_cost = _averaged(self.hearing_cost, seconds / audio_s, self.LEARN_WEIGHT)
+
+    def learn_reply_start(self, seconds: float) -> None:
+        """A reply's start (prefill, first piece, its speech) took ``seconds``."""
+        self.reply_start_s = _averaged(self.reply_start_s, seconds, self.LEARN_WEIGHT)
+
+    def turn_estimate(self, hear_s: float) -> float | None:
+        """Seconds the end of a user's turn takes: transcribing ``hear_s`` of audio, then
+        starting the reply; None before anything was measured."""
+        if self.hearing_cost is None or self.reply_start_s is None:
+            return None
+        return self.hearing_cost * hear_s + self.reply_start_s
 
     def busy(self) -> bool:
         """More than one unit is being generated now: work that only saves time later (the
@@ -672,11 +777,28 @@ class ReferenceEngine(Engine):
             max_new_tokens=24,
             speech=True,
         )
-        started, speech = time.perf_counter(), 0  # a first turn is no dearer (measured)
-        for chunk in self.chat(turn):
-            speech += chunk.audio.size
+        started, speech, first = time.perf_counter(), [], None
+        for chunk in self.chat(turn):  # a first turn is no dearer (measured)
+            if chunk.audio.size:
+                speech.append(chunk.audio)
+                first = first or time.perf_counter() - started
         if speech:
-            self.reply_cost = (time.perf_counter() - started) / (speech / OUTPUT_RATE)
+            spoken = np.concatenate(speech)
+            self.reply_cost = (time.perf_counter() - started) / (spoken.size / OUTPUT_RATE)
+            self.learn_reply_start(first or 0.0)
+            # What a turn's end costs to hear: the recognizers on the reply's own speech.
+            heard = resample_poly(spoken, INPUT_RATE // 8000, OUTPUT_RATE // 8000)
+            t0 = time.perf_counter()
+            self.asr.hear(heard.astype(np.float32))
+            self.learn_hearing(time.perf_counter() - t0, heard.size / INPUT_RATE)
+            log.info(
+                "reference engine: a turn's end costs %.2f s per s of speech to hear and "
+                "%.2f s to start the reply (warm-up); a unit does it when it fits in %.0f%% "
+                "of the unit, else the unit's finalize does and the next unit speaks",
+                self.hearing_cost or 0.0,
+                self.reply_start_s or 0.0,
+                self.rules.inline_share * 100,
+            )
         return result
 
     def cost_estimate(self, mode: str, warmup_s: float) -> float:

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 from omnifabric.worker.engines.vad import UtteranceRules
 
+#: Where the end of a user's turn is worked out (TurnRules.turn_work).
+TURN_WORK = ("auto", "inline", "finalize")
+
 
 @dataclass(frozen=True)
 class TurnRules(UtteranceRules):
@@ -43,9 +46,26 @@ class TurnRules(UtteranceRules):
     max_sentences: int = 2
     """Sentences spoken at most per reply."""
     warm_ahead: bool = True
-    """At the end of a unit inside an utterance, transcribe it so far and prefill its words
-    but the last, so the unit that ends the turn prefills only the rest (skipped while
-    another session's unit is being computed)."""
+    """After a unit inside an utterance has answered (its finalize), transcribe the
+    utterance so far and prefill its words but the last, so the end of the turn prefills
+    only the rest and transcribes nothing when only silence followed (skipped while another
+    session's unit is being computed)."""
+    turn_work: str = "auto"
+    """Where the end of the user's turn is worked out (transcribing what is not yet, the
+    turn's prefill, the reply's first piece): "inline", in the unit that ends the turn; or
+    in that unit's finalize, after its listening result has gone out, and the next unit
+    speaks ("finalize"); "auto": inline when the engine's measured cost of it fits in
+    ``inline_share`` of the unit, else in finalize. A turn's end cost 1.25-1.5 s here when it
+    transcribed inline: its unit was late and so was the next; in finalize (which also has
+    the speech transcribed by the finalize before) 0.6-0.8 s, and every unit keeps time."""
+    inline_share: float = 0.5
+    """The share of a unit that the end of a turn may take inline ("auto"): the unit also
+    carries its own VAD and the finalize after it makes the next second of speech, and the
+    same reply start was measured anywhere from 0.55 to 0.86 s on a loaded 2-core host."""
+
+    def __post_init__(self) -> None:
+        if self.turn_work not in TURN_WORK:
+            raise ValueError(f"turn_work {self.turn_work!r}: choose one of {', '.join(TURN_WORK)}")
 
 
 # Words that leave a sentence open: a pause after them is a pause, not the end of a turn.
