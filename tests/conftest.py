@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the tests package itself
@@ -43,6 +45,27 @@ TIME_FACTOR = float(os.environ.get("OMNI_TEST_TIME_FACTOR", "1"))
 def scaled(seconds: float) -> float:
     """A timeout in seconds, scaled by OMNI_TEST_TIME_FACTOR."""
     return seconds * TIME_FACTOR
+
+
+#: Long runs (a soak, the whole bench, load through every tool) are opt-in, to keep the
+#: default suite within ~10 minutes on a 2-core machine: `bash tools/dev test -m long` runs
+#: them alone, OMNI_LONG_TESTS=1 with the rest.
+LONG = "long"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{LONG}: a long run, opt-in (bash tools/dev test -m {LONG}; OMNI_LONG_TESTS=1)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("OMNI_LONG_TESTS") == "1" or LONG in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason=f"a long run, opt-in: bash tools/dev test -m {LONG}")
+    for item in items:
+        if LONG in item.keywords:
+            item.add_marker(skip)
 
 
 def pytest_collection_finish(session: object) -> None:

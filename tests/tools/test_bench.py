@@ -28,6 +28,7 @@ def run_bench(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess
 
 
 # The global 120 s (unscaled) would cut short the command's own scaled(180) s.
+@pytest.mark.long
 @pytest.mark.timeout(scaled(300))
 def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     out = tmp_path / "bench"

@@ -15,6 +15,7 @@ from tests.conftest import ROOT, scaled
 
 
 # The global 120 s (unscaled) would cut short the command's own scaled(120) s.
+@pytest.mark.long
 @pytest.mark.timeout(scaled(300))
 def test_two_sessions_on_cpu(tmp_path: Path):
     out = tmp_path / "report.json"

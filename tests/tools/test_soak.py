@@ -26,6 +26,7 @@ def soak(tmp_path, *flags: str, timeout_s: float = 120) -> tuple[subprocess.Comp
 
 
 # The global 120 s (unscaled) would cut short the command's own scaled(120) s.
+@pytest.mark.long
 @pytest.mark.timeout(scaled(300))
 def test_short_soak_passes_every_row(tmp_path):
     proc, body = soak(

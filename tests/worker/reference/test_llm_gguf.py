@@ -299,6 +299,7 @@ def _interleave(*convs: Conversation, limit: int = 40) -> list[str]:
     return texts
 
 
+@pytest.mark.long
 def test_two_engine_threads_with_more_conversations_than_slots(model: ReplyModel) -> None:
     """2 threads x 3 conversations on 3 slots: every answer right, no crosstalk."""
     questions = [
