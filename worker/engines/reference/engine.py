@@ -190,12 +190,13 @@ class ReferenceSession(EngineSession):
         if due is not None and not self._fits_in_unit(due):
             self.turn_later = True
             return self._result(is_listen=True, costs=costs)
-        heard = self._user_turn(costs)
-        if heard is None:
+        turn = self._user_turn(costs)
+        if turn is None:
             self.warm_due = True
             return self._result(is_listen=True, costs=costs)
-        self._begin_reply(*heard, costs)
-        return self._speak(costs, heard=heard[0], pieces=0)
+        text, logprob = turn
+        self._begin_reply(text, logprob, costs)
+        return self._speak(costs, heard=text, pieces=0)
 
     def _turn_due(self) -> tuple[np.ndarray, tuple[int, int], bool] | None:
         """What may end the user's turn now: (its audio, its TurnTracker key, whether it ends
