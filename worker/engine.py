@@ -3,18 +3,25 @@
 The same unit loop drives every engine (synthetic, reference, minicpmo). Engine calls are
 blocking and run on the worker's engine threads, never on the event loop. The engines
 import this module; the registry that maps names to them is worker.engines.registry.
+
+Where the unit loop hands a unit to the engine is a UnitRunner: the worker's own
+(worker.runner.TimeSliced) serves each session's units one by one; an engine that serves
+the units of several sessions in one step offers its own (Engine.batcher).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
-from omnifabric.worker.errors import EngineUnavailable, InvalidRequest
+from omnifabric.worker.errors import EngineStuck, EngineUnavailable, InvalidRequest
 from omnifabric.worker.headroom import CHAT_COST
+from omnifabric.worker.units import UnitInput
 
 #: Input audio rate (prefill) and output audio rate (generate), Hz.
 INPUT_RATE = 16000
@@ -194,6 +201,47 @@ class EngineSession(abc.ABC):
         """Free every per-session resource (KV cache, TTS caches). Idempotent."""
 
 
+#: What running one unit gives: the engine's stage costs (ms), its result, the prefill and
+#: generate times (ms), and when the prefill started (time.perf_counter()).
+UnitRun = tuple[dict[str, float], GenerateResult, float, float, float]
+
+
+class RunnerSession(Protocol):
+    """What a UnitRunner sees of a duplex session (worker.session.DuplexSession)."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def engine_session(self) -> EngineSession | None:
+        """The session on the engine (None once freed)."""
+
+    def stuck(self, what: str, call: Future[Any], timeout_s: float) -> EngineStuck:
+        """An engine call for the session (`what`) overran the unit timeout and goes on in
+        its thread (`call`): the session frees its engine session only once it returns.
+        Returns the error the runner raises to the unit loop."""
+
+
+class UnitRunner(abc.ABC):
+    """Where a session's unit loop hands a unit to the engine (on the event loop).
+
+    The unit loop keeps the order: a session's next run starts once its previous
+    finalize is done. A runner bounds its engine calls by the unit timeout: one that
+    overruns raises the error `session.stuck` gives (EngineStuck); any other failure
+    raises as it is."""
+
+    @abc.abstractmethod
+    def run(
+        self, session: RunnerSession, unit: UnitInput, force_listen: bool, max_slices: int
+    ) -> Awaitable[UnitRun]:
+        """Prefill `unit` (frames at `max_slices` slices) and generate for `session`."""
+
+    @abc.abstractmethod
+    def finalize(self, session: RunnerSession, seq: int) -> Awaitable[float]:
+        """Finalize `session`'s last unit (`seq`, deferred behind its result); gives the
+        engine seconds it took (a wait for a free engine thread left out)."""
+
+
 class Engine(abc.ABC):
     """A loaded model that opens duplex sessions."""
 
@@ -230,6 +278,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def open_session(self, session_id: str, mode: str) -> EngineSession:
         """A new session in `mode` ("audio" or "video")."""
+
+    def batcher(self, executor: Executor, unit_timeout_s: float | None) -> UnitRunner | None:
+        """The batched entry, asked once when the worker starts: a runner that serves the
+        units of several sessions in one step, on `executor` (the worker's engine threads),
+        each step bounded by `unit_timeout_s` (None: unbounded). None (the default): no
+        batcher; the worker runs each session's units one by one (worker.runner.TimeSliced)."""
+        return None
 
     def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
         """Turn-based chat (engines whose `modes` include "chat"): a prefilled chunk, reply

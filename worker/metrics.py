@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from omnifabric.worker.config import WorkerConfig
     from omnifabric.worker.engine import Engine
     from omnifabric.worker.headroom import HeadroomFigures
-    from omnifabric.worker.session import DuplexSession, SessionEnd, UnitOutput
+    from omnifabric.worker.session import DuplexSession
+    from omnifabric.worker.session_types import SessionEnd, UnitOutput
 
 #: Stage latencies, seconds; the unit loop runs at one unit per second.
 STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)

@@ -28,7 +28,8 @@ from omnifabric.worker.errors import (
 from omnifabric.worker.headroom import Headroom, HeadroomFigures
 from omnifabric.worker.leases import LeaseBook
 from omnifabric.worker.metrics import WorkerMetrics
-from omnifabric.worker.session import CloseReason, DuplexSession, SessionLimits, SessionSpec
+from omnifabric.worker.session import DuplexSession
+from omnifabric.worker.session_types import CloseReason, SessionLimits, SessionSpec
 
 log = logging.getLogger("omnifabric.worker")
 
@@ -88,6 +89,9 @@ class WorkerRuntime:
         at warm-up (its estimates come from it)."""
         self.metrics = WorkerMetrics(self)
         """Prometheus instruments (served on --metrics-port by worker.main)."""
+        self.batcher = engine.batcher(self.executor, config.unit_timeout_s)
+        """The engine's batched entry, which runs every session's units; None: each session
+        runs its own one by one (time-sliced)."""
 
     def set_health(self, serving: bool, detail: str = "") -> None:
         """Change health and tell the listeners (health service, scheduler) on a change."""
@@ -195,6 +199,7 @@ class WorkerRuntime:
                 on_stuck=self._on_stuck,
                 on_unstuck=self._on_unstuck,
                 on_unit=self._unit_served,
+                runner=self.batcher,
             )
             holder.append(session)
             self.sessions[spec.lease_id] = session

@@ -35,9 +35,9 @@ from omnifabric.worker.errors import (
 )
 from omnifabric.worker.registration import MODE_NAMES
 from omnifabric.worker.runtime import WorkerRuntime
-from omnifabric.worker.session import (
+from omnifabric.worker.session import DuplexSession
+from omnifabric.worker.session_types import (
     CloseReason,
-    DuplexSession,
     SessionEnd,
     SessionSpec,
     UnitOutput,
@@ -297,8 +297,8 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 log.exception("Session failed before start")
             await context.abort(code, message)
             return
-        attachment = session.attach()
-        replay = session.journal_length if kind == "resume" else 0
+        attachment = session.journal.attach()
+        replay = session.journal.length if kind == "resume" else 0
         reader = asyncio.ensure_future(self._read(requests, session, attachment))
         limits = self.runtime.engine.limits
         unit_timeout_ms = round((session.limits.unit_timeout_s or 0) * 1000)
@@ -333,7 +333,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 )
             index = 0
             loop = asyncio.get_running_loop()
-            async for event in session.events(attachment):
+            async for event in session.journal.events(attachment):
                 message = encode_event(event)
                 if index < replay:
                     if message.WhichOneof("kind") == "result":
@@ -344,7 +344,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                     loop.call_soon(self._observe, event, session.spec.mode)
                 index += 1
                 yield message
-            if session.attachment != attachment and session.ended is None:
+            if session.journal.attachment != attachment and session.ended is None:
                 # another stream resumed the session
                 yield worker_pb.SessionResponse(
                     ended=worker_pb.SessionEnded(
@@ -355,15 +355,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 )
         finally:
             reader.cancel()
-            if session.ended is None and session.attachment == attachment:
-                if session.spec.resume_grace_s > 0 and session.close_requested is None:
-                    # No close: the sender is gone (client dropped, edge lost). The
-                    # session waits for a resume; the unit loop frees it when the grace
-                    # passes.
-                    session.detach()
-                else:
-                    # Also on client cancellation: the unit loop frees the engine session.
-                    session.close(CloseReason.CLIENT_CLOSED)
+            session.stream_ended(attachment)  # detached for a resume, or closed
 
     def _observe(self, output: UnitOutput, mode: str) -> None:
         """A unit's metrics, apart from its stream: an instrument that fails is logged (by
@@ -432,11 +424,11 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
         attachment: int,
     ) -> None:
         """Feed requests into the session until close or the end of the client's stream
-        (a resumable session is then left to the detach; a superseded stream's requests
-        are ignored)."""
+        (then the session decides: see DuplexSession.requests_ended; a superseded stream's
+        requests are ignored)."""
         try:
             async for request in request_iterator:
-                if session.attachment != attachment:
+                if session.journal.attachment != attachment:
                     return
                 kind = request.WhichOneof("kind")
                 if kind == "unit":
@@ -459,14 +451,6 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             raise
         except Exception as exc:  # noqa: BLE001 - a broken client stream ends the session
             log.info("session %s: request stream failed: %s", session.session_id, exc)
-            if session.spec.resume_grace_s > 0:
-                return  # broken: the handler's end detaches the session for a resume
-        if session.attachment != attachment:
+            session.requests_ended(attachment, broken=True)
             return
-        if session.spec.resume_grace_s > 0:
-            # A resumable session ends only with `close` (the edge always sends one): the
-            # end of its stream, cancelled or half-closed, leaves it detached, and this
-            # call ends (without `ended`).
-            session.let_go(attachment)
-            return
-        session.close(CloseReason.CLIENT_CLOSED)
+        session.requests_ended(attachment)

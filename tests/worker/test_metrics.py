@@ -12,7 +12,7 @@ from omnifabric.common import logs
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.worker.engine import GenerateResult
 from omnifabric.worker.metrics import WorkerMetrics, serve_http
-from omnifabric.worker.session import CloseReason, SessionEnd, UnitOutput, UnitTimings, Usage
+from omnifabric.worker.session_types import CloseReason, SessionEnd, UnitOutput, UnitTimings, Usage
 from tests.worker.conftest import SessionClient
 
 

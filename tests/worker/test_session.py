@@ -8,19 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from omnifabric.worker import session as session_module
+from omnifabric.worker import mailbox as mailbox_module
 from omnifabric.worker.engine import DuplexSettings
 from omnifabric.worker.engines.synthetic import SyntheticEngine, SyntheticSession
 from omnifabric.worker.errors import LeaseInUse, LeaseNotFound, ModeMismatch
 from omnifabric.worker.leases import LeaseBook, LeaseGrant
-from omnifabric.worker.session import (
-    CloseReason,
-    DuplexSession,
-    Mailbox,
-    SessionEnd,
-    SessionLimits,
-    SessionSpec,
-)
+from omnifabric.worker.mailbox import Mailbox
+from omnifabric.worker.runner import TimeSliced
+from omnifabric.worker.session import DuplexSession
+from omnifabric.worker.session_types import CloseReason, SessionEnd, SessionLimits, SessionSpec
 from omnifabric.worker.units import UnitInput
 from tests.conftest import scaled
 
@@ -84,7 +80,7 @@ async def feed_a_slow_engine(half_duplex: bool, units: int = 6, model_unit: int 
         await asyncio.sleep(0.01)
     served: list[int] = []
     buffered: list[int] = []
-    async for event in session.events():
+    async for event in session.journal.events():
         if isinstance(event, SessionEnd):
             break
         (buffered if event.buffered else served).append(event.seq)
@@ -126,7 +122,7 @@ async def test_a_half_duplex_turn_loses_no_audio_to_a_slow_rechunked_engine():
 async def test_a_half_duplex_join_keeps_the_newest_audio_within_its_cap(monkeypatch):
     """Beyond HALF_DUPLEX_JOIN_SAMPLES of waiting audio, the oldest units are dropped
     (counted), never a piece from the middle."""
-    monkeypatch.setattr(session_module, "HALF_DUPLEX_JOIN_SAMPLES", 16000)
+    monkeypatch.setattr(mailbox_module, "HALF_DUPLEX_JOIN_SAMPLES", 16000)
     heard, served, buffered, end = await feed_a_slow_engine(half_duplex=True)
     assert end.units_dropped > 0 and served[-1] == 6
     # What was heard is the sent audio with whole units left out, in order, the last one kept.
@@ -185,12 +181,55 @@ async def run_session(limits, units=(), close=None):
     if close:
         session.close(close)
     events = []
-    async for event in session.events():
+    async for event in session.journal.events():
         events.append(event)
     await asyncio.wait_for(runner, scaled(2))
     executor.shutdown()
     assert len(freed) == 1 and freed[0] is not None
     return events
+
+
+class RecordingRunner(TimeSliced):
+    """Today's runner, noting when each unit's run starts and its finalize is done."""
+
+    def __init__(self, executor):
+        super().__init__(executor, None, asyncio.get_running_loop())
+        self.calls = []
+
+    def run(self, session, unit, force_listen, max_slices):
+        self.calls.append(("run", unit.seq))
+        return super().run(session, unit, force_listen, max_slices)
+
+    async def finalize(self, session, seq):
+        spent = await super().finalize(session, seq)
+        self.calls.append(("finalized", seq))
+        return spent
+
+
+async def test_a_given_runner_serves_each_unit_after_the_previous_finalize():
+    """The seam where a batcher plugs in: a runner handed to the session runs its units and
+    finalizes them, and the session starts no run before the previous finalize is done."""
+    executor = ThreadPoolExecutor(2)
+    runner = RecordingRunner(executor)
+    session = DuplexSession(
+        SessionSpec(session_id="s", lease_id="l", mode="audio"),
+        SyntheticEngine(compute_ms=0, finalize_ms=50),
+        executor,
+        SessionLimits(60, 8192),
+        runner=runner,
+    )
+    await session.open()
+    serving = asyncio.ensure_future(session.run())
+    for seq in (1, 2, 3):
+        session.submit(UnitInput(seq=seq, pcm=SILENCE))
+        async for event in session.journal.events():
+            if event.seq == seq:
+                break
+    session.close(CloseReason.USER_STOP)
+    end = await asyncio.wait_for(serving, scaled(2))
+    executor.shutdown()
+    assert end.units_served == 3
+    assert runner.calls == [(kind, seq) for seq in (1, 2, 3) for kind in ("run", "finalized")]
 
 
 async def test_session_ends_once_with_the_close_reason():

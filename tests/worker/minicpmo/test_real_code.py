@@ -20,13 +20,8 @@ from PIL import Image
 
 from omnifabric.worker.engine import ChatMessage, ChatTurn, DuplexSettings
 from omnifabric.worker.engines.minicpmo import MiniCPMOEngine
-from omnifabric.worker.session import (
-    CloseReason,
-    DuplexSession,
-    SessionEnd,
-    SessionLimits,
-    SessionSpec,
-)
+from omnifabric.worker.session import DuplexSession
+from omnifabric.worker.session_types import CloseReason, SessionEnd, SessionLimits, SessionSpec
 from omnifabric.worker.units import UnitInput
 from tests.conftest import ROOT
 from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
@@ -104,7 +99,7 @@ def test_audio_video_session_through_the_unit_loop(engine):
         session.submit(UnitInput(1, noise(1)))
         session.submit_later = None
         outs = []
-        async for event in session.events():
+        async for event in session.journal.events():
             outs.append(event)
             if len(outs) == 1:
                 session.submit(UnitInput(2, noise(2), frames=[jpeg(64, 64)]))
@@ -228,7 +223,7 @@ def test_unit_lengths_through_the_unit_loop(engine, seconds):
         task = asyncio.ensure_future(session.run())
         outs, sent, served = [], 1, 0
         session.submit(UnitInput(1, noise(1, seconds)))
-        async for event in session.events():
+        async for event in session.journal.events():
             outs.append(event)
             if isinstance(event, SessionEnd):
                 break

@@ -1,0 +1,136 @@
+"""A duplex session's values: what it starts with and its limits, what each unit gives,
+its usage, and how it ends. Plain data; the unit loop (worker.session) makes them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omnifabric.common import close_reasons
+from omnifabric.worker.engine import DuplexSettings, GenerateResult
+
+
+class CloseReason(enum.Enum):
+    """Why a session ended (common.proto CloseReason; its sentence: common.close_reasons)."""
+
+    USER_STOP = close_reasons.USER_STOP
+    TIMEOUT = close_reasons.TIMEOUT
+    CONTEXT_FULL = close_reasons.CONTEXT_FULL
+    SERVER_SHUTDOWN = close_reasons.SERVER_SHUTDOWN
+    ERROR = close_reasons.ERROR
+    CLIENT_CLOSED = close_reasons.CLIENT_CLOSED
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What a session starts with (SessionStart, decoded)."""
+
+    session_id: str
+    lease_id: str
+    mode: str
+    system_prompt: str = ""
+    ref_audio: np.ndarray | None = None
+    tts_ref_audio: np.ndarray | None = None
+    settings: DuplexSettings = field(default_factory=DuplexSettings)
+    trace_context: Any = None
+    """OpenTelemetry context of the caller (the edge's session span), or None."""
+    resume_grace_s: float = 0.0
+    """> 0: a stream that ends without close leaves the session detached this long."""
+    client_state: bytes = b""
+    """The sender's own state, handed back on resume (opaque here)."""
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Limits of one session: duration from its start, the context cap in tokens, and the
+    longest engine call of one unit (None: unbounded)."""
+
+    duration_s: float
+    max_context_tokens: int
+    unit_timeout_s: float | None = None
+
+
+@dataclass
+class Usage:
+    """Token usage of a session so far."""
+
+    input_text_tokens: int = 0
+    input_audio_tokens: int = 0
+    input_vision_tokens: int = 0
+    output_text_tokens: int = 0
+    output_audio_tokens: int = 0
+
+    @property
+    def input_tokens(self) -> int:
+        return self.input_text_tokens + self.input_audio_tokens + self.input_vision_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        return self.output_text_tokens + self.output_audio_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass
+class UnitTimings:
+    """Milliseconds spent on one unit (common.proto UnitTimings)."""
+
+    prefill_ms: float = 0.0
+    generate_ms: float = 0.0
+    finalize_wait_ms: float = 0.0
+    wall_clock_ms: float = 0.0
+    queue_ms: float = 0.0
+    engine_busy_ms: float = 0.0
+    """Of queue_ms, the time the engine still computed this session's earlier unit."""
+    engine_costs_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class UnitOutput:
+    """The result of one served unit, as handed to the sender."""
+
+    seq: int
+    result: GenerateResult
+    timings: UnitTimings
+    usage: Usage
+    """Cumulative snapshot after this unit."""
+    dropped_seqs: list[int]
+    buffered: bool = False
+    """The unit's audio waits for the next model unit (re-chunking) or was heard with a
+    later unit (a half-duplex join): no model step ran for it."""
+    late: bool = False
+    """Its result left later than one unit length after the unit arrived."""
+    audio_dropped: bool = False
+    """Kept for a replay without its speech (beyond worker.journal.JOURNAL_AUDIO_RESULTS)."""
+
+
+@dataclass
+class SessionEnd:
+    """The session is over and freed; always the last event."""
+
+    reason: CloseReason
+    message: str
+    """The reason's sentence (common.close_reasons), with the detail of this end if any."""
+    usage: Usage
+    units_served: int
+    units_dropped: int
+    error_code: str = ""
+    """Public error code: "inference_error" when the engine failed on a unit."""
+    late_units: int = 0
+    """Units whose result left later than one unit length after they arrived."""
+
+
+@dataclass(frozen=True)
+class UnitTrace:
+    """What a unit's spans are built from once its finalize is done."""
+
+    received_at: float
+    started: float
+    output: UnitOutput
+    length_s: float
+    """Seconds of input the unit carried."""
