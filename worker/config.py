@@ -110,6 +110,35 @@ class WorkerConfig:
     """The worker's real-time headroom (worker.headroom) counts the units of the last this
     many seconds: a late unit among them holds new sessions back, and their costs say what a
     session costs. Shorter recovers sooner from a slow spell; longer remembers it longer."""
+    batching: str = setting(
+        "on",
+        env="OMNI_WORKER_BATCHING",
+        flag="--batching",
+        choices=("on", "off"),
+        help="serve sessions in batched steps where the engine can (off: one by one)",
+    )
+    """on: an engine that serves one unit of several sessions in one call (Engine.stepper)
+    runs every session's units in batched steps (worker.batcher); off: sessions take turns
+    on the engine threads, one unit at a time (time-sliced), as engines without it always
+    do."""
+    batch_window_ms: float = setting(
+        10.0,
+        env="OMNI_WORKER_BATCH_WINDOW_MS",
+        flag="--batch-window-ms",
+        range=(0.0, 1000.0),
+        help="batched steps: how long a unit waits at most for batch-mates, ms",
+    )
+    """Batched steps: the oldest waiting unit waits at most this long for units of other
+    sessions to join its step (not at all once every open session has one waiting)."""
+    synthetic_batch_share: float | None = setting(
+        None,
+        env="OMNI_WORKER_BATCH_SHARE",
+        flag="--batch-share",
+        range=(0.0, 1.0),
+        help="synthetic engine: step sessions together, each extra one adding this share",
+    )
+    """Synthetic engine: offer batched steps, a step of N sessions costing the compute of
+    one unit times 1 + share x (N - 1) (finalizes likewise); None: no batched entry."""
     synthetic_compute_ms: float = setting(
         40.0,
         env="OMNI_WORKER_COMPUTE_MS",

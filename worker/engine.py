@@ -4,16 +4,16 @@ The same unit loop drives every engine (synthetic, reference, minicpmo). Engine 
 blocking and run on the worker's engine threads, never on the event loop. The engines
 import this module; the registry that maps names to them is worker.engines.registry.
 
-Where the unit loop hands a unit to the engine is a UnitRunner: the worker's own
-(worker.runner.TimeSliced) serves each session's units one by one; an engine that serves
-the units of several sessions in one step offers its own (Engine.batcher).
+Where the unit loop hands a unit to the engine is a UnitRunner: worker.runner.TimeSliced
+serves each session's units one by one; an engine that serves one unit of several sessions
+in one call offers a Stepper (Engine.stepper), which worker.batcher.StepBatcher drives.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Iterator
-from concurrent.futures import Executor, Future
+from collections.abc import Awaitable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -201,9 +201,69 @@ class EngineSession(abc.ABC):
         """Free every per-session resource (KV cache, TTS caches). Idempotent."""
 
 
-#: What running one unit gives: the engine's stage costs (ms), its result, the prefill and
-#: generate times (ms), and when the prefill started (time.perf_counter()).
-UnitRun = tuple[dict[str, float], GenerateResult, float, float, float]
+@dataclass(slots=True)
+class UnitRun:
+    """What running one unit gave the unit loop."""
+
+    costs_ms: dict[str, float]
+    """The engine's stage costs (prefill's; the result carries generate's)."""
+    result: GenerateResult
+    prefill_ms: float
+    generate_ms: float
+    started: float
+    """When the prefill started (time.perf_counter())."""
+    engine_s: float
+    """Engine seconds charged to the unit (the real-time headroom): its prefill and
+    generate; in a batched step, its share of the step."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """One session's unit in a batched step."""
+
+    session: EngineSession
+    pcm: np.ndarray
+    frames: list[bytes]
+    max_slice_nums: int
+    force_listen: bool
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one step gave: per row, its prefill costs and result, or the exception that
+    failed that row alone; and the step's times by phase (ms; "prefill" and "generate" at
+    least, the engine's own phases beside them)."""
+
+    rows: list[tuple[dict[str, float], GenerateResult] | Exception]
+    phases_ms: dict[str, float]
+
+
+class Stepper(abc.ABC):
+    """An engine's batched entry: one call serves one unit of every session in it.
+
+    Calls come one at a time (a step, or a batch of finalizes), on an engine thread. Each
+    session keeps EngineSession's order: its unit's finalize comes before its next step."""
+
+    @abc.abstractmethod
+    def step(self, rows: Sequence[StepRow]) -> StepOutcome:
+        """Prefill and generate one unit of every row, together."""
+
+    def added_cost(self, session_cost: float) -> float:
+        """What one more session adds to the step's engine time, given what one costs (its
+        share of a step): by default all of it, as if time-sliced (the safe side)."""
+        return session_cost
+
+    def finalize(self, sessions: Sequence[EngineSession]) -> list[Exception | None]:
+        """The deferred finalize of every session's last unit (by default one after another);
+        per session, None or the exception that failed it."""
+        failed: list[Exception | None] = []
+        for session in sessions:
+            try:
+                session.finalize()
+                failed.append(None)
+            except Exception as exc:  # noqa: BLE001 - the session's own failure
+                failed.append(exc)
+        return failed
 
 
 class RunnerSession(Protocol):
@@ -279,11 +339,9 @@ class Engine(abc.ABC):
     def open_session(self, session_id: str, mode: str) -> EngineSession:
         """A new session in `mode` ("audio" or "video")."""
 
-    def batcher(self, executor: Executor, unit_timeout_s: float | None) -> UnitRunner | None:
-        """The batched entry, asked once when the worker starts: a runner that serves the
-        units of several sessions in one step, on `executor` (the worker's engine threads),
-        each step bounded by `unit_timeout_s` (None: unbounded). None (the default): no
-        batcher; the worker runs each session's units one by one (worker.runner.TimeSliced)."""
+    def stepper(self) -> Stepper | None:
+        """The batched entry, asked once when the worker starts: None (the default) when the
+        engine serves sessions one by one (worker.runner.TimeSliced)."""
         return None
 
     def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:

@@ -41,6 +41,8 @@ CONTEXT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 16384)
 #: Late units per session (a unit is late when its result left later than one unit length
 #: after it arrived).
 LATE_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 600)
+#: Sessions per batched step.
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: UnitTimings field -> stage label.
 STAGES = {
     "prefill_ms": "prefill",
@@ -135,6 +137,20 @@ class WorkerMetrics:
         """Labelled children of the per-unit instruments (a unit's observations: 147 ->
         110 us on a cold path, 10.6 -> 5.3 us back to back)."""
         self._stages = [(field, self._child(self.unit_seconds, s)) for field, s in STAGES.items()]
+        self.batch_sessions = Histogram(
+            "omni_worker_batch_sessions",
+            "Sessions served per batched step (a worker whose engine steps sessions together).",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "omni_worker_step_phase_seconds",
+            "Time per batched step by phase: the engine's own (prefill, generate and finer "
+            "ones) and wall (the whole call).",
+            ["phase"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
         self.sessions_ended = Counter(
             "omni_worker_sessions_ended",
             "Duplex sessions ended, by close reason.",
@@ -165,6 +181,13 @@ class WorkerMetrics:
         result = output.result
         self._child(self.units, mode, "listen" if result.is_listen else "speak").inc()
         self.context_tokens.observe(result.kv_cache_length)
+
+    def observe_step(self, sessions: int, phases_ms: dict[str, float], wall_s: float) -> None:
+        """One batched step: how many sessions it served and its phase times."""
+        self.batch_sessions.observe(sessions)
+        self._child(self.step_seconds, "wall").observe(wall_s)
+        for phase, ms in phases_ms.items():
+            self._child(self.step_seconds, phase).observe(max(0.0, ms) / 1000.0)
 
     def observe_end(self, end: SessionEnd) -> None:
         """A session ended (after its engine session and memory were freed)."""

@@ -2,8 +2,8 @@
 
 Sessions take turns on the engine (time-sliced): a unit's prefill and generate run as one
 call on an engine thread, its finalize as another, each bounded by the unit timeout. The
-unit loop (worker.session) hands its units here unless the engine has a batcher
-(Engine.batcher).
+unit loop (worker.session) hands its units here unless the engine steps sessions together
+(Engine.stepper, worker.batcher).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _infer(session: RunnerSession, unit: UnitInput, force_listen: bool, max_slic
     t1 = time.perf_counter()
     result = engine_session.generate(force_listen)
     t2 = time.perf_counter()
-    return dict(costs), result, (t1 - t0) * 1000.0, (t2 - t1) * 1000.0, t0
+    return UnitRun(dict(costs), result, (t1 - t0) * 1000.0, (t2 - t1) * 1000.0, t0, t2 - t0)
 
 
 def _finalize_timed(session: RunnerSession) -> float:

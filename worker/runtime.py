@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from omnifabric.common import realtime
+from omnifabric.worker.batcher import StepBatcher
 from omnifabric.worker.config import WorkerConfig
 from omnifabric.worker.engine import ChatChunk, ChatTurn, Engine
 from omnifabric.worker.engines import memory
@@ -89,9 +90,31 @@ class WorkerRuntime:
         at warm-up (its estimates come from it)."""
         self.metrics = WorkerMetrics(self)
         """Prometheus instruments (served on --metrics-port by worker.main)."""
-        self.batcher = engine.batcher(self.executor, config.unit_timeout_s)
-        """The engine's batched entry, which runs every session's units; None: each session
-        runs its own one by one (time-sliced)."""
+        self.stepper = engine.stepper() if config.batching == "on" else None
+        """The engine's batched entry, when batching is on and the engine has one."""
+        self.batcher = (
+            None
+            if self.stepper is None
+            else StepBatcher(
+                self.stepper,
+                self.executor,
+                config.unit_timeout_s,
+                lambda: len(self.sessions),
+                window_s=config.batch_window_ms / 1000.0,
+                on_step=self.metrics.observe_step,
+            )
+        )
+        """Runs every session's units in batched steps; None: each session runs its own one
+        by one (time-sliced)."""
+        self.engine_threads = 1 if self.batcher is not None else max(1, engine.concurrency)
+        """Units the engine computes at once: one step at a time when batched, else one per
+        engine thread (the real-time headroom's engine seconds per second)."""
+        if self.batcher is not None:
+            log.info(
+                "batched steps: one engine call serves a unit of every session that has one "
+                "waiting (a unit waits up to %g ms for batch-mates; --batching off: one by one)",
+                config.batch_window_ms,
+            )
 
     def set_health(self, serving: bool, detail: str = "") -> None:
         """Change health and tell the listeners (health service, scheduler) on a change."""
@@ -123,8 +146,9 @@ class WorkerRuntime:
         them gets as many as keep real time (unless --slots says otherwise)."""
         engine = self.engine
         estimates = {mode: engine.cost_estimate(mode, warmup_s) for mode in engine.modes}
+        added_cost = engine.added_cost if self.stepper is None else self.stepper.added_cost
         self.headroom = Headroom(
-            engine.concurrency, estimates, engine.added_cost, self.config.headroom_window_s
+            self.engine_threads, estimates, added_cost, self.config.headroom_window_s
         )
         costs = self.headroom.figures().costs
         log.info(
@@ -132,19 +156,19 @@ class WorkerRuntime:
             "threads",
             warmup_s,
             ", ".join(f"{mode} {cost.session_cost:.3f}" for mode, cost in sorted(costs.items())),
-            engine.concurrency,
+            self.engine_threads,
         )
         if self.config.slots is None and engine.slots_from_warmup and "audio" in costs:
             audio = costs["audio"]
             self.slots = realtime.sessions_within(
-                engine.concurrency, audio.session_cost, audio.added_cost, realtime.MARGIN
+                self.engine_threads, audio.session_cost, audio.added_cost, realtime.MARGIN
             )
             log.info(
                 "slots: %d, the audio sessions that keep real time by the warm-up's measure "
                 "(%.0f%% of %d engine threads; --slots overrides)",
                 self.slots,
                 realtime.MARGIN * 100,
-                engine.concurrency,
+                self.engine_threads,
             )
 
     def headroom_figures(self) -> HeadroomFigures | None:

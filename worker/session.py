@@ -298,19 +298,18 @@ class DuplexSession:
             raise self._finalize_error
         force_listen = unit.force_listen or self._output_cap_reached()
         max_slices = unit.max_slice_nums or self.spec.settings.max_slice_nums or 1
-        costs, result, prefill_ms, generate_ms, started = await self.runner.run(
-            self, unit, force_listen, max_slices
-        )
+        run = await self.runner.run(self, unit, force_listen, max_slices)
         self._computed_at = time.perf_counter()
         self.units_served += 1
+        result = run.result
         self._add_usage(result)
         timings = UnitTimings(
-            prefill_ms=prefill_ms,
-            generate_ms=generate_ms,
+            prefill_ms=run.prefill_ms,
+            generate_ms=run.generate_ms,
             finalize_wait_ms=finalize_wait_ms,
             queue_ms=(taken - unit.received_at) * 1000.0,
             engine_busy_ms=engine_busy_ms,
-            engine_costs_ms={**costs, **result.costs_ms},
+            engine_costs_ms={**run.costs_ms, **result.costs_ms},
         )
         output = UnitOutput(
             seq=unit.seq,
@@ -328,7 +327,7 @@ class DuplexSession:
         # Deferred finalize: the result is already on its way; the barrier fences the next prefill.
         self._finalized.clear()
         self._finalize_task = asyncio.ensure_future(
-            self._finalize(UnitTrace(unit.received_at, started, output, length_s))
+            self._finalize(UnitTrace(unit.received_at, run.started, output, length_s, run.engine_s))
         )
         return result
 
@@ -347,10 +346,9 @@ class DuplexSession:
             self._finalized.set()
             trace_unit(self.spec, unit, f0, time.perf_counter())
             if spent_s is not None and self.on_unit is not None:
-                timings = unit.output.timings
-                engine_s = (timings.prefill_ms + timings.generate_ms) / 1000.0 + spent_s
+                engine_s = unit.engine_s + spent_s
                 speaking = not unit.output.result.is_listen
-                wall_s = timings.wall_clock_ms / 1000.0
+                wall_s = unit.output.timings.wall_clock_ms / 1000.0
                 self.on_unit(self, unit.length_s, engine_s, wall_s, speaking)
 
     def _output_cap_reached(self) -> bool:

@@ -134,3 +134,5 @@ class UnitTrace:
     output: UnitOutput
     length_s: float
     """Seconds of input the unit carried."""
+    engine_s: float = 0.0
+    """Engine seconds its prefill and generate were charged (UnitRun.engine_s)."""

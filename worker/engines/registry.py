@@ -24,6 +24,7 @@ def _synthetic(config: WorkerConfig) -> Engine:
         slots=config.slots or 4,
         fail_unit=config.synthetic_fail_unit,
         hang_unit=config.synthetic_hang_unit,
+        batch_share=config.synthetic_batch_share,
     )
 
 

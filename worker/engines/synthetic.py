@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from omnifabric.worker.engine import (
     Engine,
     EngineSession,
     GenerateResult,
+    StepOutcome,
+    Stepper,
+    StepRow,
 )
 
 #: A unit is speech when its RMS exceeds this.
@@ -61,21 +64,8 @@ class SyntheticSession(EngineSession):
         self.closed = False
 
     def _busy(self, share: float) -> float:
-        """Spend `share` of the unit's compute time; returns the ms spent, as measured (a
-        sleep overshoots by ~0.1 ms here: that is compute, not the fabric's overhead)."""
-        seconds = self.engine.compute_ms * share / 1000.0
-        if seconds <= 0:
-            return 0.0
-        started = time.perf_counter()
-        if self.engine.cpu_bound:
-            # This thread's CPU time, as a model's forward spends it: a busy neighbour on
-            # the same core slows it down (a sleep would not notice).
-            until = time.thread_time() + seconds
-            while time.thread_time() < until:
-                pass
-        else:
-            time.sleep(seconds)
-        return (time.perf_counter() - started) * 1000.0
+        """Spend `share` of the unit's compute time; returns the ms spent."""
+        return _spend(self.engine.compute_ms * share / 1000.0, self.engine.cpu_bound)
 
     def prepare(
         self,
@@ -93,21 +83,27 @@ class SyntheticSession(EngineSession):
     def prefill(
         self, pcm: np.ndarray, frames: list[bytes], max_slice_nums: int
     ) -> dict[str, float]:
-        self._check_open()
-        if self.needs_finalize:
-            # The real model raises here too: finalize must run between units.
-            raise RuntimeError("prefill before the previous unit was finalized")
+        self._check_ready()  # the real model raises too: finalize must run between units
         spent = self._busy(0.5)
+        self._take(pcm, frames, max_slice_nums)
+        return {"prefill": spent}
+
+    def _take(self, pcm: np.ndarray, frames: list[bytes], max_slice_nums: int) -> None:
+        """A unit's input, prefilled (its compute aside)."""
         samples = np.asarray(pcm, dtype=np.float32)
         self.pending_rms = float(np.sqrt(np.mean(np.square(samples)))) if samples.size else 0.0
         self.pending_vision_tokens = len(frames) * max(1, max_slice_nums) * VISION_TOKENS_PER_SLICE
-        return {"prefill": spent}
 
     def generate(self, force_listen: bool) -> GenerateResult:
         self._check_open()
         if self.pending_rms is None:
+            raise RuntimeError("generate without a prefilled unit")  # before spending on it
+        return self._decide(force_listen, self._busy(0.5))
+
+    def _decide(self, force_listen: bool, spent: float) -> GenerateResult:
+        """The prefilled unit's result (its compute aside: `spent` ms of it)."""
+        if self.pending_rms is None:
             raise RuntimeError("generate without a prefilled unit")
-        spent = self._busy(0.5)
         speech = self.pending_rms > SPEECH_RMS
         self.pending_rms = None
         self.needs_finalize = True
@@ -142,6 +138,12 @@ class SyntheticSession(EngineSession):
         if self.engine.finalize_ms:
             time.sleep(self.engine.finalize_ms / 1000.0)
         self.needs_finalize = False
+
+    def _check_ready(self) -> None:
+        """The real model's order: open, and the previous unit finalized."""
+        self._check_open()
+        if self.needs_finalize:
+            raise RuntimeError("prefill before the previous unit was finalized")
 
     def stop(self) -> None:
         self.reply_part = 0
@@ -205,6 +207,85 @@ class SyntheticSession(EngineSession):
         )
 
 
+def _spend(seconds: float, cpu_bound: bool) -> float:
+    """Be busy `seconds`; returns the ms spent, as measured (a sleep overshoots by ~0.1 ms
+    here: that is compute, not the fabric's overhead)."""
+    if seconds <= 0:
+        return 0.0
+    started = time.perf_counter()
+    if cpu_bound:
+        # This thread's CPU time, as a model's forward spends it: a busy neighbour on the
+        # same core slows it down (a sleep would not notice).
+        until = time.thread_time() + seconds
+        while time.thread_time() < until:
+            pass
+    else:
+        time.sleep(seconds)
+    return (time.perf_counter() - started) * 1000.0
+
+
+class SyntheticStepper(Stepper):
+    """The synthetic engine's batched entry: a step of N sessions is busy for one unit's
+    compute times 1 + batch_share x (N - 1) (a batched model's step: its weights read once,
+    each row adding a little), and every row gets what it would alone."""
+
+    def __init__(self, engine: SyntheticEngine, share: float) -> None:
+        self.engine = engine
+        self.share = share
+
+    def _scale(self, n: int) -> float:
+        return 1.0 + self.share * (n - 1)
+
+    def step(self, rows: Sequence[StepRow]) -> StepOutcome:
+        engine = self.engine
+        seconds = engine.compute_ms * self._scale(len(rows)) / 1000.0
+        half = _spend(seconds / 2, engine.cpu_bound)
+        ready: list[SyntheticSession | Exception] = []
+        for row in rows:
+            try:
+                session = _synthetic(row.session)
+                session._check_ready()
+                session._take(row.pcm, row.frames, row.max_slice_nums)
+                ready.append(session)
+            except Exception as exc:  # noqa: BLE001 - this row's failure alone
+                ready.append(exc)
+        spent = _spend(seconds / 2, engine.cpu_bound)
+        out: list[tuple[dict[str, float], GenerateResult] | Exception] = []
+        for row, taken in zip(rows, ready, strict=True):
+            if isinstance(taken, Exception):
+                out.append(taken)
+                continue
+            try:
+                out.append(({"prefill": half}, taken._decide(row.force_listen, spent)))
+            except Exception as exc:  # noqa: BLE001 - this row's failure alone
+                out.append(exc)
+        return StepOutcome(out, {"prefill": half, "generate": spent})
+
+    def finalize(self, sessions: Sequence[EngineSession]) -> list[Exception | None]:
+        if self.engine.finalize_ms:
+            time.sleep(self.engine.finalize_ms * self._scale(len(sessions)) / 1000.0)
+        failed: list[Exception | None] = []
+        for engine_session in sessions:
+            try:
+                session = _synthetic(engine_session)
+                session._check_open()
+                session.needs_finalize = False
+                failed.append(None)
+            except Exception as exc:  # noqa: BLE001 - this session's failure alone
+                failed.append(exc)
+        return failed
+
+    def added_cost(self, session_cost: float) -> float:
+        """Exactly known: one more row adds batch_share of a unit's compute and finalize."""
+        return (self.engine.compute_ms + self.engine.finalize_ms) / 1000.0 * self.share
+
+
+def _synthetic(session: EngineSession) -> SyntheticSession:
+    if not isinstance(session, SyntheticSession):
+        raise TypeError(f"not a synthetic engine session: {type(session).__name__}")
+    return session
+
+
 def _tone(reply_number: int, start: int, count: int) -> np.ndarray:
     """`count` samples of the reply's tone from sample `start` (phase-continuous)."""
     freq = 220.0 + 20.0 * (reply_number % 10)
@@ -231,6 +312,7 @@ class SyntheticEngine(Engine):
         fail_unit: int | None = None,
         hang_unit: int | None = None,
         hang_s: float = 3600.0,
+        batch_share: float | None = None,
     ) -> None:
         self.compute_ms = compute_ms
         self.finalize_ms = finalize_ms
@@ -247,6 +329,13 @@ class SyntheticEngine(Engine):
         """Compute spends CPU time (a spin) instead of sleeping."""
         self.force_listen_count = force_listen_count
         self.reply_units = max(1, reply_units)
+        self.batch_share = batch_share
+        """Not None: sessions may be stepped together (stepper), each extra one adding this
+        share of a unit's compute to the step."""
+
+    def stepper(self) -> SyntheticStepper | None:
+        """Batched steps when a batch share was given."""
+        return None if self.batch_share is None else SyntheticStepper(self, self.batch_share)
 
     def load(self) -> None:
         """Nothing to load."""
