@@ -309,6 +309,38 @@ def test_two_sessions_interleaved_match_solo(engine, monkeypatch):
     assert [x[2] for x in bad_a] != [x[2] for x in solo_a]
 
 
+def test_a_session_s_streaming_leaves_another_s_reference_audio_alone(engine):
+    """The audio feature extractor's log-mel mode, which the streaming mel sets before each
+    of its mels (a fixed floor under 5 s of buffered audio, a dynamic range past it), is a
+    session's own: the next session's reference audio is heard the same whichever another
+    session streamed last (it differed before the mode was swapped per session)."""
+    # A voice clip with a pause in it: where the two modes' floors differ.
+    reference = np.concatenate([np.zeros(8000, np.float32), 6 * noise(7, 1.0)])
+
+    def with_reference():
+        s = engine.open_session("ref", "audio")
+        try:
+            s.prepare("Be brief.", reference, None, GREEDY)
+            return [step(s, noise(300 + i)) for i in range(2)]
+        finally:
+            s.close()
+
+    def streaming(units: int) -> None:
+        s = engine.open_session("streaming", "audio")
+        try:
+            s.prepare("Be brief.", None, None, GREEDY)
+            for i in range(units):
+                step(s, noise(400 + i))
+        finally:
+            s.close()
+
+    streaming(7)  # its buffer passes 5 s: the dynamic range
+    after_long = with_reference()
+    streaming(1)  # under 5 s: the fixed floor
+    after_short = with_reference()
+    assert after_long == after_short
+
+
 def test_a_chat_between_units_leaves_a_session_untouched(engine):
     """A chat turn on another slot, its chunks between a duplex session's units."""
     a_in = [noise(300 + i) for i in range(4)]

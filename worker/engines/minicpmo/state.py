@@ -18,6 +18,10 @@ from typing import Any
 
 #: A value that is no attribute at all (the code tests for the attribute with hasattr).
 ABSENT = object()
+#: A new session starts from the value the model had before any session ran.
+AT_LOAD = object()
+#: No value to put: the attribute is left as it is.
+KEEP = object()
 #: (path from the model, attribute, value of a fresh session; a type builds a new one).
 FIELDS: tuple[tuple[str, str, Any], ...] = (
     ("", "audio_past_key_values", None),
@@ -27,6 +31,14 @@ FIELDS: tuple[tuple[str, str, Any], ...] = (
     ("tts.audio_tokenizer", "hift_cache_dict", None),
     ("tts.audio_tokenizer", "_stream_prompt", None),
     ("tts.audio_tokenizer", "cache", None),
+    # The audio feature extractor's log-mel normalization: the streaming mel processor sets
+    # it before each of its mels (a fixed floor under 5 s of buffered audio, a dynamic range
+    # from then on), and the offline path (the reference audio in prepare, chat audio) uses
+    # whatever mode is set. Unswapped, one session's streaming changed the mel of another's
+    # reference audio (by up to 0.59 on the tiny checkpoint).
+    ("processor.audio_processor", "dynamic_log_norm", AT_LOAD),
+    ("processor.audio_processor", "dynamic_range_db", AT_LOAD),
+    ("processor.audio_processor", "log_floor_db", AT_LOAD),
     # The streaming chat path (reset_session's fields, and the answer being streamed).
     ("", "llm_past_key_values", None),
     ("", "session_id", None),
@@ -53,6 +65,8 @@ def _initial(value: Any) -> Any:
 
 
 def _put(owner: Any, name: str, value: Any) -> None:
+    if value is KEEP:
+        return
     if value is ABSENT:
         if hasattr(owner, name):
             delattr(owner, name)
@@ -75,10 +89,25 @@ class SharedState:
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        self._at_load: dict[str, Any] = {}
+        """The model's own values of the AT_LOAD fields, read when first asked for (a new
+        session's, before any session ran: the engine's warm-up opens the first)."""
+
+    def _first(self, path: str, name: str, value: Any) -> Any:
+        """A new session's value of a field."""
+        if value is not AT_LOAD:
+            return _initial(value)
+        key = f"{path}:{name}"
+        if key not in self._at_load:
+            owner = _owner(self.model, path) if self.model is not None else None
+            if owner is None:
+                return KEEP
+            self._at_load[key] = getattr(owner, name, ABSENT)
+        return self._at_load[key]
 
     def fresh(self) -> dict[str, Any]:
         """The values a new session starts from (the RNG as it is now)."""
-        values = {f"{path}:{name}": _initial(value) for path, name, value in FIELDS}
+        values = {f"{path}:{name}": self._first(path, name, value) for path, name, value in FIELDS}
         values[RNG] = self._rng()
         return values
 
@@ -98,7 +127,9 @@ class SharedState:
         for path, name, default in FIELDS:
             owner = _owner(self.model, path)
             values[f"{path}:{name}"] = (
-                getattr(owner, name, ABSENT) if owner is not None else _initial(default)
+                getattr(owner, name, ABSENT)
+                if owner is not None
+                else self._first(path, name, default)
             )
         values[RNG] = self._rng()
         return values
@@ -108,7 +139,7 @@ class SharedState:
         for path, name, value in FIELDS:
             owner = _owner(self.model, path)
             if owner is not None and hasattr(owner, name):
-                _put(owner, name, _initial(value))
+                _put(owner, name, self._first(path, name, value))
 
     @staticmethod
     def _rng() -> tuple[Any, Any]:
