@@ -1,0 +1,320 @@
+"""The slot KV cache: rows of several sessions fed in one LLM forward give what each gives
+alone.
+
+Every test runs a plan of steps (ragged prefill, one-token decodes, a session joining, one
+leaving and its slot reused by a new one, rows in and out of slot order) through slots.feed
+and, row by row, through the stock forward on a DynamicCache with plain positions, as the
+public code's decoder feeds one session. Compared: each row's last logits and its hidden
+states (within 1e-4, fp32), the argmax, and the lengths. The default suite uses a tiny random
+Qwen3; the opt-in part (OMNI_MINICPMO_CODE_DIR, see conftest) the LLM of the tiny MiniCPM-o
+checkpoint built from the public code, for every layout it offers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.cache_utils import DynamicCache
+
+from omnifabric.worker.engines.minicpmo.slots import (
+    NoFreeSlot,
+    SlotCache,
+    SlotStep,
+    feed,
+)
+from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
+
+TOLERANCE = 1e-4
+ATTENTION = ["sdpa", "eager"]
+
+#: Per step: what happens before it (sessions joining or leaving), then session -> new tokens
+#: in row order. Session "d" joins after "a" left and gets its slot.
+PLAN: list[tuple[list[str], dict[str, int]]] = [
+    (["+a", "+b"], {"a": 9, "b": 2}),
+    ([], {"a": 1, "b": 1}),
+    (["+c"], {"a": 1, "b": 1, "c": 7}),
+    ([], {"b": 1, "c": 1}),
+    ([], {"c": 1, "a": 3, "b": 1}),
+    (["-a", "+d"], {"d": 5, "b": 1, "c": 3}),
+    ([], {"c": 1, "d": 1, "b": 1}),
+    (["-b"], {"d": 1, "c": 1}),
+    ([], {"c": 2, "d": 1}),
+]
+
+
+def tiny_qwen3(attn: str) -> Qwen3ForCausalLM:
+    """A random 2-layer Qwen3, seeded; weights larger than the default init so attention is
+    far from uniform and a wrong position shows in the logits."""
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        sliding_window=None,
+        attn_implementation=attn,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    assert model.config._attn_implementation == attn
+    return model
+
+
+@dataclasses.dataclass
+class Outcome:
+    logit_diff: float = 0.0
+    hidden_diff: float = 0.0
+    argmax_equal: bool = True
+    lengths_equal: bool = True
+    rows: int = 0
+    #: Session -> the slot it claimed.
+    claims: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def solo_feed(
+    llm: Any, past: DynamicCache, embeds: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One session alone, as the public decoder feeds it: batch 1, positions from the cache's
+    length, no mask; the head over the final hidden states, the last position's logits."""
+    start = past.get_seq_length()
+    positions = torch.arange(start, start + embeds.shape[0])[None]
+    out = llm(
+        inputs_embeds=embeds[None],
+        position_ids=positions,
+        past_key_values=past,
+        use_cache=True,
+        output_hidden_states=True,
+        return_dict=True,
+    )
+    hidden = out.hidden_states[-1]
+    return llm.lm_head(hidden)[0, -1], hidden[0]
+
+
+def run_plan(
+    llm: Any,
+    make_embeds: Callable[[int], torch.Tensor],
+    cache_type: type[SlotCache] = SlotCache,
+    slots: int = 3,
+) -> Outcome:
+    """PLAN through a slot cache and through a DynamicCache per session; the worst gaps."""
+    cache = cache_type(llm.config, slots, 64)
+    where: dict[str, int] = {}
+    solo: dict[str, DynamicCache] = {}
+    outcome = Outcome()
+    with torch.no_grad():
+        for changes, step in PLAN:
+            for change in changes:
+                name = change[1:]
+                if change[0] == "+":
+                    where[name] = outcome.claims[name] = cache.claim()
+                    solo[name] = DynamicCache()
+                else:
+                    cache.release(where.pop(name))
+            embeds = {name: make_embeds(count) for name, count in step.items()}
+            got = feed(llm, cache, [(where[name], embeds[name]) for name in step])
+            for row, name in enumerate(step):
+                logits, hidden = solo_feed(llm, solo[name], embeds[name])
+                outcome.rows += 1
+                outcome.logit_diff = max(
+                    outcome.logit_diff, (got.logits[row] - logits).abs().max().item()
+                )
+                outcome.hidden_diff = max(
+                    outcome.hidden_diff, (got.hidden[row] - hidden).abs().max().item()
+                )
+                outcome.argmax_equal &= bool(got.logits[row].argmax() == logits.argmax())
+            for name, slot in where.items():
+                outcome.lengths_equal &= cache.length(slot) == solo[name].get_seq_length()
+    return outcome
+
+
+def random_embeds(hidden: int) -> Callable[[int], torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return lambda count: torch.randn(count, hidden, generator=generator)
+
+
+class ShiftedSlotCache(SlotCache):
+    """A control: positions one too far for every feed after a slot's first (a gap of one
+    after the prefill). A shift of every position alike would go unseen: rotary attention
+    depends on distances only."""
+
+    def begin(self, slots: Sequence[int], counts: Sequence[int]) -> SlotStep:
+        step = super().begin(slots, counts)
+        later = torch.tensor([start > 0 for start in step.starts])
+        return dataclasses.replace(step, positions=step.positions + later[:, None])
+
+
+class SharedPositionsSlotCache(SlotCache):
+    """A control: every row's positions from the longest past of the step, not its own."""
+
+    def begin(self, slots: Sequence[int], counts: Sequence[int]) -> SlotStep:
+        step = super().begin(slots, counts)
+        shared = max(step.starts) - torch.tensor(step.starts)
+        return dataclasses.replace(step, positions=step.positions + shared[:, None])
+
+
+@pytest.fixture(scope="module", params=ATTENTION)
+def llm(request):
+    return tiny_qwen3(request.param)
+
+
+def test_batched_rows_equal_each_row_alone(llm):
+    outcome = run_plan(llm, random_embeds(llm.config.hidden_size))
+    print(
+        f"{llm.config._attn_implementation}: max|dlogit| {outcome.logit_diff:.2e}, "
+        f"max|dhidden| {outcome.hidden_diff:.2e} over {outcome.rows} rows"
+    )
+    assert outcome.rows == sum(len(step) for _, step in PLAN)
+    assert outcome.claims == {"a": 0, "b": 1, "c": 2, "d": 0}  # d reuses a's slot
+    assert outcome.logit_diff < TOLERANCE
+    assert outcome.hidden_diff < TOLERANCE
+    assert outcome.argmax_equal
+    assert outcome.lengths_equal
+
+
+@pytest.mark.parametrize("control", [ShiftedSlotCache, SharedPositionsSlotCache])
+def test_a_wrong_position_is_caught(llm, control):
+    outcome = run_plan(llm, random_embeds(llm.config.hidden_size), control)
+    print(
+        f"{llm.config._attn_implementation} {control.__name__}: "
+        f"max|dlogit| {outcome.logit_diff:.2e}, max|dhidden| {outcome.hidden_diff:.2e}"
+    )
+    assert outcome.logit_diff > 100 * TOLERANCE
+    assert outcome.hidden_diff > 100 * TOLERANCE
+    assert outcome.lengths_equal  # the lengths alone would not show it
+
+
+def test_consecutive_and_gathered_rows_read_the_same(llm):
+    """Rows in slot order read a view of the cache, rows out of it a gather: same numbers."""
+    make = random_embeds(llm.config.hidden_size)
+    first, second = make(4), make(3)
+    step = {0: make(1), 1: make(2)}
+    results = []
+    for order in ([0, 1], [1, 0]):
+        cache = SlotCache(llm.config, 2, 16)
+        assert [cache.claim(), cache.claim()] == [0, 1]
+        feed(llm, cache, [(0, first), (1, second)])
+        got = feed(llm, cache, [(slot, step[slot]) for slot in order])
+        results.append({slot: got.logits[row] for row, slot in enumerate(order)})
+    for slot in (0, 1):
+        assert (results[0][slot] - results[1][slot]).abs().max().item() < TOLERANCE
+
+
+def test_max_len_is_checked_before_anything_is_written(llm):
+    cache = SlotCache(llm.config, 2, 10)
+    a, b = cache.claim(), cache.claim()
+    make = random_embeds(llm.config.hidden_size)
+    feed(llm, cache, [(a, make(9)), (b, make(3))])
+    before = [t.clone() for t in (*cache.key_slots, *cache.value_slots)]
+    with pytest.raises(ValueError, match=r"slot 0 holds 9 tokens: 2 more would pass max_len 10"):
+        feed(llm, cache, [(b, make(1)), (a, make(2))])
+    assert all(
+        torch.equal(t, u)
+        for t, u in zip(before, (*cache.key_slots, *cache.value_slots), strict=True)
+    )
+    assert (cache.length(a), cache.length(b)) == (9, 3)
+    feed(llm, cache, [(a, make(1)), (b, make(7))])  # exactly full: fine, and no step was left open
+    assert (cache.length(a), cache.length(b)) == (10, 10)
+
+
+def test_claim_names_the_slots_when_none_is_free(llm):
+    cache = SlotCache(llm.config, 2, 8)
+    assert (cache.claim(), cache.claim()) == (0, 1)
+    with pytest.raises(NoFreeSlot, match="all 2 slots"):
+        cache.claim()
+    cache.release(0)
+    assert cache.claim() == 0 and cache.length(0) == 0
+
+
+def test_release_touches_no_other_row(llm):
+    cache = SlotCache(llm.config, 3, 16)
+    slots = [cache.claim() for _ in range(3)]
+    make = random_embeds(llm.config.hidden_size)
+    feed(llm, cache, [(slot, make(3 + slot)) for slot in slots])
+    feed(llm, cache, [(slot, make(1)) for slot in slots])
+    before = [t.clone() for t in (*cache.key_slots, *cache.value_slots)]
+    cache.release(1)
+    for old, now in zip(before, (*cache.key_slots, *cache.value_slots), strict=True):
+        assert torch.equal(old[0], now[0]) and torch.equal(old[2], now[2])
+        assert not now[1].any()
+        assert old[1].any()
+    assert (cache.length(0), cache.length(2)) == (4, 6)
+    assert cache.claimed() == [0, 2]
+    with pytest.raises(ValueError, match="slot 1 is not claimed"):
+        cache.length(1)
+    with pytest.raises(ValueError, match="slot 1 is not claimed"):
+        feed(llm, cache, [(1, make(1))])
+
+
+def test_shapes_and_size(llm):
+    cache = SlotCache(llm.config, 4, 32)
+    assert cache.key_slots[0].shape == (4, 2, 32, 16) and len(cache.value_slots) == 2
+    assert cache.nbytes == 2 * 2 * 4 * 2 * 32 * 16 * 4
+    config = Qwen3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1
+    )
+    config.head_dim = None  # a config without it: hidden // heads
+    assert SlotCache(config, 1, 8).key_slots[0].shape == (1, 2, 8, 16)
+
+
+# Opt-in: the LLM of the tiny MiniCPM-o checkpoint, through the engine as it loads it.
+
+
+@pytest.fixture(scope="module", params=[layout for layout, _ in LAYOUTS] or ["none"])
+def real_llm(request, tiny_dirs):
+    from omnifabric.worker.engines.minicpmo import MiniCPMOEngine
+
+    layout = request.param
+    code = dict(LAYOUTS)[layout]
+    engine = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", slots=2, api=layout)
+    engine.load()
+    return engine.model.llm
+
+
+@needs_code
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_real_checkpoint_llm_batched_equals_alone(real_llm, attn):
+    """Rows of token embeddings (random ids through the LLM's own input embeddings) followed
+    by audio-like embeddings (random, at the embedding table's scale). The engine loads the
+    LLM with sdpa; eager is switched on the config for the test (the attention layers read
+    it at each forward) and switched back."""
+    assert real_llm.model.layers[0].self_attn.config is real_llm.config
+    loaded = real_llm.config._attn_implementation
+    real_llm.config._attn_implementation = attn
+    try:
+        check_real_llm(real_llm)
+    finally:
+        real_llm.config._attn_implementation = loaded
+
+
+def check_real_llm(real_llm: Any) -> None:
+    table = real_llm.get_input_embeddings()
+    scale = table.weight.std().item()
+    generator = torch.Generator().manual_seed(2)
+    dtype = next(real_llm.parameters()).dtype
+
+    def make(count: int) -> torch.Tensor:
+        with torch.no_grad():
+            text = (count + 1) // 2
+            ids = torch.randint(0, table.num_embeddings, (text,), generator=generator)
+            audio = scale * torch.randn(count - text, table.embedding_dim, generator=generator)
+            return torch.cat([table(ids), audio.to(dtype)])
+
+    outcome = run_plan(real_llm, make)
+    print(
+        f"real llm ({real_llm.config._attn_implementation}): max|dlogit| {outcome.logit_diff:.2e}, "
+        f"max|dhidden| {outcome.hidden_diff:.2e} over {outcome.rows} rows"
+    )
+    assert outcome.logit_diff < TOLERANCE
+    assert outcome.hidden_diff < TOLERANCE
+    assert outcome.argmax_equal
+    assert outcome.lengths_equal

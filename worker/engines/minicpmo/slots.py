@@ -1,0 +1,315 @@
+"""The LLM's KV cache as slots: one row per session, fed together in one forward per step.
+
+A batched step (issue 38) runs the rows of several sessions through the stock LLM forward at
+once, each row with its own past. SlotCache keeps every layer's keys and values in one
+preallocated tensor, [slots, kv heads, max length, head dim], with a length per slot; a
+session claims a slot when it joins and releases it when it leaves, and neither touches the
+other rows. feed runs one forward over some of the slots, each with its own number of new
+tokens: the batch is right-padded, every row gets positions from its own length onward, and a
+4D mask hides the padded keys and keeps attention causal within the new tokens. The model's
+code is used as it is: what makes it batched is the Cache subclass it writes through
+(`update` puts each row at its own length and hands back the rows' keys and values
+right-padded to the longest), the positions and the mask.
+
+Written for the Qwen3 decoder of transformers 4.51 (MiniCPM-o 4.5's LLM), which passes a 4D
+float mask through unchanged and asks the cache nothing but `update` and `get_seq_length`.
+Checked against each row run alone on a DynamicCache in tests/worker/minicpmo/test_slots.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from transformers.cache_utils import Cache
+
+
+class NoFreeSlot(RuntimeError):
+    """Every slot of the cache is claimed."""
+
+
+@dataclass(frozen=True)
+class SlotStep:
+    """What one forward over some of the slots needs: made by SlotCache.begin from the slots'
+    lengths, used by the model's forward (positions, mask) and by SlotCache.update (the
+    write and read indices). Rows are in the order the caller gave them."""
+
+    #: The slot of each row.
+    slots: tuple[int, ...]
+    #: New tokens of each row (at least 1).
+    counts: tuple[int, ...]
+    #: Each slot's length before the step: where its new tokens go.
+    starts: tuple[int, ...]
+    #: [rows, new tokens of the longest row], long: each row's positions from its length on
+    #: (padding continues them; its outputs are never used).
+    positions: torch.Tensor
+    #: [rows, 1, new tokens, width] in the cache's dtype: 0 where a query may look, the
+    #: dtype's minimum elsewhere.
+    mask: torch.Tensor
+    #: [rows], long: the index of each row's last real token in the padded batch.
+    last: torch.Tensor
+    #: Keys each row can see after the step, padded to the longest: max(start + count).
+    width: int
+    #: One entry per real new token (all rows together): its batch row, its index among the
+    #: row's new tokens, its slot, its position in the slot.
+    write_rows: torch.Tensor
+    write_tokens: torch.Tensor
+    write_slots: torch.Tensor
+    write_positions: torch.Tensor
+    #: The slots to read back, as a slice when they are consecutive and ascending (a view, no
+    #: copy), else as an index tensor (a gather of `width` positions per row).
+    read: slice | torch.Tensor
+
+
+class SlotCache(Cache):
+    """The KV cache of `slots` sessions of one LLM, up to `max_len` tokens each, preallocated
+    on `device` in `dtype` (the LLM's). Shapes come from the LLM's config: num_hidden_layers,
+    num_key_value_heads and head_dim (hidden_size // num_attention_heads where the config has
+    no head_dim).
+
+    Not thread-safe: the engine drives it from one thread. A slot's keys and values past its
+    `length` are never seen (the mask hides them); release still zeroes the slot, so that a
+    new occupant never multiplies a masked weight of 0 with a previous occupant's value (a
+    NaN or inf there would poison its row).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        slots: int,
+        max_len: int,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if slots < 1 or max_len < 1:
+            raise ValueError(
+                f"a slot cache needs slots >= 1 and max_len >= 1 (got {slots}, {max_len})"
+            )
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        shape = (slots, config.num_key_value_heads, max_len, head_dim)
+        layers = config.num_hidden_layers
+        self.slots = slots
+        self.max_len = max_len
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.key_slots = [
+            torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(layers)
+        ]
+        self.value_slots = [
+            torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(layers)
+        ]
+        self._lengths = [0] * slots
+        self._claimed = [False] * slots
+        self._step: SlotStep | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the keys and values take (all layers, all slots), for the start-up log."""
+        return sum(t.nbytes for t in (*self.key_slots, *self.value_slots))
+
+    def claim(self) -> int:
+        """A free slot (the lowest), now claimed; its length is 0. Raises NoFreeSlot when all
+        `slots` are taken."""
+        for slot, taken in enumerate(self._claimed):
+            if not taken:
+                self._claimed[slot] = True
+                self._lengths[slot] = 0
+                return slot
+        raise NoFreeSlot(f"all {self.slots} slots of the KV cache are taken")
+
+    def release(self, slot: int) -> None:
+        """Frees `slot`: its length goes back to 0 and its keys and values to zero. No other
+        slot is touched."""
+        self._check_claimed(slot)
+        if self._step is not None:
+            raise RuntimeError("a slot cannot be released during a step")
+        for layer in (*self.key_slots, *self.value_slots):
+            layer[slot].zero_()
+        self._lengths[slot] = 0
+        self._claimed[slot] = False
+
+    def length(self, slot: int) -> int:
+        """Tokens `slot` holds."""
+        self._check_claimed(slot)
+        return self._lengths[slot]
+
+    def claimed(self) -> list[int]:
+        """The slots taken, ascending."""
+        return [slot for slot, taken in enumerate(self._claimed) if taken]
+
+    def _check_claimed(self, slot: int) -> None:
+        if not 0 <= slot < self.slots or not self._claimed[slot]:
+            raise ValueError(f"slot {slot} is not claimed (the cache has {self.slots} slots)")
+
+    def begin(self, slots: Sequence[int], counts: Sequence[int]) -> SlotStep:
+        """Opens a step that adds counts[i] tokens to slots[i]: checks it (distinct claimed
+        slots, at least one token each, nothing past max_len) before anything is written, and
+        builds its positions, mask and indices. Ends with commit (the forward went through)
+        or abort."""
+        if self._step is not None:
+            raise RuntimeError("a step is already open on this slot cache")
+        if not slots or len(slots) != len(counts):
+            raise ValueError("a step needs one token count per slot, and at least one slot")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot appears twice in one step: {list(slots)}")
+        for slot, count in zip(slots, counts, strict=True):
+            self._check_claimed(slot)
+            if count < 1:
+                raise ValueError(f"slot {slot}: a row feeds at least one token (got {count})")
+            if self._lengths[slot] + count > self.max_len:
+                raise ValueError(
+                    f"slot {slot} holds {self._lengths[slot]} tokens: {count} more would pass "
+                    f"max_len {self.max_len}"
+                )
+        starts = [self._lengths[slot] for slot in slots]
+        rows, longest = len(slots), max(counts)
+        width = max(s + c for s, c in zip(starts, counts, strict=True))
+        # Small index tensors are built on the host (no device sync), then moved.
+        counts_h = torch.tensor(counts)
+        starts_h = torch.tensor(starts)
+        slots_h = torch.tensor(slots)
+        row_of = torch.repeat_interleave(torch.arange(rows), counts_h)
+        first = torch.cumsum(counts_h, 0) - counts_h
+        token_of = torch.arange(int(sum(counts))) - first[row_of]
+        dev = self.device
+        start_d = starts_h.to(dev)
+        count_d = counts_h.to(dev)
+        query = torch.arange(longest, device=dev)
+        positions = start_d[:, None] + query[None, :]
+        # A query sees keys up to its own position; a padding query sees what its row's last
+        # real token sees, so that no query row is fully masked (that gives NaN).
+        limit = start_d[:, None] + torch.minimum(query[None, :], count_d[:, None] - 1) + 1
+        visible = torch.arange(width, device=dev)[None, None, :] < limit[:, :, None]
+        mask = torch.zeros((rows, 1, longest, width), device=dev, dtype=self.dtype)
+        mask.masked_fill_(~visible[:, None], torch.finfo(self.dtype).min)
+        consecutive = list(slots) == list(range(slots[0], slots[0] + rows))
+        step = SlotStep(
+            slots=tuple(slots),
+            counts=tuple(counts),
+            starts=tuple(starts),
+            positions=positions,
+            mask=mask,
+            last=count_d - 1,
+            width=width,
+            write_rows=row_of.to(dev),
+            write_tokens=token_of.to(dev),
+            write_slots=slots_h[row_of].to(dev),
+            write_positions=(starts_h[row_of] + token_of).to(dev),
+            read=slice(slots[0], slots[0] + rows) if consecutive else slots_h.to(dev),
+        )
+        self._step = step
+        return step
+
+    def commit(self) -> None:
+        """Closes the open step: each of its slots now holds its new tokens."""
+        step = self._open_step()
+        for slot, count in zip(step.slots, step.counts, strict=True):
+            self._lengths[slot] += count
+        self._step = None
+
+    def abort(self) -> None:
+        """Closes the open step without counting its tokens (the forward failed); what it
+        may have written past the slots' lengths is masked out and overwritten later."""
+        self._step = None
+
+    def _open_step(self) -> SlotStep:
+        if self._step is None:
+            raise RuntimeError("no step is open on this slot cache: feed rows through slots.feed")
+        return self._step
+
+    # The transformers Cache interface, as the Qwen3 forward uses it.
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the step's new keys and values ([rows, kv heads, new tokens, head dim], right-
+        padded) of layer `layer_idx` into the slots at their lengths, padding left out, and
+        returns every row's keys and values so far, [rows, kv heads, width, head dim]."""
+        step = self._open_step()
+        out = []
+        for store, new in (
+            (self.key_slots[layer_idx], key_states),
+            (self.value_slots[layer_idx], value_states),
+        ):
+            store[step.write_slots, :, step.write_positions] = new[
+                step.write_rows, :, step.write_tokens
+            ]
+            seen = store[:, :, : step.width]
+            out.append(
+                seen[step.read] if isinstance(step.read, slice) else seen.index_select(0, step.read)
+            )
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        """The longest past among the step's rows (among the claimed slots between steps).
+        The forward asks it only to make default positions and a default mask, and feed
+        passes both."""
+        if self._step is not None:
+            return max(self._step.starts)
+        return max((self._lengths[s] for s in self.claimed()), default=0)
+
+    def get_max_cache_shape(self) -> int | None:
+        """Tokens one slot can hold."""
+        return self.max_len
+
+
+@dataclass(frozen=True)
+class FeedResult:
+    """What a feed gives back per row, in the order of the rows given."""
+
+    #: [rows, vocab]: the logits of each row's last real token.
+    logits: torch.Tensor
+    #: Per row [its new tokens, hidden]: the final layer's hidden states (after the final
+    #: norm), what the TTS is conditioned on.
+    hidden: list[torch.Tensor]
+
+
+def feed(llm: Any, cache: SlotCache, rows: Sequence[tuple[int, torch.Tensor]]) -> FeedResult:
+    """Feeds each row's embeddings ([tokens, hidden], at least one token, lengths may differ)
+    to the LLM after its slot's past, all rows in one forward, and adds them to the slots.
+
+    `llm` is the causal LM (Qwen3ForCausalLM): its decoder (`llm.model`) runs the padded batch
+    and its head (`llm.lm_head`) only the last real position of each row, which is what a
+    single-row feed reads too, at a fraction of the full head's cost. The slots' lengths move
+    only when the forward went through.
+    """
+    if not rows:
+        raise ValueError("feed needs at least one row")
+    for slot, embeds in rows:
+        if embeds.dim() != 2 or embeds.shape[0] < 1:
+            raise ValueError(
+                f"slot {slot}: embeddings are [tokens >= 1, hidden], got {tuple(embeds.shape)}"
+            )
+    step = cache.begin([slot for slot, _ in rows], [embeds.shape[0] for _, embeds in rows])
+    try:
+        with torch.no_grad():
+            batch = pad_sequence([embeds for _, embeds in rows], batch_first=True)
+            out = llm.model(
+                inputs_embeds=batch,
+                position_ids=step.positions,
+                attention_mask=step.mask,
+                past_key_values=cache,
+                use_cache=True,
+                return_dict=True,
+            )
+            hidden = out.last_hidden_state
+            last = hidden[torch.arange(len(rows), device=hidden.device), step.last]
+            logits = llm.lm_head(last)
+    except BaseException:
+        cache.abort()
+        raise
+    cache.commit()
+    return FeedResult(
+        logits=logits, hidden=[hidden[row, :count] for row, count in enumerate(step.counts)]
+    )
