@@ -19,6 +19,7 @@ costs a batched engine is what it adds to the step, not a whole unit's compute.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor, Future
@@ -34,6 +35,8 @@ from omnifabric.worker.engine import (
     UnitRunner,
 )
 from omnifabric.worker.units import UnitInput
+
+log = logging.getLogger("omnifabric.worker.batcher")
 
 #: How long the oldest waiting unit waits for batch-mates, unless configured (seconds).
 WINDOW_S = 0.010
@@ -108,19 +111,28 @@ class StepBatcher(UnitRunner):
         return future
 
     async def _drive(self) -> None:
-        """Feed the engine while anything waits; ends when nothing does."""
-        while self._units or self._finalizes:
-            if self._finalizes:
-                finalizes, self._finalizes = _live(self._finalizes), []
-                if finalizes:
-                    await self._finalize_all(finalizes)
-                continue
-            await self._gather()
-            if self._finalizes:
-                continue  # first: the sessions they fence may join this step
-            units, self._units = _live(self._units), []
-            if units:
-                await self._step(units)
+        """Feed the engine while anything waits; ends when nothing does. A failure of the
+        driver itself fails everyone waiting (none waits forever)."""
+        current: list[_Waiting] = []
+        try:
+            while self._units or self._finalizes:
+                if self._finalizes:
+                    current, self._finalizes = _live(self._finalizes), []
+                    if current:
+                        await self._finalize_all(current)
+                    continue
+                await self._gather()
+                if self._finalizes:
+                    continue  # first: the sessions they fence may join this step
+                current, self._units = _live(self._units), []
+                if current:
+                    await self._step(current)
+        except Exception as exc:
+            log.exception("batched steps: the driver failed")
+            waiting = [*current, *self._units, *self._finalizes]
+            self._units, self._finalizes = [], []
+            failure = exc
+            _fail(waiting, lambda _: failure)
 
     async def _gather(self) -> None:
         """Wait for batch-mates: until every open session has a unit waiting, a finalize

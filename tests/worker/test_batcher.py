@@ -214,3 +214,24 @@ async def test_each_unit_is_charged_its_share_of_its_step():
     assert all(0.030 <= c <= 0.060 for c in charged), charged
     stepper = engine.stepper()
     assert stepper is not None and stepper.added_cost(0.0325) == pytest.approx(0.01)
+
+
+async def test_a_failure_of_the_driver_fails_the_waiting_sessions():
+    """Not the engine's failure but the batcher's own (here: the count of open sessions
+    raises): every session waiting ends with an error instead of waiting forever."""
+    engine = SyntheticEngine(compute_ms=0, batch_share=0.1, force_listen_count=0)
+    stepper = engine.stepper()
+    assert stepper is not None
+
+    def broken() -> int:
+        raise RuntimeError("open sessions unknown")
+
+    batcher = StepBatcher(stepper, ThreadPoolExecutor(1), None, broken)
+    executor = ThreadPoolExecutor(1)
+    session = DuplexSession(spec(0), engine, executor, SessionLimits(60, 8192), runner=batcher)
+    await session.open()
+    run = asyncio.ensure_future(session.run())
+    session.submit(UnitInput(seq=1, pcm=SILENCE))
+    end = await asyncio.wait_for(run, scaled(5))
+    assert end.reason == CloseReason.ERROR and end.error_code == "inference_error"
+    executor.shutdown()
