@@ -47,3 +47,17 @@ def tiny_dirs(tmp_path_factory) -> dict[Path, Path]:
         minicpmo_tiny.build(code, out, SDK)
         built[code] = out
     return built
+
+
+@pytest.fixture(scope="module", params=[layout for layout, _ in LAYOUTS] or ["none"])
+def engine(request, tiny_dirs):
+    """The minicpmo engine on the tiny checkpoint, once per layout the code offers (CPU, 2
+    slots), loaded as a worker loads it."""
+    from omnifabric.worker.engines.minicpmo import MiniCPMOEngine
+
+    layout = request.param
+    code = dict(LAYOUTS)[layout]
+    eng = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", slots=2, api=layout)
+    eng.load()
+    assert eng.layout == layout
+    return eng

@@ -43,16 +43,6 @@ def jpeg(width: int, height: int, seed: int = 0) -> bytes:
     return out.getvalue()
 
 
-@pytest.fixture(scope="module", params=[layout for layout, _ in LAYOUTS] or ["none"])
-def engine(request, tiny_dirs):
-    layout = request.param
-    code = dict(LAYOUTS)[layout]
-    eng = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", slots=2, api=layout)
-    eng.load()
-    assert eng.layout == layout
-    return eng
-
-
 def run_units(engine, settings, inputs, force=()):
     """Open a session, feed (pcm, frames) per unit on the engine directly; returns the
     results and the session (closed)."""

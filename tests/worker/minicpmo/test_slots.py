@@ -27,7 +27,7 @@ from omnifabric.worker.engines.minicpmo.slots import (
     SlotStep,
     feed,
 )
-from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
+from tests.worker.minicpmo.conftest import needs_code
 
 TOLERANCE = 1e-4
 ATTENTION = ["sdpa", "eager"]
@@ -268,14 +268,8 @@ def test_shapes_and_size(llm):
 # Opt-in: the LLM of the tiny MiniCPM-o checkpoint, through the engine as it loads it.
 
 
-@pytest.fixture(scope="module", params=[layout for layout, _ in LAYOUTS] or ["none"])
-def real_llm(request, tiny_dirs):
-    from omnifabric.worker.engines.minicpmo import MiniCPMOEngine
-
-    layout = request.param
-    code = dict(LAYOUTS)[layout]
-    engine = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", slots=2, api=layout)
-    engine.load()
+@pytest.fixture
+def real_llm(engine):
     return engine.model.llm
 
 
