@@ -71,6 +71,9 @@ class DuplexSettings:
     half_duplex: bool | None = None
     max_slice_nums: int = 1
     """Video mode: image slices per frame (within the engine's EngineLimits)."""
+    seed: int | None = None
+    """Seed of the session's sampling (engines that draw per session: the same seed gives
+    the same tokens whatever the batch-mates); None: random."""
 
     def vad_note(self) -> tuple[str, ...]:
         """The note of an engine that decides the user's turn without voice activity, when
@@ -200,6 +203,13 @@ class EngineSession(abc.ABC):
     def close(self) -> None:
         """Free every per-session resource (KV cache, TTS caches). Idempotent."""
 
+    @property
+    def replying(self) -> bool:
+        """The session is inside a reply after its last unit's finalize. A reply that a
+        listening unit's finalize started (its result had gone out already) makes that unit
+        count as a speaking one for the real-time headroom (worker.headroom)."""
+        return False
+
 
 @dataclass(slots=True)
 class UnitRun:
@@ -313,6 +323,10 @@ class Engine(abc.ABC):
     warm-up's measure (worker.runtime), not default_slots."""
     concurrency: int = 1
     """Threads that may call the engine at once (GPU engines: 1)."""
+    parallel_units: int | None = None
+    """Units the engine computes at once at full speed, when it measured that at warm-up
+    (threads that share a few cores each slow the other down): the real-time headroom's
+    engine threads. None: `concurrency`."""
     modes: frozenset[str] = frozenset({"audio"})
     """Modes served: "audio", "video"."""
     limits: EngineLimits = EngineLimits()

@@ -108,7 +108,8 @@ class WorkerRuntime:
         by one (time-sliced)."""
         self.engine_threads = 1 if self.batcher is not None else max(1, engine.concurrency)
         """Units the engine computes at once: one step at a time when batched, else one per
-        engine thread (the real-time headroom's engine seconds per second)."""
+        engine thread, or as many as the engine measured at warm-up to run at full speed
+        together (the real-time headroom's engine seconds per second)."""
         if self.batcher is not None:
             log.info(
                 "batched steps: one engine call serves a unit of every session that has one "
@@ -145,6 +146,8 @@ class WorkerRuntime:
         """The engine's cost estimates from its warm-up; an engine that sizes its slots by
         them gets as many as keep real time (unless --slots says otherwise)."""
         engine = self.engine
+        if self.batcher is None and engine.parallel_units is not None:
+            self.engine_threads = max(1, min(engine.concurrency, engine.parallel_units))
         estimates = {mode: engine.cost_estimate(mode, warmup_s) for mode in engine.modes}
         added_cost = engine.added_cost if self.stepper is None else self.stepper.added_cost
         self.headroom = Headroom(

@@ -47,7 +47,7 @@ log = logging.getLogger("omnifabric.worker.session")
 
 #: What a served unit tells the worker's headroom (worker.headroom.Headroom.unit): the
 #: session, seconds of input, engine seconds (prefill, generate and its finalize), wall
-#: seconds (arrival to result), and whether it spoke.
+#: seconds (arrival to result), and whether it spoke (or its finalize started a reply).
 UnitServed = Callable[["DuplexSession", float, float, float, bool], None]
 
 
@@ -347,7 +347,10 @@ class DuplexSession:
             trace_unit(self.spec, unit, f0, time.perf_counter())
             if spent_s is not None and self.on_unit is not None:
                 engine_s = unit.engine_s + spent_s
-                speaking = not unit.output.result.is_listen
+                engine_session = self.engine_session
+                speaking = not unit.output.result.is_listen or (
+                    engine_session is not None and engine_session.replying
+                )
                 wall_s = unit.output.timings.wall_clock_ms / 1000.0
                 self.on_unit(self, unit.length_s, engine_s, wall_s, speaking)
 

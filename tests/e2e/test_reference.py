@@ -199,21 +199,13 @@ async def test_half_duplex_call_answers_the_spoken_question(stack):
     assert turn["turn_index"] == 1 and "paris" in turn["text"].lower(), turn
 
 
-@pytest.mark.long
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 37, open: two reference sessions admitted together on a 2-core host can "
-    "drop a unit or take over 1 s (their measured cost reads low once the reply's start "
-    "moved into a listening unit's finalize)",
-)
 async def test_callers_beyond_real_time_wait_and_every_one_is_answered(stack):
     """Issue 37 on the reference engine: three callers ask at once, each speaking in real
     time, to a worker of 2 slots. How many it admits at once depends on what its sessions
     cost lately and whether it had late units within its window (none, one or two here,
     after the module's earlier tests), never more than its slots: the others wait with a
     position and an ETA, then are served, and every caller is answered with no unit dropped.
-    The admitted keep unit p95 under the unit length: not yet when two reference sessions
-    are admitted together (issue 37's open item), hence opt-in and expected to fail."""
+    The admitted keep unit p95 under the unit length."""
     import asyncio
 
     from omnifabric.tools.client import percentile, run_session

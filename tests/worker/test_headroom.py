@@ -91,3 +91,22 @@ def test_a_slow_spell_leaves_the_costs_with_the_window():
         clock.now += 1.0
         room.unit("audio", "L1", 1.0, 0.3, 0.4)
     assert room.session_cost("audio") == pytest.approx(0.3)
+
+
+def test_the_headroom_counts_the_engine_threads_that_run_at_full_speed():
+    """An engine whose threads slow each other down (the reference engine on a host of few
+    cores measures it at warm-up) gives the headroom the threads it measured, not all."""
+    from omnifabric.worker.config import WorkerConfig
+    from omnifabric.worker.engines.synthetic import SyntheticEngine
+    from omnifabric.worker.runtime import WorkerRuntime
+
+    engine = SyntheticEngine(compute_ms=0, slots=4)
+    engine.parallel_units = 1
+    runtime = WorkerRuntime(WorkerConfig(engine="synthetic", batching="off"), engine)
+    try:
+        assert runtime.engine_threads == 4  # before warm-up: one per engine thread
+        runtime._measure_headroom(0.5)
+        assert runtime.engine_threads == 1
+        assert runtime.headroom is not None and runtime.headroom.figures().engine_threads == 1
+    finally:
+        runtime.executor.shutdown()

@@ -250,3 +250,49 @@ async def test_session_context_cap():
     events = await run_session(SessionLimits(60, 26), units=[1, 2, 3])
     assert [type(e).__name__ for e in events] == ["UnitOutput", "SessionEnd"]
     assert events[-1].reason == CloseReason.CONTEXT_FULL
+
+
+class ReplyInFinalize(SyntheticEngine):
+    """Every unit listens; the second one's finalize starts a reply (as the reference
+    engine's does when the user's turn ended too late in a unit to answer within it)."""
+
+    def open_session(self, session_id, mode):
+        session = super().open_session(session_id, mode)
+        finalized = []
+
+        class Session(type(session)):
+            def finalize(self):
+                super().finalize()
+                finalized.append(True)
+
+            @property
+            def replying(self):
+                return len(finalized) == 2
+
+        session.__class__ = Session
+        return session
+
+
+async def test_a_unit_whose_finalize_starts_a_reply_counts_as_speaking():
+    """The headroom's speaking units are the dear ones: a listening unit whose finalize
+    started the reply is one of them."""
+    executor = ThreadPoolExecutor(2)
+    served = []
+    session = DuplexSession(
+        SessionSpec(session_id="s", lease_id="l", mode="audio"),
+        ReplyInFinalize(compute_ms=0),
+        executor,
+        SessionLimits(60, 8192),
+        on_unit=lambda s, length, engine, wall, speaking: served.append(speaking),
+    )
+    await session.open()
+    serving = asyncio.ensure_future(session.run())
+    for seq in (1, 2, 3):
+        session.submit(UnitInput(seq=seq, pcm=SILENCE))
+        async for event in session.journal.events():
+            if event.seq == seq:
+                break
+    session.close(CloseReason.USER_STOP)
+    await asyncio.wait_for(serving, scaled(2))
+    executor.shutdown()
+    assert served == [False, True, False]

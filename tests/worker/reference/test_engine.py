@@ -321,3 +321,38 @@ def test_session_turn_taking_settings_reach_the_session(engine):
         assert session.notes == ()
     finally:
         session.close()
+
+
+class _Work:
+    """Stand-ins for the reply and the recognizers: `seconds` of sleep each, one at a time
+    when `serial` (threads that slow each other down), else side by side."""
+
+    def __init__(self, seconds: float, serial: bool) -> None:
+        import threading
+
+        self.seconds = seconds
+        self.lock = threading.Lock() if serial else contextlib.nullcontext()
+
+    def _do(self) -> None:
+        import time
+
+        with self.lock:
+            time.sleep(self.seconds)
+
+    def chat(self, turn):
+        self._do()
+        yield from ()
+
+    def hear(self, audio):
+        self._do()
+
+
+@pytest.mark.parametrize(("serial", "counted"), [(True, 1), (False, 2)])
+def test_the_engine_threads_counted_are_those_that_run_at_full_speed_together(serial, counted):
+    """Warm-up runs two replies at once against one alone: threads that share the cores
+    (here: take turns) count as one; threads that do not slow each other count whole."""
+    e = ReferenceEngine(slots=2, threads=2)
+    work = _Work(0.4, serial)
+    e.chat = work.chat  # type: ignore[method-assign]
+    e._asr = work  # type: ignore[assignment]
+    assert e._measure_parallel(None, np.zeros(16000, np.float32), alone_s=0.8) == counted

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -482,6 +484,10 @@ class ReferenceSession(EngineSession):
         self.warm_due = False
         self.finalize_costs = costs
 
+    @property
+    def replying(self) -> bool:
+        return self.speaking
+
     def stop(self) -> None:
         if self.speaking and self.conversation is not None:
             self._end_reply()
@@ -785,13 +791,16 @@ class ReferenceEngine(Engine):
                 first = first or time.perf_counter() - started
         if speech:
             spoken = np.concatenate(speech)
-            self.reply_cost = (time.perf_counter() - started) / (spoken.size / OUTPUT_RATE)
+            replied_s = time.perf_counter() - started
+            self.reply_cost = replied_s / (spoken.size / OUTPUT_RATE)
             self.learn_reply_start(first or 0.0)
             # What a turn's end costs to hear: the recognizers on the reply's own speech.
             heard = resample_poly(spoken, INPUT_RATE // 8000, OUTPUT_RATE // 8000)
+            heard = heard.astype(np.float32)
             t0 = time.perf_counter()
-            self.asr.hear(heard.astype(np.float32))
-            self.learn_hearing(time.perf_counter() - t0, heard.size / INPUT_RATE)
+            self.asr.hear(heard)
+            heard_s = time.perf_counter() - t0
+            self.learn_hearing(heard_s, heard.size / INPUT_RATE)
             log.info(
                 "reference engine: a turn's end costs %.2f s per s of speech to hear and "
                 "%.2f s to start the reply (warm-up); a unit does it when it fits in %.0f%% "
@@ -800,7 +809,44 @@ class ReferenceEngine(Engine):
                 self.reply_start_s or 0.0,
                 self.rules.inline_share * 100,
             )
+            self.parallel_units = self._measure_parallel(turn, heard, replied_s + heard_s)
         return result
+
+    #: What each engine thread beyond the first must add, in work of one thread alone, to
+    #: count for the headroom (two threads count when together they do 1.8 times one's work).
+    PARALLEL_GAIN = 0.8
+
+    def _measure_parallel(self, turn: ChatTurn, heard: np.ndarray, alone_s: float) -> int:
+        """Units the engine computes at once at full speed: `concurrency` copies of the
+        warm-up's reply and hearing, run together, against one alone (`alone_s`). Each part
+        runs several threads of its own (llama.cpp, the recognizers), so on a host of few
+        cores two engine threads may give little more than one."""
+        threads = self.concurrency
+        if threads <= 1 or alone_s <= 0:
+            return 1
+
+        def one() -> None:
+            for _ in self.chat(turn):
+                pass
+            self.asr.hear(heard)
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(threads, thread_name_prefix="warmup") as pool:
+            for done in [pool.submit(one) for _ in range(threads)]:
+                done.result()
+        together_s = time.perf_counter() - started
+        gain = threads * alone_s / together_s
+        units = max(1, min(threads, 1 + math.floor((gain - 1) / self.PARALLEL_GAIN + 1e-9)))
+        log.info(
+            "reference engine: %d replies at once took %.2f s against %.2f s for one: %.2f "
+            "times the work of one engine thread, so the real-time headroom counts %d",
+            threads,
+            together_s,
+            alone_s,
+            gain,
+            units,
+        )
+        return units
 
     def cost_estimate(self, mode: str, warmup_s: float) -> float:
         """A duplex session's: its spoken reply's compute per second of speech, measured at
