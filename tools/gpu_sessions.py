@@ -3,6 +3,9 @@ memory left after each session (for a lent GPU machine; runs on CPU too, for tes
 
     python -m omnifabric.tools.gpu_sessions --engine reference --device cuda:0 --sessions 5 \\
         --json out.json
+
+With --batched 1,2,4,8: N sessions at once instead, batched steps against time-sliced units
+in the same run (tools.batched).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from omnifabric.tools import batched
 from omnifabric.tools.client import percentile
 from omnifabric.tools.probe import read_wav_16k, split_units
 from omnifabric.worker.config import WorkerConfig
@@ -33,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m omnifabric.tools.gpu_sessions", description=__doc__
     )
-    parser.add_argument("--engine", default="reference", choices=("reference", "minicpmo"))
+    parser.add_argument(
+        "--engine",
+        default="reference",
+        choices=("reference", "minicpmo", "synthetic"),
+        help="synthetic: only to try the tool (its compute is a sleep)",
+    )
     parser.add_argument("--device", default="cuda:0", help="cpu, cuda or cuda:N (cuda:0)")
     parser.add_argument("--sessions", type=int, default=3, help="sessions, one after another")
     parser.add_argument(
@@ -54,6 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="untimed fixture sessions after engine.warmup(), before the memory baseline",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument(
+        "--batched",
+        default=None,
+        help="session counts, e.g. 1,2,4,8: N sessions at once, batched steps against "
+        "time-sliced units (the engine's slots are set to the largest)",
+    )
+    parser.add_argument(
+        "--units", type=int, default=None, help="units per session with --batched (the fixture's)"
+    )
+    parser.add_argument(
+        "--modes",
+        default=f"{batched.BATCHED},{batched.SLICED}",
+        help="with --batched: which to run (batched, time-sliced or both)",
+    )
+    parser.add_argument(
+        "--batch-share",
+        type=float,
+        default=None,
+        help="synthetic engine: what a batched step's extra row costs (a share of a unit)",
+    )
     return parser
 
 
@@ -120,6 +149,10 @@ def make_config(args: argparse.Namespace) -> tuple[WorkerConfig, list[str]]:
         "compile": True if args.compile else None,
     }
     overrides: dict[str, Any] = {"engine": args.engine}
+    if args.batched:
+        overrides["slots"] = max(batched.parse_counts(args.batched))
+    if args.batch_share is not None:
+        overrides["synthetic_batch_share"] = args.batch_share
     missing = []
     for name, value in wanted.items():
         if value is None:
@@ -234,6 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.sessions < 1:
         print("--sessions must be >= 1", file=sys.stderr)
         return 2
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    try:
+        counts = batched.parse_counts(args.batched) if args.batched else []
+        if not modes or set(modes) - {batched.BATCHED, batched.SLICED}:
+            raise ValueError(f"--modes takes {batched.BATCHED} and/or {batched.SLICED}")
+        if args.units is not None and args.units < 1:
+            raise ValueError("--units must be >= 1")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     fixture = resolve_fixture(args.fixture)
     units = split_units(read_wav_16k(fixture), args.tail_s)
     try:
@@ -258,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         run_session(engine, units, -1 - i, meter)
     warmup_s = time.perf_counter() - t1
     _, baseline = meter.cleanup()
+    if counts:
+        return _batched(args, engine, meter, units, counts, modes)
     sessions = [run_session(engine, units, i, meter) for i in range(1, args.sessions + 1)]
     add_deltas(sessions, baseline)
 
@@ -305,6 +350,58 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"report written to {args.json}")
     return 1 if report["leak_checked"] and not report["leak_ok"] else 0
+
+
+def _batched(
+    args: argparse.Namespace,
+    engine: Engine,
+    meter: Meter,
+    units: list[np.ndarray],
+    counts: list[int],
+    modes: list[str],
+) -> int:
+    """--batched: every N in each mode, the table, the ratios, the JSON."""
+    stepper = engine.stepper() if batched.BATCHED in modes else None
+    if batched.BATCHED in modes and stepper is None:
+        print(f"error: the {args.engine} engine offers no batched step here", file=sys.stderr)
+        return 2
+    count = args.units or len(units)
+    unit_s = int(getattr(engine, "unit_samples", 16000)) / 16000
+    rows = []
+    for n in counts:
+        for mode in modes:
+            meter.reset_peak()
+            row = batched.run(engine, stepper, mode, n, units, count, unit_s, meter.sync)
+            row["peak_bytes"] = meter.peak()
+            meter.cleanup()
+            rows.append(row)
+            print(
+                f"N={n} {mode}: {row['units_per_s']:.2f} units/s, unit p95"
+                f" {row['unit_ms']['p95']:.0f} ms",
+                flush=True,
+            )
+    if meter.kind == "cpu":
+        print("NOTE: ran on CPU (--device cpu): CPU timings, memory is process RSS, not GPU")
+    print(
+        f"engine {args.engine} on {args.device} ({_device_name(meter)}): {count} units per "
+        f"session, all sessions' units arriving together"
+    )
+    print(batched.table(rows))
+    for line in batched.summary(rows):
+        print(line)
+    if args.json is not None:
+        report = {
+            "engine": args.engine,
+            "device": args.device,
+            "device_name": _device_name(meter),
+            "units_per_session": count,
+            "runs": rows,
+            "summary": batched.summary(rows),
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report written to {args.json}")
+    return 0
 
 
 def _device_name(meter: Meter) -> str:

@@ -53,3 +53,29 @@ def test_cuda_without_cuda_fails_clearly(capsys):
     assert gpu_sessions.main(["--device", "cuda", "--sessions", "1"]) == 2
     err = capsys.readouterr().err
     assert "torch.cuda.is_available() is False" in err
+
+
+def test_batched_mode_compares_steps_with_time_slicing(tmp_path: Path, capsys):
+    """--batched on the synthetic engine (a step of N costs 1 + 0.1 x (N - 1) units'
+    compute): per N both modes, the same replies per session, the ratio and the verdicts."""
+    out = tmp_path / "batched.json"
+    argv = ["--engine", "synthetic", "--device", "cpu", "--batched", "1,4", "--units", "3"]
+    assert gpu_sessions.main([*argv, "--batch-share", "0.1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "batched/time-sliced units per second" in printed and "largest N" in printed
+    report = json.loads(out.read_text())
+    runs = {(r["sessions"], r["mode"]): r for r in report["runs"]}
+    assert set(runs) == {(n, m) for n in (1, 4) for m in ("batched", "time-sliced")}
+    for n in (1, 4):
+        batched, sliced = runs[(n, "batched")], runs[(n, "time-sliced")]
+        assert batched["texts"] == sliced["texts"] and len(batched["texts"]) == n
+        assert batched["units"] == sliced["units"] == 3 * n
+        assert set(batched["phases_ms_per_step"]) >= {"prefill", "generate"}
+    # Four rows in one step cost 1.3 units' compute against 4 one by one.
+    ratio = runs[(4, "batched")]["units_per_s"] / runs[(4, "time-sliced")]["units_per_s"]
+    assert ratio > 1.5, ratio
+
+
+def test_batched_mode_refuses_bad_counts(capsys):
+    assert gpu_sessions.main(["--engine", "synthetic", "--device", "cpu", "--batched", "0,2"]) == 2
+    assert "positive session counts" in capsys.readouterr().err

@@ -1,0 +1,194 @@
+"""gpu_sessions' batched mode: N sessions at once on one engine, each unit of all of them in
+one batched step (the engine's Stepper), against the same N served one by one
+(time-sliced), in the same run.
+
+Every session gets the fixture's units (each session starting at another offset, so the
+rows differ); all N units of a round arrive together, as when N callers speak at once. A
+unit's latency is from the round's start to its result: in a batched step, the step's end
+(every row's result leaves together); time-sliced, the end of its own generate, after the
+units of the sessions before it in the round. A round's deferred finalizes run after the
+results (batched: one finalize call for all); the next round starts when they are done,
+so a round's cycle (step and finalize) against the unit length says whether N sessions
+keep real time. Per N: the step's phases (the engine's own, summed over the step), units
+per second over the whole run, unit latency p50/p95, deadline misses (units later than one
+unit length), LLM forwards per step where the engine counts them, peak memory.
+
+    python -m omnifabric.tools.gpu_sessions --engine minicpmo --model-dir DIR \\
+        --device cuda:0 --batched 1,2,4,8,16 --units 12
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from omnifabric.tools.client import percentile
+from omnifabric.worker.engine import DuplexSettings, Engine, EngineSession, Stepper, StepRow
+
+#: The modes compared: one batched step per round, or the units one by one.
+BATCHED = "batched"
+SLICED = "time-sliced"
+
+
+def parse_counts(text: str) -> list[int]:
+    """ "1,2,4" -> [1, 2, 4]; ValueError for anything but positive integers."""
+    counts = [int(part) for part in text.split(",") if part.strip()]
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--batched takes positive session counts, e.g. 1,2,4,8: {text!r}")
+    return counts
+
+
+def _open(engine: Engine, n: int, tag: str, settings: DuplexSettings) -> list[EngineSession]:
+    sessions = []
+    try:
+        for i in range(n):
+            session = engine.open_session(f"batched-{tag}-{n}-{i}", "audio")
+            sessions.append(session)
+            session.prepare("", None, None, settings)
+    except Exception:
+        _close(sessions)
+        raise
+    return sessions
+
+
+def _close(sessions: Sequence[EngineSession]) -> None:
+    for session in sessions:
+        try:
+            session.stop()
+        finally:
+            session.close()
+
+
+def _units(units: list[np.ndarray], count: int, offset: int) -> list[np.ndarray]:
+    return [units[(offset + k) % len(units)] for k in range(count)]
+
+
+def run(
+    engine: Engine,
+    stepper: Stepper | None,
+    mode: str,
+    n: int,
+    units: list[np.ndarray],
+    count: int,
+    unit_s: float,
+    sync: Callable[[], None],
+    settings: DuplexSettings | None = None,
+) -> dict[str, Any]:
+    """`n` sessions, `count` units each, in `mode`; the figures of the run."""
+    if mode == BATCHED and stepper is None:
+        raise ValueError(f"the {engine.name} engine has no batched step")
+    settings = settings or DuplexSettings(temperature=0)
+    sessions = _open(engine, n, mode, settings)
+    latencies: list[float] = []
+    cycles: list[float] = []
+    phases: dict[str, float] = {}
+    forwards: list[int] = []
+    texts = [""] * n
+    speaking = 0
+    try:
+        feeds = [_units(units, count, 3 * i) for i in range(n)]
+        sync()
+        started = time.perf_counter()
+        for k in range(count):
+            t0 = time.perf_counter()
+            if mode == BATCHED:
+                assert stepper is not None
+                rows = [StepRow(s, feeds[i][k], [], 1, False) for i, s in enumerate(sessions)]
+                outcome = stepper.step(rows)
+                sync()
+                done = time.perf_counter() - t0
+                results = []
+                for row in outcome.rows:
+                    if isinstance(row, Exception):
+                        raise row
+                    results.append(row[1])
+                latencies += [done] * n
+                for phase, ms in outcome.phases_ms.items():
+                    phases[phase] = phases.get(phase, 0.0) + ms
+                if "forwards" in outcome.phases_ms:
+                    forwards.append(int(outcome.phases_ms["forwards"]))
+                failed = [e for e in stepper.finalize(sessions) if e is not None]
+                if failed:
+                    raise failed[0]
+            else:
+                results = []
+                for i, session in enumerate(sessions):
+                    session.prefill(feeds[i][k], [], 1)
+                    results.append(session.generate(False))
+                    sync()
+                    latencies.append(time.perf_counter() - t0)
+                for session in sessions:
+                    session.finalize()
+            sync()
+            cycles.append(time.perf_counter() - t0)
+            for i, result in enumerate(results):
+                texts[i] += result.text
+                speaking += not result.is_listen
+        wall = time.perf_counter() - started
+    finally:
+        _close(sessions)
+    return {
+        "mode": mode,
+        "sessions": n,
+        "units": n * count,
+        "speaking_units": speaking,
+        "wall_s": wall,
+        "units_per_s": n * count / wall if wall > 0 else float("nan"),
+        "unit_ms": {
+            "p50": percentile([x * 1000 for x in latencies], 50),
+            "p95": percentile([x * 1000 for x in latencies], 95),
+        },
+        "cycle_ms": {
+            "mean": float(np.mean(cycles)) * 1000,
+            "p95": percentile([x * 1000 for x in cycles], 95),
+        },
+        "deadline_misses": sum(x > unit_s for x in latencies),
+        "real_time": percentile(latencies, 95) < unit_s and float(np.mean(cycles)) < unit_s,
+        "phases_ms_per_step": {p: ms / count for p, ms in sorted(phases.items())},
+        "forwards_per_step": float(np.mean(forwards)) if forwards else None,
+        "texts": texts,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The runs as a fixed-width table, batched beside time-sliced for each N."""
+    head = (
+        f"{'N':>3} {'mode':<11} {'units/s':>8} {'p50 ms':>8} {'p95 ms':>8} {'cycle':>8}"
+        f" {'late':>5} {'rt':>3} {'peak MiB':>9}  phases ms per step"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        peak = r.get("peak_bytes")
+        phases = " ".join(
+            f"{p} {ms:.0f}" for p, ms in r["phases_ms_per_step"].items() if p != "forwards"
+        )
+        lines.append(
+            f"{r['sessions']:>3} {r['mode']:<11} {r['units_per_s']:8.2f}"
+            f" {r['unit_ms']['p50']:8.0f} {r['unit_ms']['p95']:8.0f}"
+            f" {r['cycle_ms']['mean']:8.0f} {r['deadline_misses']:>5}"
+            f" {'yes' if r['real_time'] else 'no':>3}"
+            f" {'-' if peak is None else f'{peak / 2**20:9.0f}':>9}  {phases}"
+        )
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per N, batched units/s over time-sliced; the largest N each mode holds in real time."""
+    lines = []
+    by_n: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_n.setdefault(r["sessions"], {})[r["mode"]] = r
+    for n, modes in sorted(by_n.items()):
+        if BATCHED in modes and SLICED in modes:
+            ratio = modes[BATCHED]["units_per_s"] / modes[SLICED]["units_per_s"]
+            lines.append(f"N={n}: batched/time-sliced units per second = {ratio:.2f}")
+    for mode in (BATCHED, SLICED):
+        held = [r["sessions"] for r in rows if r["mode"] == mode and r["real_time"]]
+        ran = [r["sessions"] for r in rows if r["mode"] == mode]
+        if ran:
+            best = max(held) if held else 0
+            lines.append(f"{mode}: the largest N that holds real time (unit p95 < 1 s): {best}")
+    return lines
