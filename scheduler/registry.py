@@ -211,7 +211,9 @@ class Registry:
 
     def serving_capacity(self, mode: Mode, margin: float = 0.0) -> int:
         """Sessions of `mode` the SERVING workers hold at once: each its slots, or fewer
-        where its headroom says fewer keep real time (with a margin)."""
+        where its headroom says fewer keep real time (with a margin); a worker that is
+        behind (late units lately) takes none until it recovers, so it counts for what it
+        holds now (at least 1)."""
         total = 0
         for w in self._workers.values():
             if w.health is not Health.SERVING or mode not in w.modes:
@@ -219,5 +221,7 @@ class Registry:
             held = w.slots
             if margin > 0 and w.headroom is not None:
                 held = min(held, w.headroom.sessions_within(mode, margin))
+                if w.headroom.late_recent:
+                    held = min(held, max(1, len(w.lease_slots)))
             total += held
         return total

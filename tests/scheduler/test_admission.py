@@ -72,11 +72,16 @@ async def test_a_worker_behind_takes_nothing_more_but_an_idle_one_takes_one():
         assert isinstance(await asyncio.wait_for(anext(second), scaled(2)), LeaseOffer)
         # Cheap sessions, but late units lately: the worker is behind, it takes none.
         core.report(worker, Health.SERVING, "", headroom=headroom(0.1, late=3))
-        third = core.acquire(Mode.AUDIO, "s3")
+        third, fourth = core.acquire(Mode.AUDIO, "s3"), core.acquire(Mode.AUDIO, "s4")
         assert isinstance(await anext(third), QueueUpdate)
+        # Behind, the worker counts for the one session it holds, not the 8 its costs
+        # would fit: the second in line waits two sessions' lengths.
+        update = await anext(fourth)
+        assert isinstance(update, QueueUpdate) and update.position == 2
+        assert update.estimated_wait_s == pytest.approx(2 * core.sessions.mean_s(Mode.AUDIO))
         core.report(worker, Health.SERVING, "", headroom=headroom(0.1))  # recovered
         assert isinstance(await asyncio.wait_for(anext(third), scaled(2)), LeaseOffer)
-        for call in (second, third):
+        for call in (second, third, fourth):
             await call.aclose()
     finally:
         announcer.cancel()
