@@ -48,6 +48,7 @@ class DuplexSettings:
     min_speech_ms: int | None = None
     end_of_turn_silence_ms: int | None = None
     half_duplex: bool | None = None
+    seed: int | None = None
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,10 @@ def slice_count(value: Any, where: str = "max_slice_nums") -> int:
     return value
 
 
+#: The largest sampling seed a session may give (the wire's uint64 holds it; torch takes
+#: seeds below 2**63 on every device).
+MAX_SEED = (1 << 63) - 1
+
 #: Voice-activity turn-taking (engines that detect the user's turn by VAD): a window's speech
 #: probability threshold, the speech a turn needs (ms) and the silence that ends it (ms).
 VAD_THRESHOLD = (0.05, 0.99)
@@ -197,6 +201,7 @@ def duplex_settings(cfg: dict[str, Any], where: str = "config") -> DuplexSetting
         end_of_turn_silence_ms=integer_field(
             cfg, "end_of_turn_silence_ms", *END_OF_TURN_SILENCE_MS, where
         ),
+        seed=integer_field(cfg, "seed", 0, MAX_SEED, where),
     )
 
 

@@ -11,7 +11,8 @@ results (batched: one finalize call for all); the next round starts when they ar
 so a round's cycle (step and finalize) against the unit length says whether N sessions
 keep real time. Per N: the step's phases (the engine's own, summed over the step), units
 per second over the whole run, unit latency p50/p95, deadline misses (units later than one
-unit length), LLM forwards per step where the engine counts them, peak memory.
+unit length), forwards of the LLM backbone per round (minicpmo: counted by a hook on the
+module, so both modes are counted alike), peak memory.
 
     python -m omnifabric.tools.gpu_sessions --engine minicpmo --model-dir DIR \\
         --device cuda:0 --batched 1,2,4,8,16 --units 12
@@ -39,6 +40,30 @@ def parse_counts(text: str) -> list[int]:
     if not counts or min(counts) < 1:
         raise ValueError(f"--batched takes positive session counts, e.g. 1,2,4,8: {text!r}")
     return counts
+
+
+class _ForwardCounter:
+    """Counts the forwards of the engine's LLM backbone (a hook on its module: the same
+    count whichever path calls it), for the engines that have one (minicpmo)."""
+
+    def __init__(self, module: Any) -> None:
+        self.count = 0
+        self.handle = module.register_forward_pre_hook(self._seen)
+
+    def _seen(self, *_: Any) -> None:
+        self.count += 1
+
+    @classmethod
+    def on(cls, engine: Engine) -> _ForwardCounter | None:
+        backbone = getattr(getattr(getattr(engine, "model", None), "llm", None), "model", None)
+        return cls(backbone) if hasattr(backbone, "register_forward_pre_hook") else None
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count
+
+    def remove(self) -> None:
+        self.handle.remove()
 
 
 def _open(engine: Engine, n: int, tag: str, settings: DuplexSettings) -> list[EngineSession]:
@@ -82,6 +107,7 @@ def run(
         raise ValueError(f"the {engine.name} engine has no batched step")
     settings = settings or DuplexSettings(temperature=0)
     sessions = _open(engine, n, mode, settings)
+    counter = _ForwardCounter.on(engine)
     latencies: list[float] = []
     cycles: list[float] = []
     phases: dict[str, float] = {}
@@ -108,8 +134,6 @@ def run(
                 latencies += [done] * n
                 for phase, ms in outcome.phases_ms.items():
                     phases[phase] = phases.get(phase, 0.0) + ms
-                if "forwards" in outcome.phases_ms:
-                    forwards.append(int(outcome.phases_ms["forwards"]))
                 failed = [e for e in stepper.finalize(sessions) if e is not None]
                 if failed:
                     raise failed[0]
@@ -124,11 +148,15 @@ def run(
                     session.finalize()
             sync()
             cycles.append(time.perf_counter() - t0)
+            if counter is not None:
+                forwards.append(counter.take())
             for i, result in enumerate(results):
                 texts[i] += result.text
                 speaking += not result.is_listen
         wall = time.perf_counter() - started
     finally:
+        if counter is not None:
+            counter.remove()
         _close(sessions)
     return {
         "mode": mode,
@@ -148,7 +176,7 @@ def run(
         "deadline_misses": sum(x > unit_s for x in latencies),
         "real_time": percentile(latencies, 95) < unit_s and float(np.mean(cycles)) < unit_s,
         "phases_ms_per_step": {p: ms / count for p, ms in sorted(phases.items())},
-        "forwards_per_step": float(np.mean(forwards)) if forwards else None,
+        "llm_forwards_per_round": float(np.mean(forwards)) if forwards else None,
         "texts": texts,
     }
 
@@ -162,9 +190,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         peak = r.get("peak_bytes")
-        phases = " ".join(
-            f"{p} {ms:.0f}" for p, ms in r["phases_ms_per_step"].items() if p != "forwards"
-        )
+        phases = " ".join(f"{p} {ms:.0f}" for p, ms in r["phases_ms_per_step"].items())
+        if r["llm_forwards_per_round"] is not None:
+            phases = f"LLM forwards {r['llm_forwards_per_round']:.1f}; {phases}"
         lines.append(
             f"{r['sessions']:>3} {r['mode']:<11} {r['units_per_s']:8.2f}"
             f" {r['unit_ms']['p50']:8.0f} {r['unit_ms']['p95']:8.0f}"

@@ -657,3 +657,17 @@ def test_half_duplex_speech_in_chunks_heard_together_sets_vad_state():
     ]
     d.appended(3, quiet)
     assert d.encode(_out(seq=3, is_listen=True, text="", pcm=b"")) == []
+
+
+def test_a_sampling_seed_reaches_the_worker_config_and_bad_ones_are_refused():
+    from omnifabric.edge.session import config_to
+    from omnifabric.worker.service import decode_settings
+
+    settings = fields.duplex_settings({"seed": 1234, "temperature": 0.7})
+    assert settings.seed == 1234 and config_to(settings).seed == 1234
+    assert decode_settings(config_to(settings), 1).seed == 1234  # what the engine gets
+    assert fields.duplex_settings({}).seed is None
+    assert not config_to(fields.duplex_settings({})).HasField("seed")
+    for bad in (-1, 1 << 63, 1.5, "7"):
+        with pytest.raises(errors.InvalidPayload, match="config.seed"):
+            fields.duplex_settings({"seed": bad})

@@ -237,6 +237,7 @@ ODD_FRAME = st.one_of(BAD_BASE64, SCALARS)
 NUMBER = st.sampled_from([0, 1, 0.5, -1, 5.5, 10, 100.5, 1000, 1001, 8192, 10**400, 1e308])
 CONFIG_KEYS = ["temperature", "top_p", "length_penalty", "listen_prob_scale", "top_k"]
 CONFIG_KEYS += ["force_listen_count", "max_kv_tokens", "max_tokens", "tts_enabled", "vision_hd"]
+CONFIG_KEYS += ["seed"]
 #: A config object: a few known keys with numbers, flags or odd values.
 CONFIG = st.lists(
     st.tuples(st.sampled_from(CONFIG_KEYS), NUMBER | st.booleans() | SCALARS), max_size=3

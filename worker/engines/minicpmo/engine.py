@@ -38,6 +38,7 @@ from omnifabric.worker.errors import EngineUnavailable
 
 if TYPE_CHECKING:  # it imports torch (silero-vad)
     from omnifabric.worker.engines.minicpmo.half_duplex import HalfDuplexCall
+    from omnifabric.worker.engines.minicpmo.step import MiniCPMOStepper
 
 log = logging.getLogger("omnifabric.worker.minicpmo")
 
@@ -160,6 +161,14 @@ class MiniCPMOSession(EngineSession):
         self.closed = False
         self.call: HalfDuplexCall | None = None
         """Set by prepare for a half-duplex call (the model's chat path, not its duplex)."""
+        self.kv_slot: int | None = None
+        """The batched stepper's slot that holds this session's LLM KV cache (the decoder's
+        own cache is then None), or None while the decoder holds it (step.py)."""
+        self.finalize_due = False
+        """Batched: the stepper took this unit's deferred finalize; its tokens go into the
+        next step's prefill (counted by kv_length meanwhile)."""
+        self.generator: Any = None
+        """Batched: this session's sampling generator (seeded from settings.seed)."""
 
     def unit_samples(self) -> tuple[int, int]:
         return self.engine.first_unit_samples, self.engine.unit_samples
@@ -173,6 +182,9 @@ class MiniCPMOSession(EngineSession):
     ) -> int:
         self.settings = config
         engine = self.engine
+        if self.kv_slot is not None and engine.batched is not None:
+            engine.batched.release(self)  # a new context: the old slot goes
+        self.generator = None
         prompt = system_prompt.strip() or DEFAULT_SYSTEM_PROMPT
         ref = ref_audio if ref_audio is not None and ref_audio.size else None
         voice_pcm = tts_ref_audio if tts_ref_audio is not None and tts_ref_audio.size else ref
@@ -180,6 +192,12 @@ class MiniCPMOSession(EngineSession):
             return self._prepare_call(prompt, ref, voice_pcm)
         self.notes = config.vad_note()
         with engine.using(self):
+            if config.seed is not None:
+                import torch
+
+                # The session's own RNG (state.py swaps it per session): its draws follow
+                # from the seed alone; the batched path seeds its generator the same.
+                torch.manual_seed(config.seed)
             self.handle.reset()
             speech = engine.audio_on and config.tts_enabled is not False
             self.handle.duplex.generate_audio = speech
@@ -211,6 +229,7 @@ class MiniCPMOSession(EngineSession):
         if self.call is not None:
             with self.engine.using(self):
                 return self.call.hear(pcm.astype(np.float32, copy=False))
+        self._unslot()
         with self.engine.using(self):
             images = _images(frames) if frames else []
             slices = max(1, max_slice_nums)
@@ -229,6 +248,7 @@ class MiniCPMOSession(EngineSession):
                 result = self.call.step(force_listen)
                 self.output_tokens += result.n_tokens
                 return result
+        self._unslot()
         with self.engine.using(self):
             self.units += 1
             s = self.settings
@@ -281,8 +301,26 @@ class MiniCPMOSession(EngineSession):
     def finalize(self) -> None:
         if self.call is not None:
             return  # the chat path closes a turn with the next prefill
+        self._unslot()
         with self.engine.using(self):
             self.handle.finalize()
+
+    def _unslot(self) -> None:
+        """Before a call of the serial path: the LLM KV cache back from the batched
+        stepper's slot into the decoder (and a finalize it took, run now)."""
+        if self.kv_slot is not None and self.engine.batched is not None:
+            self.engine.batched.unslot(self)
+
+    def kv_length(self) -> int:
+        """Tokens in this session's LLM context (a finalize taken by the batched stepper
+        counts as done)."""
+        if self.kv_slot is not None and self.engine.batched is not None:
+            return self.engine.batched.kv_length(self)
+        return self.handle.kv_length()
+
+    @property
+    def replying(self) -> bool:
+        return self.call is None and self.handle.speaking
 
     def stop(self) -> None:
         """Nothing is generated outside a unit call: the next call simply never comes."""
@@ -295,6 +333,8 @@ class MiniCPMOSession(EngineSession):
             return
         self.closed = True
         try:
+            if self.kv_slot is not None and self.engine.batched is not None:
+                self.engine.batched.release(self)
             with self.engine.using(self):
                 if self.call is not None:
                     self.call.close()
@@ -334,6 +374,7 @@ class MiniCPMOEngine(Engine):
         api: str = "auto",
         text_only: bool = False,
         default_voice: str | None = None,
+        context_tokens: int = 8192,
     ) -> None:
         self.model_path = model_path
         self.device = device
@@ -355,6 +396,11 @@ class MiniCPMOEngine(Engine):
         self._sessions: dict[int, MiniCPMOSession] = {}
         self._lock = threading.RLock()
         self._resident: MiniCPMOSession | _ChatState | None = None
+        self.batched: MiniCPMOStepper | None = None
+        """The batched stepper, once asked for (stepper())."""
+        self.kv_slot_tokens = context_tokens + self.SLOT_SPARE_TOKENS
+        """Tokens each slot of the batched stepper's LLM KV cache holds: the context cap
+        (a session reaching it closes) and room for the unit that crosses it."""
 
     @classmethod
     def from_config(cls, config: Any) -> MiniCPMOEngine:
@@ -367,6 +413,7 @@ class MiniCPMOEngine(Engine):
             api=config.minicpmo_api,
             text_only=config.text_only,
             default_voice=config.default_voice,
+            context_tokens=config.max_context_tokens,
         )
 
     # ---- loading -------------------------------------------------------------------
@@ -474,6 +521,31 @@ class MiniCPMOEngine(Engine):
             str(root), config=config, torch_dtype=dtype, attn_implementation=self.attn
         )
         return model.eval().to(self.device)
+
+    #: What a slot holds beyond the context cap: the unit that crosses it (its frames'
+    #: slices, its speech, its deferred finalize).
+    SLOT_SPARE_TOKENS = 1024
+
+    def stepper(self) -> MiniCPMOStepper | None:
+        """The batched step (step.py) when the engine holds several sessions; built once,
+        its LLM KV slot cache allocated now (slots x the context cap, logged)."""
+        if self.slots <= 1:
+            return None
+        if self.batched is None:
+            from omnifabric.worker.engines.minicpmo.step import MiniCPMOStepper
+
+            self.batched = MiniCPMOStepper(self)
+            if self.model is not None:
+                cache = self.batched.cache
+                log.info(
+                    "minicpmo: batched steps; LLM KV slot cache of %d slots x %d tokens: "
+                    "%.2f GiB on %s",
+                    self.slots,
+                    self.kv_slot_tokens,
+                    cache.nbytes / 2**30,
+                    self.device,
+                )
+        return self.batched
 
     # ---- sessions --------------------------------------------------------------------
 

@@ -140,6 +140,36 @@ class SlotCache(Cache):
         self._check_claimed(slot)
         return self._lengths[slot]
 
+    def put(self, slot: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Loads a past into claimed `slot` (its length becomes the past's): per layer the
+        keys and values of one row, [kv heads, tokens, head dim] (a DynamicCache's row 0).
+        What the slot held before is dropped."""
+        self._check_claimed(slot)
+        if self._step is not None:
+            raise RuntimeError("a slot cannot be loaded during a step")
+        if len(keys) != len(self.key_slots) or len(values) != len(self.value_slots):
+            raise ValueError(f"a past of {len(keys)} layers for a cache of {len(self.key_slots)}")
+        length = int(keys[0].shape[-2]) if len(keys) else 0
+        if length > self.max_len:
+            raise ValueError(f"a past of {length} tokens passes max_len {self.max_len}")
+        pairs = (
+            *zip(self.key_slots, keys, strict=True),
+            *zip(self.value_slots, values, strict=True),
+        )
+        for store, new in pairs:
+            store[slot].zero_()
+            store[slot, :, :length] = new
+        self._lengths[slot] = length
+
+    def take(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of `slot`'s keys and values per layer, [kv heads, length, head dim] (the
+        inverse of put); the slot is left as it is."""
+        length = self.length(slot)
+        return (
+            [store[slot, :, :length].clone() for store in self.key_slots],
+            [store[slot, :, :length].clone() for store in self.value_slots],
+        )
+
     def claimed(self) -> list[int]:
         """The slots taken, ascending."""
         return [slot for slot, taken in enumerate(self._claimed) if taken]

@@ -1,0 +1,430 @@
+"""The batched duplex step (worker/engines/minicpmo/step.py) against each session's solo run
+through the public code, on the same loaded tiny checkpoint (opt-in: OMNI_MINICPMO_CODE_DIR,
+see conftest).
+
+Per session and unit: the text token ids (the duplex's whole id history and the decoder's
+penalty history), the result (listen, text, end of turn, token counts, context length), the
+pending logits of its prefill (within 1e-4) and the context length after its finalize are
+those of the session run alone; with TTS on, its TTS token stream too. Sessions differ in
+prompt, audio, frames, caps and penalties, join and leave mid-stream, and are forced to
+listen on some units; seeded sampling gives a session the same tokens whatever its
+batch-mates. A control perturbs the batched positions and the comparison must fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from omnifabric.worker.engine import DuplexSettings, StepRow
+from omnifabric.worker.engines.minicpmo import slots as slots_module
+from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
+
+pytestmark = [needs_code, pytest.mark.timeout(900)]
+
+UNITS = 3
+
+
+@pytest.fixture(scope="module", params=[layout for layout, _ in LAYOUTS] or ["none"])
+def eng16(request, tiny_dirs):
+    """The engine on the tiny checkpoint with 16 slots (a batched worker's), per layout."""
+    from omnifabric.worker.engines.minicpmo import MiniCPMOEngine
+
+    layout = request.param
+    code = dict(LAYOUTS)[layout]
+    eng = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", slots=16, api=layout)
+    eng.load()
+    assert eng.layout == layout
+    eng._solo_cache = {}  # plan key -> solo records (shared by the tests of a layout)
+    eng._duplex_class = type(eng._free[0].duplex)
+    return eng
+
+
+def jpeg(width: int, height: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(
+        out, format="JPEG"
+    )
+    return out.getvalue()
+
+
+@dataclasses.dataclass
+class Plan:
+    """One session: its prompt, settings and units (pcm, frames, slices, force)."""
+
+    key: str
+    prompt: str
+    settings: DuplexSettings
+    units: list[tuple[np.ndarray, list[bytes], int, bool]]
+    tts: bool = False
+
+
+def plan(engine, k: int, *, seed: int | None = None, tts: bool = False) -> Plan:
+    """Session k's plan: everything differs a little from one k to the next."""
+    rng = np.random.default_rng(1000 + k)
+    amplitude = 0.01 + 0.012 * (k % 7)
+    units = []
+    for u in range(UNITS):
+        n = engine.first_unit_samples if u == 0 else engine.unit_samples
+        pcm = (amplitude * rng.standard_normal(n)).astype(np.float32)
+        frames: list[bytes] = []
+        slices = 1
+        if u == 1 and k % 4 == 1:
+            frames = [jpeg(64, 64, k)]
+        elif u == 1 and k % 4 == 2:
+            frames, slices = [jpeg(900, 450, k)], 2  # 1 + 2 slices
+        force = (u == 2 and k % 3 == 0) or (u == 1 and k % 5 == 4)
+        units.append((pcm, frames, slices, force))
+    sampling: dict[str, Any] = (
+        {"temperature": 0} if seed is None else {"seed": seed, "temperature": 0.9, "top_k": 40}
+    )
+    settings = DuplexSettings(
+        force_listen_count=0,
+        max_new_speak_tokens_per_chunk=(20, 4, 6, 3)[k % 4],
+        length_penalty=(1.1, 1.6, 0.8)[k % 3],
+        listen_prob_scale=(1.0, 1.0, 3.0, 0.5)[k % 4],
+        **sampling,
+    )
+    prompts = ("Be brief.", "You are a helpful assistant.", "Describe what you hear.")
+    return Plan(f"{k}-{seed}-{tts}", f"{prompts[k % 3]} #{k}", settings, units, tts)
+
+
+# ---- records ---------------------------------------------------------------------------
+
+
+def _prepare(engine, name: str, p: Plan):
+    s = engine.open_session(name, "audio")
+    s.prepare(p.prompt, None, None, p.settings)  # a seed seeds the session's own RNG
+    if p.tts:  # speech on without the vocoder (capture_tts takes its place)
+        d = s.handle.duplex
+        d.generate_audio = True
+        d.tts_eos_token = torch.tensor([engine.model.tts.config.num_audio_tokens - 1])
+    return s
+
+
+def _record(s, result, logits, tts: list) -> dict[str, Any]:
+    d = s.handle.duplex
+    return {
+        "listen": result.is_listen,
+        "text": result.text,
+        "eot": result.end_of_turn,
+        "n_tokens": result.n_tokens,
+        "kv": result.kv_cache_length,
+        "in_audio": result.input_audio_tokens,
+        "in_vision": result.input_vision_tokens,
+        "n_tts": result.n_tts_tokens,
+        "tts": tts,
+        "total_ids": list(d.total_ids),
+        "history": list(d.decoder.generated_tokens),
+        "kv_after": s.kv_length(),
+        "tts_pos": getattr(d, "tts_text_start_pos", 0),
+        "turn_open": not d.current_turn_ended,
+        "logits": logits.detach().clone(),
+    }
+
+
+@pytest.fixture
+def capture_tts(eng16, monkeypatch):
+    """Vocoder off on CPU: the waveform step of both paths (the public method, which the
+    batched step calls too) records the TTS tokens instead, per duplex object."""
+    captured: dict[int, list[list[int]]] = {}
+
+    def fake(self, new_tokens, prompt_wav_path, is_last_chunk=False, force_flush=False):
+        tokens = [int(t) for t in new_tokens.reshape(-1).tolist()]
+        captured.setdefault(id(self), []).append([*tokens, -int(is_last_chunk), int(force_flush)])
+        return np.zeros(240, np.float32)
+
+    monkeypatch.setattr(eng16._duplex_class, "_generate_waveform_from_tokens", fake)
+    return captured
+
+
+def solo(engine, p: Plan, captured: dict | None = None) -> list[dict[str, Any]]:
+    """The session alone through the serial path (the public code), cached per plan."""
+    cache = engine._solo_cache
+    if p.key in cache and len(cache[p.key]) >= len(p.units):
+        return cache[p.key][: len(p.units)]  # a unit's records depend on the units before
+    s = _prepare(engine, f"solo-{p.key}", p)
+    out = []
+    try:
+        for pcm, frames, slices, force in p.units:
+            s.prefill(pcm, frames, slices)
+            logits = s.handle.duplex.pending_logits.clone()
+            result = s.generate(force)
+            s.finalize()
+            tts = captured.pop(id(s.handle.duplex), []) if captured is not None else []
+            out.append(_record(s, result, logits, tts))
+    finally:
+        s.close()
+    cache[p.key] = out
+    return out
+
+
+def batched(
+    engine,
+    plans: list[Plan],
+    starts: list[int] | None = None,
+    captured: dict | None = None,
+    slots_seen: dict | None = None,
+) -> list[list[dict[str, Any]]]:
+    """All plans through the stepper: session i joins at step starts[i], runs its units one
+    per step, and leaves (closes) after its last; finalizes between steps."""
+    stepper = engine.stepper()
+    starts = starts or [0] * len(plans)
+    out: list[list[dict[str, Any]]] = [[] for _ in plans]
+    open_: dict[int, Any] = {}
+    step = 0
+    try:
+        while any(len(o) < len(p.units) for o, p in zip(out, plans, strict=True)):
+            for i, p in enumerate(plans):
+                if starts[i] == step:
+                    open_[i] = _prepare(engine, f"b{i}-{p.key}", p)
+            here = [i for i in open_ if len(out[i]) < len(plans[i].units)]
+            rows = []
+            for i in here:
+                pcm, frames, slices, force = plans[i].units[len(out[i])]
+                rows.append(StepRow(open_[i], pcm, frames, slices, force))
+            if rows:
+                outcome = stepper.step(rows)
+                assert {"prefill", "generate", "llm_prefill", "decode"} <= set(outcome.phases_ms)
+                sessions = [open_[i] for i in here]
+                results = []
+                for i, got in zip(here, outcome.rows, strict=True):
+                    if isinstance(got, Exception):
+                        raise got
+                    results.append(got[1])
+                    if slots_seen is not None:
+                        slots_seen.setdefault(i, open_[i].kv_slot)
+                assert stepper.finalize(sessions) == [None] * len(sessions)
+                for i, result in zip(here, results, strict=True):
+                    s = open_[i]
+                    tts = captured.pop(id(s.handle.duplex), []) if captured is not None else []
+                    out[i].append(_record(s, result, stepper.prefill_logits[s.session_id], tts))
+            for i in list(open_):
+                if len(out[i]) == len(plans[i].units):
+                    open_.pop(i).close()
+            step += 1
+    finally:
+        for s in open_.values():
+            s.close()
+    # every session left (some with their last finalize still deferred): no slot is held
+    assert stepper.cache.claimed() == []
+    return out
+
+
+def compare(want: list[dict[str, Any]], got: list[dict[str, Any]], who: str) -> None:
+    assert len(want) == len(got), who
+    for u, (a, b) in enumerate(zip(want, got, strict=True)):
+        for key in a:
+            if key == "logits":
+                delta = (a[key] - b[key]).abs().max().item()
+                assert delta <= 1e-4, f"{who} unit {u}: logits differ by {delta}"
+            else:
+                assert a[key] == b[key], f"{who} unit {u}: {key} {a[key]!r} != {b[key]!r}"
+
+
+def check(engine, plans, starts=None, slots_seen=None, captured=None):
+    want = [solo(engine, p, captured) for p in plans]
+    got = batched(engine, plans, starts, captured, slots_seen)
+    for p, w, g in zip(plans, want, got, strict=True):
+        compare(w, g, f"session {p.key}")
+    return want
+
+
+def kinds(records: list[list[dict[str, Any]]]) -> tuple[int, int]:
+    units = [u for r in records for u in r]
+    return sum(u["listen"] for u in units), sum(not u["listen"] for u in units)
+
+
+# ---- tests -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_greedy_equals_solo(eng16, n):
+    plans = [plan(eng16, k) for k in range(n)]
+    if n == 1:  # audio only
+        plans[0].units = [(pcm, [], 1, force) for pcm, _, _, force in plans[0].units]
+        plans[0].key += "-audio"
+    want = check(eng16, plans)
+    listens, speaks = kinds(want)
+    assert speaks > 0
+    if n >= 4:
+        assert listens > 0
+
+
+def test_join_leave_vision_force_listen_8(eng16):
+    plans = [plan(eng16, k) for k in range(8)]
+    # 7 joins when 0 has left: it gets a slot released mid-stream.
+    starts = [0, 0, 1, 0, 2, 0, 1, 3]
+    seen: dict[int, int] = {}
+    want = check(eng16, plans, starts, slots_seen=seen)
+    listens, speaks = kinds(want)
+    assert listens > 0 and speaks > 0
+    assert seen[7] == seen[0]  # the slot session 0 released
+    assert any(frames for p in plans for _, frames, slices, _ in p.units if slices == 2)
+
+
+def test_sixteen_sessions(eng16):
+    plans = [plan(eng16, k) for k in range(16)]
+    for p in plans:  # 0-7: their solo runs are known already; 8-15 leave after one unit
+        p.units = p.units[: 2 if int(p.key.split("-")[0]) < 8 else 1]
+    want = check(eng16, plans)
+    listens, speaks = kinds(want)
+    assert listens > 0 and speaks > 0
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(eng16):
+    me = plan(eng16, 1, seed=1234)
+    mates_a = [plan(eng16, k, seed=50 + k) for k in (2, 3)]
+    mates_b = [plan(eng16, k, seed=90 + k) for k in (5, 6)]
+    for mate in (*mates_a, *mates_b):
+        mate.units = mate.units[:2]
+    want = solo(eng16, me)
+    first = batched(eng16, [me, *mates_a])[0]
+    second = batched(eng16, [*mates_b, me], starts=[0, 1, 0])[2]
+    compare(want, first, "seeded, mates A")
+    compare(want, second, "seeded, mates B")
+    assert any(not u["listen"] for u in want)
+    # and a different seed gives other tokens
+    other = dataclasses.replace(me, key=me.key + "-other")
+    other.settings = dataclasses.replace(me.settings, seed=4321)
+    other.units = other.units[:1]
+    assert batched(eng16, [other])[0][0]["total_ids"] != want[0]["total_ids"]
+
+
+def test_control_shifted_positions_fail(eng16, monkeypatch):
+    plans = [plan(eng16, k) for k in range(2)]
+    for p in plans:
+        p.units = p.units[:2]
+    want = [solo(eng16, p) for p in plans]
+    original = slots_module.SlotCache.begin
+
+    def shifted(self, slots, counts):
+        step = original(self, slots, counts)
+        positions = step.positions.clone()
+        positions[0] += 1
+        return dataclasses.replace(step, positions=positions)
+
+    monkeypatch.setattr(slots_module.SlotCache, "begin", shifted)
+    got = batched(eng16, plans)
+    with pytest.raises(AssertionError):
+        compare(want[0], got[0], "shifted row")
+    monkeypatch.undo()
+    compare(want[1], batched(eng16, plans[1:])[0], "unshifted")
+
+
+def test_tts_tokens_equal_solo(eng16, capture_tts):
+    plans = []
+    for k in range(4):
+        p = plan(eng16, 20 + k, seed=700 + k, tts=True)
+        p.settings = dataclasses.replace(p.settings, temperature=0)  # the TTS draws anyway
+        plans.append(p)
+    want = check(eng16, plans, starts=[0, 0, 1, 0], captured=capture_tts)
+    spoken = [u for r in want for u in r if not u["listen"]]
+    assert spoken and all(u["tts"] for u in spoken)
+    assert sum(u["n_tts"] for u in spoken) > 0
+    assert any(u["tts_pos"] > 0 for u in spoken)  # a turn went on over units (TTS cache kept)
+    listens, speaks = kinds(want)
+    assert listens > 0 and speaks > 0
+
+
+def test_a_failing_row_fails_alone(eng16):
+    p = plan(eng16, 0)
+    want = solo(eng16, p)
+    stepper = eng16.stepper()
+    good = _prepare(eng16, "good", p)
+    bad = _prepare(eng16, "bad", plan(eng16, 1))
+    try:
+        bad.handle.duplex.set_session_stop()
+        pcm, frames, slices, force = p.units[0]
+        outcome = stepper.step(
+            [StepRow(bad, pcm, [], 1, False), StepRow(good, pcm, frames, slices, force)]
+        )
+        assert isinstance(outcome.rows[0], RuntimeError)
+        assert not isinstance(outcome.rows[1], Exception)
+        assert stepper.finalize([good]) == [None]
+        got = _record(good, outcome.rows[1][1], stepper.prefill_logits["good"], [])
+        compare(want[:1], [got], "the good row")
+    finally:
+        good.close()
+        bad.close()
+    assert stepper.cache.claimed() == []
+
+
+def test_serial_path_between_steps(eng16):
+    """A batched session's unit through the serial path (its KV cache goes back to the
+    decoder, the deferred finalize is fed), then batched again: still its solo run."""
+    p = plan(eng16, 0)
+    want = solo(eng16, p)
+    stepper = eng16.stepper()
+    s = _prepare(eng16, "mixed", p)
+    got = []
+    try:
+        for u, (pcm, frames, slices, force) in enumerate(p.units):
+            if u == 1:
+                s.prefill(pcm, frames, slices)
+                assert s.kv_slot is None
+                logits = s.handle.duplex.pending_logits.clone()
+                result = s.generate(force)
+                s.finalize()
+            else:
+                outcome = stepper.step([StepRow(s, pcm, frames, slices, force)])
+                got_row = outcome.rows[0]
+                assert not isinstance(got_row, Exception)
+                result = got_row[1]
+                assert stepper.finalize([s]) == [None]
+                assert s.kv_slot is not None
+                logits = stepper.prefill_logits["mixed"]
+            got.append(_record(s, result, logits, []))
+    finally:
+        s.close()
+    compare(want, got, "batched, serial, batched")
+    assert stepper.cache.claimed() == []
+
+
+def test_added_cost_is_the_fitted_slope():
+    from omnifabric.worker.engines.minicpmo.step import MiniCPMOStepper
+
+    stepper = MiniCPMOStepper(None)  # type: ignore[arg-type]  # no model needed
+    assert stepper.added_cost(0.5) == 0.5  # nothing seen: the safe side
+    for _ in range(5):
+        stepper._observe(4, 1.4)
+    assert stepper.added_cost(0.5) == 0.5  # one size only: no slope yet
+    for _ in range(20):
+        for rows in (2, 4, 8):
+            stepper._observe(rows, 1.0 + 0.1 * rows)
+    assert stepper.added_cost(0.5) == pytest.approx(0.1, rel=1e-6)
+    assert stepper.added_cost(0.05) == 0.05  # never more than a whole session
+
+
+def test_a_context_outgrowing_its_slot_goes_serial(eng16, monkeypatch):
+    from omnifabric.worker.engines.minicpmo.step import UNIT_HEADROOM
+
+    p = plan(eng16, 0)
+    want = solo(eng16, p)
+    stepper = eng16.stepper()
+    s = _prepare(eng16, "big", p)
+    # room for the first unit only: the next ones go through the serial path
+    monkeypatch.setattr(stepper.cache, "max_len", s.kv_length() + UNIT_HEADROOM + 1)
+    got, where = [], []
+    try:
+        for pcm, frames, slices, force in p.units:
+            outcome = stepper.step([StepRow(s, pcm, frames, slices, force)])
+            row = outcome.rows[0]
+            assert not isinstance(row, Exception)
+            where.append(s.kv_slot is not None)
+            assert stepper.finalize([s]) == [None]
+            logits = stepper.prefill_logits.get("big")
+            if logits is None:  # the serial path's prefill kept none for the stepper
+                logits = want[len(got)]["logits"]
+            got.append(_record(s, row[1], logits, []))
+    finally:
+        s.close()
+    assert where == [True, False, False]
+    compare(want, got, "outgrown")

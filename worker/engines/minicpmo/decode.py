@@ -1,0 +1,325 @@
+"""The batched step's decode loop: every row still speaking gets one token per LLM forward,
+each by the public decoder's rules for its own session (design doc §4, §5, §11).
+
+Per row, in the public order: the chunk_eos pre-check on the raw logits (argmax, or a draw
+without temperature), forbidden ids, the sign-blind repetition penalty over the decoder's
+history, the length penalty on `<|turn_eos|>`, listen_prob_scale and listen_top_k on the
+decoder's listen id (`<|im_end|>`, the tokenizer's eos: a quirk of the public code kept as
+it is), then argmax or temperature / top-k (ties kept) / top-p / one draw. What the public
+code appends to the decoder's history and what it leaves out is the same here. The host
+rules (a listen inside an open turn becomes `<|tts_bos|>`, terminators, the forced
+`<|chunk_eos|>` at the cap, the unified layout's 28-character limit, `<|speak|>` not
+counted, end of turn from the last step, the first token fed but not kept) run on ids
+brought to the host once per step for the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from omnifabric.worker.engines.minicpmo import layouts
+from omnifabric.worker.engines.minicpmo.slots import feed
+
+if TYPE_CHECKING:
+    from omnifabric.worker.engines.minicpmo.engine import MiniCPMOSession
+    from omnifabric.worker.engines.minicpmo.step import MiniCPMOStepper, _Row
+
+#: The duplex class's decoder call takes no length penalty: the decoder's default applies.
+DECODER_LENGTH_PENALTY = 1.1
+#: The unified layout's limit on one unit's text, in characters.
+CHAR_LIMIT = 28
+
+
+def generator(session: MiniCPMOSession, device: torch.device) -> torch.Generator:
+    """The session's sampling generator: seeded from its settings' seed, else at random."""
+    g = session.generator
+    if g is None or g.device != device:
+        g = torch.Generator(device=device)
+        if session.settings.seed is not None:
+            g.manual_seed(int(session.settings.seed))
+        else:
+            g.seed()
+        session.generator = g
+    return g
+
+
+class _Plan:
+    """A row's decode settings for its unit."""
+
+    def __init__(self, row: _Row) -> None:
+        args = row.args
+        self.unified = row.session.handle.layout == layouts.UNIFIED
+        self.cap = int(args["max_new_speak_tokens_per_chunk"])
+        self.greedy = args["decode_mode"] == "greedy"
+        self.temperature = float(args["temperature"])
+        self.top_k = args["top_k"]
+        self.top_p = args["top_p"]
+        self.listen_prob_scale = float(args["listen_prob_scale"])
+        self.listen_top_k = args["listen_top_k"]
+        self.penalty = float(args["text_repetition_penalty"])
+        self.window = int(args["text_repetition_window_size"])
+        self.length_penalty = (
+            float(args["length_penalty"]) if self.unified else DECODER_LENGTH_PENALTY
+        )
+
+
+def run(stepper: MiniCPMOStepper, rows: list[_Row]) -> None:
+    """Decode one unit of every row: all LLM forwards of the loop, the bookkeeping the
+    public generate keeps, and each row's outcome on the row."""
+    engine = stepper.engine
+    llm = engine.model.llm
+    plans = {id(r): _Plan(r) for r in rows}
+    for row in rows:
+        _start(stepper, row)
+    active = list(rows)
+    j = 0
+    while active:
+        going = []
+        for row in active:
+            plan = plans[id(row)]
+            d = row.duplex
+            if j >= plan.cap:
+                continue  # no speak tokens allowed: the unit ends without a terminator
+            if j == plan.cap - 1:
+                row.terminator = d.chunk_eos_token_id
+                d.total_ids.append(d.chunk_eos_token_id)
+                continue
+            going.append(row)
+        if not going:
+            break
+        decided = _decide([r for r in going if not r.force], plans, j)
+        fed: list[tuple[_Row, int]] = []
+        for row in going:
+            d = row.duplex
+            tid = d.listen_token_id if row.force else decided.pop(0)
+            if not row.force and tid == d.listen_token_id and not d.current_turn_ended:
+                tid = d.tts_bos_token_id
+            keep = _host(row, tid, j, plans[id(row)].unified)
+            if keep:
+                fed.append((row, tid))
+        if not fed:
+            break
+        res = feed(
+            llm,
+            stepper.cache,
+            [(_slot(r), r.duplex.decoder.embed_tokens([tid])) for r, tid in fed],
+        )
+        for k, (row, tid) in enumerate(fed):
+            d = row.duplex
+            row.logits = res.logits[k : k + 1]
+            eot = tid in d.turn_terminator_token_ids
+            row.end_of_turn = eot
+            if eot:
+                d.current_turn_ended = True
+            if j != 0:
+                row.hidden.append([tid, res.hidden[k][None], eot])
+                row.ids.append(tid)
+        active = [r for r, _ in fed]
+        j += 1
+    for row in rows:
+        _finish(stepper, row, plans[id(row)])
+
+
+def _slot(row: _Row) -> int:
+    slot = row.session.kv_slot
+    if slot is None:
+        raise RuntimeError("a batched row without a KV slot")
+    return slot
+
+
+def _start(stepper: MiniCPMOStepper, row: _Row) -> None:
+    """The public generate's opening: the counters and a forced listen closing a turn."""
+    session, d = row.session, row.duplex
+    session.units += 1
+    d._streaming_generate_count += 1
+    if row.close_turn:
+        d.total_ids.append(d.turn_eos_token_id)
+        d.current_turn_ended = True
+        if getattr(d, "token2wav_initialized", False):
+            with stepper.engine.using(session):
+                d._reset_token2wav_for_new_turn()
+
+
+def _host(row: _Row, tid: int, j: int, char_limit: bool) -> bool:
+    """The host rules for the row's token at step j; True when it is fed."""
+    d = row.duplex
+    d.total_ids.append(tid)
+    if tid == d.tts_pad_id:
+        row.had_tts_pad = True
+    row.is_listen = tid == d.listen_token_id
+    if tid in d.chunk_terminator_token_ids:
+        row.terminator = tid
+        return False
+    d.current_turn_ended = False
+    if char_limit and j != 0:
+        text = d.tokenizer.decode([*row.ids, tid], skip_special_tokens=True)
+        if len(text) >= CHAR_LIMIT:
+            d.total_ids.pop()
+            row.terminator = d.chunk_eos_token_id
+            d.total_ids.append(d.chunk_eos_token_id)
+            return False
+    if tid not in d.chunk_speak_token_ids:
+        d.res_ids.append(tid)
+        d.speak_count += 1
+    return True
+
+
+def _finish(stepper: MiniCPMOStepper, row: _Row, plan: _Plan) -> None:
+    """The public generate's closing bookkeeping (pending finalize, or the duplex class's
+    `</unit>` and unit end, its KV tokens deferred to the next prefill)."""
+    d = row.duplex
+    tokenizer = d.tokenizer
+    text = tokenizer.decode(row.ids, skip_special_tokens=True) if row.ids else ""
+    row.text = text
+    input_type = d.current_mode.lower() if d.current_mode else "audio"
+    if plan.unified:
+        d._last_chunk_had_tts_pad = row.had_tts_pad
+        d._pending_finalize = {
+            "terminator_id": row.terminator,
+            "total_ids_in_unit": row.ids,
+            "is_listen": row.is_listen,
+            "generated_text": text,
+            "input_type": input_type,
+        }
+    else:
+        from omnifabric.worker.engines.minicpmo.step import _unit_end
+
+        unit_end = tokenizer.convert_tokens_to_ids("</unit>")
+        d.total_ids.append(unit_end)
+        deferred = ([row.terminator] if row.terminator is not None else []) + [unit_end]
+        stepper.defer(row, deferred)
+        length = stepper.cache.length(_slot(row)) + len(deferred)
+        _unit_end(
+            d.decoder,
+            {
+                "input_type": input_type,
+                "total_ids_in_unit": row.ids,
+                "is_listen": row.is_listen,
+                "generated_text": text,
+            },
+            length,
+        )
+    d.total_hidden.append([] if row.is_listen else row.hidden)
+
+
+def _decide(rows: list[_Row], plans: dict[int, _Plan], j: int) -> list[int]:
+    """One token per row by the public decoder's rules; one host sync for the batch."""
+    if not rows:
+        return []
+    logits = torch.cat([r.logits for r in rows if r.logits is not None])
+    vocab = logits.shape[-1]
+    raw_max = logits.argmax(-1)
+    masked = logits.clone()
+    pre: list[torch.Tensor] = []
+    saved: list[Any] = []
+    gens: list[torch.Generator | None] = []
+    for k, row in enumerate(rows):
+        plan = plans[id(row)]
+        dec = row.duplex.decoder
+        if plan.greedy:
+            pre.append(raw_max[k])
+            gens.append(None)
+        else:
+            g = generator(row.session, logits.device)
+            probs = torch.softmax(logits[k], dim=-1)
+            pre.append(torch.multinomial(probs, 1, generator=g)[0])
+            gens.append(g)
+        saved.append(gens[-1].get_state() if gens[-1] is not None else None)
+        if dec.forbidden_token_ids:
+            masked[k, _ids(dec.forbidden_token_ids, logits.device)] = float("-inf")
+        history = dec.generated_tokens
+        if plan.penalty != 1.0 and history:
+            recent = [t for t in set(history[-plan.window :]) if t < vocab]
+            if recent:
+                idx = torch.tensor(recent, device=logits.device)
+                if plan.penalty > 1.0:
+                    masked[k, idx] = masked[k, idx] / plan.penalty
+                else:
+                    masked[k, idx] = masked[k, idx] * (1.0 / plan.penalty)
+        if plan.length_penalty != 1.0:
+            lp = plan.length_penalty
+            x = masked[k, dec.turn_eos_id]
+            masked[k, dec.turn_eos_id] = torch.where(x > 0, x / lp, x * lp)
+        if plan.listen_prob_scale != 1.0:
+            masked[k, dec.listen_id] *= plan.listen_prob_scale
+    final_max = masked.argmax(-1)
+    final: list[torch.Tensor] = []
+    ranks: list[torch.Tensor] = []
+    for k, row in enumerate(rows):
+        plan = plans[id(row)]
+        dec = row.duplex.decoder
+        if plan.listen_top_k is not None:
+            ranks.append((masked[k] > masked[k, dec.listen_id]).sum())
+        else:
+            ranks.append(torch.zeros((), dtype=torch.long, device=logits.device))
+        gen = gens[k]
+        if gen is None:
+            final.append(final_max[k])
+        else:
+            scaled = masked[k : k + 1] / plan.temperature
+            scaled = _top_k_top_p(scaled, plan.top_k, plan.top_p)
+            probs = torch.softmax(scaled, dim=-1)
+            final.append(torch.multinomial(probs, 1, generator=gen)[0, 0])
+    host = torch.stack(
+        [torch.stack(pre).long(), torch.stack(final).long(), torch.stack(ranks).long()]
+    ).tolist()
+    out = []
+    for k, row in enumerate(rows):
+        plan = plans[id(row)]
+        dec = row.duplex.decoder
+        first, chosen, rank = host[0][k], host[1][k], host[2][k]
+        gen = gens[k]
+        if first == dec.chunk_eos_id:
+            if gen is not None:
+                gen.set_state(saved[k])  # the public code never drew the second time
+            out.append(first)
+            continue
+        if plan.listen_top_k is not None and rank < plan.listen_top_k:
+            if gen is not None:
+                gen.set_state(saved[k])
+            word = dec.tokenizer.decode([dec.listen_id])
+            dec.context += " " if word == "<|listen|>" else word
+            out.append(dec.listen_id)
+            continue
+        if chosen not in dec.special_token_ids:
+            dec.generated_tokens.append(chosen)
+        else:
+            dec.generated_special_tokens.append(chosen)
+        out.append(chosen)
+    return out
+
+
+_ID_CACHE: dict[tuple[int, int, str], tuple[list[int], torch.Tensor]] = {}
+
+
+def _ids(ids: list[int], device: torch.device) -> torch.Tensor:
+    """`ids` as a tensor on `device`, cached while the list is unchanged."""
+    key = (id(ids), len(ids), str(device))
+    hit = _ID_CACHE.get(key)
+    if hit is not None and hit[0] is ids:
+        return hit[1]
+    tensor = torch.tensor(ids, dtype=torch.long, device=device)
+    if len(_ID_CACHE) > 256:
+        _ID_CACHE.clear()
+    _ID_CACHE[key] = (ids, tensor)
+    return tensor
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k (every logit equal to the k-th kept) then top-p (drop where the probability
+    mass before a token already passes p; the first always kept), on one row [1, V]."""
+    if top_k > 0:
+        k = min(int(top_k), logits.size(-1))
+        threshold = torch.topk(logits, k)[0][..., -1, None]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if top_p > 0.0:
+        ordered, order = torch.sort(logits, descending=True)
+        mass = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+        drop = mass > top_p
+        drop[..., 1:] = drop[..., :-1].clone()
+        drop[..., 0] = False
+        # the same ids as indexing with order[drop], without a host sync
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
