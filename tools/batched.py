@@ -190,7 +190,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         peak = r.get("peak_bytes")
-        phases = " ".join(f"{p} {ms:.0f}" for p, ms in r["phases_ms_per_step"].items())
+        phases = " ".join(
+            f"{p} {ms:.0f}"
+            for p, ms in r["phases_ms_per_step"].items()
+            if ms >= 0.5 and p not in ("all", "prefill", "generate")  # the parts, not sums
+        )
         if r["llm_forwards_per_round"] is not None:
             phases = f"LLM forwards {r['llm_forwards_per_round']:.1f}; {phases}"
         lines.append(
