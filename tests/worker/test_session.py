@@ -189,6 +189,20 @@ async def run_session(limits, units=(), close=None):
     return events
 
 
+async def serve_one_by_one(session: DuplexSession, seqs) -> asyncio.Future:
+    """Open the session, serve `seqs` each after the previous one's result, then close it
+    (user stop); returns its running unit loop to await."""
+    await session.open()
+    serving = asyncio.ensure_future(session.run())
+    for seq in seqs:
+        session.submit(UnitInput(seq=seq, pcm=SILENCE))
+        async for event in session.journal.events():
+            if event.seq == seq:
+                break
+    session.close(CloseReason.USER_STOP)
+    return serving
+
+
 class RecordingRunner(TimeSliced):
     """Today's runner, noting when each unit's run starts and its finalize is done."""
 
@@ -218,14 +232,7 @@ async def test_a_given_runner_serves_each_unit_after_the_previous_finalize():
         SessionLimits(60, 8192),
         runner=runner,
     )
-    await session.open()
-    serving = asyncio.ensure_future(session.run())
-    for seq in (1, 2, 3):
-        session.submit(UnitInput(seq=seq, pcm=SILENCE))
-        async for event in session.journal.events():
-            if event.seq == seq:
-                break
-    session.close(CloseReason.USER_STOP)
+    serving = await serve_one_by_one(session, (1, 2, 3))
     end = await asyncio.wait_for(serving, scaled(2))
     executor.shutdown()
     assert end.units_served == 3
@@ -285,14 +292,7 @@ async def test_a_unit_whose_finalize_starts_a_reply_counts_as_speaking():
         SessionLimits(60, 8192),
         on_unit=lambda s, length, engine, wall, speaking: served.append(speaking),
     )
-    await session.open()
-    serving = asyncio.ensure_future(session.run())
-    for seq in (1, 2, 3):
-        session.submit(UnitInput(seq=seq, pcm=SILENCE))
-        async for event in session.journal.events():
-            if event.seq == seq:
-                break
-    session.close(CloseReason.USER_STOP)
+    serving = await serve_one_by_one(session, (1, 2, 3))
     await asyncio.wait_for(serving, scaled(2))
     executor.shutdown()
     assert served == [False, True, False]
