@@ -50,8 +50,11 @@ def _reference(config: WorkerConfig) -> Engine:
 
 def _minicpmo(config: WorkerConfig) -> Engine:
     from omnifabric.worker.engines.minicpmo import MiniCPMOEngine
+    from omnifabric.worker.engines.minicpmo.step import MiniCPMOStepper
 
-    return MiniCPMOEngine.from_config(config)
+    # Batched steps (--slots > 1): the step drives the engine's sessions, so the engine
+    # gets its class here rather than importing it.
+    return MiniCPMOEngine.from_config(config, stepper_class=MiniCPMOStepper)
 
 
 #: Engine name -> factory that builds it from the worker's config (not yet loaded).

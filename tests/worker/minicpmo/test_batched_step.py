@@ -38,7 +38,11 @@ def eng16(request, tiny_dirs):
 
     layout = request.param
     code = dict(LAYOUTS)[layout]
-    eng = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", slots=16, api=layout)
+    from omnifabric.worker.engines.minicpmo.step import MiniCPMOStepper
+
+    eng = MiniCPMOEngine(
+        str(tiny_dirs[code]), device="cpu", slots=16, api=layout, stepper_class=MiniCPMOStepper
+    )
     eng.load()
     assert eng.layout == layout
     eng._solo_cache = {}  # plan key -> solo records (shared by the tests of a layout)

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from omnifabric.worker.engines.minicpmo import layouts
+from omnifabric.worker.engines.minicpmo.rows import Row, Steps, unit_end
 from omnifabric.worker.engines.minicpmo.slots import feed
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.minicpmo.engine import MiniCPMOSession
-    from omnifabric.worker.engines.minicpmo.step import MiniCPMOStepper, _Row
 
 #: The duplex class's decoder call takes no length penalty: the decoder's default applies.
 DECODER_LENGTH_PENALTY = 1.1
@@ -48,7 +48,7 @@ def generator(session: MiniCPMOSession, device: torch.device) -> torch.Generator
 class _Plan:
     """A row's decode settings for its unit."""
 
-    def __init__(self, row: _Row) -> None:
+    def __init__(self, row: Row) -> None:
         args = row.args
         self.unified = row.session.handle.layout == layouts.UNIFIED
         self.cap = int(args["max_new_speak_tokens_per_chunk"])
@@ -65,7 +65,7 @@ class _Plan:
         )
 
 
-def run(stepper: MiniCPMOStepper, rows: list[_Row]) -> None:
+def run(stepper: Steps, rows: list[Row]) -> None:
     """Decode one unit of every row: all LLM forwards of the loop, the bookkeeping the
     public generate keeps, and each row's outcome on the row."""
     engine = stepper.engine
@@ -90,7 +90,7 @@ def run(stepper: MiniCPMOStepper, rows: list[_Row]) -> None:
         if not going:
             break
         decided = _decide([r for r in going if not r.force], plans, j)
-        fed: list[tuple[_Row, int]] = []
+        fed: list[tuple[Row, int]] = []
         for row in going:
             d = row.duplex
             tid = d.listen_token_id if row.force else decided.pop(0)
@@ -122,14 +122,14 @@ def run(stepper: MiniCPMOStepper, rows: list[_Row]) -> None:
         _finish(stepper, row, plans[id(row)])
 
 
-def _slot(row: _Row) -> int:
+def _slot(row: Row) -> int:
     slot = row.session.kv_slot
     if slot is None:
         raise RuntimeError("a batched row without a KV slot")
     return slot
 
 
-def _start(stepper: MiniCPMOStepper, row: _Row) -> None:
+def _start(stepper: Steps, row: Row) -> None:
     """The public generate's opening: the counters and a forced listen closing a turn."""
     session, d = row.session, row.duplex
     session.units += 1
@@ -142,7 +142,7 @@ def _start(stepper: MiniCPMOStepper, row: _Row) -> None:
                 d._reset_token2wav_for_new_turn()
 
 
-def _host(row: _Row, tid: int, j: int, char_limit: bool) -> bool:
+def _host(row: Row, tid: int, j: int, char_limit: bool) -> bool:
     """The host rules for the row's token at step j; True when it is fed."""
     d = row.duplex
     d.total_ids.append(tid)
@@ -166,7 +166,7 @@ def _host(row: _Row, tid: int, j: int, char_limit: bool) -> bool:
     return True
 
 
-def _finish(stepper: MiniCPMOStepper, row: _Row, plan: _Plan) -> None:
+def _finish(stepper: Steps, row: Row, plan: _Plan) -> None:
     """The public generate's closing bookkeeping (pending finalize, or the duplex class's
     `</unit>` and unit end, its KV tokens deferred to the next prefill)."""
     d = row.duplex
@@ -184,14 +184,12 @@ def _finish(stepper: MiniCPMOStepper, row: _Row, plan: _Plan) -> None:
             "input_type": input_type,
         }
     else:
-        from omnifabric.worker.engines.minicpmo.step import _unit_end
-
-        unit_end = tokenizer.convert_tokens_to_ids("</unit>")
-        d.total_ids.append(unit_end)
-        deferred = ([row.terminator] if row.terminator is not None else []) + [unit_end]
+        close_id = tokenizer.convert_tokens_to_ids("</unit>")
+        d.total_ids.append(close_id)
+        deferred = ([row.terminator] if row.terminator is not None else []) + [close_id]
         stepper.defer(row, deferred)
         length = stepper.cache.length(_slot(row)) + len(deferred)
-        _unit_end(
+        unit_end(
             d.decoder,
             {
                 "input_type": input_type,
@@ -204,7 +202,7 @@ def _finish(stepper: MiniCPMOStepper, row: _Row, plan: _Plan) -> None:
     d.total_hidden.append([] if row.is_listen else row.hidden)
 
 
-def _decide(rows: list[_Row], plans: dict[int, _Plan], j: int) -> list[int]:
+def _decide(rows: list[Row], plans: dict[int, _Plan], j: int) -> list[int]:
     """One token per row by the public decoder's rules; one host sync for the batch."""
     if not rows:
         return []

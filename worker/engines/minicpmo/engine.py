@@ -16,9 +16,9 @@ import importlib.util
 import io
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from omnifabric.worker.engine import (
     Engine,
     EngineSession,
     GenerateResult,
+    StepOutcome,
+    Stepper,
+    StepRow,
 )
 from omnifabric.worker.engines.minicpmo import layouts, voice
 from omnifabric.worker.engines.minicpmo.code import import_module
@@ -38,7 +41,6 @@ from omnifabric.worker.errors import EngineUnavailable
 
 if TYPE_CHECKING:  # it imports torch (silero-vad)
     from omnifabric.worker.engines.minicpmo.half_duplex import HalfDuplexCall
-    from omnifabric.worker.engines.minicpmo.step import MiniCPMOStepper
 
 log = logging.getLogger("omnifabric.worker.minicpmo")
 
@@ -139,6 +141,18 @@ def _images(frames: list[bytes]) -> list[Any]:
     from PIL import Image
 
     return [Image.open(io.BytesIO(f)).convert("RGB") for f in frames]
+
+
+class BatchedStep(Protocol):
+    """What the engine and its sessions use of the batched step (step.MiniCPMOStepper,
+    which drives this module's sessions; the worker's engine registry hands its class in)."""
+
+    def step(self, rows: Sequence[StepRow]) -> StepOutcome: ...
+    def release(self, session: MiniCPMOSession) -> None: ...
+    def unslot(self, session: MiniCPMOSession) -> None: ...
+    def kv_length(self, session: MiniCPMOSession) -> int: ...
+    @property
+    def cache(self) -> Any: ...
 
 
 class MiniCPMOSession(EngineSession):
@@ -375,6 +389,7 @@ class MiniCPMOEngine(Engine):
         text_only: bool = False,
         default_voice: str | None = None,
         context_tokens: int = 8192,
+        stepper_class: Callable[[MiniCPMOEngine], BatchedStep] | None = None,
     ) -> None:
         self.model_path = model_path
         self.device = device
@@ -396,14 +411,18 @@ class MiniCPMOEngine(Engine):
         self._sessions: dict[int, MiniCPMOSession] = {}
         self._lock = threading.RLock()
         self._resident: MiniCPMOSession | _ChatState | None = None
-        self.batched: MiniCPMOStepper | None = None
+        self.batched: BatchedStep | None = None
         """The batched stepper, once asked for (stepper())."""
+        self.stepper_class = stepper_class
+        """Builds the batched step (step.MiniCPMOStepper); None: sessions time-slice."""
         self.kv_slot_tokens = context_tokens + self.SLOT_SPARE_TOKENS
         """Tokens each slot of the batched stepper's LLM KV cache holds: the context cap
         (a session reaching it closes) and room for the unit that crosses it."""
 
     @classmethod
-    def from_config(cls, config: Any) -> MiniCPMOEngine:
+    def from_config(
+        cls, config: Any, stepper_class: Callable[[MiniCPMOEngine], BatchedStep] | None = None
+    ) -> MiniCPMOEngine:
         return cls(
             config.model_path,
             config.device or "cuda",
@@ -414,6 +433,7 @@ class MiniCPMOEngine(Engine):
             text_only=config.text_only,
             default_voice=config.default_voice,
             context_tokens=config.max_context_tokens,
+            stepper_class=stepper_class,
         )
 
     # ---- loading -------------------------------------------------------------------
@@ -526,15 +546,14 @@ class MiniCPMOEngine(Engine):
     #: slices, its speech, its deferred finalize).
     SLOT_SPARE_TOKENS = 1024
 
-    def stepper(self) -> MiniCPMOStepper | None:
-        """The batched step (step.py) when the engine holds several sessions; built once,
-        its LLM KV slot cache allocated now (slots x the context cap, logged)."""
-        if self.slots <= 1:
+    def stepper(self) -> Stepper | None:
+        """The batched step (step.py) when the engine holds several sessions and was given
+        its class; built once, its LLM KV slot cache allocated now (slots x the context
+        cap, logged)."""
+        if self.slots <= 1 or self.stepper_class is None:
             return None
         if self.batched is None:
-            from omnifabric.worker.engines.minicpmo.step import MiniCPMOStepper
-
-            self.batched = MiniCPMOStepper(self)
+            self.batched = self.stepper_class(self)
             if self.model is not None:
                 cache = self.batched.cache
                 log.info(
@@ -545,6 +564,7 @@ class MiniCPMOEngine(Engine):
                     cache.nbytes / 2**30,
                     self.device,
                 )
+        assert isinstance(self.batched, Stepper)
         return self.batched
 
     # ---- sessions --------------------------------------------------------------------

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -68,6 +67,7 @@ from omnifabric.worker.engines.minicpmo.engine import (
     MiniCPMOSession,
     _images,
 )
+from omnifabric.worker.engines.minicpmo.rows import Row, unit_end
 from omnifabric.worker.engines.minicpmo.slots import NoFreeSlot, SlotCache, feed
 
 if TYPE_CHECKING:
@@ -101,41 +101,6 @@ def _audio_row(feature: Any, cache: Any) -> AudioRow:
 
 class _RowFailed(Exception):
     """Wraps the exception that failed one row (kept apart from the others)."""
-
-
-@dataclass
-class _Row:
-    """One session's unit in the step, from its preparation to its result."""
-
-    index: int
-    session: MiniCPMOSession
-    step_row: StepRow
-    duplex: Any
-    args: dict[str, Any]
-    force: bool
-    close_turn: bool
-    deferred: list[int]
-    """KV tokens of the previous unit not fed yet ([terminator, </unit>])."""
-    images: list[Any] = field(default_factory=list)
-    frames: Any = None
-    slice_counts: list[int] = field(default_factory=list)
-    vision: torch.Tensor | None = None
-    audio: torch.Tensor | None = None
-    prefill_ids: list[Any] = field(default_factory=list)
-    n_pending: int = 0
-    """Position (1-based) of the row's pending logits among its prefill tokens."""
-    costs: dict[str, float] = field(default_factory=dict)
-    logits: torch.Tensor | None = None
-    ids: list[int] = field(default_factory=list)
-    hidden: list[list[Any]] = field(default_factory=list)
-    terminator: int | None = None
-    is_listen: bool = False
-    end_of_turn: bool = False
-    had_tts_pad: bool = False
-    text: str = ""
-    tts_start_zero: bool = False
-    tts_tokens: torch.Tensor | None = None
-    wave: np.ndarray | None = None
 
 
 class MiniCPMOStepper(Stepper):
@@ -236,12 +201,12 @@ class MiniCPMOStepper(Stepper):
         pending = getattr(d, "_pending_finalize", None)
         if pending is None:
             return
-        unit_end = d.tokenizer.convert_tokens_to_ids("</unit>")
+        close_id = d.tokenizer.convert_tokens_to_ids("</unit>")
         term = pending["terminator_id"]
-        ids = [term, unit_end] if term is not None else [unit_end]
-        d.total_ids.append(unit_end)
+        ids = [term, close_id] if term is not None else [close_id]
+        d.total_ids.append(close_id)
         self._deferred[id(session)] = ids
-        _unit_end(d.decoder, pending, self.kv_length(session))
+        unit_end(d.decoder, pending, self.kv_length(session))
         d._pending_finalize = None
 
     # ---- Stepper ----------------------------------------------------------------------
@@ -294,7 +259,7 @@ class MiniCPMOStepper(Stepper):
         self.prefill_logits = {}
         engine = self.engine
         with engine._lock:
-            batch: list[_Row] = []
+            batch: list[Row] = []
             serial: list[int] = []
             for i, step_row in enumerate(rows):
                 try:
@@ -354,7 +319,7 @@ class MiniCPMOStepper(Stepper):
         window = getattr(d.decoder, "_window_config", None)
         return getattr(window, "sliding_window_mode", "off") == "off"
 
-    def _begin(self, index: int, session: MiniCPMOSession, step_row: StepRow) -> _Row | None:
+    def _begin(self, index: int, session: MiniCPMOSession, step_row: StepRow) -> Row | None:
         """The row's settings and what its prefill feeds first; None when the session goes
         through the serial path this time."""
         if not self._batchable(session):
@@ -386,7 +351,7 @@ class MiniCPMOStepper(Stepper):
             self._take_finalize(session)  # a finalize not asked for: the unit closes here
         deferred = list(self._deferred.get(id(session), []))
         session.vision_tokens = vision_tokens
-        return _Row(
+        return Row(
             index=index,
             session=session,
             step_row=step_row,
@@ -400,7 +365,7 @@ class MiniCPMOStepper(Stepper):
 
     def _batched(
         self,
-        batch: list[_Row],
+        batch: list[Row],
         out: list[tuple[dict[str, float], GenerateResult] | Exception | None],
         phases: dict[str, float],
     ) -> None:
@@ -437,12 +402,12 @@ class MiniCPMOStepper(Stepper):
 
     def _prefill_inputs(
         self,
-        batch: list[_Row],
+        batch: list[Row],
         out: list[tuple[dict[str, float], GenerateResult] | Exception | None],
         phases: dict[str, float],
-    ) -> list[_Row]:
+    ) -> list[Row]:
         """Images and audio of every row; rows that fail here leave the batch."""
-        live: list[_Row] = []
+        live: list[Row] = []
         model = self.engine.model
         processor = model.processor
         for row in batch:
@@ -486,7 +451,7 @@ class MiniCPMOStepper(Stepper):
         live = [r for r in batch if out[r.index] is None]
         return live
 
-    def _vision_embeddings(self, rows: list[_Row]) -> None:
+    def _vision_embeddings(self, rows: list[Row]) -> None:
         """Every frame (and slice) of the step in one vision call, split back per row."""
         if not rows:
             return
@@ -502,7 +467,7 @@ class MiniCPMOStepper(Stepper):
             row.vision = embeds
 
     def _audio_embeddings(
-        self, rows: list[_Row], phases: dict[str, float]
+        self, rows: list[Row], phases: dict[str, float]
     ) -> list[torch.Tensor | Exception]:
         """Each row's audio embeddings for its unit ([10, hidden]): its mel from its own
         streaming processor (per session, under its swapped state), then the streaming audio
@@ -510,7 +475,7 @@ class MiniCPMOStepper(Stepper):
         past), each row's cache put back where the session keeps it."""
         model = self.engine.model
         got: list[torch.Tensor | Exception | None] = [None] * len(rows)
-        ready: list[tuple[int, _Row, AudioRow]] = []
+        ready: list[tuple[int, Row, AudioRow]] = []
         for i, row in enumerate(rows):
             try:
                 with self.engine.using(row.session), torch.no_grad():
@@ -539,7 +504,7 @@ class MiniCPMOStepper(Stepper):
                 got[i] = out.embeds
         return [g if g is not None else RuntimeError("no audio embedding") for g in got]
 
-    def _mel(self, row: _Row, d: Any, phases: dict[str, float]) -> Any:
+    def _mel(self, row: Row, d: Any, phases: dict[str, float]) -> Any:
         """The unit's mel frames from the session's streaming processor (the session's state
         on the model), its audio buffer consumed as the public unit consumes it."""
         processor = self.engine.model.processor
@@ -572,7 +537,7 @@ class MiniCPMOStepper(Stepper):
         phases["mel"] += row.costs["audio_process"]
         return feature
 
-    def _prefill(self, rows: list[_Row], phases: dict[str, float]) -> None:
+    def _prefill(self, rows: list[Row], phases: dict[str, float]) -> None:
         """One LLM forward: every row's deferred finalize, <unit>, vision ops, audio (and a
         closing turn_eos), with the public bookkeeping around it."""
         t0 = time.perf_counter()
@@ -622,7 +587,7 @@ class MiniCPMOStepper(Stepper):
         for row, start, logits in zip(rows, starts, pending, strict=True):
             self._after_prefill(row, start, logits)
 
-    def _after_prefill(self, row: _Row, start: int, logits: torch.Tensor) -> None:
+    def _after_prefill(self, row: Row, start: int, logits: torch.Tensor) -> None:
         """The public prefill's (and merged finalize's) bookkeeping on the duplex."""
         d, session = row.duplex, row.session
         dec = d.decoder
@@ -646,12 +611,12 @@ class MiniCPMOStepper(Stepper):
         row.logits = logits
         self.prefill_logits[session.session_id] = logits
 
-    def defer(self, row: _Row, ids: list[int]) -> None:
+    def defer(self, row: Row, ids: list[int]) -> None:
         """KV tokens of the row's unit fed with its next prefill."""
         self._deferred[id(row.session)] = ids
 
     def _result(
-        self, row: _Row, phases: dict[str, float], n: int
+        self, row: Row, phases: dict[str, float], n: int
     ) -> tuple[dict[str, float], GenerateResult]:
         session = row.session
         share = {k: v / n for k, v in phases.items()}
@@ -691,28 +656,6 @@ class MiniCPMOStepper(Stepper):
             input_audio_tokens=max(0, session.input_tokens - session.vision_tokens),
             input_vision_tokens=session.vision_tokens,
         )
-
-
-def _unit_end(dec: Any, pending: dict[str, Any], cache_len: int) -> None:
-    """The decoder's unit-end bookkeeping (its window history), at context length
-    `cache_len` (what the decoder would read from its own cache)."""
-    if dec._pending_unit_id is None:
-        return
-    length = cache_len - dec._pending_unit_start_cache_len
-    if length > 0:
-        dec._unit_history.append(
-            {
-                "unit_id": dec._pending_unit_id,
-                "length": length,
-                "type": pending["input_type"],
-                "generated_tokens": pending["total_ids_in_unit"] or [],
-                "generated_text": pending["generated_text"] or "",
-                "is_listen": pending["is_listen"],
-            }
-        )
-    dec._pending_unit_id = None
-    dec._pending_unit_start_cache_len = 0
-    dec._next_unit_id += 1
 
 
 def _ms(t0: float) -> float:

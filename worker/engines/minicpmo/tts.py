@@ -26,11 +26,11 @@ import torch.nn.utils.parametrize as parametrize
 from transformers.cache_utils import DynamicCache
 
 from omnifabric.worker.engines.minicpmo import layouts
+from omnifabric.worker.engines.minicpmo.rows import Row
 from omnifabric.worker.engines.minicpmo.slots import SlotCache
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.minicpmo.engine import MiniCPMOEngine
-    from omnifabric.worker.engines.minicpmo.step import _Row
 
 #: Tokens per chunk: the public max and (mid-turn) min of generate_chunk.
 CHUNK_TOKENS = 25 + 1
@@ -53,7 +53,7 @@ class BatchedTTS:
         )
         self.gen_logits = sys.modules[type(tts).__module__].gen_logits
 
-    def run(self, rows: list[_Row], phases: dict[str, float]) -> None:
+    def run(self, rows: list[Row], phases: dict[str, float]) -> None:
         """TTS tokens, then audio, of every speaking row (row.tts_tokens, row.wave)."""
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -64,7 +64,7 @@ class BatchedTTS:
             self._vocoder(row)
         phases["vocoder"] += (time.perf_counter() - t0) * 1000.0
 
-    def _generate(self, rows: list[_Row]) -> None:
+    def _generate(self, rows: list[Row]) -> None:
         tts = self.tts
         cache = self.cache
         from omnifabric.worker.engines.minicpmo.decode import generator
@@ -170,7 +170,7 @@ class BatchedTTS:
             for slot in slots:
                 cache.release(slot)
 
-    def _eos(self, row: _Row) -> int:
+    def _eos(self, row: Row) -> int:
         eos = getattr(row.duplex, "tts_eos_token", None)
         if eos is None:
             return int(self.tts.config.num_audio_tokens) - 1
@@ -209,7 +209,7 @@ class BatchedTTS:
         cache.commit()
         return last
 
-    def _vocoder(self, row: _Row) -> None:
+    def _vocoder(self, row: Row) -> None:
         """The public waveform step for one speaker, its vocoder state swapped in."""
         session, d = row.session, row.duplex
         # The unified class always flushes; the duplex class only at a turn's first chunk.
