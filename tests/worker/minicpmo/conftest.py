@@ -8,13 +8,19 @@ test here skips. Checkpoints are built once per run (tools.minicpmo_tiny, ~10 s 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from omnifabric.tools import minicpmo_tiny
 from omnifabric.worker.engines.minicpmo import layouts
+from tests.conftest import scaled
+from tests.stack import read_until_line, start_serve
 
 CODE_DIRS = [Path(p) for p in os.environ.get("OMNI_MINICPMO_CODE_DIR", "").split(os.pathsep) if p]
 SDK = os.environ.get("OMNI_MINICPMO_SDK") or None
@@ -61,3 +67,30 @@ def engine(request, tiny_dirs):
     eng.load()
     assert eng.layout == layout
     return eng
+
+
+@contextlib.contextmanager
+def tiny_serve(
+    tiny_dir: Path, layout: str, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`omnifabric serve --engine minicpmo` on a tiny checkpoint on CPU (and `extra`): the
+    process and its edge URL once ready; stopped with SIGINT after, and it must exit 0."""
+    proc = start_serve(
+        "--engine",
+        "minicpmo",
+        "--model-dir",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--minicpmo-api",
+        layout,
+        *extra,
+        env=env,
+    )
+    try:
+        url = read_until_line(proc, "omnifabric ready: ", timeout_s=scaled(240)).split()[-1]
+        yield proc, url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=scaled(60))
+    assert proc.returncode == 0, rest

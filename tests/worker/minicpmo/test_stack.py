@@ -5,15 +5,12 @@ second appends that the worker joins into model units) and a chat turn."""
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import numpy as np
 import pytest
 
-from tests.conftest import scaled
 from tests.e2e.wsclient import WsClient
-from tests.stack import read_until_line, start_serve
-from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
+from tests.worker.minicpmo.conftest import LAYOUTS, needs_code, tiny_serve
 
 pytestmark = [needs_code, pytest.mark.timeout(600)]
 
@@ -21,23 +18,8 @@ pytestmark = [needs_code, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def served(tiny_dirs):
     layout, code = LAYOUTS[0]
-    proc = start_serve(
-        "--engine",
-        "minicpmo",
-        "--model-dir",
-        str(tiny_dirs[code]),
-        "--device",
-        "cpu",
-        "--minicpmo-api",
-        layout,
-    )
-    try:
-        url = read_until_line(proc, "omnifabric ready: ", timeout_s=scaled(180)).split()[-1]
+    with tiny_serve(tiny_dirs[code], layout) as (_, url):
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=scaled(60))
-    assert proc.returncode == 0, rest
 
 
 def test_audio_session_sdk_style(served):

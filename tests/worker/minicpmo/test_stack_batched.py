@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
 import urllib.request
 
 import numpy as np
@@ -14,8 +13,8 @@ import pytest
 
 from tests.conftest import scaled
 from tests.e2e.wsclient import WsClient
-from tests.stack import read_until_line, start_serve
-from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
+from tests.stack import read_until_line
+from tests.worker.minicpmo.conftest import LAYOUTS, needs_code, tiny_serve
 
 pytestmark = [needs_code, pytest.mark.timeout(900)]
 
@@ -28,29 +27,12 @@ def served(request, tiny_dirs):
     """(edge URL, the worker's /metrics URL)."""
     layout = request.param
     code = dict(LAYOUTS)[layout]
-    proc = start_serve(
-        "--engine",
-        "minicpmo",
-        "--model-dir",
-        str(tiny_dirs[code]),
-        "--device",
-        "cpu",
-        "--minicpmo-api",
-        layout,
-        "--slots",
-        str(SESSIONS),
-        # Admission by slots alone: the tiny checkpoint on CPU is not the point here.
-        env={"OMNI_SCHEDULER_REALTIME_MARGIN": "0"},
-    )
-    try:
-        url = read_until_line(proc, "omnifabric ready: ", timeout_s=scaled(240)).split()[-1]
+    # Admission by slots alone: the tiny checkpoint on CPU is not the point here.
+    env = {"OMNI_SCHEDULER_REALTIME_MARGIN": "0"}
+    with tiny_serve(tiny_dirs[code], layout, "--slots", str(SESSIONS), env=env) as (proc, url):
         line = read_until_line(proc, "omnifabric metrics: ", timeout_s=scaled(30))
         metrics = next(w.split("=", 1)[1] for w in line.split()[2:] if w.startswith("worker"))
         yield url, metrics
-    finally:
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=scaled(60))
-    assert proc.returncode == 0, rest
 
 
 async def _session(url: str, index: int) -> list[tuple[str, str]]:
