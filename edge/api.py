@@ -30,6 +30,7 @@ from omnifabric.edge.fabric import Fabric
 from omnifabric.edge.presets import Presets
 from omnifabric.edge.sessions_api import Recordings
 from omnifabric.edge.voices import VoiceRegistry
+from omnifabric.edge.worker_client import admin_error
 
 FRONTEND_DEFAULTS = "/api/frontend_defaults"
 PRESETS = "/api/presets"
@@ -92,13 +93,10 @@ async def handle(
         try:
             return await _queue(context, method, path, body, authorization, peer)
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                return error(HTTPStatus.BAD_REQUEST, "invalid_request", err.details() or "")
-            return error(
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                "service_unavailable",
-                "the scheduler cannot be reached",
-            )
+            failure = admin_error(err)
+            if isinstance(failure, InvalidPayload):
+                return error(HTTPStatus.BAD_REQUEST, "invalid_request", failure.message)
+            return error(HTTPStatus.SERVICE_UNAVAILABLE, "service_unavailable", failure.message)
     if path == HALF_DUPLEX_STOP:
         return await _half_duplex_stop(context, method, body, authorization)
     if path == APPS or path.startswith(ADMIN_APPS):

@@ -1,7 +1,8 @@
 """Turn-based chat at the edge, without I/O: the chat commands and turn events the chat
 dialects translate, and the request validator. The turn itself (a worker slot for the
 turn only) is edge.session.run_turn, driven by edge.connection.ChatConnection for
-/v1/realtime?mode=chat, /ws/chat and POST /api/chat."""
+/v1/realtime?mode=chat, /ws/chat and POST /api/chat. A validated request is plain data;
+edge.worker_client turns it into the worker's ChatRequest."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from omnifabric.edge import events as ev
 from omnifabric.edge import pcm
 from omnifabric.edge.errors import InvalidPayload, MissingField
 from omnifabric.edge.fields import flag, integer_field, number_field, obj
-from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 
 log = logging.getLogger("omnifabric.edge.chat")
 
@@ -33,14 +33,78 @@ SHUTDOWN_MESSAGE = close_message(SERVER_SHUTDOWN)
 
 
 @dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    data: bytes
+    """An image file (JPEG, PNG, ...), verified readable."""
+
+
+@dataclass(frozen=True)
+class AudioPart:
+    pcm: bytes
+    """float32 little-endian mono PCM at 16 kHz."""
+
+
+Part = TextPart | ImagePart | AudioPart
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    """system, user or assistant."""
+    parts: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Sampling options; None: the worker's default."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    length_penalty: float | None = None
+
+
+@dataclass(frozen=True)
+class TtsOptions:
+    enabled: bool = True
+    """False: text only."""
+    mode: str = "default"
+    ref_audio: bytes = b""
+    """Voice reference: float32 16 kHz PCM (empty: the engine's voice)."""
+    language: str | None = None
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    """None: the worker's default."""
+
+    max_slice_nums: int | None = None
+    use_image_id: bool | None = None
+
+
+@dataclass(frozen=True)
 class ChatInput:
     """A validated chat request, ready for the worker."""
 
-    request: worker_pb.ChatRequest
+    messages: tuple[ChatMessage, ...]
     streaming: bool
-    speech: bool
+    generation: Generation = field(default_factory=Generation)
+    tts: TtsOptions = field(default_factory=TtsOptions)
+    image: ImageOptions = field(default_factory=ImageOptions)
+    omni_mode: bool = False
+    enable_thinking: bool = False
     notes: tuple[str, ...] = ()
     """Accepted fields that have no effect at the edge or on any engine, and why."""
+
+    @property
+    def speech(self) -> bool:
+        """The reply is spoken (tts.enabled)."""
+        return self.tts.enabled
 
 
 @dataclass
@@ -150,7 +214,7 @@ def _audio(item: dict[str, Any], where: str) -> bytes:
     return pcm.resample(audio, rate, 16000).astype("<f4").tobytes()
 
 
-def _video(item: dict[str, Any], where: str) -> list[worker_pb.ContentPart]:
+def _video(item: dict[str, Any], where: str) -> list[Part]:
     """A base64 video file -> one JPEG frame per second (at most MAX_VIDEO_FRAMES) and its
     audio track as 16 kHz mono float32. Blocking: callers run parse_chat off the loop."""
     import av
@@ -183,19 +247,19 @@ def _video(item: dict[str, Any], where: str) -> list[worker_pb.ContentPart]:
         raise InvalidPayload(f"{where}.data is not a readable video ({exc})") from None
     if not frames:
         raise InvalidPayload(f"{where}.data has no decodable frames")
-    parts = [worker_pb.ContentPart(image=f) for f in frames]
+    parts: list[Part] = [ImagePart(f) for f in frames]
     if audio:
         pcm16k = np.concatenate(audio)[: MAX_AUDIO_SECONDS * 16000]
-        parts.append(worker_pb.ContentPart(audio_pcm=pcm16k.astype("<f4").tobytes()))
+        parts.append(AudioPart(pcm16k.astype("<f4").tobytes()))
     return parts
 
 
-def _parts(content: object, where: str) -> list[worker_pb.ContentPart]:
+def _parts(content: object, where: str) -> tuple[Part, ...]:
     if isinstance(content, str):
-        return [worker_pb.ContentPart(text=content)]
+        return (TextPart(content),)
     if not isinstance(content, list):
         raise InvalidPayload(f"{where}.content must be a string or a list of parts")
-    parts = []
+    parts: list[Part] = []
     for j, item in enumerate(content):
         at = f"{where}.content[{j}]"
         if not isinstance(item, dict):
@@ -204,16 +268,16 @@ def _parts(content: object, where: str) -> list[worker_pb.ContentPart]:
         if kind == "text":
             if not isinstance(item.get("text"), str):
                 raise MissingField(f"{at}.text is required")
-            parts.append(worker_pb.ContentPart(text=item["text"]))
+            parts.append(TextPart(item["text"]))
         elif kind == "image":
-            parts.append(worker_pb.ContentPart(image=_image(item.get("data"), f"{at}.data")))
+            parts.append(ImagePart(_image(item.get("data"), f"{at}.data")))
         elif kind == "audio":
-            parts.append(worker_pb.ContentPart(audio_pcm=_audio(item, at)))
+            parts.append(AudioPart(_audio(item, at)))
         elif kind == "video":
             parts.extend(_video(item, at))
         else:
             raise InvalidPayload(f"{at}.type must be text, image, audio or video")
-    return parts
+    return tuple(parts)
 
 
 def parse_chat(body: dict[str, Any]) -> ChatInput:
@@ -226,7 +290,7 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
         raise InvalidPayload("'messages' must be a non-empty list")
     if len(messages) > MAX_MESSAGES:
         raise InvalidPayload(f"at most {MAX_MESSAGES} messages per request")
-    request = worker_pb.ChatRequest()
+    parsed = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidPayload(f"messages[{i}] must be an object")
@@ -235,50 +299,55 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
             raise InvalidPayload(f"messages[{i}].role must be system, user or assistant")
         if "content" not in message:
             raise MissingField(f"messages[{i}].content is required")
-        request.messages.append(
-            worker_pb.ChatMessage(role=role, parts=_parts(message["content"], f"messages[{i}]"))
-        )
-    if request.messages[-1].role != "user":
+        parsed.append(ChatMessage(role, _parts(message["content"], f"messages[{i}]")))
+    if parsed[-1].role != "user":
         raise InvalidPayload("the last message must be the user's")
     streaming = body.get("streaming", True)
     if not isinstance(streaming, bool):
         raise InvalidPayload("'streaming' must be true or false")
     gen = obj(body, "generation")
-    g = request.generation
-    if (n := integer_field(gen, "max_new_tokens", 1, MAX_NEW_TOKENS, "generation")) is not None:
-        g.max_new_tokens = n
-    if (x := number_field(gen, "temperature", 0.0, 5.0, "generation")) is not None:
-        g.temperature = x
-    if (x := number_field(gen, "top_p", 0.0, 1.0, "generation")) is not None:
-        g.top_p = x
-    if (x := number_field(gen, "length_penalty", 0.0, 10.0, "generation")) is not None:
-        g.length_penalty = x
+    generation = Generation(
+        max_new_tokens=integer_field(gen, "max_new_tokens", 1, MAX_NEW_TOKENS, "generation"),
+        temperature=number_field(gen, "temperature", 0.0, 5.0, "generation"),
+        top_p=number_field(gen, "top_p", 0.0, 1.0, "generation"),
+        length_penalty=number_field(gen, "length_penalty", 0.0, 10.0, "generation"),
+    )
     tts = obj(body, "tts")
     enabled = flag(tts, "enabled", "tts")
-    request.tts.enabled = True if enabled is None else enabled
     mode = tts.get("mode", "default")
     if mode not in TTS_MODES:
         raise InvalidPayload(f"tts.mode must be one of {', '.join(TTS_MODES)}")
-    request.tts.mode = mode
     notes = []
+    ref_audio = b""
     if tts.get("ref_audio_data"):
-        request.tts.ref_audio_pcm = pcm.reference_audio(tts["ref_audio_data"], "tts.ref_audio_data")
+        ref_audio = pcm.reference_audio(tts["ref_audio_data"], "tts.ref_audio_data")
     elif tts.get("ref_audio_path"):
         if not isinstance(tts["ref_audio_path"], str):
             raise InvalidPayload("tts.ref_audio_path must be a string")
         notes.append("tts.ref_audio_path: server-side paths are not read (send ref_audio_data)")
-    if tts.get("language") is not None:
-        if not isinstance(tts["language"], str):
-            raise InvalidPayload("tts.language must be a string")
-        request.tts.language = tts["language"]
+    language = tts.get("language")
+    if language is not None and not isinstance(language, str):
+        raise InvalidPayload("tts.language must be a string")
     image = obj(body, "image")
-    if (v := integer_field(image, "max_slice_nums", 1, 16, "image")) is not None:
-        request.image.max_slice_nums = v
-    if (v := flag(image, "use_image_id", "image")) is not None:
-        request.image.use_image_id = v
-    request.omni_mode = bool(flag(body, "omni_mode", ""))
-    request.enable_thinking = bool(flag(body, "enable_thinking", ""))
-    return ChatInput(request, streaming, request.tts.enabled, tuple(notes))
+    images = ImageOptions(
+        max_slice_nums=integer_field(image, "max_slice_nums", 1, 16, "image"),
+        use_image_id=flag(image, "use_image_id", "image"),
+    )
+    return ChatInput(
+        messages=tuple(parsed),
+        streaming=streaming,
+        generation=generation,
+        tts=TtsOptions(
+            enabled=True if enabled is None else enabled,
+            mode=mode,
+            ref_audio=ref_audio,
+            language=language,
+        ),
+        image=images,
+        omni_mode=bool(flag(body, "omni_mode", "")),
+        enable_thinking=bool(flag(body, "enable_thinking", "")),
+        notes=tuple(notes),
+    )
 
 
 def metrics_json(result: ChatResult) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""gRPC clients of the fabric: one channel to the scheduler, one per worker address.
+"""gRPC clients of the fabric: one channel to the scheduler, one per worker address, and
+the wait for a lease on an Acquire (or Reattach) stream. What the messages hold and what a
+failed call's status means for the client are edge.worker_client's.
 
 TLS (OMNI_FABRIC_TLS_*): with a CA the edge dials the scheduler and the workers over TLS
 and checks their certificates against that CA; with a certificate and key as well it
@@ -14,16 +16,8 @@ import grpc
 
 from omnifabric.common import tls
 from omnifabric.edge import events as ev
-from omnifabric.edge.errors import (
-    QueueCancelled,
-    QueueFull,
-    ResumeExpired,
-    ResumeForbidden,
-    ResumeUnknown,
-    ServiceUnavailable,
-    TooManySessions,
-)
-from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.edge.errors import ServiceUnavailable
+from omnifabric.edge.worker_client import Lease, lease_error, queued_from
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 
@@ -148,12 +142,13 @@ class Fabric:
 
 async def wait_for_lease(
     call: grpc.aio.UnaryStreamCall, on_queued: Callable[[ev.Queued], Awaitable[None]]
-) -> scheduler_pb.Lease:
+) -> Lease:
     """Read an Acquire stream until its lease, reporting queue positions via on_queued.
 
     The call stays open (the lease lives as long as it); on any error it is cancelled.
-    Raises QueueFull or ServiceUnavailable (also when the scheduler does not answer
-    within FIRST_REPLY_TIMEOUT_S).
+    Raises ServiceUnavailable when the scheduler does not answer within
+    FIRST_REPLY_TIMEOUT_S or ends the stream without a lease, and the edge error of a failed
+    call (worker_client.lease_error: QueueFull, TooManySessions, Resume*, ...).
     """
     first = True
     try:
@@ -169,10 +164,7 @@ async def wait_for_lease(
                 raise ServiceUnavailable("the scheduler ended the queue without a lease")
             kind = response.WhichOneof("kind")
             if kind == "queued":
-                q = response.queued
-                await on_queued(
-                    ev.Queued(q.position, q.queue_length, q.estimated_wait_s, q.ticket_id, first)
-                )
+                await on_queued(queued_from(response.queued, first))
                 first = False
             elif kind == "lease":
                 return response.lease
@@ -180,40 +172,7 @@ async def wait_for_lease(
                 raise ServiceUnavailable("the worker was lost before the session started")
     except grpc.aio.AioRpcError as err:
         call.cancel()
-        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            details = err.details() or ""
-            if details.startswith(KEY_LIMIT_PREFIX) and _from_scheduler(err):
-                raise TooManySessions(details.partition(": ")[2]) from None
-            raise QueueFull("the queue is full, try again later") from None
-        resume_error = _RESUME_ERRORS.get(err.code())
-        if resume_error is not None and _from_scheduler(err):
-            # Reattach's refusals: "resume_<why>: <text>"
-            raise resume_error((err.details() or "").partition(": ")[2] or "refused") from None
-        if err.code() == grpc.StatusCode.ABORTED and _from_scheduler(err):
-            raise QueueCancelled("an operator removed this request from the queue") from None
-        if err.code() == grpc.StatusCode.UNAVAILABLE and _from_scheduler(err):
-            # The scheduler's own refusal: no worker for the mode, or shutting down.
-            raise ServiceUnavailable(err.details() or "no worker available") from None
-        # Transport failures: their details name addresses and are not for clients.
-        raise ServiceUnavailable("the scheduler cannot be reached") from None
+        raise lease_error(err) from None
     except BaseException:
         call.cancel()
         raise
-
-
-#: The scheduler's refusal of a key at its fabric-wide session limit starts so
-#: (scheduler.errors.KeySessionLimit).
-KEY_LIMIT_PREFIX = "key_session_limit:"
-_RESUME_ERRORS = {
-    grpc.StatusCode.NOT_FOUND: ResumeUnknown,
-    grpc.StatusCode.FAILED_PRECONDITION: ResumeExpired,
-    grpc.StatusCode.PERMISSION_DENIED: ResumeForbidden,
-}
-
-
-def _from_scheduler(err: grpc.aio.AioRpcError) -> bool:
-    """True when the status came from the scheduler's handlers, not from the transport."""
-    return any(
-        key == "omni-error-source" and value == "scheduler"
-        for key, value in (err.trailing_metadata() or ())
-    )

@@ -160,7 +160,7 @@ def voice_id(bodies: tuple[dict[str, Any], ...], key: str, audio_key: str) -> st
 def slice_count(value: Any, where: str = "max_slice_nums") -> int:
     """A max_slice_nums as sent (0 when absent): a positive integer that fits the wire
     (uint32). Only its form is checked here; the range a model takes comes from the
-    leased worker (edge.session.check_slices, against the lease's limits)."""
+    leased worker (edge.worker_client.check_slices, against the lease's limits)."""
     if value is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,8 +1,9 @@
 """One client session through the fabric, independent of the client's transport and
 dialect: SessionCore for a duplex session, run_turn for one chat turn.
 
-The core holds the scheduler lease (the Acquire stream) and the worker Session stream,
-turns commands into protobuf and worker responses into session events. Adapters
+The core holds the scheduler lease (the Acquire stream) and the worker Session stream and
+drives them; what goes over them is edge.worker_client's (the protobuf requests, the
+replies' domain events, the gRPC statuses' edge errors). Adapters
 (WebSocket JSON, gRPC RealtimeService) feed commands in and receive events through
 `emit`, called from the core's own tasks in order.
 """
@@ -10,11 +11,10 @@ turns commands into protobuf and worker responses into session events. Adapters
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 from opentelemetry import context as otel_context
@@ -24,29 +24,36 @@ from opentelemetry.trace import Span
 from omnifabric.common import logs, telemetry
 from omnifabric.common.close_reasons import close_message
 from omnifabric.edge import events as ev
-from omnifabric.edge.chat import (
-    ChatInput,
-    ChatResult,
-    TurnDelta,
-    TurnEvent,
-    TurnLeased,
-    TurnPrefilled,
-    TurnQueued,
-)
+from omnifabric.edge.chat import ChatInput, ChatResult, TurnEvent, TurnLeased, TurnQueued
 from omnifabric.edge.errors import (
     EdgeError,
-    InferenceError,
     InvalidEvent,
     InvalidPayload,
     NotReady,
-    ResumeExpired,
     WorkerConnectFailed,
 )
 from omnifabric.edge.fabric import Fabric, wait_for_lease
 from omnifabric.edge.metrics import METRICS, EdgeMetrics
-from omnifabric.omni.realtime.v1 import common_pb2
-from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
+from omnifabric.edge.worker_client import (
+    DUPLEX_MODES,
+    EngineLimits,
+    Lease,
+    acquire_request,
+    chat_request,
+    check_slices,
+    close_request,
+    output_from,
+    read_chat,
+    reason_name,
+    reattach_request,
+    resume_error,
+    resume_request,
+    retry_on_new_channel,
+    start_error,
+    start_request,
+    unit_request,
+    usage_from,
+)
 
 log = logging.getLogger("omnifabric.edge.session")
 TRACER = telemetry.tracer("edge")
@@ -54,49 +61,15 @@ TRACER = telemetry.tracer("edge")
 Event = ev.Queued | ev.QueueDone | ev.Created | ev.Output | ev.Closed | ev.Reattached
 Emit = Callable[[Event], Awaitable[None]]
 
-_MODES = {"audio": common_pb2.MODE_AUDIO, "video": common_pb2.MODE_VIDEO}
-_REASONS = {
-    ev.USER_STOP: common_pb2.CLOSE_REASON_USER_STOP,
-    ev.CLIENT_CLOSED: common_pb2.CLOSE_REASON_CLIENT_CLOSED,
-    ev.SERVER_SHUTDOWN: common_pb2.CLOSE_REASON_SERVER_SHUTDOWN,
-    ev.ERROR: common_pb2.CLOSE_REASON_ERROR,
-}
-
 
 #: The unit watchdog waits at least this long past the worker's own engine timeout (its
 #: SessionStarted.unit_timeout_ms): a slow unit of a healthy worker is the worker's to end.
 WORKER_TIMEOUT_MARGIN_S = 1.0
 
 
-def digest(value: str) -> str:
-    """sha256 hex: what the fabric gets of a resume token and of its owner's identity."""
-    return hashlib.sha256(value.encode()).hexdigest()
-
-
 def new_session_id(prefix: str = "rt_") -> str:
     """Opaque session id: {prefix}{timestamp_ms} plus a random suffix for uniqueness."""
     return f"{prefix}{int(time.time() * 1000)}_{secrets.token_hex(3)}"
-
-
-def reason_name(value: int) -> str:
-    """CloseReason enum value -> reason name (user_stop, timeout, ...)."""
-    if value == common_pb2.CLOSE_REASON_UNSPECIFIED:
-        return ev.ERROR
-    return common_pb2.CloseReason.Name(value).removeprefix("CLOSE_REASON_").lower()
-
-
-#: Usage's field names, read from its descriptor once (every result carries a Usage).
-_USAGE_FIELDS = tuple(f.name for f in common_pb2.Usage.DESCRIPTOR.fields)
-
-
-def usage_from(msg: common_pb2.Usage) -> ev.Usage:
-    """Protobuf usage -> domain usage."""
-    return ev.Usage(**{name: getattr(msg, name) for name in _USAGE_FIELDS})
-
-
-def config_to(settings: ev.DuplexSettings) -> common_pb2.DuplexConfig:
-    """Domain duplex settings -> protobuf (unset fields stay unset)."""
-    return common_pb2.DuplexConfig(**{k: v for k, v in settings.__dict__.items() if v is not None})
 
 
 def check_unit_length(samples: int, fewest: int, most: int) -> None:
@@ -105,49 +78,6 @@ def check_unit_length(samples: int, fewest: int, most: int) -> None:
         raise InvalidPayload(
             f"audio: {samples} samples; this server takes {fewest} to {most} per unit"
         )
-
-
-def check_slices(
-    value: int, limits: common_pb2.EngineLimits | None, what: str = "max_slice_nums"
-) -> None:
-    """A max_slice_nums (0: unset) against the leased worker's range; nothing to check
-    without limits (older schedulers and workers: the worker alone decides). Raises
-    InvalidPayload naming the range."""
-    if not value or limits is None or not limits.max_slice_nums:
-        return
-    if not limits.min_slice_nums <= value <= limits.max_slice_nums:
-        raise InvalidPayload(
-            f"{what}: {value}; this server takes {limits.min_slice_nums} to {limits.max_slice_nums}"
-        )
-
-
-def output_from(result: worker_pb.UnitResult) -> ev.Output:
-    """A worker's UnitResult -> the domain output event."""
-    t = result.timings
-    timings = {
-        "prefill_ms": t.prefill_ms,
-        "generate_ms": t.generate_ms,
-        "finalize_wait_ms": t.finalize_wait_ms,
-        "wall_clock_ms": t.wall_clock_ms,
-        "queue_ms": t.queue_ms,
-        "engine_busy_ms": t.engine_busy_ms,
-    }
-    timings.update({f"cost_{k}_ms": v for k, v in t.engine_costs_ms.items()})
-    return ev.Output(
-        seq=result.seq,
-        is_listen=result.is_listen,
-        text=result.text,
-        pcm=result.pcm,
-        end_of_turn=result.end_of_turn,
-        kv_cache_length=result.kv_cache_length,
-        timings_ms=timings,
-        usage=usage_from(result.usage),
-        dropped_seqs=tuple(result.dropped_seqs),
-        n_tokens=result.n_tokens,
-        n_tts_tokens=result.n_tts_tokens,
-        input_transcript=result.input_transcript,
-        audio_dropped=result.audio_dropped,
-    )
 
 
 class SessionCore:
@@ -172,8 +102,8 @@ class SessionCore:
         owner: str = "",
         key_limit: int = 0,
     ) -> None:
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {sorted(_MODES)}")
+        if mode not in DUPLEX_MODES:
+            raise ValueError(f"mode must be one of {sorted(DUPLEX_MODES)}")
         self.mode = mode
         self.session_id = session_id or new_session_id()
         self._fabric = fabric
@@ -187,7 +117,7 @@ class SessionCore:
         """Units sent and not yet answered (nor reported dropped): seq -> send time."""
         self._acquire_call: grpc.aio.UnaryStreamCall | None = None
         self._worker_call: grpc.aio.StreamStreamCall | None = None
-        self._lease: scheduler_pb.Lease | None = None
+        self._lease: Lease | None = None
         self._tasks: list[asyncio.Task] = []
         self._seq = 0
         self._usage = ev.Usage()
@@ -238,7 +168,7 @@ class SessionCore:
         return self._lease.lease_id if self._lease else ""
 
     @property
-    def limits(self) -> common_pb2.EngineLimits | None:
+    def limits(self) -> EngineLimits | None:
         """What the leased worker's engine accepts, from the lease; None before the lease
         or when the scheduler passed on none."""
         if self._lease is None or not self._lease.HasField("limits"):
@@ -268,13 +198,16 @@ class SessionCore:
 
         Raises QueueFull or ServiceUnavailable. Emits QueueDone once leased.
         """
-        request = scheduler_pb.AcquireRequest(mode=_MODES[self.mode], session_id=self.session_id)
-        key_claim(request, self._owner, self._key_limit)
         if self.resume_window_s > 0:
             self.resume_token = secrets.token_urlsafe(32)
-            request.resume_key = digest(self.resume_token)
-            request.owner = digest(self._owner)
-            request.resume_grace_s = self.resume_window_s
+        request = acquire_request(
+            self.mode,
+            self.session_id,
+            self._owner,
+            self._key_limit,
+            self.resume_token if self.resume_window_s > 0 else "",
+            self.resume_window_s,
+        )
         queue_span = TRACER.start_span("queue", context=self._trace)
         call = self._fabric.scheduler.Acquire(
             request, metadata=telemetry.inject(trace.set_span_in_context(queue_span))
@@ -347,31 +280,24 @@ class SessionCore:
         self.check_init(init)
         self.started = True
         address = self._lease.worker_address
-        start = worker_pb.SessionStart(
-            lease_id=self._lease.lease_id,
-            session_id=self.session_id,
-            mode=_MODES[self.mode],
-            system_prompt=init.system_prompt,
-            ref_audio_pcm=init.ref_audio,
-            tts_ref_audio_pcm=init.tts_ref_audio,
-            config=config_to(init.config),
-            max_slice_nums=init.max_slice_nums,
+        start = start_request(
+            self._lease,
+            self.session_id,
+            self.mode,
+            init,
+            self.resume_window_s if self.resume_token else 0.0,
+            client_state,
         )
-        if self.resume_token:
-            start.resume_grace_s = self.resume_window_s
-            start.client_state = client_state
         for attempt in (1, 2):
             call = self._fabric.worker(address).Session(metadata=telemetry.inject(self._trace))
             self._worker_call = call
             try:
-                await call.write(worker_pb.SessionRequest(start=start))
+                await call.write(start)
                 response = await asyncio.wait_for(call.read(), self._start_timeout_s)
                 break
             except grpc.aio.AioRpcError as err:
                 call.cancel()
-                if attempt == 1 and err.code() == grpc.StatusCode.UNAVAILABLE:
-                    # The transport, not the worker, failed before any answer (a connection
-                    # that died with a cut link): once more on a fresh channel.
+                if attempt == 1 and retry_on_new_channel(err):
                     log.info(
                         "session %s: worker %s unreachable (%s); dialling it again",
                         self.session_id,
@@ -380,9 +306,7 @@ class SessionCore:
                     )
                     self._fabric.forget_worker(address)
                     continue
-                raise WorkerConnectFailed(
-                    f"the worker did not start the session: {err.details()}"
-                ) from None
+                raise start_error(err) from None
             except TimeoutError:
                 call.cancel()
                 raise WorkerConnectFailed(
@@ -417,15 +341,12 @@ class SessionCore:
         WorkerConnectFailed.
         """
         call = self._fabric.scheduler.Reattach(
-            scheduler_pb.ReattachRequest(resume_key=digest(token), owner=digest(self._owner)),
-            metadata=telemetry.inject(self._trace),
+            reattach_request(token, self._owner), metadata=telemetry.inject(self._trace)
         )
         self._acquire_call = call
         self._lease = await wait_for_lease(call, self._emit)
         self._tasks.append(asyncio.create_task(self._watch_lease(call)))
-        request = worker_pb.SessionRequest(
-            resume=worker_pb.SessionResume(lease_id=self._lease.lease_id)
-        )
+        request = resume_request(self._lease)
         address = self._lease.worker_address
         worker_call = self._fabric.worker(address).Session(metadata=telemetry.inject(self._trace))
         self._worker_call = worker_call
@@ -444,9 +365,7 @@ class SessionCore:
                     outputs.append(output_from(response.result))
         except grpc.aio.AioRpcError as err:
             worker_call.cancel()
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                raise ResumeExpired("the session is no longer on its worker") from None
-            raise WorkerConnectFailed(f"the worker did not resume: {err.details()}") from None
+            raise resume_error(err) from None
         except TimeoutError:
             worker_call.cancel()
             raise WorkerConnectFailed("the worker did not resume the session: timed out") from None
@@ -525,7 +444,7 @@ class SessionCore:
                     break
                 kind = response.WhichOneof("kind")
                 if kind == "result" and response.result.buffered:
-                    self._buffered(response.result)
+                    self._buffered(response.result.seq, response.result.dropped_seqs)
                 elif kind == "result":
                     out = output_from(response.result)
                     self._usage = out.usage
@@ -548,12 +467,12 @@ class SessionCore:
             return
         await self._finish(closed or self._closed(ev.ERROR, detail="the worker was lost"))
 
-    def _buffered(self, result: worker_pb.UnitResult) -> None:
-        """The worker kept a unit's audio for its next model unit: answered, no event."""
-        self._waiting.pop(result.seq, None)
-        for seq in result.dropped_seqs:
-            self._waiting.pop(seq, None)
-        span = self._unit_spans.pop(result.seq, None)
+    def _buffered(self, seq: int, dropped_seqs: Iterable[int]) -> None:
+        """The worker kept unit `seq`'s audio for its next model unit: answered, no event."""
+        self._waiting.pop(seq, None)
+        for dropped in dropped_seqs:
+            self._waiting.pop(dropped, None)
+        span = self._unit_spans.pop(seq, None)
         if span is not None:
             span.set_attribute("unit.buffered", True)
             span.end()
@@ -595,17 +514,7 @@ class SessionCore:
                 "edge.unit", context=self._trace, attributes={"unit.seq": self._seq}
             )
         self._metrics.unit_forwarded(self.mode, self._seq, self._unit_sent_at)
-        # Built in place: a Unit message passed to SessionRequest(unit=...) is copied
-        # (its 64 KB of PCM too); 7 -> 2 us per unit.
-        request = worker_pb.SessionRequest(
-            unit={
-                "seq": self._seq,
-                "pcm": cmd.pcm,
-                "frames": cmd.frames,
-                "force_listen": cmd.force_listen,
-                "max_slice_nums": cmd.max_slice_nums,
-            }
-        )
+        request = unit_request(self._seq, cmd)
         try:
             async with self._send_lock:
                 await self._worker_call.write(request)
@@ -628,9 +537,7 @@ class SessionCore:
             return
         try:
             async with self._send_lock:
-                await call.write(
-                    worker_pb.SessionRequest(close=worker_pb.SessionClose(reason=_REASONS[reason]))
-                )
+                await call.write(close_request(reason))
             await call.done_writing()
             await asyncio.wait_for(self.closed.wait(), self._close_timeout_s)
         except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -698,14 +605,6 @@ class SessionCore:
             log.debug("session %s: closed event not delivered", self.session_id)
 
 
-def key_claim(request: scheduler_pb.AcquireRequest, owner: str, limit: int) -> None:
-    """Let the scheduler hold the API key (`owner`, its digest) to its session limit across
-    the fabric: the digest hashed again, and the limit (nothing without either)."""
-    if owner and limit:
-        request.key = digest(owner)
-        request.key_session_limit = limit
-
-
 async def run_turn(
     fabric: Fabric,
     chat: ChatInput,
@@ -718,9 +617,7 @@ async def run_turn(
     queued, TurnLeased, TurnPrefilled, TurnDelta...); the lease and the worker's call end
     with it, also when it is cancelled. Raises QueueFull, TooManySessions,
     ServiceUnavailable, WorkerConnectFailed, InvalidPayload, InferenceError."""
-    request = scheduler_pb.AcquireRequest(mode=common_pb2.MODE_CHAT, session_id=session_id)
-    key_claim(request, owner, key_limit)
-    acquire = fabric.scheduler.Acquire(request)
+    acquire = fabric.scheduler.Acquire(acquire_request("chat", session_id, owner, key_limit))
     result = ChatResult()
     t0 = time.monotonic()
     waited = False
@@ -734,34 +631,11 @@ async def run_turn(
         lease = await wait_for_lease(acquire, queued)
         result.timings_ms["queue_ms"] = (time.monotonic() - t0) * 1000.0
         await emit(TurnLeased(waited))
-        request = worker_pb.ChatRequest()
-        request.CopyFrom(chat.request)
-        request.lease_id, request.session_id = lease.lease_id, session_id
-        call = fabric.worker(lease.worker_address).Chat(request)
+        call = fabric.worker(lease.worker_address).Chat(
+            chat_request(chat, lease.lease_id, session_id)
+        )
         try:
-            async for response in call:
-                kind = response.WhichOneof("kind")
-                if kind == "prefilled":
-                    await emit(TurnPrefilled(response.prefilled.input_tokens))
-                elif kind == "delta":
-                    result.audio.append(response.delta.pcm)
-                    await emit(TurnDelta(response.delta.text, response.delta.pcm))
-                elif kind == "done":
-                    d = response.done
-                    result.text, result.reason = d.text, d.reason or "turn_end"
-                    result.input_tokens, result.generated_tokens = (
-                        d.input_tokens,
-                        d.generated_tokens,
-                    )
-                    result.usage = usage_from(d.usage)
-                    result.ignored = tuple(d.ignored) + chat.notes
-                    result.timings_ms.update(prefill_ms=d.prefill_ms, generate_ms=d.generate_ms)
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidPayload(err.details() or "invalid chat request") from None
-            if err.code() == grpc.StatusCode.INTERNAL:
-                raise InferenceError(err.details() or "inference failed") from None
-            raise WorkerConnectFailed(f"the worker failed the turn: {err.details()}") from None
+            await read_chat(call, emit, result, chat.notes)
         finally:
             # A turn cancelled mid-stream (client gone, slow client, drain) must stop the
             # worker's generation now, not when the call object is collected.

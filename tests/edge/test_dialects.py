@@ -239,7 +239,7 @@ def test_max_slice_nums_must_be_a_positive_uint32(value):
 
 def test_max_slice_nums_range_is_not_the_parsers():
     """The parser checks the form only: the range comes from the leased worker's limits
-    (edge.session.check_slices), so a value a worker may take is not refused here."""
+    (edge.worker_client.check_slices), so a value a worker may take is not refused here."""
     cmd = parse({"type": "session.init", "payload": {"max_slice_nums": 5}})
     assert isinstance(cmd, ev.InitCommand) and cmd.max_slice_nums == 5
     cmd = parse({"type": "input.append", "input": {"audio": ONE_SECOND, "max_slice_nums": 12}})
@@ -660,7 +660,7 @@ def test_half_duplex_speech_in_chunks_heard_together_sets_vad_state():
 
 
 def test_a_sampling_seed_reaches_the_worker_config_and_bad_ones_are_refused():
-    from omnifabric.edge.session import config_to
+    from omnifabric.edge.worker_client import config_to
     from omnifabric.worker.service import decode_settings
 
     settings = fields.duplex_settings({"seed": 1234, "temperature": 0.7})

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from omnifabric.edge.errors import InvalidPayload
-from omnifabric.edge.session import check_slices, check_unit_length
+from omnifabric.edge.session import check_unit_length
+from omnifabric.edge.worker_client import check_slices
 from omnifabric.omni.realtime.v1 import common_pb2
 
 

@@ -1,0 +1,377 @@
+"""The edge's side of the fabric's wire: the one module that speaks protobuf and reads gRPC
+status codes for the edge's sessions and turns.
+
+It owns
+- the requests: AcquireRequest (mode, key claim, resume key), ReattachRequest, the worker
+  Session stream's start / unit / close / resume, and the ChatRequest of an edge.chat
+  ChatInput;
+- the replies read back into domain types: queue positions, unit results, usage, close
+  reasons, a chat turn's ChatResponse stream, and the lease's EngineLimits (check_slices);
+- the one map from a gRPC status to an edge error (edge.errors): the Acquire/Reattach stream
+  (lease_error), a worker's start and resume (start_error, resume_error, retry_on_new_channel),
+  a chat turn (chat_error) and the scheduler's admin RPCs (admin_error).
+
+Channels and stubs are edge.fabric's; the calls' lifetimes and the session state machine are
+edge.session's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import TypeAlias
+
+import grpc
+
+from omnifabric.edge import events as ev
+from omnifabric.edge.chat import (
+    AudioPart,
+    ChatInput,
+    ChatResult,
+    ImagePart,
+    TextPart,
+    TurnDelta,
+    TurnEvent,
+    TurnPrefilled,
+)
+from omnifabric.edge.errors import (
+    EdgeError,
+    InferenceError,
+    InvalidPayload,
+    QueueCancelled,
+    QueueFull,
+    ResumeExpired,
+    ResumeForbidden,
+    ResumeUnknown,
+    ServiceUnavailable,
+    TooManySessions,
+    WorkerConnectFailed,
+)
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
+
+#: The scheduler's lease (worker, address, limits), as wait_for_lease returns it.
+Lease: TypeAlias = scheduler_pb.Lease
+#: What a leased worker's engine accepts (carried by the lease).
+EngineLimits: TypeAlias = common_pb2.EngineLimits
+
+_MODES = {
+    "audio": common_pb2.MODE_AUDIO,
+    "video": common_pb2.MODE_VIDEO,
+    "chat": common_pb2.MODE_CHAT,
+}
+#: The modes of a duplex session (SessionCore); "chat" is a turn's (run_turn).
+DUPLEX_MODES = ("audio", "video")
+_REASONS = {
+    ev.USER_STOP: common_pb2.CLOSE_REASON_USER_STOP,
+    ev.CLIENT_CLOSED: common_pb2.CLOSE_REASON_CLIENT_CLOSED,
+    ev.SERVER_SHUTDOWN: common_pb2.CLOSE_REASON_SERVER_SHUTDOWN,
+    ev.ERROR: common_pb2.CLOSE_REASON_ERROR,
+}
+#: Usage's field names, read from its descriptor once (every result carries a Usage).
+_USAGE_FIELDS = tuple(f.name for f in common_pb2.Usage.DESCRIPTOR.fields)
+
+
+def digest(value: str) -> str:
+    """sha256 hex: what the fabric gets of a resume token and of its owner's identity."""
+    return hashlib.sha256(value.encode()).hexdigest()
+
+
+# ---- requests --------------------------------------------------------------------------
+
+
+def key_claim(request: scheduler_pb.AcquireRequest, owner: str, limit: int) -> None:
+    """Let the scheduler hold the API key (`owner`, its digest) to its session limit across
+    the fabric: the digest hashed again, and the limit (nothing without either)."""
+    if owner and limit:
+        request.key = digest(owner)
+        request.key_session_limit = limit
+
+
+def acquire_request(
+    mode: str,
+    session_id: str,
+    owner: str = "",
+    key_limit: int = 0,
+    resume_token: str = "",
+    resume_grace_s: float = 0.0,
+) -> scheduler_pb.AcquireRequest:
+    """The Acquire of a session of `mode` (audio, video, chat): the key claim, and with a
+    `resume_token` the session's resume key and owner (digests) and its resume window."""
+    request = scheduler_pb.AcquireRequest(mode=_MODES[mode], session_id=session_id)
+    key_claim(request, owner, key_limit)
+    if resume_token:
+        request.resume_key = digest(resume_token)
+        request.owner = digest(owner)
+        request.resume_grace_s = resume_grace_s
+    return request
+
+
+def reattach_request(token: str, owner: str) -> scheduler_pb.ReattachRequest:
+    """The scheduler's Reattach of the resumable session of `token`, for `owner`."""
+    return scheduler_pb.ReattachRequest(resume_key=digest(token), owner=digest(owner))
+
+
+def config_to(settings: ev.DuplexSettings) -> common_pb2.DuplexConfig:
+    """Domain duplex settings -> protobuf (unset fields stay unset)."""
+    return common_pb2.DuplexConfig(**{k: v for k, v in settings.__dict__.items() if v is not None})
+
+
+def start_request(
+    lease: Lease,
+    session_id: str,
+    mode: str,
+    init: ev.InitCommand,
+    resume_grace_s: float = 0.0,
+    client_state: bytes = b"",
+) -> worker_pb.SessionRequest:
+    """The worker Session stream's first message: start `session_id` on the lease; a
+    resumable session (`resume_grace_s` > 0) also hands over the client's state."""
+    start = worker_pb.SessionStart(
+        lease_id=lease.lease_id,
+        session_id=session_id,
+        mode=_MODES[mode],
+        system_prompt=init.system_prompt,
+        ref_audio_pcm=init.ref_audio,
+        tts_ref_audio_pcm=init.tts_ref_audio,
+        config=config_to(init.config),
+        max_slice_nums=init.max_slice_nums,
+    )
+    if resume_grace_s > 0:
+        start.resume_grace_s = resume_grace_s
+        start.client_state = client_state
+    return worker_pb.SessionRequest(start=start)
+
+
+def resume_request(lease: Lease) -> worker_pb.SessionRequest:
+    """The worker Session stream's first message when taking over a resumable session."""
+    return worker_pb.SessionRequest(resume=worker_pb.SessionResume(lease_id=lease.lease_id))
+
+
+def unit_request(seq: int, cmd: ev.AppendCommand) -> worker_pb.SessionRequest:
+    """One unit of input for the worker, numbered `seq`."""
+    # Built in place: a Unit message passed to SessionRequest(unit=...) is copied (its
+    # 64 KB of PCM too); 7 -> 2 us per unit.
+    return worker_pb.SessionRequest(
+        unit={
+            "seq": seq,
+            "pcm": cmd.pcm,
+            "frames": cmd.frames,
+            "force_listen": cmd.force_listen,
+            "max_slice_nums": cmd.max_slice_nums,
+        }
+    )
+
+
+def close_request(reason: str) -> worker_pb.SessionRequest:
+    """The client's end of the session (`reason`: user_stop, client_closed, ...)."""
+    return worker_pb.SessionRequest(close=worker_pb.SessionClose(reason=_REASONS[reason]))
+
+
+def _part(part: TextPart | ImagePart | AudioPart) -> worker_pb.ContentPart:
+    if isinstance(part, TextPart):
+        return worker_pb.ContentPart(text=part.text)
+    if isinstance(part, ImagePart):
+        return worker_pb.ContentPart(image=part.data)
+    return worker_pb.ContentPart(audio_pcm=part.pcm)
+
+
+def chat_request(chat: ChatInput, lease_id: str, session_id: str) -> worker_pb.ChatRequest:
+    """A validated chat request (edge.chat.parse_chat) -> the worker's ChatRequest for the
+    turn on `lease_id`. Options the client left out stay unset (the worker's defaults)."""
+    request = worker_pb.ChatRequest(
+        lease_id=lease_id,
+        session_id=session_id,
+        messages=[
+            worker_pb.ChatMessage(role=m.role, parts=[_part(p) for p in m.parts])
+            for m in chat.messages
+        ],
+    )
+    gen = request.generation
+    for name, value in chat.generation.__dict__.items():
+        if value is not None:
+            setattr(gen, name, value)
+    tts = request.tts
+    tts.enabled = chat.tts.enabled
+    tts.mode = chat.tts.mode
+    if chat.tts.ref_audio:
+        tts.ref_audio_pcm = chat.tts.ref_audio
+    if chat.tts.language is not None:
+        tts.language = chat.tts.language
+    image = request.image
+    if chat.image.max_slice_nums is not None:
+        image.max_slice_nums = chat.image.max_slice_nums
+    if chat.image.use_image_id is not None:
+        image.use_image_id = chat.image.use_image_id
+    request.omni_mode = chat.omni_mode
+    request.enable_thinking = chat.enable_thinking
+    return request
+
+
+# ---- replies -----------------------------------------------------------------------------
+
+
+def queued_from(msg: scheduler_pb.QueuePosition, first: bool) -> ev.Queued:
+    """A queue position from the Acquire stream -> the domain event."""
+    return ev.Queued(msg.position, msg.queue_length, msg.estimated_wait_s, msg.ticket_id, first)
+
+
+def reason_name(value: int) -> str:
+    """CloseReason enum value -> reason name (user_stop, timeout, ...)."""
+    if value == common_pb2.CLOSE_REASON_UNSPECIFIED:
+        return ev.ERROR
+    return common_pb2.CloseReason.Name(value).removeprefix("CLOSE_REASON_").lower()
+
+
+def usage_from(msg: common_pb2.Usage) -> ev.Usage:
+    """Protobuf usage -> domain usage."""
+    return ev.Usage(**{name: getattr(msg, name) for name in _USAGE_FIELDS})
+
+
+def output_from(result: worker_pb.UnitResult) -> ev.Output:
+    """A worker's UnitResult -> the domain output event."""
+    t = result.timings
+    timings = {
+        "prefill_ms": t.prefill_ms,
+        "generate_ms": t.generate_ms,
+        "finalize_wait_ms": t.finalize_wait_ms,
+        "wall_clock_ms": t.wall_clock_ms,
+        "queue_ms": t.queue_ms,
+        "engine_busy_ms": t.engine_busy_ms,
+    }
+    timings.update({f"cost_{k}_ms": v for k, v in t.engine_costs_ms.items()})
+    return ev.Output(
+        seq=result.seq,
+        is_listen=result.is_listen,
+        text=result.text,
+        pcm=result.pcm,
+        end_of_turn=result.end_of_turn,
+        kv_cache_length=result.kv_cache_length,
+        timings_ms=timings,
+        usage=usage_from(result.usage),
+        dropped_seqs=tuple(result.dropped_seqs),
+        n_tokens=result.n_tokens,
+        n_tts_tokens=result.n_tts_tokens,
+        input_transcript=result.input_transcript,
+        audio_dropped=result.audio_dropped,
+    )
+
+
+def check_slices(value: int, limits: EngineLimits | None, what: str = "max_slice_nums") -> None:
+    """A max_slice_nums (0: unset) against the leased worker's range; nothing to check
+    without limits (older schedulers and workers: the worker alone decides). Raises
+    InvalidPayload naming the range."""
+    if not value or limits is None or not limits.max_slice_nums:
+        return
+    if not limits.min_slice_nums <= value <= limits.max_slice_nums:
+        raise InvalidPayload(
+            f"{what}: {value}; this server takes {limits.min_slice_nums} to {limits.max_slice_nums}"
+        )
+
+
+async def read_chat(
+    call: AsyncIterable[worker_pb.ChatResponse],
+    emit: Callable[[TurnEvent], Awaitable[None]],
+    result: ChatResult,
+    notes: tuple[str, ...] = (),
+) -> None:
+    """Read a worker's Chat stream into `result`, emitting TurnPrefilled and TurnDelta;
+    the turn's `notes` follow the worker's own ignored fields. Raises the turn's errors
+    (chat_error) when the call fails."""
+    try:
+        async for response in call:
+            kind = response.WhichOneof("kind")
+            if kind == "prefilled":
+                await emit(TurnPrefilled(response.prefilled.input_tokens))
+            elif kind == "delta":
+                result.audio.append(response.delta.pcm)
+                await emit(TurnDelta(response.delta.text, response.delta.pcm))
+            elif kind == "done":
+                d = response.done
+                result.text, result.reason = d.text, d.reason or "turn_end"
+                result.input_tokens, result.generated_tokens = d.input_tokens, d.generated_tokens
+                result.usage = usage_from(d.usage)
+                result.ignored = tuple(d.ignored) + notes
+                result.timings_ms.update(prefill_ms=d.prefill_ms, generate_ms=d.generate_ms)
+    except grpc.aio.AioRpcError as err:
+        raise chat_error(err) from None
+
+
+# ---- gRPC status -> edge error -------------------------------------------------------------
+
+#: The scheduler's refusal of a key at its fabric-wide session limit starts so
+#: (scheduler.errors.KeySessionLimit).
+KEY_LIMIT_PREFIX = "key_session_limit:"
+#: Reattach's refusals ("resume_<why>: <text>").
+_RESUME_ERRORS: dict[grpc.StatusCode, type[EdgeError]] = {
+    grpc.StatusCode.NOT_FOUND: ResumeUnknown,
+    grpc.StatusCode.FAILED_PRECONDITION: ResumeExpired,
+    grpc.StatusCode.PERMISSION_DENIED: ResumeForbidden,
+}
+
+
+def _from_scheduler(err: grpc.aio.AioRpcError) -> bool:
+    """True when the status came from the scheduler's handlers, not from the transport."""
+    return any(
+        key == "omni-error-source" and value == "scheduler"
+        for key, value in (err.trailing_metadata() or ())
+    )
+
+
+def lease_error(err: grpc.aio.AioRpcError) -> EdgeError:
+    """An Acquire or Reattach stream's failure -> QueueFull, TooManySessions, ResumeUnknown,
+    ResumeExpired, ResumeForbidden, QueueCancelled or ServiceUnavailable."""
+    code = err.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        details = err.details() or ""
+        if details.startswith(KEY_LIMIT_PREFIX) and _from_scheduler(err):
+            return TooManySessions(details.partition(": ")[2])
+        return QueueFull("the queue is full, try again later")
+    resume_error = _RESUME_ERRORS.get(code)
+    if resume_error is not None and _from_scheduler(err):
+        return resume_error((err.details() or "").partition(": ")[2] or "refused")
+    if code == grpc.StatusCode.ABORTED and _from_scheduler(err):
+        return QueueCancelled("an operator removed this request from the queue")
+    if code == grpc.StatusCode.UNAVAILABLE and _from_scheduler(err):
+        # The scheduler's own refusal: no worker for the mode, or shutting down.
+        return ServiceUnavailable(err.details() or "no worker available")
+    # Transport failures: their details name addresses and are not for clients.
+    return ServiceUnavailable("the scheduler cannot be reached")
+
+
+def retry_on_new_channel(err: grpc.aio.AioRpcError) -> bool:
+    """The transport, not the worker, failed a session's start before any answer (a
+    connection that died with a cut link): worth once more on a fresh channel."""
+    return err.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def start_error(err: grpc.aio.AioRpcError) -> EdgeError:
+    """A worker's refusal (or loss) of a session's start."""
+    return WorkerConnectFailed(f"the worker did not start the session: {err.details()}")
+
+
+def resume_error(err: grpc.aio.AioRpcError) -> EdgeError:
+    """A worker's refusal (or loss) of a session's resume: ResumeExpired when the session is
+    no longer on it, else WorkerConnectFailed."""
+    if err.code() == grpc.StatusCode.NOT_FOUND:
+        return ResumeExpired("the session is no longer on its worker")
+    return WorkerConnectFailed(f"the worker did not resume: {err.details()}")
+
+
+def chat_error(err: grpc.aio.AioRpcError) -> EdgeError:
+    """A worker's failure of a chat turn: InvalidPayload (the request), InferenceError (the
+    engine) or WorkerConnectFailed (anything else)."""
+    if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidPayload(err.details() or "invalid chat request")
+    if err.code() == grpc.StatusCode.INTERNAL:
+        return InferenceError(err.details() or "inference failed")
+    return WorkerConnectFailed(f"the worker failed the turn: {err.details()}")
+
+
+def admin_error(err: grpc.aio.AioRpcError) -> EdgeError:
+    """A scheduler admin RPC's failure (the queue API): InvalidPayload when it refused the
+    request, else ServiceUnavailable (its details name addresses and are not for clients)."""
+    if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidPayload(err.details() or "")
+    return ServiceUnavailable("the scheduler cannot be reached")
