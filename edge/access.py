@@ -108,16 +108,18 @@ def warn_if_open(config: EdgeConfig) -> bool:
     return True
 
 
-#: Browsers cannot set Authorization on a WebSocket: they offer `bearer.<key>` as a
-#: subprotocol instead, which the edge never selects (so never echoes).
-SUBPROTOCOL_KEY_PREFIX = "bearer."
+#: Browsers cannot set Authorization on a WebSocket: they offer the key as a subprotocol
+#: instead, `bearer.<key>` (ours) or `openai-insecure-api-key.<key>` (OpenAI's browser
+#: clients), which the edge never selects (so never echoes).
+SUBPROTOCOL_KEY_PREFIXES = ("bearer.", "openai-insecure-api-key.")
 
 
 def subprotocol_key(offered: list[str]) -> str | None:
-    """The API key in the first `bearer.<key>` subprotocol offered, or None."""
+    """The API key in the first key subprotocol offered, or None."""
     for name in offered:
-        if name.lower().startswith(SUBPROTOCOL_KEY_PREFIX):
-            return name[len(SUBPROTOCOL_KEY_PREFIX) :] or None
+        for prefix in SUBPROTOCOL_KEY_PREFIXES:
+            if name.lower().startswith(prefix):
+                return name[len(prefix) :] or None
     return None
 
 
@@ -129,7 +131,7 @@ def key_label(digest: str) -> str:
 class KeySessions:
     """Open sessions per key digest in this edge process, against each key's limit (0 =
     unlimited). The scheduler holds the key to the same limit across every edge
-    (session.key_claim): this count answers 429 before the upgrade, that one after.
+    (worker_client.key_claim): this count answers 429 before the upgrade, that one after.
 
     A slot is taken before the upgrade (or at the RPC's start) and given back when the
     connection ends, whatever ends it.

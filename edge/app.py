@@ -41,14 +41,17 @@ from omnifabric.edge.voices import VoiceRegistry
 log = logging.getLogger("omnifabric.edge.app")
 
 SUBPROTOCOL = Subprotocol("map.realtime")
+#: What OpenAI's browser clients offer beside their key.
+OPENAI_SUBPROTOCOL = Subprotocol("realtime")
+SUBPROTOCOLS = (SUBPROTOCOL, OPENAI_SUBPROTOCOL)
 
 
 def select_subprotocol(
     _conn: ServerConnection, offered: Sequence[Subprotocol]
 ) -> Subprotocol | None:
-    """Pick map.realtime when offered; clients that offer none still connect. A
-    `bearer.<key>` offer is never selected, so the key is never echoed."""
-    return SUBPROTOCOL if SUBPROTOCOL in offered else None
+    """Pick map.realtime (or OpenAI's `realtime`) when offered; clients that offer none
+    still connect. A key offer is never selected, so the key is never echoed."""
+    return next((name for name in SUBPROTOCOLS if name in offered), None)
 
 
 def offered_subprotocols(headers: Headers) -> list[str]:
@@ -215,11 +218,12 @@ class EdgeApp:
         if self.draining:
             return _plain(HTTPStatus.SERVICE_UNAVAILABLE, "the server is draining\n")
         offered = offered_subprotocols(request.headers)
-        if subprotocol_key(offered) is not None and SUBPROTOCOL not in offered:
+        if subprotocol_key(offered) is not None and not set(SUBPROTOCOLS) & set(offered):
             # Otherwise no subprotocol is selected and browsers fail the connection silently.
             return _plain(
                 HTTPStatus.BAD_REQUEST,
-                f"offer the {SUBPROTOCOL} subprotocol along with bearer.<key>\n",
+                f"offer the {SUBPROTOCOL} subprotocol along with bearer.<key> (or "
+                f"{OPENAI_SUBPROTOCOL} with openai-insecure-api-key.<key>)\n",
             )
         digest = key_digest(self.config, request_authorization(request.headers))
         if digest is None:

@@ -13,7 +13,9 @@ A transport provides:
   the output still open (a gRPC half-close), False when the client is gone (WebSocket);
 - `send(message)`, `close(code, reason)`: queue, never block;
 - `await finish()`: flush what is queued (within the transport's own bound), then stop;
-- `path`: the request path (recordings).
+- `path`: the request path (recordings);
+- `owner`: the digest of the client's API key ("" without keys);
+- `dropped`: the client went away without a close (a resumable session is kept).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -85,6 +88,8 @@ class EdgeContext(Protocol):
 class Transport(Protocol):
     path: str
     input_end_closes: bool
+    owner: str
+    dropped: bool
 
     def bind(
         self, on_overflow: Callable[[], None], render_error: Callable[[EdgeError], Any]
@@ -133,9 +138,15 @@ class DuplexConnection:
         """The session's end is queued for the client: no more input is read."""
         self._pause: asyncio.Task | None = None
         self._aborting: asyncio.Future | None = None
+        self._acquiring: asyncio.Task | None = None
+        """Waiting in the queue (or resuming), then starting the session."""
+        self._ticker: asyncio.Task | None = None
+        self._turn: asyncio.Task | None = None
+        """A chat turn beside the session (ev.TurnCommand)."""
         self.finished = asyncio.Event()
         """Set once the connection is over and its last messages went out (drain waits)."""
         transport.bind(self._overflowed, self._render_error)
+        dialect.voices = app.voices.pcm
 
     @property
     def mode(self) -> str | None:
@@ -183,8 +194,7 @@ class DuplexConnection:
             # ResumeExpired: _resume fails it
             self._send_all(list(self.dialect.replay(event)))
             # The init the session runs with: a second one is refused as usual.
-            variant = getattr(self.dialect, "variant", None) or ev.Dialect.CURRENT
-            self._init = ev.InitCommand(dialect=variant)
+            self._init = self.dialect.resumed_init()
             return
         if isinstance(event, ev.Closed):
             self._stop_pause()
@@ -237,12 +247,12 @@ class DuplexConnection:
 
     async def _serve(self, first: list[ev.Command]) -> None:
         assert self.dialect.mode is not None
-        kind = getattr(self.dialect, "app_mode", None) or self.dialect.mode
+        kind = self.dialect.app_mode or self.dialect.mode
         if not self.app.apps.enabled(kind):
             self.fail(AppDisabled(f"{kind} sessions are switched off"))
             return
         config = self.app.config
-        owner = getattr(self.transport, "owner", "")
+        owner = self.transport.owner
         core = self.core = SessionCore(
             self.dialect.mode,
             self.app.fabric,
@@ -267,19 +277,26 @@ class DuplexConnection:
         # The session span is current for everything this connection does (log lines
         # carry its trace id; tasks created below inherit it).
         token = otel_context.attach(core.trace_context)
-        resuming = bool(self.dialect.resume_token)
-        acquire = asyncio.create_task(self._resume() if resuming else self._acquire())
+        self._send_all(self.dialect.opening())
+        if self.dialect.resume_token:
+            self._acquiring = asyncio.create_task(self._resume())
+        elif not self.dialect.lease_on_init:
+            self._acquiring = asyncio.create_task(self._acquire())
+        if self.dialect.tick_s > 0:
+            self._ticker = asyncio.create_task(self._tick())
         try:
             for cmd in first:
                 await self._handle(cmd)
             await self._read()
         finally:
             self.app.connections.discard(self)
-            acquire.cancel()
+            for task in (self._acquiring, self._ticker, self._turn):
+                if task is not None:
+                    task.cancel()
             self._stop_pause()
             if not core.closed.is_set():
                 # A dropped connection (no close frame) keeps a resumable session.
-                await core.abort(keep=getattr(self.transport, "dropped", False))
+                await core.abort(keep=self.transport.dropped)
             if self.recorder is not None:
                 self.recorder.finish(core.worker_id)
             otel_context.detach(token)
@@ -305,10 +322,9 @@ class DuplexConnection:
                     return
             message = await self.transport.receive()
             if message is None:
-                dropped = getattr(self.transport, "dropped", False)
                 if (
                     self.transport.input_end_closes
-                    and not dropped
+                    and not self.transport.dropped
                     and not self.core.closed.is_set()
                 ):
                     await self.core.close(ev.CLIENT_CLOSED)
@@ -424,6 +440,8 @@ class DuplexConnection:
             self._init = cmd = self._with_voices(cmd)
             if self._leased.is_set():
                 await self._start(cmd)
+            elif self._acquiring is None:  # the dialect queues from its first init
+                self._acquiring = asyncio.create_task(self._acquire())
             # Sent during the queue: applied once a worker is assigned (_acquire).
         elif isinstance(cmd, ev.AppendCommand):
             self.dialect.check_ready(cmd, core.started)
@@ -444,8 +462,60 @@ class DuplexConnection:
             # Resuming a session that is not paused is harmless: confirmed all the same.
             self._stop_pause()
             await self._emit(ev.Resumed())
+        elif isinstance(cmd, ev.SendCommand):
+            self._send_all(list(cmd.messages))
+        elif isinstance(cmd, ev.TurnCommand):
+            if self._turn is not None and not self._turn.done():
+                raise InvalidEvent("a response is still being generated")
+            # Off the loop: decoding and resampling a turn's audio takes milliseconds.
+            chat = await asyncio.to_thread(parse_chat, cmd.body)
+            if not self._done.is_set():
+                self._turn = asyncio.create_task(self._chat_turn(chat))
+        elif isinstance(cmd, ev.CancelTurnCommand):
+            if self._turn is not None:
+                self._turn.cancel()
         else:
             raise InvalidEvent(f"unsupported command {type(cmd).__name__}")
+
+    async def _chat_turn(self, chat: ChatInput) -> None:
+        """One chat turn beside the session (ev.TurnCommand): its events to the dialect."""
+        assert self.core is not None
+
+        async def emit(event: TurnEvent) -> None:
+            self._send_all(self.dialect.encode_turn(event))
+
+        owner = self.transport.owner
+        try:
+            await emit(TurnStarted(chat.streaming, chat.speech))
+            done = await run_turn(
+                self.app.fabric,
+                chat,
+                self.core.session_id,
+                emit,
+                owner,
+                self.app.key_sessions.limit(owner) if owner else 0,
+            )
+        except EdgeError as err:
+            self.app.metrics.client_error(err.code)
+            self._send_all(self.dialect.turn_failed(err))
+            return
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            log.exception("session %s: a chat turn failed", self.core.session_id)
+            self._send_all(self.dialect.turn_failed(InternalError("internal error")))
+            return
+        await emit(TurnDone(done))
+
+    async def _tick(self) -> None:
+        """The dialect's clock: its due commands every tick_s, until the connection ends."""
+        while not self._done.is_set():
+            await asyncio.sleep(self.dialect.tick_s)
+            for cmd in self.dialect.tick(time.monotonic()):
+                try:
+                    await self._handle(cmd)
+                except EdgeError as err:
+                    self.fail(err)
 
     async def _expire(self, timeout_s: float) -> None:
         """The pause watchdog: a pause that outlasts its timeout ends the session."""
@@ -619,7 +689,7 @@ class ChatConnection:
 
         await emit(TurnStarted(chat.streaming, chat.speech))
         try:
-            owner = getattr(self.transport, "owner", "")
+            owner = self.transport.owner
             done = await run_turn(
                 self.app.fabric,
                 chat,

@@ -99,7 +99,38 @@ class ResumeCommand:
     """End a pause (legacy `resume`); harmless when not paused."""
 
 
-Command = InitCommand | AppendCommand | CloseCommand | PauseCommand | ResumeCommand
+@dataclass(frozen=True)
+class SendCommand:
+    """Messages a dialect answers a client event with itself (no session involved: an
+    acknowledgement, a conversation item), sent in order with the session's own."""
+
+    messages: tuple[object, ...]
+
+
+@dataclass(frozen=True)
+class TurnCommand:
+    """Run one chat turn (edge.chat's request body, validated by parse_chat) beside the
+    duplex session, on a slot of its own while it is generated; its turn events go back to
+    the dialect."""
+
+    body: dict[str, object]
+
+
+@dataclass(frozen=True)
+class CancelTurnCommand:
+    """Stop the chat turn in progress (its worker slot comes back); harmless without one."""
+
+
+Command = (
+    InitCommand
+    | AppendCommand
+    | CloseCommand
+    | PauseCommand
+    | ResumeCommand
+    | SendCommand
+    | TurnCommand
+    | CancelTurnCommand
+)
 
 #: The client reason of a session a pause outlasted (legacy `timeout{pause_timeout}`).
 PAUSE_TIMEOUT = close_reasons.PAUSE_TIMEOUT

@@ -16,6 +16,7 @@ from omnifabric.edge.dialects.half_duplex import HalfDuplex
 from omnifabric.edge.dialects.http_chat import HttpChat
 from omnifabric.edge.dialects.legacy_chat import LegacyChat
 from omnifabric.edge.dialects.legacy_duplex import LegacyDuplex
+from omnifabric.edge.dialects.openai_realtime import OpenAIRealtime
 from omnifabric.edge.dialects.realtime import RealtimeDuplex
 from omnifabric.edge.dialects.realtime_chat import RealtimeChat
 
@@ -40,6 +41,9 @@ class Route(Generic[D]):
 
 
 def _realtime(_: str, query: Mapping[str, list[str]], default_mode: str) -> Dialect:
+    if "mode" not in query and "model" in query:
+        # OpenAI's clients name a model and never a mode; MiniCPM-o's always name a mode.
+        return OpenAIRealtime(query["model"][0][:128])
     mode = (query.get("mode") or [default_mode])[0]
     if mode == "chat":
         return RealtimeChat()

@@ -12,10 +12,12 @@ dialect drives one turn per request (edge.chat).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from omnifabric.edge import events as ev
+from omnifabric.edge.chat import TurnEvent
 from omnifabric.edge.errors import EdgeError, InvalidEvent, NotReady
 
 
@@ -56,10 +58,41 @@ class DuplexDialect:
     holds_input_until_started = False
     #: The text of a second init.
     already_initialized = "the session is already initialized"
+    #: The app a session of this dialect belongs to (edge.apps: switched on and off apart);
+    #: None: its mode's.
+    app_mode: str | None = None
+    #: Wait in the queue only once the client's first init arrives, not from the connect
+    #: (a dialect whose client settles its session first, or may never need a duplex slot).
+    lease_on_init = False
+    #: Seconds between calls of tick(); 0: the dialect has no clock.
+    tick_s = 0.0
+    #: The registered voices (edge.voices): a voice id -> its reference audio (float32
+    #: 16 kHz PCM), None when unknown. Set by the driver before anything is decoded.
+    voices: Callable[[str], bytes | None] | None = None
 
     def refusal(self) -> EdgeError | None:
         """An error that refuses the connection before any session (bad mode or id)."""
         return None
+
+    def opening(self) -> list[Any]:
+        """Messages sent as soon as the connection is served (before any queueing)."""
+        return []
+
+    def tick(self, now: float) -> list[ev.Command]:
+        """Commands due by the dialect's clock (time.monotonic() `now`), every tick_s."""
+        return []
+
+    def encode_turn(self, event: TurnEvent) -> list[Any]:
+        """A chat turn's event (ev.TurnCommand) -> the client's messages."""
+        return []
+
+    def turn_failed(self, err: EdgeError) -> list[Any]:
+        """The client's messages for a chat turn (ev.TurnCommand) that failed with err."""
+        return [self.error(err)]
+
+    def resumed_init(self) -> ev.InitCommand:
+        """The init a resumed session runs with (a second init is refused as usual)."""
+        return ev.InitCommand(dialect=ev.Dialect.CURRENT)
 
     def decode(self, message: Any) -> list[ev.Command]:
         """One client message -> commands. Raises EdgeError (or fields.InvalidJson)."""

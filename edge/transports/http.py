@@ -184,6 +184,8 @@ class HttpTransport:
         self.answered = False
         self.owner = ""
         """The API key digest whose session the request is ("" without keys)."""
+        self.dropped = False
+        """A request holds no session to keep for a resume."""
 
     def bind(
         self, on_overflow: Callable[[], None], render_error: Callable[[EdgeError], Any]

@@ -1,0 +1,322 @@
+"""The OpenAI Realtime dialect without I/O: its events, its clock and its turns, driven by
+plain calls as the connection driver makes them."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from omnifabric.edge import events as ev
+from omnifabric.edge import g711
+from omnifabric.edge.chat import ChatResult, TurnDelta, TurnDone, TurnStarted, parse_chat
+from omnifabric.edge.dialects import WEBSOCKET, find
+from omnifabric.edge.dialects.openai_realtime import (
+    FILL_GRACE_S,
+    OpenAIRealtime,
+    decode_audio,
+    encode_audio,
+)
+from omnifabric.edge.dialects.realtime import RealtimeDuplex
+from omnifabric.edge.errors import EdgeError, InvalidEvent, UnknownEvent
+
+
+def pcm16(seconds: float, amplitude: float = 0.0, rate: int = 24000) -> str:
+    t = np.arange(int(seconds * rate)) / rate
+    x = amplitude * np.sin(2 * np.pi * 220 * t)
+    return base64.b64encode((x * 32767).astype("<i2").tobytes()).decode()
+
+
+APPEND_NOTHING = json.dumps({"type": "input_audio_buffer.append", "audio": ""})
+
+
+def send(d: OpenAIRealtime, **event) -> list:
+    return d.decode(json.dumps(event))
+
+
+def sent_messages(commands: list) -> list[dict]:
+    return [m for c in commands if isinstance(c, ev.SendCommand) for m in c.messages]
+
+
+def running(d: OpenAIRealtime) -> OpenAIRealtime:
+    """The duplex session started (as the driver reports it)."""
+    if not any(isinstance(c, ev.InitCommand) for c in d.decode(APPEND_NOTHING)):
+        assert d.unit_bounds is None  # started by an earlier append
+    d.unit_bounds = (1600, 16000 * 30)
+    d.session_id = "rt_1"
+    assert d.encode(ev.Created("rt_1", 10)) == []
+    return d
+
+
+def output(seq: int, *, listen: bool, text: str = "", end: bool = False, **kw) -> ev.Output:
+    pcm = b"" if listen else np.full(24000, 0.1, "<f4").tobytes()
+    return ev.Output(seq, listen, text, pcm, end, 0, {}, ev.Usage(), **kw)
+
+
+def test_the_route_tells_the_openai_client_from_minicpm_o_clients():
+    route, _ = find(WEBSOCKET, "/v1/realtime")
+    assert isinstance(route.open("", {"model": ["gpt-realtime"]}, "audio"), OpenAIRealtime)
+    # The official MiniCPM-o SDK names its mode (and may name a model too).
+    both = route.open("", {"mode": ["audio"], "model": ["x"]}, "audio")
+    assert isinstance(both, RealtimeDuplex)
+    assert isinstance(route.open("", {}, "audio"), RealtimeDuplex)
+
+
+def test_session_created_on_connect_and_updated_with_what_was_set():
+    d = OpenAIRealtime("m")
+    d.session_id = "rt_1"
+    (created,) = d.opening()
+    assert created["type"] == "session.created" and created["event_id"]
+    assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+    assert created["session"]["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
+    update = {
+        "type": "realtime",
+        "instructions": "Be brief.",
+        "output_modalities": ["text"],
+        "audio": {
+            "input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
+            "output": {"format": {"type": "audio/pcma"}},
+        },
+    }
+    (updated,) = sent_messages(send(d, type="session.update", session=update))
+    session = updated["session"]
+    assert updated["type"] == "session.updated"
+    assert session["instructions"] == "Be brief." and session["output_modalities"] == ["text"]
+    assert session["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+    assert session["audio"]["input"]["turn_detection"] is None
+
+
+def test_what_the_engine_cannot_honour_is_said_once_and_the_update_applies():
+    d = OpenAIRealtime("m")
+    session = {
+        "tools": [{"type": "function", "name": "f"}],
+        "audio": {"output": {"voice": "alloy"}},
+    }
+    first = sent_messages(send(d, type="session.update", session=session, event_id="c1"))
+    notes = [m["error"] for m in first if m["type"] == "error"]
+    assert {n["param"] for n in notes} == {"session.tools", "audio.output.voice=alloy"}
+    assert all(n["code"] == "unsupported_parameter" and n["event_id"] == "c1" for n in notes)
+    assert first[-1]["type"] == "session.updated"
+    again = sent_messages(send(d, type="session.update", session=session))
+    assert [m["type"] for m in again] == ["session.updated"]
+
+
+@pytest.mark.parametrize(
+    "session, param",
+    [
+        ({"bogus": 1}, "session.bogus"),
+        ({"output_modalities": ["audio", "text"]}, "session.output_modalities"),
+        ({"max_output_tokens": 0}, "session.max_output_tokens"),
+        ({"audio": {"input": {"turn_detection": {"type": "magic"}}}}, None),
+        ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, None),
+    ],
+)
+def test_a_bad_update_is_refused_whole_with_openais_error_shape(session, param):
+    d = OpenAIRealtime("m")
+    with pytest.raises(EdgeError) as caught:
+        send(d, type="session.update", session=session, event_id="e9")
+    error = d.error(caught.value)
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["event_id"] == "e9" and error["error"]["message"]
+    if param:
+        assert error["error"]["param"] == param
+    assert d.settings.output_modalities == ("audio",)  # nothing applied
+
+
+def test_malformed_and_unknown_events_get_an_error_and_the_session_goes_on():
+    d = OpenAIRealtime("m")
+    with pytest.raises(InvalidEvent):
+        d.decode("{not json")
+    with pytest.raises(InvalidEvent):
+        d.decode(b"\x00\x01")
+    with pytest.raises(UnknownEvent):
+        send(d, type="session.fly")
+    for bad in ({"type": "input_audio_buffer.append", "audio": "@@"}, {"type": "response.cancel"}):
+        with pytest.raises(EdgeError) as caught:
+            d.decode(json.dumps(bad))
+        assert caught.value.close_code is None
+    assert sent_messages(send(d, type="session.update", session={}))[0]["type"] == "session.updated"
+
+
+def test_the_first_audio_starts_the_duplex_session_and_units_go_one_at_a_time():
+    d = OpenAIRealtime("m")
+    commands = send(d, type="input_audio_buffer.append", audio=pcm16(3.0, 0.3))
+    assert [type(c) for c in commands] == [ev.InitCommand]  # queued: no unit yet
+    assert send(d, type="input_audio_buffer.append", audio=pcm16(0.1)) == []
+    running(d)
+    (unit,) = d.tick(100.0)
+    assert isinstance(unit, ev.AppendCommand) and len(unit.pcm) == 16000 * 4
+    d.appended(1, unit)
+    assert d.tick(100.1) == []  # one unit in flight at a time
+    (nxt,) = d.after_output(output(1, listen=True))
+    d.appended(2, nxt)
+    (third,) = d.after_output(output(2, listen=True))
+    d.appended(3, third)
+    # 0.1 s left: not a unit until the clock says a second passed without one
+    assert d.after_output(output(3, listen=True)) == []
+
+
+def test_the_clock_fills_a_silent_second_so_a_reply_never_waits_for_input():
+    d = running(OpenAIRealtime("m"))
+    now = 50.0
+    (unit,) = d.tick(now)  # nothing came in a second: silence
+    assert not np.frombuffer(unit.pcm, "<f4").any()
+    d.appended(1, unit)
+    d.after_output(output(1, listen=True))
+    assert d.tick(now + 0.5) == []
+    (later,) = d.tick(now + 1.0 + FILL_GRACE_S)
+    assert len(later.pcm) == 16000 * 4
+
+
+def test_engine_turn_taking_becomes_vad_events_and_a_response():
+    d = running(OpenAIRealtime("m"))
+    speech = ev.AppendCommand(pcm=np.full(16000, 0.3, "<f4").tobytes())
+    silence = ev.AppendCommand(pcm=np.zeros(16000, "<f4").tobytes())
+    d.appended(1, speech)
+    started = d.encode(output(1, listen=True))
+    assert [m["type"] for m in started] == ["input_audio_buffer.speech_started"]
+    d.appended(2, silence)
+    assert d.encode(output(2, listen=True)) == []
+    d.appended(3, silence)
+    reply = d.encode(output(3, listen=False, text="Hi.", input_transcript="hello"))
+    kinds = [m["type"] for m in reply]
+    assert kinds[:4] == [
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.added",
+        "conversation.item.done",
+    ]
+    assert "conversation.item.input_audio_transcription.completed" in kinds
+    assert kinds[kinds.index("response.created") :] == [
+        "response.created",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_audio.delta",
+        "response.output_audio_transcript.delta",
+    ]
+    delta = next(m for m in reply if m["type"] == "response.output_audio.delta")
+    assert len(base64.b64decode(delta["delta"])) == 24000 * 2  # PCM16 at 24 kHz
+    d.appended(4, silence)
+    end = d.encode(output(4, listen=False, text=" Bye.", end=True))
+    done = end[-1]
+    assert done["type"] == "response.done" and done["response"]["status"] == "completed"
+    assert done["response"]["output"][0]["content"][0]["transcript"] == "Hi. Bye."
+
+
+def test_speech_over_a_reply_that_then_stops_is_a_barge_in():
+    d = running(OpenAIRealtime("m"))
+    silence = ev.AppendCommand(pcm=np.zeros(16000, "<f4").tobytes())
+    speech = ev.AppendCommand(pcm=np.full(16000, 0.3, "<f4").tobytes())
+    d.appended(1, silence)
+    d.encode(output(1, listen=False, text="A long"))
+    d.appended(2, speech)
+    stopped = d.encode(output(2, listen=True))
+    done = stopped[-1]["response"]
+    assert done["status"] == "cancelled"
+    assert done["status_details"]["reason"] == "turn_detected"
+    assert stopped[0]["type"] == "input_audio_buffer.speech_started"
+
+
+def test_cancel_ends_the_response_now_and_the_next_unit_ends_the_engines_turn():
+    d = running(OpenAIRealtime("m"))
+    (first,) = d.tick(time.monotonic())  # a silent second, in flight
+    d.appended(1, first)
+    d.encode(output(1, listen=False, text="Hello"))
+    commands = send(d, type="response.cancel")
+    assert not [c for c in commands if isinstance(c, ev.AppendCommand)]
+    (done,) = [m for m in sent_messages(commands) if m["type"] == "response.done"]
+    assert done["response"]["status_details"]["reason"] == "client_cancelled"
+    (unit,) = d.after_output(output(1, listen=False))
+    assert unit.force_listen
+    d.appended(2, unit)
+    assert d.encode(output(2, listen=False, text="more")) == []  # muted until it listens
+    with pytest.raises(InvalidEvent):
+        send(d, type="response.cancel")
+
+
+def test_manual_turns_are_chat_turns_over_the_conversation():
+    d = OpenAIRealtime("m")
+    d.session_id = "rt_1"
+    send(d, type="session.update", session={"audio": {"input": {"turn_detection": None}}})
+    with pytest.raises(InvalidEvent):
+        send(d, type="input_audio_buffer.commit")  # empty
+    assert send(d, type="input_audio_buffer.append", audio=pcm16(1.0, 0.2)) == []
+    committed = sent_messages(send(d, type="input_audio_buffer.commit"))
+    assert [m["type"] for m in committed] == [
+        "input_audio_buffer.committed",
+        "conversation.item.added",
+        "conversation.item.done",
+    ]
+    text = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+    send(d, type="conversation.item.create", item=text)
+    (turn,) = send(d, type="response.create", response={"instructions": "Short."})
+    assert isinstance(turn, ev.TurnCommand)
+    chat = parse_chat(turn.body)  # the chat path's own validator takes it
+    assert [m.role for m in chat.messages] == ["system", "user", "user"]
+    assert chat.speech
+    started = d.encode_turn(TurnStarted(True, True))
+    assert [m["type"] for m in started][0] == "response.created"
+    pcm = np.full(12000, 0.1, "<f4").tobytes()
+    deltas = d.encode_turn(TurnDelta("Hello", pcm))
+    assert {m["type"] for m in deltas} == {
+        "response.output_audio.delta",
+        "response.output_audio_transcript.delta",
+    }
+    done = d.encode_turn(TurnDone(ChatResult(text="Hello", usage=ev.Usage(total_tokens=9))))
+    assert done[-1]["response"]["status"] == "completed"
+    assert done[-1]["response"]["usage"]["total_tokens"] == 9
+    assert d.items[-1].role == "assistant" and d.items[-1].text() == "Hello"
+
+
+def test_a_text_only_response_and_a_token_cap():
+    d = OpenAIRealtime("m")
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+    send(d, type="conversation.item.create", item=item)
+    (turn,) = send(
+        d, type="response.create", response={"output_modalities": ["text"], "max_output_tokens": 7}
+    )
+    assert turn.body["tts"]["enabled"] is False
+    assert turn.body["generation"]["max_new_tokens"] == 7
+    d.encode_turn(TurnStarted(True, False))
+    (delta,) = d.encode_turn(TurnDelta("Hey", b""))
+    assert delta["type"] == "response.output_text.delta"
+    done = d.encode_turn(TurnDone(ChatResult(text="Hey", reason="max_tokens")))
+    assert done[-1]["response"]["status"] == "incomplete"
+    assert done[-1]["response"]["status_details"]["reason"] == "max_output_tokens"
+
+
+def test_a_response_needs_a_user_item_last_and_one_at_a_time():
+    d = OpenAIRealtime("m")
+    with pytest.raises(InvalidEvent):
+        send(d, type="response.create")
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+    send(d, type="conversation.item.create", item=item)
+    send(d, type="response.create")
+    with pytest.raises(InvalidEvent):
+        send(d, type="response.create")
+
+
+def test_g711_formats_in_and_out():
+    tone = (0.3 * np.sin(2 * np.pi * 300 * np.arange(8000) / 8000) * 32767).astype(np.int16)
+    for kind, enc in (("audio/pcmu", g711.mulaw_encode), ("audio/pcma", g711.alaw_encode)):
+        heard = decode_audio(enc(tone), kind)
+        assert heard.size == 8000 and np.abs(heard - tone / 32768).max() < 0.02
+        speech = np.full(24000, 0.25, "<f4").tobytes()
+        out = encode_audio(speech, kind)
+        assert len(out) == 8000  # a second at 8 kHz, a byte a sample
+
+
+def test_g711_matches_the_standard_library_codec_bit_for_bit():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        audioop = pytest.importorskip("audioop")
+    x = np.arange(-32768, 32768, dtype=np.int16)
+    assert g711.mulaw_encode(x) == audioop.lin2ulaw(x.tobytes(), 2)
+    assert g711.alaw_encode(x) == audioop.lin2alaw(x.tobytes(), 2)
+    codes = bytes(range(256))
+    assert g711.mulaw_decode(codes).tobytes() == audioop.ulaw2lin(codes, 2)
+    assert g711.alaw_decode(codes).tobytes() == audioop.alaw2lin(codes, 2)
