@@ -6,6 +6,7 @@ import binascii
 import io
 import struct
 import wave
+from fractions import Fraction
 
 import numpy as np
 
@@ -97,12 +98,37 @@ def wav_to_pcm16k(data: bytes, what: str) -> bytes:
 
 
 def resample(audio: np.ndarray, rate: int, target: int) -> np.ndarray:
-    """Linear-interpolation resampling of a mono float array."""
+    """Linear-interpolation resampling of a mono float array. Between rates of a small
+    ratio (24 -> 16, 8 -> 16, 24 -> 8 kHz: the telephony and OpenAI paths, every unit)
+    the same values are computed phase by phase with slices, ~10x faster."""
     if rate == target or audio.size == 0:
         return audio.astype(np.float32)
     n = int(round(audio.size * target / rate))
+    ratio = Fraction(rate, target)
+    if ratio.denominator <= 4 and ratio.numerator <= 6:
+        return _resample_phases(audio.astype(np.float32), n, ratio.numerator, ratio.denominator)
     positions = np.arange(n) * (rate / target)
     return np.interp(positions, np.arange(audio.size), audio).astype(np.float32)
+
+
+def _resample_phases(x: np.ndarray, n: int, p: int, q: int) -> np.ndarray:
+    """Output k lies at input position k * p / q: for each phase r (k = q*j + r) the
+    positions are p*j + r*p/q, one slice of x and the next, weighted by the fraction. Past
+    the last input sample the last value holds (as np.interp's)."""
+    out = np.empty(n, np.float32)
+    padded = np.concatenate([x, np.full(p + 1, x[-1], np.float32)])
+    for r in range(q):
+        count = len(range(r, n, q))
+        if not count:
+            continue
+        base, frac = divmod(r * p, q)
+        left = padded[base : base + p * count : p]
+        if frac:
+            right = padded[base + 1 : base + 1 + p * count : p]
+            out[r::q] = left + (right - left) * (frac / q)
+        else:
+            out[r::q] = left
+    return out
 
 
 def jpeg_frame(value: object, what: str) -> bytes:

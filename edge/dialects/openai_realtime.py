@@ -34,7 +34,6 @@ How the protocol maps onto the fabric:
 
 from __future__ import annotations
 
-import base64
 import binascii
 import dataclasses
 import itertools
@@ -45,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from omnifabric.edge import codec, fields, g711, pcm
 from omnifabric.edge import events as ev
-from omnifabric.edge import fields, g711, pcm
 from omnifabric.edge.chat import (
     MAX_AUDIO_SECONDS,
     MAX_NEW_TOKENS,
@@ -154,7 +153,7 @@ def _b64(value: Any, where: str) -> bytes:
     if not isinstance(value, str):
         raise InvalidPayload(f"{where} must be a base64 string")
     try:
-        return base64.b64decode(value, validate=True)
+        return codec.b64decode(value)
     except (binascii.Error, ValueError):
         raise InvalidPayload(f"{where} base64 decode failed") from None
 
@@ -700,7 +699,7 @@ class OpenAIRealtime(DuplexDialect):
         tts: dict[str, Any] = {"enabled": modalities == ("audio",)}
         ref = self.voices(voice) if voice and self.voices is not None else None
         if ref:
-            tts["ref_audio_data"] = base64.b64encode(ref).decode("ascii")
+            tts["ref_audio_data"] = codec.b64encode(ref)
         chat: dict[str, Any] = {"messages": messages, "streaming": True, "tts": tts}
         if cap is not None:
             chat["generation"] = {"max_new_tokens": cap}
@@ -738,7 +737,7 @@ class OpenAIRealtime(DuplexDialect):
                 data = part["image_url"].split(",", 1)[-1]
                 content.append({"type": "image", "data": data})
         if item.audio:
-            data = base64.b64encode(item.audio).decode("ascii")
+            data = codec.b64encode(item.audio)
             content.append({"type": "audio", "data": data, "sample_rate": ENGINE_IN_RATE})
         return {"role": "user", "content": content}
 
@@ -830,6 +829,9 @@ class OpenAIRealtime(DuplexDialect):
     def encode(self, event: ev.SessionEvent) -> list[Any]:
         if isinstance(event, ev.Created):
             self._running = True
+            # The session's clock starts now: what the client sent while it waited for a
+            # worker goes first, in whole units, before any silence is filled in.
+            self._sent_at = time.monotonic()
             notes: list[Any] = []
             for note in event.notes:
                 notes += self._unsupported(note.split(":", 1)[0] or note, note)
@@ -985,7 +987,7 @@ class OpenAIRealtime(DuplexDialect):
                     self._event(
                         "response.output_audio.delta",
                         **response.content_index(),
-                        delta=base64.b64encode(data).decode("ascii"),
+                        delta=codec.b64encode(data),
                     )
                 )
             if text:

@@ -265,3 +265,47 @@ async def test_a_dropped_session_resumes_with_its_context(stack):
     rtts = [round(u.rtt_ms or 0) for u in report.units.values()]
     print(f"before the drop: {first!r}; after the resume: {after!r}; unit rtt ms {rtts}")
     assert "anna" in after.lower()
+
+
+async def test_openai_sdk_spoken_question_is_answered_in_speech(stack):
+    """The OpenAI Realtime API through the real `openai` SDK, server VAD: the question as a
+    client streams it (24 kHz PCM16, 0.2 s appends), then nothing (the edge's clock hears
+    silence); the spoken reply, transcribed by a recognizer other than the engine's own,
+    names Paris."""
+    import asyncio
+    import base64
+
+    openai = pytest.importorskip("openai")
+    from scipy.signal import resample_poly
+
+    from omnifabric.tools.probe import transcribe_24k
+
+    question = np.frombuffer(base64.b64decode(_spoken_question_pcm()), "<f4")
+    pcm24 = (np.clip(resample_poly(question, 3, 2), -1, 1) * 32767).astype("<i2")
+    base = stack.url.replace("ws://", "http://").removesuffix("/realtime")
+    client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
+    seen = []
+    async with client.realtime.connect(model="reference") as conn:
+
+        async def until(kind: str):
+            while True:
+                event = await asyncio.wait_for(conn.recv(), scaled(90))
+                seen.append(event)
+                assert event.type != "error" or event.error.code == "unsupported_parameter"
+                if event.type == kind:
+                    return event
+
+        await until("session.created")
+        await conn.session.update(session={"type": "realtime", "instructions": "Be brief."})
+        await until("session.updated")
+        for i in range(0, pcm24.size, 4800):
+            chunk = base64.b64encode(pcm24[i : i + 4800].tobytes()).decode()
+            await conn.input_audio_buffer.append(audio=chunk)
+        done = await until("response.done")
+    assert done.response.status == "completed", done.response.status_details
+    reply = b"".join(base64.b64decode(e.delta) for e in seen if e.type.endswith("audio.delta"))
+    audio = np.frombuffer(reply, "<i2").astype(np.float32) / 32768.0
+    heard = transcribe_24k(audio)
+    assert "paris" in heard.lower(), (heard, done.response.output)
+    user = next(e for e in seen if e.type == "conversation.item.added" and e.item.role == "user")
+    assert user.item.id == next(e for e in seen if e.type.endswith("committed")).item_id

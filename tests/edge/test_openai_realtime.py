@@ -162,7 +162,8 @@ def test_the_first_audio_starts_the_duplex_session_and_units_go_one_at_a_time():
 
 def test_the_clock_fills_a_silent_second_so_a_reply_never_waits_for_input():
     d = running(OpenAIRealtime("m"))
-    now = 50.0
+    assert d.tick(time.monotonic()) == []  # the clock starts with the session
+    now = time.monotonic() + 1.0 + FILL_GRACE_S
     (unit,) = d.tick(now)  # nothing came in a second: silence
     assert not np.frombuffer(unit.pcm, "<f4").any()
     d.appended(1, unit)
@@ -223,7 +224,7 @@ def test_speech_over_a_reply_that_then_stops_is_a_barge_in():
 
 def test_cancel_ends_the_response_now_and_the_next_unit_ends_the_engines_turn():
     d = running(OpenAIRealtime("m"))
-    (first,) = d.tick(time.monotonic())  # a silent second, in flight
+    (first,) = d.tick(time.monotonic() + 1.0 + FILL_GRACE_S)  # a silent second, in flight
     d.appended(1, first)
     d.encode(output(1, listen=False, text="Hello"))
     commands = send(d, type="response.cancel")

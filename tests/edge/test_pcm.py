@@ -37,3 +37,18 @@ def test_huge_tiny_and_ordinary_finite_samples_pass():
     assert pcm.check_unit_pcm(raw) is raw
     speech = (np.random.default_rng(1).standard_normal(16000) * 0.3).astype("<f4").tobytes()
     assert pcm.check_unit_pcm(speech) is speech
+
+
+@pytest.mark.parametrize(
+    "rate, target", [(24000, 16000), (8000, 16000), (24000, 8000), (16000, 24000), (48000, 16000)]
+)
+def test_resampling_by_phases_equals_linear_interpolation(rate, target):
+    """The small-ratio path (slices per phase) computes np.interp's values."""
+    rng = np.random.default_rng(7)
+    for size in (1, 2, 5, 4799, 4800, 24001):
+        x = rng.standard_normal(size).astype(np.float32)
+        n = int(round(size * target / rate))
+        expected = np.interp(np.arange(n) * (rate / target), np.arange(size), x)
+        got = pcm.resample(x, rate, target)
+        assert got.shape == (n,) and got.dtype == np.float32
+        np.testing.assert_allclose(got, expected, atol=1e-6)
