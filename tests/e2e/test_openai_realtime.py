@@ -15,6 +15,7 @@ from websockets.asyncio.client import connect
 from omnifabric.edge import g711
 from tests.conftest import scaled
 from tests.e2e.test_default_voice import http_url
+from tests.edge.test_voices import request
 from tests.stack import keyed_stack
 
 openai = pytest.importorskip("openai")
@@ -25,7 +26,8 @@ RATE = 24000
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = keyed_stack(tmp_path_factory.mktemp("logs"), f"{KEY}\n")
+    logs = tmp_path_factory.mktemp("logs")
+    s = keyed_stack(logs, f"{KEY}\n", "--record-dir", str(logs / "records"))
     yield s
     s.stop()
 
@@ -98,6 +100,15 @@ async def test_a_spoken_turn_with_server_vad_is_answered_in_audio(stack):
     assert len(audio) >= RATE * 2  # over a second of PCM16 at 24 kHz
     transcript = "".join(e.delta for e in seen if e.type.endswith("transcript.delta"))
     assert transcript and done.response.output[0].content[0].transcript == transcript
+    # Recorded like the other dialects' sessions, and listed by the sessions API.
+    sid = created.session.id
+    for _ in range(50):
+        status, meta = request(http_url(stack.url, f"/api/sessions/{sid}"), "GET", key=KEY)
+        if status == 200 and meta.get("ended_at"):
+            break
+        await asyncio.sleep(scaled(0.1))
+    assert status == 200 and meta["system_prompt"] == "Be brief.", meta
+    assert len(meta["timeline"]) >= 5
 
 
 async def test_a_text_turn_gets_a_text_reply(stack):
