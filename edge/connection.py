@@ -131,8 +131,6 @@ class DuplexConnection:
         self.dialect = dialect
         self.core: SessionCore | None = None
         self.recorder: SessionRecorder | None = None
-        self._init: ev.InitCommand | None = None
-        """The init the session runs with (or waits to run with until leased)."""
         self._leased = asyncio.Event()
         self._done = asyncio.Event()
         """The session's end is queued for the client: no more input is read."""
@@ -193,8 +191,6 @@ class DuplexConnection:
             self.dialect.session_id = event.session_id
             # ResumeExpired: _resume fails it
             self._send_all(list(self.dialect.replay(event)))
-            # The init the session runs with: a second one is refused as usual.
-            self._init = self.dialect.resumed_init()
             return
         if isinstance(event, ev.Closed):
             self._stop_pause()
@@ -316,7 +312,7 @@ class DuplexConnection:
     async def _read(self) -> None:
         assert self.core is not None
         while not self._done.is_set():
-            if self.dialect.holds_input_until_started and self._init is not None:
+            if self.dialect.holds_input_until_started and self.core.init is not None:
                 await self._until_started()
                 if self._done.is_set():
                     return
@@ -364,8 +360,8 @@ class DuplexConnection:
             self.fail(InternalError("internal error"))
             return
         self._leased.set()
-        if self._init is not None:
-            await self._start(self._init)
+        if self.core.init is not None:
+            await self._start(self.core.init)
 
     async def _resume(self) -> None:
         """Take over the session of the client's resume token instead of a new one."""
@@ -409,7 +405,7 @@ class DuplexConnection:
             # recorded; the session stays as it was and a corrected init may follow.
             self.core.check_init(init)
         except EdgeError as err:
-            self._init = None
+            self.core.refuse_init()
             self.fail(self.dialect.init_refused(err))
             return
         if self.recorder is not None:
@@ -420,7 +416,7 @@ class DuplexConnection:
         except EdgeError as err:
             self.fail(err)
             if err.close_code is None and not self.core.started:
-                self._init = None  # refused, not failed: a corrected init may follow
+                self.core.refuse_init()  # refused, not failed: a corrected init may follow
         except Exception:
             log.exception("session %s: the start failed", self.core.session_id)
             self.fail(InternalError("internal error"))
@@ -435,22 +431,25 @@ class DuplexConnection:
                 self.recorder.close_command(cmd)
             await core.close(ev.USER_STOP, cmd.reason)
         elif isinstance(cmd, ev.InitCommand):
-            if self._init is not None:
-                self.dialect.check_init_again()
-            self._init = cmd = self._with_voices(cmd)
+            core.take_init(cmd, self.dialect.already_initialized)
+            try:
+                cmd = core.init = self._with_voices(cmd)
+            except EdgeError:
+                core.refuse_init()
+                raise
             if self._leased.is_set():
                 await self._start(cmd)
             elif self._acquiring is None:  # the dialect queues from its first init
                 self._acquiring = asyncio.create_task(self._acquire())
             # Sent during the queue: applied once a worker is assigned (_acquire).
         elif isinstance(cmd, ev.AppendCommand):
-            self.dialect.check_ready(cmd, core.started)
+            core.require_started(self.dialect.not_ready(cmd))
             if self.recorder is not None:
-                self.recorder.append(cmd, self._init.dialect if self._init else None)
+                self.recorder.append(cmd, core.init.dialect if core.init else None)
             seq = await core.append(cmd)
             self.dialect.appended(seq, cmd)
         elif isinstance(cmd, ev.PauseCommand):
-            self.dialect.check_ready(cmd, core.started)
+            core.require_started(self.dialect.not_ready(cmd))
             # A second pause restarts the watchdog with its own timeout.
             self._stop_pause()
             self._pause = asyncio.create_task(self._expire(cmd.timeout_s))
@@ -458,7 +457,7 @@ class DuplexConnection:
                 log.info("session %s paused for at most %.1fs", core.session_id, cmd.timeout_s)
                 await self._emit(ev.Paused(cmd.timeout_s))
         elif isinstance(cmd, ev.ResumeCommand):
-            self.dialect.check_ready(cmd, core.started)
+            core.require_started(self.dialect.not_ready(cmd))
             # Resuming a session that is not paused is harmless: confirmed all the same.
             self._stop_pause()
             await self._emit(ev.Resumed())

@@ -124,3 +124,9 @@ class InferenceError(EdgeError):
     """The engine failed on one unit; the session may go on."""
 
     code = "inference_error"
+
+
+#: How a second init and input before the session's start are worded, unless a dialect
+#: words them in its own protocol (edge.session.SessionCore refuses both).
+ALREADY_INITIALIZED = "the session is already initialized"
+NOT_STARTED = "send session.init (or session.update) first"

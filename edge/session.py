@@ -26,6 +26,8 @@ from omnifabric.common.close_reasons import close_message
 from omnifabric.edge import events as ev
 from omnifabric.edge.chat import ChatInput, ChatResult, TurnEvent, TurnLeased, TurnQueued
 from omnifabric.edge.errors import (
+    ALREADY_INITIALIZED,
+    NOT_STARTED,
     EdgeError,
     InvalidEvent,
     InvalidPayload,
@@ -132,6 +134,8 @@ class SessionCore:
         self._trace = trace.set_span_in_context(self.span)
         self._unit_spans: dict[int, Span] = {}
         self.started = False
+        self.init: ev.InitCommand | None = None
+        """The client's init: waiting for the lease, then the one the session runs with."""
         self.started_event = asyncio.Event()
         """Set once the worker started the session (Created emitted) or the session ended."""
         self.units_sent = 0
@@ -185,6 +189,28 @@ class SessionCore:
         if limits is not None and limits.max_unit_samples:
             return limits.min_unit_samples, limits.max_unit_samples
         return None
+
+    # ---- what the session takes when: the one owner of these checks ----------
+
+    def take_init(self, init: ev.InitCommand, already: str = ALREADY_INITIALIZED) -> None:
+        """Accept the client's init; one sent while queued waits for the lease (`init`).
+        InvalidEvent worded `already` (the dialect's text) for a second one."""
+        if self.init is not None or self.started:
+            raise InvalidEvent(already)
+        self.init = init
+
+    def refuse_init(self) -> None:
+        """The init was refused before the session started: a corrected one may follow."""
+        if not self.started:
+            self.init = None
+
+    def require_started(self, not_ready: str = NOT_STARTED) -> None:
+        """Input needs a started, open session: NotReady worded `not_ready` (the
+        dialect's text) before the start, NotReady once it is closed."""
+        if not self.started or self._worker_call is None:
+            raise NotReady(not_ready)
+        if self.closed.is_set():
+            raise NotReady("the session is closed")
 
     def check_init(self, init: ev.InitCommand) -> None:
         """An init against the leased worker's limits. Raises InvalidPayload, which leaves
@@ -276,7 +302,7 @@ class SessionCore:
         if self._lease is None:
             raise NotReady("the session has no worker yet: wait for session.queue_done")
         if self.started:
-            raise InvalidEvent("the session is already initialized")
+            raise InvalidEvent(ALREADY_INITIALIZED)
         self.check_init(init)
         self.started = True
         address = self._lease.worker_address
@@ -496,10 +522,7 @@ class SessionCore:
     async def append(self, cmd: ev.AppendCommand) -> int:
         """Forward one unit to the worker; returns its seq. NotReady before start,
         InvalidPayload for a unit outside the worker's limits (not sent)."""
-        if not self.started or self._worker_call is None:
-            raise NotReady("send session.init (or session.update) first")
-        if self.closed.is_set():
-            raise NotReady("the session is closed")
+        self.require_started()
         bounds = self.unit_bounds
         if bounds is not None:
             check_unit_length(len(cmd.pcm) // 4, *bounds)

@@ -18,7 +18,7 @@ from typing import Any
 
 from omnifabric.edge import events as ev
 from omnifabric.edge.chat import TurnEvent
-from omnifabric.edge.errors import EdgeError, InvalidEvent, NotReady
+from omnifabric.edge.errors import ALREADY_INITIALIZED, EdgeError
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ class DuplexDialect:
     #: Read no client message after the init until the session started (gRPC clients
     #: pipeline their units right behind the init).
     holds_input_until_started = False
-    #: The text of a second init.
-    already_initialized = "the session is already initialized"
+    #: The text of a second init (SessionCore.take_init refuses it).
+    already_initialized = ALREADY_INITIALIZED
     #: The app a session of this dialect belongs to (edge.apps: switched on and off apart);
     #: None: its mode's.
     app_mode: str | None = None
@@ -90,10 +90,6 @@ class DuplexDialect:
         """The client's messages for a chat turn (ev.TurnCommand) that failed with err."""
         return [self.error(err)]
 
-    def resumed_init(self) -> ev.InitCommand:
-        """The init a resumed session runs with (a second init is refused as usual)."""
-        return ev.InitCommand(dialect=ev.Dialect.CURRENT)
-
     def decode(self, message: Any) -> list[ev.Command]:
         """One client message -> commands. Raises EdgeError (or fields.InvalidJson)."""
         raise NotImplementedError
@@ -107,7 +103,8 @@ class DuplexDialect:
         raise NotImplementedError
 
     def not_ready(self, cmd: ev.Command) -> str:
-        """The text for input that arrives before the session started."""
+        """The text for input that arrives before the session started (SessionCore's
+        require_started refuses it)."""
         return "send the session's init first"
 
     def init_refused(self, err: EdgeError) -> EdgeError:
@@ -137,15 +134,6 @@ class DuplexDialect:
         client missed (after `last_seq`). Raises EdgeError (ResumeExpired) when those are
         no longer kept."""
         raise NotImplementedError
-
-    def check_init_again(self) -> None:
-        """Raise InvalidEvent for a second init (the driver calls this)."""
-        raise InvalidEvent(self.already_initialized)
-
-    def check_ready(self, cmd: ev.Command, started: bool) -> None:
-        """Raise NotReady for input before the session started."""
-        if not started:
-            raise NotReady(self.not_ready(cmd))
 
 
 class ChatDialect:

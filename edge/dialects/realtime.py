@@ -367,9 +367,6 @@ class RealtimeDuplex(DuplexDialect):
     def not_ready(self, cmd: ev.Command) -> str:
         return "send session.init (or session.update) after session.queue_done"
 
-    def resumed_init(self) -> ev.InitCommand:
-        return ev.InitCommand(dialect=self.variant or Dialect.CURRENT)
-
     def decode(self, message: Any) -> list[ev.Command]:
         if isinstance(message, bytes):
             raise InvalidPayload("binary frames are not part of the protocol")

@@ -26,6 +26,7 @@ from omnifabric.edge.chat import (
 from omnifabric.edge.dialects.base import ChatDialect
 from omnifabric.edge.dialects.realtime import error_json, queue_done_json, queued_json, usage_json
 from omnifabric.edge.errors import (
+    ALREADY_INITIALIZED,
     EdgeError,
     InvalidEvent,
     InvalidPayload,
@@ -59,7 +60,7 @@ class RealtimeChat(ChatDialect):
         if kind == "session.init":
             fields.obj(event, "payload")
             if self.created:
-                raise InvalidEvent("the session is already initialized")
+                raise InvalidEvent(ALREADY_INITIALIZED)
             self.created = True
             return [ChatOpen()]
         if kind == "input.append":
