@@ -182,6 +182,8 @@ class Item:
     audio: bytes = b""
     """A user item's audio as the engine hears it (float32 16 kHz)."""
     status: str = "completed"
+    audio_ms: float = 0.0
+    """An assistant item's speech, milliseconds (what truncation cuts in proportion)."""
 
     def json(self) -> dict[str, Any]:
         return {
@@ -582,6 +584,13 @@ class OpenAIRealtime(DuplexDialect):
             at = self._index(previous, "previous_item_id") + 1
         self.items.insert(at, item)
         before = self.items[at - 1].id if at else None
+        if self._init_sent:
+            notes = self._unsupported(
+                "conversation.item.create",
+                "the duplex engine hears the session's audio only: items are kept for the "
+                "conversation's record",
+            )
+            return [ev.SendCommand((*notes, *self._item_added(item, before)))]
         return [ev.SendCommand(tuple(self._item_added(item, before)))]
 
     def _parse_item(self, body: dict[str, Any], where: str) -> Item:
@@ -648,7 +657,7 @@ class OpenAIRealtime(DuplexDialect):
         if item.role != "assistant":
             raise self._bad("item_id", "only an assistant item's audio can be truncated")
         # What the listener heard: the transcript cut where the audio was (in proportion).
-        total_ms = item.parts[0].get("_audio_ms", 0.0) if item.parts else 0.0
+        total_ms = item.audio_ms
         if total_ms and end_ms < total_ms:
             for part in item.parts:
                 text = part.get("transcript") or ""
@@ -1025,7 +1034,7 @@ class OpenAIRealtime(DuplexDialect):
             part = item.parts[0]
             if response.audio:
                 transcript = part["transcript"]
-                part["_audio_ms"] = response.audio_ms
+                item.audio_ms = response.audio_ms
                 messages += [
                     self._event("response.output_audio.done", **ids),
                     self._event(
@@ -1051,7 +1060,7 @@ class OpenAIRealtime(DuplexDialect):
                     "response.output_item.done",
                     response_id=response.id,
                     output_index=0,
-                    item=self._public(item),
+                    item=item.json(),
                 )
             )
         if usage is None:
@@ -1068,17 +1077,9 @@ class OpenAIRealtime(DuplexDialect):
             status_details=details if status != "completed" else None,
             usage=_usage_json(usage),
         )
-        done["output"] = [self._public(item)] if item.parts else []
+        done["output"] = [item.json()] if item.parts else []
         messages.append(self._event("response.done", response=done))
         return messages
-
-    @staticmethod
-    def _public(item: Item) -> dict[str, Any]:
-        body = item.json()
-        body["content"] = [
-            {k: v for k, v in p.items() if not k.startswith("_")} for p in item.parts
-        ]
-        return body
 
     def _turn_done(self, event: TurnDone) -> list[Any]:
         result = event.result

@@ -321,3 +321,24 @@ def test_g711_matches_the_standard_library_codec_bit_for_bit():
     codes = bytes(range(256))
     assert g711.mulaw_decode(codes).tobytes() == audioop.ulaw2lin(codes, 2)
     assert g711.alaw_decode(codes).tobytes() == audioop.alaw2lin(codes, 2)
+
+
+def test_truncate_cuts_the_heard_transcript_and_items_are_retrieved_and_deleted():
+    d = OpenAIRealtime("m")
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+    send(d, type="conversation.item.create", item=item)
+    send(d, type="response.create")
+    d.encode_turn(TurnStarted(True, True))
+    d.encode_turn(TurnDelta("Hello there", np.zeros(24000, "<f4").tobytes()))
+    d.encode_turn(TurnDone(ChatResult(text="Hello there")))
+    answer = d.items[-1]
+    (cut,) = sent_messages(
+        send(d, type="conversation.item.truncate", item_id=answer.id, audio_end_ms=500)
+    )
+    assert cut["type"] == "conversation.item.truncated" and cut["audio_end_ms"] == 500
+    (got,) = sent_messages(send(d, type="conversation.item.retrieve", item_id=answer.id))
+    assert got["item"]["content"] == [{"type": "output_audio", "transcript": "Hello"}]
+    (gone,) = sent_messages(send(d, type="conversation.item.delete", item_id=answer.id))
+    assert gone["item_id"] == answer.id and answer not in d.items
+    with pytest.raises(EdgeError):
+        send(d, type="conversation.item.retrieve", item_id=answer.id)
