@@ -106,6 +106,10 @@ SESSION_KEYS = {
     "max_output_tokens",
     *(k for k in UNSUPPORTED if "." not in k),
 }
+#: The event that says what is accepted and not used (no OpenAI event says it).
+NOTICE = "omnifabric.notice"
+#: Voice names that mean the server's default voice.
+DEFAULT_VOICES = ("", "default")
 #: Settings a running duplex session cannot take (it started with them).
 LOCKED = ("instructions", "output_modalities", "voice", "turn_detection")
 
@@ -212,6 +216,8 @@ class Response:
     heard_speech: bool = False
     """The user spoke over it (duplex)."""
     audio_ms: float = 0.0
+    metadata: dict[str, Any] | None = None
+    """The client's, echoed (LiveKit matches its requests by it)."""
 
     def content_index(self) -> dict[str, Any]:
         ids = {"response_id": self.id, "item_id": self.item.id}
@@ -290,20 +296,19 @@ class OpenAIRealtime(DuplexDialect):
         return InvalidPayload(message)
 
     def _unsupported(self, param: str, why: str) -> list[dict[str, Any]]:
-        """The one notice that `param` is accepted and not used; [] once said."""
+        """The one notice that `param` is accepted and not used; [] once said. A notice,
+        not an `error`: frameworks end the session on errors they do not know (Pipecat),
+        and ignore event types they do not know."""
         if param in self._said:
             return []
         self._said.add(param)
         return [
             self._event(
-                "error",
-                error={
-                    "type": "invalid_request_error",
-                    "code": "unsupported_parameter",
-                    "message": f"{param}: {why}",
-                    "param": param,
-                    "event_id": self._client_event_id,
-                },
+                NOTICE,
+                code="unsupported_parameter",
+                param=param,
+                message=f"{param}: {why}",
+                client_event_id=self._client_event_id,
             )
         ]
 
@@ -329,7 +334,7 @@ class OpenAIRealtime(DuplexDialect):
                 },
                 "output": {
                     "format": format_json(s.output_format),
-                    "voice": s.voice or "default",
+                    "voice": self._voice_name(s.voice),
                     "speed": 1.0,
                 },
             },
@@ -416,7 +421,7 @@ class OpenAIRealtime(DuplexDialect):
             if not isinstance(voice, str):
                 raise self._bad("session.audio.output.voice", "voice must be a string")
             new.voice = voice
-            if voice and (self.voices is None or self.voices(voice) is None):
+            if voice not in DEFAULT_VOICES and not self._voice_audio(voice):
                 notes += self._unsupported(
                     f"audio.output.voice={voice}",
                     f"no registered voice {voice!r} (POST /api/assets/ref_audio registers "
@@ -448,11 +453,16 @@ class OpenAIRealtime(DuplexDialect):
         new.turn_detection = dict(value)
         return notes
 
-    def _voice_audio(self) -> bytes:
-        voice = self.settings.voice
-        if not voice or self.voices is None:
+    def _voice_audio(self, voice: str) -> bytes:
+        """A registered voice's reference audio; b"" for the default voice or an unknown one
+        (said when it was set)."""
+        if voice in DEFAULT_VOICES or self.voices is None:
             return b""
         return self.voices(voice) or b""
+
+    def _voice_name(self, voice: str) -> str:
+        """The voice that speaks, as the session reports it."""
+        return voice if self._voice_audio(voice) else "default"
 
     def _init(self) -> ev.InitCommand:
         s = self.settings
@@ -468,7 +478,7 @@ class OpenAIRealtime(DuplexDialect):
             dialect=ev.Dialect.CURRENT,
             system_prompt=s.instructions,
             config=config,
-            ref_audio=self._voice_audio(),
+            ref_audio=self._voice_audio(s.voice),
         )
 
     # ---- client events ------------------------------------------------------------------
@@ -687,17 +697,27 @@ class OpenAIRealtime(DuplexDialect):
         modalities = s.output_modalities
         if body.get("output_modalities") is not None:
             modalities = self._modalities(body["output_modalities"], "response")
-        instructions = body.get("instructions", s.instructions)
+        # A field sent as null is the session's (LiveKit sends `instructions: null`).
+        instructions = body.get("instructions")
+        if instructions is None:
+            instructions = s.instructions
         if not isinstance(instructions, str):
             raise self._bad("response.instructions", "instructions must be a string")
         cap = s.max_output_tokens
-        if "max_output_tokens" in body:
+        if body.get("max_output_tokens") is not None:
             cap = self._max_tokens(body["max_output_tokens"], "response")
         output_format = s.output_format
         audio_cfg = fields.obj(fields.obj(body, "audio"), "output")
         if audio_cfg.get("format") is not None:
             output_format = _format(audio_cfg["format"], "response.audio.output.format")
-        voice = audio_cfg.get("voice", s.voice)
+        voice = audio_cfg.get("voice")
+        if voice is None:
+            voice = s.voice
+        if not isinstance(voice, str):
+            raise self._bad("response.audio.output.voice", "voice must be a string")
+        metadata = body.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise self._bad("response.metadata", "metadata must be an object")
         items = self._response_items(body)
         messages: list[dict[str, Any]] = []
         if instructions:
@@ -706,7 +726,7 @@ class OpenAIRealtime(DuplexDialect):
         if not messages or messages[-1]["role"] != "user":
             raise InvalidEvent("the conversation must end with a user item to answer")
         tts: dict[str, Any] = {"enabled": modalities == ("audio",)}
-        ref = self.voices(voice) if voice and self.voices is not None else None
+        ref = self._voice_audio(voice)
         if ref:
             tts["ref_audio_data"] = codec.b64encode(ref)
         chat: dict[str, Any] = {"messages": messages, "streaming": True, "tts": tts}
@@ -714,7 +734,12 @@ class OpenAIRealtime(DuplexDialect):
             chat["generation"] = {"max_new_tokens": cap}
         item = Item(self._id("item"), "assistant", [], status="in_progress")
         self._response = Response(
-            self._id("resp"), item, modalities == ("audio",), output_format, voice or "default"
+            self._id("resp"),
+            item,
+            modalities == ("audio",),
+            output_format,
+            self._voice_name(voice),
+            metadata=metadata,
         )
         return [ev.TurnCommand(chat)]
 
@@ -901,7 +926,7 @@ class OpenAIRealtime(DuplexDialect):
                 Item(self._id("item"), "assistant", [], status="in_progress"),
                 "audio" in self.settings.output_modalities,
                 self.settings.output_format,
-                self.settings.voice or "default",
+                self._voice_name(self.settings.voice),
                 usage_at_start=self._usage_at_end,
             )
             messages += self._begin()
@@ -957,6 +982,7 @@ class OpenAIRealtime(DuplexDialect):
             "audio": {"output": {"format": format_json(response.output_format), "voice": voice}},
             "max_output_tokens": "inf" if s.max_output_tokens is None else s.max_output_tokens,
             "conversation_id": self.session_id,
+            "metadata": response.metadata,
             **extra,
         }
 
@@ -978,6 +1004,13 @@ class OpenAIRealtime(DuplexDialect):
                 "response.output_item.added",
                 response_id=response.id,
                 output_index=0,
+                item={**response.item.json(), "content": []},
+            ),
+            # The assistant's item joins the conversation (LiveKit keeps its copy by these;
+            # Pipecat opens the response's frames on it).
+            self._event(
+                "conversation.item.added",
+                previous_item_id=self.items[-1].id if self.items else None,
                 item={**response.item.json(), "content": []},
             ),
             self._event("response.content_part.added", **response.content_index(), part=part),
@@ -1054,6 +1087,7 @@ class OpenAIRealtime(DuplexDialect):
                         "response.content_part.done", **ids, part={"type": "text", "text": text}
                     ),
                 ]
+            previous = self.items[-1].id if self.items else None
             self.items.append(item)
             messages.append(
                 self._event(
@@ -1062,6 +1096,9 @@ class OpenAIRealtime(DuplexDialect):
                     output_index=0,
                     item=item.json(),
                 )
+            )
+            messages.append(
+                self._event("conversation.item.done", previous_item_id=previous, item=item.json())
             )
         if usage is None:
             usage = _minus(self._usage, response.usage_at_start)

@@ -17,6 +17,7 @@ from omnifabric.edge.chat import ChatResult, TurnDelta, TurnDone, TurnStarted, p
 from omnifabric.edge.dialects import WEBSOCKET, find
 from omnifabric.edge.dialects.openai_realtime import (
     FILL_GRACE_S,
+    NOTICE,
     OpenAIRealtime,
     decode_audio,
     encode_audio,
@@ -97,9 +98,12 @@ def test_what_the_engine_cannot_honour_is_said_once_and_the_update_applies():
         "audio": {"output": {"voice": "alloy"}},
     }
     first = sent_messages(send(d, type="session.update", session=session, event_id="c1"))
-    notes = [m["error"] for m in first if m["type"] == "error"]
+    notes = [m for m in first if m["type"] == NOTICE]
     assert {n["param"] for n in notes} == {"session.tools", "audio.output.voice=alloy"}
-    assert all(n["code"] == "unsupported_parameter" and n["event_id"] == "c1" for n in notes)
+    assert all(n["code"] == "unsupported_parameter" for n in notes)
+    assert all(n["client_event_id"] == "c1" for n in notes)
+    assert not [m for m in first if m["type"] == "error"]  # frameworks end sessions on those
+    assert first[-1]["session"]["audio"]["output"]["voice"] == "default"  # what speaks
     assert first[-1]["type"] == "session.updated"
     again = sent_messages(send(d, type="session.update", session=session))
     assert [m["type"] for m in again] == ["session.updated"]
@@ -195,6 +199,7 @@ def test_engine_turn_taking_becomes_vad_events_and_a_response():
     assert kinds[kinds.index("response.created") :] == [
         "response.created",
         "response.output_item.added",
+        "conversation.item.added",
         "response.content_part.added",
         "response.output_audio.delta",
         "response.output_audio_transcript.delta",
