@@ -7,9 +7,14 @@ too long) and the engine failure that ends a session as an `error` (error code
 literal of its own: the worker in SessionEnded.message, the edge in `session.closed` (and
 each dialect's equivalent). The web client's fallback texts (edge/web/js/messages.js) are
 these sentences too; a test keeps them equal.
+
+CloseReason is the enum of the reasons a session's stream carries (common.proto CloseReason
+up to client_closed): the worker's session ends with one; the edge reads them as the names.
 """
 
 from __future__ import annotations
+
+import enum
 
 USER_STOP = "user_stop"
 TIMEOUT = "timeout"
@@ -24,6 +29,18 @@ SUPERSEDED = "superseded"
 PAUSE_TIMEOUT = "pause_timeout"
 #: The engine failed on a unit: the session ends with `error` after error{inference_error}.
 INFERENCE_ERROR = "inference_error"
+
+
+class CloseReason(enum.Enum):
+    """Why a session ended (common.proto CloseReason; its sentence: SENTENCES)."""
+
+    USER_STOP = USER_STOP
+    TIMEOUT = TIMEOUT
+    CONTEXT_FULL = CONTEXT_FULL
+    SERVER_SHUTDOWN = SERVER_SHUTDOWN
+    ERROR = ERROR
+    CLIENT_CLOSED = CLIENT_CLOSED
+
 
 #: The sentence for each reason, addressed to the client the session belonged to.
 SENTENCES = {

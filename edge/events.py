@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 
 from omnifabric.common import close_reasons
 
+# A session's validated duplex config (None = the engine's default) and its cumulative token
+# usage in the SDK's shape: the types the worker shares (common's).
+from omnifabric.common.session_types import DuplexSettings as DuplexSettings
+from omnifabric.common.session_types import Usage as Usage
+
 
 class Dialect(enum.Enum):
     """The two public JSON dialects; chosen by the client's first init event."""
@@ -28,27 +33,6 @@ ERROR = close_reasons.ERROR
 CLIENT_CLOSED = close_reasons.CLIENT_CLOSED
 #: Another connection resumed the session (resumable sessions).
 SUPERSEDED = close_reasons.SUPERSEDED
-
-
-@dataclass(frozen=True)
-class DuplexSettings:
-    """Validated duplex config of one session; None = the engine's default."""
-
-    length_penalty: float | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    listen_prob_scale: float | None = None
-    force_listen_count: int | None = None
-    max_new_speak_tokens_per_chunk: int | None = None
-    max_kv_tokens: int | None = None
-    tts_enabled: bool | None = None
-    max_tokens: int | None = None
-    vad_threshold: float | None = None
-    min_speech_ms: int | None = None
-    end_of_turn_silence_ms: int | None = None
-    half_duplex: bool | None = None
-    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -158,23 +142,6 @@ class Created:
     resume_token: str = ""
     """A resumable session's token (given to the client once, never logged)."""
     resume_window_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Cumulative token usage, in the SDK's shape."""
-
-    input_tokens: int = 0
-    output_tokens: int = 0
-    total_tokens: int = 0
-    input_text_tokens: int = 0
-    input_audio_tokens: int = 0
-    input_vision_tokens: int = 0
-    input_image_tokens: int = 0
-    input_video_tokens: int = 0
-    input_cached_tokens: int = 0
-    output_text_tokens: int = 0
-    output_audio_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -114,8 +114,9 @@ def reattach_request(token: str, owner: str) -> scheduler_pb.ReattachRequest:
 
 
 def config_to(settings: ev.DuplexSettings) -> common_pb2.DuplexConfig:
-    """Domain duplex settings -> protobuf (unset fields stay unset)."""
-    return common_pb2.DuplexConfig(**{k: v for k, v in settings.__dict__.items() if v is not None})
+    """Domain duplex settings -> protobuf (unset fields stay unset; max_slice_nums travels
+    as SessionStart.max_slice_nums)."""
+    return common_pb2.DuplexConfig(**settings.given())
 
 
 def start_request(

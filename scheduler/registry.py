@@ -11,6 +11,10 @@ from typing import Any
 
 from omnifabric.common import realtime
 
+# What a worker's engine accepts, as its hello declares it (the worker owns the values; the
+# scheduler only keeps them and hands them out with leases and status): common's type.
+from omnifabric.common.session_types import EngineLimits as EngineLimits
+
 
 class Mode(enum.Enum):
     """Session mode a request asks for and a worker serves."""
@@ -37,17 +41,6 @@ class MemoryFigures:
     baseline_bytes: int
     before_cleanup_bytes: int
     cleanups: int
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """What a worker's engine accepts, as its hello declares it (the worker owns the
-    values; the scheduler only keeps them and hands them out with leases and status)."""
-
-    min_slice_nums: int
-    max_slice_nums: int
-    min_unit_samples: int
-    max_unit_samples: int
 
 
 @dataclass(frozen=True)

@@ -19,76 +19,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from omnifabric.worker.errors import EngineStuck, EngineUnavailable, InvalidRequest
+# What a session asks of an engine and what an engine accepts: the types the edge and the
+# scheduler share (common's); the worker refuses requests outside them (worker.service).
+from omnifabric.common.session_types import DuplexSettings as DuplexSettings
+from omnifabric.common.session_types import EngineLimits as EngineLimits
+from omnifabric.worker.errors import EngineStuck, EngineUnavailable
 from omnifabric.worker.headroom import CHAT_COST
 from omnifabric.worker.units import UnitInput
 
 #: Input audio rate (prefill) and output audio rate (generate), Hz.
 INPUT_RATE = 16000
 OUTPUT_RATE = 24000
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """What an engine accepts: the one place these numbers are written. The worker checks
-    requests against them, advertises them in its registration (common.proto EngineLimits)
-    and in SessionStarted; the scheduler hands them to edges with each lease, and edges
-    refuse a session or unit outside them before the worker is asked."""
-
-    min_slice_nums: int = 1
-    max_slice_nums: int = 2
-    """Video mode: image slices per frame, inclusive (session value and unit overrides)."""
-    min_unit_samples: int = 4000
-    max_unit_samples: int = 64000
-    """Unit lengths served, 16 kHz samples, inclusive (1/4 s to 4 s; engines with a fixed
-    unit length re-chunk what arrives)."""
-
-    def check_slices(self, value: int, what: str = "max_slice_nums") -> None:
-        """`value` (0: unset) within the slice range; raises InvalidRequest naming it."""
-        if value and not self.min_slice_nums <= value <= self.max_slice_nums:
-            raise InvalidRequest(
-                f"{what}: {value}; this worker takes {self.min_slice_nums} to {self.max_slice_nums}"
-            )
-
-
-@dataclass(frozen=True)
-class DuplexSettings:
-    """Per-session duplex settings (common.proto DuplexConfig); None = engine default."""
-
-    length_penalty: float | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    listen_prob_scale: float | None = None
-    force_listen_count: int | None = None
-    max_new_speak_tokens_per_chunk: int | None = None
-    max_kv_tokens: int | None = None
-    tts_enabled: bool | None = None
-    max_tokens: int | None = None
-    vad_threshold: float | None = None
-    min_speech_ms: int | None = None
-    end_of_turn_silence_ms: int | None = None
-    half_duplex: bool | None = None
-    max_slice_nums: int = 1
-    """Video mode: image slices per frame (within the engine's EngineLimits)."""
-    seed: int | None = None
-    """Seed of the session's sampling (engines that draw per session: the same seed gives
-    the same tokens whatever the batch-mates); None: random."""
-
-    def vad_note(self) -> tuple[str, ...]:
-        """The note of an engine that decides the user's turn without voice activity, when
-        the session set voice-activity turn-taking (empty when it set none)."""
-        names = [
-            k
-            for k in ("vad_threshold", "min_speech_ms", "end_of_turn_silence_ms")
-            if getattr(self, k) is not None
-        ]
-        if not names:
-            return ()
-        return (
-            f"{', '.join(names)}: not used; this engine decides the end of the user's turn "
-            "itself, not by voice activity",
-        )
 
 
 @dataclass

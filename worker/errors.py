@@ -12,7 +12,8 @@ class WorkerError(Exception):
 
 
 class InvalidRequest(WorkerError):
-    """The request is malformed (first message not `start`, bad PCM, bad mode)."""
+    """The request is malformed (first message not `start`, bad PCM, bad mode) or outside
+    the engine's limits."""
 
 
 class LeaseNotFound(WorkerError):

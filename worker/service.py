@@ -110,7 +110,7 @@ def decode_start(start: worker_pb.SessionStart, limits: EngineLimits) -> Session
     if not start.lease_id:
         raise InvalidRequest("lease_id is required")
     # Edges check this against the lease's limits first; this refusal is for those that do not.
-    limits.check_slices(start.max_slice_nums)
+    check_slices(limits, start.max_slice_nums)
     ref_audio = decode_pcm(start.ref_audio_pcm, "ref_audio_pcm") if start.ref_audio_pcm else None
     tts_ref = (
         decode_pcm(start.tts_ref_audio_pcm, "tts_ref_audio_pcm")
@@ -130,9 +130,16 @@ def decode_start(start: worker_pb.SessionStart, limits: EngineLimits) -> Session
     )
 
 
+def check_slices(limits: EngineLimits, value: int, what: str = "max_slice_nums") -> None:
+    """A max_slice_nums (0: unset) within the engine's limits; InvalidRequest naming it."""
+    refusal = limits.slices_refusal(value, what)
+    if refusal:
+        raise InvalidRequest(refusal)
+
+
 def decode_unit(unit: worker_pb.Unit, limits: EngineLimits) -> UnitInput:
     """Unit as a UnitInput, checked against the engine's limits. Raises InvalidRequest."""
-    limits.check_slices(unit.max_slice_nums, f"unit {unit.seq} max_slice_nums")
+    check_slices(limits, unit.max_slice_nums, f"unit {unit.seq} max_slice_nums")
     return UnitInput(
         seq=unit.seq,
         pcm=decode_pcm(

@@ -3,25 +3,15 @@ its usage, and how it ends. Plain data; the unit loop (worker.session) makes the
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from omnifabric.common import close_reasons
+# Why a session ended and its token usage: the types the edge shares (common's).
+from omnifabric.common.close_reasons import CloseReason as CloseReason
+from omnifabric.common.session_types import Usage as Usage
 from omnifabric.worker.engine import DuplexSettings, GenerateResult
-
-
-class CloseReason(enum.Enum):
-    """Why a session ended (common.proto CloseReason; its sentence: common.close_reasons)."""
-
-    USER_STOP = close_reasons.USER_STOP
-    TIMEOUT = close_reasons.TIMEOUT
-    CONTEXT_FULL = close_reasons.CONTEXT_FULL
-    SERVER_SHUTDOWN = close_reasons.SERVER_SHUTDOWN
-    ERROR = close_reasons.ERROR
-    CLIENT_CLOSED = close_reasons.CLIENT_CLOSED
 
 
 @dataclass(frozen=True)
@@ -51,29 +41,6 @@ class SessionLimits:
     duration_s: float
     max_context_tokens: int
     unit_timeout_s: float | None = None
-
-
-@dataclass
-class Usage:
-    """Token usage of a session so far."""
-
-    input_text_tokens: int = 0
-    input_audio_tokens: int = 0
-    input_vision_tokens: int = 0
-    output_text_tokens: int = 0
-    output_audio_tokens: int = 0
-
-    @property
-    def input_tokens(self) -> int:
-        return self.input_text_tokens + self.input_audio_tokens + self.input_vision_tokens
-
-    @property
-    def output_tokens(self) -> int:
-        return self.output_text_tokens + self.output_audio_tokens
-
-    @property
-    def total_tokens(self) -> int:
-        return self.input_tokens + self.output_tokens
 
 
 @dataclass

@@ -1,0 +1,164 @@
+"""The session values edge, worker and scheduler share, each written once: a session's
+duplex settings, its token usage and what an engine accepts (common.proto's DuplexConfig,
+Usage and EngineLimits as plain data). Why a session ended is common.close_reasons'.
+
+The services import them from here (and name them in their own modules too:
+edge.events.DuplexSettings and Usage, worker.engine.DuplexSettings and EngineLimits,
+worker.session_types.Usage, scheduler.registry.EngineLimits are these classes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DuplexSettings:
+    """Per-session duplex settings (common.proto DuplexConfig); None = engine default.
+
+    The edge validates them from a client's config (edge.fields.duplex_settings) and sends
+    what was set (`given`); the worker decodes them from SessionStart."""
+
+    length_penalty: float | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    listen_prob_scale: float | None = None
+    force_listen_count: int | None = None
+    max_new_speak_tokens_per_chunk: int | None = None
+    max_kv_tokens: int | None = None
+    tts_enabled: bool | None = None
+    max_tokens: int | None = None
+    vad_threshold: float | None = None
+    min_speech_ms: int | None = None
+    end_of_turn_silence_ms: int | None = None
+    half_duplex: bool | None = None
+    max_slice_nums: int = 1
+    """Video mode: image slices per frame (within the engine's EngineLimits). Not a
+    DuplexConfig field: it travels as SessionStart.max_slice_nums (the edge's from
+    InitCommand.max_slice_nums), so `given` leaves it out."""
+    seed: int | None = None
+    """Seed of the session's sampling (engines that draw per session: the same seed gives
+    the same tokens whatever the batch-mates); None: random."""
+
+    def given(self) -> dict[str, Any]:
+        """The DuplexConfig fields set (not None), by name: what a SessionStart's config
+        carries (max_slice_nums travels apart)."""
+        return {k: v for k, v in self.__dict__.items() if v is not None and k != "max_slice_nums"}
+
+    def vad_note(self) -> tuple[str, ...]:
+        """The note of an engine that decides the user's turn without voice activity, when
+        the session set voice-activity turn-taking (empty when it set none)."""
+        names = [
+            k
+            for k in ("vad_threshold", "min_speech_ms", "end_of_turn_silence_ms")
+            if getattr(self, k) is not None
+        ]
+        if not names:
+            return ()
+        return (
+            f"{', '.join(names)}: not used; this engine decides the end of the user's turn "
+            "itself, not by voice activity",
+        )
+
+
+#: The parts of usage that add up to a total: part -> its total (each adds to total_tokens
+#: too). The image, video and cached input counts break input down further: in no total.
+_TOTAL_OF_PART = {
+    "input_text_tokens": "input_tokens",
+    "input_audio_tokens": "input_tokens",
+    "input_vision_tokens": "input_tokens",
+    "output_text_tokens": "output_tokens",
+    "output_audio_tokens": "output_tokens",
+}
+
+
+@dataclass(init=False)
+class Usage:
+    """Token usage of a session (or a chat turn) so far, in the SDK's shape (common.proto
+    Usage: its fields, by its names, and nothing else in the instance's __dict__).
+
+    The totals are fields: the ones given (a Usage message carries all three), else the sums
+    of their parts (input: text + audio + vision; output: text + audio; total: both). Setting
+    a part afterwards moves its totals by as much, so a usage the worker counts up part by
+    part keeps its totals the sums of its parts."""
+
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_text_tokens: int
+    input_audio_tokens: int
+    input_vision_tokens: int
+    input_image_tokens: int
+    input_video_tokens: int
+    input_cached_tokens: int
+    output_text_tokens: int
+    output_audio_tokens: int
+
+    def __init__(
+        self,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        total_tokens: int | None = None,
+        input_text_tokens: int = 0,
+        input_audio_tokens: int = 0,
+        input_vision_tokens: int = 0,
+        input_image_tokens: int = 0,
+        input_video_tokens: int = 0,
+        input_cached_tokens: int = 0,
+        output_text_tokens: int = 0,
+        output_audio_tokens: int = 0,
+    ) -> None:
+        if input_tokens is None:
+            input_tokens = input_text_tokens + input_audio_tokens + input_vision_tokens
+        if output_tokens is None:
+            output_tokens = output_text_tokens + output_audio_tokens
+        if total_tokens is None:
+            total_tokens = input_tokens + output_tokens
+        self.__dict__.update(
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            total_tokens=total_tokens,
+            input_text_tokens=input_text_tokens,
+            input_audio_tokens=input_audio_tokens,
+            input_vision_tokens=input_vision_tokens,
+            input_image_tokens=input_image_tokens,
+            input_video_tokens=input_video_tokens,
+            input_cached_tokens=input_cached_tokens,
+            output_text_tokens=output_text_tokens,
+            output_audio_tokens=output_audio_tokens,
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        total = _TOTAL_OF_PART.get(name)
+        if total is not None and name in self.__dict__:
+            delta = value - self.__dict__[name]
+            self.__dict__[total] += delta
+            self.__dict__["total_tokens"] += delta
+        super().__setattr__(name, value)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What an engine accepts: the one place these numbers are written (common.proto
+    EngineLimits). The worker checks requests against them, advertises them in its
+    registration and in SessionStarted; the scheduler keeps them as a worker's hello
+    declares them and hands them to edges with each lease and in status; edges refuse a
+    session or unit outside them before the worker is asked."""
+
+    min_slice_nums: int = 1
+    max_slice_nums: int = 2
+    """Video mode: image slices per frame, inclusive (session value and unit overrides)."""
+    min_unit_samples: int = 4000
+    max_unit_samples: int = 64000
+    """Unit lengths served, 16 kHz samples, inclusive (1/4 s to 4 s; engines with a fixed
+    unit length re-chunk what arrives)."""
+
+    def slices_refusal(self, value: int, what: str = "max_slice_nums") -> str:
+        """Why `value` (0: unset) is outside the slice range, naming it; empty within."""
+        if value and not self.min_slice_nums <= value <= self.max_slice_nums:
+            return (
+                f"{what}: {value}; this worker takes {self.min_slice_nums} to {self.max_slice_nums}"
+            )
+        return ""
