@@ -246,7 +246,7 @@ class SessionRecorder:
         self._user = _open_wav(folder / "user.wav", USER_RATE)
         self._model = _open_wav(folder / "model.wav", MODEL_RATE)
         dialect = "first" if init.dialect is ev.Dialect.FIRST else "current"
-        config = {k: v for k, v in init.config.__dict__.items() if v is not None}
+        config = init.config.given()
         voices: dict[str, str] = {}
         for name, pcm in (("ref_audio", init.ref_audio), ("tts_ref_audio", init.tts_ref_audio)):
             if pcm:
@@ -469,7 +469,11 @@ class SessionRecorder:
         for seq in sorted(s for s in self._inputs if s < out.seq):
             self._heard.append(self._inputs.pop(seq))
         heard = self._inputs.pop(out.seq, b"")
-        received_ms = self._received_ms.pop(out.seq, 0.0)
+        # The pieces of an answer the worker goes on with by itself answer no unit of ours
+        # (they carry the seq of the one that began it): timed as they come.
+        received_ms = self._received_ms.pop(out.seq, None)
+        if received_ms is None:
+            received_ms = (time.monotonic() - self._t0) * 1000.0
         if out.is_listen and self._reply is None:
             self._heard.append(heard)
             return

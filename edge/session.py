@@ -523,6 +523,8 @@ class SessionCore:
         """Forward one unit to the worker; returns its seq. NotReady before start,
         InvalidPayload for a unit outside the worker's limits (not sent)."""
         self.require_started()
+        call = self._worker_call
+        assert call is not None  # started: the stream is open
         bounds = self.unit_bounds
         if bounds is not None:
             check_unit_length(len(cmd.pcm) // 4, *bounds)
@@ -540,7 +542,7 @@ class SessionCore:
         request = unit_request(self._seq, cmd)
         try:
             async with self._send_lock:
-                await self._worker_call.write(request)
+                await call.write(request)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             # The stream is gone; the pump reports the end.
             pass

@@ -1,6 +1,7 @@
 """A session's incoming units: the mailbox the stream fills (the newest unit wins), and
 the intake that turns what the loop takes from it into the model units to serve
-(re-chunked to the engine's exact lengths, or a half-duplex call's waiting units joined)."""
+(re-chunked to the engine's exact lengths, or a half-duplex call's waiting units joined),
+and makes the silent units a half-duplex answer goes on with."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ MAX_WAITING_MODEL_UNITS = 4
 #: reference server buffers it), of this much audio at most (16 kHz samples, 30 s); older
 #: units beyond it are dropped (counted).
 HALF_DUPLEX_JOIN_SAMPLES = 30 * 16000
+
+#: A half-duplex answer's silent units (engines that take any length; 16 kHz samples):
+#: one second, as the edge used to send them.
+ANSWER_SILENCE_SAMPLES = 16000
 
 
 class Mailbox:
@@ -122,6 +127,20 @@ class Intake:
                 excess,
             )
         return pieces
+
+    def silence(self, seq: int, force_listen: bool, received_at: float) -> list[UnitInput]:
+        """The model unit the worker feeds a half-duplex answer to go on (see
+        DuplexSession._pumped): silence of the engine's unit length, through the re-chunker
+        (which may still hold the end of the user's turn), else ANSWER_SILENCE_SAMPLES.
+        Under `seq`, with `force_listen` (the answer ends)."""
+        size = self._chunker.size if self._chunker is not None else ANSWER_SILENCE_SAMPLES
+        unit = UnitInput(
+            seq=seq,
+            pcm=np.zeros(size, np.float32),
+            force_listen=force_listen,
+            received_at=received_at,
+        )
+        return [unit] if self._chunker is None else self._chunker.push(unit)
 
     def _joined(self, units: list[UnitInput]) -> list[UnitInput]:
         """A half-duplex call's units that waited while the engine was busy, as one unit

@@ -5,6 +5,10 @@ A one-slot mailbox holds the next unit (the newest wins, worker.mailbox); the un
 result goes to the sender at once through the session's journal (worker.journal) and
 finalize runs behind it, fenced by an asyncio.Event barrier before the next prefill. Every
 end frees the engine session and memory, then emits exactly one SessionEnd.
+
+A half-duplex call (DuplexSettings.half_duplex) answers without the sender's units: from
+the engine's first speaking unit until one ends its turn, the loop feeds the engine silent
+units of its own, back to back (see _pumped), and streams each result as usual.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omnifabric.common import close_reasons
@@ -49,6 +53,22 @@ log = logging.getLogger("omnifabric.worker.session")
 #: session, seconds of input, engine seconds (prefill, generate and its finalize), wall
 #: seconds (arrival to result), and whether it spoke (or its finalize started a reply).
 UnitServed = Callable[["DuplexSession", float, float, float, bool], None]
+
+
+@dataclass
+class Answer:
+    """A half-duplex answer the unit loop goes on with by itself (DuplexSession._pumped)."""
+
+    seq: int
+    """What the results of its silent units carry: the seq of the sender's unit that began
+    the answer (answered already), or of the sender's force_listen unit taken since (the
+    next result answers it). The sender's bookkeeping waits for neither."""
+    tokens: int = 0
+    """Output tokens of the answer so far (GenerateResult.n_tokens, from its first piece):
+    at DuplexSettings.max_tokens, its next unit ends it."""
+    ending: bool = False
+    """The sender asked the answer to end (a force_listen unit): every further silent unit
+    carries force_listen until the engine ends its turn."""
 
 
 class DuplexSession:
@@ -109,6 +129,9 @@ class DuplexSession:
         self.last_unit_seq = 0
         self.engine_session: EngineSession | None = None
         self._deadline = 0.0
+        self._half_duplex = spec.settings.half_duplex is True
+        self.answer: Answer | None = None
+        """A half-duplex call's answer in progress: the loop feeds it silent units itself."""
 
     @property
     def session_id(self) -> str:
@@ -250,6 +273,15 @@ class DuplexSession:
             if remaining <= 0:
                 return CloseReason.TIMEOUT, f"{self.limits.duration_s:g} s"
             units = self._mailbox.take_all()
+            if self.answer is not None:
+                # A half-duplex answer goes on at once, with or without the sender's units.
+                for piece in self._pumped(units):
+                    end = await self._serve_piece(piece)
+                    if end is not None:
+                        return end
+                    if self.answer is None:
+                        break
+                continue
             if not units:
                 self._wake.clear()
                 try:
@@ -260,13 +292,70 @@ class DuplexSession:
                 except TimeoutError:
                     pass
                 continue
-            for piece in self._intake.model_units(units):
-                result = await self._serve_unit(piece)
-                cap = self._context_cap()
-                if result.kv_cache_length >= cap:
-                    return CloseReason.CONTEXT_FULL, f"{cap} tokens"
-                if self._close_request is not None:
-                    return self._close_request
+            pieces = self._intake.model_units(units)
+            for i, piece in enumerate(pieces):
+                end = await self._serve_piece(piece)
+                if end is not None:
+                    return end
+                if self.answer is not None:
+                    # The answer began: the audio that waited behind it is not heard.
+                    self._ignore(pieces[i + 1 :], piece.seq)
+                    break
+
+    async def _serve_piece(self, piece: UnitInput) -> tuple[CloseReason, str] | None:
+        """Serve one model unit and follow a half-duplex answer; the session's end when the
+        unit filled the context or a close came meanwhile, else None."""
+        result = await self._serve_unit(piece)
+        if self._half_duplex:
+            self._follow(piece, result)
+        cap = self._context_cap()
+        if result.kv_cache_length >= cap:
+            return CloseReason.CONTEXT_FULL, f"{cap} tokens"
+        return self._close_request
+
+    def _follow(self, unit: UnitInput, result: GenerateResult) -> None:
+        """A half-duplex call's answer, as its sender sees it: from a speaking unit that
+        did not end the turn until a unit that ends it (speaking or not)."""
+        answer = self.answer
+        if answer is None:
+            if not result.is_listen and not result.end_of_turn:
+                self.answer = Answer(seq=unit.seq, tokens=result.n_tokens)
+        elif result.end_of_turn:
+            self.answer = None
+        else:
+            answer.tokens += result.n_tokens
+
+    def _pumped(self, units: list[UnitInput]) -> list[UnitInput]:
+        """The next unit of a half-duplex answer: silence the worker feeds the engine itself
+        (the sender sends none, so the answer costs it no round trip per piece). The
+        sender's units taken meanwhile are not heard (the user's input while the model
+        answers, as the call's protocol says): they are reported dropped with the next
+        result, except the newest force_listen unit (an external stop), whose seq the
+        next result carries and which ends the answer. Once the answer's tokens reached
+        DuplexSettings.max_tokens (a half-duplex call's cap per answer) the unit carries
+        force_listen too."""
+        answer = self.answer
+        assert answer is not None
+        received_at = time.perf_counter()
+        stop: UnitInput | None = None
+        for unit in units:
+            if unit.force_listen:
+                if stop is not None:
+                    self._mailbox.drop(stop.seq)
+                stop = unit
+            else:
+                self._mailbox.drop(unit.seq)
+        if stop is not None:
+            answer.seq, answer.ending, received_at = stop.seq, True, stop.received_at
+        cap = self.spec.settings.max_tokens
+        capped = cap is not None and cap > 0 and answer.tokens >= cap
+        return self._intake.silence(answer.seq, answer.ending or capped, received_at)
+
+    def _ignore(self, pieces: list[UnitInput], answered: int) -> None:
+        """Model units that waited behind the one that began a half-duplex answer: not
+        heard; their client units (but `answered`'s) are reported dropped."""
+        for seq in sorted({p.seq for p in pieces} - {answered}):
+            self._mailbox.drop(seq)
 
     def _buffered(self, unit: UnitInput) -> None:
         """Answer a unit whose audio waits for more (it filled no model unit yet)."""
@@ -355,7 +444,11 @@ class DuplexSession:
                 self.on_unit(self, unit.length_s, engine_s, wall_s, speaking)
 
     def _output_cap_reached(self) -> bool:
+        """The session's output cap (DuplexSettings.max_tokens) is reached; in a half-duplex
+        call the cap is each answer's instead (see _pumped)."""
         cap = self.spec.settings.max_tokens
+        if self._half_duplex:
+            return False
         return cap is not None and cap > 0 and self.usage.output_tokens >= cap
 
     def _add_usage(self, result: GenerateResult) -> None:

@@ -121,8 +121,8 @@ class DuplexDialect:
         return []
 
     def after_output(self, event: ev.Output) -> list[ev.Command]:
-        """Commands the driver runs once `event` went out (half-duplex feeds the engine its
-        own input while the model answers); none by default."""
+        """Commands the driver runs once `event` went out (the OpenAI dialect sends its next
+        unit once the last one was answered); none by default."""
         return []
 
     def client_state(self) -> bytes:

@@ -19,11 +19,14 @@ finds the turn, the turn's audio is prefilled whole, the context goes on across 
 worker/engines/minicpmo/half_duplex.py); the reference engine and the synthetic one take
 turns as in a duplex session. The input is a stream, not units: chunks shorter than the
 leased worker's shortest unit wait for the next ones, longer ones go in units it serves.
-From the engine's first speaking unit the reply streams, and
-the edge feeds the
-session silent units itself (as fast as the answers come, not in real time) until the
-engine ends its turn, so the reply does not wait for the client, which stops sending audio
-while it plays the answer. `audio_chunk` during the answer is ignored, as the protocol says.
+From the engine's first speaking unit the reply streams with no input at all: the worker
+goes on with the answer by itself (worker/session.py: it feeds the engine silent units of
+its own, back to back, and streams each piece as a result under the seq of the unit that
+began the answer) until the engine ends its turn. The reply waits for neither the client,
+which stops sending audio while it plays the answer, nor the edge, which sends nothing per
+piece (it used to send one second of silence after each piece: a round trip to the worker
+per piece). `audio_chunk` during the answer is ignored, as the protocol says (a unit already
+on its way when the answer began is dropped by the worker).
 `vad_state` comes from the input's energy (RMS above 0.01), reported with the unit's answer.
 `config.session.timeout_s` (default 180 s) ends the call after that long without an
 `audio_chunk` (`timeout{elapsed_s}`). `config.vad` (`threshold`, `min_speech_duration_ms`,
@@ -32,8 +35,10 @@ while it plays the answer. `audio_chunk` during the answer is ignored, as the pr
 its own margins).
 `config.generation`: `temperature` and `length_penalty` go to the engine as session
 settings; `max_new_tokens` (default 256, as the reference server's) ends an answer once its
-tokens reach it (the edge sends the
-engine a force_listen unit, as the external stop does).
+tokens reach it: it goes to the worker as the session's `max_tokens`, which in a half-duplex
+session caps each answer (the worker's next silent unit carries force_listen, as the
+external stop's unit does). The external stop (POST /api/half_duplex/stop) sends the worker
+one force_listen unit; the worker's next piece of the answer takes it and ends the turn.
 """
 
 from __future__ import annotations
@@ -68,8 +73,8 @@ MAX_NEW_TOKENS = 256
 #: The longest audio_chunk taken, 16 kHz samples: 30 s, the most of a turn a worker hears
 #: as one unit; a longer message is refused whole.
 MAX_CHUNK_SAMPLES = 30 * 16000
-#: One second of silence at 16 kHz: what the edge feeds the engine while it answers (a unit
-#: length every engine takes).
+#: One second of silence at 16 kHz: the force_listen unit of an external stop (a unit length
+#: every engine takes).
 SILENCE = np.zeros(16000, "<f4").tobytes()
 
 
@@ -119,8 +124,6 @@ class HalfDuplex(DuplexDialect):
         self._speech_ms = 0
         self._turn_index = 0
         self._turn_text = ""
-        self._turn_tokens = 0
-        self._max_turn_tokens = MAX_NEW_TOKENS
         self._speech_seqs: set[int] = set()
         self._timeout_s = TIMEOUT_S
         self._last_chunk = 0.0
@@ -225,7 +228,6 @@ class HalfDuplex(DuplexDialect):
         cap = fields.integer_field(
             generation, "max_new_tokens", 1, fields.MAX_CONTEXT_TOKENS, "config.generation"
         )
-        self._max_turn_tokens = MAX_NEW_TOKENS if cap is None else cap
         vad = fields.obj(cfg, "vad")
 
         def ms(key: str, bounds: tuple[int, int]) -> int | None:
@@ -241,6 +243,8 @@ class HalfDuplex(DuplexDialect):
             min_speech_ms=ms("min_speech_duration_ms", fields.MIN_SPEECH_MS),
             end_of_turn_silence_ms=ms("min_silence_duration_ms", fields.END_OF_TURN_SILENCE_MS),
             half_duplex=True,
+            # A half-duplex session's max_tokens caps each answer (the worker ends it).
+            max_tokens=MAX_NEW_TOKENS if cap is None else cap,
         )
 
     def appended(self, seq: int, cmd: ev.AppendCommand) -> None:
@@ -251,17 +255,11 @@ class HalfDuplex(DuplexDialect):
 
     def stop_turn(self) -> list[ev.Command]:
         """An external stop (POST /api/half_duplex/stop): while the model answers, a unit
-        with force_listen ends its turn (turn_done follows with what was said); nothing to do
-        otherwise."""
+        with force_listen ends its turn (the worker's next piece of the answer takes it;
+        turn_done follows with what was said); nothing to do otherwise."""
         return [ev.AppendCommand(pcm=SILENCE, force_listen=True)] if self._answering else []
 
-    def after_output(self, event: ev.Output) -> list[ev.Command]:
-        """While the model answers, one silent unit per answer keeps the reply going; once
-        the answer reached `config.generation.max_new_tokens`, that unit ends it."""
-        if not self._answering:
-            return []
-        ending = self._turn_tokens >= self._max_turn_tokens
-        return [ev.AppendCommand(pcm=SILENCE, force_listen=ending)]
+    # after_output: none (the base's). The worker goes on with an answer by itself.
 
     # ---- session events -> client -------------------------------------------------------
 
@@ -313,9 +311,7 @@ class HalfDuplex(DuplexDialect):
             messages.append({"type": "generating", "speech_duration_ms": self._speech_ms})
             self._speech_ms = 0
             self._turn_text = ""
-            self._turn_tokens = 0
         self._turn_text += out.text
-        self._turn_tokens += out.n_tokens
         messages.append(
             {
                 "type": "chunk",

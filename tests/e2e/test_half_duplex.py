@@ -109,6 +109,44 @@ async def test_a_recording_in_chunks_of_any_length_is_answered(stack):
         assert not [e for e in seen if e["type"] == "error"]
 
 
+async def test_the_edge_sends_no_unit_per_piece_of_the_answer(stack):
+    """The worker goes on with the answer by itself: the edge forwards only the client's
+    chunks (at most the turn's 4; the last may come once the answer began, ignored), none
+    per piece of the 3-piece answer (it used to send one after each piece but the last)."""
+    from tests.e2e.test_metrics import scrape, total
+
+    seen: list[dict] = []
+    async with connect(url(stack, "hd_units"), open_timeout=scaled(10)) as ws:
+        await until(ws, "queue_done", seen)
+        await ws.send(json.dumps({"type": "prepare"}))
+        await until(ws, "prepared", seen)
+        await speak_a_turn(ws, seen)
+        done = await until(ws, "turn_done", seen)
+        assert done["text"].count("part") == 3
+        edge = await asyncio.to_thread(scrape, stack.url.removeprefix("ws://").split("/")[0])
+        assert total(edge, "omni_edge_outputs_total", kind="speak") == 3
+        assert 3 <= total(edge, "omni_edge_units_forwarded_total") <= 4
+
+
+async def test_max_new_tokens_ends_each_answer(stack):
+    """config.generation.max_new_tokens caps each answer (the worker ends it, with no unit
+    from the edge per piece): the synthetic engine's pieces are 4 tokens, so with 4 each
+    answer stops after its first piece, turn after turn."""
+    seen: list[dict] = []
+    async with connect(url(stack, "hd_cap"), open_timeout=scaled(10)) as ws:
+        await until(ws, "queue_done", seen)
+        prepare = {"type": "prepare", "config": {"generation": {"max_new_tokens": 4}}}
+        await ws.send(json.dumps(prepare))
+        await until(ws, "prepared", seen)
+        for turn in (1, 2):
+            start = len(seen)
+            await speak_a_turn(ws, seen)
+            done = await until(ws, "turn_done", seen)
+            assert done["turn_index"] == turn and done["text"] == f"reply {turn} part 1 "
+            chunks = [e for e in seen[start:] if e["type"] == "chunk"]
+            assert [c["text_delta"] for c in chunks] == [f"reply {turn} part 1 "]
+
+
 async def test_bad_input_answers_error_and_the_call_goes_on(stack):
     seen: list[dict] = []
     async with connect(url(stack, "hd_2"), open_timeout=scaled(10)) as ws:

@@ -450,7 +450,7 @@ def test_inits_name_registered_voices():
 
 
 def test_half_duplex_maps_vad_and_generation_config():
-    from omnifabric.edge.dialects.half_duplex import SILENCE, HalfDuplex
+    from omnifabric.edge.dialects.half_duplex import HalfDuplex
 
     d = HalfDuplex("hd_1")
     config = {
@@ -472,19 +472,16 @@ def test_half_duplex_maps_vad_and_generation_config():
     [prepared] = d.encode(ev.Created("hd_1", 10, ("min_speech_ms: not used",)))
     assert prepared["timeout_s"] == 60 and prepared["notes"] == ["min_speech_ms: not used"]
     assert "notes" not in HalfDuplex("hd_2").encode(ev.Created("hd_2", 10))[0]
-    # The answer goes on with silent units until its tokens reach max_new_tokens (5): then
-    # the unit that follows ends it.
+    # max_new_tokens caps each answer: the worker's max_tokens of a half-duplex session (it
+    # ends the answer itself). The edge feeds the answer nothing: the worker goes on alone.
+    assert s.max_tokens == 5
     d.encode(_out(seq=1, n_tokens=3))
-    assert d.after_output(_out(seq=1)) == [ev.AppendCommand(pcm=SILENCE)]
-    d.encode(_out(seq=2, n_tokens=2))
-    assert d.after_output(_out(seq=2)) == [ev.AppendCommand(pcm=SILENCE, force_listen=True)]
-    [*_, done] = d.encode(_out(seq=3, text="", n_tokens=0, end_of_turn=True))
-    assert done["type"] == "turn_done" and d.after_output(_out(seq=3)) == []
+    assert d.after_output(_out(seq=1)) == []
+    d.encode(_out(seq=1, n_tokens=2))  # the worker's own pieces carry the answer's seq
+    assert d.after_output(_out(seq=1)) == []
+    [*_, done] = d.encode(_out(seq=1, text="", n_tokens=0, end_of_turn=True))
+    assert done["type"] == "turn_done" and d.after_output(_out(seq=1)) == []
     assert done["turn_index"] == 1  # turns answered so far, as the reference server counts
-
-    # The next answer counts from zero.
-    d.encode(_out(seq=4, n_tokens=4))
-    assert d.after_output(_out(seq=4)) == [ev.AppendCommand(pcm=SILENCE)]
 
 
 def test_half_duplex_audio_is_a_stream_cut_into_the_workers_units():
@@ -630,15 +627,27 @@ def test_realtime_events_are_numbered_and_a_resume_replays_what_was_missed():
 
 
 def test_half_duplex_answers_stop_at_256_tokens_unless_asked():
-    """The reference server's default max_new_tokens (256) when the call sets none."""
+    """The reference server's default max_new_tokens (256) when the call sets none: the
+    worker's cap of each answer."""
+    from omnifabric.edge.dialects.half_duplex import HalfDuplex
+
+    [init] = HalfDuplex("hd_1").decode(_frame({"type": "prepare"}))
+    assert init.config.max_tokens == 256 and init.config.half_duplex is True
+
+
+def test_half_duplex_stop_turn_sends_one_force_listen_unit_while_answering():
+    """POST /api/half_duplex/stop: one force_listen unit while the model answers (the
+    worker's next piece takes it), nothing otherwise; the answer needs no unit per piece."""
     from omnifabric.edge.dialects.half_duplex import SILENCE, HalfDuplex
 
     d = HalfDuplex("hd_1")
     d.decode(_frame({"type": "prepare"}))
-    d.encode(_out(seq=1, n_tokens=255))
-    assert d.after_output(_out(seq=1)) == [ev.AppendCommand(pcm=SILENCE)]
-    d.encode(_out(seq=2, n_tokens=1))
-    assert d.after_output(_out(seq=2)) == [ev.AppendCommand(pcm=SILENCE, force_listen=True)]
+    assert d.stop_turn() == []
+    d.encode(_out(seq=4, n_tokens=2))
+    assert d.after_output(_out(seq=4)) == []
+    assert d.stop_turn() == [ev.AppendCommand(pcm=SILENCE, force_listen=True)]
+    [*_, done] = d.encode(_out(seq=5, is_listen=True, text="", pcm=b"", end_of_turn=True))
+    assert done["type"] == "turn_done" and d.stop_turn() == []
 
 
 def test_half_duplex_speech_in_chunks_heard_together_sets_vad_state():

@@ -43,8 +43,8 @@ class HearingEngine(SyntheticEngine):
     """The synthetic engine, keeping the audio of every unit its sessions prefill; with
     `model_unit` its sessions take units of exactly that many samples (re-chunked)."""
 
-    def __init__(self, compute_ms: float, model_unit: int = 0) -> None:
-        super().__init__(compute_ms=compute_ms)
+    def __init__(self, compute_ms: float, model_unit: int = 0, **kw) -> None:
+        super().__init__(compute_ms=compute_ms, **kw)
         self.heard: list[np.ndarray] = []
         self.model_unit = model_unit
 
@@ -296,3 +296,134 @@ async def test_a_unit_whose_finalize_starts_a_reply_counts_as_speaking():
     await asyncio.wait_for(serving, scaled(2))
     executor.shutdown()
     assert served == [False, True, False]
+
+
+# ---- a half-duplex answer goes on by itself ----------------------------------------------
+
+SPEECH = np.full(16000, 0.1, np.float32)
+
+
+async def half_duplex_call(engine: SyntheticEngine, **settings):
+    """A half-duplex session on `engine`, its unit loop running: (session, loop, executor)."""
+    executor = ThreadPoolExecutor(2)
+    spec = SessionSpec(
+        session_id="s",
+        lease_id="l",
+        mode="audio",
+        settings=DuplexSettings(half_duplex=True, **settings),
+    )
+    session = DuplexSession(spec, engine, executor, SessionLimits(60, 8192))
+    await session.open()
+    return session, asyncio.ensure_future(session.run()), executor
+
+
+async def results_until(session: DuplexSession, start: int, done) -> list:
+    """The session's results from journal index `start` until one for which `done` holds
+    (that one included)."""
+    seen = []
+    async with asyncio.timeout(scaled(5)):
+        index = 0
+        async for event in session.journal.events():
+            index += 1
+            if index <= start:
+                continue
+            assert not isinstance(event, SessionEnd), event
+            if not event.buffered:
+                seen.append(event)
+                if done(event):
+                    return seen
+    raise AssertionError("the session ended")
+
+
+async def ask(session: DuplexSession, seqs: tuple[int, int], pieces: int = 1) -> list:
+    """The user's turn (a unit of speech, `pieces` model units, then one of silence: the
+    engine answers it); the results from the silence's until the engine ends its turn."""
+    start = session.journal.length
+    session.submit(UnitInput(seq=seqs[0], pcm=SPEECH))
+    heard = await results_until(session, start, lambda e: e.seq == seqs[0])
+    if pieces > 1:
+        heard += await results_until(session, start + 1, lambda e: e.seq == seqs[0])
+    assert len(heard) == pieces and all(e.result.is_listen for e in heard)
+    start = session.journal.length
+    session.submit(UnitInput(seq=seqs[1], pcm=SILENCE))
+    return await results_until(session, start, lambda e: e.result.end_of_turn)
+
+
+async def end_call(session: DuplexSession, loop, executor) -> SessionEnd:
+    session.close(CloseReason.USER_STOP)
+    end = await asyncio.wait_for(loop, scaled(5))
+    executor.shutdown()
+    return end
+
+
+@pytest.mark.parametrize("model_unit", [0, 8000])
+async def test_a_half_duplex_answer_goes_on_without_the_senders_units(model_unit):
+    """From the engine's first speaking unit, the worker feeds the engine silence itself,
+    back to back, until it ends its turn: every piece streams under the seq of the unit that
+    began the answer (answered already: no unit of the sender waits for these), then the
+    loop waits for the sender again. Re-chunked engines get silence of their unit length."""
+    engine = HearingEngine(compute_ms=1, model_unit=model_unit, force_listen_count=0, reply_units=4)
+    session, loop, executor = await half_duplex_call(engine)
+    pieces = 16000 // model_unit if model_unit else 1
+    answer = await ask(session, (1, 2), pieces)
+    assert [e.seq for e in answer] == [2, 2, 2, 2]
+    assert [e.result.is_listen for e in answer] == [False] * 4
+    assert [e.result.text.split()[-1] for e in answer] == ["1", "2", "3", "4"]
+    assert answer[-1].result.end_of_turn and session.answer is None
+    assert all(not e.dropped_seqs for e in answer)
+    # The engine heard the turn, then only the worker's silence, of its unit length.
+    pumped = engine.heard[pieces + 1 :]  # a re-chunked silence's second piece: not heard
+    assert len(pumped) == 3 and all(not p.any() for p in pumped)
+    assert {p.size for p in pumped} == {model_unit or 16000}
+    served = session.units_served
+    await asyncio.sleep(0.1)
+    assert session.units_served == served  # nothing more without the sender
+    # The next turn is answered the same way.
+    second = await ask(session, (3, 4), pieces)
+    assert [e.seq for e in second] == [4] * 4 and "reply 2" in second[0].result.text
+    end = await end_call(session, loop, executor)
+    assert end.units_dropped == 0 and end.units_served == served + pieces + 4
+
+
+async def test_a_half_duplex_answer_ends_at_its_token_cap():
+    """A half-duplex session's max_tokens caps each answer (the reference server's
+    max_new_tokens), not the session: the unit after the answer's tokens reach it carries
+    force_listen and ends the turn; the next answer counts from zero."""
+    engine = HearingEngine(compute_ms=1, force_listen_count=0, reply_units=5)
+    session, loop, executor = await half_duplex_call(engine, max_tokens=6)
+    for turn, seqs in enumerate(((1, 2), (3, 4)), start=1):
+        answer = await ask(session, seqs)
+        # Four tokens a piece: the second reaches 6, the third unit ends the answer.
+        assert [e.result.is_listen for e in answer] == [False, False, True]
+        assert answer[-1].result.end_of_turn and {e.seq for e in answer} == {seqs[1]}
+        assert f"reply {turn} part 2" in answer[1].result.text
+    end = await end_call(session, loop, executor)
+    assert end.usage.output_text_tokens == 16  # beyond 6: the cap is each answer's
+
+
+async def test_a_half_duplex_answer_ignores_input_and_ends_on_a_force_listen_unit():
+    """The sender's units while the answer goes on are not heard (reported dropped with the
+    next piece: speech would have barged in); its force_listen unit (the external stop)
+    ends the answer, and the result that ends it answers that unit."""
+    engine = HearingEngine(compute_ms=20, force_listen_count=0, reply_units=100)
+    session, loop, executor = await half_duplex_call(engine)
+    start = session.journal.length
+    session.submit(UnitInput(seq=1, pcm=SPEECH))
+    await results_until(session, start, lambda e: e.seq == 1)
+    start = session.journal.length
+    session.submit(UnitInput(seq=2, pcm=SILENCE))
+    await results_until(session, start, lambda e: not e.result.is_listen)
+    heard = len(engine.heard)
+    start = session.journal.length
+    session.submit(UnitInput(seq=3, pcm=SPEECH))  # not heard: the model answers
+    dropped = await results_until(session, start, lambda e: 3 in e.dropped_seqs)
+    assert [e.seq for e in dropped] and {e.seq for e in dropped} == {2}
+    assert not dropped[-1].result.is_listen  # no barge-in: the answer goes on
+    start = session.journal.length
+    session.submit(UnitInput(seq=4, pcm=SILENCE, force_listen=True))
+    stopped = await results_until(session, start, lambda e: e.seq == 4)
+    assert stopped[-1].result.is_listen and stopped[-1].result.end_of_turn
+    assert {e.seq for e in stopped[:-1]} <= {2} and session.answer is None
+    assert not any(p.any() for p in engine.heard[heard:])  # only silence since
+    end = await end_call(session, loop, executor)
+    assert end.units_dropped == 1

@@ -7,9 +7,10 @@ path (DuplexSettings.half_duplex, `/ws/half_duplex`), the way the reference serv
   the system message the call started with, under one conversation id, so the model's
   context goes on from turn to turn;
 - the answer streams from `streaming_generate`, one piece per unit; the units that come while
-  it answers are not heard (the edge feeds silence, as fast as the pieces come);
-- a force-listen unit (the external stop, the call's max_new_tokens) ends the answer: the
-  model's next prefill closes the turn in its context.
+  it answers are not heard (the worker's unit loop feeds silence itself, as fast as the
+  pieces come: worker/session.py);
+- a force-listen unit (the external stop, the call's max_new_tokens: the worker's unit loop
+  sets it) ends the answer: the model's next prefill closes the turn in its context.
 
 The conversation lives on the shared model (its KV cache, turn flags, vocoder cache);
 `state.SharedState` swaps it per session, so calls, chat turns and duplex sessions on one
@@ -40,7 +41,7 @@ RULES = UtteranceRules(
 )
 TEMPERATURE = 0.7
 LENGTH_PENALTY = 1.1
-#: An answer's tokens at most (the edge ends it sooner at the call's max_new_tokens).
+#: An answer's tokens at most (the unit loop ends it sooner at the call's max_new_tokens).
 MAX_ANSWER_TOKENS = 1024
 
 
