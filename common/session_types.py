@@ -9,7 +9,7 @@ worker.session_types.Usage, scheduler.registry.EngineLimits are these classes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -41,6 +41,29 @@ class DuplexSettings:
     seed: int | None = None
     """Seed of the session's sampling (engines that draw per session: the same seed gives
     the same tokens whatever the batch-mates); None: random."""
+    context_window: str | None = None
+    """How the context slides once full (ContextWindow.mode: off, basic, context); the
+    five window settings are the session's own until the worker resolves them against its
+    operator's (ContextWindow.for_session): engines get them resolved, never None."""
+    window_high_tokens: int | None = None
+    window_low_tokens: int | None = None
+    window_units: int | None = None
+    window_previous_tokens: int | None = None
+
+    def window(self) -> ContextWindow:
+        """The session's context window as the worker resolved it (off when unset)."""
+        default = ContextWindow()
+        return ContextWindow(
+            mode=self.context_window or "off",
+            high_tokens=self.window_high_tokens or default.high_tokens,
+            low_tokens=self.window_low_tokens or default.low_tokens,
+            units=self.window_units or default.units,
+            previous_tokens=(
+                default.previous_tokens
+                if self.window_previous_tokens is None
+                else self.window_previous_tokens
+            ),
+        )
 
     def given(self) -> dict[str, Any]:
         """The DuplexConfig fields set (not None), by name: what a SessionStart's config
@@ -60,6 +83,94 @@ class DuplexSettings:
         return (
             f"{', '.join(names)}: not used; this engine decides the end of the user's turn "
             "itself, not by voice activity",
+        )
+
+
+#: Context windows: what a session does once its context is full.
+WINDOW_MODES = ("off", "basic", "context")
+#: Tokens a window keeps free under the context cap: a unit (and its reply) fits past the
+#: high watermark before the window slides.
+WINDOW_MARGIN_TOKENS = 192
+
+
+@dataclass(frozen=True)
+class ContextWindow:
+    """How a session's context slides instead of filling up (the public MiniCPM-o code's
+    DuplexWindowConfig, in our names; its defaults).
+
+    - off: the session ends with context_full at its cap.
+    - basic: once the context passes `high_tokens`, the oldest units are dropped until it
+      is at most `low_tokens`.
+    - context: once the session holds more than `units` units, the oldest are dropped and
+      what the model said in them is carried forward as text (at most `previous_tokens`).
+
+    The system prompt and the reference voice are always kept."""
+
+    mode: str = "off"
+    high_tokens: int = 8000
+    low_tokens: int = 6000
+    units: int = 24
+    previous_tokens: int = 500
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    def refusal(self, cap: int) -> str:
+        """Why this window cannot run under a context cap of `cap` tokens; "" when it can."""
+        if self.mode not in WINDOW_MODES:
+            return f"context_window: {self.mode!r}; use {', '.join(WINDOW_MODES)}"
+        if not self.on:
+            return ""
+        room = cap - WINDOW_MARGIN_TOKENS
+        if self.mode == "basic" and not 0 < self.low_tokens < self.high_tokens <= room:
+            return (
+                f"window_low_tokens {self.low_tokens} and window_high_tokens "
+                f"{self.high_tokens}: need 0 < low < high <= {room} (the context cap "
+                f"{cap} less {WINDOW_MARGIN_TOKENS})"
+            )
+        if self.mode == "context" and (self.units < 1 or self.previous_tokens < 0):
+            return "window_units must be >= 1 and window_previous_tokens >= 0"
+        return ""
+
+    def within(self, cap: int) -> ContextWindow:
+        """The operator's window fitted under a context cap: watermarks above it are
+        lowered (high to the cap less the margin, low to three quarters of high)."""
+        room = cap - WINDOW_MARGIN_TOKENS
+        if self.high_tokens <= room:
+            return self
+        high = max(room, 2)
+        return replace(self, high_tokens=high, low_tokens=min(self.low_tokens, high * 3 // 4))
+
+    def for_session(self, settings: DuplexSettings, cap: int) -> DuplexSettings:
+        """The session's settings with its window resolved: what it set over this (the
+        operator's) window, checked under the context cap. ValueError naming the setting
+        when the result cannot run."""
+        high = settings.window_high_tokens or self.high_tokens
+        low = settings.window_low_tokens or self.low_tokens
+        if settings.window_low_tokens is None and low >= high:
+            low = high * 3 // 4  # a session that lowered only its high watermark
+        window = ContextWindow(
+            mode=settings.context_window or self.mode,
+            high_tokens=high,
+            low_tokens=low,
+            units=settings.window_units or self.units,
+            previous_tokens=(
+                self.previous_tokens
+                if settings.window_previous_tokens is None
+                else settings.window_previous_tokens
+            ),
+        )
+        refusal = window.refusal(cap)
+        if refusal:
+            raise ValueError(refusal)
+        return replace(
+            settings,
+            context_window=window.mode,
+            window_high_tokens=window.high_tokens,
+            window_low_tokens=window.low_tokens,
+            window_units=window.units,
+            window_previous_tokens=window.previous_tokens,
         )
 
 

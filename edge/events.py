@@ -205,4 +205,13 @@ class Reattached:
     """The last unit the session received: the client resends what came after it."""
 
 
-SessionEvent = Queued | QueueDone | Created | Output | Closed | Paused | Resumed | Reattached
+@dataclass(frozen=True)
+class Expiring:
+    """The session's duration limit ends it in `seconds_left` (said once, a minute ahead)."""
+
+    seconds_left: int
+
+
+SessionEvent = (
+    Queued | QueueDone | Created | Output | Closed | Paused | Resumed | Reattached | Expiring
+)

@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+from omnifabric.common.session_types import WINDOW_MODES
 from omnifabric.edge import codec
 from omnifabric.edge.errors import InvalidPayload, MissingField
 from omnifabric.edge.events import DuplexSettings
@@ -202,7 +203,25 @@ def duplex_settings(cfg: dict[str, Any], where: str = "config") -> DuplexSetting
             cfg, "end_of_turn_silence_ms", *END_OF_TURN_SILENCE_MS, where
         ),
         seed=integer_field(cfg, "seed", 0, MAX_SEED, where),
+        context_window=window_mode(cfg, where),
+        window_high_tokens=integer_field(cfg, "window_high_tokens", 2, MAX_CONTEXT_TOKENS, where),
+        window_low_tokens=integer_field(cfg, "window_low_tokens", 1, MAX_CONTEXT_TOKENS, where),
+        window_units=integer_field(cfg, "window_units", 1, MAX_CONTEXT_TOKENS, where),
+        window_previous_tokens=integer_field(
+            cfg, "window_previous_tokens", 0, MAX_CONTEXT_TOKENS, where
+        ),
     )
+
+
+def window_mode(cfg: dict[str, Any], where: str = "config") -> str | None:
+    """``cfg["context_window"]``: off, basic or context (None when absent). Whether the
+    watermarks fit the worker's context cap is the worker's to say (it knows the cap)."""
+    value = string(cfg, "context_window", _name(where, "context_window"))
+    if value is not None and value not in WINDOW_MODES:
+        raise InvalidPayload(
+            f"{_name(where, 'context_window')} must be one of {', '.join(WINDOW_MODES)}"
+        )
+    return value
 
 
 def frame_list(value: Any, key: str) -> list[Any]:

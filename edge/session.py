@@ -60,9 +60,12 @@ from omnifabric.edge.worker_client import (
 log = logging.getLogger("omnifabric.edge.session")
 TRACER = telemetry.tracer("edge")
 
-Event = ev.Queued | ev.QueueDone | ev.Created | ev.Output | ev.Closed | ev.Reattached
+Event = ev.Queued | ev.QueueDone | ev.Created | ev.Output | ev.Closed | ev.Reattached | ev.Expiring
 Emit = Callable[[Event], Awaitable[None]]
 
+
+#: How long before a session's duration limit its client is told (session.expiring).
+EXPIRING_NOTICE_S = 60.0
 
 #: The unit watchdog waits at least this long past the worker's own engine timeout (its
 #: SessionStarted.unit_timeout_ms): a slow unit of a healthy worker is the worker's to end.
@@ -356,6 +359,7 @@ class SessionCore:
         self.started_event.set()
         self._tasks.append(asyncio.create_task(self._pump(call)))
         self._tasks.append(asyncio.create_task(self._watchdog()))
+        self._warn_before_limit(started.duration_left_ms)
         return created
 
     async def resume(self, token: str) -> ev.Reattached:
@@ -426,7 +430,20 @@ class SessionCore:
         self.started_event.set()
         self._tasks.append(asyncio.create_task(self._pump(worker_call)))
         self._tasks.append(asyncio.create_task(self._watchdog()))
+        self._warn_before_limit(resumed.duration_left_ms)
         return reattached
+
+    def _warn_before_limit(self, duration_left_ms: int) -> None:
+        """Tell the client EXPIRING_NOTICE_S before the duration limit ends the session
+        (Expiring; at once when less is left); nothing without a limit (0: none, or an
+        older worker that does not say)."""
+        if duration_left_ms:
+            self._tasks.append(asyncio.create_task(self._expiring(duration_left_ms / 1000)))
+
+    async def _expiring(self, left_s: float) -> None:
+        await asyncio.sleep(max(0.0, left_s - EXPIRING_NOTICE_S))
+        if not self.closed.is_set():
+            await self._emit(ev.Expiring(seconds_left=round(min(left_s, EXPIRING_NOTICE_S))))
 
     def _outwait_worker(self, unit_timeout_ms: int) -> None:
         """Let the unit watchdog wait past the leased worker's own engine timeout (0: the

@@ -85,6 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--compute-ms", type=float, help="synthetic engine: compute time per unit")
     parser.add_argument(
+        "--context-window",
+        choices=["off", "basic", "context"],
+        help="how a full context slides (workers' default: off, sessions close context_full)",
+    )
+    for flag, what in (
+        ("--window-high-tokens", "basic window: slide once the context passes this, tokens"),
+        ("--window-low-tokens", "basic window: what a slide keeps, tokens"),
+        ("--window-units", "context window: units kept"),
+        ("--window-previous-tokens", "context window: earlier replies carried, tokens"),
+    ):
+        parser.add_argument(flag, type=int, help=what)
+    parser.add_argument("--audio-limit-s", type=float, help="audio session limit, s (0: none)")
+    parser.add_argument("--video-limit-s", type=float, help="video session limit, s (0: none)")
+    parser.add_argument(
         "--grace", type=float, default=10.0, help="drain grace per service on stop, s"
     )
     parser.add_argument(
@@ -151,6 +165,18 @@ def main(argv: list[str] | None = None) -> int:
                 ("--asr", args.asr),
                 ("--llm-threads", None if args.llm_threads is None else str(args.llm_threads)),
                 ("--default-voice", voice),
+                ("--context-window", args.context_window),
+                *(
+                    (flag, None if value is None else str(value))
+                    for flag, value in (
+                        ("--window-high-tokens", args.window_high_tokens),
+                        ("--window-low-tokens", args.window_low_tokens),
+                        ("--window-units", args.window_units),
+                        ("--window-previous-tokens", args.window_previous_tokens),
+                        ("--audio-limit-s", args.audio_limit_s),
+                        ("--video-limit-s", args.video_limit_s),
+                    )
+                ),
             ):
                 if value is not None:
                     wargs += [flag, value]

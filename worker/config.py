@@ -11,6 +11,7 @@ from typing import Any
 
 from omnifabric.common import config as settings
 from omnifabric.common.config import ConfigError, setting
+from omnifabric.common.session_types import WINDOW_MODES, ContextWindow
 from omnifabric.worker import headroom
 
 ASR_CHOICES = ("both", "whisper")
@@ -73,22 +74,63 @@ class WorkerConfig:
         600.0,
         env="OMNI_WORKER_AUDIO_LIMIT_S",
         flag="--audio-limit-s",
-        range=(0.001, 86400.0),
-        help="audio session limit, s",
+        range=(0.0, 86400.0),
+        help="audio session limit, s (0: none)",
     )
-    """Duration limit of an audio session, seconds from its start."""
+    """Duration limit of an audio session, seconds from its start; 0: no limit."""
     video_limit_s: float = setting(
         300.0,
         env="OMNI_WORKER_VIDEO_LIMIT_S",
         flag="--video-limit-s",
-        range=(0.001, 86400.0),
-        help="video session limit, s",
+        range=(0.0, 86400.0),
+        help="video session limit, s (0: none)",
     )
-    """Duration limit of a video session, seconds from its start."""
+    """Duration limit of a video session, seconds from its start; 0: no limit."""
     max_context_tokens: int = setting(
-        8192, env="OMNI_WORKER_MAX_CONTEXT_TOKENS", range=(1, 1 << 20)
+        8192,
+        env="OMNI_WORKER_MAX_CONTEXT_TOKENS",
+        flag="--max-context-tokens",
+        range=(1, 1 << 20),
+        help="context cap, tokens",
     )
-    """Context cap in tokens; a session reaching it closes with CONTEXT_FULL."""
+    """Context cap in tokens; a session reaching it closes with CONTEXT_FULL (sessions with
+    a context window slide below it instead)."""
+    context_window: str = setting(
+        "off",
+        env="OMNI_WORKER_CONTEXT_WINDOW",
+        flag="--context-window",
+        choices=WINDOW_MODES,
+        help="how a full context slides: off (close with context_full), basic, context",
+    )
+    """Sessions' context window unless they choose their own (ContextWindow)."""
+    window_high_tokens: int = setting(
+        ContextWindow.high_tokens,
+        env="OMNI_WORKER_WINDOW_HIGH_TOKENS",
+        flag="--window-high-tokens",
+        range=(2, 1 << 20),
+        help="basic window: slide once the context passes this many tokens",
+    )
+    window_low_tokens: int = setting(
+        ContextWindow.low_tokens,
+        env="OMNI_WORKER_WINDOW_LOW_TOKENS",
+        flag="--window-low-tokens",
+        range=(1, 1 << 20),
+        help="basic window: what a slide keeps, tokens",
+    )
+    window_units: int = setting(
+        ContextWindow.units,
+        env="OMNI_WORKER_WINDOW_UNITS",
+        flag="--window-units",
+        range=(1, 1 << 20),
+        help="context window: units kept",
+    )
+    window_previous_tokens: int = setting(
+        ContextWindow.previous_tokens,
+        env="OMNI_WORKER_WINDOW_PREVIOUS_TOKENS",
+        flag="--window-previous-tokens",
+        range=(0, 1 << 20),
+        help="context window: tokens of earlier replies carried forward",
+    )
     lease_wait_s: float = setting(2.0, env="OMNI_WORKER_LEASE_WAIT_S", range=(0.0, 60.0))
     """How long a Session waits for the scheduler's lease_granted to arrive."""
     register_backoff_s: float = setting(
@@ -346,6 +388,9 @@ class WorkerConfig:
         device = self.device
         if device is not None and not (device in ("cpu", "cuda") or device.startswith("cuda:")):
             raise ConfigError("OMNI_WORKER_DEVICE", f"must be cpu, cuda or cuda:N, got {device!r}")
+        refusal = self.window().refusal(self.max_context_tokens)
+        if refusal:
+            raise ConfigError("OMNI_WORKER_WINDOW_* (--window-*)", refusal)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:
@@ -358,5 +403,15 @@ class WorkerConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     def limit_s(self, mode: str) -> float:
-        """Duration limit in seconds for a session of `mode` ("audio" or "video")."""
+        """Duration limit in seconds for a session of `mode` ("audio" or "video"); 0: none."""
         return self.video_limit_s if mode == "video" else self.audio_limit_s
+
+    def window(self) -> ContextWindow:
+        """The operator's context window, fitted under the context cap."""
+        return ContextWindow(
+            mode=self.context_window,
+            high_tokens=self.window_high_tokens,
+            low_tokens=self.window_low_tokens,
+            units=self.window_units,
+            previous_tokens=self.window_previous_tokens,
+        ).within(self.max_context_tokens)

@@ -21,6 +21,7 @@ from omnifabric.common import close_reasons, logs, telemetry
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+from omnifabric.worker.config import WorkerConfig
 from omnifabric.worker.engine import ChatMessage, ChatTurn, DuplexSettings, EngineLimits
 from omnifabric.worker.errors import (
     EngineFailure,
@@ -135,6 +136,19 @@ def check_slices(limits: EngineLimits, value: int, what: str = "max_slice_nums")
     refusal = limits.slices_refusal(value, what)
     if refusal:
         raise InvalidRequest(refusal)
+
+
+def session_window(settings: DuplexSettings, config: WorkerConfig) -> DuplexSettings:
+    """The session's settings with its context window resolved over the operator's, under
+    the session's context cap (the worker's, or the session's lower max_kv_tokens).
+    InvalidRequest naming the setting when it cannot run."""
+    cap = config.max_context_tokens
+    if settings.max_kv_tokens:
+        cap = min(cap, settings.max_kv_tokens)
+    try:
+        return config.window().within(cap).for_session(settings, cap)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def decode_unit(unit: worker_pb.Unit, limits: EngineLimits) -> UnitInput:
@@ -288,8 +302,10 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 logs.bind_session(session.session_id)
                 otel_context.attach(context_in)
             else:
+                spec = decode_start(first.start, self.runtime.engine.limits)
                 spec = dataclasses.replace(
-                    decode_start(first.start, self.runtime.engine.limits),
+                    spec,
+                    settings=session_window(spec.settings, self.runtime.config),
                     trace_context=context_in,
                 )
                 logs.bind_session(spec.session_id)  # this task and the unit loop it starts
@@ -324,6 +340,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                         last_unit_seq=session.last_unit_seq,
                         replay_count=replay,
                         unit_timeout_ms=unit_timeout_ms,
+                        duration_left_ms=session.duration_left_ms(),
                     )
                 )
             else:
@@ -336,6 +353,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                         max_unit_samples=limits.max_unit_samples,
                         notes=list(session.notes),
                         unit_timeout_ms=unit_timeout_ms,
+                        duration_left_ms=session.duration_left_ms(),
                     )
                 )
             index = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -141,6 +142,13 @@ class DuplexSession:
     def lease_id(self) -> str:
         return self.spec.lease_id
 
+    def duration_left_ms(self) -> int:
+        """Milliseconds before the duration limit ends the session; 0: no limit."""
+        left = self._deadline - self._loop.time()
+        if not math.isfinite(left):
+            return 0
+        return max(1, int(left * 1000))
+
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking engine call on the engine threads (never on the event loop)."""
         return await self._loop.run_in_executor(self.executor, fn, *args)
@@ -162,7 +170,8 @@ class DuplexSession:
 
         The duration limit counts from here. Raises EngineFailure (engine session freed).
         """
-        self._deadline = self._loop.time() + self.limits.duration_s
+        # No duration limit (0): the deadline never comes.
+        self._deadline = self._loop.time() + (self.limits.duration_s or math.inf)
         opening = self._loop.run_in_executor(self.executor, self._open_blocking)
         try:
             self.prompt_length = await asyncio.shield(opening)
@@ -287,7 +296,7 @@ class DuplexSession:
                 try:
                     # asyncio.timeout, not wait_for: no task per wait (3.11's wait_for
                     # wraps the wait in one, two more loop turns before a unit starts).
-                    async with asyncio.timeout(remaining):
+                    async with asyncio.timeout(remaining if math.isfinite(remaining) else None):
                         await self._wake.wait()
                 except TimeoutError:
                     pass

@@ -260,6 +260,9 @@ class GrpcRealtime(DuplexDialect):
             )
             sent.append(rt_pb.ConnectResponse(closed=closed))
             return self._numbered(sent)
+        if isinstance(event, ev.Expiring):
+            expiring = rt_pb.SessionExpiring(seconds_left=event.seconds_left)
+            return [rt_pb.ConnectResponse(expiring=expiring)]
         return []
 
     def error(self, err: EdgeError) -> rt_pb.ConnectResponse | Refusal:

@@ -279,8 +279,8 @@ class HalfDuplex(DuplexDialect):
             return [prepared]
         if isinstance(event, ev.Output):
             return self._output(event)
-        if isinstance(event, ev.Paused | ev.Resumed):
-            return []
+        if isinstance(event, ev.Paused | ev.Resumed | ev.Expiring):
+            return []  # no such events in the reference server's protocol
         assert isinstance(event, ev.Closed)
         if event.client_reason == ev.PAUSE_TIMEOUT:  # no audio_chunk for timeout_s
             elapsed = round(time.monotonic() - self._last_chunk, 1)

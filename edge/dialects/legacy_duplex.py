@@ -261,6 +261,8 @@ class LegacyDuplex(DuplexDialect):
             return [{"type": "paused", "timeout": event.timeout_s}]
         if isinstance(event, ev.Resumed):
             return [{"type": "resumed"}]
+        if isinstance(event, ev.Expiring):
+            return []  # the reference server's protocol has no such event
         assert isinstance(event, ev.Closed)
         if event.client_reason == ev.PAUSE_TIMEOUT:
             return [{"type": "timeout", "reason": ev.PAUSE_TIMEOUT}]

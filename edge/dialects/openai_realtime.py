@@ -875,6 +875,16 @@ class OpenAIRealtime(DuplexDialect):
             return self._output(event)
         if isinstance(event, ev.Closed):
             return self._session_closed(event)
+        if isinstance(event, ev.Expiring):
+            message = f"the session's time limit ends it in {event.seconds_left} s"
+            return [
+                self._event(
+                    NOTICE,
+                    code="session_expiring",
+                    seconds_left=event.seconds_left,
+                    message=message,
+                )
+            ]
         return []  # queue events and pauses: nothing in this protocol
 
     def encode_turn(self, event: TurnEvent) -> list[Any]:

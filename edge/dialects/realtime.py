@@ -397,6 +397,9 @@ class RealtimeDuplex(DuplexDialect):
                 sent.append(error_json(InferenceError(event.message or "inference failed")))
             sent.append(closed_json(event, self.variant, self.session_id))
             return self._numbered(sent)
+        if isinstance(event, ev.Expiring):
+            # Not numbered: a resume replays the session's numbered events only.
+            return [{"type": "session.expiring", "seconds_left": event.seconds_left}]
         return []  # no pause in this protocol
 
     def error(self, err: EdgeError) -> dict[str, Any]:

@@ -75,3 +75,37 @@ def test_engine_limits_refuse_as_the_worker_does():
         InvalidRequest, match=r"^unit 2 max_slice_nums: 9; this worker takes 1 to 4$"
     ):
         check_slices(limits, 9, "unit 2 max_slice_nums")
+
+
+def test_a_session_window_over_the_operators_under_the_context_cap():
+    from omnifabric.common.session_types import ContextWindow
+
+    operator = ContextWindow(mode="basic")  # the public code's defaults: 8000 / 6000
+    assert operator.within(8192) == operator
+    fitted = operator.within(4096)
+    assert (fitted.high_tokens, fitted.low_tokens) == (4096 - 192, (4096 - 192) * 3 // 4)
+    # The session's own values win; lowering only the high watermark lowers the low one.
+    own = operator.for_session(DuplexSettings(window_high_tokens=400), 8192).window()
+    assert (own.mode, own.high_tokens, own.low_tokens) == ("basic", 400, 300)
+    off = ContextWindow().for_session(DuplexSettings(context_window="context"), 8192)
+    assert off.window().mode == "context" and off.window().units == 24
+    for bad in (
+        DuplexSettings(context_window="basic", window_high_tokens=8100),
+        DuplexSettings(context_window="basic", window_high_tokens=500, window_low_tokens=500),
+        DuplexSettings(context_window="sideways"),
+    ):
+        with pytest.raises(ValueError, match="window|context_window"):
+            operator.for_session(bad, 8192)
+
+
+def test_the_operators_window_is_checked_at_start():
+    from omnifabric.common.config import ConfigError
+    from omnifabric.worker.config import WorkerConfig
+
+    config = WorkerConfig.from_env({}, context_window="context", window_units=6)
+    assert config.window().units == 6 and config.window().mode == "context"
+    with pytest.raises(ConfigError, match="window_low_tokens"):
+        WorkerConfig.from_env(
+            {}, context_window="basic", window_low_tokens=7000, window_high_tokens=700
+        )
+    assert WorkerConfig.from_env({}, audio_limit_s=0.0).limit_s("audio") == 0.0

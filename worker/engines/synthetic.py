@@ -2,17 +2,21 @@
 
 For fabric tests, load tests and capacity planning: it follows the real model's turn
 taking (startup protection, listen while the user speaks, reply after a silence, barge-in
-and force_listen close the turn) and its context accounting, and answers with a tone.
+and force_listen close the turn) and its context accounting, context windows included (the
+oldest units leave the accounting as the model's window would drop them), and answers with
+a tone.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from omnifabric.common.session_types import ContextWindow
 from omnifabric.worker.engine import (
     OUTPUT_RATE,
     ChatChunk,
@@ -62,6 +66,14 @@ class SyntheticSession(EngineSession):
         self.pending_vision_tokens = 0
         self.needs_finalize = False
         self.closed = False
+        self.window = ContextWindow()
+        self.prompt_tokens = 0
+        self.kept: deque[tuple[int, str]] = deque()
+        """Units in the context: their tokens and what the model said in them."""
+        self.carried_tokens = 0
+        """Context mode: tokens of earlier replies carried forward."""
+        self.slides = 0
+        """How often the context window slid."""
 
     def _busy(self, share: float) -> float:
         """Spend `share` of the unit's compute time; returns the ms spent."""
@@ -77,8 +89,34 @@ class SyntheticSession(EngineSession):
         self._check_open()
         self.settings = config
         self.notes = config.vad_note()
-        self.kv_cache_length = PROMPT_OVERHEAD_TOKENS + len(system_prompt) // 4
+        self.window = config.window()
+        self.prompt_tokens = PROMPT_OVERHEAD_TOKENS + len(system_prompt) // 4
+        self.kept.clear()
+        self.carried_tokens = 0
+        self.kv_cache_length = self.prompt_tokens
         return self.kv_cache_length
+
+    def _account(self, tokens: int, text: str) -> None:
+        """A unit's context tokens, and the window's slide when it is due: the oldest units
+        go (basic: from past the high watermark down to the low one; context: down to the
+        units kept, what they said carried forward as text); the prompt always stays."""
+        self.kept.append((tokens, text))
+        self.kv_cache_length += tokens
+        window = self.window
+        if window.mode == "basic" and self.kv_cache_length > window.high_tokens:
+            while self.kept and self.kv_cache_length > window.low_tokens:
+                self.kv_cache_length -= self.kept.popleft()[0]
+            self.slides += 1
+        elif window.mode == "context" and len(self.kept) > window.units:
+            said = 0
+            while len(self.kept) > window.units:
+                dropped, spoken = self.kept.popleft()
+                self.kv_cache_length -= dropped
+                said += len(spoken.split())
+            carried = min(window.previous_tokens, self.carried_tokens + said)
+            self.kv_cache_length += carried - self.carried_tokens
+            self.carried_tokens = carried
+            self.slides += 1
 
     def prefill(
         self, pcm: np.ndarray, frames: list[bytes], max_slice_nums: int
@@ -161,7 +199,7 @@ class SyntheticSession(EngineSession):
         return self.engine.force_listen_count if configured is None else configured
 
     def _listen(self, spent: float, end_of_turn: bool) -> GenerateResult:
-        self.kv_cache_length += LISTEN_UNIT_TOKENS
+        self._account(LISTEN_UNIT_TOKENS, "")
         return self._result(True, "", np.zeros(0, dtype=np.float32), end_of_turn, spent, 0)
 
     def _speak(self, spent: float) -> GenerateResult:
@@ -179,7 +217,7 @@ class SyntheticSession(EngineSession):
             audio = _tone(self.reply_number, self.reply_samples, samples)
         self.reply_samples += samples
         self.reply_part = 0 if last else part + 1
-        self.kv_cache_length += SPEAK_UNIT_TOKENS
+        self._account(SPEAK_UNIT_TOKENS, text)
         n_tokens = len(text.split())
         return self._result(False, text, audio, last, spent, n_tokens)
 

@@ -1,0 +1,152 @@
+"""Sessions as long as people talk: context windows instead of context_full, no duration
+limit, and the minute's warning before a limit. Real scheduler, synthetic workers and edge
+processes on 127.0.0.1, real clients."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+from omnifabric.worker.engines.synthetic import LISTEN_UNIT_TOKENS, PROMPT_OVERHEAD_TOKENS
+from tests.conftest import scaled
+from tests.e2e.wsclient import SILENCE, SPEECH, WsClient
+from tests.stack import Stack
+
+#: A context cap small enough that ~40 units fill it (synthetic: 13 tokens a listening unit).
+CAP = 512
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """A worker with a small context cap whose operator's window is off: sessions close
+    with context_full there unless they choose a window."""
+    s = Stack(tmp_path_factory.mktemp("logs"))
+    try:
+        s.start_scheduler()
+        s.start_worker("--slots", "2", "--compute-ms", "2", "--max-context-tokens", str(CAP))
+        s.start_edge()
+        yield s
+    finally:
+        s.stop()
+
+
+async def run_units(client: WsClient, count: int) -> list[dict]:
+    """Units sent as fast as answered; the answers (or the session's end)."""
+    answers = []
+    for i in range(count):
+        await client.append(SPEECH if i % 10 == 3 else SILENCE)
+        event = await client.until("delta.listen", "delta.audio", "session.closed")
+        answers.append(event)
+        if event["type"] == "session.closed":
+            break
+    return answers
+
+
+async def open_session(stack, config: dict) -> WsClient:
+    client = await WsClient.open(f"{stack.url}?mode=audio")
+    await client.until("session.queue_done", timeout_s=30)
+    await client.send(
+        {"type": "session.init", "payload": {"system_prompt": "hi", "config": config}}
+    )
+    return client
+
+
+async def test_without_a_window_a_full_context_ends_the_session(stack):
+    client = await open_session(stack, {})
+    await client.until("session.created")
+    answers = await run_units(client, 80)
+    assert answers[-1]["type"] == "session.closed"
+    assert answers[-1]["reason"] == "context_full"
+    assert len(answers) < 60
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"context_window": "basic", "window_high_tokens": 300, "window_low_tokens": 200},
+        {"context_window": "context", "window_units": 12, "window_previous_tokens": 20},
+    ],
+    ids=["basic", "context"],
+)
+async def test_a_session_with_a_window_slides_and_never_fills(stack, config):
+    client = await open_session(stack, config)
+    await client.until("session.created")
+    answers = await run_units(client, 120)
+    assert all(a["type"] != "session.closed" for a in answers), answers[-1]
+    lengths = [a["metrics"]["kv_cache_length"] for a in answers]
+    assert max(lengths) < CAP
+    if config["context_window"] == "basic":
+        assert max(lengths) <= 300 + 20 and min(lengths[60:]) >= 200 - 20
+    else:  # 12 units at most, and what was said carried
+        assert max(lengths) <= PROMPT_OVERHEAD_TOKENS + 12 * 20 + 20 + 1
+    drops = sum(1 for a, b in zip(lengths, lengths[1:], strict=False) if b < a)
+    assert drops >= 3  # it slid again and again
+    # Usage stays cumulative across slides.
+    audio = [a for a in answers if a["kind"] == "audio"]
+    assert audio and audio[-1]["usage"]["input_tokens"] > CAP // LISTEN_UNIT_TOKENS
+    await client.send({"type": "session.close"})
+    await client.until("session.closed")
+
+
+async def test_a_window_that_cannot_fit_the_context_is_refused_by_name(stack):
+    client = await open_session(
+        stack, {"context_window": "basic", "window_high_tokens": CAP, "window_low_tokens": 100}
+    )
+    error = await client.until("error", "session.created")
+    assert error["type"] == "error" and "window_high_tokens" in error["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    """A worker whose audio sessions end after 2 s (warned at once: under a minute left),
+    and one without a limit."""
+    s = Stack(tmp_path_factory.mktemp("logs"))
+    try:
+        s.start_scheduler()
+        s.start_worker("--slots", "2", "--compute-ms", "2", "--audio-limit-s", "2")
+        s.start_edge()
+        yield s
+    finally:
+        s.stop()
+
+
+async def test_the_client_is_told_before_the_limit_ends_the_session(limited):
+    client = await open_session(limited, {})
+    await client.until("session.created")
+    expiring = await client.until("session.expiring")
+    assert 1 <= expiring["seconds_left"] <= 2 and "seq" not in expiring
+    closed = await client.until("session.closed", timeout_s=10)
+    assert closed["reason"] == "timeout"
+    # The gRPC RealtimeService carries it too.
+    async with grpc.aio.insecure_channel(limited.grpc_address) as channel:
+        call = rt_grpc.RealtimeServiceStub(channel).Connect()
+        await call.write(rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO)))
+        kinds = []
+        async for response in call:
+            kinds.append(response.WhichOneof("kind"))
+            if kinds[-1] == "closed":
+                break
+    assert "expiring" in kinds and kinds.index("expiring") < kinds.index("closed")
+
+
+async def test_no_limit_means_no_warning_and_no_timeout(tmp_path):
+    s = Stack(tmp_path)
+    try:
+        s.start_scheduler()
+        s.start_worker("--slots", "1", "--compute-ms", "2", "--audio-limit-s", "0")
+        s.start_edge()
+        client = await open_session(s, {})
+        await client.until("session.created")
+        answers = await run_units(client, 30)
+        assert all(a["type"] != "session.closed" for a in answers)
+        assert not [e for e in client.events if e["type"] == "session.expiring"]
+        await client.send({"type": "session.close"})
+        closed = await client.until("session.closed", timeout_s=scaled(10))
+        assert closed["reason"] == "user_stop", json.dumps(closed)
+    finally:
+        s.stop()
