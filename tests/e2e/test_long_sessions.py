@@ -4,6 +4,7 @@ processes on 127.0.0.1, real clients."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -150,3 +151,26 @@ async def test_no_limit_means_no_warning_and_no_timeout(tmp_path):
         assert closed["reason"] == "user_stop", json.dumps(closed)
     finally:
         s.stop()
+
+
+async def test_the_official_sdk_goes_on_past_the_warning(limited):
+    """openbmb-realtime, unchanged: session.expiring is an event it does not know (it
+    ignores it), the session runs to its limit and ends without an error."""
+    sdk = pytest.importorskip("openbmb_realtime")
+    base = limited.url.replace("ws://", "http://").removesuffix("/realtime")
+    client = sdk.RealtimeClient(api_key="none", base_url=base)
+    session = await client.audio.connect(model="minicpm-o-4.5", system_prompt="hi")
+    kinds: list[str] = []
+
+    async def feed() -> None:
+        for _ in range(6):
+            await session.send_audio(SILENCE.tobytes())
+            await asyncio.sleep(0.5)
+
+    feeder = asyncio.ensure_future(feed())
+    async with asyncio.timeout(scaled(15)):
+        async for event in session:
+            kinds.append(type(event).__name__)
+    feeder.cancel()
+    assert "ErrorEvent" not in kinds, kinds
+    assert session.state.name.lower() == "closed", (session.state, kinds)
