@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-async def one_session(url: str, units: int, on_unit) -> str:
+async def one_session(url: str, units: int, on_unit: Callable[[int], None]) -> str:
     from omnifabric.tools.perf.wsclient import WsClient
 
     client = await WsClient.open(f"{url}?mode=audio", max_size=None)
