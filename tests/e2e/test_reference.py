@@ -309,3 +309,96 @@ async def test_openai_sdk_spoken_question_is_answered_in_speech(stack):
     assert "paris" in heard.lower(), (heard, done.response.output)
     user = next(e for e in seen if e.type == "conversation.item.added" and e.item.role == "user")
     assert user.item.id == next(e for e in seen if e.type.endswith("committed")).item_id
+
+
+@pytest.mark.timeout(scaled(420))
+async def test_a_context_window_keeps_a_long_conversation_going(tmp_path):
+    """Issue 40 on the reference engine: a worker whose sessions slide a basic context
+    window (high 700, low 400 tokens) under a session cap of 900 tokens. Twenty spoken
+    questions in a row (~170 units: 13 context tokens each, so the cap alone would close
+    the session with context_full after about a quarter of them) are answered, the
+    session ends as the client asks, and the last answer still follows the system prompt
+    (~2 minutes for the conversation and ~1 for the stack on a 2-core host)."""
+    from omnifabric.tools.client import SILENCE_UNIT, run_session
+    from omnifabric.tools.eval_reference import render
+    from omnifabric.tools.probe import split_units
+
+    questions = [
+        "What is the capital of France?",
+        "What color is the sky?",
+        "How many legs does a dog have?",
+        "What is the capital of Japan?",
+        "Which animal says moo?",
+        "What is the capital of Italy?",
+        "How many days are in a week?",
+        "What is the capital of Spain?",
+        "What is the opposite of hot?",
+        "What color is grass?",
+        "What is the capital of Germany?",
+        "How many months are in a year?",
+        "What do bees make?",
+        "What is the capital of England?",
+        "What is frozen water called?",
+        "What is the largest ocean?",
+        "How many hours are in a day?",
+        "What is the capital of Egypt?",
+        "What color is a banana?",
+        "What is your name?",
+    ]
+    lead = np.zeros(8000, np.float32)
+    units, starts = [], []
+    for question in questions:
+        starts.append(len(units) + 1)  # the seq of the turn's first unit
+        units += split_units(np.concatenate([lead, render("piper", "joe", 1.0, question)]), 0)
+        units += [SILENCE_UNIT] * 6
+    s = Stack(tmp_path)
+    started = time.monotonic()
+    try:
+        s.start_scheduler()
+        worker = s.start_worker(
+            "--engine",
+            "reference",
+            "--slots",
+            "1",
+            "--context-window",
+            "basic",
+            "--window-high-tokens",
+            "700",
+            "--window-low-tokens",
+            "400",
+        )
+        s.start_edge()
+        t0 = time.monotonic()
+        ready_s = t0 - started
+        report = await run_session(
+            f"{s.url}?mode=audio",
+            units,
+            pace_s=0,
+            system_prompt="You are a voice assistant named Max.",
+            init_extra={"config": {"max_kv_tokens": 900, "force_listen_count": 0}},
+            reply_tail_s=10,
+        )
+        took = time.monotonic() - t0
+        log = worker.log_path.read_text()
+    finally:
+        s.stop()
+    closing = [e for e in report.events if e["type"] in ("session.closed", "error")]
+    assert report.error is None and report.closed_reason == "user_stop", closing
+    results = sorted(report.units.values(), key=lambda u: u.seq)
+    kv = [u.kv_cache_length for u in results if u.kv_cache_length]
+    assert len(kv) * 13 > 900  # the units alone are past the cap
+    assert max(kv) < 900 and any(b < a for a, b in zip(kv, kv[1:], strict=False)), kv
+    assert "context window (basic) slid" in log
+    bounds = [*starts, results[-1].seq + 1]
+    answers = [
+        "".join(u.text for u in results if first <= u.seq < end)
+        for first, end in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    print(
+        f"\nstack ready in {ready_s:.0f} s; {len(results)} units in {took:.0f} s; kv max "
+        f"{max(kv)}; {log.count('context window (basic) slid')} slides; answers {answers}"
+    )
+    assert "paris" in answers[0].lower(), answers
+    assert sum(bool(a.strip()) for a in answers) >= 17, answers
+    # The system prompt is still in force after the window slid past the early turns.
+    assert "max" in answers[-1].lower(), answers

@@ -33,3 +33,17 @@ class ChatML:
         with self._tokenizer_lock:
             plain = self.tokenizer(content, add_special_tokens=False, split_special_tokens=True)
         return [*self.encode(f"{IM_START}{role}\n"), *plain.input_ids]
+
+    def last_tokens(self, text: str, n: int) -> str:
+        """The end of ``text`` in at most ``n`` tokens, from a word's start ("" for n < 1)."""
+        text = text.strip()
+        if n < 1 or not text:
+            return ""
+        with self._tokenizer_lock:
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            if len(ids) <= n:
+                return text
+            tail = self.tokenizer.decode(ids[-n:], clean_up_tokenization_spaces=False)
+        # The cut may fall inside a word: the text begins at the next whole one.
+        head, space, rest = tail.partition(" ")
+        return rest.strip() if space and not tail.startswith(" ") else tail.strip()

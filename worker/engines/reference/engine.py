@@ -12,7 +12,15 @@ out, makes the next second of speech in pieces of ~16 characters (Piper, espeak-
 fallback), generating just enough tokens for it, so the next unit sends it at once. Speech
 over the reply (barge-in) and force_listen close the turn at once. Context is accounted
 like MiniCPM-o's: 13 tokens per unit plus the real text tokens, so context_full at 8192
-comes for real (~10 minutes).
+comes for real (~10 minutes), unless the session has a context window
+(``DuplexSettings.window()``): a unit's finalize then slides it (``_slide``). basic: once
+the accounted context passes high_tokens, the oldest units leave the accounting and the
+oldest whole exchanges (a user turn and the replies to it, those whose units are gone
+first) leave the reply model's history until it is at most low_tokens; context: at most
+``units`` units stay, and an exchange whose units are all gone leaves the history, the end
+of what the model said in the dropped ones (at most previous_tokens tokens) carried in the
+system message. The system prompt always stays; the llama.cpp slot is prefilled again, so
+it forgets the dropped turns too (``Conversation.forget``).
 
 On CUDA (``device="cuda"``) the recognizers run on the GPU in fp32, as on CPU; the reply model
 (CPU build of llama.cpp), VAD and TTS stay on the CPU.
@@ -35,6 +43,7 @@ import numpy as np
 import torch
 from scipy.signal import resample_poly
 
+from omnifabric.common.session_types import WINDOW_MARGIN_TOKENS, ContextWindow
 from omnifabric.worker.config import ASR_CHOICES
 from omnifabric.worker.engine import (
     INPUT_RATE,
@@ -76,10 +85,16 @@ REPAIR_TEXT = "Sorry, I did not catch that. Could you say it again?"
 #: Added to every session's system prompt: the reply is spoken, so it must be short, and
 #: complete sentences ("It is cold.") are heard better than a lone word ("Cold").
 SPOKEN_STYLE = "Reply in one or two short, complete spoken sentences, without lists or markup."
+#: How a context window (mode context) carries what the model said in the dropped turns.
+CARRIED_NOTE = "Earlier in this conversation you said: "
 
 
 class ReferenceSession(EngineSession):
     """One conversation: its own VAD state, utterance tracker and LLM context."""
+
+    #: Tokens a unit may take a basic window past its high watermark before the unit itself
+    #: slides it (else its finalize does, after the result went out).
+    OVERSHOOT = WINDOW_MARGIN_TOKENS // 2
 
     def __init__(self, engine: ReferenceEngine, session_id: str, mode: str) -> None:
         self.engine = engine
@@ -94,6 +109,17 @@ class ReferenceSession(EngineSession):
         """The reply model's dialogue: from prepare until close."""
         self.prompt_tokens = 0
         self.units = 0
+        """Units generated so far (the kept ones are the last ``units - dropped_units``)."""
+        self.window = ContextWindow()
+        self.dropped_units = 0
+        """Units the context window dropped from the accounting (the oldest)."""
+        self.exchange_ends: list[int] = []
+        """The unit each closed exchange of the conversation ended in, oldest first."""
+        self.carried = ""
+        """Context window (mode context): what the model said in the dropped exchanges."""
+        self.slides = 0
+        """How often the context window slid (basic: each time it passed high_tokens;
+        context: each time exchanges left the reply model's history)."""
         self.speaking = False
         self.pending_text = ""
         self.reply_finished = False
@@ -148,6 +174,9 @@ class ReferenceSession(EngineSession):
         conversation = self.engine.llm.conversation(f"{prompt}\n{SPOKEN_STYLE}")
         self.conversation = conversation
         self.prompt_tokens = conversation.context_tokens
+        self.window = config.window()
+        self.exchange_ends = []
+        self.carried = ""
         voice = tts_ref_audio if tts_ref_audio is not None else ref_audio
         self.notes = self.engine.voice_notes(voice)
         return self.prompt_tokens
@@ -437,13 +466,19 @@ class ReferenceSession(EngineSession):
         heard: str = "",
     ) -> GenerateResult:
         audio = np.zeros(0, np.float32) if audio is None else audio
+        costs = {} if costs is None else costs
+        window = self.window
+        if window.mode == "basic" and self.kv_cache_length > window.high_tokens + self.OVERSHOOT:
+            # A long turn went far past the high watermark in this unit: slide now, not in
+            # finalize, so the context cap (>= high + WINDOW_MARGIN_TOKENS) is never reached.
+            self._slide(costs)
         return GenerateResult(
             is_listen=is_listen,
             text=text,
             audio=audio,
             end_of_turn=end_of_turn,
             kv_cache_length=self.kv_cache_length,
-            costs_ms=costs or {},
+            costs_ms=costs,
             n_tokens=n_tokens,
             n_tts_tokens=int(round(audio.size / 24000 * TTS_TOKENS_PER_SECOND)),
             input_audio_tokens=AUDIO_TOKENS_PER_UNIT,
@@ -452,11 +487,88 @@ class ReferenceSession(EngineSession):
 
     @property
     def kv_cache_length(self) -> int:
-        """Like MiniCPM-o: system prompt, 13 tokens per unit, plus the real text tokens."""
-        text_tokens = (
-            self.conversation.context_tokens - self.prompt_tokens if self.conversation else 0
+        """Like MiniCPM-o: system prompt, 13 tokens per kept unit, plus the real text tokens
+        (the conversation's: the system message and the history it keeps)."""
+        text_tokens = self.conversation.context_tokens if self.conversation else self.prompt_tokens
+        return UNIT_TOKENS * self.kept_units + text_tokens
+
+    @property
+    def kept_units(self) -> int:
+        """Units in the accounted context (all of them, unless a context window slid)."""
+        return self.units - self.dropped_units
+
+    # ---- context window -------------------------------------------------------------
+
+    def _slide(self, costs: dict[str, float]) -> None:
+        """Slide the context window when it is due (module docstring): the oldest units
+        leave the accounting, the oldest exchanges the reply model's history."""
+        window, conversation = self.window, self.conversation
+        if not window.on or conversation is None:
+            return
+        exchanges = conversation.exchanges()
+        self.exchange_ends += [self.units] * (len(exchanges) - len(self.exchange_ends))
+        before = self.kv_cache_length
+        if window.mode == "basic":
+            if before <= window.high_tokens:
+                return
+            units, count = self._basic_cut([e.tokens for e in exchanges], before, window)
+            note = None
+        else:
+            if self.kept_units <= window.units:
+                return
+            units = self.kept_units - window.units
+            first = self.dropped_units + units + 1  # the oldest unit kept
+            count = sum(1 for end in self.exchange_ends if end < first)
+            if not count:  # the history is as it was: only units leave the accounting
+                self.dropped_units += units
+                return
+            said = " ".join(e.said for e in exchanges[:count] if e.said)
+            self.carried = self.engine.llm.last_tokens(
+                f"{self.carried} {said}", window.previous_tokens
+            )
+            note = f"{CARRIED_NOTE}{self.carried}" if self.carried else ""
+        self.dropped_units += units
+        t0 = time.perf_counter()
+        computed = conversation.forget(count, note) if count else 0
+        took = (time.perf_counter() - t0) * 1000.0
+        del self.exchange_ends[:count]
+        self.slides += 1
+        if count:  # what the reply model's context took to prefill again
+            costs["slide"] = costs.get("slide", 0.0) + took
+        log.info(
+            "session %s: context window (%s) slid from %d to %d tokens: %d units and %d "
+            "exchanges dropped, %d tokens prefilled again in %.0f ms",
+            self.session_id,
+            window.mode,
+            before,
+            self.kv_cache_length,
+            units,
+            count,
+            computed,
+            took,
         )
-        return self.prompt_tokens + UNIT_TOKENS * self.units + text_tokens
+
+    def _basic_cut(
+        self, exchanges: list[int], length: int, window: ContextWindow
+    ) -> tuple[int, int]:
+        """Basic window: (units, exchanges) to drop, oldest first, so that the accounted
+        ``length`` is at most low_tokens. An exchange goes with the last of its units
+        (before it when units alone cannot make room)."""
+        units = count = 0
+        while length > window.low_tokens:
+            first = self.dropped_units + units + 1
+            if count < len(exchanges) and self.exchange_ends[count] < first:
+                length -= exchanges[count]
+                count += 1
+            elif units < self.kept_units:
+                length -= UNIT_TOKENS
+                units += 1
+            elif count < len(exchanges):
+                length -= exchanges[count]
+                count += 1
+            else:
+                break  # the system prompt and an open reply are all there is
+        return units, count
 
     # ---- unit end and session end ---------------------------------------------------
 
@@ -481,6 +593,7 @@ class ReferenceSession(EngineSession):
                 self.ahead_tokens += used
             elif self.warm_due and not self.speaking:
                 self._warm(costs)
+            self._slide(costs)
         self.warm_due = False
         self.finalize_costs = costs
 
