@@ -4,6 +4,7 @@ state swap. The engine against the real public code: tests/worker/minicpmo (opt-
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import types
@@ -303,4 +304,111 @@ def test_sessions_without_a_voice_speak_in_the_default_one(tmp_path):
     session = engine.open_session("s3", "audio")
     session.prepare("Hi.", None, None, DuplexSettings(tts_enabled=False))
     assert handle.prepared[1] is None and handle.duplex.generate_audio is False
+    session.close()
+
+
+# ---- context windows: the model's own sliding window (the real code: tests/worker/minicpmo)
+
+
+@dataclasses.dataclass
+class DuplexWindowConfig:
+    """Shaped like the public code's (utils.DuplexWindowConfig)."""
+
+    sliding_window_mode: str = "off"
+    basic_window_high_tokens: int = 8000
+    basic_window_low_tokens: int = 6000
+    context_previous_max_tokens: int = 500
+    context_max_units: int = 24
+    verify_mode: bool = False
+
+
+class WindowDecoder:
+    """A decoder with the public code's window API (set_window_config, set_window_enabled)."""
+
+    def __init__(self):
+        self._window_config = DuplexWindowConfig()
+        self._window_enabled = True
+
+    def set_window_config(self, config):
+        self._window_config = config
+
+    def set_window_enabled(self, enabled):
+        self._window_enabled = enabled
+
+    def reset(self):
+        """The KV cache goes; the window stays (as the public decoder's reset)."""
+
+
+class WindowHandle(VoiceHandle):
+    """The layouts' own reset over a duplex with the public code's reset methods."""
+
+    reset = layouts.Handle.reset
+
+    def __init__(self, decoder):
+        super().__init__()
+        d = self.duplex
+        d.decoder = decoder
+        for name in ("_reset_streaming_state", "clear_break_event", "clear_session_stop"):
+            setattr(d, name, lambda: None)
+        self.window_at_prepare = None
+
+    def prepare(self, system_prompt, ref_audio, voice):
+        super().prepare(system_prompt, ref_audio, voice)
+        self.window_at_prepare = self.window_mode
+
+
+def window_settings(mode: str) -> DuplexSettings:
+    return DuplexSettings(
+        context_window=mode,
+        window_high_tokens=900,
+        window_low_tokens=700,
+        window_units=12,
+        window_previous_tokens=80,
+    )
+
+
+def test_a_session_s_window_is_set_on_its_decoder_before_its_prompt(tmp_path):
+    engine = MiniCPMOEngine(str(tmp_path), device="cpu")
+    engine.state = SharedState(types.SimpleNamespace())
+    decoder = WindowDecoder()
+    handle = WindowHandle(decoder)
+    engine._free = [handle]
+    for mode in ("basic", "context"):
+        session = engine.open_session("s", "audio")
+        session.prepare("Hi.", None, None, window_settings(mode))
+        assert session.notes == ()
+        assert handle.window_at_prepare == mode  # prepare saw it (context mode needs it)
+        assert decoder._window_config == DuplexWindowConfig(mode, 900, 700, 80, 12)
+        assert decoder._window_enabled is True
+        session.close()
+        # A closed session's window does not stay on the handle.
+        assert handle.window_mode == "off" and decoder._window_enabled is False
+    session = engine.open_session("s", "audio")
+    session.prepare("Hi.", None, None, DuplexSettings())
+    assert handle.window_at_prepare == "off" and session.notes == ()
+    assert decoder._window_config.sliding_window_mode == "off"
+    session.close()
+
+
+class NoWindowDecoder:
+    """A layout whose decoder has no window."""
+
+    def reset(self):
+        pass
+
+
+def test_a_layout_without_a_window_says_so_and_leaves_it_off(tmp_path):
+    engine = MiniCPMOEngine(str(tmp_path), device="cpu")
+    engine.state = SharedState(types.SimpleNamespace())
+    engine._free = [WindowHandle(NoWindowDecoder())]
+    session = engine.open_session("s", "audio")
+    session.prepare("Hi.", None, None, window_settings("basic"))
+    assert session.notes == (
+        "context_window: not available in this model code layout; the session closes "
+        "with context_full",
+    )
+    session.close()
+    session = engine.open_session("s", "audio")
+    session.prepare("Hi.", None, None, DuplexSettings())
+    assert session.notes == ()
     session.close()

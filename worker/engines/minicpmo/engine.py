@@ -63,6 +63,10 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "text_repetition_window_size": 512,
     "length_penalty": 1.1,
 }
+#: The note of a session whose context window the layout's code cannot slide.
+WINDOW_UNAVAILABLE = (
+    "context_window: not available in this model code layout; the session closes with context_full"
+)
 #: The vocoder package (minicpmo-utils) the model's init_tts imports.
 VOCODER_MODULE = "stepaudio2"
 #: Python packages the model code imports at load.
@@ -213,6 +217,10 @@ class MiniCPMOSession(EngineSession):
                 # from the seed alone; the batched path seeds its generator the same.
                 torch.manual_seed(config.seed)
             self.handle.reset()
+            # The model's own sliding window, set before the prompt goes in (its context
+            # mode marks where the prompt's prefix ends while prepare feeds it).
+            if not self.handle.set_window(config.window()):
+                self.notes = (*self.notes, WINDOW_UNAVAILABLE)
             speech = engine.audio_on and config.tts_enabled is not False
             self.handle.duplex.generate_audio = speech
             if speech and voice_pcm is not None:

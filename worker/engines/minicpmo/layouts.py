@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import dataclasses
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from omnifabric.common.session_types import ContextWindow
 from omnifabric.worker.errors import EngineUnavailable
 
 #: How the reference server wraps the system prompt around the LLM reference audio (the
@@ -38,6 +41,33 @@ DESCRIPTION = {
     AS_DUPLEX: "modeling_minicpmo.MiniCPMO.as_duplex() (the HF checkpoint's code)",
     DUPLEX: "modeling_minicpmo.MiniCPMODuplex (builds the model itself)",
 }
+
+
+#: The public code's DuplexWindowConfig fields for each of our ContextWindow's.
+WINDOW_FIELDS = {
+    "sliding_window_mode": "mode",
+    "basic_window_high_tokens": "high_tokens",
+    "basic_window_low_tokens": "low_tokens",
+    "context_max_units": "units",
+    "context_previous_max_tokens": "previous_tokens",
+}
+
+
+def window_config_class(decoder: Any) -> Any:
+    """The public code's DuplexWindowConfig class for `decoder` (a StreamDecoder of the
+    code), or None when the decoder has no sliding window this engine can drive: no
+    set_window_config / set_window_enabled, or a config without the five fields."""
+    setters = ("set_window_config", "set_window_enabled")
+    if decoder is None or not all(callable(getattr(decoder, n, None)) for n in setters):
+        return None
+    module = sys.modules.get(type(decoder).__module__)
+    cls = getattr(module, "DuplexWindowConfig", None)
+    if cls is None and getattr(decoder, "_window_config", None) is not None:
+        cls = type(decoder._window_config)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls if set(WINDOW_FIELDS) <= names else None
 
 
 def _classes(path: Path) -> dict[str, set[str]]:
@@ -158,14 +188,41 @@ class Handle:
             d._reset_token2wav_for_new_turn()
 
     def kv_length(self) -> int:
+        """Tokens in the decoder's KV cache now (after a slide of its window: what is left;
+        the code's positions are compacted with it, so this is also the next position)."""
         return int(self.duplex.decoder.get_cache_length())
+
+    def set_window(self, window: ContextWindow) -> bool:
+        """Drive the decoder's own sliding window as `window` says, as the code's duplex
+        constructor does from its sliding_window_mode and watermark arguments: a
+        DuplexWindowConfig of the five values, enabled unless the mode is off. Must come
+        before prepare (the context mode registers the prompt's prefix there). False when
+        this layout's decoder has no window (then it stays off)."""
+        decoder = getattr(self.duplex, "decoder", None)
+        cls = window_config_class(decoder)
+        if decoder is None or cls is None:
+            return not window.on
+        config = cls(**{name: getattr(window, ours) for name, ours in WINDOW_FIELDS.items()})
+        decoder.set_window_config(config)
+        decoder.set_window_enabled(window.on)
+        return True
+
+    @property
+    def window_mode(self) -> str:
+        """The decoder's sliding window mode ("off" when it has none or it is disabled)."""
+        decoder = getattr(self.duplex, "decoder", None)
+        config = getattr(decoder, "_window_config", None)
+        if config is None or not getattr(decoder, "_window_enabled", True):
+            return "off"
+        return str(getattr(config, "sliding_window_mode", "off"))
 
     def reset(self) -> None:
         """Drop everything this handle holds of a session: streaming state, decoder KV
-        cache, vocoder turn caches, break/stop flags."""
+        cache and sliding window, vocoder turn caches, break/stop flags."""
         d = self.duplex
         d._reset_streaming_state()
         d.decoder.reset()
+        self.set_window(ContextWindow())  # off: the next session sets its own
         for name in ("clear_break_event", "clear_session_stop"):
             getattr(d, name)()
         for name in ("_prefix_system_prompt", "_suffix_system_prompt", "_ref_audio"):

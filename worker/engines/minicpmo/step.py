@@ -40,6 +40,15 @@ Where this differs from the public code, and why:
 - not reproduced: the unified class's tts_pad suppression (dead code: tts_pad is always
   forbidden), its debug traces, prints and session logs; a sliding window other than "off"
   and the HF `as_duplex` layout go through the serial path.
+
+A session with a context window (the model's own sliding window, set on its decoder at
+prepare) runs serially inside a step, every unit: the public code slides right after the
+unit's `[terminator, </unit>]` (in the unified class's finalize, in the duplex class's
+generate), dropping the oldest units from the session's cache and re-rotating (the basic
+mode) or recomputing (the context mode) what follows. Here those tokens wait for the next
+step's merged prefill, so an exact slide would need its own forward between them and the
+next `<unit>`, and a compaction of the row in the slot cache; neither is done, so a windowed
+session never enters a slot (_batchable) and its cache stays the decoder's own.
 """
 
 from __future__ import annotations
@@ -316,8 +325,7 @@ class MiniCPMOStepper(Stepper):
             return False
         if getattr(d, "ls_mode", "explicit") != "explicit":
             return False
-        window = getattr(d.decoder, "_window_config", None)
-        return getattr(window, "sliding_window_mode", "off") == "off"
+        return session.handle.window_mode == "off"  # a windowed session: see the module doc
 
     def _begin(self, index: int, session: MiniCPMOSession, step_row: StepRow) -> Row | None:
         """The row's settings and what its prefill feeds first; None when the session goes
