@@ -311,6 +311,7 @@ async def test_openai_sdk_spoken_question_is_answered_in_speech(stack):
     assert user.item.id == next(e for e in seen if e.type.endswith("committed")).item_id
 
 
+@pytest.mark.long  # ~3 minutes of a 2-core machine: opt-in (bash tools/dev test -m long)
 @pytest.mark.timeout(scaled(420))
 async def test_a_context_window_keeps_a_long_conversation_going(tmp_path):
     """Issue 40 on the reference engine: a worker whose sessions slide a basic context
