@@ -16,6 +16,10 @@ engine without the 9B weights (nothing of it is committed: you fetch the public 
 
 The real config is kept (auto_map `modeling_minicpmo.MiniCPMO`, token ids, vocabulary) and
 only the widths and depths are shrunk (SHRINK below): ~52 M parameters, float32.
+
+--full keeps the real widths and depths (random weights, bfloat16, ~18 GB on disk): a stand-in
+for the real weights where no hub is reachable, for timing and memory figures on a GPU (its
+replies are noise). Build it with --device cuda: on CPU it needs ~40 GB of memory.
 """
 
 from __future__ import annotations
@@ -125,13 +129,21 @@ def copy_code(code_dir: Path, out: Path) -> list[str]:
     return copied
 
 
-def build(code_dir: Path, out: Path, sdk: str | None = None, seed: int = 0) -> dict[str, Any]:
-    """Write the tiny checkpoint to `out`; returns a summary (parameters, files)."""
+def build(
+    code_dir: Path,
+    out: Path,
+    sdk: str | None = None,
+    seed: int = 0,
+    full: bool = False,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Write the tiny checkpoint (full: the real-size one) to `out`; returns a summary
+    (parameters, files)."""
     code_dir, out = Path(code_dir), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     copied = copy_code(code_dir, out)
     real = json.loads(read_sdk(sdk, "config.json"))
-    config = shrink(real)
+    config = dict(real) if full else shrink(real)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if not (out / "tokenizer.json").exists():
         (out / "tokenizer.json").write_bytes(read_sdk(sdk, "tokenizer.json"))
@@ -145,7 +157,15 @@ def build(code_dir: Path, out: Path, sdk: str | None = None, seed: int = 0) -> d
     module_name, class_name = real["auto_map"]["AutoModel"].rsplit(".", 1)
     config_module, config_class = real["auto_map"]["AutoConfig"].rsplit(".", 1)
     cfg = getattr(import_module(out, config_module), config_class).from_pretrained(str(out))
-    model = getattr(import_module(out, module_name), class_name)(cfg).float()
+    cls = getattr(import_module(out, module_name), class_name)
+    dtype = torch.bfloat16 if full else torch.float32
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype, on its device: no float32 copy
+    try:
+        with torch.device(device):
+            model = cls(cfg).to(dtype)
+    finally:
+        torch.set_default_dtype(before)
     model.save_pretrained(str(out), safe_serialization=True)
     # save_pretrained rewrites config.json from the object: keep the real auto_map.
     saved = json.loads((out / "config.json").read_text())
@@ -167,14 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sdk", help="minicpm-o5-sdk 0.0.6 wheel or folder (default: installed)")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
     parser.add_argument("--seed", type=int, default=0, help="torch seed of the random weights")
+    parser.add_argument(
+        "--full", action="store_true", help="the real widths and depths (bfloat16), not tiny"
+    )
+    parser.add_argument("--device", default="cpu", help="where the weights are made (cpu, cuda)")
     args = parser.parse_args(argv)
     try:
-        summary = build(args.code_dir, args.out, args.sdk, args.seed)
+        summary = build(args.code_dir, args.out, args.sdk, args.seed, args.full, args.device)
     except (FileNotFoundError, KeyError) as exc:
         print(f"minicpmo_tiny: {exc}", file=sys.stderr)
         return 2
     print(
-        f"tiny MiniCPM-o checkpoint: {summary['out']} ({summary['parameters'] / 1e6:.1f} M "
+        f"{'full-size' if args.full else 'tiny'} MiniCPM-o checkpoint: {summary['out']} "
+        f"({summary['parameters'] / 1e6:.1f} M "
         f"parameters, AutoModel -> {summary['auto_map']})"
     )
     return 0

@@ -5,6 +5,7 @@ state swap. The engine against the real public code: tests/worker/minicpmo (opt-
 from __future__ import annotations
 
 import dataclasses
+import logging
 import subprocess
 import sys
 import types
@@ -412,3 +413,28 @@ def test_a_layout_without_a_window_says_so_and_leaves_it_off(tmp_path):
     session.prepare("Hi.", None, None, DuplexSettings())
     assert session.notes == ()
     session.close()
+
+
+def test_cudnn_attention_is_turned_off_once_and_said(caplog):
+    """On CUDA the engine takes cuDNN out of torch's attention (a graph per shape: a duplex
+    step's shapes change on every call); a second load changes nothing and logs nothing."""
+    import torch
+
+    from omnifabric.worker.engines.minicpmo.engine import avoid_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        with caplog.at_level(logging.INFO, "omnifabric.worker.minicpmo"):
+            avoid_cudnn_attention(torch)
+            avoid_cudnn_attention(torch)
+        assert torch.backends.cuda.cudnn_sdp_enabled() is False
+        assert (
+            torch.backends.cuda.flash_sdp_enabled()
+            and torch.backends.cuda.mem_efficient_sdp_enabled()
+        )
+        assert [r.getMessage() for r in caplog.records].count(
+            "minicpmo: cuDNN attention off (a graph per shape; duplex shapes change per call)"
+        ) == 1
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

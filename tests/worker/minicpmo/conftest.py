@@ -4,6 +4,10 @@ Set OMNI_MINICPMO_CODE_DIR to one or more folders of the public model code (os.p
 between them; e.g. a checkout's MiniCPMO45/), and OMNI_MINICPMO_SDK to the
 minicpm-o5-sdk 0.0.6 wheel (or install that package). Without OMNI_MINICPMO_CODE_DIR every
 test here skips. Checkpoints are built once per run (tools.minicpmo_tiny, ~10 s each).
+
+The engines here run on CPU in float32 unless OMNI_MINICPMO_DEVICE (e.g. cuda) and
+OMNI_MINICPMO_DTYPE (float32, bfloat16; default: the engine's, bfloat16 on CUDA) say
+otherwise; OMNI_MINICPMO_ATOL widens the 1e-4 bound on batched-vs-solo logits (bfloat16).
 """
 
 from __future__ import annotations
@@ -24,6 +28,17 @@ from tests.stack import read_until_line, start_serve
 
 CODE_DIRS = [Path(p) for p in os.environ.get("OMNI_MINICPMO_CODE_DIR", "").split(os.pathsep) if p]
 SDK = os.environ.get("OMNI_MINICPMO_SDK") or None
+DEVICE = os.environ.get("OMNI_MINICPMO_DEVICE") or "cpu"
+DTYPE = os.environ.get("OMNI_MINICPMO_DTYPE") or None
+LOGITS_ATOL = float(os.environ.get("OMNI_MINICPMO_ATOL") or 1e-4)
+#: Where and how the engines of these tests run (MiniCPMOEngine keyword arguments).
+ON = {"device": DEVICE, "dtype": DTYPE}
+if DEVICE.startswith("cuda"):
+    import torch
+
+    # float32 means float32 here: no TF32 in matrix products or convolutions.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def offered() -> list[tuple[str, Path]]:
@@ -63,7 +78,7 @@ def engine(request, tiny_dirs):
 
     layout = request.param
     code = dict(LAYOUTS)[layout]
-    eng = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", slots=2, api=layout)
+    eng = MiniCPMOEngine(str(tiny_dirs[code]), slots=2, api=layout, **ON)
     eng.load()
     assert eng.layout == layout
     return eng
@@ -73,7 +88,7 @@ def engine(request, tiny_dirs):
 def tiny_serve(
     tiny_dir: Path, layout: str, *extra: str, env: dict[str, str] | None = None
 ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`omnifabric serve --engine minicpmo` on a tiny checkpoint on CPU (and `extra`): the
+    """`omnifabric serve --engine minicpmo` on a tiny checkpoint on DEVICE (and `extra`): the
     process and its edge URL once ready; stopped with SIGINT after, and it must exit 0."""
     proc = start_serve(
         "--engine",
@@ -81,7 +96,7 @@ def tiny_serve(
         "--model-dir",
         str(tiny_dir),
         "--device",
-        "cpu",
+        DEVICE,
         "--minicpmo-api",
         layout,
         *extra,

@@ -29,7 +29,7 @@ import torch
 
 from omnifabric.worker.engines.minicpmo import audio_batch
 from omnifabric.worker.engines.minicpmo.audio_batch import AudioRow, encode_streaming
-from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
+from tests.worker.minicpmo.conftest import LAYOUTS, ON, needs_code
 
 pytestmark = needs_code
 TOLERANCE = 1e-5
@@ -43,9 +43,7 @@ def model(request: pytest.FixtureRequest, tiny_dirs: dict[Path, Path]) -> Any:
     from omnifabric.worker.engines.minicpmo import MiniCPMOEngine
 
     layout = request.param
-    engine = MiniCPMOEngine(
-        str(tiny_dirs[dict(LAYOUTS)[layout]]), device="cpu", slots=4, api=layout
-    )
+    engine = MiniCPMOEngine(str(tiny_dirs[dict(LAYOUTS)[layout]]), slots=4, api=layout, **ON)
     engine.load()
     assert engine.layout == layout
     return engine.model
@@ -62,7 +60,7 @@ def mels(model: Any, seed: int, amplitude: float, units: int) -> list[torch.Tens
         need = processor.get_streaming_chunk_size()
         chunk = (amplitude * rng.standard_normal(need)).astype(np.float32)
         feature = processor.process_audio_streaming(chunk, reset=False, return_batch_feature=True)
-        out.append(feature["audio_features"])
+        out.append(feature["audio_features"].to(model.device))
     processor._streaming_mel_processor = None
     # The first unit's chunk has no prefix context: 102 frames, then 2 + 100 + 2.
     assert [m.shape[-1] for m in out[:2]] == [102, 104][:units]
@@ -222,7 +220,7 @@ def test_control_unmasked_padding_fails(model: Any, monkeypatch: pytest.MonkeyPa
     """Rows of different past lengths: seeing the padded keys must change the result."""
 
     def unmasked(plan: Any, longest: int, width: int, like: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(len(plan.pasts), 1, longest, width, dtype=like.dtype)
+        return torch.zeros(len(plan.pasts), 1, longest, width, dtype=like.dtype, device=like.device)
 
     monkeypatch.setattr(audio_batch, "_mask", unmasked)
     sessions = plan(model, [0, 2], 4)
@@ -236,7 +234,7 @@ def test_eager_attention(tiny_dirs: dict[Path, Path]) -> None:
     from omnifabric.worker.engines.minicpmo import MiniCPMOEngine
 
     layout, code = LAYOUTS[0]
-    engine = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", slots=4, api=layout, attn="eager")
+    engine = MiniCPMOEngine(str(tiny_dirs[code]), slots=4, api=layout, attn="eager", **ON)
     engine.load()
     attention = engine.model.apm.layers[0].self_attn
     assert type(attention).__name__ == "WhisperAttention"

@@ -24,7 +24,7 @@ from PIL import Image
 
 from omnifabric.worker.engine import DuplexSettings, StepRow
 from omnifabric.worker.engines.minicpmo import slots as slots_module
-from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
+from tests.worker.minicpmo.conftest import LAYOUTS, LOGITS_ATOL, ON, needs_code
 
 pytestmark = [needs_code, pytest.mark.timeout(900)]
 
@@ -41,7 +41,7 @@ def eng16(request, tiny_dirs):
     from omnifabric.worker.engines.minicpmo.step import MiniCPMOStepper
 
     eng = MiniCPMOEngine(
-        str(tiny_dirs[code]), device="cpu", slots=16, api=layout, stepper_class=MiniCPMOStepper
+        str(tiny_dirs[code]), slots=16, api=layout, stepper_class=MiniCPMOStepper, **ON
     )
     eng.load()
     assert eng.layout == layout
@@ -228,7 +228,7 @@ def compare(want: list[dict[str, Any]], got: list[dict[str, Any]], who: str) -> 
         for key in a:
             if key == "logits":
                 delta = (a[key] - b[key]).abs().max().item()
-                assert delta <= 1e-4, f"{who} unit {u}: logits differ by {delta}"
+                assert delta <= LOGITS_ATOL, f"{who} unit {u}: logits differ by {delta}"
             else:
                 assert a[key] == b[key], f"{who} unit {u}: {key} {a[key]!r} != {b[key]!r}"
 

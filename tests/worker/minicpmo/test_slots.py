@@ -86,7 +86,7 @@ def solo_feed(
     """One session alone, as the public decoder feeds it: batch 1, positions from the cache's
     length, no mask; the head over the final hidden states, the last position's logits."""
     start = past.get_seq_length()
-    positions = torch.arange(start, start + embeds.shape[0])[None]
+    positions = torch.arange(start, start + embeds.shape[0], device=embeds.device)[None]
     out = llm(
         inputs_embeds=embeds[None],
         position_ids=positions,
@@ -106,7 +106,8 @@ def run_plan(
     slots: int = 3,
 ) -> Outcome:
     """PLAN through a slot cache and through a DynamicCache per session; the worst gaps."""
-    cache = cache_type(llm.config, slots, 64)
+    weights = next(llm.parameters())
+    cache = cache_type(llm.config, slots, 64, device=weights.device, dtype=weights.dtype)
     where: dict[str, int] = {}
     solo: dict[str, DynamicCache] = {}
     outcome = Outcome()
@@ -301,7 +302,8 @@ def check_real_llm(real_llm: Any) -> None:
             text = (count + 1) // 2
             ids = torch.randint(0, table.num_embeddings, (text,), generator=generator)
             audio = scale * torch.randn(count - text, table.embedding_dim, generator=generator)
-            return torch.cat([table(ids), audio.to(dtype)])
+            device = table.weight.device
+            return torch.cat([table(ids.to(device)), audio.to(device, dtype)])
 
     outcome = run_plan(real_llm, make)
     print(
