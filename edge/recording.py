@@ -35,6 +35,10 @@ recording id may not (RECORDING_ID). Dialects hand the id to their clients
   "ai_audio/turn_<turn>.wav", audio_duration_ms}, timing: {elapsed_ms, speech_input_ms}}]}`
   (the user's turn is what came since the last reply, at most 30 units).
 
+While the session runs, recording.json's timeline is spooled to `recording.timeline.jsonl`
+(one line per entry), so a recorder's memory does not grow with the session's length; the
+spool becomes recording.json when the session ends.
+
 Writes happen on the event loop but stay small (appends, one ~64 KB file per unit, no
 fsync). Any failure logs once and turns the recorder off: recording never breaks a session.
 """
@@ -77,6 +81,9 @@ _SECRET = re.compile(r"key|token|secret|auth|pass|sig|cred", re.IGNORECASE)
 _MAX_TURN_UNITS = 30
 #: Events kept in memory before the session starts (queue updates), at most.
 _MAX_PENDING = 256
+#: recording.json's timeline while the session runs (one JSON line per entry); finish turns
+#: it into recording.json and removes it.
+TIMELINE_SPOOL = "recording.timeline.jsonl"
 #: Recording folders still being written (retention never removes them).
 _ACTIVE: set[Path] = set()
 #: Background retention tasks (kept referenced).
@@ -210,13 +217,13 @@ class SessionRecorder:
         are rendered and sent right after `output`, so no older one is looked up again."""
         self._received: dict[int, float] = {}
         self._seq = 0
-        self._chunks: list[dict[str, Any]] = []
-        """recording.json's timeline (the reference server's), one entry per answered unit."""
+        self._timeline: TextIO | None = None
+        """recording.json's timeline (the reference server's chunks, or its half-duplex
+        turns), one JSON line per entry, spooled to TIMELINE_SPOOL as it goes: the session
+        keeps none of it in memory however long it runs; finish writes recording.json from it."""
         self._received_ms: dict[int, float] = {}
         self._turn = 0
         self._speak_in_turn = 0
-        self._turns: list[dict[str, Any]] = []
-        """recording.json's turns (the reference's half-duplex layout)."""
         self._heard: collections.deque[bytes] = collections.deque(maxlen=_MAX_TURN_UNITS)
         """Half-duplex: the input of the units since the last reply (the user's turn)."""
         self._inputs: dict[int, bytes] = {}
@@ -245,6 +252,7 @@ class SessionRecorder:
         self._units = open(folder / "units.jsonl", "w", encoding="utf-8")
         self._user = _open_wav(folder / "user.wav", USER_RATE)
         self._model = _open_wav(folder / "model.wav", MODEL_RATE)
+        self._timeline = open(folder / TIMELINE_SPOOL, "w", encoding="utf-8")
         dialect = "first" if init.dialect is ev.Dialect.FIRST else "current"
         config = init.config.given()
         voices: dict[str, str] = {}
@@ -397,6 +405,8 @@ class SessionRecorder:
             assert self._events is not None  # opened with _units by start
             self._events.flush()
             self._units.flush()
+            if self._timeline is not None:
+                self._timeline.flush()
 
     @_guarded
     def outbound(self, event: dict[str, Any]) -> None:
@@ -504,7 +514,7 @@ class SessionRecorder:
             _write_pcm16_wav(self.folder / name, pcm16, MODEL_RATE)
             output["audio"] = name
             output["audio_duration_ms"] = round(len(speech) / 4 / MODEL_RATE * 1000)
-        self._turns.append(
+        self._entry(
             {
                 "turn_index": reply["turn_index"],
                 "request_ts_ms": reply["request_ts_ms"],
@@ -543,7 +553,7 @@ class SessionRecorder:
                 result["end_of_turn"] = True
                 self._turn += 1
                 self._speak_in_turn = 0
-        self._chunks.append(
+        self._entry(
             {
                 "index": out.seq - 1,
                 "receive_ts_ms": round(self._received_ms.pop(out.seq, 0.0), 1),
@@ -552,23 +562,38 @@ class SessionRecorder:
             }
         )
 
+    def _entry(self, entry: dict[str, Any]) -> None:
+        """One timeline entry of recording.json, onto the spool."""
+        assert self._timeline is not None  # opened by start
+        self._timeline.write(json.dumps(entry, ensure_ascii=False) + "\n")
+
     def _write_recording_json(self, worker_id: str) -> None:
+        """recording.json from the spooled timeline, entry by entry (the whole timeline is
+        never in memory); the spool is removed after."""
         assert self.folder is not None
-        config = dict(self._meta["config"])
-        recording: dict[str, Any] = {
+        head = {
             "session_id": self.folder.name,
             "mode": "half_duplex_audio" if self._turn_based() else "duplex",
             "worker_id": worker_id,
             "start_ts": self._meta["started_at"],
-            "config": config,
+            "config": dict(self._meta["config"]),
         }
-        if self._turn_based():
-            recording["turns"] = self._turns
-        else:
-            recording["chunks"] = self._chunks
+        key = "turns" if self._turn_based() else "chunks"
+        spool = self.folder / TIMELINE_SPOOL
         tmp = self.folder / "recording.json.tmp"
-        tmp.write_text(json.dumps(recording, ensure_ascii=False, indent=1) + "\n")
+        with open(tmp, "w", encoding="utf-8") as out:
+            # The head's keys, then the timeline's list: the same object json.dumps would
+            # write, one entry a line.
+            out.write(json.dumps(head, ensure_ascii=False)[:-1] + f', "{key}": [')
+            first = True
+            if spool.exists():
+                with open(spool, encoding="utf-8") as entries:
+                    for line in entries:
+                        out.write(("\n" if first else ",\n") + line.rstrip("\n"))
+                        first = False
+            out.write("\n]}\n")
         os.replace(tmp, self.folder / "recording.json")
+        spool.unlink(missing_ok=True)
 
     def _log(self, direction: str, event: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -598,13 +623,13 @@ class SessionRecorder:
         os.replace(tmp, self.folder / "meta.json")
 
     def _close_files(self) -> None:
-        for f in (self._events, self._units, self._user, self._model):
+        for f in (self._events, self._units, self._user, self._model, self._timeline):
             if f is not None:
                 try:
                     f.close()
                 except Exception:
                     log.debug("session %s: closing a recording file failed", self.session_id)
-        self._events = self._units = self._user = self._model = None
+        self._events = self._units = self._user = self._model = self._timeline = None
 
     def _disable(self) -> None:
         self.enabled = False

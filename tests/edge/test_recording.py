@@ -72,3 +72,31 @@ def test_each_audio_event_points_at_its_own_unit_in_model_wav(tmp_path):
     assert [r.get("samples") for r in refs[:100]] == [1000 + s for s in range(1, 101)]
     assert [r.get("start") for r in refs[:3]] == [0, 1001, 2003]
     assert refs[100] == {"omitted_bytes": 3}
+
+
+def test_the_timeline_is_spooled_not_kept(tmp_path):
+    """recording.json's timeline goes to a spool file as the session runs (the recorder's
+    memory does not grow with it); finish writes recording.json from the spool, the same
+    entries in order, and removes the spool."""
+    from omnifabric.edge.recording import TIMELINE_SPOOL
+
+    recorder = SessionRecorder(tmp_path, "rt_long", "audio", "/v1/realtime?mode=audio")
+    recorder.start(ev.InitCommand(ev.Dialect.CURRENT))
+    unit = ev.AppendCommand(np.zeros(160, dtype="<f4").tobytes())
+    for seq in range(1, 301):
+        recorder.append(unit, ev.Dialect.CURRENT)
+        pcm = np.zeros(240, dtype="<f4").tobytes() if seq % 3 == 0 else b""
+        recorder.output(output(seq, pcm=pcm))
+    assert recorder.folder is not None
+    spool = recorder.folder / TIMELINE_SPOOL
+    before = vars(recorder).copy()
+    assert not any(isinstance(v, list) and len(v) >= 300 for v in before.values())
+    recorder.finish("w0")
+    assert not spool.exists()
+    recording = json.loads((recorder.folder / "recording.json").read_text())
+    assert list(recording) == ["session_id", "mode", "worker_id", "start_ts", "config", "chunks"]
+    assert recording["worker_id"] == "w0" and recording["mode"] == "duplex"
+    chunks = recording["chunks"]
+    assert [c["index"] for c in chunks] == list(range(300))
+    assert [c["result"]["mode"] for c in chunks[:3]] == ["LISTEN", "LISTEN", "SPEAK"]
+    assert chunks[2]["result"]["ai_audio"] == "ai_audio/turn_0_chunk_000.wav"
