@@ -162,6 +162,9 @@ class Output:
     input_transcript: str = ""
     audio_dropped: bool = False
     """A replayed output whose speech the worker no longer keeps."""
+    pruned: bool = False
+    """A replayed output the worker keeps as its shape alone: it may be counted (event
+    numbers), never sent again."""
 
 
 @dataclass(frozen=True)

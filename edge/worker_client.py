@@ -256,6 +256,7 @@ def output_from(result: worker_pb.UnitResult) -> ev.Output:
         n_tts_tokens=result.n_tts_tokens,
         input_transcript=result.input_transcript,
         audio_dropped=result.audio_dropped,
+        pruned=result.pruned,
     )
 
 

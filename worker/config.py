@@ -13,6 +13,7 @@ from omnifabric.common import config as settings
 from omnifabric.common.config import ConfigError, setting
 from omnifabric.common.session_types import WINDOW_MODES, ContextWindow
 from omnifabric.worker import headroom
+from omnifabric.worker.journal import JOURNAL_RESULTS
 
 ASR_CHOICES = ("both", "whisper")
 """The reference engine's recognizer settings (``WorkerConfig.asr``)."""
@@ -315,6 +316,16 @@ class WorkerConfig:
     )
     """Fault injection (tests): the synthetic engine hangs (for an hour) in this unit of
     every session."""
+    journal_results: int = setting(
+        JOURNAL_RESULTS,
+        env="OMNI_WORKER_JOURNAL_RESULTS",
+        flag="--journal-results",
+        range=(1, 10_000_000),
+        help="results a session's resume journal keeps whole; older ones only their shape",
+    )
+    """A resumable session's journal keeps its newest results whole (~2 KB each without
+    speech, the newest 120 with it) and older ones as 9 bytes each: a resume that would
+    have to send one of those again is refused (resume_expired)."""
     unit_timeout_s: float = setting(
         5.0,
         env="OMNI_WORKER_UNIT_TIMEOUT_S",

@@ -216,6 +216,7 @@ class WorkerRuntime:
                 duration_s=self.config.limit_s(spec.mode),
                 max_context_tokens=self.config.max_context_tokens,
                 unit_timeout_s=self.config.unit_timeout_s,
+                journal_results=self.config.journal_results,
             )
             session = DuplexSession(
                 spec,

@@ -275,6 +275,8 @@ def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
     }
     if event.audio_dropped:
         fields["audio_dropped"] = True
+    if event.pruned:
+        fields["pruned"] = True
     return worker_pb.SessionResponse(result=fields)
 
 

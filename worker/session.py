@@ -125,7 +125,11 @@ class DuplexSession:
         self._computed_at = 0.0
         """perf_counter() when the engine returned the latest unit's prefill and generate."""
         self._close_request: tuple[CloseReason, str] | None = None
-        self.journal = Journal(self._loop)
+        self.journal = (
+            Journal(self._loop)
+            if limits.journal_results is None
+            else Journal(self._loop, limits.journal_results)
+        )
         """Every event of the session, and which stream carries it."""
         self.last_unit_seq = 0
         self.engine_session: EngineSession | None = None

@@ -41,6 +41,8 @@ class SessionLimits:
     duration_s: float
     max_context_tokens: int
     unit_timeout_s: float | None = None
+    journal_results: int | None = None
+    """Results the resume journal keeps whole (None: worker.journal.JOURNAL_RESULTS)."""
 
 
 @dataclass
@@ -74,6 +76,9 @@ class UnitOutput:
     """Its result left later than one unit length after the unit arrived."""
     audio_dropped: bool = False
     """Kept for a replay without its speech (beyond worker.journal.JOURNAL_AUDIO_RESULTS)."""
+    pruned: bool = False
+    """Replayed from its shape alone (beyond worker.journal.JOURNAL_RESULTS): its text and
+    speech are stand-ins, its figures zero."""
 
 
 @dataclass

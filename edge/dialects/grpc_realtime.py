@@ -189,7 +189,7 @@ class GrpcRealtime(DuplexDialect):
             [response] = self._numbered(self._output(out))
             if response.event_seq <= self.last_seq:
                 continue
-            if out.audio_dropped:
+            if out.audio_dropped or out.pruned:
                 raise ResumeExpired(
                     f"events after seq {self.last_seq} are no longer kept: resume sooner"
                 )

@@ -348,7 +348,7 @@ class RealtimeDuplex(DuplexDialect):
             for message in self._numbered(self._renderer.render(shown)):
                 if message["seq"] <= self.last_seq:
                     continue
-                if out.audio_dropped and "audio" in message:
+                if out.pruned or (out.audio_dropped and "audio" in message):
                     raise ResumeExpired(
                         f"events after seq {self.last_seq} are no longer kept: resume sooner"
                     )
