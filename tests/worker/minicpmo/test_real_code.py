@@ -13,6 +13,7 @@ import io
 import logging
 import wave
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -404,6 +405,20 @@ def call_turn(session, units, silence_limit=200, force_at=None):
             return listened, answer, result
         (listened if result.is_listen and not answer else answer).append(result)
     raise AssertionError("the answer did not end")
+
+
+def test_a_half_duplex_call_says_it_has_no_context_window(engine):
+    """The chat path has no sliding window: a call that asks for one is told so."""
+    from omnifabric.worker.engines.minicpmo.engine import WINDOW_NOT_IN_CALLS
+
+    s = engine.open_session("call-w", "audio")
+    try:
+        s.prepare("Be brief.", None, None, replace(CALL, context_window="basic"))
+        assert WINDOW_NOT_IN_CALLS in s.notes
+        s.prepare("Be brief.", None, None, CALL)
+        assert WINDOW_NOT_IN_CALLS not in s.notes
+    finally:
+        s.close()
 
 
 def test_a_half_duplex_call_answers_each_turn_and_keeps_its_context(engine):

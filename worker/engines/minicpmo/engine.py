@@ -67,6 +67,10 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
 WINDOW_UNAVAILABLE = (
     "context_window: not available in this model code layout; the session closes with context_full"
 )
+#: A half-duplex call runs the model's chat path, which has no sliding window.
+WINDOW_NOT_IN_CALLS = (
+    "context_window: half-duplex calls run without one (the model's chat path has none)"
+)
 #: The vocoder package (minicpmo-utils) the model's init_tts imports.
 VOCODER_MODULE = "stepaudio2"
 #: Python packages the model code imports at load.
@@ -250,6 +254,8 @@ class MiniCPMOSession(EngineSession):
         notes = []
         if self.settings.tts_enabled is not False and not self.engine.audio_on:
             notes.append("speech: this worker runs the model text-only (no vocoder)")
+        if self.settings.window().mode != "off":
+            notes.append(WINDOW_NOT_IN_CALLS)
         self.notes = tuple(notes)
         with self.engine.using(self):
             self.handle.reset()
