@@ -45,5 +45,7 @@ class ChatML:
                 return text
             tail = self.tokenizer.decode(ids[-n:], clean_up_tokenization_spaces=False)
         # The cut may fall inside a word: the text begins at the next whole one.
-        head, space, rest = tail.partition(" ")
-        return rest.strip() if space and not tail.startswith(" ") else tail.strip()
+        if tail[:1].isspace():
+            return tail.strip()
+        parts = tail.split(None, 1)
+        return parts[1].strip() if len(parts) == 2 else tail.strip()

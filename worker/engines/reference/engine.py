@@ -19,8 +19,9 @@ oldest whole exchanges (a user turn and the replies to it, those whose units are
 first) leave the reply model's history until it is at most low_tokens; context: at most
 ``units`` units stay, and an exchange whose units are all gone leaves the history, the end
 of what the model said in the dropped ones (at most previous_tokens tokens) carried in the
-system message. The system prompt always stays; the llama.cpp slot is prefilled again, so
-it forgets the dropped turns too (``Conversation.forget``).
+system message. The system prompt always stays; the llama.cpp slot gets the shortened
+context at once, the kept turns' KV shifted into place rather than computed again, so it
+forgets the dropped turns too and a slide costs a unit little (``Conversation.forget``).
 
 On CUDA (``device="cuda"``) the recognizers run on the GPU in fp32, as on CPU; the reply model
 (CPU build of llama.cpp), VAD and TTS stay on the CPU.
@@ -85,8 +86,10 @@ REPAIR_TEXT = "Sorry, I did not catch that. Could you say it again?"
 #: Added to every session's system prompt: the reply is spoken, so it must be short, and
 #: complete sentences ("It is cold.") are heard better than a lone word ("Cold").
 SPOKEN_STYLE = "Reply in one or two short, complete spoken sentences, without lists or markup."
-#: How a context window (mode context) carries what the model said in the dropped turns.
-CARRIED_NOTE = "Earlier in this conversation you said: "
+#: How a context window (mode context) carries what the model said in the dropped turns:
+#: this line in the system message, then those replies a line each (as they are in the
+#: reply model's cache, so llama.cpp shifts them into place: Conversation.forget).
+CARRIED_NOTE = "Earlier in this conversation you said:"
 
 
 class ReferenceSession(EngineSession):
@@ -116,7 +119,8 @@ class ReferenceSession(EngineSession):
         self.exchange_ends: list[int] = []
         """The unit each closed exchange of the conversation ended in, oldest first."""
         self.carried = ""
-        """Context window (mode context): what the model said in the dropped exchanges."""
+        """Context window (mode context): what the model said in the dropped exchanges, a
+        reply a line (the latest, at most previous_tokens tokens)."""
         self.slides = 0
         """How often the context window slid (basic: each time it passed high_tokens;
         context: each time exchanges left the reply model's history)."""
@@ -522,11 +526,9 @@ class ReferenceSession(EngineSession):
             if not count:  # the history is as it was: only units leave the accounting
                 self.dropped_units += units
                 return
-            said = " ".join(e.said for e in exchanges[:count] if e.said)
-            self.carried = self.engine.llm.last_tokens(
-                f"{self.carried} {said}", window.previous_tokens
-            )
-            note = f"{CARRIED_NOTE}{self.carried}" if self.carried else ""
+            said = [e.said for e in exchanges[:count] if e.said]
+            self.carried = self._carry([*self.carried.splitlines(), *said], window)
+            note = f"{CARRIED_NOTE}\n{self.carried}" if self.carried else ""
         self.dropped_units += units
         t0 = time.perf_counter()
         computed = conversation.forget(count, note) if count else 0
@@ -547,6 +549,18 @@ class ReferenceSession(EngineSession):
             computed,
             took,
         )
+
+    def _carry(self, replies: list[str], window: ContextWindow) -> str:
+        """The latest ``replies`` in at most previous_tokens tokens, a line each: whole
+        replies, the oldest going first (their tokens stay as the reply model's cache holds
+        them), the latest one's end alone when it is longer than that."""
+        llm, budget = self.engine.llm, window.previous_tokens
+        lines = [r.strip() for r in replies if r.strip()]
+        while lines and len(llm.encode("\n".join(lines))) > budget:
+            if len(lines) == 1:
+                return llm.last_tokens(lines[0], budget)
+            lines.pop(0)
+        return "\n".join(lines)
 
     def _basic_cut(
         self, exchanges: list[int], length: int, window: ContextWindow

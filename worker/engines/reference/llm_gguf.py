@@ -284,8 +284,9 @@ def _save_tokenizer(gguf: Path, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-#: The shortest run of cached tokens llama.cpp shifts into a changed context (n_cache_reuse).
-CACHE_REUSE_TOKENS = 16
+#: Conversation.forget: the shortest run of the slot's cached tokens llama.cpp shifts into
+#: the shortened context (its request's n_cache_reuse) instead of computing it again.
+SHIFT_MIN_TOKENS = 8
 
 
 def _server_params(gguf: Path, slots: int, context: int, threads: int, ram_cache_mib: int) -> Any:
@@ -302,12 +303,6 @@ def _server_params(gguf: Path, slots: int, context: int, threads: int, ram_cache
     params.cpuparams.n_threads = threads
     params.cpuparams_batch.n_threads = threads
     params.cache_prompt = True
-    # A context that lost some turns (Conversation.forget) keeps the KV of those after them:
-    # llama.cpp finds runs of at least this many tokens of the new context further on in the
-    # slot's cache and shifts them into place instead of computing them again (measured on
-    # 2 cores: 555 tokens after a dropped half of 1,122 took 27 s to prefill again, shifted
-    # 1 token was computed). The dropped tokens leave the cache either way.
-    params.n_cache_reuse = CACHE_REUSE_TOKENS
     params.cache_ram_mib = ram_cache_mib
     params.n_predict = -1
     params.verbosity = -1
@@ -440,14 +435,24 @@ class ReplyModel(ChatML):
             self._slot_used[slot] = time.monotonic()
             return slot
 
+    def holds(self, owner: object, slot: int | None) -> bool:
+        """Whether server slot ``slot`` is still ``owner``'s (nobody took it over since)."""
+        with self._slot_lock:
+            held = None if slot is None else self._slot_owner[slot]
+            return held is not None and held() is owner
+
     @property
     def kv_bytes_per_slot(self) -> int:
         return self.weights.kv_bytes_per_token * self.max_context
 
-    def complete(self, ids: list[int], n: int, penalty_window: int, slot: int = -1) -> Completion:
+    def complete(
+        self, ids: list[int], n: int, penalty_window: int, slot: int = -1, shift: int = 0
+    ) -> Completion:
         """Greedy-decode up to ``n`` tokens after ``ids`` (the last ``penalty_window`` of them
-        penalised) in server slot ``slot`` (-1: any). Thread-safe; blocks until done."""
-        request = {
+        penalised) in server slot ``slot`` (-1: any). ``shift`` > 0: runs of at least that
+        many tokens of ``ids`` found further on in the slot's cache are shifted into place,
+        not computed again (llama.cpp's cache reuse). Thread-safe; blocks until done."""
+        request: dict[str, Any] = {
             "prompt": ids,
             "id_slot": slot,
             "n_predict": n,
@@ -459,6 +464,8 @@ class ReplyModel(ChatML):
             "repeat_last_n": penalty_window if self.repeat_penalty != 1.0 else 0,
             "stream": False,
         }
+        if shift > 0:
+            request["n_cache_reuse"] = shift
         out = self._server.handle_completions(request)
         if "error" in out or "choices" not in out:
             error = out.get("error", out)
@@ -617,13 +624,20 @@ class Conversation:
         with self._lock:
             return self._exchanges()
 
-    def forget(self, count: int, note: str | None = None) -> int:
+    def forget(self, count: int, note: str | None = None, shift: bool = True) -> int:
         """Drop the ``count`` oldest closed exchanges (whole user/assistant turns, never the
         system message) and, unless None, set ``note``: text added to the system message.
-        The slot is prefilled again at once (llama.cpp keeps what the new context shares
-        with its cache, the system message, and computes the rest), so the dropped turns
-        are gone from its KV cache too; an open reply's next token is chosen again in the
-        new context. Returns the context tokens computed."""
+
+        The slot gets the new context at once, so the dropped turns are gone from its KV
+        cache too (llama.cpp's count is the new context's); an open reply's next token is
+        chosen again in the new context. llama.cpp keeps what the new context shares with
+        its cache (the system message) and, with ``shift`` while the slot is still this
+        conversation's, shifts the kept turns' KV into place (runs of SHIFT_MIN_TOKENS or
+        more; the dropped turns are no longer attended to, though the kept tokens' values
+        were computed beside them); else it computes the rest again, exactly as a fresh
+        prefill would (measured on a busy 2-core host: 555 tokens kept after 555 dropped
+        took 27 s to compute again, 1 token computed when shifted: too slow for a unit's
+        finalize). Returns the context tokens computed."""
         with self._lock:
             closed = self._exchanges()
             if not 0 <= count <= len(closed):
@@ -641,10 +655,11 @@ class Conversation:
                 turn[0] += len(head) - cut
             self._turns = kept
             self._next, self._stopped = [], False
+            reuse = SHIFT_MIN_TOKENS if shift and self._model.holds(self, self._slot) else 0
             if self._open and not self._finished:
-                self._fetch(1)
+                self._fetch(1, reuse)
             else:
-                self._request(0)
+                self._request(0, reuse)
             assert self.last is not None
             return max(0, self.last.evaluated)
 
@@ -674,15 +689,20 @@ class Conversation:
         self._stopped = False
         self._open = False
 
-    def _fetch(self, n: int) -> None:
+    def _fetch(self, n: int, shift: int = 0) -> None:
         """Choose up to ``n`` tokens after the context (the reply so far penalised)."""
-        last = self._request(n)
+        last = self._request(n, shift)
         self._next = list(last.tokens)
         self._stopped = last.stopped or not self._next
 
-    def _request(self, n: int) -> Completion:
+    def _request(self, n: int, shift: int = 0) -> Completion:
         self._slot = self._model.slot_for(self, self._slot)
-        self.last = self._model.complete(self._ids, n, len(self._reply_ids), self._slot)
+        if shift:
+            self.last = self._model.complete(
+                self._ids, n, len(self._reply_ids), self._slot, shift=shift
+            )
+        else:
+            self.last = self._model.complete(self._ids, n, len(self._reply_ids), self._slot)
         return self.last
 
 
