@@ -133,11 +133,17 @@ class EdgeConfig:
         False,
         env="OMNI_EDGE_REUSE_PORT",
         flag="--reuse-port",
-        help="listen with SO_REUSEPORT (set by --processes; lets edges share a port)",
+        help="listen with SO_REUSEPORT (set by --processes for its children; without it a taken "
+        "WebSocket or gRPC port fails the start)",
     )
     """Bind both ports with SO_REUSEPORT so that several edge processes share them. Off, a
     second edge on a taken port fails to start (the WebSocket and the gRPC port alike)."""
-    process_index: int = setting(0, env="OMNI_EDGE_PROCESS_INDEX", range=(0, 256))
+    process_index: int = setting(
+        0,
+        env="OMNI_EDGE_PROCESS_INDEX",
+        range=(0, 256),
+        help="set by --processes for its children: which one this is, 1..N (0: a lone edge)",
+    )
     """Set by --processes for its children: which one this is, 1..N (0: a lone edge). Shown
     in /status and as /metrics' omni_edge_process{index, pid}."""
     scheduler: str = setting(
@@ -156,7 +162,8 @@ class EdgeConfig:
         env="OMNI_EDGE_MAX_SESSIONS_PER_KEY",
         flag="--max-sessions-per-key",
         range=(0, 1_000_000),
-        help="open sessions one API key may hold, 0 = unlimited",
+        help="open sessions one API key may hold on every endpoint of every edge together, "
+        "0 = unlimited (a key file line may set its own: KEY max_sessions=N)",
     )
     """Open sessions one API key may hold at once, over every WebSocket endpoint and the
     gRPC RealtimeService (0 = unlimited; a key file entry overrides it for its key)."""
@@ -165,7 +172,7 @@ class EdgeConfig:
         env="OMNI_EDGE_MAX_FRAME_BYTES",
         flag="--max-frame-bytes",
         range=(1024, 1 << 30),
-        help="largest WebSocket message",
+        help="largest WebSocket message; larger: close 1009",
     )
     """Largest WebSocket message accepted; larger ones close the connection with 1009."""
     open_timeout_s: float = setting(
@@ -173,7 +180,8 @@ class EdgeConfig:
         env="OMNI_EDGE_OPEN_TIMEOUT_S",
         flag="--open-timeout",
         range=(0.1, 600),
-        help="seconds to finish the opening handshake",
+        help="the opening handshake (TCP, TLS, upgrade or POST head) must finish within this, "
+        "else the socket is dropped, s",
     )
     """A WebSocket handshake not finished by then is dropped."""
     ping_interval_s: float = setting(
@@ -189,17 +197,33 @@ class EdgeConfig:
         env="OMNI_EDGE_PING_TIMEOUT_S",
         flag="--ping-timeout",
         range=(0.1, 3600),
-        help="keepalive pong timeout, s",
+        help="keepalive: no pong within this (writing the ping counts) closes 1011 and drops "
+        "the socket, s",
     )
     """A client that does not answer a ping within this is closed (also when the ping
     cannot even be written because the client stopped reading)."""
-    inbound_queue_max: int = setting(16, env="OMNI_EDGE_INBOUND_QUEUE_MAX", range=(1, 1024))
+    inbound_queue_max: int = setting(
+        16,
+        env="OMNI_EDGE_INBOUND_QUEUE_MAX",
+        range=(1, 1024),
+        help="received messages buffered per connection before reading pauses (TCP "
+        "back-pressure on the client)",
+    )
     """Received WebSocket messages buffered per connection before reading pauses."""
-    outbound_queue_max: int = setting(64, env="OMNI_EDGE_OUTBOUND_QUEUE_MAX", range=(1, 100_000))
+    outbound_queue_max: int = setting(
+        64,
+        env="OMNI_EDGE_OUTBOUND_QUEUE_MAX",
+        range=(1, 100_000),
+        help="events queued for a client that reads slower than they come; beyond: "
+        "slow_client, close 1008",
+    )
     """Events queued per connection for a client that reads slower than they come; one
     more closes the connection (slow_client, 1008)."""
     outbound_queue_bytes: int = setting(
-        2 * 1024 * 1024, env="OMNI_EDGE_OUTBOUND_QUEUE_BYTES", range=(64 * 1024, 1 << 30)
+        2 * 1024 * 1024,
+        env="OMNI_EDGE_OUTBOUND_QUEUE_BYTES",
+        range=(64 * 1024, 1 << 30),
+        help="the same bound in bytes of JSON (one event always fits)",
     )
     """The same bound in bytes of JSON (one event always fits an empty queue)."""
     resume_window_s: float = setting(
@@ -217,14 +241,15 @@ class EdgeConfig:
         env="OMNI_EDGE_DRAIN_GRACE_S",
         flag="--grace",
         range=(0, 3600),
-        help="drain grace period on SIGTERM, s",
+        help="on SIGTERM: time open sessions get to end with server_shutdown, s",
     )
     """On SIGTERM: time open sessions get to end with server_shutdown before the stop."""
     tls_cert: str | None = setting(
         None,
         env="OMNI_EDGE_TLS_CERT",
         flag="--tls-cert",
-        help="PEM certificate: wss:// and TLS on the gRPC port",
+        help="PEM certificate: wss:// and https:// on the WebSocket port, TLS on the gRPC "
+        "port (with --tls-key: both or neither)",
     )
     """PEM certificate (chain) for wss:// and TLS on the gRPC port; needs tls_key."""
     tls_key: str | None = setting(
@@ -260,7 +285,7 @@ class EdgeConfig:
         env="OMNI_EDGE_WS_COMPRESSION",
         flag="--ws-compression",
         choices=("off", "deflate"),
-        help="permessage-deflate for WebSocket clients that offer it",
+        help="off: decline a client's permessage-deflate offer; deflate: accept it",
     )
     """off: WebSocket frames go uncompressed whatever the client offers (audio barely
     compresses and deflate costs 2-4 ms per 85 KB frame on each side); deflate: accept a
@@ -270,11 +295,18 @@ class EdgeConfig:
         env="OMNI_EDGE_ALLOWED_ORIGINS",
         flag="--allowed-origin",
         repeat=True,
-        help="browser Origin allowed to connect (repeatable; default: any)",
+        help="browser Origin allowed to connect (repeatable; default: any); others get HTTP "
+        "403, clients sending no Origin (SDKs, scripts) always connect",
     )
     """Browser Origins allowed to open WebSockets (empty = any). Clients sending no Origin
     header (SDKs, scripts) are always allowed; a listed-out Origin gets HTTP 403."""
-    unit_timeout_s: float = setting(6.0, env="OMNI_EDGE_UNIT_TIMEOUT_S", range=(0.5, 600))
+    unit_timeout_s: float = setting(
+        6.0,
+        env="OMNI_EDGE_UNIT_TIMEOUT_S",
+        range=(0.5, 600),
+        help="a unit unanswered this long (and not reported dropped) closes its session with "
+        "error (hung worker); at least the worker's own unit timeout + 1 s, s",
+    )
     """A unit with no result (nor a counted drop) after this long means the worker is hung:
     the session closes with error. It is the last of three watches and must exceed the
     worker's own engine timeout (OMNI_WORKER_UNIT_TIMEOUT_S, 5 s): a slow engine call is
@@ -289,7 +321,10 @@ class EdgeConfig:
     ws_close_timeout_s: float = 2.0
     """Time a client gets to answer the WebSocket close handshake."""
     grpc_max_message_bytes: int = setting(
-        16 * 1024 * 1024, env="OMNI_EDGE_GRPC_MAX_MESSAGE_BYTES", range=(1 << 16, 1 << 30)
+        16 * 1024 * 1024,
+        env="OMNI_EDGE_GRPC_MAX_MESSAGE_BYTES",
+        range=(1 << 16, 1 << 30),
+        help="largest gRPC message to and from the services and on the RealtimeService port",
     )
     """Largest gRPC message to and from the services."""
     default_mode: str = "video"
@@ -313,10 +348,15 @@ class EdgeConfig:
         None,
         env="OMNI_EDGE_VOICES_DIR",
         flag="--voices-dir",
-        help="folder of registered reference voices (default: CACHE/ref_audio)",
+        help="folder of registered reference voices (default: $OMNI_CACHE_DIR/ref_audio)",
     )
     """/api/assets/ref_audio's store (edge/voices.py); None = $OMNI_CACHE_DIR/ref_audio."""
-    playback_delay_ms: int = setting(200, env="OMNI_EDGE_PLAYBACK_DELAY_MS", range=(0, 2000))
+    playback_delay_ms: int = setting(
+        200,
+        env="OMNI_EDGE_PLAYBACK_DELAY_MS",
+        range=(0, 2000),
+        help="GET /api/frontend_defaults: how long pages buffer the first reply audio, ms",
+    )
     """GET /api/frontend_defaults: how long pages buffer the first reply audio before
     playing it (absorbs network and inference jitter)."""
     record_dir: str | None = setting(
@@ -327,11 +367,17 @@ class EdgeConfig:
     )
     """Record every /v1/realtime audio/video session under this folder (edge/recording.py)."""
     record_max_age_days: float = setting(
-        7.0, env="OMNI_EDGE_RECORD_MAX_AGE_DAYS", range=(0.001, 36500)
+        7.0,
+        env="OMNI_EDGE_RECORD_MAX_AGE_DAYS",
+        range=(0.001, 36500),
+        help="recordings older than this are deleted (at start, then hourly), days",
     )
     """Recordings older than this are deleted (at start, then hourly)."""
     record_max_bytes: int = setting(
-        10 * 1024**3, env="OMNI_EDGE_RECORD_MAX_BYTES", range=(1 << 20, 1 << 50)
+        10 * 1024**3,
+        env="OMNI_EDGE_RECORD_MAX_BYTES",
+        range=(1 << 20, 1 << 50),
+        help="then the oldest recordings are deleted until the rest fit in this",
     )
     """Then the oldest recordings are deleted until the rest fit in this many bytes."""
 

@@ -36,7 +36,7 @@ class SchedulerConfig:
         env="OMNI_SCHEDULER_QUEUE_MAX",
         flag="--queue-max",
         range=(1, 1_000_000),
-        help="most waiting requests",
+        help="most sessions waiting in the queue; one more is refused with queue_full",
     )
     """Most requests that may wait in the queue; one more is rejected as queue_full."""
 
@@ -60,21 +60,36 @@ class SchedulerConfig:
     this share of its engine threads' time, by the costs it reports (common.realtime), and
     it has had no late unit lately; 0 leases by free slots alone."""
 
-    eta_alpha: float = setting(0.2, env="OMNI_SCHEDULER_ETA_ALPHA", range=(0.001, 1.0))
+    eta_alpha: float = setting(
+        0.2,
+        env="OMNI_SCHEDULER_ETA_ALPHA",
+        range=(0.001, 1.0),
+        help="ETA: weight of a newly observed session length in its mode's moving average",
+    )
     """Weight of a newly observed session length in the moving average (0-1]."""
 
     eta_initial_s: float = setting(
-        60.0, env="OMNI_SCHEDULER_ETA_INITIAL_S", range=(0.001, 86_400.0)
+        60.0,
+        env="OMNI_SCHEDULER_ETA_INITIAL_S",
+        range=(0.001, 86_400.0),
+        help="ETA: session length assumed for a mode before one was observed, s",
     )
     """Mean session length, in seconds, assumed for a mode before any was observed."""
 
     release_timeout_s: float = setting(
-        10.0, env="OMNI_SCHEDULER_RELEASE_TIMEOUT_S", range=(0.01, 3600.0)
+        10.0,
+        env="OMNI_SCHEDULER_RELEASE_TIMEOUT_S",
+        range=(0.01, 3600.0),
+        help="a slot is freed anyway when its worker never confirms the release, s",
     )
     """Seconds a worker gets to answer a revocation before its slot is freed anyway."""
 
     worker_timeout_s: float = setting(
-        3.0, env="OMNI_SCHEDULER_WORKER_TIMEOUT_S", range=(0.1, 3600.0)
+        3.0,
+        env="OMNI_SCHEDULER_WORKER_TIMEOUT_S",
+        range=(0.1, 3600.0),
+        help="a worker silent this long (workers report every 1 s) is hung: dropped, its "
+        "leases end, s",
     )
     """A worker silent this long on its Register stream (workers report every second) is
     hung: its registration ends and its leases are lost (RELIABILITY.md F2)."""
@@ -93,7 +108,7 @@ class SchedulerConfig:
         env="OMNI_SCHEDULER_DRAIN_GRACE_S",
         flag="--grace",
         range=(0.0, 3600.0),
-        help="on SIGTERM: wait for open RPCs, s",
+        help="on SIGTERM: the longest wait for open RPCs before the server stops, s",
     )
     """On SIGTERM: the longest wait, in seconds, for open RPCs to end before the server
     stops (queued requests are refused and lease streams ended at once; sessions go on)."""
@@ -103,7 +118,7 @@ class SchedulerConfig:
         env="OMNI_SCHEDULER_MAX_MESSAGE_BYTES",
         flag="--max-message-bytes",
         range=(1024, 1 << 30),
-        help="largest gRPC message",
+        help="largest gRPC message; larger: RESOURCE_EXHAUSTED",
     )
     """Largest gRPC message either way; a larger one fails with RESOURCE_EXHAUSTED."""
 

@@ -20,6 +20,7 @@ commands:
   eval        ask a stack spoken questions (several voices) and score the spoken answers
   soak        the long-run reliability rows (L1 L2 L3 F1 FUZZ) on their own local stack
   stubs       regenerate the gRPC stubs from proto/ (--check: fail when stale)
+  config-doc  write docs/configuration.md's tables from the settings (--check: fail when stale)
 
 `omnifabric COMMAND --help` describes each command's options."""
 
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         from omnifabric.tools.perf.soak import main as run
     elif command == "stubs":
         from omnifabric.tools.gen_stubs import main as run
+    elif command == "config-doc":
+        from omnifabric.tools.config_doc import main as run
     else:
         print(f"omnifabric: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ class WorkerConfig:
         None,
         env="OMNI_WORKER_ADVERTISE",
         flag="--advertise",
-        help="host:port edges dial (default host:actual port)",
+        help="host:port edges dial (default host:actual port; set it when binding 0.0.0.0)",
     )
     """host:port the scheduler hands to edges; None = host:actual port."""
     scheduler_address: str = setting(
@@ -60,7 +60,7 @@ class WorkerConfig:
         "synthetic",
         env="OMNI_WORKER_ENGINE",
         flag="--engine",
-        help="synthetic, reference or minicpmo",
+        help="synthetic, reference or minicpmo (omnifabric serve: reference)",
     )
     """Engine name: synthetic, reference, minicpmo."""
     slots: int | None = setting(
@@ -68,7 +68,8 @@ class WorkerConfig:
         env="OMNI_WORKER_SLOTS",
         flag="--slots",
         range=(1, 4096),
-        help="sessions at once (default: the engine's)",
+        help="sessions at once (default: the engine's: reference as many audio sessions as "
+        "keep real time by its warm-up, synthetic 4, minicpmo 1)",
     )
     """Sessions held at once; None = the engine's default (synthetic: 4)."""
     audio_limit_s: float = setting(
@@ -132,14 +133,26 @@ class WorkerConfig:
         range=(0, 1 << 20),
         help="context window: tokens of earlier replies carried forward",
     )
-    lease_wait_s: float = setting(2.0, env="OMNI_WORKER_LEASE_WAIT_S", range=(0.0, 60.0))
+    lease_wait_s: float = setting(
+        2.0,
+        env="OMNI_WORKER_LEASE_WAIT_S",
+        range=(0.0, 60.0),
+        help="how long a Session waits for its lease grant to arrive, s",
+    )
     """How long a Session waits for the scheduler's lease_granted to arrive."""
     register_backoff_s: float = setting(
-        0.2, env="OMNI_WORKER_REGISTER_BACKOFF_S", range=(0.001, 60.0)
+        0.2,
+        env="OMNI_WORKER_REGISTER_BACKOFF_S",
+        range=(0.001, 60.0),
+        help="first delay before registering again after the scheduler stream breaks (doubles), s",
     )
     """First delay before re-registering after the scheduler stream breaks (doubles)."""
     register_backoff_max_s: float = setting(
-        2.0, env="OMNI_WORKER_REGISTER_BACKOFF_MAX_S", range=(0.001, 600.0)
+        2.0,
+        env="OMNI_WORKER_REGISTER_BACKOFF_MAX_S",
+        range=(0.001, 600.0),
+        help="longest delay between registration attempts (re-registration after a "
+        "scheduler restart), s",
     )
     """Largest delay between registration attempts: a scheduler back after an outage has
     every worker again within this (plus one connect)."""
@@ -148,7 +161,7 @@ class WorkerConfig:
         env="OMNI_WORKER_HEADROOM_WINDOW_S",
         flag="--headroom-window",
         range=(0.5, 3600.0),
-        help="seconds of recent units the real-time headroom is measured over",
+        help="seconds of recent units the real-time headroom counts (late units, costs)",
     )
     """The worker's real-time headroom (worker.headroom) counts the units of the last this
     many seconds: a late unit among them holds new sessions back, and their costs say what a
@@ -178,7 +191,8 @@ class WorkerConfig:
         env="OMNI_WORKER_BATCH_SHARE",
         flag="--batch-share",
         range=(0.0, 1.0),
-        help="synthetic engine: step sessions together, each extra one adding this share",
+        help="synthetic engine: offer batched steps, each extra session adding this share of a "
+        "unit's compute",
     )
     """Synthetic engine: offer batched steps, a step of N sessions costing the compute of
     one unit times 1 + share x (N - 1) (finalizes likewise); None: no batched entry."""
@@ -187,7 +201,7 @@ class WorkerConfig:
         env="OMNI_WORKER_COMPUTE_MS",
         flag="--compute-ms",
         range=(0.0, 60000.0),
-        help="synthetic engine ms per unit",
+        help="synthetic engine's busy time per unit, ms",
     )
     """Busy time per unit of the synthetic engine, milliseconds."""
     synthetic_finalize_ms: float = setting(
@@ -195,7 +209,8 @@ class WorkerConfig:
         env="OMNI_WORKER_FINALIZE_MS",
         flag="--finalize-ms",
         range=(0.0, 60000.0),
-        help="synthetic engine ms per deferred finalize",
+        help="synthetic engine's busy time per deferred finalize (a unit arriving meanwhile "
+        "waits: reported as finalize_wait_ms), ms",
     )
     """Busy time of the synthetic engine's deferred finalize after each unit, milliseconds
     (a real engine makes the next second of speech there; a unit that arrives meanwhile
@@ -205,7 +220,7 @@ class WorkerConfig:
         env="OMNI_WORKER_ENGINE_THREADS",
         flag="--engine-threads",
         range=(1, 1024),
-        help="synthetic engine threads (default: one per slot)",
+        help="synthetic engine threads (default: one per slot; fewer time-slice the sessions)",
     )
     """Threads the synthetic engine serves units on; fewer than the slots time-slice the
     sessions, as a GPU engine does (capacity tests)."""
@@ -220,7 +235,7 @@ class WorkerConfig:
         None,
         env="OMNI_WORKER_DEVICE",
         flag="--device",
-        help="cpu, cuda or cuda:N (minicpmo: cuda by default)",
+        help="cpu, cuda or cuda:N (default: the engine's: reference cpu, minicpmo cuda)",
     )
     """Torch device of the engine: cpu, cuda or cuda:N; None = the engine's default
     (reference: cpu, minicpmo: cuda)."""
@@ -266,11 +281,17 @@ class WorkerConfig:
     """minicpmo: WAV of the voice for sessions without reference audio; None = the model
     directory's own reference audio, else a clip the project renders with espeak-ng."""
     turn_min_speech_s: float = setting(
-        0.3, env="OMNI_WORKER_TURN_MIN_SPEECH_S", range=(0.032, 10.0)
+        0.3,
+        env="OMNI_WORKER_TURN_MIN_SPEECH_S",
+        range=(0.032, 10.0),
+        help="reference engine: speech needed before a pause can end the user's turn, s",
     )
     """Reference engine: speech needed before a pause can end the user's turn, seconds."""
     turn_end_silence_s: float = setting(
-        0.9, env="OMNI_WORKER_TURN_END_SILENCE_S", range=(0.064, 10.0)
+        0.9,
+        env="OMNI_WORKER_TURN_END_SILENCE_S",
+        range=(0.064, 10.0),
+        help="reference engine: silence that ends the user's turn whatever was said, s",
     )
     """Reference engine: silence after speech that ends the user's turn, seconds."""
     asr: str = setting(
@@ -278,7 +299,8 @@ class WorkerConfig:
         env="OMNI_WORKER_ASR",
         flag="--asr",
         choices=ASR_CHOICES,
-        help="reference: recognizers, both (Whisper base and Moonshine base-en) or whisper",
+        help="reference: recognizers, both (Whisper base and Moonshine base-en, the likelier "
+        "transcript) or whisper (Whisper base alone: less CPU and memory, more mishearings)",
     )
     """Reference engine: ``both`` hears every utterance with Whisper base and Moonshine
     base-en and keeps the transcript both find likelier (``hearing.Ears``); ``whisper`` uses
@@ -287,7 +309,8 @@ class WorkerConfig:
         None,
         env="OMNI_WORKER_LLM_MODEL",
         flag="--llm-model",
-        help="reference: reply model, qwen2.5-coder-1.5b or -0.5b",
+        help="reference: reply model, qwen2.5-coder-1.5b (default), qwen2.5-coder-0.5b or "
+        "smollm2-135m",
     )
     """Reference engine: the reply model, a key of ``llm_gguf.MODELS``; None = its default."""
     llm_threads: int | None = setting(
@@ -295,7 +318,7 @@ class WorkerConfig:
         env="OMNI_WORKER_LLM_THREADS",
         flag="--llm-threads",
         range=(1, 256),
-        help="reference: llama.cpp threads",
+        help="reference: llama.cpp threads (default: 2 on a machine with 2 cores or more, else 1)",
     )
     """Reference engine: CPU threads llama.cpp uses for replies; None = two where the
     machine has two cores or more (a reply's first words come ~40% sooner on an idle
@@ -331,13 +354,18 @@ class WorkerConfig:
         env="OMNI_WORKER_UNIT_TIMEOUT_S",
         flag="--unit-timeout",
         range=(0.05, 3600.0),
-        help="engine call of one unit longer than this: stuck, s",
+        help="an engine call of one unit longer than this ends its session (inference_error); "
+        "the worker is NOT_SERVING until the call returns, s",
     )
     """An engine call of one unit (prefill + generate, or finalize) running longer ends its
     session with error/inference_error, and the worker reports NOT_SERVING until the call
     returns (a stuck engine thread cannot be killed)."""
     memory_tolerance_mb: float = setting(
-        16.0, env="OMNI_WORKER_MEMORY_TOLERANCE_MB", range=(0.0, 1 << 20)
+        16.0,
+        env="OMNI_WORKER_MEMORY_TOLERANCE_MB",
+        range=(0.0, 1 << 20),
+        help="GPU memory above the post-warm-up baseline once all sessions ended beyond "
+        "which the worker turns NOT_SERVING, MiB",
     )
     """GPU memory above the post-warm-up baseline tolerated once all sessions ended, MiB."""
     drain_grace_s: float = setting(
