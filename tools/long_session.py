@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -54,14 +56,29 @@ async def one_session(url: str, units: int, on_unit: Callable[[int], None]) -> s
     return config_note or f"ran {units} units, closed {closed.get('reason')}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=60.0)
-    parser.add_argument("--record", action="store_true", help="record the session at the edge")
-    args = parser.parse_args(argv)
+@dataclass
+class Report:
+    """What one long session gave: its outcome line and (edge, worker) RSS in MiB after
+    the first five minutes of session time and at the end."""
+
+    outcome: str
+    units: int
+    wall_s: float
+    marks: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def growth_mib(self) -> tuple[float, float] | None:
+        """(edge, worker) RSS growth from the 5-minute mark to the end, MiB."""
+        if "5 min" not in self.marks or "end" not in self.marks:
+            return None
+        (e0, w0), (e1, w1) = self.marks["5 min"], self.marks["end"]
+        return e1 - e0, w1 - w0
+
+
+def run(minutes: float, record: bool) -> Report:
+    """One session of `minutes` x 60 units on its own stack (see the module's text)."""
     from omnifabric.tools.perf.stack import Stack
 
-    units = int(args.minutes * 60)
+    units = int(minutes * 60)
     root = Path(tempfile.mkdtemp(prefix="long_session_"))
     (root / "logs").mkdir()
     stack = Stack(root / "logs")
@@ -69,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = stack.start_worker(
         "--slots", "1", "--compute-ms", "2", "--audio-limit-s", "0", "--context-window", "basic"
     )
-    edge_args = ["--record-dir", str(root / "records")] if args.record else []
+    edge_args = ["--record-dir", str(root / "records")] if record else []
     edge = stack.start_edge(*edge_args)
     marks: dict[str, tuple[float, float]] = {}
     started = time.monotonic()
@@ -85,15 +102,27 @@ def main(argv: list[str] | None = None) -> int:
         outcome = asyncio.run(one_session(stack.url, units, on_unit))
     finally:
         stack.stop()
-    wall = time.monotonic() - started
-    print(f"{outcome} in {wall:.0f} s ({units / wall:.0f} units/s); recording: {args.record}")
-    for name, (edge_mib, worker_mib) in marks.items():
+        shutil.rmtree(root, ignore_errors=True)
+    return Report(outcome, units, time.monotonic() - started, marks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--record", action="store_true", help="record the session at the edge")
+    args = parser.parse_args(argv)
+    report = run(args.minutes, args.record)
+    wall, units = report.wall_s, report.units
+    print(
+        f"{report.outcome} in {wall:.0f} s ({units / wall:.0f} units/s); recording: {args.record}"
+    )
+    for name, (edge_mib, worker_mib) in report.marks.items():
         print(f"  RSS after {name:6s} edge {edge_mib:7.1f} MiB  worker {worker_mib:7.1f} MiB")
-    if "5 min" in marks and "end" in marks and units > 300:
+    growth = report.growth_mib()
+    if growth is not None and units > 300:
         hours = (units - 300) / 3600
-        for i, who in enumerate(("edge", "worker")):
-            growth = (marks["end"][i] - marks["5 min"][i]) / hours
-            print(f"  {who} growth: {growth:+.1f} MiB per hour of session")
+        for who, grew in zip(("edge", "worker"), growth, strict=True):
+            print(f"  {who} growth: {grew / hours:+.1f} MiB per hour of session")
     return 0
 
 

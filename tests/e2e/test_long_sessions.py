@@ -174,3 +174,26 @@ async def test_the_official_sdk_goes_on_past_the_warning(limited):
     feeder.cancel()
     assert "ErrorEvent" not in kinds, kinds
     assert session.state.name.lower() == "closed", (session.state, kinds)
+
+
+#: RSS growth allowed from the 5th to the 60th minute of one session, per process, MiB: the
+#: resume journal, the recorder and every per-session list are bounded (README); what is
+#: left is allocator noise (measured: edge +0.0 to +0.9, worker +1.1 to +2.2 MiB an hour).
+#: A journal that kept every result whole would add ~6.6 MiB here.
+HOUR_GROWTH_MIB = 5.0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "recorded"])
+def test_an_hour_long_session_never_closes_and_memory_stays_flat(record):
+    """3,600 one-second units sent as fast as answered (tools.long_session: a basic window,
+    no duration limit): the session runs to its end, and neither the edge's nor the worker's
+    RSS grows more than HOUR_GROWTH_MIB after its first five minutes."""
+    from omnifabric.tools.long_session import run
+
+    report = run(60, record)
+    assert report.outcome.startswith("ran 3600 units, closed"), report.outcome
+    growth = report.growth_mib()
+    assert growth is not None
+    print(f"RSS growth 5 -> 60 min: edge {growth[0]:+.1f} MiB, worker {growth[1]:+.1f} MiB")
+    assert growth[0] <= HOUR_GROWTH_MIB and growth[1] <= HOUR_GROWTH_MIB, report.marks
