@@ -23,7 +23,7 @@ log = logging.getLogger("omnifabric.edge.chat")
 
 ROLES = ("system", "user", "assistant")
 TTS_MODES = ("default", "audio_assistant", "omni", "audio_roleplay", "voice_cloning")
-#: Limits of one chat request (documented in the README).
+#: Limits of one chat request (documented in docs/protocol.md, Chat and Limits).
 MAX_MESSAGES = 64
 MAX_AUDIO_SECONDS = 120
 MAX_NEW_TOKENS = 4096

@@ -4,7 +4,7 @@ generated stubs (random field values, and random bytes wherever they parse as th
 message): GetStatus, Acquire, a short Register stream, and a short worker Session (a
 random start, or one with a real lease, then a few random units).
 
-Only the status codes the README documents may come back, never INTERNAL or UNKNOWN,
+Only the status codes docs/protocol.md documents may come back, never INTERNAL or UNKNOWN,
 and afterwards both servers still answer health checks and serve a normal session.
 OMNI_FUZZ_EXAMPLES sets the number of examples (`omnifabric soak --rows FUZZ` runs
 10000); the default fits the test suite's budget.
@@ -35,7 +35,7 @@ from tests.conftest import scaled
 from tests.fuzz import EXAMPLES
 from tests.stack import Stack
 
-#: What a servicer may answer (README, gRPC status codes); INTERNAL/UNKNOWN are bugs.
+#: What a servicer may answer (docs/protocol.md, gRPC): INTERNAL/UNKNOWN are bugs.
 DOCUMENTED = {
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,
