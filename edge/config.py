@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from omnifabric.common import config as settings
-from omnifabric.common.config import setting
+from omnifabric.common import schedulers
+from omnifabric.common.config import ConfigError, setting
 
 
 def hash_key(key: str) -> str:
@@ -147,7 +148,10 @@ class EdgeConfig:
     """Set by --processes for its children: which one this is, 1..N (0: a lone edge). Shown
     in /status and as /metrics' omni_edge_process{index, pid}."""
     scheduler: str = setting(
-        "127.0.0.1:50051", env="OMNI_EDGE_SCHEDULER", flag="--scheduler", help="scheduler host:port"
+        "127.0.0.1:50051",
+        env="OMNI_EDGE_SCHEDULER",
+        flag="--scheduler",
+        help="scheduler host:port; active/standby schedulers: several, comma-separated",
     )
     """host:port of the scheduler."""
     api_key_digests: frozenset[str] = field(default_factory=frozenset)
@@ -383,6 +387,10 @@ class EdgeConfig:
 
     def __post_init__(self) -> None:
         settings.check(self)
+        try:
+            schedulers.addresses(self.scheduler)
+        except ValueError as exc:
+            raise ConfigError("OMNI_EDGE_SCHEDULER", str(exc)) from None
 
     @classmethod
     def from_env(

@@ -2,6 +2,10 @@
 the wait for a lease on an Acquire (or Reattach) stream. What the messages hold and what a
 failed call's status means for the client are edge.worker_client's.
 
+Active/standby schedulers (several addresses in OMNI_EDGE_SCHEDULER): `scheduler` calls the
+one that leads, as a background task learns by asking each (common.schedulers) every half
+second; a call made during a switch may reach the old one and be refused (UNAVAILABLE).
+
 TLS (OMNI_FABRIC_TLS_*): with a CA the edge dials the scheduler and the workers over TLS
 and checks their certificates against that CA; with a certificate and key as well it
 presents them (servers that were given a CA require that). Without a CA: plaintext.
@@ -10,16 +14,20 @@ presents them (servers that were given a CA require that). Without a CA: plainte
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import grpc
 
-from omnifabric.common import tls
+from omnifabric.common import schedulers, tls
 from omnifabric.edge import events as ev
 from omnifabric.edge.errors import ServiceUnavailable
-from omnifabric.edge.worker_client import Lease, lease_error, queued_from
+from omnifabric.edge.worker_client import Lease, _from_scheduler, lease_error, queued_from
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+
+log = logging.getLogger(__name__)
 
 #: A forgotten worker channel stays open this long for the calls still on it.
 CHANNEL_LINGER_S = 30.0
@@ -87,11 +95,50 @@ class Fabric:
         """Raises ValueError or OSError for a bad TLS setting (see channel_credentials)."""
         self._options = channel_options(max_message_bytes)
         self._credentials = channel_credentials(tls_ca, tls_cert, tls_key)
-        self._scheduler_channel = self._channel(scheduler_address)
-        self.scheduler = scheduler_grpc.SchedulerServiceStub(self._scheduler_channel)
+        self.scheduler_addresses = schedulers.addresses(scheduler_address)
+        self._scheduler_channels = [self._channel(a) for a in self.scheduler_addresses]
+        self._scheduler_stubs = [
+            scheduler_grpc.SchedulerServiceStub(c) for c in self._scheduler_channels
+        ]
+        self.leader_index = 0
+        """Which scheduler address leads, as last learned."""
+        self.scheduler_epoch = 0
+        self._watch: asyncio.Task[None] | None = None
+        self.scheduler: scheduler_grpc.SchedulerServiceStub = self._scheduler_stubs[0]
+        """The scheduler's stub (several addresses: one that calls whichever leads)."""
+        if len(self._scheduler_stubs) > 1:
+            self.scheduler = cast(scheduler_grpc.SchedulerServiceStub, _LeaderStub(self))
         self._workers: dict[str, tuple[grpc.aio.Channel, worker_grpc.WorkerServiceStub]] = {}
         self._retired: set[grpc.aio.Channel] = set()
         self._closing: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        """With several scheduler addresses: start learning which leads (on the loop)."""
+        if len(self._scheduler_stubs) > 1 and self._watch is None:
+            self._watch = asyncio.ensure_future(self._follow_leader())
+
+    async def find_leader(self) -> bool:
+        """Ask every scheduler which leads now and call that one from here on; False when
+        none does."""
+        answer, highest = await schedulers.find_leader(self._scheduler_stubs)
+        if answer is None:
+            return False
+        if answer.index != self.leader_index or answer.epoch != self.scheduler_epoch:
+            log.info(
+                "scheduler %s leads (epoch %d)",
+                self.scheduler_addresses[answer.index],
+                answer.epoch,
+            )
+        self.leader_index, self.scheduler_epoch = answer.index, max(answer.epoch, highest)
+        return True
+
+    async def _follow_leader(self) -> None:
+        while True:
+            try:
+                await self.find_leader()
+            except Exception:
+                log.exception("asking the schedulers which leads failed")
+            await asyncio.sleep(schedulers.WATCH_INTERVAL_S)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if self._credentials is None:
@@ -131,13 +178,72 @@ class Fabric:
 
     async def close(self) -> None:
         """Close every channel."""
-        await self._scheduler_channel.close()
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        for scheduler_channel in self._scheduler_channels:
+            await scheduler_channel.close()
         for channel in [*(c for c, _ in self._workers.values()), *self._retired]:
             await channel.close()
         self._workers.clear()
         self._retired.clear()
         for task in self._closing:
             task.cancel()
+
+
+class _LeaderStub:
+    """A SchedulerServiceStub that sends each call to the scheduler leading now; Acquire and
+    Reattach move to the next leader when refused before their first answer."""
+
+    def __init__(self, fabric: Fabric) -> None:
+        self._fabric = fabric
+
+    def __getattr__(self, name: str) -> Any:
+        fabric = self._fabric
+        method = getattr(fabric._scheduler_stubs[fabric.leader_index], name)
+        if name not in ("Acquire", "Reattach"):
+            return method
+        return lambda request, **kwargs: _LeaderCall(fabric, name, request, kwargs)
+
+
+class _LeaderCall:
+    """A server-streaming call (read, cancel) to the leading scheduler. Refused before its
+    lease by a standby, a draining scheduler or a dead one, it asks every scheduler which
+    leads and calls that one (for up to FIRST_REPLY_TIMEOUT_S without a leader): a switch
+    of leader refuses no new session. A caller that was waiting in the old leader's queue
+    waits again at the back of the new one's (its place is not carried over yet)."""
+
+    def __init__(self, fabric: Fabric, name: str, request: Any, kwargs: dict[str, Any]) -> None:
+        self._fabric = fabric
+        self._name, self._request, self._kwargs = name, request, kwargs
+        self._leased = False
+        self._call = self._issue()
+
+    def _issue(self) -> grpc.aio.UnaryStreamCall:
+        fabric = self._fabric
+        stub = fabric._scheduler_stubs[fabric.leader_index]
+        return getattr(stub, self._name)(self._request, **self._kwargs)
+
+    async def read(self) -> Any:
+        while True:
+            try:
+                message = await self._call.read()
+            except grpc.aio.AioRpcError as err:
+                if self._leased or not schedulers.elsewhere(err, _from_scheduler(err)):
+                    raise
+                deadline = asyncio.get_running_loop().time() + FIRST_REPLY_TIMEOUT_S
+                while not await self._fabric.find_leader():
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise
+                    await asyncio.sleep(schedulers.WATCH_INTERVAL_S / 5)
+                self._call = self._issue()
+                continue
+            if message is not grpc.aio.EOF and message.WhichOneof("kind") != "queued":
+                self._leased = True
+            return message
+
+    def cancel(self) -> bool:
+        return bool(self._call.cancel())
 
 
 async def wait_for_lease(

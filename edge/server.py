@@ -99,6 +99,7 @@ async def start_edge(config: EdgeConfig, metrics: EdgeMetrics = METRICS) -> Runn
         tls_cert=config.fabric_tls_cert,
         tls_key=config.fabric_tls_key,
     )
+    fabric.start()
     app = EdgeApp(config, fabric, metrics)
     if config.record_dir:  # opt-in recording: retention now, then hourly
         from omnifabric.edge.recording import start_retention

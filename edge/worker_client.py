@@ -131,6 +131,7 @@ def start_request(
     resumable session (`resume_grace_s` > 0) also hands over the client's state."""
     start = worker_pb.SessionStart(
         lease_id=lease.lease_id,
+        epoch=lease.epoch,
         session_id=session_id,
         mode=_MODES[mode],
         system_prompt=init.system_prompt,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from omnifabric.common import config as settings
 from omnifabric.common import realtime
 from omnifabric.common.config import ConfigError, setting
+from omnifabric.scheduler import election
 
 FABRIC_TLS = ("OMNI_FABRIC_TLS_CERT", "OMNI_FABRIC_TLS_KEY")
 
@@ -146,8 +147,34 @@ class SchedulerConfig:
     )
     """PEM private key of tls_cert."""
 
+    ha: str | None = setting(
+        None,
+        env="OMNI_SCHEDULER_HA",
+        flag="--ha",
+        help="active/standby: the election store, redis://HOST:PORT/DB or "
+        "redis+sentinel://HOST:PORT[,HOST:PORT]/SERVICE/DB (needs the `ha` extra)",
+    )
+    """Active/standby schedulers: the Redis (or Sentinel) address of the leader key. Unset:
+    this scheduler leads alone, as without an election (redis is never imported)."""
+
+    ha_ttl_s: float = setting(
+        election.DEFAULT_TTL_S,
+        env="OMNI_SCHEDULER_HA_TTL_S",
+        flag="--ha-ttl",
+        range=(0.3, 60.0),
+        help="leader key time to live, s: a crashed leader is replaced within it",
+    )
+    """Time to live of the leader key, seconds (renewed every third of it). A crashed
+    leader's successor takes over within it; a leader cut off from the store stops granting
+    when it runs out."""
+
     def __post_init__(self) -> None:
         settings.check(self)
+        if self.ha is not None:
+            try:
+                election.parse_store_url(self.ha)
+            except election.StoreUrlError as exc:
+                raise ConfigError("OMNI_SCHEDULER_HA", str(exc)) from None
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError(
                 " and ".join(FABRIC_TLS),

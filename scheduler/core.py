@@ -10,19 +10,21 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
 
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.errors import (
     Cancelled,
     InvalidRequest,
     KeySessionLimit,
+    NotLeader,
     NoWorker,
     QueueFull,
     ResumeExpired,
     ResumeForbidden,
     ResumeUnknown,
+    SchedulerError,
     ShuttingDown,
     UnknownLease,
 )
@@ -87,6 +89,8 @@ class LeaseOffer:
     queue_wait_s: float
     limits: EngineLimits | None = None
     """The leased worker's limits, for the holder to check requests against."""
+    epoch: int = 0
+    """The granting leader's epoch (0 without an election)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,9 @@ class LeaseMove:
 
 
 AcquireEvent = QueueUpdate | LeaseOffer | LeaseLoss | LeaseMove
+#: Seconds after a scheduler begins to lead during which requests for a mode no registered
+#: worker serves wait in the queue (the workers re-register within about a second).
+REBUILD_S = 3.0
 #: Resume keys of ended sessions remembered (to tell an expired window from an unknown
 #: token), at most.
 MAX_ENDED_RESUMES = 10000
@@ -170,8 +177,22 @@ class StatusSnapshot:
     eta: EtaSnapshot | None = None
 
 
+@dataclass
+class _Ending:
+    """Set when every stream of the present state must end: a drain, or a lost leadership;
+    `error` is what their callers are told."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    error: SchedulerError = field(default_factory=ShuttingDown)
+
+
 class Scheduler:
-    """Owns the worker registry, the FIFO queue and the leases."""
+    """Owns the worker registry, the FIFO queue and the leases.
+
+    With an election (--ha) it grants only while `leads()`: a standby refuses requests and
+    registrations with NotLeader, and one that stops leading ends every stream and forgets
+    its state (the next leader rebuilds it from the workers and edges that come to it).
+    """
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -183,19 +204,99 @@ class Scheduler:
         self.metrics = SchedulerMetrics(self)
         self.draining = False
         """Set by drain(): no new registrations, requests or grants; leases stay as they are."""
+        self.epoch = 0
+        """The epoch of this scheduler's leadership (0 without an election)."""
+        self.leader = ""
+        """The leader's name as the store holds it, this process's own while it leads (""
+        when unknown or without an election)."""
+        self.standby = False
+        """True while another scheduler may lead (with an election, from the start)."""
+        self.term_valid: Callable[[], bool] = lambda: True
+        """The election's own check that this process's term cannot have expired yet: a
+        process paused past its TTL grants nothing when it wakes, before it hears so."""
         self._ended_resumes: dict[str, str] = {}
         """Resume keys of freed resumable leases -> "expired" or "closed" (newest last)."""
-        self._stopping = asyncio.Event()
+        self._ending = _Ending()
+        self._led_at = -REBUILD_S
+        """time.monotonic() when this scheduler last began to lead (with an election)."""
+
+    # --- leadership ------------------------------------------------------------------
+
+    def leads(self) -> bool:
+        """True while this scheduler may grant: it leads (or has no election) and its term
+        cannot have expired."""
+        return not self.standby and self.term_valid()
+
+    def _check_leads(self) -> None:
+        if self.draining:
+            raise ShuttingDown()
+        if not self.leads():
+            raise NotLeader(self.leader)
+
+    def lead(self, epoch: int, name: str = "") -> None:
+        """Start leading with `epoch` (under `name`, this process's holder name): from an
+        empty state, which workers (registering) and edges (acquiring) rebuild."""
+        self.epoch, self.leader, self.standby = epoch, name, False
+        self._led_at = time.monotonic()
+        log.info("leading (epoch %d): taking registrations and requests", epoch)
+
+    def follow(self, leader: str = "", epoch: int = 0) -> None:
+        """Be (or stay) a standby of `leader` (its `epoch`, when known): refuse everything
+        with NotLeader naming it. A
+        scheduler that led ends every Acquire and Register stream (leases are not revoked:
+        running sessions go on with their workers, which register with the next leader)
+        and forgets its registry, queue and leases."""
+        self.leader = leader
+        self.epoch = max(self.epoch, epoch)
+        if self.standby:
+            return
+        self.standby = True
+        error = NotLeader(leader)
+        log.warning(
+            "standing by: %d waiting requests and %d registrations ended, %d leases left to "
+            "their workers",
+            len(self.queue),
+            len(self.registry),
+            self.leases.count(LeaseState.ACTIVE),
+        )
+        ending, self._ending = self._ending, _Ending()
+        ending.error = error
+        ending.event.set()
+        for ticket in self.queue:
+            ticket.refused = error
+            ticket.changed.set()
+        for worker in self.registry:
+            worker.outbox.put_nowait(None)
+        # Handlers of the old state still finish: each finds its records unknown to the new
+        # one and changes nothing.
+        self.registry = Registry()
+        self.queue = WaitQueue(self.config.queue_max)
+        self.leases = LeaseTable()
+        self._ended_resumes = {}
+
+    def _rebuilding(self) -> bool:
+        """True for a while after this scheduler began to lead: the workers are still
+        coming to register, so a request no registered worker serves waits instead of
+        being refused."""
+        return time.monotonic() < self._led_at + REBUILD_S
+
+    def refusal(self) -> SchedulerError | None:
+        """Why streams are being ended now (drain or standby); None while leading."""
+        if self.draining:
+            return ShuttingDown()
+        if self.standby:
+            return NotLeader(self.leader)
+        return None
 
     # --- workers ---------------------------------------------------------------------
 
     def register(self, hello: WorkerHello) -> Worker:
         """Add a worker (replacing a live one with the same id); returns its record.
 
-        Raises InvalidRequest when the hello is incomplete, ShuttingDown while draining.
+        Raises InvalidRequest when the hello is incomplete, ShuttingDown while draining,
+        NotLeader while a standby.
         """
-        if self.draining:
-            raise ShuttingDown()
+        self._check_leads()
         _check_hello(hello)
         worker = Worker(
             worker_id=hello.worker_id,
@@ -329,12 +430,11 @@ class Scheduler:
         The lease lasts until this generator is closed (a resumable one, `resume_key` and
         a grace, waits detached for a Reattach then). Raises NoWorker, QueueFull,
         KeySessionLimit (`key` holds `key_limit` sessions: waiting, leased or detached),
-        and ShuttingDown when the scheduler drains (the lease, if any, stays with its
-        worker).
+        ShuttingDown when the scheduler drains (the lease, if any, stays with its worker)
+        and NotLeader from a standby (or a leader that steps down meanwhile).
         """
-        if self.draining:
-            raise ShuttingDown()
-        if not self.registry.serves(mode):
+        self._check_leads()
+        if not self.registry.serves(mode) and not self._rebuilding():
             raise NoWorker(mode.value)
         if key and key_limit:
             held = self.leases.held_by(key) + sum(1 for t in self.queue if t.key == key)
@@ -379,8 +479,9 @@ class Scheduler:
         """A resumable session's lease for a new holder: the offer at once, then as acquire.
 
         A detached lease is taken back; one still held moves (its holder is told). Raises
-        ResumeUnknown, ResumeExpired or ResumeForbidden.
+        ResumeUnknown, ResumeExpired or ResumeForbidden (NotLeader from a standby).
         """
+        self._check_leads()
         lease = self.leases.by_resume_key(resume_key)
         if lease is None or lease.state in (LeaseState.RETURNING, LeaseState.ORPHAN):
             if lease is not None or self._ended_resumes.get(resume_key) == "expired":
@@ -416,9 +517,10 @@ class Scheduler:
     ) -> AsyncGenerator[AcquireEvent, None]:
         """The offer of `lease` to its holder, then its loss or its move; returns then."""
         moved = lease.moved
+        ending = self._ending
         # The worker must know the lease before the holder can present it.
-        if not await self._unless_stopping(lease.announced):
-            raise ShuttingDown()
+        if not await self._unless_ending(ending, lease.announced):
+            raise ending.error
         if lease.lost_reason is None:
             worker = self.registry.get(lease.worker_id)
             yield LeaseOffer(
@@ -429,20 +531,21 @@ class Scheduler:
                 ticket_id=ticket_id,
                 queue_wait_s=queue_wait_s,
                 limits=worker.limits if worker else None,
+                epoch=self.epoch,
             )
-            if not await self._unless_stopping(lease.lost, moved):
-                raise ShuttingDown()
+            if not await self._unless_ending(ending, lease.lost, moved):
+                raise ending.error
             if moved.is_set() and not lease.lost.is_set():
                 yield LeaseMove(lease.lease_id)
                 return
         yield LeaseLoss(lease.lease_id, lease.lost_reason or "lease lost")
 
-    async def _unless_stopping(self, *events: asyncio.Event) -> bool:
-        """Wait for any of `events`; False if the scheduler starts draining first."""
+    async def _unless_ending(self, ending: _Ending, *events: asyncio.Event) -> bool:
+        """Wait for any of `events`; False if `ending` (drain, step-down) comes first."""
         if any(e.is_set() for e in events):
             return True
         waits = {asyncio.ensure_future(e.wait()) for e in events}
-        waits.add(asyncio.ensure_future(self._stopping.wait()))
+        waits.add(asyncio.ensure_future(ending.event.wait()))
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -459,6 +562,8 @@ class Scheduler:
         last_position = 0
         last_sent = 0.0
         while ticket.lease is None:
+            if ticket.refused is not None:
+                raise ticket.refused
             if self.draining:
                 raise ShuttingDown()
             if ticket.cancelled:
@@ -495,7 +600,9 @@ class Scheduler:
 
     def cancel(self, ticket_id: str) -> bool:
         """An operator takes a waiting request out of the queue: its Acquire stream ends
-        with Cancelled. False when no request with that ticket waits."""
+        with Cancelled. False when no request with that ticket waits (NotLeader from a
+        standby)."""
+        self._check_leads()
         ticket = self.queue.get(ticket_id)
         if ticket is None or not self.queue.remove(ticket):
             return False
@@ -517,7 +624,8 @@ class Scheduler:
 
     def set_eta(self, alpha: float | None, baseline_s: dict[Mode, float]) -> EtaSnapshot:
         """Change the estimate at run time (ValueError out of range); waiting clients get
-        their new estimate with their next update."""
+        their new estimate with their next update (NotLeader from a standby)."""
+        self._check_leads()
         self.sessions.configure(alpha, baseline_s)
         for ticket in self.queue:
             ticket.estimate_changed = True
@@ -537,7 +645,7 @@ class Scheduler:
             len(self.queue),
             self.leases.count(LeaseState.ACTIVE),
         )
-        self._stopping.set()
+        self._ending.event.set()
         for ticket in self.queue:
             ticket.changed.set()
         for worker in self.registry:
@@ -611,7 +719,7 @@ class Scheduler:
 
     def _dispatch(self) -> None:
         """Grant, in FIFO order, every waiting request that a free slot can serve."""
-        if self.draining:
+        if self.draining or not self.leads():
             return
         granted = False
         for ticket in self.queue:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from omnifabric.common.schedulers import NOT_LEADER, SHUTTING_DOWN
+
 #: Trailing metadata on every status the scheduler itself sends: lets a client tell the
 #: scheduler's own refusals (details meant for it) from transport failures.
 SOURCE_METADATA = (("omni-error-source", "scheduler"),)
@@ -59,7 +61,20 @@ class ShuttingDown(SchedulerError):
     code = grpc.StatusCode.UNAVAILABLE
 
     def __init__(self) -> None:
-        super().__init__("scheduler is shutting down")
+        super().__init__(SHUTTING_DOWN)
+
+
+class NotLeader(SchedulerError):
+    """A standby scheduler (--ha): it grants nothing until it leads. UNAVAILABLE, like a
+    scheduler that is down: clients given several addresses try the next one."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    #: The details' prefix that tells this refusal from a scheduler shutting down.
+    PREFIX = NOT_LEADER
+
+    def __init__(self, leader: str = "") -> None:
+        named = f"the leader is {leader}" if leader else "no leader is known yet"
+        super().__init__(f"{self.PREFIX}: this scheduler is a standby ({named})")
 
 
 class Cancelled(SchedulerError):

@@ -57,7 +57,7 @@ async def _serve(config: SchedulerConfig) -> None:
         # Long-lived from here on (modules, server): out of the full collections' walk.
         gc.collect()
         gc.freeze()
-    except OSError as exc:
+    except (OSError, ImportError) as exc:
         raise SystemExit(f"omnifabric scheduler: {exc}") from None
     stop = process.stop_on_signals()
     metrics_word = ""

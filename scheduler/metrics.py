@@ -62,6 +62,9 @@ class SchedulerState(Protocol):
     def counters(self) -> Counters: ...
     @property
     def draining(self) -> bool: ...
+    @property
+    def epoch(self) -> int: ...
+    def leads(self) -> bool: ...
 
 
 class SchedulerMetrics:
@@ -117,6 +120,16 @@ class _StateCollector(Collector):
             "omni_scheduler_draining",
             "1 from SIGTERM on: no new leases or registrations, running sessions go on.",
             1 if s.draining else 0,
+        )
+        yield _gauge(
+            "omni_scheduler_leader",
+            "1 while this scheduler leads (always without --ha), 0 while a standby.",
+            1 if s.leads() and not s.draining else 0,
+        )
+        yield _gauge(
+            "omni_scheduler_epoch",
+            "Epoch of the newest leadership this scheduler knows of (0 without --ha).",
+            s.epoch,
         )
         yield _gauge(
             "omni_scheduler_queue_max", "Queue length beyond which queue_full.", s.queue.queue_max

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from omnifabric.scheduler.errors import QueueFull
+from omnifabric.scheduler.errors import QueueFull, SchedulerError
 from omnifabric.scheduler.registry import Mode
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ class Ticket:
     cancelled: bool = False
     #: Set when the way waits are estimated changed (SetEta): the holder hears it at once.
     estimate_changed: bool = False
+    #: Set when the scheduler stopped leading while it waited: its caller is told this.
+    refused: SchedulerError | None = None
 
 
 class WaitQueue:

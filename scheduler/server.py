@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,6 +16,7 @@ from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.core import Scheduler
+from omnifabric.scheduler.election import Elector, RedisElector, Term, parse_store_url
 from omnifabric.scheduler.errors import SOURCE_METADATA, status_for
 from omnifabric.scheduler.service import SchedulerServicer
 
@@ -57,6 +60,19 @@ class RunningScheduler:
     health: health.aio.HealthServicer
     host: str
     port: int
+    elector: Elector | None = None
+    """The election this scheduler takes part in (--ha); None: it leads alone."""
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def on_leadership(self, leading: bool, term: Term | None) -> None:
+        """The election's listener: lead or stand by, and report health to match."""
+        if leading and term is not None:
+            self.scheduler.lead(term.epoch, term.holder)
+        else:
+            self.scheduler.follow(term.holder if term else "", term.epoch if term else 0)
+        task = asyncio.ensure_future(self.set_serving(self.scheduler.leads()))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING for the server and SchedulerService."""
@@ -70,6 +86,8 @@ class RunningScheduler:
 
     async def stop(self, grace: float | None = 1.0) -> None:
         """Report NOT_SERVING, then stop; open streams get `grace` seconds to finish."""
+        if self.elector is not None:
+            await self.elector.stop(release=True)
         await self.set_serving(False)
         await self.server.stop(grace)
         log.info("scheduler stopped")
@@ -77,7 +95,11 @@ class RunningScheduler:
     async def drain(self, grace: float) -> None:
         """NOT_SERVING at once; refuse new requests and tell the queued ones (UNAVAILABLE);
         end the lease holders' and workers' streams without ending any lease, so running
-        sessions go on with their workers; then stop, giving open RPCs `grace` seconds."""
+        sessions go on with their workers; then stop, giving open RPCs `grace` seconds.
+        A leader releases the election's key first: the standby takes over at once, and the
+        workers and lease holders move to it."""
+        if self.elector is not None:
+            await self.elector.stop(release=True)
         await self.set_serving(False)
         self.scheduler.drain()
         await self.server.stop(grace)
@@ -111,7 +133,24 @@ async def start_server(config: SchedulerConfig) -> RunningScheduler:
         raise OSError(f"could not bind {config.host}:{config.port}")
     await server.start()
     running = RunningScheduler(server, scheduler, health_servicer, config.host, port)
-    await running.set_serving(True)
+    if config.ha is None:
+        await running.set_serving(True)
+    else:
+        # A standby until the election says otherwise.
+        holder = f"{config.host}:{port}#{secrets.token_hex(4)}"
+        elector = RedisElector(parse_store_url(config.ha), holder, config.ha_ttl_s)
+        scheduler.standby = True
+        scheduler.term_valid = lambda: elector.leading
+        elector.listeners.append(running.on_leadership)
+        running.elector = elector
+        await running.set_serving(False)
+        await elector.start()
+        log.info(
+            "standby as %s; election store %s, TTL %.1f s",
+            holder,
+            elector.address.describe(),
+            config.ha_ttl_s,
+        )
     log.info(
         "scheduler listening on %s:%d (%s)",
         config.host,

@@ -30,7 +30,6 @@ from omnifabric.scheduler.core import (
 from omnifabric.scheduler.errors import (
     SOURCE_METADATA,
     InvalidRequest,
-    ShuttingDown,
     UnknownLease,
     status_for,
 )
@@ -99,7 +98,9 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
         failure: Exception | None = None
         try:
             yield scheduler_pb.RegisterResponse(
-                registered=scheduler_pb.Registered(worker_id=worker.worker_id)
+                registered=scheduler_pb.Registered(
+                    worker_id=worker.worker_id, epoch=self._scheduler.epoch
+                )
             )
             while (notice := await worker.outbox.get()) is not None:
                 if isinstance(notice, LeaseGrantNotice):
@@ -110,6 +111,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                             slot=lease.slot,
                             mode=_granted_mode_to_pb(lease.mode),
                             session_id=lease.session_id,
+                            epoch=self._scheduler.epoch,
                         )
                     )
                     # Resumed only after gRPC took the message: the worker knows the lease.
@@ -124,8 +126,10 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                     )
             if reader.done() and not reader.cancelled():
                 failure = reader.result()
-            if failure is None and self._scheduler.draining:
-                failure = ShuttingDown()  # the worker logs why and registers again later
+            if failure is None:
+                # Drained or stepped down: the worker logs why and registers again (with
+                # the next leader).
+                failure = self._scheduler.refusal()
         finally:
             reader.cancel()
             watchdog.cancel()
@@ -290,6 +294,15 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                 for r in status.running
             ],
             eta=_eta_to_pb(status.eta) if status.eta else None,
+            epoch=self._scheduler.epoch,
+        )
+
+    async def GetLeader(
+        self, request: scheduler_pb.GetLeaderRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb.GetLeaderResponse:
+        core = self._scheduler
+        return scheduler_pb.GetLeaderResponse(
+            leading=core.leads() and not core.draining, epoch=core.epoch, leader=core.leader
         )
 
     async def CancelTicket(
@@ -307,6 +320,8 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
     async def SetApp(
         self, request: scheduler_pb.SetAppRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb.SetAppResponse:
+        if (refusal := self._scheduler.refusal()) is not None:
+            await _abort(context, refusal)  # a standby's switches would be lost
         app_id = request.app_id
         if not app_id or len(app_id) > MAX_APP_ID_CHARS:
             await _abort(context, InvalidRequest(f"app_id must be 1 to {MAX_APP_ID_CHARS} chars"))
@@ -414,6 +429,7 @@ def _acquire_event_to_pb(event: AcquireEvent) -> scheduler_pb.AcquireResponse:
                 ticket_id=event.ticket_id,
                 queue_wait_s=event.queue_wait_s,
                 limits=_limits_to_pb(event.limits),
+                epoch=event.epoch,
             )
         )
     if isinstance(event, LeaseMove):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from omnifabric.common import config as settings
+from omnifabric.common import schedulers
 from omnifabric.common.config import ConfigError, setting
 from omnifabric.common.session_types import WINDOW_MODES, ContextWindow
 from omnifabric.worker import headroom
@@ -46,9 +47,10 @@ class WorkerConfig:
         "127.0.0.1:50051",
         env="OMNI_WORKER_SCHEDULER",
         flag="--scheduler",
-        help="scheduler host:port",
+        help="scheduler host:port; active/standby schedulers: several, comma-separated",
     )
-    """host:port of the SchedulerService to register with."""
+    """host:port of the SchedulerService to register with; with active/standby schedulers,
+    all of them comma-separated: the worker registers with whichever leads."""
     worker_id: str = setting(
         env="OMNI_WORKER_ID",
         flag="--worker-id",
@@ -419,6 +421,10 @@ class WorkerConfig:
         settings.check(self)
         if not self.worker_id:
             raise ConfigError("OMNI_WORKER_ID", "must not be empty")
+        try:
+            schedulers.addresses(self.scheduler_address)
+        except ValueError as exc:
+            raise ConfigError("OMNI_WORKER_SCHEDULER", str(exc)) from None
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError(
                 "OMNI_FABRIC_TLS_CERT and OMNI_FABRIC_TLS_KEY",

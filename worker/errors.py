@@ -24,6 +24,19 @@ class LeaseInUse(WorkerError):
     """The lease is already held by a session, or was used before."""
 
 
+class StaleLease(WorkerError):
+    """The lease was granted by a scheduler leadership (epoch) older than one this worker
+    has seen: a paused or cut-off old leader's grant, void."""
+
+    PREFIX = "stale_epoch"
+
+    def __init__(self, lease_id: str, epoch: int, current: int) -> None:
+        super().__init__(
+            f"{self.PREFIX}: lease {lease_id!r} was granted by scheduler epoch {epoch}; "
+            f"this worker follows epoch {current}"
+        )
+
+
 class ModeMismatch(WorkerError):
     """The session's mode differs from the mode the lease was granted for."""
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from omnifabric.worker.errors import LeaseInUse, LeaseNotFound, ModeMismatch
+from omnifabric.worker.errors import LeaseInUse, LeaseNotFound, ModeMismatch, StaleLease
 
 log = logging.getLogger("omnifabric.worker.leases")
 
@@ -29,6 +29,8 @@ class LeaseGrant:
     slot: int
     mode: str
     session_id: str = ""
+    epoch: int = 0
+    """The granting scheduler leadership's epoch (0 without an election)."""
 
 
 class LeaseBook:
@@ -42,9 +44,33 @@ class LeaseBook:
         self._changed = asyncio.Condition()
         self.on_released: Callable[[str], None] | None = None
         """Called with a lease id once it is free again (to tell the scheduler)."""
+        self.epoch = 0
+        """The highest scheduler epoch seen (registrations, grants, leader answers): grants
+        of a lower one are refused (fencing against an old leader that wakes)."""
+        self._stale: OrderedDict[str, int] = OrderedDict()
+        """Refused grants: lease id -> its epoch, so that a session presenting one is told."""
+
+    def observe_epoch(self, epoch: int) -> bool:
+        """Note a scheduler epoch seen; False when it is lower than one seen before."""
+        if epoch < self.epoch:
+            return False
+        self.epoch = epoch
+        return True
+
+    def check_epoch(self, lease_id: str, epoch: int) -> None:
+        """StaleLease when `epoch` (what the holder's lease says; 0: not said) is lower than
+        the highest seen."""
+        if epoch and epoch < self.epoch:
+            raise StaleLease(lease_id, epoch, self.epoch)
 
     def grant(self, grant: LeaseGrant) -> None:
-        """Record a lease_granted; wakes sessions waiting for it."""
+        """Record a lease_granted; wakes sessions waiting for it. StaleLease (nothing
+        recorded) when its epoch is lower than one seen."""
+        if not self.observe_epoch(grant.epoch):
+            self._stale[grant.lease_id] = grant.epoch
+            while len(self._stale) > REMEMBERED_USED:
+                self._stale.popitem(last=False)
+            raise StaleLease(grant.lease_id, grant.epoch, self.epoch)
         self._granted[grant.lease_id] = grant
         asyncio.ensure_future(self._notify())
 
@@ -76,15 +102,22 @@ class LeaseBook:
     ) -> LeaseGrant:
         """Mark the lease in use by a session in `mode`. `on_revoke(reason)` ends it.
 
-        Raises LeaseNotFound (no grant within `timeout`), LeaseInUse, ModeMismatch.
+        Raises LeaseNotFound (no grant within `timeout`), LeaseInUse, ModeMismatch,
+        StaleLease (granted by an older leadership than one seen since).
         """
         if lease_id in self._in_use or lease_id in self._used:
             raise LeaseInUse(f"lease {lease_id!r} is already in use")
+        if lease_id in self._stale:
+            raise StaleLease(lease_id, self._stale[lease_id], self.epoch)
         grant = await self.wait_for(lease_id, timeout)
         if lease_id in self._in_use or lease_id in self._used:
             raise LeaseInUse(f"lease {lease_id!r} is already in use")
         if grant is None:
+            if lease_id in self._stale:
+                raise StaleLease(lease_id, self._stale[lease_id], self.epoch)
             raise LeaseNotFound(f"lease {lease_id!r} was not granted on this worker")
+        if grant.epoch < self.epoch:
+            raise StaleLease(lease_id, grant.epoch, self.epoch)
         if grant.mode != mode:
             raise ModeMismatch(f"lease {lease_id!r} was granted for {grant.mode}, not {mode}")
         self._in_use[lease_id] = on_revoke

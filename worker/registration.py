@@ -3,6 +3,11 @@
 The worker is registered while the stream lives. When it breaks (scheduler restart), the
 worker keeps serving its sessions and reconnects with backoff forever, re-sending hello
 with the leases still in use.
+
+Active/standby schedulers (several addresses): the worker registers with the one that leads
+(common.schedulers), keeps asking the others while registered, and moves at once to one
+that leads with a higher epoch (its own may be paused or cut off). It remembers the highest
+epoch seen and refuses grants (and registrations) of a lower one.
 """
 
 from __future__ import annotations
@@ -10,13 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
+from omnifabric.common import schedulers
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.worker.engine import EngineLimits
+from omnifabric.worker.errors import StaleLease
 from omnifabric.worker.headroom import HeadroomFigures
 from omnifabric.worker.leases import LeaseGrant
 from omnifabric.worker.runtime import Health, WorkerRuntime
@@ -107,11 +115,30 @@ class Registration:
         self._outbox: asyncio.Queue[scheduler_pb.RegisterRequest | None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.addresses = schedulers.addresses(self.config.scheduler_address)
+        """Every scheduler address (several: active/standby schedulers)."""
+        self._index = 0
+        self._epoch = 0
+        """The epoch of the present registration."""
+        self._probes: list[grpc.aio.Channel] = []
         runtime.leases.on_released = self.lease_released
         runtime.health_listeners.append(self.report)
         runtime.memory_listeners.append(lambda: self.report(runtime.health))
 
+    @property
+    def scheduler_address(self) -> str:
+        """The scheduler registered with (or tried next)."""
+        return self.addresses[self._index]
+
     def start(self) -> None:
+        if len(self.addresses) > 1:
+            options = channel_options(self.config.max_message_bytes)
+            self._probes = [
+                grpc.aio.insecure_channel(a, options=options)
+                if self.credentials is None
+                else grpc.aio.secure_channel(a, self.credentials, options=options)
+                for a in self.addresses
+            ]
         self._task = asyncio.ensure_future(self._run())
 
     async def stop(self, flush_timeout: float = 2.0) -> None:
@@ -133,6 +160,8 @@ class Registration:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        for channel in self._probes:
+            await channel.close()
 
     def report(self, health: Health) -> None:
         """Tell the scheduler the health changed (hello carries it when disconnected)."""
@@ -194,6 +223,8 @@ class Registration:
     async def _run(self) -> None:
         backoff = self.config.register_backoff_s
         while True:
+            if self._probes:
+                await self._find_leader()
             try:
                 if await self._connect_once():
                     backoff = self.config.register_backoff_s
@@ -202,14 +233,14 @@ class Registration:
             except grpc.aio.AioRpcError as exc:
                 log.warning(
                     "registration with %s %s: %s %s%s",
-                    self.config.scheduler_address,
+                    self.scheduler_address,
                     "broke" if self.registered.is_set() else "failed",
                     exc.code().name,
                     exc.details() or "",
                     self._tls_hint(exc),
                 )
             except Exception:
-                log.exception("registration with %s failed", self.config.scheduler_address)
+                log.exception("registration with %s failed", self.scheduler_address)
             finally:
                 self.registered.clear()
                 self._outbox = None
@@ -219,8 +250,43 @@ class Registration:
             dropped = self.runtime.leases.drop_unused()
             if dropped:
                 log.info("dropped %d unused lease grants", len(dropped))
+            if self._probes:
+                # The leader is asked anew first; its answers pace the retries.
+                await asyncio.sleep(self.config.register_backoff_s)
+                continue
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.config.register_backoff_max_s)
+
+    async def _find_leader(self) -> None:
+        """Ask every scheduler until one leads; register with it next."""
+        stubs = [scheduler_grpc.SchedulerServiceStub(c) for c in self._probes]
+        while True:
+            answer, highest = await schedulers.find_leader(stubs)
+            self.runtime.leases.observe_epoch(highest)
+            if answer is not None and answer.epoch >= self.runtime.leases.epoch:
+                self._index = answer.index
+                return
+            await asyncio.sleep(self.config.register_backoff_s)
+
+    async def _watch_leader(self) -> None:
+        """While registered: return once another scheduler leads with a higher epoch than
+        the present registration's (this one may be paused, or cut off from the store)."""
+        stubs = [scheduler_grpc.SchedulerServiceStub(c) for c in self._probes]
+        while True:
+            await asyncio.sleep(schedulers.WATCH_INTERVAL_S)
+            answer, highest = await schedulers.find_leader(stubs)
+            # Grants of an older leadership are refused from here on.
+            self.runtime.leases.observe_epoch(highest)
+            if answer is not None and answer.index != self._index and answer.epoch > self._epoch:
+                log.warning(
+                    "scheduler %s leads with epoch %d (registered with %s, epoch %d): moving",
+                    self.addresses[answer.index],
+                    answer.epoch,
+                    self.scheduler_address,
+                    self._epoch,
+                )
+                self._index = answer.index
+                return
 
     def _tls_hint(self, exc: grpc.aio.AioRpcError) -> str:
         """A hint for the log when a connection failure may be a TLS mismatch."""
@@ -256,42 +322,76 @@ class Registration:
 
         beats = asyncio.ensure_future(heartbeat())
         options = channel_options(self.config.max_message_bytes)
-        address = self.config.scheduler_address
+        address = self.scheduler_address
         if self.credentials is None:
             channel = grpc.aio.insecure_channel(address, options=options)
         else:
             channel = grpc.aio.secure_channel(address, self.credentials, options=options)
+        self._epoch = 0
+        registered: list[bool] = []
+        tasks: list[asyncio.Future[Any]] = [beats]
         try:
             async with channel as ch:
-                return await self._serve_stream(ch, requests())
+                if not self._probes:
+                    return await self._serve_stream(ch, requests(), registered)
+                serve = asyncio.ensure_future(self._serve_stream(ch, requests(), registered))
+                watch = asyncio.ensure_future(self._watch_leader())
+                tasks += [serve, watch]
+                await asyncio.wait((serve, watch), return_when=asyncio.FIRST_COMPLETED)
+                if serve.done():
+                    return serve.result()
+                return bool(registered)  # another leads: the stream is cancelled below
         finally:
-            beats.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _serve_stream(
-        self, ch: grpc.aio.Channel, requests: AsyncIterator[scheduler_pb.RegisterRequest]
+        self,
+        ch: grpc.aio.Channel,
+        requests: AsyncIterator[scheduler_pb.RegisterRequest],
+        registered: list[bool],
     ) -> bool:
-        """Read the Register stream until it ends; True if it got registered."""
-        registered = False
+        """Read the Register stream until it ends (appending to `registered` once the
+        scheduler answers); True if it got registered."""
         call = scheduler_grpc.SchedulerServiceStub(ch).Register(requests)
         async for response in call:
             kind = response.WhichOneof("kind")
             if kind == "registered":
-                registered = True
+                epoch = response.registered.epoch
+                if not self.runtime.leases.observe_epoch(epoch):
+                    log.warning(
+                        "scheduler %s registered us with epoch %d, older than epoch %d: leaving it",
+                        self.scheduler_address,
+                        epoch,
+                        self.runtime.leases.epoch,
+                    )
+                    call.cancel()
+                    return False
+                self._epoch = epoch
+                registered.append(True)
                 self.registrations += 1
                 self.registered.set()
                 log.info(
-                    "registered with scheduler %s as %s",
-                    self.config.scheduler_address,
+                    "registered with scheduler %s as %s%s",
+                    self.scheduler_address,
                     self.worker_id,
+                    f" (epoch {epoch})" if epoch else "",
                 )
             elif kind == "lease_granted":
-                self._on_granted(response.lease_granted)
+                try:
+                    self._on_granted(response.lease_granted)
+                except StaleLease as exc:
+                    # An old leader that has not heard it lost: nothing it grants holds.
+                    log.warning("scheduler %s: %s; leaving it", self.scheduler_address, exc)
+                    call.cancel()
+                    return bool(registered)
             elif kind == "lease_revoked":
                 revoked = response.lease_revoked
                 self.runtime.leases.revoke(revoked.lease_id, revoked.reason, revoked.unused_only)
         if not self._stopping:
-            log.warning("scheduler %s ended the registration stream", self.config.scheduler_address)
-        return registered
+            log.warning("scheduler %s ended the registration stream", self.scheduler_address)
+        return bool(registered)
 
     def _on_granted(self, granted: scheduler_pb.LeaseGranted) -> None:
         mode = MODE_NAMES.get(granted.mode)
@@ -305,5 +405,6 @@ class Registration:
                 slot=granted.slot,
                 mode=mode,
                 session_id=granted.session_id,
+                epoch=granted.epoch,
             )
         )

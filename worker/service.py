@@ -32,6 +32,7 @@ from omnifabric.worker.errors import (
     ModeMismatch,
     NoFreeSlot,
     NotServing,
+    StaleLease,
     WorkerError,
 )
 from omnifabric.worker.registration import MODE_NAMES
@@ -54,6 +55,7 @@ STATUS_CODES: dict[type[WorkerError], grpc.StatusCode] = {
     LeaseNotFound: grpc.StatusCode.NOT_FOUND,
     LeaseInUse: grpc.StatusCode.FAILED_PRECONDITION,
     ModeMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    StaleLease: grpc.StatusCode.FAILED_PRECONDITION,
     NoFreeSlot: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotServing: grpc.StatusCode.UNAVAILABLE,
     EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
@@ -305,6 +307,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                 otel_context.attach(context_in)
             else:
                 spec = decode_start(first.start, self.runtime.engine.limits)
+                self.runtime.leases.check_epoch(spec.lease_id, first.start.epoch)
                 spec = dataclasses.replace(
                     spec,
                     settings=session_window(spec.settings, self.runtime.config),

@@ -68,3 +68,26 @@ def test_drain_limits_and_tls_settings() -> None:
         SchedulerConfig.from_env({"OMNI_SCHEDULER_DRAIN_GRACE_S": "-1"})
     with pytest.raises(ValueError, match="OMNI_FABRIC_TLS_CERT and OMNI_FABRIC_TLS_KEY"):
         SchedulerConfig.from_env({"OMNI_FABRIC_TLS_CERT": "/etc/omni/node.pem"})
+
+
+def test_ha_is_off_by_default_and_a_bad_address_is_named() -> None:
+    import subprocess
+    import sys
+
+    from omnifabric.common.config import ConfigError
+
+    assert SchedulerConfig.from_env({}).ha is None
+    config = SchedulerConfig.from_env(
+        {"OMNI_SCHEDULER_HA": "redis://127.0.0.1:6379/1", "OMNI_SCHEDULER_HA_TTL_S": "1.5"}
+    )
+    assert (config.ha, config.ha_ttl_s) == ("redis://127.0.0.1:6379/1", 1.5)
+    with pytest.raises(ConfigError, match=r"^OMNI_SCHEDULER_HA database must be a number"):
+        SchedulerConfig.from_env({"OMNI_SCHEDULER_HA": "redis://h:1/x"})
+    with pytest.raises(ConfigError, match=r"^OMNI_SCHEDULER_HA_TTL_S must be in 0.3..60"):
+        SchedulerConfig.from_env({"OMNI_SCHEDULER_HA_TTL_S": "0.1"})
+    # Without --ha the scheduler never imports redis.
+    code = (
+        "import sys; from omnifabric.scheduler import main, server; "
+        "sys.exit('redis' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

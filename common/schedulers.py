@@ -1,0 +1,93 @@
+"""Several scheduler addresses (active/standby schedulers): the setting's form, and finding
+the one that leads. Shared by the worker's registration and the edge's fabric client.
+
+The setting holds one address or several, comma-separated (`--scheduler a:50051,b:50051`).
+With one, nothing here runs: the clients dial it as they always did. With several, a client
+asks each `GetLeader` and uses the one that leads with the highest epoch; a standby refuses
+everything else with UNAVAILABLE "not_leader: ...", and a client then moves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+
+#: The details' prefix of a standby's refusal (the scheduler's NotLeader error).
+NOT_LEADER = "not_leader"
+#: The details of a draining scheduler's refusal (the scheduler's ShuttingDown error).
+SHUTTING_DOWN = "scheduler is shutting down"
+#: How long one GetLeader may take before that scheduler counts as unreachable, seconds.
+ASK_TIMEOUT_S = 1.0
+#: How often a client with several addresses asks them which leads, seconds.
+WATCH_INTERVAL_S = 0.5
+
+
+def addresses(value: str) -> tuple[str, ...]:
+    """The scheduler addresses of a setting: one host:port or several, comma-separated.
+    ValueError when none is given or one has no port."""
+    found = tuple(part.strip() for part in value.split(",") if part.strip())
+    if not found:
+        raise ValueError("names no scheduler address (host:port[,host:port...])")
+    for address in found:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"{address!r} is not host:port")
+    return found
+
+
+def is_not_leader(error: grpc.RpcError) -> bool:
+    """True for a standby's refusal (its details start with NOT_LEADER)."""
+    details = error.details() if isinstance(error, grpc.aio.AioRpcError) else ""
+    return (details or "").startswith(NOT_LEADER)
+
+
+def elsewhere(error: grpc.aio.AioRpcError, from_scheduler: bool) -> bool:
+    """True when a call refused this way before any answer may succeed at another
+    scheduler: a standby's or a draining scheduler's refusal, or a transport failure
+    (`from_scheduler` False). Any other UNAVAILABLE the scheduler sent (no worker for the
+    mode) is an answer."""
+    if error.code() is not grpc.StatusCode.UNAVAILABLE:
+        return False
+    return not from_scheduler or (error.details() or "").startswith((NOT_LEADER, SHUTTING_DOWN))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one scheduler said of the leadership."""
+
+    index: int
+    leading: bool
+    epoch: int
+    leader: str
+
+
+async def ask(
+    stub: scheduler_grpc.SchedulerServiceStub, index: int, timeout_s: float = ASK_TIMEOUT_S
+) -> Answer | None:
+    """Scheduler `index`'s answer to GetLeader; None when it cannot be reached in time. A
+    scheduler without the RPC leads alone (epoch 0)."""
+    try:
+        reply = await stub.GetLeader(scheduler_pb.GetLeaderRequest(), timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+            return Answer(index, True, 0, "")
+        return None
+    return Answer(index, reply.leading, reply.epoch, reply.leader)
+
+
+async def find_leader(
+    stubs: Sequence[scheduler_grpc.SchedulerServiceStub], timeout_s: float = ASK_TIMEOUT_S
+) -> tuple[Answer | None, int]:
+    """Ask every scheduler at once: (the leading one with the highest epoch, or None; the
+    highest epoch any of them named)."""
+    answers = await asyncio.gather(*(ask(s, i, timeout_s) for i, s in enumerate(stubs)))
+    known = [a for a in answers if a is not None]
+    highest = max((a.epoch for a in known), default=0)
+    leaders = [a for a in known if a.leading]
+    return (max(leaders, key=lambda a: a.epoch) if leaders else None), highest

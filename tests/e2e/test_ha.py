@@ -1,0 +1,210 @@
+"""Active/standby schedulers (--ha) across real processes: a real redis-server, two
+schedulers with a short TTL, a synthetic worker and an edge given both addresses.
+
+kill -9 of the leader (running sessions go on, the standby serves a new caller within 5 s),
+SIGSTOP past the TTL then SIGCONT (the old leader steps down, its grants are refused by the
+worker), SIGTERM (the standby leads within 1 s). Each prints what it measured (pytest -s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+
+from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
+from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
+from tests.conftest import scaled
+from tests.e2e.wsclient import WsClient, served_unit, wait_for
+from tests.redis_server import RedisServer, redis_server  # noqa: F401 - fixture
+from tests.stack import Service, Stack, start_service
+
+#: The leader key's TTL in these tests, seconds.
+TTL_S = 1.0
+
+
+@pytest.fixture
+def stack(tmp_path):
+    s = Stack(tmp_path)
+    yield s
+    s.stop()
+
+
+async def leader_of(address: str) -> scheduler_pb.GetLeaderResponse | None:
+    """GetLeader of one scheduler; None when it does not answer within 0.5 s."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = scheduler_grpc.SchedulerServiceStub(channel)
+        try:
+            return await stub.GetLeader(scheduler_pb.GetLeaderRequest(), timeout=0.5)
+        except grpc.aio.AioRpcError:
+            return None
+
+
+async def leads(address: str) -> bool:
+    answer = await leader_of(address)
+    return answer is not None and answer.leading
+
+
+async def status(address: str) -> scheduler_pb.GetStatusResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = scheduler_grpc.SchedulerServiceStub(channel)
+        return await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=scaled(5))
+
+
+async def ha_pair(stack: Stack, redis: RedisServer) -> tuple[Service, Service, list[str]]:
+    """Two schedulers on one Redis; the first leads (it starts alone), the second stands by.
+    The stack's workers and edges are given both addresses."""
+    args = ["--port", "0", "--metrics-port", "0", "--ha", redis.url, "--ha-ttl", str(TTL_S)]
+    first = start_service("sched-a", "omnifabric.scheduler", args, stack.log_dir)
+    stack.services.append(first)
+    a = first.wait_ready()[0]
+    await wait_for(lambda: leads(a), 10)
+    second = start_service("sched-b", "omnifabric.scheduler", args, stack.log_dir)
+    stack.services.append(second)
+    b = second.wait_ready()[0]
+    stack.scheduler_address = f"{a},{b}"
+    return first, second, [a, b]
+
+
+async def new_caller_served(url: str, within_s: float) -> float:
+    """Seconds until a new client (retried while refused) is leased a worker."""
+    start = time.monotonic()
+    while True:
+        assert time.monotonic() - start < scaled(within_s), "no new caller served in time"
+        client = await WsClient.open(url)
+        first = await client.until("error", "session.queued", "session.queue_done")
+        if first["type"] != "error":
+            if first["type"] != "session.queue_done":
+                await client.until("session.queue_done")
+            took = time.monotonic() - start
+            await client.close()
+            return took
+        assert first["error"]["code"] == "service_unavailable", first
+        await client.close()
+        await asyncio.sleep(0.05)
+
+
+async def test_standby_refuses_and_kill9_of_the_leader_fails_over(
+    redis_server,  # noqa: F811 - started first, stopped after the stack
+    stack,
+):
+    sched_a, _, (a, b) = await ha_pair(stack, redis_server)
+    # A standby grants nothing and says why.
+    async with grpc.aio.insecure_channel(b) as channel:
+        stub = scheduler_grpc.SchedulerServiceStub(channel)
+        call = stub.Acquire(scheduler_pb.AcquireRequest(mode=common_pb2.MODE_AUDIO))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert info.value.details().startswith("not_leader: this scheduler is a standby")
+    stack.start_worker("--slots", "2", "--compute-ms", "5", name="w0")
+    stack.start_edge()
+    url = f"{stack.url}?mode=audio"
+    survivor = await WsClient.open(url)
+    await survivor.start()
+    await served_unit(survivor)
+    [lease_id] = next(w for w in (await status(a)).workers if w.worker_id == "w0").lease_ids
+
+    sched_a.kill(signal.SIGKILL)
+    killed = time.monotonic()
+    await served_unit(survivor)  # the running session goes on
+    served_s = await new_caller_served(url, 5)
+    leader = await leader_of(b)
+    assert leader is not None and leader.leading and leader.epoch == 2
+    # The worker re-registered with the new leader and reported its running session.
+    worker = next(w for w in (await status(b)).workers if w.worker_id == "w0")
+    assert lease_id in worker.lease_ids
+    await served_unit(survivor)
+    assert not [e for e in survivor.events if e["type"] == "error"]
+    print(f"kill -9 of the leader: a new caller served {served_s:.2f} s after it (TTL {TTL_S} s)")
+    assert time.monotonic() - killed < scaled(8)
+
+
+async def test_paused_leader_steps_down_and_its_grants_are_refused(
+    redis_server,  # noqa: F811 - started first, stopped after the stack
+    stack,
+):
+    sched_a, _, (a, b) = await ha_pair(stack, redis_server)
+    stack.start_worker("--slots", "2", "--compute-ms", "5", name="w0")
+    async with grpc.aio.insecure_channel(a) as channel:
+        stub = scheduler_grpc.SchedulerServiceStub(channel)
+
+        async def registered(address: str) -> bool:
+            return any(w.worker_id == "w0" for w in (await status(address)).workers)
+
+        await wait_for(lambda: registered(a), 10)
+        held = stub.Acquire(scheduler_pb.AcquireRequest(mode=common_pb2.MODE_AUDIO))
+        reply = await held.read()
+        assert reply.WhichOneof("kind") == "lease", reply
+        stale = reply.lease
+        assert stale.epoch == 1
+
+        sched_a.kill(signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            await wait_for(lambda: leads(b), 10)
+            took_s = time.monotonic() - stopped
+            # The worker leaves the paused leader for the one with the higher epoch.
+            await wait_for(lambda: registered(b), 10)
+        finally:
+            sched_a.kill(signal.SIGCONT)
+        # Awake, it knows its term ran out: it refuses at once and stands by.
+        fresh = stub.Acquire(scheduler_pb.AcquireRequest(mode=common_pb2.MODE_AUDIO))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(fresh.read(), scaled(5))
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert info.value.details().startswith("not_leader"), info.value.details()
+        answer = await leader_of(a)
+        assert answer is not None and not answer.leading and answer.epoch == 2
+        # The lease it granted before the pause ends with its stream.
+        with pytest.raises(grpc.aio.AioRpcError):
+            await asyncio.wait_for(held.read(), scaled(5))
+
+    # The worker refuses the old leader's grant: a clear error, at once.
+    worker_address = stale.worker_address
+    async with grpc.aio.insecure_channel(worker_address) as channel:
+        session = worker_grpc.WorkerServiceStub(channel).Session()
+        await session.write(
+            worker_pb.SessionRequest(
+                start=worker_pb.SessionStart(
+                    lease_id=stale.lease_id, mode=common_pb2.MODE_AUDIO, epoch=stale.epoch
+                )
+            )
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(session.read(), scaled(2))
+        assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert info.value.details() == (
+            f"stale_epoch: lease {stale.lease_id!r} was granted by scheduler epoch 1; "
+            "this worker follows epoch 2"
+        )
+    print(f"SIGSTOP of the leader: the standby led {took_s:.2f} s after it (TTL {TTL_S} s)")
+
+
+async def test_sigterm_hands_over_within_a_second(redis_server, stack):  # noqa: F811
+    sched_a, _, (a, b) = await ha_pair(stack, redis_server)
+    stack.start_worker("--slots", "2", "--compute-ms", "5", name="w0")
+    stack.start_edge()
+    url = f"{stack.url}?mode=audio"
+    survivor = await WsClient.open(url)
+    await survivor.start()
+    await served_unit(survivor)
+
+    sched_a.kill(signal.SIGTERM)
+    stopped = time.monotonic()
+    while not await leads(b):
+        assert time.monotonic() - stopped < scaled(1.0), "the standby did not lead within 1 s"
+        await asyncio.sleep(0.01)
+    took_s = time.monotonic() - stopped
+    await served_unit(survivor)
+    served_s = await new_caller_served(url, 5)
+    print(
+        f"SIGTERM of the leader: the standby led after {took_s * 1000:.0f} ms; a new caller "
+        f"was served {served_s:.2f} s after that"
+    )
