@@ -82,7 +82,8 @@ class Journal:
 
     def emit(self, event: UnitOutput | SessionEnd) -> None:
         """Add an event and wake the streams; beyond JOURNAL_AUDIO_RESULTS, the oldest
-        result still holding speech is kept without it."""
+        result still holding speech is kept without it, and beyond the journal's `keep`
+        the oldest whole one is kept as its shape alone."""
         self._events.append(event)
         old = len(self._events) - 1 - JOURNAL_AUDIO_RESULTS
         if old >= 0:
