@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -211,18 +212,27 @@ class _LeaderCall:
     lease by a standby, a draining scheduler or a dead one, it asks every scheduler which
     leads and calls that one (for up to FIRST_REPLY_TIMEOUT_S without a leader): a switch
     of leader refuses no new session. A caller that was waiting in the old leader's queue
-    waits again at the back of the new one's (its place is not carried over yet)."""
+    says how long it has waited (AcquireRequest.waited_s): the new leader puts it back in
+    its place by its original arrival."""
 
     def __init__(self, fabric: Fabric, name: str, request: Any, kwargs: dict[str, Any]) -> None:
         self._fabric = fabric
         self._name, self._request, self._kwargs = name, request, kwargs
         self._leased = False
+        self._started = time.monotonic()
+        self._queued = False
+        """A leader admitted the request to its queue: a re-sent one says how long it waited."""
         self._call = self._issue()
 
     def _issue(self) -> grpc.aio.UnaryStreamCall:
         fabric = self._fabric
         stub = fabric._scheduler_stubs[fabric.leader_index]
-        return getattr(stub, self._name)(self._request, **self._kwargs)
+        request = self._request
+        if self._queued and self._name == "Acquire":
+            request = type(request)()
+            request.CopyFrom(self._request)
+            request.waited_s = time.monotonic() - self._started
+        return getattr(stub, self._name)(request, **self._kwargs)
 
     async def read(self) -> Any:
         while True:
@@ -238,8 +248,11 @@ class _LeaderCall:
                     await asyncio.sleep(schedulers.WATCH_INTERVAL_S / 5)
                 self._call = self._issue()
                 continue
-            if message is not grpc.aio.EOF and message.WhichOneof("kind") != "queued":
-                self._leased = True
+            if message is not grpc.aio.EOF:
+                if message.WhichOneof("kind") == "queued":
+                    self._queued = True
+                else:
+                    self._leased = True
             return message
 
     def cancel(self) -> bool:

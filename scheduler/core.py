@@ -51,6 +51,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class HeldLease:
+    """A session a registering worker serves, as its grant described it."""
+
+    lease_id: str
+    mode: Mode
+    session_id: str = ""
+    key: str = ""
+    resume_key: str = ""
+    owner: str = ""
+    resume_grace_s: float = 0.0
+    detached: bool = False
+    """No stream carries it: it waits `resume_left_s` more for a resume."""
+    resume_left_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class WorkerHello:
     """What a worker declares when it registers."""
 
@@ -61,6 +77,9 @@ class WorkerHello:
     engine: str
     health: Health
     active_lease_ids: tuple[str, ...] = ()
+    held_leases: tuple[HeldLease, ...] = ()
+    """The sessions behind active_lease_ids, as their grants described them (workers that
+    do not say: only the ids, which then count as taken slots and nothing more)."""
     limits: EngineLimits | None = None
     """What the worker's engine accepts; None from workers that do not say."""
     headroom: Headroom | None = None
@@ -112,6 +131,8 @@ AcquireEvent = QueueUpdate | LeaseOffer | LeaseLoss | LeaseMove
 #: Seconds after a scheduler begins to lead during which requests for a mode no registered
 #: worker serves wait in the queue (the workers re-register within about a second).
 REBUILD_S = 3.0
+#: The longest earlier wait a re-sent request may claim (AcquireRequest.waited_s), seconds.
+MAX_WAITED_S = 86_400.0
 #: Resume keys of ended sessions remembered (to tell an expired window from an unknown
 #: token), at most.
 MAX_ENDED_RESUMES = 10000
@@ -219,6 +240,12 @@ class Scheduler:
         self._ending = _Ending()
         self._led_at = -REBUILD_S
         """time.monotonic() when this scheduler last began to lead (with an election)."""
+        self.terms = 0
+        """Leaderships this process has begun (with an election): each after the first is a
+        failover or handover to it."""
+        self.rebuild_s: float | None = None
+        """The last rebuild: seconds from taking the lead to the last worker registration or
+        re-sent request within REBUILD_S of it (None before any; grows during the window)."""
 
     # --- leadership ------------------------------------------------------------------
 
@@ -238,6 +265,8 @@ class Scheduler:
         empty state, which workers (registering) and edges (acquiring) rebuild."""
         self.epoch, self.leader, self.standby = epoch, name, False
         self._led_at = time.monotonic()
+        self.terms += 1
+        self.rebuild_s = 0.0
         log.info("leading (epoch %d): taking registrations and requests", epoch)
 
     def follow(self, leader: str = "", epoch: int = 0) -> None:
@@ -280,6 +309,12 @@ class Scheduler:
         being refused."""
         return time.monotonic() < self._led_at + REBUILD_S
 
+    def _rebuilt_by(self, now: float) -> None:
+        """A worker registered or a waiting caller came back at `now`: while the rebuild
+        window is open, the rebuild lasted at least until then."""
+        if self.terms and now < self._led_at + REBUILD_S:
+            self.rebuild_s = max(self.rebuild_s or 0.0, now - self._led_at)
+
     def refusal(self) -> SchedulerError | None:
         """Why streams are being ended now (drain or standby); None while leading."""
         if self.draining:
@@ -310,6 +345,7 @@ class Scheduler:
         )
         old = self.registry.add(worker)
         claimed = set(hello.active_lease_ids)
+        held = {h.lease_id: h for h in hello.held_leases if h.lease_id in claimed}
         if old is not None:
             log.info("worker %s re-registered; replacing its previous stream", worker.worker_id)
             self._adopt(old, worker, claimed)
@@ -326,15 +362,7 @@ class Scheduler:
                     known.worker_id,
                 )
                 continue
-            orphan = Lease(
-                worker_id=worker.worker_id,
-                slot=worker.take_slot(lease_id),
-                mode=None,
-                lease_id=lease_id,
-                state=LeaseState.ORPHAN,
-            )
-            orphan.announced.set()
-            self.leases.add(orphan)
+            self.leases.add(self._rebuilt(worker, lease_id, held.get(lease_id)))
         log.info(
             "worker %s registered at %s: %d slots, modes %s, engine %s, %s",
             worker.worker_id,
@@ -344,8 +372,46 @@ class Scheduler:
             worker.engine,
             worker.health.value,
         )
+        self._rebuilt_by(time.monotonic())
         self._dispatch()
         return worker
+
+    def _rebuilt(self, worker: Worker, lease_id: str, held: HeldLease | None) -> Lease:
+        """The lease of a session a registering worker serves that this scheduler did not
+        grant (it began to lead since, or restarted). Without its detail: a taken slot
+        (ORPHAN), freed on release. With it: a holderless lease that counts for its key and
+        can be reattached by its resume key; a detached one waits out its time left."""
+        if held is None:
+            lease = Lease(
+                worker_id=worker.worker_id,
+                slot=worker.take_slot(lease_id),
+                mode=None,
+                lease_id=lease_id,
+                state=LeaseState.ORPHAN,
+            )
+            lease.announced.set()
+            return lease
+        lease = Lease(
+            worker_id=worker.worker_id,
+            slot=worker.take_slot(lease_id, mode=held.mode),
+            mode=held.mode,
+            session_id=held.session_id,
+            lease_id=lease_id,
+            state=LeaseState.ORPHAN,
+            key=held.key,
+            resume_key=held.resume_key,
+            owner=held.owner,
+            resume_grace_s=held.resume_grace_s,
+        )
+        lease.announced.set()
+        if held.detached and held.resume_key:
+            left = max(0.0, min(held.resume_left_s, held.resume_grace_s))
+            lease.state = LeaseState.DETACHED
+            lease.detached_at = time.monotonic() - (held.resume_grace_s - left)
+            lease.release_timer = asyncio.get_running_loop().call_later(
+                left + self.config.release_timeout_s, self._detach_overdue, lease_id
+            )
+        return lease
 
     def report(
         self,
@@ -424,6 +490,7 @@ class Scheduler:
         resume_grace_s: float = 0.0,
         key: str = "",
         key_limit: int = 0,
+        waited_s: float = 0.0,
     ) -> AsyncGenerator[AcquireEvent, None]:
         """Queue updates, then the lease, then (if its worker is lost) the loss.
 
@@ -432,16 +499,33 @@ class Scheduler:
         KeySessionLimit (`key` holds `key_limit` sessions: waiting, leased or detached),
         ShuttingDown when the scheduler drains (the lease, if any, stays with its worker)
         and NotLeader from a standby (or a leader that steps down meanwhile).
+
+        `waited_s` > 0: a caller re-sent after a switch of leader, which an earlier leader
+        admitted: it takes its place by its original arrival, and is not refused again for
+        its key's limit or a full queue (the new leader may over-admit for a moment
+        instead, before every request and worker has come back to it).
         """
         self._check_leads()
+        now = time.monotonic()
         if not self.registry.serves(mode) and not self._rebuilding():
             raise NoWorker(mode.value)
-        if key and key_limit:
+        resent = waited_s > 0
+        if resent:
+            self._rebuilt_by(now)
+        if key and key_limit and not resent:
             held = self.leases.held_by(key) + sum(1 for t in self.queue if t.key == key)
             if held >= key_limit:
                 self.counters.key_limit_rejections += 1
                 raise KeySessionLimit(held, key_limit)
-        ticket = Ticket(mode=mode, session_id=session_id, key=key if key_limit else "")
+        ticket = Ticket(
+            mode=mode,
+            session_id=session_id,
+            key=key if key_limit else "",
+            enqueued_at=now - min(max(waited_s, 0.0), MAX_WAITED_S),
+        )
+        if resume_key and resume_grace_s > 0:
+            ticket.resume_key, ticket.owner = resume_key, owner
+            ticket.resume_grace_s = resume_grace_s
         # Behind anyone already waiting for this mode: the queue is FIFO.
         waiting = any(t.mode is mode for t in self.queue)
         worker = None if waiting else self.registry.pick(mode, self.config.realtime_margin)
@@ -450,7 +534,7 @@ class Scheduler:
             self._grant(ticket, worker)
         else:
             try:
-                self.queue.push(ticket)
+                self.queue.push(ticket, over_max=resent)
             except QueueFull:
                 self.counters.queue_full_rejections += 1
                 raise
@@ -460,9 +544,6 @@ class Scheduler:
                 yield update
             lease = ticket.lease
             assert lease is not None
-            if resume_key and resume_grace_s > 0:
-                lease.resume_key, lease.owner = resume_key, owner
-                lease.resume_grace_s = resume_grace_s
             moved = lease.moved
             async for event in self._hold(
                 lease, ticket.ticket_id, lease.granted_at - ticket.enqueued_at
@@ -483,7 +564,7 @@ class Scheduler:
         """
         self._check_leads()
         lease = self.leases.by_resume_key(resume_key)
-        if lease is None or lease.state in (LeaseState.RETURNING, LeaseState.ORPHAN):
+        if lease is None or lease.state is LeaseState.RETURNING:
             if lease is not None or self._ended_resumes.get(resume_key) == "expired":
                 raise ResumeExpired()
             raise ResumeUnknown()
@@ -491,7 +572,10 @@ class Scheduler:
             raise ResumeForbidden()
         if lease.worker_released:
             raise ResumeUnknown()  # the session ended; its holder has not let go yet
-        if lease.state is LeaseState.DETACHED:
+        if lease.state in (LeaseState.DETACHED, LeaseState.ORPHAN):
+            # ORPHAN: rebuilt from its worker's hello after a switch of leader, with no
+            # holder here (its edge's stream went with the old leader); the worker still
+            # tells whether the session can be resumed.
             if lease.release_timer is not None:
                 lease.release_timer.cancel()
                 lease.release_timer = None
@@ -739,6 +823,9 @@ class Scheduler:
             session_id=ticket.session_id,
             ticket_id=ticket.ticket_id,
             key=ticket.key,
+            resume_key=ticket.resume_key,
+            owner=ticket.owner,
+            resume_grace_s=ticket.resume_grace_s,
         )
         lease.slot = worker.take_slot(lease.lease_id, mode=ticket.mode)
         self.leases.add(lease)

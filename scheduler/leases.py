@@ -22,7 +22,8 @@ class LeaseState(enum.Enum):
     #: A resumable lease whose holder is gone: it waits for a Reattach within its grace
     #: (the worker keeps the session detached and releases it when the grace passes).
     DETACHED = "detached"
-    #: Reported by a reconnecting worker, unknown here, no holder; freed on release.
+    #: Reported by a registering worker, granted by another leadership, no holder here;
+    #: freed on release (one reported with its detail can be reattached by resume key).
     ORPHAN = "orphan"
 
 
@@ -125,8 +126,9 @@ class LeaseTable:
         return sorted(leases, key=lambda lease: lease.granted_at)
 
     def held_by(self, key: str) -> int:
-        """Leases of the sessions of this API key: active, or detached and resumable."""
-        held = (LeaseState.ACTIVE, LeaseState.DETACHED)
+        """Leases of the sessions of this API key: active, detached and resumable, or
+        running without a holder here (rebuilt from their worker's hello)."""
+        held = (LeaseState.ACTIVE, LeaseState.DETACHED, LeaseState.ORPHAN)
         return sum(1 for lease in self._leases.values() if lease.key == key and lease.state in held)
 
     def count(self, state: LeaseState) -> int:

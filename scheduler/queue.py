@@ -38,10 +38,14 @@ class Ticket:
     estimate_changed: bool = False
     #: Set when the scheduler stopped leading while it waited: its caller is told this.
     refused: SchedulerError | None = None
+    #: Resumable requests: what their lease is granted with (AcquireRequest's fields).
+    resume_key: str = ""
+    owner: str = ""
+    resume_grace_s: float = 0.0
 
 
 class WaitQueue:
-    """FIFO of waiting tickets, bounded by `queue_max`."""
+    """Waiting tickets in order of arrival (`enqueued_at`), bounded by `queue_max`."""
 
     def __init__(self, queue_max: int) -> None:
         self.queue_max = queue_max
@@ -59,13 +63,23 @@ class WaitQueue:
     def __contains__(self, ticket: Ticket) -> bool:
         return ticket.ticket_id in self._tickets
 
-    def push(self, ticket: Ticket) -> int:
-        """Append `ticket`; returns its 1-based position. Raises QueueFull at the max."""
-        if len(self._tickets) >= self.queue_max:
+    def push(self, ticket: Ticket, over_max: bool = False) -> int:
+        """Queue `ticket` by its arrival: at the back, or, for one that arrived earlier
+        (a request re-sent after a switch of leader), before every later arrival. Returns
+        its 1-based position. Raises QueueFull at the max unless `over_max`."""
+        if len(self._tickets) >= self.queue_max and not over_max:
             raise QueueFull(len(self._tickets), self.queue_max)
-        self._tickets[ticket.ticket_id] = ticket
         self._positions = None
-        return len(self._tickets)
+        tickets = self._tickets
+        if not tickets or next(reversed(tickets.values())).enqueued_at <= ticket.enqueued_at:
+            tickets[ticket.ticket_id] = ticket
+            return len(tickets)
+        # Rare (re-sent requests only): rebuild the order with the ticket in its place.
+        ordered = list(tickets.values())
+        at = next(n for n, t in enumerate(ordered) if t.enqueued_at > ticket.enqueued_at)
+        ordered.insert(at, ticket)
+        self._tickets = {t.ticket_id: t for t in ordered}
+        return at + 1
 
     def get(self, ticket_id: str) -> Ticket | None:
         """The waiting ticket with this id, or None."""

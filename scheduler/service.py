@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 from collections.abc import AsyncIterator
 from typing import NoReturn
@@ -18,8 +19,10 @@ from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.scheduler.core import (
+    MAX_WAITED_S,
     AcquireEvent,
     EtaSnapshot,
+    HeldLease,
     LeaseLoss,
     LeaseMove,
     LeaseOffer,
@@ -112,6 +115,10 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                             mode=_granted_mode_to_pb(lease.mode),
                             session_id=lease.session_id,
                             epoch=self._scheduler.epoch,
+                            key=lease.key,
+                            resume_key=lease.resume_key,
+                            owner=lease.owner,
+                            resume_grace_s=lease.resume_grace_s,
                         )
                     )
                     # Resumed only after gRPC took the message: the worker knows the lease.
@@ -212,6 +219,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                 request.resume_grace_s,
                 request.key,
                 request.key_session_limit,
+                _waited_s(request.waited_s),
             )
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -404,9 +412,35 @@ def _hello_from_pb(hello: scheduler_pb.WorkerHello) -> WorkerHello:
         engine=hello.engine,
         health=_health_from_pb(hello.health),
         active_lease_ids=tuple(hello.active_lease_ids),
+        held_leases=tuple(h for h in map(_held_from_pb, hello.held_leases) if h is not None),
         limits=_limits_from_pb(hello.limits) if hello.HasField("limits") else None,
         headroom=_headroom_from_pb(hello.headroom) if hello.HasField("headroom") else None,
     )
+
+
+def _held_from_pb(held: scheduler_pb.HeldLease) -> HeldLease | None:
+    """None for a mode this scheduler does not know: the lease stays a taken slot."""
+    mode = _MODE_FROM_PB.get(held.mode)
+    if mode is None:
+        return None
+    return HeldLease(
+        lease_id=held.lease_id,
+        mode=mode,
+        session_id=held.session_id,
+        key=held.key,
+        resume_key=held.resume_key,
+        owner=held.owner,
+        resume_grace_s=held.resume_grace_s,
+        detached=held.detached,
+        resume_left_s=held.resume_left_s,
+    )
+
+
+def _waited_s(value: float) -> float:
+    """AcquireRequest.waited_s, checked: InvalidRequest unless finite and 0..MAX_WAITED_S."""
+    if not (math.isfinite(value) and 0.0 <= value <= MAX_WAITED_S):
+        raise InvalidRequest(f"waited_s must be from 0 to {MAX_WAITED_S:.0f} s, got {value}")
+    return value
 
 
 def _acquire_event_to_pb(event: AcquireEvent) -> scheduler_pb.AcquireResponse:

@@ -171,6 +171,12 @@ class Journal:
     def detached(self) -> bool:
         return self._detach_timer is not None
 
+    def resume_left_s(self) -> float | None:
+        """Seconds until a detached session expires; None while attached."""
+        if self._detach_timer is None:
+            return None
+        return max(0.0, self._detach_timer.when() - self._loop.time())
+
     def detach(self, grace_s: float, expire: Callable[..., object], *args: Any) -> None:
         """No stream carries the session: `expire(*args)` in `grace_s` unless one attaches."""
         self._detach_timer = self._loop.call_later(grace_s, expire, *args)

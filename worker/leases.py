@@ -19,6 +19,8 @@ log = logging.getLogger("omnifabric.worker.leases")
 
 #: How many finished lease ids to remember, so that reuse is told apart from unknown.
 REMEMBERED_USED = 4096
+#: How long a grant no session used stays after its registration ended, seconds.
+UNUSED_GRANT_KEEP_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,12 @@ class LeaseGrant:
     session_id: str = ""
     epoch: int = 0
     """The granting scheduler leadership's epoch (0 without an election)."""
+    key: str = ""
+    resume_key: str = ""
+    owner: str = ""
+    resume_grace_s: float = 0.0
+    """What the request said (its key's hash, resume key, owner, grace): reported back in
+    the hello, so that a new leader knows the session as the granting one did."""
 
 
 class LeaseBook:
@@ -149,16 +157,29 @@ class LeaseBook:
             # Unknown or already released: answer anyway so the scheduler can settle it.
             self.on_released(lease_id)
 
-    def drop_unused(self) -> list[str]:
-        """Forget grants no session uses (the scheduler that granted them is gone)."""
+    def expire_unused(self, after_s: float = UNUSED_GRANT_KEEP_S) -> list[str]:
+        """The registration ended: release in `after_s` every grant no session uses by then.
+        Until then a holder that has its offer can still present it (the scheduler that
+        granted it drained or died just after; the next one counts it from the hello)."""
         unused = [lease_id for lease_id in self._granted if lease_id not in self._in_use]
-        for lease_id in unused:
-            del self._granted[lease_id]
+        if unused:
+            asyncio.get_running_loop().call_later(after_s, self._expire, unused)
         return unused
+
+    def _expire(self, lease_ids: list[str]) -> None:
+        for lease_id in lease_ids:
+            if lease_id in self._granted and lease_id not in self._in_use:
+                log.info("lease %s: granted before the scheduler changed, never used", lease_id)
+                self.release(lease_id)
 
     def active_ids(self) -> list[str]:
         """Leases held by running sessions."""
         return list(self._in_use)
+
+    def held(self) -> list[LeaseGrant]:
+        """Every grant standing: those of running sessions, then those not used yet."""
+        used = [grant for lease_id in self._in_use if (grant := self._granted.get(lease_id))]
+        return used + [g for lease_id, g in self._granted.items() if lease_id not in self._in_use]
 
     def _remember_used(self, lease_id: str) -> None:
         self._used[lease_id] = None

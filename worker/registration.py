@@ -206,6 +206,7 @@ class Registration:
 
     def _hello(self) -> scheduler_pb.RegisterRequest:
         runtime = self.runtime
+        held = self._held_leases()
         return scheduler_pb.RegisterRequest(
             hello=scheduler_pb.WorkerHello(
                 worker_id=self.worker_id,
@@ -214,11 +215,35 @@ class Registration:
                 modes=sorted(MODE_VALUES[m] for m in runtime.engine.modes if m in MODE_VALUES),
                 engine=runtime.engine.name,
                 health=_health_value(runtime.health),
-                active_lease_ids=runtime.leases.active_ids(),
+                active_lease_ids=[h.lease_id for h in held],
                 limits=limits_pb(runtime.engine.limits),
                 headroom=headroom_pb(runtime.headroom_figures()),
+                held_leases=held,
             )
         )
+
+    def _held_leases(self) -> list[scheduler_pb.HeldLease]:
+        """Every lease standing (sessions served now, then grants not used yet), as its
+        grant described it, and whether its session waits detached for a resume (a new
+        leader rebuilds its lease table from these)."""
+        held = []
+        for grant in self.runtime.leases.held():
+            session = self.runtime.sessions.get(grant.lease_id)
+            left = session.resume_left_s() if session is not None else None
+            held.append(
+                scheduler_pb.HeldLease(
+                    lease_id=grant.lease_id,
+                    mode=MODE_VALUES.get(grant.mode, common_pb2.MODE_UNSPECIFIED),
+                    session_id=grant.session_id,
+                    key=grant.key,
+                    resume_key=grant.resume_key,
+                    owner=grant.owner,
+                    resume_grace_s=grant.resume_grace_s,
+                    detached=left is not None,
+                    resume_left_s=left or 0.0,
+                )
+            )
+        return held
 
     async def _run(self) -> None:
         backoff = self.config.register_backoff_s
@@ -246,10 +271,11 @@ class Registration:
                 self._outbox = None
             if self._stopping:
                 return
-            # Grants from a scheduler that lost us are void: their holders were told.
-            dropped = self.runtime.leases.drop_unused()
-            if dropped:
-                log.info("dropped %d unused lease grants", len(dropped))
+            # Grants not used yet stay a while (their holders may have them; the next
+            # registration reports them), then go back.
+            kept = self.runtime.leases.expire_unused()
+            if kept:
+                log.info("%d lease grants not used yet: kept for their holders", len(kept))
             if self._probes:
                 # The leader is asked anew first; its answers pace the retries.
                 await asyncio.sleep(self.config.register_backoff_s)
@@ -406,5 +432,9 @@ class Registration:
                 mode=mode,
                 session_id=granted.session_id,
                 epoch=granted.epoch,
+                key=granted.key,
+                resume_key=granted.resume_key,
+                owner=granted.owner,
+                resume_grace_s=granted.resume_grace_s,
             )
         )

@@ -221,6 +221,10 @@ class DuplexSession:
             self._close_request = (reason, detail)
         self._wake.set()
 
+    def resume_left_s(self) -> float | None:
+        """Seconds left to resume a detached session; None while a stream carries it."""
+        return self.journal.resume_left_s()
+
     def detach(self) -> None:
         """The stream is gone without close: wait resume_grace_s for a resume, then end as
         a client close. Units still waiting are served; their results are kept."""

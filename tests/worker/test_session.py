@@ -152,7 +152,16 @@ async def test_lease_book_claims():
     assert released == ["a"] and book.active_ids() == []
     with pytest.raises(LeaseInUse):
         await book.claim("a", "audio", 0.05, lambda reason: None)
-    assert book.drop_unused() == ["v"]
+    book.grant(LeaseGrant("w", 2, "audio"))
+    await book.claim("w", "audio", 0.05, lambda reason: None)
+    assert [g.lease_id for g in book.held()] == ["w", "v"]  # in use first
+    # The registration ended: an unused grant stays for its holder a while, then goes back.
+    assert book.expire_unused(0.1) == ["v"]
+    book.grant(LeaseGrant("x", 3, "audio"))
+    assert book.expire_unused(0.1) == ["v", "x"]
+    await book.claim("x", "audio", 0.05, lambda reason: None)  # its holder came
+    await asyncio.sleep(0.3)
+    assert released == ["a", "v"] and [g.lease_id for g in book.held()] == ["w", "x"]
 
 
 async def test_lease_book_waits_for_a_late_grant():
