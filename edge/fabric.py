@@ -220,18 +220,20 @@ class _LeaderCall:
         self._name, self._request, self._kwargs = name, request, kwargs
         self._leased = False
         self._started = time.monotonic()
-        self._queued = False
-        """A leader admitted the request to its queue: a re-sent one says how long it waited."""
+        self._position = 0
+        """The request's last position in a leader's queue (0: never queued): a re-sent
+        one says it, and how long it waited."""
         self._call = self._issue()
 
     def _issue(self) -> grpc.aio.UnaryStreamCall:
         fabric = self._fabric
         stub = fabric._scheduler_stubs[fabric.leader_index]
         request = self._request
-        if self._queued and self._name == "Acquire":
+        if self._position and self._name == "Acquire":
             request = type(request)()
             request.CopyFrom(self._request)
             request.waited_s = time.monotonic() - self._started
+            request.previous_position = self._position
         return getattr(stub, self._name)(request, **self._kwargs)
 
     async def read(self) -> Any:
@@ -250,7 +252,7 @@ class _LeaderCall:
                 continue
             if message is not grpc.aio.EOF:
                 if message.WhichOneof("kind") == "queued":
-                    self._queued = True
+                    self._position = message.queued.position
                 else:
                     self._leased = True
             return message

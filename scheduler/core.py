@@ -491,6 +491,7 @@ class Scheduler:
         key: str = "",
         key_limit: int = 0,
         waited_s: float = 0.0,
+        previous_position: int = 0,
     ) -> AsyncGenerator[AcquireEvent, None]:
         """Queue updates, then the lease, then (if its worker is lost) the loss.
 
@@ -501,9 +502,10 @@ class Scheduler:
         and NotLeader from a standby (or a leader that steps down meanwhile).
 
         `waited_s` > 0: a caller re-sent after a switch of leader, which an earlier leader
-        admitted: it takes its place by its original arrival, and is not refused again for
-        its key's limit or a full queue (the new leader may over-admit for a moment
-        instead, before every request and worker has come back to it).
+        had queued (at `previous_position`): it waits ahead of the callers that came here
+        first, in its earlier order, and is not refused again for its key's limit or a full
+        queue (the new leader may over-admit for a moment instead, before every request
+        and worker has come back to it).
         """
         self._check_leads()
         now = time.monotonic()
@@ -522,6 +524,7 @@ class Scheduler:
             session_id=session_id,
             key=key if key_limit else "",
             enqueued_at=now - min(max(waited_s, 0.0), MAX_WAITED_S),
+            previous_position=previous_position if resent else 0,
         )
         if resume_key and resume_grace_s > 0:
             ticket.resume_key, ticket.owner = resume_key, owner

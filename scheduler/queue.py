@@ -26,8 +26,11 @@ class Ticket:
     ticket_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     #: The hash of the request's API key (AcquireRequest.key; "" without a limit to keep).
     key: str = ""
-    #: time.monotonic() at arrival.
+    #: time.monotonic() at arrival (a re-sent request: its arrival at the earlier leader).
     enqueued_at: float = field(default_factory=time.monotonic)
+    #: A request re-sent after a switch of leader: its last position in the earlier
+    #: leader's queue (0: a request that came here first).
+    previous_position: int = 0
     #: Set once granted.
     lease: Lease | None = None
     #: Set whenever the ticket's position changes or it is granted.
@@ -44,8 +47,17 @@ class Ticket:
     resume_grace_s: float = 0.0
 
 
+def _place(ticket: Ticket) -> tuple[int, float]:
+    """A ticket's order in the queue: requests re-sent after a switch of leader first, by
+    their place in the earlier leader's queue; then the rest by arrival."""
+    if ticket.previous_position:
+        return (0, float(ticket.previous_position))
+    return (1, ticket.enqueued_at)
+
+
 class WaitQueue:
-    """Waiting tickets in order of arrival (`enqueued_at`), bounded by `queue_max`."""
+    """Waiting tickets in order of arrival (re-sent ones first, see `_place`), bounded by
+    `queue_max`."""
 
     def __init__(self, queue_max: int) -> None:
         self.queue_max = queue_max
@@ -64,19 +76,20 @@ class WaitQueue:
         return ticket.ticket_id in self._tickets
 
     def push(self, ticket: Ticket, over_max: bool = False) -> int:
-        """Queue `ticket` by its arrival: at the back, or, for one that arrived earlier
-        (a request re-sent after a switch of leader), before every later arrival. Returns
-        its 1-based position. Raises QueueFull at the max unless `over_max`."""
+        """Queue `ticket` in its place: at the back, or, for a request re-sent after a
+        switch of leader, behind those re-sent from ahead of it and before the rest.
+        Returns its 1-based position. Raises QueueFull at the max unless `over_max`."""
         if len(self._tickets) >= self.queue_max and not over_max:
             raise QueueFull(len(self._tickets), self.queue_max)
         self._positions = None
         tickets = self._tickets
-        if not tickets or next(reversed(tickets.values())).enqueued_at <= ticket.enqueued_at:
+        place = _place(ticket)
+        if not tickets or _place(next(reversed(tickets.values()))) <= place:
             tickets[ticket.ticket_id] = ticket
             return len(tickets)
         # Rare (re-sent requests only): rebuild the order with the ticket in its place.
         ordered = list(tickets.values())
-        at = next(n for n, t in enumerate(ordered) if t.enqueued_at > ticket.enqueued_at)
+        at = next(n for n, t in enumerate(ordered) if _place(t) > place)
         ordered.insert(at, ticket)
         self._tickets = {t.ticket_id: t for t in ordered}
         return at + 1

@@ -220,6 +220,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                 request.key,
                 request.key_session_limit,
                 _waited_s(request.waited_s),
+                request.previous_position,
             )
             async with contextlib.aclosing(events):
                 async for event in events:

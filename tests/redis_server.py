@@ -1,82 +1,30 @@
-"""A real redis-server (Debian's package) on a free loopback port, for the election tests.
+"""A real redis-server (Debian's package) on a free loopback port, for the election tests
+(omnifabric.tools.redis_local starts it).
 
 Tests that need it skip, saying why, when the binary is absent (bash tools/dev installs it).
 """
 
 from __future__ import annotations
 
-import shutil
-import signal
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from omnifabric.tools import redis_local
+from omnifabric.tools.redis_local import RedisServer, free_port
 from tests.conftest import scaled
 
-BINARY = "redis-server"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the server binds it right after)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class RedisServer:
-    """One redis-server process without persistence."""
-
-    port: int
-    proc: subprocess.Popen
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(scaled(5))
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+__all__ = ["RedisServer", "free_port", "redis_server", "start_redis"]
 
 
 def start_redis(log_dir: Path, port: int | None = None) -> RedisServer:
-    """Start redis-server on 127.0.0.1 (`port`, or a free one) and wait until it answers."""
-    binary = shutil.which(BINARY)
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server; tools/dev does)")
-    port = port or free_port()
-    log_path = log_dir / f"redis-{port}.log"
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
-    args += ["no", "--logfile", str(log_path), "--dir", str(log_dir)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    server = RedisServer(port, proc, log_path)
-    deadline = time.monotonic() + scaled(10)
-    while not server.ping():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            text = log_path.read_text() if log_path.exists() else ""
-            raise RuntimeError(f"redis-server did not start on port {port}:\n{text[-2000:]}")
-        time.sleep(0.02)
-    return server
+    """Start redis-server on 127.0.0.1 (`port`, or a free one) and wait until it answers;
+    the test skips when it is not installed."""
+    try:
+        return redis_local.start_redis(log_dir, port, timeout_s=scaled(10))
+    except FileNotFoundError as exc:
+        pytest.skip(f"{exc}; tools/dev does")
 
 
 @pytest.fixture
@@ -86,4 +34,4 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     try:
         yield server
     finally:
-        server.stop()
+        server.stop(scaled(5))

@@ -31,24 +31,26 @@ def test_queue_full_at_max() -> None:
     assert queue.push(Ticket(Mode.AUDIO, "c")) == 2
 
 
-def test_a_resent_ticket_takes_its_place_by_arrival() -> None:
+def test_resent_tickets_go_first_in_their_earlier_order() -> None:
     queue = WaitQueue(queue_max=3)
-    late = [Ticket(Mode.AUDIO, f"new{n}", enqueued_at=100.0 + n) for n in range(3)]
-    for ticket in late:
+    fresh = [Ticket(Mode.AUDIO, f"new{n}") for n in range(3)]
+    for ticket in fresh:
         queue.push(ticket)
-    # Re-sent after a switch of leader: arrived before new1, and the queue is full.
+    # Re-sent after a switch of leader, out of order (the queue is full: they were admitted
+    # by the earlier leader).
+    third = Ticket(Mode.AUDIO, "third", previous_position=3)
     with pytest.raises(QueueFull):
-        queue.push(Ticket(Mode.AUDIO, "old", enqueued_at=100.5))
-    old = Ticket(Mode.AUDIO, "old", enqueued_at=100.5)
-    assert queue.push(old, over_max=True) == 2
-    first = Ticket(Mode.VIDEO, "first", enqueued_at=50.0)
+        queue.push(third)
+    assert queue.push(third, over_max=True) == 1
+    first = Ticket(Mode.VIDEO, "first", previous_position=1)
     assert queue.push(first, over_max=True) == 1
-    assert [t.session_id for t in queue] == ["first", "new0", "old", "new1", "new2"]
-    assert [queue.position(t) for t in (first, late[0], old, late[1], late[2])] == [1, 2, 3, 4, 5]
-    # A tie keeps arrival order at the new leader (behind the one already there).
-    tie = Ticket(Mode.AUDIO, "tie", enqueued_at=100.5)
-    assert queue.push(tie, over_max=True) == 4
-    assert queue.remove(old) and queue.position(tie) == 3
+    second = Ticket(Mode.AUDIO, "second", previous_position=2)
+    assert queue.push(second, over_max=True) == 2
+    names = ["first", "second", "third", "new0", "new1", "new2"]
+    assert [t.session_id for t in queue] == names
+    assert [queue.position(t) for t in (first, second, third, *fresh)] == [1, 2, 3, 4, 5, 6]
+    assert queue.remove(second) and queue.position(third) == 2
+    assert queue.push(Ticket(Mode.AUDIO, "new3"), over_max=True) == 6  # new: at the back
 
 
 @pytest.mark.parametrize(

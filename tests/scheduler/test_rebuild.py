@@ -116,8 +116,12 @@ async def test_resent_callers_keep_their_place_and_are_not_refused_again() -> No
         assert (await anext(new)).position == 1
         # ...then two that waited 20 s and 10 s at the old one come back in the wrong order
         # (the queue is full and the key at its limit: they were admitted before).
-        second = core.acquire(Mode.AUDIO, "second", key="k", key_limit=2, waited_s=10.0)
-        first = core.acquire(Mode.AUDIO, "first", key="k", key_limit=2, waited_s=20.0)
+        second = core.acquire(
+            Mode.AUDIO, "second", key="k", key_limit=2, waited_s=10.0, previous_position=2
+        )
+        first = core.acquire(
+            Mode.AUDIO, "first", key="k", key_limit=2, waited_s=20.0, previous_position=1
+        )
         assert (await anext(second)).position == 1
         update = await anext(first)
         assert isinstance(update, QueueUpdate) and update.position == 1
