@@ -59,12 +59,17 @@ def elsewhere(error: grpc.aio.AioRpcError, from_scheduler: bool) -> bool:
 
 @dataclass(frozen=True)
 class Answer:
-    """What one scheduler said of the leadership."""
+    """What one scheduler said of the leadership (and of itself)."""
 
     index: int
     leading: bool
     epoch: int
     leader: str
+    pid: int | None = None
+    terms: int | None = None
+    """Leaderships it began since its start."""
+    rebuild_s: float | None = None
+    """Its last rebuild, seconds (None before it first led)."""
 
 
 async def ask(
@@ -78,7 +83,21 @@ async def ask(
         if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
             return Answer(index, True, 0, "")
         return None
-    return Answer(index, reply.leading, reply.epoch, reply.leader)
+    return Answer(
+        index,
+        reply.leading,
+        reply.epoch,
+        reply.leader,
+        pid=reply.pid or None,
+        terms=reply.terms,
+        rebuild_s=reply.rebuild_s if reply.HasField("rebuild_s") else None,
+    )
+
+
+def leader(answers: Sequence[Answer | None]) -> Answer | None:
+    """The leading answer with the highest epoch; None when none leads."""
+    leaders = [a for a in answers if a is not None and a.leading]
+    return max(leaders, key=lambda a: a.epoch) if leaders else None
 
 
 async def find_leader(
@@ -87,7 +106,5 @@ async def find_leader(
     """Ask every scheduler at once: (the leading one with the highest epoch, or None; the
     highest epoch any of them named)."""
     answers = await asyncio.gather(*(ask(s, i, timeout_s) for i, s in enumerate(stubs)))
-    known = [a for a in answers if a is not None]
-    highest = max((a.epoch for a in known), default=0)
-    leaders = [a for a in known if a.leading]
-    return (max(leaders, key=lambda a: a.epoch) if leaders else None), highest
+    highest = max((a.epoch for a in answers if a is not None), default=0)
+    return leader(answers), highest

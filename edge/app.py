@@ -277,8 +277,9 @@ class EdgeApp:
         return _plain(HTTPStatus.OK, json.dumps(body), "application/json")
 
     async def status_response(self) -> Response:
-        """GET /status: workers, slots, queue and sessions as JSON (no secrets, no audio)."""
-        from omnifabric.edge.status import edge_status
+        """GET /status: workers, slots, queue, sessions and schedulers as JSON (no secrets,
+        no audio); 503 with the schedulers alone when the leading one cannot be asked."""
+        from omnifabric.edge.status import edge_status, scheduler_list
 
         try:
             body = await edge_status(self)
@@ -286,7 +287,7 @@ class EdgeApp:
             log.warning("status: scheduler unavailable: %s", exc)
             return _plain(
                 HTTPStatus.SERVICE_UNAVAILABLE,
-                json.dumps({"error": "scheduler unavailable"}),
+                json.dumps({"error": "scheduler unavailable", **await scheduler_list(self)}),
                 "application/json",
             )
         return _plain(HTTPStatus.OK, json.dumps(body), "application/json")

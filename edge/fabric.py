@@ -113,6 +113,11 @@ class Fabric:
         self._retired: set[grpc.aio.Channel] = set()
         self._closing: set[asyncio.Task[None]] = set()
 
+    @property
+    def scheduler_stubs(self) -> tuple[scheduler_grpc.SchedulerServiceStub, ...]:
+        """One stub per configured scheduler address, in their order (each calls that one)."""
+        return tuple(self._scheduler_stubs)
+
     def start(self) -> None:
         """With several scheduler addresses: start learning which leads (on the loop)."""
         if len(self._scheduler_stubs) > 1 and self._watch is None:
@@ -219,6 +224,7 @@ class _LeaderCall:
         self._fabric = fabric
         self._name, self._request, self._kwargs = name, request, kwargs
         self._leased = False
+        self._last_try = False
         self._started = time.monotonic()
         self._position = 0
         """The request's last position in a leader's queue (0: never queued): a re-sent
@@ -241,15 +247,27 @@ class _LeaderCall:
             try:
                 message = await self._call.read()
             except grpc.aio.AioRpcError as err:
-                if self._leased or not schedulers.elsewhere(err, _from_scheduler(err)):
+                if (
+                    self._leased
+                    or self._last_try
+                    or not schedulers.elsewhere(err, _from_scheduler(err))
+                ):
                     raise
-                deadline = asyncio.get_running_loop().time() + FIRST_REPLY_TIMEOUT_S
+                # Without a leader for that long the refusal stands (it says why: a standby
+                # that cannot reach the election store names it). A caller not answered yet
+                # gets it before its first answer is overdue (wait_for_lease).
+                deadline = time.monotonic() + FIRST_REPLY_TIMEOUT_S
+                if not self._position:
+                    deadline = min(deadline, self._started + FIRST_REPLY_TIMEOUT_S - 0.5)
                 while not await self._fabric.find_leader():
-                    if asyncio.get_running_loop().time() > deadline:
-                        raise
+                    if time.monotonic() > deadline:
+                        # Once more, for the refusal as it stands now (why nobody leads).
+                        self._last_try = True
+                        break
                     await asyncio.sleep(schedulers.WATCH_INTERVAL_S / 5)
                 self._call = self._issue()
                 continue
+            self._last_try = False
             if message is not grpc.aio.EOF:
                 if message.WhichOneof("kind") == "queued":
                     self._position = message.queued.position

@@ -1,15 +1,17 @@
 """GET /status on the edge: the fabric as operators and the admin page see it.
 
-Workers (engine, slots, health, memory), the queue, and this edge's own sessions; never
-keys, audio or transcripts.
+Workers (engine, slots, health, memory), the queue, this edge's own sessions, and every
+scheduler it is configured with (active/standby: which one leads); never keys, audio or
+transcripts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import TYPE_CHECKING, Any
 
-from omnifabric.common import grpc_io
+from omnifabric.common import grpc_io, schedulers
 from omnifabric.edge import queue_api
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -31,6 +33,33 @@ async def snapshot(app: EdgeContext) -> scheduler_pb.GetStatusResponse:
     return await app.fabric.scheduler.GetStatus(
         scheduler_pb.GetStatusRequest(), timeout=STATUS_TIMEOUT_S
     )
+
+
+async def scheduler_list(app: EdgeContext) -> dict[str, Any]:
+    """Every scheduler this edge is configured with, asked at once (GetLeader): its address,
+    pid, whether it answers, whether it says it leads, its epoch, the leaderships it began
+    and its last rebuild, s; and the address of the one that leads (the highest epoch of
+    those that say so, as the edge follows it; None: none does). Raises nothing."""
+    fabric = app.fabric
+    answers = await asyncio.gather(
+        *(schedulers.ask(stub, i) for i, stub in enumerate(fabric.scheduler_stubs))
+    )
+    leader = schedulers.leader(answers)
+    return {
+        "schedulers": [
+            {
+                "address": address,
+                "pid": answer.pid if answer else None,
+                "answers": answer is not None,
+                "leading": answer.leading if answer else False,
+                "epoch": answer.epoch if answer else None,
+                "leaderships": answer.terms if answer else None,
+                "rebuild_s": answer.rebuild_s if answer else None,
+            }
+            for address, answer in zip(fabric.scheduler_addresses, answers, strict=True)
+        ],
+        "scheduler_leader": fabric.scheduler_addresses[leader.index] if leader else None,
+    }
 
 
 def reference_workers(snap: scheduler_pb.GetStatusResponse) -> list[dict[str, Any]]:
@@ -100,9 +129,9 @@ def reference_summary(snap: scheduler_pb.GetStatusResponse) -> dict[str, Any]:
 
 
 async def edge_status(app: EdgeContext) -> dict[str, Any]:
-    """Ask the scheduler for its snapshot and add this edge's sessions. Raises on an
-    unreachable scheduler (grpc.aio.AioRpcError)."""
-    snap = await snapshot(app)
+    """Ask the scheduler for its snapshot and add this edge's sessions and the schedulers.
+    Raises on an unreachable scheduler (grpc.aio.AioRpcError)."""
+    snap, fleet = await asyncio.gather(snapshot(app), scheduler_list(app))
     workers = []
     for w in snap.workers:
         worker: dict[str, Any] = {
@@ -170,6 +199,7 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
             "chat_sessions": len(app.chats),
             "grpc_io": grpc_io.report(),
         },
+        **fleet,
         "queue": {"length": snap.queue_length, "max": snap.queue_max},
         "leases_active": snap.leases_active,
         "leases_detached": snap.leases_detached,

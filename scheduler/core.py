@@ -232,6 +232,9 @@ class Scheduler:
         when unknown or without an election)."""
         self.standby = False
         """True while another scheduler may lead (with an election, from the start)."""
+        self.store_problem: Callable[[], str] = lambda: ""
+        """The election's account of why its store cannot be used ("" while it can): a
+        standby's refusals say it."""
         self.term_valid: Callable[[], bool] = lambda: True
         """The election's own check that this process's term cannot have expired yet: a
         process paused past its TTL grants nothing when it wakes, before it hears so."""
@@ -258,7 +261,7 @@ class Scheduler:
         if self.draining:
             raise ShuttingDown()
         if not self.leads():
-            raise NotLeader(self.leader)
+            raise NotLeader(self.leader, self.store_problem())
 
     def lead(self, epoch: int, name: str = "") -> None:
         """Start leading with `epoch` (under `name`, this process's holder name): from an
@@ -280,7 +283,7 @@ class Scheduler:
         if self.standby:
             return
         self.standby = True
-        error = NotLeader(leader)
+        error = NotLeader(leader, self.store_problem())
         log.warning(
             "standing by: %d waiting requests and %d registrations ended, %d leases left to "
             "their workers",
@@ -320,7 +323,7 @@ class Scheduler:
         if self.draining:
             return ShuttingDown()
         if self.standby:
-            return NotLeader(self.leader)
+            return NotLeader(self.leader, self.store_problem())
         return None
 
     # --- workers ---------------------------------------------------------------------

@@ -14,7 +14,8 @@ Store addresses (`parse_store_url`, the one validator):
   redis://[:password@]HOST:PORT[/DB]          a Redis server (rediss:// for TLS)
   redis+sentinel://[:password@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]
                                               Redis Sentinel: the master of SERVICE
-The `redis` package (extra `ha`) is imported only by RedisElector.start.
+The `redis` package (extra `ha`) is imported only by `connect` (RedisElector.start, and
+`check_store`, which `omnifabric serve` runs before it starts anything).
 """
 
 from __future__ import annotations
@@ -40,12 +41,18 @@ STANDBY_POLL_S = 0.2
 #: Share of the TTL kept back from the local deadline: Redis expires keys on its own clock.
 CLOCK_MARGIN = 0.02
 
-# KEYS[1] leader, KEYS[2] epoch; ARGV[1] holder, ARGV[2] ttl ms. -> {epoch, value}; epoch 0
-# when another holder has the key (value: its value).
+# KEYS[1] leader, KEYS[2] epoch; ARGV[1] holder, ARGV[2] ttl ms, ARGV[3] the highest epoch
+# the candidate has seen. -> {epoch, value}; epoch 0 when another holder has the key (value:
+# its value). The floor keeps epochs growing across a store that lost its counter (a
+# restart without persistence), as long as one scheduler lived through it.
 _ACQUIRE = """
 local current = redis.call('GET', KEYS[1])
 if current then return {0, current} end
 local epoch = redis.call('INCR', KEYS[2])
+if epoch <= tonumber(ARGV[3]) then
+  epoch = tonumber(ARGV[3]) + 1
+  redis.call('SET', KEYS[2], epoch)
+end
 local value = epoch .. ' ' .. ARGV[1]
 redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2])
 return {epoch, value}
@@ -195,6 +202,15 @@ class Elector(abc.ABC):
         """The epoch of this process's term (0 before it first led)."""
         return self.term.epoch if self.term else 0
 
+    @property
+    def highest_epoch(self) -> int:
+        """The highest epoch this process has seen (its own terms, and others')."""
+        return max(self.epoch, self.seen.epoch if self.seen else 0)
+
+    def store_problem(self) -> str:
+        """Why the election store cannot be used now ("" while it can), for refusals."""
+        return ""
+
     def _won(self, term: Term, sent_at: float) -> None:
         self.term = self.seen = term
         self._extend(sent_at)
@@ -243,6 +259,60 @@ class Elector(abc.ABC):
         """Stop campaigning; step down, releasing the key when `release` and still held."""
 
 
+def connect(address: StoreAddress, timeout_s: float, *, retry: bool = True) -> Any:
+    """An asyncio Redis client of `address` (Sentinel: of the master it names) whose connects
+    and commands each give up after `timeout_s`; `retry` False: a failed one is not tried
+    again (the redis package's default retries thrice, backing off). ImportError without
+    the redis package."""
+    # Imported here: a scheduler without --ha never imports redis.
+    try:
+        from redis import asyncio as redis_asyncio
+        from redis.asyncio.retry import Retry
+        from redis.asyncio.sentinel import Sentinel
+        from redis.backoff import NoBackoff
+    except ImportError:
+        raise ImportError("--ha needs the redis package: pip install 'omnifabric[ha]'") from None
+
+    a = address
+    once = {} if retry else {"retry": Retry(NoBackoff(), 0)}
+    common: dict[str, Any] = dict(
+        db=a.db,
+        password=a.password,
+        username=a.username,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        **once,
+    )
+    if a.sentinel:
+        sentinels: dict[str, Any] = dict(
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **once
+        )
+        if a.password:
+            sentinels["password"] = a.password
+        sentinel = Sentinel(list(a.hosts), sentinel_kwargs=sentinels)
+        return sentinel.master_for(a.service, **common)
+    host, port = a.hosts[0]
+    return redis_asyncio.Redis(host=host, port=port, ssl=a.scheme == "rediss", **common)
+
+
+async def check_store(address: StoreAddress, timeout_s: float = 2.0) -> None:
+    """PING the store as an elector would reach it (Sentinel: the master the sentinels name);
+    OSError naming the address and what failed when it does not answer (ImportError without
+    the redis package). For `omnifabric serve`, which starts no Redis itself."""
+    client = connect(address, timeout_s, retry=False)
+    try:
+        await client.ping()
+    except Exception as exc:
+        detail = f"{type(exc).__name__}: {exc}"
+        if type(exc).__name__ == "MasterNotFoundError":  # its text is the client's repr
+            detail = f"no sentinel answered with the master of {address.service!r}"
+        raise OSError(
+            f"the election store {address.describe()} cannot be reached ({detail})"
+        ) from None
+    finally:
+        await client.aclose()
+
+
 class RedisElector(Elector):
     """The leader key in Redis (or the master named by Sentinels)."""
 
@@ -263,40 +333,11 @@ class RedisElector(Elector):
         self._scripts: dict[str, Any] = {}
         self._store_error = ""
 
-    def _connect(self) -> Any:
-        # Imported here: a scheduler without --ha never imports redis.
-        try:
-            from redis import asyncio as redis_asyncio
-            from redis.asyncio.sentinel import Sentinel
-        except ImportError:
-            raise ImportError(
-                "--ha needs the redis package: pip install 'omnifabric[ha]'"
-            ) from None
-
-        a = self.address
-        # Every command gets at most a third of the TTL: a hung store never holds the loop
-        # past the point where leadership must be given up.
-        timeout = self.ttl_s / 3
-        common: dict[str, Any] = dict(
-            db=a.db,
-            password=a.password,
-            username=a.username,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-        )
-        if a.sentinel:
-            sentinel = Sentinel(
-                list(a.hosts),
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-                sentinel_kwargs={"password": a.password} if a.password else None,
-            )
-            return sentinel.master_for(a.service, **common)
-        host, port = a.hosts[0]
-        return redis_asyncio.Redis(host=host, port=port, ssl=a.scheme == "rediss", **common)
-
     async def start(self) -> None:
-        self._client = self._connect()
+        # Every command gets at most a third of the TTL, tried once (the campaign loop tries
+        # again at its next step): a hung or gone store never holds the loop past the point
+        # where leadership must be given up, and its failure is known at once.
+        self._client = connect(self.address, self.ttl_s / 3, retry=False)
         for name, body in (("acquire", _ACQUIRE), ("renew", _RENEW), ("release", _RELEASE)):
             self._scripts[name] = self._client.register_script(body)
         self._task = asyncio.create_task(self._campaign(), name="election")
@@ -335,6 +376,12 @@ class RedisElector(Elector):
                 raise
             except Exception as exc:
                 self._unreachable(exc)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # stop() cancelled a command in flight and the redis client swallowed the
+                # cancellation (it returned, or failed otherwise): end as cancelled, or
+                # stop() would wait for this loop forever.
+                raise asyncio.CancelledError()
             # Renew at a third of the TTL; a standby polls more often, so that a released key
             # is taken within STANDBY_POLL_S.
             pause = self.ttl_s / 3 if self._leading else min(self.ttl_s / 3, STANDBY_POLL_S)
@@ -343,7 +390,8 @@ class RedisElector(Elector):
     async def _try_acquire(self) -> None:
         sent = time.monotonic()
         epoch, value = await self._scripts["acquire"](
-            keys=list(self._keys), args=[self.holder, int(self.ttl_s * 1000)]
+            keys=list(self._keys),
+            args=[self.holder, int(self.ttl_s * 1000), self.highest_epoch],
         )
         term = Term.parse(value)
         if int(epoch) > 0 and term is not None:
@@ -366,6 +414,11 @@ class RedisElector(Elector):
         self.seen = Term.parse(value) if value else None
         other = f"epoch {self.seen.epoch} held by {self.seen.holder}" if self.seen else "no one"
         self._step_down(f"the leader key now names {other}")
+
+    def store_problem(self) -> str:
+        if not self._store_error:
+            return ""
+        return f"the election store {self.address.describe()} cannot be reached"
 
     def _unreachable(self, exc: Exception) -> None:
         detail = f"{type(exc).__name__}: {exc}"

@@ -72,8 +72,10 @@ class NotLeader(SchedulerError):
     #: The details' prefix that tells this refusal from a scheduler shutting down.
     PREFIX = NOT_LEADER
 
-    def __init__(self, leader: str = "") -> None:
+    def __init__(self, leader: str = "", store_problem: str = "") -> None:
         named = f"the leader is {leader}" if leader else "no leader is known yet"
+        if store_problem:  # then no scheduler can lead, whatever it last knew
+            named = f"no scheduler can lead: {store_problem}"
         super().__init__(f"{self.PREFIX}: this scheduler is a standby ({named})")
 
 

@@ -64,6 +64,10 @@ class SchedulerState(Protocol):
     def draining(self) -> bool: ...
     @property
     def epoch(self) -> int: ...
+    @property
+    def terms(self) -> int: ...
+    @property
+    def rebuild_s(self) -> float | None: ...
     def leads(self) -> bool: ...
 
 
@@ -131,6 +135,20 @@ class _StateCollector(Collector):
             "Epoch of the newest leadership this scheduler knows of (0 without --ha).",
             s.epoch,
         )
+        yield CounterMetricFamily(
+            "omni_scheduler_leaderships",
+            "Leaderships this scheduler began since start (--ha; 0 without): each after the "
+            "fabric's first is a failover or handover to it.",
+            value=s.terms,
+        )
+        rebuild = GaugeMetricFamily(
+            "omni_scheduler_rebuild_seconds",
+            "Its last rebuild: seconds from taking the lead to the last worker registration or "
+            "re-sent request within the rebuild window (no sample before it first led).",
+        )
+        if s.rebuild_s is not None:
+            rebuild.add_metric([], s.rebuild_s)
+        yield rebuild
         yield _gauge(
             "omni_scheduler_queue_max", "Queue length beyond which queue_full.", s.queue.queue_max
         )

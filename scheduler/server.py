@@ -141,6 +141,7 @@ async def start_server(config: SchedulerConfig) -> RunningScheduler:
         elector = RedisElector(parse_store_url(config.ha), holder, config.ha_ttl_s)
         scheduler.standby = True
         scheduler.term_valid = lambda: elector.leading
+        scheduler.store_problem = elector.store_problem
         elector.listeners.append(running.on_leadership)
         running.elector = elector
         await running.set_serving(False)

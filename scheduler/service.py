@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import secrets
 from collections.abc import AsyncIterator
 from typing import NoReturn
@@ -311,7 +312,12 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb.GetLeaderResponse:
         core = self._scheduler
         return scheduler_pb.GetLeaderResponse(
-            leading=core.leads() and not core.draining, epoch=core.epoch, leader=core.leader
+            leading=core.leads() and not core.draining,
+            epoch=core.epoch,
+            leader=core.leader,
+            pid=os.getpid(),
+            terms=core.terms,
+            rebuild_s=core.rebuild_s,
         )
 
     async def CancelTicket(

@@ -55,14 +55,35 @@ class RedisServer:
 def start_redis(log_dir: Path, port: int | None = None, timeout_s: float = 10.0) -> RedisServer:
     """Start redis-server on 127.0.0.1 (`port`, or a free one) and wait until it answers.
     FileNotFoundError when the binary is not installed; RuntimeError when it does not start."""
+    port = port or free_port()
+    log_path = log_dir / f"redis-{port}.log"
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return _start(
+        [*args, "--logfile", str(log_path), "--dir", str(log_dir)], port, log_path, timeout_s
+    )
+
+
+def start_sentinel(
+    log_dir: Path, master_port: int, service: str = "mymaster", timeout_s: float = 10.0
+) -> RedisServer:
+    """Start a Redis Sentinel on a free loopback port that names the redis-server on
+    `master_port` as the master of `service` (the same binary, --sentinel mode)."""
+    port = free_port()
+    log_path = log_dir / f"sentinel-{port}.log"
+    config = log_dir / f"sentinel-{port}.conf"  # a sentinel rewrites its own config file
+    config.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {log_dir}\nlogfile {log_path}\n"
+        f"sentinel monitor {service} 127.0.0.1 {master_port} 1\n"
+        f"sentinel down-after-milliseconds {service} 1000\n"
+    )
+    return _start([str(config), "--sentinel"], port, log_path, timeout_s)
+
+
+def _start(args: list[str], port: int, log_path: Path, timeout_s: float) -> RedisServer:
     binary = shutil.which(BINARY)
     if binary is None:
         raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
-    port = port or free_port()
-    log_path = log_dir / f"redis-{port}.log"
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
-    args += ["no", "--logfile", str(log_path), "--dir", str(log_dir)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     server = RedisServer(port, proc, log_path)
     deadline = time.monotonic() + timeout_s
     while not server.ping():

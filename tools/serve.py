@@ -6,20 +6,34 @@ Ctrl-C/SIGTERM drains them in reverse order: the edge (clients get
 session.closed{server_shutdown}), then every worker at once, then the scheduler. Each
 child gets `--grace` as its own drain grace and is killed only if it is still running
 STOP_MARGIN_S after it.
+
+`--schedulers 2 --ha redis://HOST:PORT/DB` runs an active/standby pair instead of the one
+scheduler: both elect a leader on that Redis (which serve never starts: it checks that it
+answers before starting anything), the second listens on --scheduler-port + 1 (0: any
+free port), serve waits for one to lead, and the workers and the edge get both addresses.
+One of them exiting leaves the stack serving with the other; serve stops when both are gone.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 
+from omnifabric.common import config as settings
 from omnifabric.common.children import Child, spawn, stop
+from omnifabric.scheduler import election
+from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.worker.config import ASR_CHOICES
+
+#: How long the election store gets to answer serve's check before anything starts, s.
+STORE_CHECK_TIMEOUT_S = 3.0
 
 
 def metrics_port(base: int, offset: int) -> int:
@@ -36,7 +50,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--grpc-port", type=int, default=8007, help="edge RealtimeService port (0 = any, -1 = off)"
     )
     parser.add_argument(
-        "--scheduler-port", type=int, default=50051, help="scheduler port (0 = any)"
+        "--scheduler-port",
+        type=int,
+        default=50051,
+        help="scheduler port (0 = any); with --schedulers 2 the second's is this + 1",
+    )
+    parser.add_argument(
+        "--schedulers",
+        type=int,
+        default=1,
+        help="scheduler processes: 2 runs an active/standby pair (needs --ha)",
+    )
+    parser.add_argument(
+        "--ha",
+        metavar="URL",
+        help="the schedulers' election store, redis://HOST:PORT/DB or "
+        "redis+sentinel://HOST:PORT[,HOST:PORT]/SERVICE/DB; serve starts no Redis: it must "
+        "answer",
+    )
+    parser.add_argument(
+        "--ha-ttl",
+        type=float,
+        help="leader key time to live, s (the scheduler's default): a failover takes about this",
     )
     parser.add_argument(
         "--worker-base-port", type=int, default=22400, help="worker i listens on base+i (0 = any)"
@@ -45,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-base-port",
         type=int,
         default=0,
-        help="scheduler /metrics on this port, worker i on base+1+i "
-        "(0 = any free ports, printed on the metrics line; -1 = off)",
+        help="scheduler /metrics on this port, worker i on base+1+i, a second scheduler on "
+        "base+1+workers (0 = any free ports, printed on the metrics line; -1 = off)",
     )
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
     parser.add_argument(
@@ -112,12 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.workers < 1 or args.edge_processes < 1:
-        print(
-            "omnifabric serve: --workers and --edge-processes must be at least 1",
-            file=sys.stderr,
-        )
+    problem = flag_problem(args)
+    if problem is not None:
+        print(f"omnifabric serve: {problem}", file=sys.stderr)
         return 2
+    if args.ha is not None and (problem := store_problem(args.ha)) is not None:
+        print(f"omnifabric serve: {problem}", file=sys.stderr)
+        return 1
     children: list[Child] = []
     stopping = threading.Event()
 
@@ -130,11 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         grace = ["--grace", str(args.grace)]
         voice = default_voice(args)
-        sched_args = ["--host", args.host, "--port", str(args.scheduler_port), *grace]
-        sched_args += ["--metrics-port", str(metrics_port(args.metrics_base_port, 0))]
-        scheduler = spawn("scheduler", "omnifabric.scheduler", sched_args)
-        children.append(scheduler)
-        sched_addr = scheduler.wait_ready(args.ready_timeout).split()[0]
+        scheds = [
+            spawn(name, "omnifabric.scheduler", scheduler_args(args, i))
+            for i, name in enumerate(scheduler_names(args.schedulers))
+        ]
+        children.extend(scheds)
+        addresses = [s.wait_ready(args.ready_timeout).split()[0] for s in scheds]
+        if args.ha is not None:
+            wait_for_leader(addresses, scheds, args.ready_timeout)
+        sched_addr = ",".join(addresses)
         workers = []
         for i in range(args.workers):
             port = 0 if args.worker_base_port == 0 else args.worker_base_port + i
@@ -209,23 +249,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"omnifabric ready: {url}", flush=True)
         web = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1)
         print(f"omnifabric web client: {web.removesuffix('/v1/realtime')}/", flush=True)
-        print(f"omnifabric metrics: {_metrics_urls(scheduler, workers, url)}", flush=True)
+        print(f"omnifabric metrics: {_metrics_urls(scheds, workers, url)}", flush=True)
+        reported: set[str] = set()
         while not stopping.wait(0.5):
-            if scheduler.proc.poll() is not None or edge.proc.poll() is not None:
-                dead = scheduler if scheduler.proc.poll() is not None else edge
-                print(
-                    f"omnifabric serve: {dead.name} exited ({dead.proc.returncode}); stopping",
-                    file=sys.stderr,
-                )
-                code = 1
-                break
-            for w in workers:
-                if w.proc.poll() is not None and not getattr(w, "reported", False):
+            # The edge gone, or every scheduler: nothing can be served any more.
+            gone = [edge] if edge.proc.poll() is not None else []
+            if all(s.proc.poll() is not None for s in scheds):
+                gone += [s for s in scheds if s.name not in reported]
+            if gone:
+                for dead in gone:
                     print(
-                        f"omnifabric serve: {w.name} exited ({w.proc.returncode}); serving on",
+                        f"omnifabric serve: {dead.name} exited ({dead.proc.returncode}); stopping",
                         file=sys.stderr,
                     )
-                    w.reported = True  # type: ignore[attr-defined]
+                code = 1
+                break
+            # A worker, or a scheduler of a pair: the others serve on.
+            for child in (*scheds, *workers):
+                if child.proc.poll() is not None and child.name not in reported:
+                    print(
+                        f"omnifabric serve: {child.name} exited ({child.proc.returncode}); "
+                        "serving on",
+                        file=sys.stderr,
+                    )
+                    reported.add(child.name)
     except RuntimeError as exc:
         print(f"omnifabric serve: {exc}", file=sys.stderr)
         code = 1
@@ -258,11 +305,98 @@ def default_voice(args: argparse.Namespace) -> str | None:
     return str(path)
 
 
-def _metrics_urls(scheduler: Child, workers: list[Child], edge_url: str) -> str:
-    """name=URL for every /metrics endpoint (scheduler and workers: their ready lines'
+def flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, before anything starts; None when nothing is."""
+    if args.workers < 1 or args.edge_processes < 1:
+        return "--workers and --edge-processes must be at least 1"
+    if args.schedulers < 1:
+        return "--schedulers must be at least 1"
+    if args.ha is None:
+        if args.schedulers > 1:
+            return (
+                f"--schedulers {args.schedulers} runs active/standby schedulers: it needs "
+                "--ha redis://HOST:PORT/DB, a Redis for their election (serve starts none)"
+            )
+        if args.ha_ttl is not None:
+            return "--ha-ttl needs --ha"
+        return None
+    try:
+        election.parse_store_url(args.ha)
+    except election.StoreUrlError as exc:
+        return f"--ha {exc}"
+    try:
+        ttl = settings.settings(SchedulerConfig)["ha_ttl_s"]
+        settings.check_value(ttl, args.ha_ttl, "--ha-ttl")
+    except settings.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def store_problem(url: str, timeout_s: float = STORE_CHECK_TIMEOUT_S) -> str | None:
+    """Why the election store at `url` (a valid address) cannot serve the schedulers, in one
+    line; None when it answers. Serve starts no Redis: the operator must."""
+    try:
+        asyncio.run(election.check_store(election.parse_store_url(url), timeout_s))
+    except (OSError, ImportError) as exc:
+        detail = " ".join(str(exc).split())
+        return f"{detail}; serve starts no Redis: start one there or name another with --ha"
+    return None
+
+
+def scheduler_names(count: int) -> list[str]:
+    """The schedulers' child names: `scheduler` alone, `scheduler0`, `scheduler1`, ... in a
+    group (the drain order goes by the name without its digits)."""
+    return ["scheduler"] if count == 1 else [f"scheduler{i}" for i in range(count)]
+
+
+def scheduler_args(args: argparse.Namespace, i: int) -> list[str]:
+    """Scheduler i's flags: --scheduler-port + i (0: any free), its metrics port after the
+    workers' (the first: --metrics-base-port itself), the election store when given."""
+    port = args.scheduler_port + i if args.scheduler_port else 0
+    metrics = metrics_port(args.metrics_base_port, args.workers + i if i else 0)
+    out = ["--host", args.host, "--port", str(port), "--grace", str(args.grace)]
+    out += ["--metrics-port", str(metrics)]
+    if args.ha is not None:
+        out += ["--ha", args.ha]
+    if args.ha_ttl is not None:
+        out += ["--ha-ttl", str(args.ha_ttl)]
+    return out
+
+
+def wait_for_leader(addresses: list[str], scheds: list[Child], timeout_s: float) -> str:
+    """Ask the schedulers which leads (common.schedulers) until one does; its address.
+    RuntimeError when none does within `timeout_s` or all of them exited."""
+    import grpc
+
+    from omnifabric.common import schedulers
+    from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+
+    async def poll() -> str:
+        channels = [grpc.aio.insecure_channel(a) for a in addresses]
+        try:
+            stubs = [scheduler_grpc.SchedulerServiceStub(c) for c in channels]
+            deadline = time.monotonic() + timeout_s
+            while True:
+                answer, _ = await schedulers.find_leader(stubs)
+                if answer is not None:
+                    return addresses[answer.index]
+                if all(s.proc.poll() is not None for s in scheds):
+                    raise RuntimeError("every scheduler exited before one led")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no scheduler leads after {timeout_s:.0f}s")
+                await asyncio.sleep(0.1)
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    return asyncio.run(poll())
+
+
+def _metrics_urls(scheds: list[Child], workers: list[Child], edge_url: str) -> str:
+    """name=URL for every /metrics endpoint (schedulers and workers: their ready lines'
     metrics= word; edge: its WebSocket port)."""
     urls = []
-    for child in (scheduler, *workers):
+    for child in (*scheds, *workers):
         for word in child.ready_text.split():
             if word.startswith("metrics="):
                 urls.append(f"{child.name}=http://{word.removeprefix('metrics=')}/metrics")

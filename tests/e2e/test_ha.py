@@ -328,3 +328,38 @@ async def _positions(clients: list[WsClient], expected: list[int]) -> bool:
         updates = [e for e in client.events if e["type"].startswith("session.queue")]
         newest.append(updates[-1].get("position") if updates else None)
     return newest == expected
+
+
+async def test_redis_killed_the_leader_serves_until_its_ttl_then_the_fabric_says_so(
+    redis_server,  # noqa: F811
+    stack,
+):
+    sched_a, _, (a, b) = await ha_pair(stack, redis_server)
+    stack.start_worker("--slots", "4", "--compute-ms", "5", name="w0")
+    stack.start_edge()
+    url = f"{stack.url}?mode=audio"
+    survivor = await WsClient.open(url)
+    await survivor.start()
+    await served_unit(survivor)
+
+    redis_server.proc.kill()
+    redis_server.proc.wait()
+    killed = time.monotonic()
+    # Within its TTL the leader still serves a new caller.
+    client = await WsClient.open(url)
+    await client.until("session.queue_done")
+    assert time.monotonic() - killed < TTL_S
+    await client.close()
+    # Past it nobody leads: a new caller is refused, and told why.
+    await wait_for(lambda: _nobody_leads(a, b), 10)
+    refused = await WsClient.open(url)
+    error = (await refused.until("error", timeout_s=scaled(15)))["error"]
+    print(f"Redis killed: a new caller is told {error}")
+    assert error["code"] == "service_unavailable", error
+    assert "election store" in error["message"] and "redis://127.0.0.1" in error["message"]
+    # The running session goes on with its worker.
+    await served_unit(survivor)
+
+
+async def _nobody_leads(*addresses: str) -> bool:
+    return not any([await leads(address) for address in addresses])

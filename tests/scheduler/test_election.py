@@ -150,3 +150,59 @@ async def test_unreachable_store_at_start_is_retried(tmp_path) -> None:  # type:
     finally:
         await a.stop()
         server.stop()
+
+
+async def test_a_real_sentinel_names_the_master_the_electors_use(
+    redis_server: RedisServer,  # noqa: F811
+    tmp_path,
+) -> None:
+    """redis+sentinel://: the electors ask a real Sentinel for the master and hold the
+    leader key there (one leads, the other takes over on release)."""
+    from redis import asyncio as redis_asyncio
+
+    from omnifabric.scheduler.election import check_store
+    from omnifabric.tools.redis_local import start_sentinel
+
+    sentinel = start_sentinel(tmp_path, redis_server.port)
+    try:
+        address = parse_store_url(f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster/0")
+        await check_store(address)
+        a, b = (RedisElector(address, name, TTL_S) for name in ("a", "b"))
+        await a.start()
+        await wait_for(lambda: a.leading, 5)
+        await b.start()
+        client = redis_asyncio.Redis(port=redis_server.port)
+        assert (await client.get(LEADER_KEY)).decode().endswith(" a")  # on the master
+        await a.stop()
+        await wait_for(lambda: b.leading, 5)
+        assert b.epoch == a.epoch + 1
+        await b.stop()
+        await client.aclose()
+        # A service the sentinels do not know is named in the error.
+        with pytest.raises(Exception, match="nomaster"):
+            await check_store(
+                parse_store_url(f"redis+sentinel://127.0.0.1:{sentinel.port}/nomaster/0")
+            )
+    finally:
+        sentinel.stop()
+
+
+async def test_epochs_keep_growing_when_the_store_loses_its_counter(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """A Redis restarted without persistence comes back empty: the next leadership still gets
+    a higher epoch than any a candidate has seen (workers refuse lower ones)."""
+    from redis import asyncio as redis_asyncio
+
+    a, b = elector(redis_server, "a"), elector(redis_server, "b")
+    await a.start()
+    await wait_for(lambda: a.leading, 2)
+    await b.start()
+    await wait_for(lambda: b.seen is not None, 2)
+    client = redis_asyncio.Redis(port=redis_server.port)
+    await client.flushall()  # the counter and the key gone
+    await client.aclose()
+    await wait_for(lambda: (a.leading or b.leading) and max(a.epoch, b.epoch) > 1, 5)
+    assert max(a.epoch, b.epoch) == 2
+    for e in (a, b):
+        await e.stop()

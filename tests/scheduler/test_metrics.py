@@ -133,3 +133,34 @@ def test_grant_log_line_names_the_session_in_json():
         "scheduler",
         "omnifabric.scheduler.core",
     )
+
+
+def test_leaderships_and_rebuild_seconds_follow_the_core(monkeypatch):
+    """Leaderships begun count every lead() (a failover or handover to this scheduler); the
+    rebuild gauge has no sample before the first, then the time from taking the lead to the
+    last registration within the rebuild window."""
+    from omnifabric.scheduler import core as core_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(core_module.time, "monotonic", lambda: clock[0])
+    core = Scheduler(SchedulerConfig())
+    value = core.metrics.registry.get_sample_value
+    assert value("omni_scheduler_leaderships_total") == 0
+    assert value("omni_scheduler_rebuild_seconds") is None
+    assert "# TYPE omni_scheduler_rebuild_seconds gauge" in core.metrics.exposition().decode()
+
+    core.lead(1, "a")
+    assert value("omni_scheduler_leaderships_total") == 1
+    assert value("omni_scheduler_rebuild_seconds") == 0
+    clock[0] += 0.25
+    core.register(_hello("w1"))
+    assert value("omni_scheduler_rebuild_seconds") == pytest.approx(0.25)
+    clock[0] += core_module.REBUILD_S  # past the window: a late registration is no rebuild
+    core.register(_hello("w2"))
+    assert value("omni_scheduler_rebuild_seconds") == pytest.approx(0.25)
+
+    core.follow("b", 2)
+    core.lead(3, "a")
+    assert value("omni_scheduler_leaderships_total") == 2
+    assert value("omni_scheduler_rebuild_seconds") == 0
+    assert value("omni_scheduler_epoch") == 3

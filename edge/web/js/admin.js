@@ -53,7 +53,39 @@ function replace(id, ...nodes) {
   $(id).replaceChildren(...nodes);
 }
 
+// Every scheduler the edge is configured with (one, or an active/standby pair): address, pid,
+// leading or standby (or not answering), epoch, leaderships begun and the last rebuild.
+function renderSchedulers(s) {
+  const schedulers = s.schedulers || [];
+  if (schedulers.length === 0) {
+    replace('schedulers', el('p', 'The edge named no scheduler.', 'muted'));
+    return;
+  }
+  const role = (x) => {
+    if (!x.answers) return el('span', 'not answering', 'health-other');
+    return x.leading ? el('span', 'leading', 'health-serving') : el('span', 'standby', 'muted');
+  };
+  const rows = schedulers.map((x) => [
+    x.address,
+    x.pid ?? '—',
+    role(x),
+    x.epoch ?? '—',
+    x.leaderships ?? '—',
+    x.rebuild_s === null || x.rebuild_s === undefined
+      ? '—'
+      : `${Number(x.rebuild_s).toFixed(2)} s`,
+  ]);
+  const nodes = [
+    table(['address', 'pid', 'role', 'epoch', 'leaderships', 'last rebuild'], rows),
+  ];
+  if (!s.scheduler_leader) {
+    nodes.push(el('p', 'No scheduler leads: new sessions are refused.', 'health-other'));
+  }
+  replace('schedulers', ...nodes);
+}
+
 function render(s) {
+  renderSchedulers(s);
   const workers = s.workers || [];
   if (workers.length === 0) {
     replace('workers', el('p', 'No worker is registered with the scheduler.', 'health-other'));
@@ -147,6 +179,9 @@ async function refresh() {
           : 'This edge needs an API key (401): enter it above and press Refresh.',
       );
     } else if (response.status === 503) {
+      // The body still lists the schedulers: which one is down, which one would lead.
+      const body = await response.json().catch(() => ({}));
+      renderSchedulers(body);
       fail(
         'unavailable',
         'scheduler_unavailable',
