@@ -5,7 +5,8 @@ error `app_disabled` and close 1008; POST /api/chat: 403; gRPC: PERMISSION_DENIE
 already open go on. The switches are the fabric's: a change goes to the scheduler
 (SetApp) and every edge process reads them from it about once a second (`follow`), so a
 switch reaches every edge of the fabric within that; an edge that cannot reach the
-scheduler keeps what it last read.
+scheduler keeps what it last read. A scheduler that starts afresh (a restart, or a standby
+that took over) knows no switches: the edges give it back the ones they had (`follow`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,16 @@ class Apps:
             for app_id, app in self._apps.items():
                 self._apps[app_id] = replace(app, enabled=app_id not in off)
 
+    def lost(self, switches: scheduler_pb.AppSwitches) -> list[str]:
+        """The apps off here that `switches` would turn on only because they come from a
+        scheduler process that started afresh (another epoch, never switched: generation
+        0, nothing off), for `follow` to switch off there again; [] otherwise."""
+        with self._lock:
+            fresh = switches.epoch != self._epoch and not switches.generation
+            if not self._epoch or not fresh or switches.disabled_app_ids:
+                return []
+            return sorted(app_id for app_id, app in self._apps.items() if not app.enabled)
+
     def take(self, switches: scheduler_pb.AppSwitches) -> None:
         """Apply the scheduler's switches (GetApps and SetApp answer them alike)."""
         self.apply(switches.disabled_app_ids, switches.generation, switches.epoch)
@@ -112,11 +123,19 @@ class Apps:
 
 async def follow(apps: Apps, stub: Any, interval_s: float = FOLLOW_INTERVAL_S) -> None:
     """Keep `apps` as the scheduler says, reading GetApps every `interval_s` until
-    cancelled; while the scheduler does not answer the last switches stay (logged once)."""
+    cancelled; while the scheduler does not answer the last switches stay (logged once).
+    A scheduler that started afresh is given back the apps that were off (SetApp)."""
     failing = False
     while True:
         try:
             reply = await stub.GetApps(scheduler_pb.GetAppsRequest(), timeout=2 * interval_s)
+            if lost := apps.lost(reply.switches):
+                log.info("app switches: a new scheduler; switching %s off again", ",".join(lost))
+                for app_id in lost:
+                    reply = await stub.SetApp(
+                        scheduler_pb.SetAppRequest(app_id=app_id, enabled=False),
+                        timeout=2 * interval_s,
+                    )
         except grpc.aio.AioRpcError as err:
             if not failing:
                 log.warning("app switches: the scheduler did not answer (%s)", err.code().name)

@@ -143,10 +143,30 @@ async def test_a_switch_reaches_every_edge_of_the_fabric(stack, tmp_path):
         return [a["app_id"] for a in request(http_url(url, "/api/apps"), "GET")[1]["apps"]]
 
     assert "omni" not in enabled(first_url) and "turnbased" in enabled(first_url)
-    # A restarted scheduler starts with every app on; the edges take that, though its
-    # changes count from 0 again (another epoch), and take its next change too.
+    # A restarted scheduler knows no switches: the edges give it theirs back (omni stays
+    # off everywhere), and take its next change though it counts from 0 again.
     stack.restart_scheduler()
-    for url in (first_url, second_url):
-        await wait_for(lambda u=url: asyncio.sleep(0, "omni" in enabled(u)), 10, interval_s=0.2)
-    assert request(f"{admin}/omni", "PUT", {"enabled": False}, key=ADMIN)[0] == 200
-    await wait_for(lambda: asyncio.sleep(0, "omni" not in enabled(second_url)), 5, interval_s=0.1)
+    await wait_for(lambda: asyncio.sleep(0, _scheduler_off(stack) == ["omni"]), 10, 0.2)
+    for url in (first_url, second_url):  # the second may not have read it before the stop
+        await wait_for(lambda u=url: asyncio.sleep(0, "omni" not in enabled(u)), 5, 0.1)
+        assert "turnbased" in enabled(url)
+    assert request(f"{admin}/omni", "PUT", {"enabled": True}, key=ADMIN)[0] == 200
+    await wait_for(lambda: asyncio.sleep(0, "omni" in enabled(second_url)), 5, interval_s=0.1)
+    await asyncio.sleep(1.5)  # a read or two later: not switched off again
+    assert "omni" in enabled(second_url) and _scheduler_off(stack) == []
+
+
+def _scheduler_off(stack) -> list[str] | None:
+    """The apps the scheduler has off (GetApps), None when it does not answer."""
+    import grpc
+
+    from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+    from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
+
+    with grpc.insecure_channel(stack.scheduler_address) as channel:
+        stub = scheduler_grpc.SchedulerServiceStub(channel)
+        try:
+            reply = stub.GetApps(scheduler_pb.GetAppsRequest(), timeout=2)
+        except grpc.RpcError:
+            return None
+    return list(reply.switches.disabled_app_ids)
