@@ -18,6 +18,9 @@ from omnifabric.worker.journal import JOURNAL_RESULTS
 
 ASR_CHOICES = ("both", "whisper")
 """The reference engine's recognizer settings (``WorkerConfig.asr``)."""
+TURN_WORK = ("auto", "inline", "finalize")
+"""Where the reference engine works out the end of a user's turn (``WorkerConfig.turn_work``,
+``TurnRules.turn_work``)."""
 
 
 def _default_worker_id() -> str:
@@ -307,6 +310,18 @@ class WorkerConfig:
     """Reference engine: ``both`` hears every utterance with Whisper base and Moonshine
     base-en and keeps the transcript both find likelier (``hearing.Ears``); ``whisper`` uses
     Whisper base alone (less CPU and ~250 MB less memory, more mishearings)."""
+    turn_work: str = setting(
+        "auto",
+        env="OMNI_WORKER_TURN_WORK",
+        flag="--turn-work",
+        choices=TURN_WORK,
+        help="reference: where a user turn's end is worked out: auto (inline when its measured "
+        "cost fits half a unit, else in that unit's finalize), inline or finalize (the same "
+        "unit speaks for the same audio whatever the machine's speed: replays match)",
+    )
+    """Reference engine: ``TurnRules.turn_work``. ``auto`` decides by the engine's measured
+    costs, which it learns as it runs, so a replay on a warmer or faster engine may start a
+    reply a unit sooner than the recording did; ``finalize`` or ``inline`` never does."""
     llm_model: str | None = setting(
         None,
         env="OMNI_WORKER_LLM_MODEL",

@@ -72,6 +72,22 @@ async def ha_pair(stack: Stack, redis: RedisServer) -> tuple[Service, Service, l
     return first, second, [a, b]
 
 
+async def pair_serving(
+    stack: Stack, redis: RedisServer, slots: int
+) -> tuple[Service, list[str], str, WsClient]:
+    """The pair, a synthetic worker w0 of `slots` and an edge given both addresses, with one
+    session already served a unit: (the first scheduler, both addresses, the audio URL, the
+    session's client)."""
+    sched_a, _, addresses = await ha_pair(stack, redis)
+    stack.start_worker("--slots", str(slots), "--compute-ms", "5", name="w0")
+    stack.start_edge()
+    url = f"{stack.url}?mode=audio"
+    survivor = await WsClient.open(url)
+    await survivor.start()
+    await served_unit(survivor)
+    return sched_a, addresses, url, survivor
+
+
 async def new_caller_served(url: str, within_s: float) -> float:
     """Seconds until a new client (retried while refused) is leased a worker."""
     start = time.monotonic()
@@ -94,7 +110,7 @@ async def test_standby_refuses_and_kill9_of_the_leader_fails_over(
     redis_server,  # noqa: F811 - started first, stopped after the stack
     stack,
 ):
-    sched_a, _, (a, b) = await ha_pair(stack, redis_server)
+    sched_a, (a, b), url, survivor = await pair_serving(stack, redis_server, 2)
     # A standby grants nothing and says why.
     async with grpc.aio.insecure_channel(b) as channel:
         stub = scheduler_grpc.SchedulerServiceStub(channel)
@@ -103,12 +119,6 @@ async def test_standby_refuses_and_kill9_of_the_leader_fails_over(
             await call.read()
         assert info.value.code() is grpc.StatusCode.UNAVAILABLE
         assert info.value.details().startswith("not_leader: this scheduler is a standby")
-    stack.start_worker("--slots", "2", "--compute-ms", "5", name="w0")
-    stack.start_edge()
-    url = f"{stack.url}?mode=audio"
-    survivor = await WsClient.open(url)
-    await survivor.start()
-    await served_unit(survivor)
     [lease_id] = next(w for w in (await status(a)).workers if w.worker_id == "w0").lease_ids
 
     sched_a.kill(signal.SIGKILL)
@@ -191,13 +201,7 @@ async def test_sigterm_hands_over_within_a_second_refusing_nobody(
     redis_server,  # noqa: F811
     stack,
 ):
-    sched_a, _, (a, b) = await ha_pair(stack, redis_server)
-    stack.start_worker("--slots", "8", "--compute-ms", "5", name="w0")
-    stack.start_edge()
-    url = f"{stack.url}?mode=audio"
-    survivor = await WsClient.open(url)
-    await survivor.start()
-    await served_unit(survivor)
+    sched_a, (a, b), url, survivor = await pair_serving(stack, redis_server, 8)
     # A steady arrival of new sessions across the handover (a rolling upgrade): each
     # must be served, none refused.
     outcomes: list[str] = []
@@ -334,13 +338,7 @@ async def test_redis_killed_the_leader_serves_until_its_ttl_then_the_fabric_says
     redis_server,  # noqa: F811
     stack,
 ):
-    sched_a, _, (a, b) = await ha_pair(stack, redis_server)
-    stack.start_worker("--slots", "4", "--compute-ms", "5", name="w0")
-    stack.start_edge()
-    url = f"{stack.url}?mode=audio"
-    survivor = await WsClient.open(url)
-    await survivor.start()
-    await served_unit(survivor)
+    _, (a, b), url, survivor = await pair_serving(stack, redis_server, 4)
 
     redis_server.proc.kill()
     redis_server.proc.wait()

@@ -32,7 +32,9 @@ def stack(tmp_path_factory, record_dir):
     s = Stack(tmp_path_factory.mktemp("logs"))
     try:
         s.start_scheduler()
-        s.start_worker("--engine", "reference", "--slots", "2")
+        # Where a turn's end is worked out is fixed: `auto` learns the engine's costs as it
+        # runs, and a replay on the warmed engine could start the reply a unit sooner.
+        s.start_worker("--engine", "reference", "--slots", "2", "--turn-work", "finalize")
         s.start_edge("--record-dir", str(record_dir))
         yield s
     finally:

@@ -33,7 +33,9 @@ def _reference(config: WorkerConfig) -> Engine:
     from omnifabric.worker.engines.reference.turns import TurnRules
 
     rules = TurnRules(
-        min_speech_s=config.turn_min_speech_s, end_silence_s=config.turn_end_silence_s
+        min_speech_s=config.turn_min_speech_s,
+        end_silence_s=config.turn_end_silence_s,
+        turn_work=config.turn_work,
     )
     engine = ReferenceEngine(
         slots=config.slots or 5,

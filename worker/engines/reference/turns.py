@@ -19,10 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from omnifabric.worker.config import TURN_WORK
 from omnifabric.worker.engines.vad import UtteranceRules
-
-#: Where the end of a user's turn is worked out (TurnRules.turn_work).
-TURN_WORK = ("auto", "inline", "finalize")
 
 
 @dataclass(frozen=True)
