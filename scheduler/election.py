@@ -231,7 +231,9 @@ class Elector(abc.ABC):
         if self._leading and time.monotonic() >= self._valid_until:
             self._step_down("the leader key could not be renewed within its TTL")
 
-    def _step_down(self, why: str) -> None:
+    def _step_down(self, why: str, tell: bool = True) -> None:
+        """Stop leading at once (`leading` is False from here) and, with `tell`, tell the
+        listeners."""
         if not self._leading:
             return
         self._leading = False
@@ -240,7 +242,8 @@ class Elector(abc.ABC):
             self._deadline.cancel()
             self._deadline = None
         log.warning("stepping down (epoch %d): %s", self.epoch, why)
-        self._tell(False, self.seen)
+        if tell:
+            self._tell(False, self.seen)
 
     def _tell(self, leading: bool, term: Term | None) -> None:
         for listener in list(self.listeners):
@@ -348,7 +351,11 @@ class RedisElector(Elector):
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         held = self.leading
-        self._step_down("stopping")
+        unheard = self._leading  # the listeners still take this process for the leader
+        # Granting stops at once, but the listeners (which end every stream of this
+        # leadership: thousands of them, a busy loop) hear it only after the key is
+        # released: the standby takes over that much sooner.
+        self._step_down("stopping", tell=False)
         if release and held and self.term is not None and self._client is not None:
             try:
                 async with asyncio.timeout(self.ttl_s / 3):
@@ -358,6 +365,8 @@ class RedisElector(Elector):
                 log.info("leader key %s", "released" if released else "was no longer ours")
             except Exception as exc:
                 log.warning("could not release the leader key (it expires by itself): %r", exc)
+        if unheard:
+            self._tell(False, self.seen)
         if self._client is not None:
             await self._client.aclose()
             self._client = None
