@@ -55,7 +55,9 @@ class HeldLease:
     """A session a registering worker serves, as its grant described it."""
 
     lease_id: str
-    mode: Mode
+    mode: Mode | None = None
+    """None: not said (an id alone, from older workers, or a mode this scheduler does not
+    know): the lease is a taken slot and nothing more."""
     session_id: str = ""
     key: str = ""
     resume_key: str = ""
@@ -381,19 +383,11 @@ class Scheduler:
 
     def _rebuilt(self, worker: Worker, lease_id: str, held: HeldLease | None) -> Lease:
         """The lease of a session a registering worker serves that this scheduler did not
-        grant (it began to lead since, or restarted). Without its detail: a taken slot
-        (ORPHAN), freed on release. With it: a holderless lease that counts for its key and
-        can be reattached by its resume key; a detached one waits out its time left."""
-        if held is None:
-            lease = Lease(
-                worker_id=worker.worker_id,
-                slot=worker.take_slot(lease_id),
-                mode=None,
-                lease_id=lease_id,
-                state=LeaseState.ORPHAN,
-            )
-            lease.announced.set()
-            return lease
+        grant (it began to lead since, or restarted): holderless (ORPHAN), freed on
+        release. With its detail it counts for its key and can be reattached by its resume
+        key, and a detached one waits out its time left; without, it is a taken slot."""
+        if held is None or held.mode is None:
+            held = HeldLease(lease_id)
         lease = Lease(
             worker_id=worker.worker_id,
             slot=worker.take_slot(lease_id, mode=held.mode),

@@ -419,20 +419,17 @@ def _hello_from_pb(hello: scheduler_pb.WorkerHello) -> WorkerHello:
         engine=hello.engine,
         health=_health_from_pb(hello.health),
         active_lease_ids=tuple(hello.active_lease_ids),
-        held_leases=tuple(h for h in map(_held_from_pb, hello.held_leases) if h is not None),
+        held_leases=tuple(_held_from_pb(h) for h in hello.held_leases),
         limits=_limits_from_pb(hello.limits) if hello.HasField("limits") else None,
         headroom=_headroom_from_pb(hello.headroom) if hello.HasField("headroom") else None,
     )
 
 
-def _held_from_pb(held: scheduler_pb.HeldLease) -> HeldLease | None:
-    """None for a mode this scheduler does not know: the lease stays a taken slot."""
-    mode = _MODE_FROM_PB.get(held.mode)
-    if mode is None:
-        return None
+def _held_from_pb(held: scheduler_pb.HeldLease) -> HeldLease:
+    """(A mode this scheduler does not know: none, the lease stays a taken slot.)"""
     return HeldLease(
         lease_id=held.lease_id,
-        mode=mode,
+        mode=_MODE_FROM_PB.get(held.mode),
         session_id=held.session_id,
         key=held.key,
         resume_key=held.resume_key,

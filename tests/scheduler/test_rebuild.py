@@ -16,7 +16,7 @@ from omnifabric.scheduler.core import (
     Scheduler,
     WorkerHello,
 )
-from omnifabric.scheduler.errors import KeySessionLimit, ResumeForbidden
+from omnifabric.scheduler.errors import KeySessionLimit, ResumeForbidden, ResumeUnknown
 from omnifabric.scheduler.leases import LeaseRevokeNotice, LeaseState
 from omnifabric.scheduler.registry import Health, Mode
 from tests.conftest import scaled
@@ -98,12 +98,17 @@ async def test_a_detached_session_is_taken_back_when_its_time_left_passes() -> N
 
 async def test_ids_without_detail_are_taken_slots_only() -> None:
     core = new_leader()
-    worker = core.register(hello((), ids=("old",)))
-    lease = core.leases.get("old")
-    assert lease.state is LeaseState.ORPHAN and lease.mode is None and not lease.resume_key
-    assert worker.slots_free == 2
+    # An id alone (an older worker), and one in a mode this scheduler does not know.
+    unknown = HeldLease("odd", None, resume_key="r9", owner="o", resume_grace_s=30)
+    worker = core.register(hello((unknown,), ids=("old", "odd")))
+    for lease_id in ("old", "odd"):
+        lease = core.leases.get(lease_id)
+        assert lease.state is LeaseState.ORPHAN and lease.mode is None and not lease.resume_key
+    assert worker.slots_free == 1
+    with pytest.raises(ResumeUnknown):
+        await anext(core.reattach("r9", "o"))
     core.release(worker, "old")
-    assert worker.slots_free == 3
+    assert worker.slots_free == 2
 
 
 async def test_resent_callers_keep_their_place_and_are_not_refused_again() -> None:
