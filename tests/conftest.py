@@ -75,3 +75,14 @@ def pytest_collection_finish(session: object) -> None:
     1-5 ms alone). Frozen, they are never walked again, as the services do at startup."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def stack(tmp_path):
+    """An empty local stack (tests.stack.Stack) the test starts services in, stopped after
+    it; a module that needs another kind defines its own `stack`."""
+    from tests.stack import Stack
+
+    s = Stack(tmp_path)
+    yield s
+    s.stop()

@@ -35,13 +35,6 @@ from tests.e2e.wsclient import (
 from tests.stack import Stack
 
 
-@pytest.fixture
-def stack(tmp_path):
-    s = Stack(tmp_path)
-    yield s
-    s.stop()
-
-
 def edge_address(stack: Stack) -> str:
     return stack.url.split("://", 1)[1].split("/", 1)[0]
 

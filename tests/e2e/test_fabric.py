@@ -20,20 +20,13 @@ from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, wait_for
 from tests.e2e.wsclient import post_json as _post
-from tests.stack import Stack, read_until_line, start_serve
+from tests.stack import read_until_line, start_serve
 
 
 async def scheduler_status(address: str) -> scheduler_pb.GetStatusResponse:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = scheduler_grpc.SchedulerServiceStub(channel)
         return await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=scaled(5))
-
-
-@pytest.fixture
-def stack(tmp_path):
-    s = Stack(tmp_path)
-    yield s
-    s.stop()
 
 
 async def test_queue_positions_eta_then_served(stack):

@@ -22,14 +22,7 @@ from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, WsClient, metric, scrape_metrics, served_unit, wait_for
-from tests.stack import Stack, read_until_line, start_service
-
-
-@pytest.fixture
-def stack(tmp_path):
-    s = Stack(tmp_path)
-    yield s
-    s.stop()
+from tests.stack import read_until_line, start_service
 
 
 async def status(address: str, credentials=None) -> scheduler_pb.GetStatusResponse:

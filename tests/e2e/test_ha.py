@@ -29,13 +29,6 @@ from tests.stack import Service, Stack, start_service
 TTL_S = 1.0
 
 
-@pytest.fixture
-def stack(tmp_path):
-    s = Stack(tmp_path)
-    yield s
-    s.stop()
-
-
 async def leader_of(address: str) -> scheduler_pb.GetLeaderResponse | None:
     """GetLeader of one scheduler; None when it does not answer within 0.5 s."""
     async with grpc.aio.insecure_channel(address) as channel:

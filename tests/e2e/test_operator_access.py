@@ -104,13 +104,6 @@ def lan():
     return address
 
 
-@pytest.fixture
-def stack(tmp_path):
-    stack = Stack(tmp_path)
-    yield stack
-    stack.stop()
-
-
 # ---- the rule, with explicit peer addresses ----------------------------------------------
 
 

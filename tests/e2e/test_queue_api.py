@@ -10,16 +10,8 @@ from websockets.exceptions import ConnectionClosed
 from tests.e2e.test_default_voice import http_url
 from tests.e2e.wsclient import WsClient
 from tests.edge.test_voices import request
-from tests.stack import Stack
 
 USER, ADMIN = "sk-user", "sk-admin"
-
-
-@pytest.fixture
-def stack(tmp_path):
-    stack = Stack(tmp_path)
-    yield stack
-    stack.stop()
 
 
 @pytest.fixture

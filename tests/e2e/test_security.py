@@ -34,13 +34,6 @@ from tests.stack import Stack
 PCM = SILENCE.astype("<f4").tobytes()
 
 
-@pytest.fixture
-def stack(tmp_path):
-    s = Stack(tmp_path)
-    yield s
-    s.stop()
-
-
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 

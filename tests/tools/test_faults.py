@@ -18,18 +18,10 @@ from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_
 from omnifabric.tools import faults
 from omnifabric.tools.faults import FaultProxy
 from tests.conftest import ROOT, scaled
-from tests.stack import Stack
 
 #: The scheduler's default OMNI_SCHEDULER_WORKER_TIMEOUT_S; workers report every second.
 WORKER_TIMEOUT_S = 3.0
 HEARTBEAT_S = 1.0
-
-
-@pytest.fixture
-def stack(tmp_path):
-    s = Stack(tmp_path)
-    yield s
-    s.stop()
 
 
 async def get_status(address: str, wait: bool = False) -> scheduler_pb.GetStatusResponse:
