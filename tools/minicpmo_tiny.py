@@ -17,6 +17,11 @@ engine without the 9B weights (nothing of it is committed: you fetch the public 
 The real config is kept (auto_map `modeling_minicpmo.MiniCPMO`, token ids, vocabulary) and
 only the widths and depths are shrunk (SHRINK below): ~52 M parameters, float32.
 
+The vocoder's folder `assets/token2wav` is written too (tools/vocoder_assets.py: random weights
+of the vocoder's public configuration, tiny or, with --full, the released sizes; two ONNX parts
+are stand-ins) when the vocoder package (minicpmo-utils) is installed; --no-vocoder leaves it
+out, and the engine then runs text only.
+
 --full keeps the real widths and depths (random weights, bfloat16, ~18 GB on disk): a stand-in
 for the real weights where no hub is reachable, for timing and memory figures on a GPU (its
 replies are noise). Build it with --device cuda: on CPU it needs ~40 GB of memory.
@@ -136,9 +141,11 @@ def build(
     seed: int = 0,
     full: bool = False,
     device: str = "cpu",
+    vocoder: bool | None = None,
 ) -> dict[str, Any]:
     """Write the tiny checkpoint (full: the real-size one) to `out`; returns a summary
-    (parameters, files)."""
+    (parameters, files, vocoder). vocoder: write assets/token2wav (None: when the vocoder
+    package is installed)."""
     code_dir, out = Path(code_dir), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     copied = copy_code(code_dir, out)
@@ -171,8 +178,16 @@ def build(
     saved = json.loads((out / "config.json").read_text())
     saved["auto_map"] = real["auto_map"]
     (out / "config.json").write_text(json.dumps(saved, indent=2))
+    if vocoder is None:
+        vocoder = importlib.util.find_spec("stepaudio2") is not None
+    voc = None
+    if vocoder:
+        from omnifabric.tools import vocoder_assets
+
+        voc = vocoder_assets.build(out / "assets" / "token2wav", full=full, seed=seed)
     return {
         "out": str(out),
+        "vocoder": voc,
         "parameters": sum(p.numel() for p in model.parameters()),
         "auto_map": real["auto_map"]["AutoModel"],
         "code_files": copied,
@@ -191,9 +206,20 @@ def main(argv: list[str] | None = None) -> int:
         "--full", action="store_true", help="the real widths and depths (bfloat16), not tiny"
     )
     parser.add_argument("--device", default="cpu", help="where the weights are made (cpu, cuda)")
+    parser.add_argument(
+        "--no-vocoder", action="store_true", help="no assets/token2wav (the model runs text only)"
+    )
     args = parser.parse_args(argv)
     try:
-        summary = build(args.code_dir, args.out, args.sdk, args.seed, args.full, args.device)
+        summary = build(
+            args.code_dir,
+            args.out,
+            args.sdk,
+            args.seed,
+            args.full,
+            args.device,
+            vocoder=False if args.no_vocoder else None,
+        )
     except (FileNotFoundError, KeyError) as exc:
         print(f"minicpmo_tiny: {exc}", file=sys.stderr)
         return 2
@@ -201,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{'full-size' if args.full else 'tiny'} MiniCPM-o checkpoint: {summary['out']} "
         f"({summary['parameters'] / 1e6:.1f} M "
         f"parameters, AutoModel -> {summary['auto_map']})"
+    )
+    voc = summary["vocoder"]
+    print(
+        f"vocoder: {voc['out']} (flow {voc['flow'] / 1e6:.1f} M, HiFT {voc['hift'] / 1e6:.2f} M)"
+        if voc
+        else "vocoder: none (minicpmo-utils not installed, or --no-vocoder): text only"
     )
     return 0
 

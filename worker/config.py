@@ -276,7 +276,15 @@ class WorkerConfig:
         False, env="OMNI_WORKER_TEXT_ONLY", flag="--text-only", help="minicpmo: no speech output"
     )
     """minicpmo: no speech output even where the vocoder could run (it is off by itself
-    where it cannot: no CUDA, no minicpmo-utils, no assets/token2wav)."""
+    where it cannot: no minicpmo-utils, no assets/token2wav)."""
+    serial_vocoder: bool = setting(
+        False,
+        env="OMNI_WORKER_SERIAL_VOCODER",
+        flag="--serial-vocoder",
+        help="minicpmo: the batched step runs the vocoder per speaking session, not batched",
+    )
+    """minicpmo: in a batched step, run the vocoder once per speaking session through the
+    model code's own waveform method instead of once for all speakers (for comparison)."""
     default_voice: str | None = setting(
         None,
         env="OMNI_WORKER_DEFAULT_VOICE",

@@ -67,8 +67,13 @@ def test_load_logs_the_layout(tiny_dirs, caplog):
             eng = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", api=layout)
             eng.load()
         assert any(f"driving {layout_text(layout)}" in r.getMessage() for r in caplog.records)
-        # No CUDA here: the vocoder cannot run, the engine says so and runs text-only.
-        assert eng.audio_on is False
+        # The tiny checkpoint carries random vocoder assets: speech on, on CPU too.
+        assert eng.audio_on is True
+        assert not any("text only" in r.getMessage() for r in caplog.records)
+        quiet = MiniCPMOEngine(str(tiny_dirs[code]), device="cpu", api=layout, text_only=True)
+        with caplog.at_level(logging.INFO, "omnifabric.worker.minicpmo"):
+            quiet.load()
+        assert quiet.audio_on is False
         assert any("text only" in r.getMessage() for r in caplog.records)
 
 
@@ -247,12 +252,14 @@ def kv_fingerprint(session) -> float:
     return float(sum(k.double().sum().item() for k in keys))
 
 
-def step(session, pcm) -> tuple[str, int, float]:
-    """One unit: its text, the cache length and the KV cache's fingerprint after it."""
+def step(session, pcm) -> tuple[str, int, float, bytes]:
+    """One unit: its text, the cache length, the KV cache's fingerprint after it and its
+    audio (24 kHz float32 bytes)."""
     session.prefill(pcm, [], 1)
     result = session.generate(False)
     session.finalize()
-    return result.text, result.kv_cache_length, kv_fingerprint(session)
+    audio = result.audio.tobytes() if result.audio is not None else b""
+    return result.text, result.kv_cache_length, kv_fingerprint(session), audio
 
 
 def interleave(engine, a_in, b_in):
@@ -391,15 +398,18 @@ def question_units() -> list[np.ndarray]:
     return [pcm[i : i + 16000] for i in range(0, pcm.size - 15999, 16000)]
 
 
-def call_turn(session, units, silence_limit=200, force_at=None):
+def call_turn(session, units, silence_limit=200, force_at=None, cap=20):
     """Feed a user turn, then silence (what the edge sends while the model answers) until the
-    answer ends; returns (results while listening, answer results, the result ending it)."""
+    answer ends; returns (results while listening, answer results, the result ending it).
+    An answer is stopped at `cap` pieces as max_new_tokens stops it in the unit loop: with
+    speech on, a random TTS rarely ends a chunk, so one random answer runs for minutes."""
     listened, answer = [], []
     pending = list(units)
+    stop_at = cap if force_at is None else force_at
     for _ in range(len(units) + silence_limit):
         pcm = pending.pop(0) if pending else np.zeros(16000, np.float32)
         session.prefill(pcm, [], 1)
-        result = session.generate(force_at is not None and len(answer) == force_at)
+        result = session.generate(bool(answer) and len(answer) == stop_at)
         session.finalize()
         if result.is_listen and result.end_of_turn:
             return listened, answer, result

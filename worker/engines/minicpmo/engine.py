@@ -134,14 +134,13 @@ def avoid_cudnn_attention(torch: Any) -> None:
 
 
 def vocoder_problem(root: Path, device: str) -> str | None:
-    """Why speech output cannot run here, or None when it can."""
-    if not device.startswith("cuda"):
-        return "the vocoder (Token2wav) needs CUDA"
+    """Why speech output cannot run here, or None when it can (on any device: the engine
+    builds the vocoder through worker/engines/minicpmo/vocoder.py)."""
     if importlib.util.find_spec(VOCODER_MODULE) is None:
         return f"the vocoder package is not installed ({VOCODER_MODULE}: minicpmo-utils)"
-    if not (root / "assets" / "token2wav").is_dir():
-        return f"{root}/assets/token2wav is missing (the vocoder's weights)"
-    return None
+    from omnifabric.worker.engines.minicpmo import vocoder
+
+    return vocoder.problem(root / "assets" / "token2wav")
 
 
 def _ms(costs: dict[str, Any], rename_all: str | None = None) -> dict[str, float]:
@@ -413,6 +412,7 @@ class MiniCPMOEngine(Engine):
         api: str = "auto",
         text_only: bool = False,
         default_voice: str | None = None,
+        vocoder_batched: bool = True,
         context_tokens: int = 8192,
         stepper_class: Callable[[MiniCPMOEngine], BatchedStep] | None = None,
         dtype: str | None = None,
@@ -427,6 +427,8 @@ class MiniCPMOEngine(Engine):
         self.slots = slots
         self.api = api
         self.text_only = text_only
+        self.vocoder_batched = vocoder_batched
+        """A batched step runs the vocoder once for all its speakers (else per speaker)."""
         self.default_voice_setting = default_voice
         self.default_voice: Path | None = None
         self.layout = ""
@@ -461,6 +463,7 @@ class MiniCPMOEngine(Engine):
             api=config.minicpmo_api,
             text_only=config.text_only,
             default_voice=config.default_voice,
+            vocoder_batched=not config.serial_vocoder,
             context_tokens=config.max_context_tokens,
             stepper_class=stepper_class,
         )
@@ -498,7 +501,12 @@ class MiniCPMOEngine(Engine):
         if self.device.startswith("cuda"):
             avoid_cudnn_attention(torch)
         try:
-            first = getattr(self, f"_load_{self.layout}")(root, dtype)
+            with contextlib.ExitStack() as stack:
+                if self.audio_on:
+                    from omnifabric.worker.engines.minicpmo import vocoder
+
+                    stack.enter_context(vocoder.installed(self.device))
+                first = getattr(self, f"_load_{self.layout}")(root, dtype)
         except ImportError as exc:
             raise EngineUnavailable(f"the model code in {root} cannot be imported: {exc}") from exc
         self.model = first.model

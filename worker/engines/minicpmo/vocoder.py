@@ -1,0 +1,267 @@
+"""The vocoder MiniCPM-o speaks through (`stepaudio2.Token2wav` of minicpmo-utils 1.0.7), on the
+engine's device, CPU included.
+
+The package's Token2wav hard-codes CUDA (`torch.cuda.current_device()`, `.cuda()` in its prompt
+preparation) and reads the voice with `torchaudio.load`, which needs torchcodec from torchaudio
+2.9 on. `DeviceToken2wav` is that class with a device: its own constructor and voice preparation,
+everything else (the streaming step, cache trims, the bounded causal HiFT) the package's. The
+model code builds its vocoder with `from stepaudio2 import Token2wav`; `installed(device)` puts
+this class there while the engine loads the model.
+
+Two more adaptations, neither changing the arithmetic:
+- The flow-matching scratch buffers are sized from the estimator (the package allocates the
+  released 16 blocks x 8 heads), so smaller random-weight flows for tests run too.
+- A voice is cut to its first `VOICE_MAX_S` seconds: the estimator's key cache holds 1000 mel
+  frames (the voice, 100 frames of history and a chunk); a longer voice fails inside the package.
+- Stand-in ONNX parts (tools/vocoder_assets.py, metadata `omnifabric.stand_in`) run here: the
+  speech tokenizer stand-in is a plain graph s3tokenizer cannot convert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: What Token2wav needs in its folder.
+REQUIRED = (
+    "speech_tokenizer_v2_25hz.onnx",
+    "campplus.onnx",
+    "flow.yaml",
+    "flow.pt",
+    "config.yaml",
+    "hift.pt",
+    "hift_original.pt",
+)
+#: The metadata key of stand-in ONNX parts (tools/vocoder_assets.py).
+STAND_IN_KEY = "omnifabric.stand_in"
+#: Mel frames the estimator's key cache holds (the package's scratch buffer), the history the
+#: stream keeps after the voice, and the largest chunk (28 tokens, x2 upsampling).
+CACHE_FRAMES, HISTORY_FRAMES, CHUNK_FRAMES = 1000, 100, 2 * 28
+#: The longest voice (reference audio) the vocoder takes, in seconds (50 mel frames a second).
+VOICE_MAX_S = (CACHE_FRAMES - HISTORY_FRAMES - CHUNK_FRAMES - 8) // 50
+
+
+def problem(folder: Path) -> str | None:
+    """Why the vocoder cannot run from `folder`, or None when it can."""
+    try:
+        importlib.import_module("stepaudio2")
+    except ImportError as exc:
+        return f"the vocoder package cannot be imported ({exc}): bash tools/dev minicpmo --vocoder"
+    if not folder.is_dir():
+        return f"{folder} is missing (the vocoder's weights)"
+    missing = [name for name in REQUIRED if not (folder / name).is_file()]
+    if missing:
+        return f"{folder} lacks {', '.join(missing)}"
+    return None
+
+
+def stand_in(path: Path) -> str | None:
+    """Which part an ONNX file stands in for (tools/vocoder_assets.py), or None when real."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return next((p.value for p in model.metadata_props if p.key == STAND_IN_KEY), None)
+
+
+class StandInTokenizer:
+    """The speech tokenizer stand-in: a 128-bin log mel at 100 Hz -> ids at 25 Hz."""
+
+    def __init__(self, path: Path) -> None:
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = 1
+        self.session = onnxruntime.InferenceSession(
+            str(path), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+
+    def quantize(self, mels: Any, lens: Any) -> tuple[Any, Any]:
+        import torch
+
+        mel = mels[:1, :, : int(lens[0])].float().cpu().numpy()
+        ids = self.session.run(None, {"feats": mel})[0]
+        tokens = torch.as_tensor(ids, dtype=torch.int32, device=mels.device)
+        return tokens, torch.tensor([tokens.shape[1]], dtype=torch.int32, device=mels.device)
+
+
+def size_scratch(flow: Any) -> None:
+    """Size the flow-matching scratch buffers from the estimator: [timesteps, depth, 2 (cfg),
+    2 x hidden, kernel - 1] for the convolutions, [..., heads, frames, 2 x head dim] for keys
+    and values. The released sizes give the package's own shapes."""
+    cfm = flow.decoder
+    dit = cfm.estimator
+    block = dit.blocks[0]
+    depth, heads, head_dim = len(dit.blocks), block.attn.num_heads, block.attn.head_dim
+    conv = 2 * block.conv.in_channels
+    steps = cfm.cnn_cache_buffer.shape[0]
+    like = cfm.att_cache_buffer
+    cfm.cnn_cache_buffer = like.new_zeros((steps, depth, 2, conv, 2))
+    cfm.att_cache_buffer = like.new_zeros((steps, depth, 2, heads, CACHE_FRAMES, 2 * head_dim))
+    dit.cnn_cache_buffer = like.new_zeros((depth, 2, conv, 2))
+    dit.att_cache_buffer = like.new_zeros((depth, 2, heads, CACHE_FRAMES, 2 * head_dim))
+
+
+def make(
+    model_path: str | Path, float16: bool = False, n_timesteps: int = 10, device: str = "cuda"
+) -> Any:
+    """A DeviceToken2wav on `device` (the class is made on first use: it derives from the
+    package's, which imports torch and torchaudio)."""
+    global _CLASS
+    if _CLASS is None:
+        from stepaudio2.token2wav import Token2wav
+
+        _CLASS = type(
+            "DeviceToken2wav",
+            (Token2wav,),
+            {
+                "__init__": _init,
+                "_prepare_prompt": _prepare_prompt,
+                "set_stream_cache": _set_stream_cache,
+                "stream": _stream,
+                "__doc__": __doc__,
+            },
+        )
+    return _CLASS(model_path, float16=float16, n_timesteps=n_timesteps, device=device)
+
+
+_CLASS: Any = None
+
+
+def _init(
+    self: Any, model_path: Any, float16: bool = False, n_timesteps: int = 10, device: str = "cuda"
+) -> None:
+    """Token2wav's construction on `device`, stand-in ONNX parts run as they are marked."""
+    import onnxruntime
+    import s3tokenizer
+    import torch
+    from stepaudio2.causal_vocoder.bounded_vocoder import BoundedVocoder
+    from stepaudio2.token2wav import _load_config, load_causal_vocoder
+
+    self.float16 = float16
+    self.n_timesteps = int(n_timesteps)
+    if self.n_timesteps <= 0:
+        raise ValueError("n_timesteps must be positive")
+    self.device = torch.device(device)
+    folder = Path(model_path).resolve(strict=True)
+    self.model_path = folder
+    why = problem(folder)
+    if why:
+        raise FileNotFoundError(why)
+    tokenizer = folder / "speech_tokenizer_v2_25hz.onnx"
+    if stand_in(tokenizer):
+        self.audio_tokenizer = StandInTokenizer(tokenizer)
+    else:
+        self.audio_tokenizer = s3tokenizer.load_model(str(tokenizer)).to(self.device).eval()
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = 1
+    self.spk_model = onnxruntime.InferenceSession(
+        str(folder / "campplus.onnx"), sess_options=options, providers=["CPUExecutionProvider"]
+    )
+    flow = _load_config(folder / "flow.yaml")["flow"]
+    if float16:
+        flow.half()
+    state = torch.load(folder / "flow.pt", map_location="cpu", weights_only=True)
+    flow.load_state_dict(state, strict=True)
+    size_scratch(flow)
+    self.flow = flow.to(self.device).eval()
+    self.hift, self.vocoder_checkpoint, self.vocoder_config = load_causal_vocoder(
+        folder, self.device
+    )
+    self.bounded_vocoder = BoundedVocoder(self.hift)
+    self.sample_rate, self.hop_samples = 24000, 480
+    self.vocoder_delay_frames = (
+        self.hift.f0_predictor.condnet[0].causal_padding + self.hift.conv_pre_look_right + 1
+    )
+    if self.vocoder_delay_frames != 8:
+        raise ValueError(f"the causal HiFT must delay 8 frames, not {self.vocoder_delay_frames}")
+    self.vocoder_delay_samples = self.vocoder_delay_frames * self.hop_samples
+    self.source_cache_len = self.vocoder_delay_samples
+    self.original_vocoder_checkpoint = folder / "hift_original.pt"
+    self.original_hift = None
+    self.cache = {}
+    self.stream_cache = None
+    self.hift_cache_dict = {}
+    self._stream_prompt = None
+
+
+def owned(cache: dict[str, Any], steps: int) -> dict[str, Any]:
+    """A stream cache whose tensors own their memory: the package's flow returns views of
+    its scratch buffers (the next session's call overwrites them), and its estimator caches
+    span every scratch timestep (16) where `steps` are used."""
+    out = {}
+    for key, value in cache.items():
+        if key.startswith("estimator_"):
+            value = value[:steps].clone()
+        out[key] = value
+    return out
+
+
+def _set_stream_cache(self: Any, prompt_wav: Any) -> tuple[Any, Any]:
+    """The package's, its flow cache owned (see owned())."""
+    type(self).__mro__[1].set_stream_cache(self, prompt_wav)
+    self.stream_cache = owned(self.stream_cache, self.n_timesteps)
+    return self.stream_cache, self.hift_cache_dict
+
+
+def _stream(self: Any, generated_speech_tokens: Any, *args: Any, **kwargs: Any) -> Any:
+    """The package's, its flow cache owned afterwards (see owned())."""
+    out = type(self).__mro__[1].stream(self, generated_speech_tokens, *args, **kwargs)
+    self.stream_cache = owned(self.stream_cache, self.n_timesteps)
+    return out
+
+
+def _prepare_prompt(self: Any, prompt_wav: Any) -> tuple[Any, ...]:
+    """The voice's speech tokens, speaker embedding and 24 kHz mel (as the package makes
+    them, read with soundfile and resampled by torchaudio's functional resampler)."""
+    import s3tokenizer
+    import soundfile
+    import torch
+    import torchaudio.compliance.kaldi as kaldi
+    import torchaudio.functional as taf
+    from stepaudio2.flashcosyvoice.utils.audio import mel_spectrogram
+
+    data, rate = soundfile.read(str(prompt_wav), dtype="float32", always_2d=True)
+    limit = VOICE_MAX_S * rate
+    if data.shape[0] > limit:
+        log.warning("vocoder: voice %s cut to its first %d s", prompt_wav, VOICE_MAX_S)
+        data = data[:limit]
+    wave = torch.from_numpy(data.T.copy())  # [channels, T]
+    audio = wave[0] if rate == 16000 else taf.resample(wave[:1], rate, 16000)[0]
+    mels, lens = s3tokenizer.padding([s3tokenizer.log_mel_spectrogram(audio)])
+    tokens, token_lens = self.audio_tokenizer.quantize(mels.to(self.device), lens.to(self.device))
+    feats = kaldi.fbank(audio[None], num_mel_bins=80, dither=0, sample_frequency=16000)
+    feats = feats - feats.mean(dim=0, keepdim=True)
+    name = self.spk_model.get_inputs()[0].name
+    embedding = self.spk_model.run(None, {name: feats[None].cpu().numpy()})[0]
+    spk = torch.tensor(embedding, device=self.device)
+    mono = wave.mean(dim=0, keepdim=True)
+    if rate != 24000:
+        mono = taf.resample(mono, rate, 24000)
+    mel = mel_spectrogram(mono).transpose(1, 2).to(self.device)  # [1, T, 80]
+    frames = tokens.shape[1] * self.flow.up_rate
+    mel = torch.nn.functional.pad(mel, (0, 0, 0, frames - mel.shape[1]), mode="replicate")
+    lengths = torch.tensor([mel.shape[1]], dtype=torch.int32, device=self.device)
+    return tokens, token_lens, spk, mel, lengths
+
+
+@contextlib.contextmanager
+def installed(device: str) -> Iterator[None]:
+    """While the model code builds its vocoder, `stepaudio2.Token2wav` is DeviceToken2wav on
+    `device` (the package's class again afterwards)."""
+    import functools
+
+    import stepaudio2
+
+    before = stepaudio2.Token2wav
+    stepaudio2.Token2wav = functools.partial(make, device=device)
+    try:
+        yield
+    finally:
+        stepaudio2.Token2wav = before
