@@ -29,9 +29,15 @@ import numpy as np
 from omnifabric.tools.client import percentile
 from omnifabric.worker.engine import DuplexSettings, Engine, EngineSession, Stepper, StepRow
 
-#: The modes compared: one batched step per round, or the units one by one.
+#: The modes compared: one batched step per round, the same with the vocoder run per speaker
+#: (minicpmo's --serial-vocoder), or the units one by one.
 BATCHED = "batched"
+SERIAL_VOCODER = "serial-vocoder"
 SLICED = "time-sliced"
+#: Output audio: samples a second (24 kHz), and the share of a unit a speaking unit may lack
+#: before it counts as a gap a listener hears.
+OUT_RATE = 24000
+GAP_SHARE = 0.9
 
 
 def parse_counts(text: str) -> list[int]:
@@ -103,8 +109,29 @@ def run(
     settings: DuplexSettings | None = None,
 ) -> dict[str, Any]:
     """`n` sessions, `count` units each, in `mode`; the figures of the run."""
-    if mode == BATCHED and stepper is None:
+    if mode in (BATCHED, SERIAL_VOCODER) and stepper is None:
         raise ValueError(f"the {engine.name} engine has no batched step")
+    serial_before = getattr(engine, "vocoder_batched", None)
+    if serial_before is not None:
+        engine.vocoder_batched = mode != SERIAL_VOCODER  # type: ignore[attr-defined]
+    try:
+        return _run(engine, stepper, mode, n, units, count, unit_s, sync, settings)
+    finally:
+        if serial_before is not None:
+            engine.vocoder_batched = serial_before  # type: ignore[attr-defined]
+
+
+def _run(
+    engine: Engine,
+    stepper: Stepper | None,
+    mode: str,
+    n: int,
+    units: list[np.ndarray],
+    count: int,
+    unit_s: float,
+    sync: Callable[[], None],
+    settings: DuplexSettings | None,
+) -> dict[str, Any]:
     settings = settings or DuplexSettings(temperature=0)
     sessions = _open(engine, n, mode, settings)
     counter = _ForwardCounter.on(engine)
@@ -114,13 +141,15 @@ def run(
     forwards: list[int] = []
     texts = [""] * n
     speaking = 0
+    speech = _Speech(n, unit_s)
+    cache_bytes: list[int] = []
     try:
         feeds = [_units(units, count, 3 * i) for i in range(n)]
         sync()
         started = time.perf_counter()
         for k in range(count):
             t0 = time.perf_counter()
-            if mode == BATCHED:
+            if mode != SLICED:
                 assert stepper is not None
                 rows = [StepRow(s, feeds[i][k], [], 1, False) for i, s in enumerate(sessions)]
                 outcome = stepper.step(rows)
@@ -132,6 +161,7 @@ def run(
                         raise row
                     results.append(row[1])
                 latencies += [done] * n
+                unit_latency = [done] * n
                 for phase, ms in outcome.phases_ms.items():
                     phases[phase] = phases.get(phase, 0.0) + ms
                 failed = [e for e in stepper.finalize(sessions) if e is not None]
@@ -144,6 +174,7 @@ def run(
                     results.append(session.generate(False))
                     sync()
                     latencies.append(time.perf_counter() - t0)
+                unit_latency = latencies[-n:]
                 for session in sessions:
                     session.finalize()
             sync()
@@ -153,7 +184,11 @@ def run(
             for i, result in enumerate(results):
                 texts[i] += result.text
                 speaking += not result.is_listen
+                speech.add(i, k, result, unit_latency[i])
         wall = time.perf_counter() - started
+        measure = getattr(engine, "vocoder_cache_bytes", None)
+        if measure is not None:
+            cache_bytes = [int(measure(s)) for s in sessions]
     finally:
         if counter is not None:
             counter.remove()
@@ -178,14 +213,64 @@ def run(
         "phases_ms_per_step": {p: ms / count for p, ms in sorted(phases.items())},
         "llm_forwards_per_round": float(np.mean(forwards)) if forwards else None,
         "texts": texts,
+        **speech.figures(wall),
+        "vocoder_cache_mib_per_session": (
+            float(np.mean(cache_bytes)) / 2**20 if cache_bytes else None
+        ),
     }
+
+
+class _Speech:
+    """The audio of a run's speaking units: seconds out, gaps (a speaking unit short of
+    GAP_SHARE of a unit's audio that does not end its turn), and first audio: from the start
+    of the round of a reply's first speaking unit to the result that first carries audio."""
+
+    def __init__(self, n: int, unit_s: float) -> None:
+        self.unit_s = unit_s
+        self.seconds = 0.0
+        self.speaking = 0
+        self.gaps = 0
+        self.reply_start: list[int | None] = [None] * n
+        self.first_audio_s: list[float] = []
+
+    def add(self, i: int, k: int, result: Any, latency_s: float) -> None:
+        if result.is_listen:
+            self.reply_start[i] = None
+            return
+        self.speaking += 1
+        samples = 0 if result.audio is None else int(np.asarray(result.audio).size)
+        self.seconds += samples / OUT_RATE
+        if samples < GAP_SHARE * OUT_RATE * self.unit_s and not result.end_of_turn:
+            self.gaps += 1
+        start = self.reply_start[i]
+        if start is None:
+            self.reply_start[i] = start = k
+        if samples and start >= 0:
+            self.first_audio_s.append((k - start) * self.unit_s + latency_s)
+            self.reply_start[i] = -1  # this reply's first audio is counted
+        if result.end_of_turn:
+            self.reply_start[i] = None
+
+    def figures(self, wall_s: float) -> dict[str, Any]:
+        first = self.first_audio_s
+        return {
+            "audio_s": self.seconds,
+            "audio_s_per_s": self.seconds / wall_s if wall_s > 0 else float("nan"),
+            "audio_gaps": self.gaps,
+            "first_audio_ms": {
+                "replies": len(first),
+                "p50": percentile([x * 1000 for x in first], 50) if first else None,
+                "p95": percentile([x * 1000 for x in first], 95) if first else None,
+            },
+        }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The runs as a fixed-width table, batched beside time-sliced for each N."""
     head = (
         f"{'N':>3} {'mode':<11} {'units/s':>8} {'p50 ms':>8} {'p95 ms':>8} {'cycle':>8}"
-        f" {'late':>5} {'rt':>3} {'peak MiB':>9}  phases ms per step"
+        f" {'late':>5} {'rt':>3} {'peak MiB':>9} {'audio/s':>7} {'gaps':>4}"
+        f" {'1st audio':>9}  phases ms per step"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -202,9 +287,15 @@ def table(rows: list[dict[str, Any]]) -> str:
             f" {r['unit_ms']['p50']:8.0f} {r['unit_ms']['p95']:8.0f}"
             f" {r['cycle_ms']['mean']:8.0f} {r['deadline_misses']:>5}"
             f" {'yes' if r['real_time'] else 'no':>3}"
-            f" {'-' if peak is None else f'{peak / 2**20:9.0f}':>9}  {phases}"
+            f" {'-' if peak is None else f'{peak / 2**20:9.0f}':>9}"
+            f" {r['audio_s_per_s']:7.2f} {r['audio_gaps']:>4}"
+            f" {_ms(r['first_audio_ms']['p50']):>9}  {phases}"
         )
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
 
 
 def summary(rows: list[dict[str, Any]]) -> list[str]:
@@ -217,7 +308,18 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         if BATCHED in modes and SLICED in modes:
             ratio = modes[BATCHED]["units_per_s"] / modes[SLICED]["units_per_s"]
             lines.append(f"N={n}: batched/time-sliced units per second = {ratio:.2f}")
-    for mode in (BATCHED, SLICED):
+        if BATCHED in modes and SERIAL_VOCODER in modes:
+            a, b = modes[BATCHED], modes[SERIAL_VOCODER]
+            va = a["phases_ms_per_step"].get("vocoder", 0.0)
+            vb = b["phases_ms_per_step"].get("vocoder", 0.0)
+            lines.append(
+                f"N={n}: vocoder ms per step batched {va:.1f} vs per speaker {vb:.1f}; "
+                f"cycle {a['cycle_ms']['mean']:.0f} vs {b['cycle_ms']['mean']:.0f} ms"
+            )
+        cache = next((r["vocoder_cache_mib_per_session"] for r in modes.values()), None)
+        if cache is not None:
+            lines.append(f"N={n}: vocoder caches {cache:.1f} MiB per session")
+    for mode in (BATCHED, SERIAL_VOCODER, SLICED):
         held = [r["sessions"] for r in rows if r["mode"] == mode and r["real_time"]]
         ran = [r["sessions"] for r in rows if r["mode"] == mode]
         if ran:

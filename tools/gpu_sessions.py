@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--modes",
         default=f"{batched.BATCHED},{batched.SLICED}",
-        help="with --batched: which to run (batched, time-sliced or both)",
+        help="with --batched: which to run (batched, serial-vocoder: batched with the vocoder "
+        "per speaker, time-sliced)",
     )
     parser.add_argument(
         "--batch-share",
@@ -270,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
         counts = batched.parse_counts(args.batched) if args.batched else []
-        if not modes or set(modes) - {batched.BATCHED, batched.SLICED}:
-            raise ValueError(f"--modes takes {batched.BATCHED} and/or {batched.SLICED}")
+        known = {batched.BATCHED, batched.SERIAL_VOCODER, batched.SLICED}
+        if not modes or set(modes) - known:
+            raise ValueError(f"--modes takes {', '.join(sorted(known))}")
         if args.units is not None and args.units < 1:
             raise ValueError("--units must be >= 1")
     except ValueError as exc:
@@ -361,8 +363,9 @@ def _batched(
     modes: list[str],
 ) -> int:
     """--batched: every N in each mode, the table, the ratios, the JSON."""
-    stepper = engine.stepper() if batched.BATCHED in modes else None
-    if batched.BATCHED in modes and stepper is None:
+    steps = {batched.BATCHED, batched.SERIAL_VOCODER} & set(modes)
+    stepper = engine.stepper() if steps else None
+    if steps and stepper is None:
         print(f"error: the {args.engine} engine offers no batched step here", file=sys.stderr)
         return 2
     count = args.units or len(units)

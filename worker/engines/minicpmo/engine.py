@@ -16,6 +16,7 @@ import importlib.util
 import io
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -71,6 +72,9 @@ WINDOW_UNAVAILABLE = (
 WINDOW_NOT_IN_CALLS = (
     "context_window: half-duplex calls run without one (the model's chat path has none)"
 )
+#: The speech token the model code pads a turn's first vocoder chunk with (silence), and the
+#: tokens a vocoder chunk takes: 25 fresh, 3 of lookahead.
+SILENCE_TOKEN, CHUNK_TOKENS, LOOKAHEAD_TOKENS = 4218, 25, 3
 #: The vocoder package (minicpmo-utils) the model's init_tts imports.
 VOCODER_MODULE = "stepaudio2"
 #: Python packages the model code imports at load.
@@ -166,6 +170,22 @@ class BatchedStep(Protocol):
     which drives this module's sessions; the worker's engine registry hands its class in)."""
 
     def step(self, rows: Sequence[StepRow]) -> StepOutcome: ...
+    def vocoder_cache_bytes(self, session: MiniCPMOSession) -> int:
+        """Bytes of `session`'s vocoder stream caches (flow and HiFT; 0 without speech)."""
+        tok = getattr(getattr(self.model, "tts", None), "audio_tokenizer", None)
+        if tok is None:
+            return 0
+        from omnifabric.worker.engines.minicpmo import vocoder
+
+        d = session.handle.duplex
+        with self.using(session):
+            return vocoder.cache_bytes(
+                tok.stream_cache,
+                tok.hift_cache_dict,
+                getattr(d, "flow_cache_base", None),
+                getattr(d, "hift_cache_base", None),
+            )
+
     def release(self, session: MiniCPMOSession) -> None: ...
     def unslot(self, session: MiniCPMOSession) -> None: ...
     def kv_length(self, session: MiniCPMOSession) -> int: ...
@@ -638,6 +658,22 @@ class MiniCPMOEngine(Engine):
             self._sessions[id(session)] = session
             return session
 
+    def vocoder_cache_bytes(self, session: MiniCPMOSession) -> int:
+        """Bytes of `session`'s vocoder stream caches (flow and HiFT; 0 without speech)."""
+        tok = getattr(getattr(self.model, "tts", None), "audio_tokenizer", None)
+        if tok is None:
+            return 0
+        from omnifabric.worker.engines.minicpmo import vocoder
+
+        d = session.handle.duplex
+        with self.using(session):
+            return vocoder.cache_bytes(
+                tok.stream_cache,
+                tok.hift_cache_dict,
+                getattr(d, "flow_cache_base", None),
+                getattr(d, "hift_cache_base", None),
+            )
+
     def release(self, session: MiniCPMOSession) -> None:
         with self._lock:
             if self._sessions.pop(id(session), None) is not None:
@@ -658,6 +694,34 @@ class MiniCPMOEngine(Engine):
                 grid = image_processor.get_sliced_grid(image.size, max_slice_nums)
             total += (1 + (grid[0] * grid[1] if grid else 0)) * per_slice
         return total
+
+    def warmup(self) -> GenerateResult:
+        """A unit through a full session (Engine.warmup), then the vocoder's first calls."""
+        result = super().warmup()
+        if self.audio_on:
+            self._warm_vocoder()
+        return result
+
+    def _warm_vocoder(self) -> None:
+        """The default voice prepared and a chunk of silence spoken (then a flush), in a state
+        of its own: the vocoder's first calls are slow (3.8 s against 0.07 s for the tiny one
+        on this CPU: kernels picked, buffers made), and a speaking unit that paid for them
+        would hold every session of its step past the edge's watchdog."""
+        tok = self.model.tts.audio_tokenizer
+        holder = _ChatState(self.state.fresh())
+        t0 = time.perf_counter()
+        with self.using(holder):
+            try:
+                tok.set_stream_cache(str(self.default_voice))
+                tok.stream([SILENCE_TOKEN] * (CHUNK_TOKENS + LOOKAHEAD_TOKENS))
+                tok.stream([SILENCE_TOKEN] * LOOKAHEAD_TOKENS, last_chunk=True)
+                warm = getattr(self.batched, "warm_vocoder", None)
+                if warm is not None:
+                    warm(str(self.default_voice))
+            finally:
+                self.state.clear()
+                self.forget(holder)
+        log.info("minicpmo: vocoder warmed in %.2f s", time.perf_counter() - t0)
 
     # ---- chat --------------------------------------------------------------------------
 

@@ -203,6 +203,16 @@ def owned(cache: dict[str, Any], steps: int) -> dict[str, Any]:
     return out
 
 
+def cache_bytes(*caches: Any) -> int:
+    """Bytes of the tensors in vocoder caches (dicts of tensors, None counts 0)."""
+    total = 0
+    for cache in caches:
+        for value in (cache or {}).values():
+            if hasattr(value, "element_size"):
+                total += value.element_size() * value.nelement()
+    return total
+
+
 def _set_stream_cache(self: Any, prompt_wav: Any) -> tuple[Any, Any]:
     """The package's, its flow cache owned (see owned())."""
     type(self).__mro__[1].set_stream_cache(self, prompt_wav)
