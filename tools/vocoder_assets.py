@@ -204,6 +204,35 @@ def tokenizer_stand_in(path: Path, rng: Any) -> None:
     _onnx_stand_in(graph, "speech_tokenizer", path)
 
 
+#: Random weights that make audio depend on its input (see liven): the DiT's adaLN gain, the
+#: HiFT's per-channel weight norm, and the F0 the predictor's bias gives (Hz).
+DIT_GATE, HIFT_GAIN, F0_HZ = 20.0, 0.9, 150.0
+
+
+def liven(flow: Any, hift: Any) -> None:
+    """Random weights whose audio depends on the tokens, voice and history, so comparisons of
+    it can fail. At N(0, 0.02) the HiFT shrinks its input layer by layer (its samples were
+    the same to the int16 step whatever the mel), the DiT's adaLN gates leave attention a
+    small share of each block, and the predicted F0 (~0.1 Hz) stays under the 10 Hz voiced
+    threshold, so the sine source never sounds. Here: adaLN x DIT_GATE, every HiFT
+    convolution and linear layer at HIFT_GAIN per output channel, and F0 near F0_HZ."""
+    import torch
+
+    with torch.no_grad():
+        for block in flow.decoder.estimator.blocks:
+            block.adaLN_modulation[-1].weight.mul_(DIT_GATE)
+        for module in hift.modules():
+            if not isinstance(module, torch.nn.Conv1d | torch.nn.Linear):
+                continue
+            if hasattr(module, "parametrizations"):
+                module.parametrizations.weight.original0.fill_(HIFT_GAIN)
+            else:
+                weight = module.weight
+                norm = weight.flatten(1).norm(dim=1).view(-1, *[1] * (weight.dim() - 1))
+                weight.mul_(HIFT_GAIN / norm)
+        hift.f0_predictor.classifier.bias.fill_(F0_HZ)
+
+
 def build(out: Path, full: bool = False, seed: int = 0) -> dict[str, Any]:
     """Write the seven files Token2wav needs into `out`; returns a summary (parameters)."""
     import numpy as np
@@ -219,12 +248,12 @@ def build(out: Path, full: bool = False, seed: int = 0) -> dict[str, Any]:
     flow = _load_config(out / "flow.yaml")["flow"]
     hift = _load_config(out / "config.yaml", {"hifigan": None})["hift"]
     original = HiFTGenerator()
-    # Random weights at a small scale keep the random networks' audio finite and in range.
     for module in (flow, hift, original):
         with torch.no_grad():
             for p in module.parameters():
                 if p.dim() > 1:
                     p.normal_(0.0, 0.02)
+    liven(flow, hift)
     torch.save(flow.state_dict(), out / "flow.pt")
     torch.save(hift.state_dict(), out / "hift.pt")
     torch.save(original.state_dict(), out / "hift_original.pt")

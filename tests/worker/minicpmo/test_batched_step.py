@@ -5,10 +5,13 @@ see conftest).
 Per session and unit: the text token ids (the duplex's whole id history and the decoder's
 penalty history), the result (listen, text, end of turn, token counts, context length), the
 pending logits of its prefill (within 1e-4) and the context length after its finalize are
-those of the session run alone; with TTS on, its TTS token stream too. Sessions differ in
-prompt, audio, frames, caps and penalties, join and leave mid-stream, and are forced to
-listen on some units; seeded sampling gives a session the same tokens whatever its
-batch-mates. A control perturbs the batched positions and the comparison must fail.
+those of the session run alone; with TTS on, its TTS token stream too; and its audio (the
+tiny checkpoint carries random vocoder assets, so sessions speak): the same length, samples
+within AUDIO_ATOL of the solo run's (the batched vocoder's products round differently).
+Sessions differ in prompt, audio, frames, caps and penalties, join and leave mid-stream,
+and are forced to listen on some units; seeded sampling gives a session the same tokens
+whatever its batch-mates. Controls perturb the batched positions, and one row's vocoder
+cache, and the comparison must fail.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from tests.worker.minicpmo.conftest import LAYOUTS, LOGITS_ATOL, ON, needs_code
 pytestmark = [needs_code, pytest.mark.timeout(900)]
 
 UNITS = 3
+#: Audio of a batched row against its solo run: 2 int16 steps (the vocoder's products over
+#: several rows round differently from one row's; int16 output quantizes them).
+AUDIO_ATOL = 2.5 / 32768
 
 
 @pytest.fixture(scope="module", params=[layout for layout, _ in LAYOUTS] or ["none"])
@@ -129,6 +135,7 @@ def _record(s, result, logits, tts: list) -> dict[str, Any]:
         "history": list(d.decoder.generated_tokens),
         "kv_after": s.kv_length(),
         "tts_pos": getattr(d, "tts_text_start_pos", 0),
+        "audio": None if result.audio is None else np.asarray(result.audio).copy(),
         "turn_open": not d.current_turn_ended,
         "logits": logits.detach().clone(),
     }
@@ -229,8 +236,30 @@ def compare(want: list[dict[str, Any]], got: list[dict[str, Any]], who: str) -> 
             if key == "logits":
                 delta = (a[key] - b[key]).abs().max().item()
                 assert delta <= LOGITS_ATOL, f"{who} unit {u}: logits differ by {delta}"
+            elif key == "audio":
+                compare_audio(a[key], b[key], f"{who} unit {u}")
             else:
                 assert a[key] == b[key], f"{who} unit {u}: {key} {a[key]!r} != {b[key]!r}"
+
+
+def compare_audio(a: np.ndarray | None, b: np.ndarray | None, who: str) -> None:
+    """The same audio: both none or of one length, samples within AUDIO_ATOL."""
+    assert (a is None or a.size == 0) == (b is None or b.size == 0), f"{who}: audio on one side"
+    if a is None or b is None or not a.size:
+        return
+    assert a.shape == b.shape, f"{who}: audio {a.shape} != {b.shape}"
+    delta = float(np.abs(a - b).max())
+    assert delta <= AUDIO_ATOL, f"{who}: audio differs by {delta * 32768:.1f} int16 steps"
+
+
+def spoken_seconds(records: list[list[dict[str, Any]]]) -> float:
+    """Seconds of audio the speaking units of the records carry."""
+    return sum(
+        0 if u["audio"] is None else u["audio"].size / 24000
+        for r in records
+        for u in r
+        if not u["listen"]
+    )
 
 
 def check(engine, plans, starts=None, slots_seen=None, captured=None):
@@ -270,6 +299,8 @@ def test_join_leave_vision_force_listen_8(eng16):
     want = check(eng16, plans, starts, slots_seen=seen)
     listens, speaks = kinds(want)
     assert listens > 0 and speaks > 0
+    if eng16.audio_on:  # rows joined and left mid-reply, each one's speech its solo speech
+        assert spoken_seconds(want) >= speaks * 0.9
     assert seen[7] == seen[0]  # the slot session 0 released
     assert any(frames for p in plans for _, frames, slices, _ in p.units if slices == 2)
 
@@ -432,3 +463,45 @@ def test_a_context_outgrowing_its_slot_goes_serial(eng16, monkeypatch):
         s.close()
     assert where == [True, False, False]
     compare(want, got, "outgrown")
+
+
+def speaking_plan(engine, k: int) -> Plan:
+    """Plan k, seeded: the TTS samples its tokens whatever the text temperature, the batched
+    step from the session's own generator, the solo run from the global RNG seeded alike."""
+    p = plan(engine, k, seed=900 + k)
+    p.settings = dataclasses.replace(p.settings, temperature=0)
+    return p
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_speech_of_a_batched_step_equals_solo(eng16, n):
+    """Every speaker's audio out of the batched vocoder (one call for all speakers a round)
+    is its solo audio (the public waveform method, one session at a time)."""
+    if not eng16.audio_on:
+        pytest.skip("the checkpoint has no vocoder assets (minicpmo-utils missing)")
+    plans = [speaking_plan(eng16, 30 + k) for k in range(n)]
+    want = check(eng16, plans, starts=[k % 2 for k in range(n)])
+    _, speaks = kinds(want)
+    assert speaks > 0 and spoken_seconds(want) >= 0.9 * speaks
+
+
+def test_control_a_broken_vocoder_cache_fails(eng16, monkeypatch):
+    """The comparison sees one row's vocoder state off: its flow cache nudged before the
+    batched vocoder runs makes that row's audio differ from its solo audio."""
+    if not eng16.audio_on:
+        pytest.skip("the checkpoint has no vocoder assets (minicpmo-utils missing)")
+    from omnifabric.worker.engines.minicpmo import vocoder_batch
+
+    plans = [speaking_plan(eng16, 30 + k) for k in range(2)]
+    want = [solo(eng16, p) for p in plans]
+    real = vocoder_batch.BatchedVocoder.run
+
+    def nudged(self, jobs):
+        cache = jobs[0].stream_cache
+        cache["conformer_att_cache"] = cache["conformer_att_cache"] + 0.5
+        return real(self, jobs)
+
+    monkeypatch.setattr(vocoder_batch.BatchedVocoder, "run", nudged)
+    got = batched(eng16, plans)
+    with pytest.raises(AssertionError, match="audio"):
+        compare(want[0], got[0], "nudged row")

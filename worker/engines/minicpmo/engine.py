@@ -449,6 +449,7 @@ class MiniCPMOEngine(Engine):
         self.text_only = text_only
         self.vocoder_batched = vocoder_batched
         """A batched step runs the vocoder once for all its speakers (else per speaker)."""
+        self._batched_vocoder: Any = None
         self.default_voice_setting = default_voice
         self.default_voice: Path | None = None
         self.layout = ""
@@ -704,24 +705,45 @@ class MiniCPMOEngine(Engine):
 
     def _warm_vocoder(self) -> None:
         """The default voice prepared and a chunk of silence spoken (then a flush), in a state
-        of its own: the vocoder's first calls are slow (3.8 s against 0.07 s for the tiny one
-        on this CPU: kernels picked, buffers made), and a speaking unit that paid for them
-        would hold every session of its step past the edge's watchdog."""
+        of its own, alone and, on a batched worker, two at once: the vocoder's first calls
+        are slow (3.8 s against 0.07 s for the tiny one on this CPU: kernels picked, buffers
+        made, its conformer compiled for one row and for several, last chunk or not), and a
+        speaking unit that paid for them would hold every session of its step past the
+        edge's watchdog."""
         tok = self.model.tts.audio_tokenizer
         holder = _ChatState(self.state.fresh())
+        chunks = [([SILENCE_TOKEN] * (CHUNK_TOKENS + LOOKAHEAD_TOKENS), False)]
+        chunks.append(([SILENCE_TOKEN] * LOOKAHEAD_TOKENS, True))
         t0 = time.perf_counter()
         with self.using(holder):
             try:
-                tok.set_stream_cache(str(self.default_voice))
-                tok.stream([SILENCE_TOKEN] * (CHUNK_TOKENS + LOOKAHEAD_TOKENS))
-                tok.stream([SILENCE_TOKEN] * LOOKAHEAD_TOKENS, last_chunk=True)
-                warm = getattr(self.batched, "warm_vocoder", None)
-                if warm is not None:
-                    warm(str(self.default_voice))
+                voice = str(self.default_voice)
+                tok.set_stream_cache(voice)
+                for tokens, last in chunks:
+                    tok.stream(tokens, last_chunk=last)
+                if self.slots > 1 and self.vocoder_batched:
+                    from omnifabric.worker.engines.minicpmo.waveform import job_of
+
+                    tok.set_stream_cache(voice)
+                    jobs = [job_of(tok, None), job_of(tok, None)]
+                    jobs[1].stream_cache = {k: v.clone() for k, v in jobs[1].stream_cache.items()}
+                    jobs[1].hift_cache = {k: v.clone() for k, v in jobs[1].hift_cache.items()}
+                    for tokens, last in chunks:
+                        for job in jobs:
+                            job.tokens, job.last_chunk = tokens, last
+                        self.batched_vocoder().run(jobs)
             finally:
                 self.state.clear()
                 self.forget(holder)
         log.info("minicpmo: vocoder warmed in %.2f s", time.perf_counter() - t0)
+
+    def batched_vocoder(self) -> Any:
+        """The vocoder batched across sessions (vocoder_batch.BatchedVocoder), made once."""
+        if self._batched_vocoder is None:
+            from omnifabric.worker.engines.minicpmo.vocoder_batch import BatchedVocoder
+
+            self._batched_vocoder = BatchedVocoder(self.model.tts.audio_tokenizer)
+        return self._batched_vocoder
 
     # ---- chat --------------------------------------------------------------------------
 

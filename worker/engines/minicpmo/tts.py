@@ -1,5 +1,6 @@
 """The batched step's TTS: one TTS-backbone forward per TTS step for every speaking row, then
-the vocoder per speaker (design doc §5, §9).
+the vocoder: batched over the speakers (waveform.py), or per speaker through the public
+method when the engine's `vocoder_batched` is off (design doc §5, §9).
 
 The public `generate_chunk` serves one session (it asserts a batch of 1); this loop serves
 the speakers of a step together and keeps each one's result as its solo run: its condition
@@ -39,7 +40,7 @@ TTS_TOKENS = 4096
 
 
 class BatchedTTS:
-    """TTS over the speaking rows of a step, and the vocoder per speaker."""
+    """TTS over the speaking rows of a step, then their audio."""
 
     def __init__(self, engine: MiniCPMOEngine) -> None:
         self.engine = engine
@@ -60,8 +61,15 @@ class BatchedTTS:
             self._generate(rows)
         phases["tts"] += (time.perf_counter() - t0) * 1000.0
         t0 = time.perf_counter()
-        for row in rows:
-            self._vocoder(row)
+        if self.engine.audio_on and self.engine.vocoder_batched:
+            from omnifabric.worker.engines.minicpmo import waveform
+
+            flushes = [self._flushes(r) for r in rows]
+            with torch.no_grad():
+                waveform.speak(self.engine, rows, flushes, self.engine.batched_vocoder())
+        else:
+            for row in rows:
+                self._vocoder(row)
         phases["vocoder"] += (time.perf_counter() - t0) * 1000.0
 
     def _generate(self, rows: list[Row]) -> None:
@@ -209,14 +217,21 @@ class BatchedTTS:
         cache.commit()
         return last
 
+    @staticmethod
+    def _flushes(row: Row) -> bool:
+        """Whether the row's waveform step flushes: the unified class always does; the duplex
+        class only at a turn's first chunk."""
+        return row.session.handle.layout == layouts.UNIFIED or bool(row.tts_start_zero)
+
     def _vocoder(self, row: Row) -> None:
         """The public waveform step for one speaker, its vocoder state swapped in."""
         session, d = row.session, row.duplex
-        # The unified class always flushes; the duplex class only at a turn's first chunk.
-        flush = session.handle.layout == layouts.UNIFIED or row.tts_start_zero
         with self.engine.using(session):
             wave: Any = d._generate_waveform_from_tokens(
-                row.tts_tokens, row.args.get("prompt_wav_path"), row.end_of_turn, force_flush=flush
+                row.tts_tokens,
+                row.args.get("prompt_wav_path"),
+                row.end_of_turn,
+                force_flush=self._flushes(row),
             )
             if row.end_of_turn:
                 d._reset_token2wav_for_new_turn()

@@ -1,0 +1,238 @@
+"""The batched vocoder (worker/engines/minicpmo/vocoder_batch.py) gives each session what
+`Token2wav.stream` of minicpmo-utils gives it alone.
+
+Tiny random-weight assets (tools/vocoder_assets.py) on the CPU, float32, three espeak-ng
+voices of different lengths (so different prompt lengths, one shorter than a chunk). Each
+session keeps two states: one advanced only by `BatchedVocoder.run` over all sessions of a
+tick, one only by the package's `stream` for that session alone (the same DeviceToken2wav,
+its caches swapped in). Sessions join at different ticks, stream several 28-token chunks,
+and leave through a last chunk with tokens, an empty flush, or not at all; every tick compares
+each session's PCM (int16, within PCM_LSB) and both caches (within CACHE_ATOL). A control
+perturbs one session's caches on the batched side only: the comparison must flag that session
+and no other.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("stepaudio2")
+torch = pytest.importorskip("torch")
+
+from omnifabric.tools import vocoder_assets  # noqa: E402
+from omnifabric.worker.engines.minicpmo import vocoder  # noqa: E402
+from omnifabric.worker.engines.minicpmo.vocoder_batch import (  # noqa: E402
+    BatchedVocoder,
+    VocoderJob,
+)
+
+#: Largest int16 difference allowed between the batched and the lone session's samples.
+PCM_LSB = 2
+#: Largest absolute difference allowed between their caches (float32 rounding of batching).
+CACHE_ATOL = 1e-4
+#: espeak-ng texts: ~0.6 s (a prompt shorter than one chunk's 50 mel frames), ~2 s, ~5 s.
+TEXTS = (
+    "Hi.",
+    "Hello there, this is the second voice.",
+    "A much longer voice prompt, spoken slowly, to give a longer prompt than the others.",
+)
+CHUNK = 28  # 25 fresh tokens + 3 lookahead
+@pytest.fixture(scope="module")
+def t2w(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A DeviceToken2wav on tiny assets (their random weights make audio depend on its input:
+    vocoder_assets.liven), on one torch thread (several oversubscribe a busy machine: ~15 s a
+    chunk instead of ~0.15 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("token2wav")
+    vocoder_assets.build(folder)
+    out = vocoder.make(folder, device="cpu", n_timesteps=10)
+    yield out
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def voices(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Three voice WAVs of different lengths."""
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (the voices are spoken with it)")
+    folder = tmp_path_factory.mktemp("voices")
+    out = []
+    for i, text in enumerate(TEXTS):
+        path = folder / f"voice{i}.wav"
+        subprocess.run(["espeak-ng", "-w", str(path), text], check=True, capture_output=True)
+        out.append(str(path))
+    return out
+
+
+def clone(cache: dict[str, Any]) -> dict[str, Any]:
+    """A copy owning its tensors (made in inference mode, as the package's caches are)."""
+    with torch.inference_mode():
+        return {key: value.clone() for key, value in cache.items()}
+
+
+@dataclass
+class Session:
+    """One session's plan and its two states (batched, alone)."""
+
+    voice: str
+    start: int  # the tick of its first chunk
+    chunks: int  # full chunks
+    end: int | None  # tokens of its last chunk (0: an empty flush); None: it stays open
+    flow: dict[str, Any] = field(default_factory=dict)
+    hift: dict[str, Any] = field(default_factory=dict)
+    alone_flow: dict[str, Any] = field(default_factory=dict)
+    alone_hift: dict[str, Any] = field(default_factory=dict)
+    pcm: bytes = b""  # its latest batched output
+
+    def call(self, tick: int, rng: np.random.Generator) -> tuple[list[int], bool] | None:
+        """This tick's (tokens, last_chunk), or None when the session is not streaming."""
+        k = tick - self.start
+        if 0 <= k < self.chunks:
+            return rng.integers(0, 6561, CHUNK).tolist(), False
+        if k == self.chunks and self.end is not None:
+            return rng.integers(0, 6561, self.end).tolist(), True
+        return None
+
+
+def start(t2w: Any, session: Session) -> None:
+    """Both states of a new session, from set_stream_cache."""
+    flow, hift = t2w.set_stream_cache(session.voice)
+    session.flow, session.hift = clone(flow), clone(hift)
+    session.alone_flow, session.alone_hift = clone(flow), clone(hift)
+
+
+def alone(t2w: Any, session: Session, tokens: list[int], last: bool) -> bytes:
+    """The package's stream() for this session alone, on its own state."""
+    t2w.stream_cache, t2w.hift_cache_dict = session.alone_flow, session.alone_hift
+    t2w._stream_prompt = session.voice
+    pcm = t2w.stream(tokens, prompt_wav=session.voice, last_chunk=last)
+    # Cloned: the package's own flow caches may be views of its scratch buffers.
+    session.alone_flow, session.alone_hift = clone(t2w.stream_cache), t2w.hift_cache_dict
+    return bytes(pcm)
+
+
+def compare(pcm: bytes, expected: bytes, caches: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """What differs beyond the tolerances: PCM (length, samples) and caches (keys, shapes,
+    values; integer offsets exactly)."""
+    problems = []
+    got, ref = np.frombuffer(pcm, "<i2").astype(int), np.frombuffer(expected, "<i2").astype(int)
+    if got.shape != ref.shape:
+        problems.append(f"pcm: {got.size} samples, not {ref.size}")
+    elif got.size and np.abs(got - ref).max() > PCM_LSB:
+        problems.append(f"pcm: differs by {np.abs(got - ref).max()} LSB")
+    if caches.keys() != want.keys():
+        problems.append(f"cache keys {sorted(caches)} != {sorted(want)}")
+    for key in caches.keys() & want.keys():
+        a, b = caches[key], want[key]
+        if a.shape != b.shape:
+            problems.append(f"{key}: shape {tuple(a.shape)}, not {tuple(b.shape)}")
+        elif not a.is_floating_point():
+            if not torch.equal(a, b):
+                problems.append(f"{key}: {a.tolist()}, not {b.tolist()}")
+        elif a.numel() and (a.double() - b.double()).abs().max() > CACHE_ATOL:
+            problems.append(f"{key}: differs by {(a.double() - b.double()).abs().max():.2e}")
+    return problems
+
+
+def tick(
+    t2w: Any, batched: BatchedVocoder, sessions: list[Session], at: int, rng: np.random.Generator
+) -> dict[int, list[str]]:
+    """One step: every streaming session through run() and alone; problems per session."""
+    jobs, expected, rows = [], [], []
+    for i, session in enumerate(sessions):
+        call = session.call(at, rng)
+        if call is None:
+            continue
+        if at == session.start:
+            start(t2w, session)
+        tokens, last = call
+        expected.append(alone(t2w, session, tokens, last))
+        jobs.append(VocoderJob(tokens, last, session.flow, session.hift, session.voice))
+        rows.append(i)
+    problems = {}
+    for i, pcm, want in zip(rows, batched.run(jobs), expected, strict=True):
+        s = sessions[i]
+        s.pcm = pcm
+        found = compare(pcm, want, s.flow, s.alone_flow)
+        found += compare(pcm, want, s.hift, s.alone_hift)
+        if found:
+            problems[i] = found
+    return problems
+
+
+def plan(voices: list[str], n: int) -> list[Session]:
+    """n sessions: different voices, joining at ticks 0-2, 1-3 chunks, ending with a short
+    last chunk, a 2-token last chunk, an empty flush, or not at all."""
+    shapes = [(0, 2, 7), (0, 3, 0), (1, 2, None), (2, 1, 2), (0, 1, 0), (1, 3, 7), (2, 2, 0)]
+    return [Session(voices[i % len(voices)], *shapes[i % len(shapes)]) for i in range(n)]
+
+
+def run_plan(t2w: Any, sessions: list[Session], seed: int = 0) -> None:
+    """Every tick of the plan; fails on the first tick with a difference."""
+    batched, rng = BatchedVocoder(t2w), np.random.default_rng(seed)
+    ticks = max(s.start + s.chunks + 1 for s in sessions)
+    for at in range(ticks):
+        assert tick(t2w, batched, sessions, at, rng) == {}, f"tick {at}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_batched_sessions_equal_each_alone(t2w: Any, voices: list[str], n: int) -> None:
+    run_plan(t2w, plan(voices, n), seed=n)
+
+
+def test_five_timesteps(t2w: Any, voices: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(t2w, "n_timesteps", 5)
+    sessions = plan(voices, 3)
+    run_plan(t2w, sessions, seed=5)
+    assert sessions[0].flow["estimator_att_cache"].shape[0] == 5
+
+
+def test_session_joins_mid_stream(t2w: Any, voices: list[str]) -> None:
+    # The newcomer's first chunk (no decode history, first-chunk silence) beside a session in
+    # steady state whose estimator cache is already trimmed.
+    sessions = [Session(voices[0], 0, 5, None), Session(voices[1], 4, 2, 0)]
+    run_plan(t2w, sessions, seed=7)
+
+
+def test_comparison_detects_a_perturbed_session(t2w: Any, voices: list[str]) -> None:
+    sessions = [Session(voices[i % len(voices)], 0, 2, None) for i in range(4)]
+    batched, rng = BatchedVocoder(t2w), np.random.default_rng(1)
+    assert tick(t2w, batched, sessions, 0, rng) == {}
+    first, second = (np.frombuffer(s.pcm, "<i2").astype(int) for s in sessions[:2])
+    assert np.abs(first - second).max() > 100 * PCM_LSB  # the audio depends on the session
+    with torch.inference_mode():  # on the batched side only; session 3 untouched
+        sessions[0].flow["estimator_att_cache"][..., -1, :] += 1e-2
+        sessions[1].hift["phase"] += 0.25
+        sessions[2].hift["mel"] += 1.0
+    problems = tick(t2w, batched, sessions, 1, rng)
+    assert sorted(problems) == [0, 1, 2], problems
+    assert any(p.startswith("estimator_att_cache") for p in problems[0]), problems[0]
+    assert any(p.startswith("phase") for p in problems[1]), problems[1]
+    assert any(p.startswith("pcm") for p in problems[2]), problems[2]
+
+
+def test_rejects_as_stream_does(t2w: Any, voices: list[str]) -> None:
+    session = Session(voices[1], 0, 1, 0)
+    start(t2w, session)
+    batched = BatchedVocoder(t2w)
+    before = clone(session.flow)
+    short = VocoderJob([1, 2, 3], False, session.flow, session.hift, session.voice)
+    with pytest.raises(ValueError, match="lookahead"):
+        batched.run([short])
+    assert compare(b"", b"", session.flow, before) == []
+    flush = VocoderJob([], True, session.flow, session.hift, session.voice)
+    pcm = batched.run([flush])[0]
+    assert compare(pcm, alone(t2w, session, [], True), session.hift, session.alone_hift) == []
+    # Finalized: an empty flush gives nothing (as stream does), tokens are refused.
+    assert batched.run([flush]) == [alone(t2w, session, [], True)] == [b""]
+    again = VocoderJob([5] * CHUNK, True, session.flow, session.hift, session.voice)
+    with pytest.raises(ValueError, match="finalized"):
+        batched.run([again])

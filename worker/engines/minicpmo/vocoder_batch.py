@@ -1,0 +1,558 @@
+"""MiniCPM-o's vocoder over several sessions in one call: what `Token2wav.stream(tokens,
+prompt_wav, last_chunk)` of minicpmo-utils 1.0.7 does for one session, done for the streaming
+calls of many sessions at once (`BatchedVocoder.run`, one `VocoderJob` per session).
+
+Each job carries its session's state: its flow caches (`stream_cache`, the dict that
+`set_stream_cache` makes and `stream` replaces) and its HiFT cache (`hift_cache`, the
+BoundedVocoder's tensor dict plus `first_chunk`). `run` leaves both as `stream` would leave
+them for that session alone (the flow dict updated in place, its tensors owning their memory;
+the HiFT dict's tensors replaced or filled in place, as the package does) and returns the same
+int16 PCM. The DeviceToken2wav it is given lends its modules, its prepared voices (`cache`) and
+its settings (n_timesteps, float16); its own session state (`stream_cache`,
+`hift_cache_dict`, the package's scratch buffers) is neither read nor written.
+
+What runs batched:
+- The flow matching: every Euler step of the DiT estimator runs once over 2B rows (the B
+  sessions' conditional rows, then their unconditional rows), each session with its own chunk
+  length, key/value cache length, speaker embedding and noise (the package's noise table from
+  the row's cache length on). The estimator's attention has no positional encoding and no mask,
+  so a row's keys are [its chunk, its cache], right-padded to the longest of each and masked;
+  every causal convolution's cache is taken at its own row's end; padded frames feed only
+  padded frames (causal convolutions, masked keys) and are dropped. The blocks are the
+  package's modules, called here block by block (`_estimate`), not patched.
+- The conformer encoder (the package's `forward_chunk`, relative positions over each row's
+  cache): rows with the same token count, last_chunk and cache shapes (sessions of one voice
+  in steady state) run as one batch; the others run alone. Padding would shift a row's
+  relative positions, so rows of different cache lengths are not mixed.
+- The causal HiFT: each session's BoundedVocoder state machine (its integer offsets) steps per
+  row in lockstep, internal block by internal block; its three models run once per group of
+  rows of equal shapes: the float64 F0 predictor, the sine source (each row its own phase and
+  noise-table offset) and the HiFT decode. In steady state every row's decode has the same
+  shape (history + right context + 16 frames); first chunks, flushes and short chunks run in
+  smaller groups.
+What stays per row: the input checks, the cache trims (the package's own functions), the
+first-chunk silence, the int16 conversion.
+
+Equal to the package per session up to the rounding of the batched products. Measured
+(random weights, the HiFT rescaled so that its audio depends on its input; 1-8 sessions over
+several chunks, joining, flushing, three voices): CPU float32, tiny assets: int16 samples
+within 1 LSB, caches within 5e-6; H200 float32 (TF32 off), released sizes: 1 LSB, caches
+within 5e-5; float16 (the package's autocast, "cuda" as it hard-codes it): 3 LSB, caches
+within 8e-3 (two float16 steps at their magnitude). With cuDNN's TF32 on (PyTorch's default
+for convolutions) the batched and the lone call pick different kernels: 9 LSB, caches 6e-4.
+
+Package behaviour reproduced as it is (not fixed here): the estimator's key/value cache holds
+the newest chunk first ([chunk, cache]) while `_trim_estimator_cache` keeps the first
+prompt-length frames and the last 100 as if the prompt came first, so after a few chunks it
+keeps the newest frames and the prompt's last 100; its noise offset is the cache length, which
+stops growing at prompt + 100 (every later chunk draws the same noise frames). A job that
+`stream` would reject is rejected before any state changes (the package raises for an already
+finalized stream only after advancing the flow).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class VocoderJob:
+    """One session's `Token2wav.stream(tokens, prompt_wav, last_chunk)` call and its state."""
+
+    tokens: list[int]
+    last_chunk: bool
+    #: The session's flow caches (as Token2wav.stream_cache); updated in place.
+    stream_cache: dict[str, Tensor]
+    #: The session's BoundedVocoder cache plus `first_chunk` (Token2wav.hift_cache_dict).
+    hift_cache: dict[str, Tensor]
+    #: The session's voice: its key in token2wav.cache (prepared by set_stream_cache).
+    prompt_wav: str
+    #: The voice as prepared (tokens, token lengths, speaker embedding, mel, mel lengths);
+    #: None: token2wav.cache[prompt_wav]. The engine passes it: the prepared voices are a
+    #: session's own state there, swapped like its caches.
+    prompt: tuple[Any, ...] | None = None
+
+
+class BatchedVocoder:
+    """`Token2wav.stream` for many sessions per call, over one DeviceToken2wav's modules."""
+
+    def __init__(self, token2wav: Any) -> None:
+        self.t2w = token2wav
+        self.hift = _Hift(token2wav.bounded_vocoder)
+
+    @torch.inference_mode()
+    def run(self, jobs: Sequence[VocoderJob]) -> list[bytes]:
+        """Each job's int16 PCM (as stream() returns it), its caches advanced."""
+        self._validate(jobs)
+        flowing = [job for job in jobs if job.tokens]
+        mels = dict(zip(map(id, flowing), self._flow(flowing) if flowing else [], strict=True))
+        live = [job for job in jobs if not int(job.hift_cache["finalized"].item())]
+        speech = self.hift.stream(
+            [job.hift_cache for job in live],
+            [mels.get(id(job), job.hift_cache["mel"][:, :, :0]) for job in live],
+            [job.last_chunk for job in live],
+        )
+        for out in speech:
+            if not torch.isfinite(out).all():
+                raise RuntimeError("Causal vocoder returned non-finite audio")
+        done = dict(zip(map(id, live), speech, strict=True))
+        return [self._pcm(job, done.get(id(job))) for job in jobs]
+
+    def _validate(self, jobs: Sequence[VocoderJob]) -> None:
+        """The checks `stream` makes (before any job's state changes)."""
+        lookahead = self.t2w.flow.pre_lookahead_len
+        if len({id(job.hift_cache) for job in jobs}) != len(jobs):
+            raise ValueError("one session per job: two jobs share a cache")
+        for job in jobs:
+            if job.prompt is None and job.prompt_wav not in (self.t2w.cache or {}):
+                raise ValueError(f"voice {job.prompt_wav} is not prepared (set_stream_cache)")
+            if not job.last_chunk and len(job.tokens) <= lookahead:
+                raise ValueError("Non-final chunk requires fresh tokens plus lookahead tokens")
+            if int(job.hift_cache["finalized"].item()) and (job.tokens or not job.last_chunk):
+                raise ValueError("Stream already finalized; call reset() for a new utterance")
+
+    def _voice(self, job: VocoderJob) -> tuple[Any, ...]:
+        """The job's prepared voice."""
+        return job.prompt if job.prompt is not None else self.t2w.cache[job.prompt_wav]
+
+    def _pcm(self, job: VocoderJob, speech: Tensor | None) -> bytes:
+        """_stream_vocode's first-chunk rule, then stream()'s int16 conversion."""
+        if speech is None:  # already finalized: the package's empty flush
+            return b""
+        first = job.hift_cache["first_chunk"]
+        if speech.shape[-1] and bool(first.item()):
+            first.zero_()
+            if not job.last_chunk:
+                silence = speech.new_zeros(1, self.t2w.source_cache_len)
+                speech = torch.cat([silence, speech], dim=1)
+        wav = np.clip(speech.cpu().numpy(), -1.0, 1.0)
+        return (wav * 32767.0).astype("<i2").tobytes()
+
+    def _flow(self, jobs: list[VocoderJob]) -> list[Tensor]:
+        """flow.inference_chunk for every job, then the package's cache trims; each job's mel."""
+        t2w, flow = self.t2w, self.t2w.flow
+        steps = t2w.n_timesteps
+        with torch.amp.autocast("cuda", dtype=torch.float16, enabled=t2w.float16):
+            spk = torch.cat([self._voice(job)[2] for job in jobs])
+            spk = flow.spk_embed_affine_layer(F.normalize(spk, dim=1))
+            encoded = _encode(flow, jobs, t2w.device)
+            caches = [job.stream_cache for job in jobs]
+            mels, convs, keys = _solve(
+                flow.decoder,
+                [h.transpose(1, 2).contiguous() for h, _, _ in encoded],
+                spk,
+                [c["estimator_cnn_cache"][:steps] for c in caches],
+                [c["estimator_att_cache"][:steps] for c in caches],
+            )
+        trims = type(t2w)
+        for job, (_, cnn, att), conv, key in zip(jobs, encoded, convs, keys, strict=True):
+            shim = SimpleNamespace(
+                flow=flow,
+                CONFORMER_HISTORY_FRAMES=t2w.CONFORMER_HISTORY_FRAMES,
+                stream_cache={
+                    "conformer_cnn_cache": cnn,
+                    "conformer_att_cache": att,
+                    "estimator_cnn_cache": conv,
+                    "estimator_att_cache": key,
+                },
+            )
+            prompt_frames = self._voice(job)[3].shape[1]
+            trims._trim_estimator_cache(shim, prompt_frames)
+            trims._trim_conformer_cache(shim, prompt_frames)
+            job.stream_cache.update(shim.stream_cache)
+        return mels
+
+
+def _encode(flow: Any, jobs: list[VocoderJob], device: Any) -> list[tuple[Tensor, ...]]:
+    """The token embedding, conformer encoder (forward_chunk) and projection of each job:
+    (mel-rate hidden [1, T, 80], new conv cache, new attention cache), jobs of equal shapes
+    batched."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, job in enumerate(jobs):
+        cache = job.stream_cache
+        key = (
+            len(job.tokens),
+            job.last_chunk,
+            tuple(cache["conformer_att_cache"].shape),
+            tuple(cache["conformer_cnn_cache"].shape),
+        )
+        groups.setdefault(key, []).append(i)
+    out: list[tuple[Tensor, ...]] = [()] * len(jobs)
+    for members in groups.values():
+        rows = [jobs[i] for i in members]
+        tokens = torch.tensor([job.tokens for job in rows], dtype=torch.int32, device=device)
+        h, cnn, att = flow.encoder.forward_chunk(
+            xs=flow.input_embedding(tokens),
+            last_chunk=rows[0].last_chunk,
+            cnn_cache=torch.cat([job.stream_cache["conformer_cnn_cache"] for job in rows]),
+            att_cache=torch.cat([job.stream_cache["conformer_att_cache"] for job in rows], 1),
+        )
+        h = flow.encoder_proj(h)
+        # A session's caches must not keep its whole group's tensors alive.
+        own = (lambda t: t.clone()) if len(members) > 1 else (lambda t: t)
+        for g, i in enumerate(members):
+            out[i] = (h[g : g + 1], own(cnn[g : g + 1]), own(att[:, g : g + 1]))
+    return out
+
+
+def _solve(
+    cfm: Any, mus: list[Tensor], spk: Tensor, convs: list[Tensor], keys: list[Tensor]
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """CausalConditionalCFM.forward_chunk (temperature 1) for B rows at once. Row i: mu
+    [1, 80, T_i], speaker row spk[i], caches [steps, depth, 2, ...] (keys L_i frames). Returns
+    per row its mel [1, 80, T_i], conv caches and key/value caches of T_i + L_i frames."""
+    lens, past = [m.shape[2] for m in mus], [k.shape[4] for k in keys]
+    steps, device = keys[0].shape[0], mus[0].device
+    mu = _right_pad([m[0] for m in mus])
+    noise = cfm.rand_noise[0]
+    x = _right_pad([noise[:, p : p + n] for p, n in zip(past, lens, strict=True)])
+    t_span = torch.linspace(0, 1, steps + 1, device=device, dtype=mu.dtype)
+    t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
+    t, dt = t_span[0].unsqueeze(dim=0), t_span[1] - t_span[0]
+    mu_in = torch.cat([mu, torch.zeros_like(mu)])
+    spk_in = torch.cat([spk, torch.zeros_like(spk)])
+    ends = torch.tensor(lens + lens, device=device)
+    mask = _key_mask(lens, past, device)
+    rate = cfm.inference_cfg_rate
+    new_convs, new_keys = [], []
+    for step in range(1, steps + 1):
+        conv = torch.stack([c[step - 1] for c in convs], dim=2).flatten(1, 2)
+        cache = _padded_keys([k[step - 1] for k in keys], max(past))
+        out, conv, kv = _estimate(
+            cfm.estimator, torch.cat([x, x]), mu_in, spk_in, t, conv, cache, ends, mask
+        )
+        cond, uncond = out.chunk(2, dim=0)
+        x = x + dt * ((1.0 + rate) * cond - rate * uncond)
+        t = t + dt
+        if step < steps:
+            dt = t_span[step + 1] - t
+        new_convs.append(conv)
+        new_keys.append(kv)
+    rows = len(mus)
+    conv_all = torch.stack(new_convs).unflatten(2, (2, rows))  # [steps, depth, 2, B, C, k]
+    kv_all = torch.stack(new_keys).unflatten(2, (2, rows))  # [steps, depth, 2, B, h, T, 2d]
+    out_convs, out_keys = [], []
+    for i, (n, old) in enumerate(zip(lens, keys, strict=True)):
+        out_convs.append(torch.empty_like(convs[i]).copy_(conv_all[:, :, :, i]))
+        full = old.new_empty((*old.shape[:4], n + old.shape[4], old.shape[5]))
+        full[:, :, :, :, :n] = kv_all[:, :, :, i, :, :n]
+        full[:, :, :, :, n:] = old
+        out_keys.append(full)
+    mels = [x[i : i + 1, :, :n] for i, n in enumerate(lens)]
+    return mels, out_convs, out_keys
+
+
+def _right_pad(rows: list[Tensor]) -> Tensor:
+    """[C, T_i] rows stacked into [B, C, max T], zeros after each row's end."""
+    width = max(r.shape[-1] for r in rows)
+    return torch.stack([F.pad(r, (0, width - r.shape[-1])) for r in rows])
+
+
+def _padded_keys(caches: list[Tensor], width: int) -> Tensor:
+    """One timestep's key/value caches [depth, 2, heads, L_i, 2d] of B rows as
+    [depth, 2B, heads, width, 2d] (conditional rows first), zeros after each row's L_i."""
+    first = caches[0]
+    if all(c.shape[3] == width for c in caches):
+        return torch.stack(caches, dim=2).flatten(1, 2)
+    out = first.new_zeros((*first.shape[:2], len(caches), first.shape[2], width, first.shape[4]))
+    for i, cache in enumerate(caches):
+        out[:, :, i, :, : cache.shape[3]] = cache
+    return out.flatten(1, 2)
+
+
+def _key_mask(lens: list[int], past: list[int], device: Any) -> Tensor | None:
+    """Which keys [chunk (max T) | cache (max L)] each of the 2B rows sees, [2B, 1, 1, keys];
+    None when no row is padded (the package's unmasked attention)."""
+    if len(set(lens)) == 1 and len(set(past)) == 1:
+        return None
+    new = torch.arange(max(lens))[None] < torch.tensor(lens)[:, None]
+    old = torch.arange(max(past))[None] < torch.tensor(past)[:, None]
+    return torch.cat([new, old], dim=1).repeat(2, 1)[:, None, None].to(device)
+
+
+def _estimate(
+    dit: Any,
+    x: Tensor,
+    mu: Tensor,
+    spk: Tensor,
+    t: Tensor,
+    convs: Tensor,
+    keys: Tensor,
+    ends: Tensor,
+    mask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """DiT.forward_chunk over 2B padded rows: x, mu [2B, 80, T], spk [2B, 80], t [1] (the same
+    timestep for all rows), caches [depth, 2B, ...]. Returns the velocity [2B, 80, T], the new
+    conv caches [depth, 2B, C, k] and the chunk's keys/values [depth, 2B, heads, T, 2d]."""
+    c = dit.t_embedder(t).unsqueeze(1)
+    frames = x.shape[2]
+    h = torch.cat([x, mu, spk[:, :, None].expand(-1, -1, frames), torch.zeros_like(mu)], dim=1)
+    h = dit.in_proj(h.transpose(1, 2))
+    new_convs, new_keys = [], []
+    for depth, block in enumerate(dit.blocks):
+        h, conv, kv = _block(block, h, c, convs[depth], keys[depth], ends, mask)
+        new_convs.append(conv)
+        new_keys.append(kv)
+    h = dit.final_layer(h, c).transpose(1, 2)
+    return h, torch.stack(new_convs), torch.stack(new_keys)
+
+
+def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """adaLN modulation (the DiT's `modulate`)."""
+    return x * (1 + scale) + shift
+
+
+def _block(
+    block: Any, h: Tensor, c: Tensor, conv: Tensor, keys: Tensor, ends: Tensor, mask: Any
+) -> tuple[Tensor, Tensor, Tensor]:
+    """DiTBlock.forward_chunk over padded rows; (h, new conv cache, chunk keys/values)."""
+    # The package's order: attention, MLP, convolution; each (shift, scale, gate).
+    mods = block.adaLN_modulation(c).chunk(9, dim=-1)
+    attn, mlp, convolution = mods[0:3], mods[3:6], mods[6:9]
+    attended, kv = _attend(block.attn, _modulate(block.norm1(h), *attn[:2]), keys, mask)
+    h = h + attn[2] * attended
+    y, conv = _convolve(block.conv, _modulate(block.norm3(h), *convolution[:2]), conv, ends)
+    h = h + convolution[2] * y
+    h = h + mlp[2] * block.mlp(_modulate(block.norm2(h), *mlp[:2]))
+    return h, conv, kv
+
+
+def _attend(attn: Any, h: Tensor, cache: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Attention.forward_chunk: the chunk's queries over [chunk keys, cached keys]; returns
+    the output and the chunk's own keys/values [rows, heads, T, 2d]."""
+    rows, frames, _ = h.shape
+    q = attn.q_norm(attn.to_heads(attn.to_q(h)))
+    k = attn.k_norm(attn.to_heads(attn.to_k(h)))
+    v = attn.to_heads(attn.to_v(h))
+    k_cache, v_cache = cache.chunk(2, dim=3)
+    out = F.scaled_dot_product_attention(
+        q, torch.cat([k, k_cache], dim=2), torch.cat([v, v_cache], dim=2), attn_mask=mask
+    )
+    out = attn.proj(out.transpose(1, 2).reshape(rows, frames, -1))
+    return out, torch.cat([k, v], dim=3)
+
+
+def _convolve(block: Any, h: Tensor, cache: Tensor, ends: Tensor) -> tuple[Tensor, Tensor]:
+    """CausalConvBlock.forward_chunk over padded rows [rows, T, C]; (output, new cache)."""
+    first, second = cache.split((block.in_channels, block.out_channels), dim=1)
+    y, new_first = _causal(block.block[1], h.transpose(1, 2), first, ends)
+    y = block.block[2:6](y)
+    y, new_second = _causal(block.block[6], y, second, ends)
+    return y.transpose(1, 2), torch.cat([new_first, new_second], dim=1)
+
+
+def _causal(conv: Any, y: Tensor, cache: Tensor, ends: Tensor) -> tuple[Tensor, Tensor]:
+    """CausalConv1d.forward_chunk over padded rows [rows, C, T]: the cache is each row's last
+    k - 1 input frames before its own end (ends[r]), not the padded tensor's."""
+    width = conv.causal_padding[0]
+    y = torch.cat([cache, y], dim=2)
+    at = ends[:, None, None] + torch.arange(width, device=y.device)
+    new_cache = y.gather(2, at.expand(-1, y.shape[1], -1))
+    return nn.Conv1d.forward(conv, y), new_cache
+
+
+def _grouped(fn: Callable[..., Tensor], inputs: list[tuple[Tensor, ...]]) -> list[Tensor]:
+    """fn over the rows whose inputs have equal shapes at once: inputs[i] is row i's tuple of
+    [1, ...] tensors; returns row i's [1, ...] slice of the result."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, args in enumerate(inputs):
+        groups.setdefault(tuple(a.shape for a in args), []).append(i)
+    out: list[Tensor] = [torch.empty(0)] * len(inputs)
+    for members in groups.values():
+        columns = zip(*(inputs[i] for i in members), strict=True)
+        result = fn(*(torch.cat(col) if len(members) > 1 else col[0] for col in columns))
+        for g, i in enumerate(members):
+            out[i] = result[g : g + 1]
+    return out
+
+
+class _Hift:
+    """BoundedVocoder.stream over many sessions' caches: each row's bookkeeping as the
+    package's `_process`, its F0 predictor, sine source and decode batched by shape."""
+
+    def __init__(self, bounded: Any) -> None:
+        self.model = bounded.model
+        self.hop, self.block = bounded.hop, bounded.block_frames
+        self.f0_left, self.f0_right = bounded.f0_left, bounded.f0_right
+        self.history, self.decoder_right = bounded.history, bounded.decoder_right
+        self.limits = bounded.limits
+
+    def _check(self, **values: int) -> None:
+        """The package's buffer bounds (`_observe`), without its statistics."""
+        for key, value in values.items():
+            if value > self.limits[key]:
+                raise RuntimeError(f"Bounded vocoder exceeded {key}: {value} > {self.limits[key]}")
+
+    def stream(
+        self, caches: list[dict[str, Tensor]], mels: list[Tensor], finals: list[bool]
+    ) -> list[Tensor]:
+        """BoundedVocoder.stream(mels[i], finalize=finals[i]) on caches[i], for every i (none
+        finalized yet): new mel in internal blocks, then a final flush where asked."""
+        for cache, mel in zip(caches, mels, strict=True):
+            if mel.ndim != 3 or mel.shape[:2] != cache["mel"].shape[:2]:
+                raise ValueError("Require fresh mel with shape [1, channels, frames]")
+        parts = [[p for p in mel.split(self.block, dim=2) if p.shape[-1]] for mel in mels]
+        chunks: list[list[Tensor]] = [[] for _ in caches]
+        with torch.amp.autocast(mels[0].device.type if mels else "cpu", enabled=False):
+            for r in range(max(map(len, parts), default=0)):
+                live = [i for i, p in enumerate(parts) if r < len(p)]
+                for i in live:
+                    caches[i]["mel"] = torch.cat([caches[i]["mel"], parts[i][r].float()], dim=2)
+                    self._check(mel_buffer_frames=caches[i]["mel"].shape[-1])
+                done = self._process([caches[i] for i in live], False)
+                for i, speech in zip(live, done, strict=True):
+                    chunks[i].append(speech)
+            ending = [i for i, final in enumerate(finals) if final]
+            done = self._process([caches[i] for i in ending], True)
+            for i, speech in zip(ending, done, strict=True):
+                chunks[i].append(speech)
+                caches[i]["finalized"].fill_(1)
+        return [
+            torch.cat(c, dim=1) if c else mel.new_zeros(1, 0)
+            for c, mel in zip(chunks, mels, strict=True)
+        ]
+
+    def _process(self, caches: list[dict[str, Tensor]], finalize: bool) -> list[Tensor]:
+        """BoundedVocoder._process on every cache: new source, new speech, trimmed history."""
+        if not caches:
+            return []
+        state = [
+            {k: int(c[k].item()) for k in ("mel_offset", "source_offset", "source_end")}
+            for c in caches
+        ]
+        for c, s in zip(caches, state, strict=True):
+            s["emitted"] = int(c["speech_offset"].item()) // self.hop
+        self._extend_sources(caches, state, finalize)
+        speech = self._decode(caches, state, finalize)
+        for c, s in zip(caches, state, strict=True):
+            keep_mel = max(0, min(s["emitted"] - self.history, s["source_end"] - self.f0_left))
+            keep_source = max(0, s["emitted"] - self.history)
+            c["mel"] = c["mel"][:, :, keep_mel - s["mel_offset"] :].clone()
+            c["source"] = c["source"][:, :, (keep_source - s["source_offset"]) * self.hop :]
+            c["source"] = c["source"].clone()
+            c["mel_offset"].fill_(keep_mel)
+            c["source_offset"].fill_(keep_source)
+            self._check(
+                mel_cache_frames=c["mel"].shape[-1],
+                source_cache_frames=c["source"].shape[-1] // self.hop,
+            )
+        return speech
+
+    def _extend_sources(
+        self, caches: list[dict[str, Tensor]], state: list[dict[str, int]], finalize: bool
+    ) -> None:
+        """F0 over each row's unseen mel (float64, rows of equal shapes at once), then its
+        excitation source appended to the row's source cache."""
+        want: list[tuple[int, int]] = []
+        for i, (c, s) in enumerate(zip(caches, state, strict=True)):
+            received = s["mel_offset"] + c["mel"].shape[-1]
+            if max(0, received - (0 if finalize else self.f0_right)) > s["source_end"]:
+                want.append((i, max(0, s["source_end"] - self.f0_left)))
+        if not want:
+            return
+        feats = [caches[i]["mel"][:, :, start - state[i]["mel_offset"] :] for i, start in want]
+        for f in feats:
+            self._check(f0_input_frames=f.shape[-1])
+
+        def predict(x: Tensor) -> Tensor:
+            return self.model.f0_predictor(x.double(), finalize=finalize).to(x)
+
+        f0s = _grouped(predict, [(f,) for f in feats])
+        f0s = [
+            f0[:, state[i]["source_end"] - start :]
+            for (i, start), f0 in zip(want, f0s, strict=True)
+        ]
+        rows = [i for i, _ in want]
+        sources = self._sources([caches[i] for i in rows], [state[i] for i in rows], f0s)
+        for i, parts, f0 in zip(rows, sources, f0s, strict=True):
+            c, s = caches[i], state[i]
+            c["source"] = torch.cat([c["source"], *parts], dim=2)
+            s["source_end"] += f0.shape[1]
+            c["source_end"].fill_(s["source_end"])
+            self._check(source_buffer_frames=c["source"].shape[-1] // self.hop)
+
+    def _sources(
+        self, caches: list[dict[str, Tensor]], state: list[dict[str, int]], f0s: list[Tensor]
+    ) -> list[list[Tensor]]:
+        """Each row's F0 [1, F] in internal blocks through the sine source, in order (the
+        phase carries over); the k-th blocks of all rows at once where their lengths agree."""
+        parts = [list(f0.split(self.block, dim=1)) for f0 in f0s]
+        offsets = [s["source_end"] for s in state]
+        out: list[list[Tensor]] = [[] for _ in f0s]
+        for k in range(max(map(len, parts), default=0)):
+            groups: dict[int, list[int]] = {}
+            for i, p in enumerate(parts):
+                if k < len(p):
+                    groups.setdefault(p[k].shape[1], []).append(i)
+            for members in groups.values():
+                f0 = torch.cat([parts[i][k] for i in members])
+                phase = torch.cat([caches[i]["phase"] for i in members])
+                self._check(cumsum_frames=f0.shape[1])
+                source, phase = self._source(f0, phase, [offsets[i] for i in members])
+                for g, i in enumerate(members):
+                    caches[i]["phase"] = phase[g : g + 1].clone()
+                    out[i].append(source[g : g + 1])
+                    offsets[i] += f0.shape[1]
+        return out
+
+    def _source(self, f0: Tensor, phase: Tensor, offsets: list[int]) -> tuple[Tensor, Tensor]:
+        """BoundedVocoder._source for rows f0 [G, n] with phases [G, 1, H] (float64) at frame
+        offsets: ([G, 1, n x hop] source, the new phases)."""
+        oscillator = self.model.m_source.l_sin_gen
+        harmonics = torch.arange(1, self.model.nb_harmonics + 2, device=f0.device, dtype=f0.dtype)
+        increments = (f0[:, :, None] * harmonics / self.model.sampling_rate).remainder(1)
+        cycles = increments.double().cumsum(dim=1) * self.hop + phase
+        sine = (cycles.remainder(1) * (2 * math.pi)).sin().to(f0)
+        sine = sine.repeat_interleave(self.hop, dim=1)
+        voiced = (f0[:, :, None] > oscillator.voiced_threshold).to(f0)
+        voiced = voiced.repeat_interleave(self.hop, dim=1)
+        amplitude = voiced * oscillator.noise_std + (1 - voiced) * oscillator.sine_amp / 3
+        table = oscillator.sine_waves  # [1, samples, H], kept on the CPU by the package
+        first = torch.tensor(offsets, device=table.device)[:, None] * self.hop
+        positions = (first + torch.arange(sine.shape[1], device=table.device)) % table.shape[1]
+        noise = table[0][positions].to(f0)
+        excitation = sine * oscillator.sine_amp * voiced + amplitude * noise
+        source = self.model.m_source.l_tanh(self.model.m_source.l_linear(excitation))
+        return source.transpose(1, 2), cycles[:, -1:].remainder(1)
+
+    def _decode(
+        self, caches: list[dict[str, Tensor]], state: list[dict[str, int]], finalize: bool
+    ) -> list[Tensor]:
+        """The HiFT decode of each row's newly available speech (rows of equal shapes at
+        once); each row's new samples [1, n]."""
+        speech = [c["mel"].new_zeros(1, 0) for c in caches]
+        want: list[tuple[int, int, int]] = []
+        inputs: list[tuple[Tensor, ...]] = []
+        for i, (c, s) in enumerate(zip(caches, state, strict=True)):
+            available = max(0, s["source_end"] - (0 if finalize else self.decoder_right))
+            if available > s["emitted"]:
+                start = max(0, s["emitted"] - self.history)
+                mel = c["mel"][:, :, start - s["mel_offset"] : s["source_end"] - s["mel_offset"]]
+                self._check(decoder_input_frames=mel.shape[-1])
+                source = c["source"][:, :, (start - s["source_offset"]) * self.hop :]
+                want.append((i, start, available))
+                inputs.append((mel, source))
+
+        def decode(mel: Tensor, source: Tensor) -> Tensor:
+            return self.model.decode(mel, source, finalize=finalize)
+
+        for (i, start, available), out in zip(want, _grouped(decode, inputs), strict=True):
+            s = state[i]
+            out = out[:, (s["emitted"] - start) * self.hop :]
+            if out.shape[-1] != (available - s["emitted"]) * self.hop:
+                raise RuntimeError("Bounded vocoder returned an unexpected sample count")
+            s["emitted"] = available
+            caches[i]["speech_offset"].fill_(available * self.hop)
+            speech[i] = out
+        return speech
