@@ -221,9 +221,10 @@ def liven(flow: Any, hift: Any) -> None:
     with torch.no_grad():
         for block in flow.decoder.estimator.blocks:
             block.adaLN_modulation[-1].weight.mul_(DIT_GATE)
-        for module in hift.modules():
-            if not isinstance(module, torch.nn.Conv1d | torch.nn.Linear):
+        for layer in hift.modules():
+            if not isinstance(layer, torch.nn.Conv1d | torch.nn.Linear):
                 continue
+            module: Any = layer
             if hasattr(module, "parametrizations"):
                 module.parametrizations.weight.original0.fill_(HIFT_GAIN)
             else:

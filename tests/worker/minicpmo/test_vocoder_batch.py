@@ -44,6 +44,8 @@ TEXTS = (
     "A much longer voice prompt, spoken slowly, to give a longer prompt than the others.",
 )
 CHUNK = 28  # 25 fresh tokens + 3 lookahead
+
+
 @pytest.fixture(scope="module")
 def t2w(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A DeviceToken2wav on tiny assets (their random weights make audio depend on its input:

@@ -170,22 +170,6 @@ class BatchedStep(Protocol):
     which drives this module's sessions; the worker's engine registry hands its class in)."""
 
     def step(self, rows: Sequence[StepRow]) -> StepOutcome: ...
-    def vocoder_cache_bytes(self, session: MiniCPMOSession) -> int:
-        """Bytes of `session`'s vocoder stream caches (flow and HiFT; 0 without speech)."""
-        tok = getattr(getattr(self.model, "tts", None), "audio_tokenizer", None)
-        if tok is None:
-            return 0
-        from omnifabric.worker.engines.minicpmo import vocoder
-
-        d = session.handle.duplex
-        with self.using(session):
-            return vocoder.cache_bytes(
-                tok.stream_cache,
-                tok.hift_cache_dict,
-                getattr(d, "flow_cache_base", None),
-                getattr(d, "hift_cache_base", None),
-            )
-
     def release(self, session: MiniCPMOSession) -> None: ...
     def unslot(self, session: MiniCPMOSession) -> None: ...
     def kv_length(self, session: MiniCPMOSession) -> int: ...

@@ -112,10 +112,11 @@ def make(
 ) -> Any:
     """A DeviceToken2wav on `device` (the class is made on first use: it derives from the
     package's, which imports torch and torchaudio)."""
-    global _CLASS
+    global _CLASS, _BASE
     if _CLASS is None:
         from stepaudio2.token2wav import Token2wav
 
+        _BASE = Token2wav
         _CLASS = type(
             "DeviceToken2wav",
             (Token2wav,),
@@ -131,6 +132,8 @@ def make(
 
 
 _CLASS: Any = None
+#: The package's Token2wav (DeviceToken2wav's base), once made.
+_BASE: Any = None
 
 
 def _init(
@@ -215,14 +218,14 @@ def cache_bytes(*caches: Any) -> int:
 
 def _set_stream_cache(self: Any, prompt_wav: Any) -> tuple[Any, Any]:
     """The package's, its flow cache owned (see owned())."""
-    type(self).__mro__[1].set_stream_cache(self, prompt_wav)
+    _BASE.set_stream_cache(self, prompt_wav)
     self.stream_cache = owned(self.stream_cache, self.n_timesteps)
     return self.stream_cache, self.hift_cache_dict
 
 
 def _stream(self: Any, generated_speech_tokens: Any, *args: Any, **kwargs: Any) -> Any:
     """The package's, its flow cache owned afterwards (see owned())."""
-    out = type(self).__mro__[1].stream(self, generated_speech_tokens, *args, **kwargs)
+    out = _BASE.stream(self, generated_speech_tokens, *args, **kwargs)
     self.stream_cache = owned(self.stream_cache, self.n_timesteps)
     return out
 

@@ -107,6 +107,7 @@ def speak(
             plans.append(None)
             jobs.append(None)
             continue
+        assert row.tts_tokens is not None  # a speaker's TTS ran before its waveform
         tokens = [int(t) for t in row.tts_tokens.reshape(-1).tolist()]
         plans.append(
             plan_calls(
