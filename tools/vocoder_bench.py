@@ -1,0 +1,126 @@
+"""The vocoder alone: one batched call (vocoder_batch.BatchedVocoder.run) for N sessions'
+next chunk against the package's `stream` per session, with each session's cache memory.
+
+    python -m omnifabric.tools.vocoder_bench --device cuda --counts 1,8,16,32,64 \\
+        [--assets DIR | --full] [--voice A.wav --voice B.wav] [--json out.json]
+
+Without --assets it builds random-weight assets (tools/vocoder_assets.py; --full: the
+released sizes) in a temporary folder. Sessions take the voices in turn. Each figure is the
+median of 4 timed calls after 2 untimed ones (the conformer compiles its variants then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+#: A chunk: 25 fresh tokens and 3 of lookahead; a speech token is below this.
+CHUNK, VOCAB = 28, 6561
+WARM, TIMED = 2, 4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m omnifabric.tools.vocoder_bench", description=__doc__
+    )
+    parser.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N (cuda)")
+    parser.add_argument("--counts", default="1,8,16,32,64", help="sessions per call")
+    parser.add_argument("--assets", type=Path, default=None, help="a token2wav folder")
+    parser.add_argument("--full", action="store_true", help="built assets: the released sizes")
+    parser.add_argument("--voice", action="append", default=[], help="voice WAV (repeatable)")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    return parser
+
+
+def _median_ms(call: Any, sync: Any) -> float:
+    for _ in range(WARM):
+        call()
+    sync()
+    times = []
+    for _ in range(TIMED):
+        t0 = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def measure(t2w: Any, voices: list[str], counts: list[int], sync: Any) -> dict[str, Any]:
+    """Per N: the batched call's ms, the serial estimate, cache MiB per session, peak GiB."""
+    import numpy as np
+    import torch
+
+    from omnifabric.worker.engines.minicpmo import vocoder, vocoder_batch
+
+    rng = np.random.default_rng(0)
+    tokens = lambda: rng.integers(0, VOCAB, CHUNK).tolist()  # noqa: E731
+    t2w.set_stream_cache(voices[0])
+    serial = _median_ms(lambda: t2w.stream(tokens()), sync)
+    batched = vocoder_batch.BatchedVocoder(t2w)
+    out: dict[str, Any] = {"stream_ms": serial, "runs": []}
+    for n in counts:
+        jobs = []
+        for i in range(n):
+            voice = voices[i % len(voices)]
+            t2w.set_stream_cache(voice)
+            flow = {k: v.clone() for k, v in t2w.stream_cache.items()}
+            hift = {k: v.clone() for k, v in t2w.hift_cache_dict.items()}
+            jobs.append(vocoder_batch.VocoderJob([], False, flow, hift, voice, t2w.cache[voice]))
+
+        def call(jobs: list[Any] = jobs) -> None:
+            for job in jobs:
+                job.tokens = tokens()
+            batched.run(jobs)
+
+        cuda = t2w.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        ms = _median_ms(call, sync)
+        mib = statistics.mean(vocoder.cache_bytes(j.stream_cache, j.hift_cache) for j in jobs)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        row = {"sessions": n, "batched_ms": ms, "serial_ms": n * serial}
+        row.update({"cache_mib_per_session": mib / 2**20, "peak_gib": peak})
+        out["runs"].append(row)
+        print(
+            f"N={n:3d}: one batched call {ms:7.0f} ms, N x stream {n * serial:8.0f} ms "
+            f"({n * serial / ms:5.1f}x), caches {mib / 2**20:6.1f} MiB a session"
+            + (f", peak {peak:.1f} GiB" if peak is not None else ""),
+            flush=True,
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from omnifabric.common.paths import cache_root
+    from omnifabric.tools import vocoder_assets
+    from omnifabric.worker.engines.minicpmo import vocoder
+    from omnifabric.worker.engines.minicpmo.voice import project_clip
+
+    voices = args.voice or [str(project_clip(cache_root()))]
+    counts = [int(c) for c in args.counts.split(",") if c.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.assets
+        if folder is None:
+            folder = Path(tmp) / "token2wav"
+            vocoder_assets.build(folder, full=args.full)
+        t2w = vocoder.make(folder, device=args.device)
+        sync = torch.cuda.synchronize if t2w.device.type == "cuda" else (lambda: None)
+        print(f"stream per session: measuring on {args.device}", flush=True)
+        out = measure(t2w, voices, counts, sync)
+    print(f"stream per session: {out['stream_ms']:.0f} ms a chunk (1 s of audio)")
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
