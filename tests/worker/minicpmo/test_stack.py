@@ -175,3 +175,64 @@ def test_half_duplex_call(served):
     first = seen[: kinds.index("turn_done") + 1]
     chunks = [e["text_delta"] for e in first if e["type"] == "chunk"]
     assert chunks and done[0]["text"] == "".join(chunks)
+
+
+def test_chat_turn_with_speech(served):
+    """A chat turn asking for speech streams audio deltas (the model's streaming path with
+    the vocoder) beside its text."""
+    import base64
+
+    async def main():
+        client = await WsClient.open(f"{served}?mode=chat&model=minicpm-o")
+        await client.until("session.queue_done", timeout_s=60)
+        await client.send({"type": "session.init", "payload": {}})
+        await client.until("session.created", timeout_s=60)
+        await client.send(
+            {
+                "type": "input.append",
+                "input": {
+                    "messages": [{"role": "user", "content": "Say hi."}],
+                    "streaming": True,
+                    "tts": {"enabled": True},
+                    "generation": {"max_new_tokens": 12, "temperature": 0},
+                },
+            }
+        )
+        done = await client.until("response.done", timeout_s=300)
+        await client.close()
+        return client.events, done
+
+    events, done = asyncio.run(main())
+    assert not [e for e in events if e["type"] == "error"], events
+    audio = [
+        np.frombuffer(base64.b64decode(e["audio"]), "<f4")
+        for e in events
+        if e.get("kind") == "audio" and e.get("audio")
+    ]
+    assert audio and sum(a.size for a in audio) > 0
+    assert all(np.isfinite(a).all() for a in audio)
+    assert done["text"]
+
+
+def test_openai_dialect_session_hears_speech(served):
+    """The OpenAI Realtime dialect on the minicpmo worker, through the official SDK: the
+    model's speech arrives as response.output_audio.delta (PCM16, 24 kHz)."""
+    import base64
+
+    openai = pytest.importorskip("openai")
+    from tests.e2e.test_default_voice import http_url
+    from tests.e2e.test_openai_realtime import speak, until
+
+    async def main():
+        seen: list = []
+        api = openai.AsyncOpenAI(base_url=http_url(served, "/v1"), api_key="k", max_retries=0)
+        async with api.realtime.connect(model="minicpm-o-4.5") as conn:
+            await until(conn, "session.created", timeout_s=120)
+            await speak(conn, seconds=4.0)
+            await until(conn, "response.output_audio.delta", timeout_s=300, seen=seen)
+        return seen
+
+    seen = asyncio.run(main())
+    assert not [e for e in seen if e.type == "error"], seen
+    audio = b"".join(base64.b64decode(e.delta) for e in seen if e.type.endswith("audio.delta"))
+    assert len(audio) > 0 and len(audio) % 2 == 0
