@@ -198,6 +198,13 @@ def test_close_frees_every_cache(engine):
     assert model.audio_past_key_values is None
     assert model.processor._streaming_mel_processor is None
     assert session.shared == {}
+    if engine.audio_on:  # the vocoder's caches went with the session
+        d = handle.duplex
+        assert getattr(d, "flow_cache_base", None) is None
+        assert getattr(d, "hift_cache_base", None) is None
+        assert not getattr(d, "token2wav_buffer", [])
+        tok = model.tts.audio_tokenizer
+        assert tok.stream_cache is None and not tok.cache
     # The next session starts from nothing of this one: same input, same output.
     first, _ = run_units(engine, GREEDY, [(noise(9), [])] * 3)
     second, _ = run_units(engine, GREEDY, [(noise(9), [])] * 3)
