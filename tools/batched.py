@@ -20,8 +20,9 @@ module, so both modes are counted alike), peak memory.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,20 @@ def _close(sessions: Sequence[EngineSession]) -> None:
             session.close()
 
 
+@contextlib.contextmanager
+def vocoder_mode(engine: Engine, mode: str) -> Iterator[None]:
+    """The engine's vocoder as `mode` runs it (per speaker in SERIAL_VOCODER, batched in
+    the others), where the engine has the choice; as it was afterwards."""
+    before = getattr(engine, "vocoder_batched", None)
+    if before is not None:
+        engine.vocoder_batched = mode != SERIAL_VOCODER  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if before is not None:
+            engine.vocoder_batched = before  # type: ignore[attr-defined]
+
+
 def _units(units: list[np.ndarray], count: int, offset: int) -> list[np.ndarray]:
     return [units[(offset + k) % len(units)] for k in range(count)]
 
@@ -111,27 +126,6 @@ def run(
     """`n` sessions, `count` units each, in `mode`; the figures of the run."""
     if mode in (BATCHED, SERIAL_VOCODER) and stepper is None:
         raise ValueError(f"the {engine.name} engine has no batched step")
-    serial_before = getattr(engine, "vocoder_batched", None)
-    if serial_before is not None:
-        engine.vocoder_batched = mode != SERIAL_VOCODER  # type: ignore[attr-defined]
-    try:
-        return _run(engine, stepper, mode, n, units, count, unit_s, sync, settings)
-    finally:
-        if serial_before is not None:
-            engine.vocoder_batched = serial_before  # type: ignore[attr-defined]
-
-
-def _run(
-    engine: Engine,
-    stepper: Stepper | None,
-    mode: str,
-    n: int,
-    units: list[np.ndarray],
-    count: int,
-    unit_s: float,
-    sync: Callable[[], None],
-    settings: DuplexSettings | None,
-) -> dict[str, Any]:
     settings = settings or DuplexSettings(temperature=0)
     sessions = _open(engine, n, mode, settings)
     counter = _ForwardCounter.on(engine)

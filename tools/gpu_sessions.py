@@ -374,7 +374,8 @@ def _batched(
     for n in counts:
         for mode in modes:
             meter.reset_peak()
-            row = batched.run(engine, stepper, mode, n, units, count, unit_s, meter.sync)
+            with batched.vocoder_mode(engine, mode):
+                row = batched.run(engine, stepper, mode, n, units, count, unit_s, meter.sync)
             row["peak_bytes"] = meter.peak()
             meter.cleanup()
             rows.append(row)

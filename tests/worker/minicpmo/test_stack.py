@@ -87,27 +87,25 @@ def test_video_session(served):
     assert closed["usage"]["input_tokens_details"]["vision_tokens"] == 3 * 66
 
 
-def test_chat_turn(served):
-    async def main():
-        client = await WsClient.open(f"{served}?mode=chat&model=minicpm-o")
-        await client.until("session.queue_done", timeout_s=60)
-        await client.send({"type": "session.init", "payload": {}})
-        await client.until("session.created", timeout_s=60)
-        await client.send(
-            {
-                "type": "input.append",
-                "input": {
-                    "messages": [{"role": "user", "content": "Say hi."}],
-                    "streaming": True,
-                    "generation": {"max_new_tokens": 8, "temperature": 0},
-                },
-            }
-        )
-        done = await client.until("response.done", timeout_s=120)
-        await client.close()
-        return client.events, done
+async def _chat(url: str, request: dict) -> tuple[list[dict], dict]:
+    """One chat turn (`input.append` with `request`): every event, and response.done."""
+    client = await WsClient.open(f"{url}?mode=chat&model=minicpm-o")
+    await client.until("session.queue_done", timeout_s=60)
+    await client.send({"type": "session.init", "payload": {}})
+    await client.until("session.created", timeout_s=60)
+    await client.send({"type": "input.append", "input": request})
+    done = await client.until("response.done", timeout_s=300)
+    await client.close()
+    return client.events, done
 
-    events, done = asyncio.run(main())
+
+def test_chat_turn(served):
+    request = {
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "streaming": True,
+        "generation": {"max_new_tokens": 8, "temperature": 0},
+    }
+    events, done = asyncio.run(_chat(served, request))
     assert not [e for e in events if e["type"] == "error"], events
     texts = [e for e in events if e.get("kind") == "text"]
     assert texts and done["text"]
@@ -182,27 +180,13 @@ def test_chat_turn_with_speech(served):
     the vocoder) beside its text."""
     import base64
 
-    async def main():
-        client = await WsClient.open(f"{served}?mode=chat&model=minicpm-o")
-        await client.until("session.queue_done", timeout_s=60)
-        await client.send({"type": "session.init", "payload": {}})
-        await client.until("session.created", timeout_s=60)
-        await client.send(
-            {
-                "type": "input.append",
-                "input": {
-                    "messages": [{"role": "user", "content": "Say hi."}],
-                    "streaming": True,
-                    "tts": {"enabled": True},
-                    "generation": {"max_new_tokens": 12, "temperature": 0},
-                },
-            }
-        )
-        done = await client.until("response.done", timeout_s=300)
-        await client.close()
-        return client.events, done
-
-    events, done = asyncio.run(main())
+    request = {
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "streaming": True,
+        "tts": {"enabled": True},
+        "generation": {"max_new_tokens": 12, "temperature": 0},
+    }
+    events, done = asyncio.run(_chat(served, request))
     assert not [e for e in events if e["type"] == "error"], events
     audio = [
         np.frombuffer(base64.b64decode(e["audio"]), "<f4")
