@@ -79,3 +79,43 @@ def test_batched_mode_compares_steps_with_time_slicing(tmp_path: Path, capsys):
 def test_batched_mode_refuses_bad_counts(capsys):
     assert gpu_sessions.main(["--engine", "synthetic", "--device", "cpu", "--batched", "0,2"]) == 2
     assert "positive session counts" in capsys.readouterr().err
+
+
+def test_speech_figures_count_audio_gaps_and_first_audio():
+    """A reply's first unit without audio is a gap and delays its first audio by a unit; a
+    short unit that ends its turn is no gap; listening units carry no speech."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from omnifabric.tools import batched
+
+    def unit(listen: bool, samples: int, end: bool = False) -> SimpleNamespace:
+        audio = np.zeros(samples, np.float32)
+        return SimpleNamespace(is_listen=listen, audio=audio, end_of_turn=end)
+
+    speech = batched._Speech(2, 1.0)
+    speech.add(0, 0, unit(True, 24000), 0.1)  # listening: its second of silence is no speech
+    speech.add(0, 1, unit(False, 0), 0.2)  # the reply starts without audio: a gap
+    speech.add(0, 2, unit(False, 24000), 0.3)  # first audio a unit later: 1 s + 0.3 s
+    speech.add(0, 3, unit(False, 12000, True), 0.1)  # short, but it ends the turn
+    speech.add(1, 0, unit(False, 24000), 0.25)  # another session's reply: audio at once
+    figures = speech.figures(2.0)
+    assert figures["audio_gaps"] == 1
+    assert figures["audio_s"] == 2.5 and figures["audio_s_per_s"] == 1.25
+    assert figures["first_audio_ms"]["replies"] == 2
+    assert sorted(speech.first_audio_s) == [0.25, 1.3]
+
+
+def test_serial_vocoder_mode_runs_where_the_engine_has_no_choice(tmp_path: Path):
+    """--modes batched,serial-vocoder on the synthetic engine (no vocoder to switch): both
+    run, with the speech columns filled."""
+    out = tmp_path / "modes.json"
+    argv = ["--engine", "synthetic", "--device", "cpu", "--batched", "2", "--units", "3"]
+    argv += ["--batch-share", "0.1", "--modes", "batched,serial-vocoder", "--json", str(out)]
+    assert gpu_sessions.main(argv) == 0
+    runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"batched", "serial-vocoder"}
+    for run in runs.values():
+        assert run["audio_gaps"] >= 0 and run["audio_s"] >= 0
+        assert run["vocoder_cache_mib_per_session"] is None  # the synthetic engine has none
