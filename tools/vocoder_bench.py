@@ -84,8 +84,8 @@ def measure(t2w: Any, voices: list[str], counts: list[int], sync: Any) -> dict[s
         ms = _median_ms(call, sync)
         mib = statistics.mean(vocoder.cache_bytes(j.stream_cache, j.hift_cache) for j in jobs)
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-        row = {"sessions": n, "batched_ms": ms, "serial_ms": n * serial}
-        row.update({"cache_mib_per_session": mib / 2**20, "peak_gib": peak})
+        row: dict[str, float | None] = {"sessions": n, "batched_ms": ms}
+        row.update(serial_ms=n * serial, cache_mib_per_session=mib / 2**20, peak_gib=peak)
         out["runs"].append(row)
         print(
             f"N={n:3d}: one batched call {ms:7.0f} ms, N x stream {n * serial:8.0f} ms "

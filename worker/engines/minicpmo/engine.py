@@ -706,10 +706,10 @@ class MiniCPMOEngine(Engine):
                 for tokens, last in chunks:
                     tok.stream(tokens, last_chunk=last)
                 if self.slots > 1 and self.vocoder_batched:
-                    from omnifabric.worker.engines.minicpmo.waveform import job_of
+                    from omnifabric.worker.engines.minicpmo.vocoder_batch import VocoderJob
 
                     tok.set_stream_cache(voice)
-                    jobs = [job_of(tok, None), job_of(tok, None)]
+                    jobs = [VocoderJob.of(tok, None), VocoderJob.of(tok, None)]
                     jobs[1].stream_cache = {k: v.clone() for k, v in jobs[1].stream_cache.items()}
                     jobs[1].hift_cache = {k: v.clone() for k, v in jobs[1].hift_cache.items()}
                     for tokens, last in chunks:

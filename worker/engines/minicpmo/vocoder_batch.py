@@ -83,6 +83,18 @@ class VocoderJob:
     #: session's own state there, swapped like its caches.
     prompt: tuple[Any, ...] | None = None
 
+    @classmethod
+    def of(cls, tok: Any, prompt_wav: Any) -> VocoderJob:
+        """The session now on the vocoder `tok` as a job (its cache dicts themselves: run()
+        advances them in place, so the session's swapped state sees the new values; tokens
+        to fill in). Raises ValueError where the package's stream() would."""
+        prompt = tok._stream_prompt if prompt_wav is None else str(prompt_wav)
+        if tok.stream_cache is None or prompt is None:
+            raise ValueError("Call set_stream_cache(prompt_wav) before stream()")
+        if prompt != tok._stream_prompt:
+            raise ValueError("Prompt changed; call set_stream_cache() to start a new stream")
+        return cls([], False, tok.stream_cache, tok.hift_cache_dict, prompt, tok.cache[prompt])
+
 
 class BatchedVocoder:
     """`Token2wav.stream` for many sessions per call, over one DeviceToken2wav's modules."""

@@ -24,7 +24,7 @@ from omnifabric.worker.engines.minicpmo.rows import Row
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.minicpmo.engine import MiniCPMOEngine
-    from omnifabric.worker.engines.minicpmo.vocoder_batch import BatchedVocoder, VocoderJob
+    from omnifabric.worker.engines.minicpmo.vocoder_batch import BatchedVocoder
 
 #: Fresh tokens a vocoder call turns into audio (the public CHUNK_SIZE).
 CHUNK = 25
@@ -80,24 +80,12 @@ def assemble(pcm: list[bytes], last: bool) -> np.ndarray | None:
     return wave
 
 
-def job_of(tok: Any, prompt_wav: Any) -> VocoderJob:
-    """The session now on the vocoder as a job (its cache dicts themselves: the batched
-    vocoder advances them in place, so the session's swapped state sees the new values).
-    Raises ValueError where the package's stream() would."""
-    from omnifabric.worker.engines.minicpmo.vocoder_batch import VocoderJob
-
-    prompt = tok._stream_prompt if prompt_wav is None else str(prompt_wav)
-    if tok.stream_cache is None or prompt is None:
-        raise ValueError("Call set_stream_cache(prompt_wav) before stream()")
-    if prompt != tok._stream_prompt:
-        raise ValueError("Prompt changed; call set_stream_cache() to start a new stream")
-    return VocoderJob([], False, tok.stream_cache, tok.hift_cache_dict, prompt, tok.cache[prompt])
-
-
 def speak(
     engine: MiniCPMOEngine, rows: list[Row], flushes: list[bool], vocoder: BatchedVocoder
 ) -> None:
     """Audio of every speaking row (row.wave), the vocoder batched round by round."""
+    from omnifabric.worker.engines.minicpmo.vocoder_batch import VocoderJob
+
     tok = engine.model.tts.audio_tokenizer
     plans: list[Plan | None] = []
     jobs: list[VocoderJob | None] = []
@@ -120,7 +108,7 @@ def speak(
             )
         )
         with engine.using(row.session):
-            jobs.append(job_of(tok, row.args.get("prompt_wav_path")))
+            jobs.append(VocoderJob.of(tok, row.args.get("prompt_wav_path")))
     rounds = max((len(p.calls) for p in plans if p is not None), default=0)
     for k in range(rounds):
         here = [i for i, p in enumerate(plans) if p is not None and k < len(p.calls)]
