@@ -28,7 +28,9 @@ from tests.conftest import ROOT
 from tests.worker.minicpmo.conftest import LAYOUTS, needs_code
 
 pytestmark = [needs_code, pytest.mark.timeout(600)]
-GREEDY = DuplexSettings(temperature=0, force_listen_count=0)
+#: Seeded: the TTS samples whatever the text temperature (its tokens make the audio, and time a
+#: half-duplex call's text pieces), so runs compared with each other start from one seed.
+GREEDY = DuplexSettings(temperature=0, force_listen_count=0, seed=7)
 
 
 def noise(seed: int, seconds: float = 1.0) -> np.ndarray:
@@ -388,7 +390,7 @@ def test_chat_streams_with_real_counts(engine, max_new_tokens):
 
 # ---- half-duplex calls (the model's streaming chat path) ------------------------------------
 
-CALL = DuplexSettings(half_duplex=True, temperature=0)
+CALL = DuplexSettings(half_duplex=True, temperature=0, seed=7)
 QUESTION = ROOT / "tests" / "fixtures" / "speech" / "question.wav"
 
 

@@ -224,16 +224,18 @@ class MiniCPMOSession(EngineSession):
         prompt = system_prompt.strip() or DEFAULT_SYSTEM_PROMPT
         ref = ref_audio if ref_audio is not None and ref_audio.size else None
         voice_pcm = tts_ref_audio if tts_ref_audio is not None and tts_ref_audio.size else ref
+        if config.seed is not None:
+            import torch
+
+            # The session's own RNG (state.py swaps it per session): its draws (the TTS's
+            # too, which also time a call's text pieces) follow from the seed alone; the
+            # batched path seeds its generator the same.
+            with engine.using(self):
+                torch.manual_seed(config.seed)
         if config.half_duplex:
             return self._prepare_call(prompt, ref, voice_pcm)
         self.notes = config.vad_note()
         with engine.using(self):
-            if config.seed is not None:
-                import torch
-
-                # The session's own RNG (state.py swaps it per session): its draws follow
-                # from the seed alone; the batched path seeds its generator the same.
-                torch.manual_seed(config.seed)
             self.handle.reset()
             # The model's own sliding window, set before the prompt goes in (its context
             # mode marks where the prompt's prefix ends while prepare feeds it).
