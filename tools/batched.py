@@ -143,34 +143,8 @@ def run(
         started = time.perf_counter()
         for k in range(count):
             t0 = time.perf_counter()
-            if mode != SLICED:
-                assert stepper is not None
-                rows = [StepRow(s, feeds[i][k], [], 1, False) for i, s in enumerate(sessions)]
-                outcome = stepper.step(rows)
-                sync()
-                done = time.perf_counter() - t0
-                results = []
-                for row in outcome.rows:
-                    if isinstance(row, Exception):
-                        raise row
-                    results.append(row[1])
-                latencies += [done] * n
-                unit_latency = [done] * n
-                for phase, ms in outcome.phases_ms.items():
-                    phases[phase] = phases.get(phase, 0.0) + ms
-                failed = [e for e in stepper.finalize(sessions) if e is not None]
-                if failed:
-                    raise failed[0]
-            else:
-                results = []
-                for i, session in enumerate(sessions):
-                    session.prefill(feeds[i][k], [], 1)
-                    results.append(session.generate(False))
-                    sync()
-                    latencies.append(time.perf_counter() - t0)
-                unit_latency = latencies[-n:]
-                for session in sessions:
-                    session.finalize()
+            results, unit_latency = _round(stepper, mode, sessions, feeds, k, sync, phases)
+            latencies += unit_latency
             sync()
             cycles.append(time.perf_counter() - t0)
             if counter is not None:
@@ -212,6 +186,47 @@ def run(
             float(np.mean(cache_bytes)) / 2**20 if cache_bytes else None
         ),
     }
+
+
+def _round(
+    stepper: Stepper | None,
+    mode: str,
+    sessions: Sequence[EngineSession],
+    feeds: list[list[np.ndarray]],
+    k: int,
+    sync: Callable[[], None],
+    phases: dict[str, float],
+) -> tuple[list[Any], list[float]]:
+    """Unit k of every session (one batched step, or one by one) and their finalizes; the
+    results and each unit's latency from the round's start. A step's phases add to
+    `phases`. Raises a row's error."""
+    t0 = time.perf_counter()
+    if mode != SLICED:
+        assert stepper is not None
+        rows = [StepRow(s, feeds[i][k], [], 1, False) for i, s in enumerate(sessions)]
+        outcome = stepper.step(rows)
+        sync()
+        done = time.perf_counter() - t0
+        results = []
+        for row in outcome.rows:
+            if isinstance(row, Exception):
+                raise row
+            results.append(row[1])
+        for phase, ms in outcome.phases_ms.items():
+            phases[phase] = phases.get(phase, 0.0) + ms
+        failed = [e for e in stepper.finalize(sessions) if e is not None]
+        if failed:
+            raise failed[0]
+        return results, [done] * len(sessions)
+    results, latency = [], []
+    for i, session in enumerate(sessions):
+        session.prefill(feeds[i][k], [], 1)
+        results.append(session.generate(False))
+        sync()
+        latency.append(time.perf_counter() - t0)
+    for session in sessions:
+        session.finalize()
+    return results, latency
 
 
 class _Speech:
