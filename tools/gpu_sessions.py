@@ -262,20 +262,26 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _batched_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """--batched's session counts and --modes. Raises ValueError naming the bad flag."""
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    counts = batched.parse_counts(args.batched) if args.batched else []
+    known = {batched.BATCHED, batched.SERIAL_VOCODER, batched.SLICED}
+    if not modes or set(modes) - known:
+        raise ValueError(f"--modes takes {', '.join(sorted(known))}")
+    if args.units is not None and args.units < 1:
+        raise ValueError("--units must be >= 1")
+    return counts, modes
+
+
 def main(argv: list[str] | None = None) -> int:
     """Load, warm up, run the sessions, print the table; 1 when GPU memory leaked, 2 on error."""
     args = build_parser().parse_args(argv)
     if args.sessions < 1:
         print("--sessions must be >= 1", file=sys.stderr)
         return 2
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
-        counts = batched.parse_counts(args.batched) if args.batched else []
-        known = {batched.BATCHED, batched.SERIAL_VOCODER, batched.SLICED}
-        if not modes or set(modes) - known:
-            raise ValueError(f"--modes takes {', '.join(sorted(known))}")
-        if args.units is not None and args.units < 1:
-            raise ValueError("--units must be >= 1")
+        counts, modes = _batched_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -341,16 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(report))
     for s in sessions:
         print(f"session {s['session']} said: {s['text']!r}")
-    verdict = "ok" if report["leak_ok"] else "OVER"
-    enforced = "" if report["leak_checked"] else " (not enforced on CPU)"
     print(
         f"worst after-cleanup growth {worst / MIB:+.1f} MiB vs tolerance"
-        f" {tolerance / MIB:.1f} MiB: {verdict}{enforced}"
+        f" {tolerance / MIB:.1f} MiB: {'ok' if report['leak_ok'] else 'OVER'}"
+        + ("" if report["leak_checked"] else " (not enforced on CPU)")
     )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"report written to {args.json}")
+    _write_json(args.json, report)
     return 1 if report["leak_checked"] and not report["leak_ok"] else 0
 
 
@@ -402,10 +404,17 @@ def _batched(
             "runs": rows,
             "summary": batched.summary(rows),
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"report written to {args.json}")
+        _write_json(args.json, report)
     return 0
+
+
+def _write_json(path: Path | None, report: dict[str, Any]) -> None:
+    """The report as JSON at `path` (nothing when None)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"report written to {path}")
 
 
 def _device_name(meter: Meter) -> str:
