@@ -74,43 +74,23 @@ class BatchedTTS:
 
     def _generate(self, rows: list[Row]) -> None:
         tts = self.tts
-        cache = self.cache
-        from omnifabric.worker.engines.minicpmo.decode import generator
-
-        conds, mins, slots, starts = [], [], [], []
+        conds: list[torch.Tensor] = []
+        mins: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
         try:
             for row in rows:
-                d = row.duplex
-                cond = d._convert_results_to_tts_input(row.hidden)[0]  # [n + 1, h]
-                low = CHUNK_TOKENS
-                row.tts_start_zero = d.tts_text_start_pos == 0
-                if row.end_of_turn or d.tts_text_start_pos == 0:
-                    low = 0
-                if d.tts_current_turn_start_time is None:
-                    d.tts_current_turn_start_time = d.audio_chunk_idx
-                slot = cache.claim()
-                slots.append(slot)
-                past = d.tts_past_key_values
-                if past is not None and past.get_seq_length() > 0:
-                    cache.put(
-                        slot, [k[0] for k in past.key_cache], [v[0] for v in past.value_cache]
-                    )
+                cond, low = self._load(row, slots)
                 conds.append(cond)
                 mins.append(low)
-                starts.append(int(d.tts_text_start_pos))
+                starts.append(int(row.duplex.tts_text_start_pos))
             n = len(rows)
             device = conds[0].device
             tokens = torch.zeros((n, CHUNK_TOKENS), dtype=torch.long, device=device)
             ended = [False] * n
             kept = [0] * n
             active = list(range(n))
-            gens = [generator(r.session, device) for r in rows]
-            temps = [r.duplex.tts_temperature.to(device).reshape(1, 1).float() for r in rows]
-            eos = [self._eos(r) for r in rows]
-            processors = self.gen_logits(
-                num_code=tts.config.num_audio_tokens,
-                repetition_penalty=rows[0].duplex.tts_repetition_penalty,
-            )[1]
+            gens, temps, eos, processors = self._sampling(rows, device)
             for t in range(CHUNK_TOKENS):
                 if t == 0:
                     embeds = conds
@@ -161,22 +141,56 @@ class BatchedTTS:
                 if not active:
                     break
             for i, row in enumerate(rows):
-                d = row.duplex
                 row.tts_tokens = tokens[i : i + 1, : kept[i]].unsqueeze(-1)  # [1, T, vq]
-                if row.end_of_turn:
-                    d.tts_text_start_pos = 0
-                    d.tts_past_key_values = None
-                    d.tts_current_turn_start_time = None
-                else:
-                    keys, values = cache.take(slots[i])
-                    past = DynamicCache()
-                    for layer, (key, value) in enumerate(zip(keys, values, strict=True)):
-                        past.update(key[None], value[None], layer)
-                    d.tts_past_key_values = past
-                    d.tts_text_start_pos += conds[i].shape[0] + kept[i]
+                self._keep(row, slots[i], conds[i].shape[0] + kept[i])
         finally:
             for slot in slots:
-                cache.release(slot)
+                self.cache.release(slot)
+
+    def _load(self, row: Row, slots: list[int]) -> tuple[torch.Tensor, int]:
+        """A speaker's TTS condition and minimum length; its TTS cache put into a slot it
+        claims (appended to `slots`, which the caller releases)."""
+        d = row.duplex
+        cond = d._convert_results_to_tts_input(row.hidden)[0]  # [n + 1, h]
+        row.tts_start_zero = d.tts_text_start_pos == 0
+        low = 0 if row.end_of_turn or d.tts_text_start_pos == 0 else CHUNK_TOKENS
+        if d.tts_current_turn_start_time is None:
+            d.tts_current_turn_start_time = d.audio_chunk_idx
+        slot = self.cache.claim()
+        slots.append(slot)
+        past = d.tts_past_key_values
+        if past is not None and past.get_seq_length() > 0:
+            self.cache.put(slot, [k[0] for k in past.key_cache], [v[0] for v in past.value_cache])
+        return cond, low
+
+    def _sampling(self, rows: list[Row], device: Any) -> tuple[list[Any], ...]:
+        """Per row: its generator, temperature and eos; the public repetition processors."""
+        from omnifabric.worker.engines.minicpmo.decode import generator
+
+        gens = [generator(r.session, device) for r in rows]
+        temps = [r.duplex.tts_temperature.to(device).reshape(1, 1).float() for r in rows]
+        eos = [self._eos(r) for r in rows]
+        processors = self.gen_logits(
+            num_code=self.tts.config.num_audio_tokens,
+            repetition_penalty=rows[0].duplex.tts_repetition_penalty,
+        )[1]
+        return gens, temps, eos, processors
+
+    def _keep(self, row: Row, slot: int, fed: int) -> None:
+        """A speaker's TTS state after its chunk: reset at a turn's end, else its cache taken
+        back from `slot` onto its duplex object and its position moved by `fed` tokens."""
+        d = row.duplex
+        if row.end_of_turn:
+            d.tts_text_start_pos = 0
+            d.tts_past_key_values = None
+            d.tts_current_turn_start_time = None
+            return
+        keys, values = self.cache.take(slot)
+        past = DynamicCache()
+        for layer, (key, value) in enumerate(zip(keys, values, strict=True)):
+            past.update(key[None], value[None], layer)
+        d.tts_past_key_values = past
+        d.tts_text_start_pos += fed
 
     def _eos(self, row: Row) -> int:
         eos = getattr(row.duplex, "tts_eos_token", None)
