@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import TextIO
 
 READY = re.compile(r"^omnifabric (scheduler|worker|edge) ready: (.*)$")
@@ -61,6 +62,38 @@ class Child:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f}s")
         return self.ready_text
+
+
+class StopRequest:
+    """SIGINT/SIGTERM asking a supervisor's main loop to stop.
+
+    The handler only assigns an attribute. A Python signal handler runs in the main
+    thread between two of its bytecodes, so one that takes a lock deadlocks when the main
+    thread held that lock at that moment: `threading.Event.set` from a handler hangs for
+    good if the signal lands while `Event.wait` holds the event's own lock (a supervisor
+    then never stops). `wait` polls the attribute instead."""
+
+    POLL_S = 0.05
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, _signum: int, _frame: FrameType | None) -> None:
+        self.requested = True
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep up to timeout_s or until a stop is asked; True when one was."""
+        deadline = time.monotonic() + timeout_s
+        while not self.requested:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(left, self.POLL_S))
+        return self.requested
 
 
 def _die_with_parent() -> None:

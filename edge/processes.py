@@ -17,14 +17,11 @@ fabric's: the scheduler counts each key's sessions of every process (AcquireRequ
 
 from __future__ import annotations
 
-import signal
 import socket
 import sys
-import threading
 import time
-from types import FrameType
 
-from omnifabric.common.children import Child, spawn, stop
+from omnifabric.common.children import Child, StopRequest, spawn, stop
 from omnifabric.edge.config import EdgeConfig
 
 #: How long a child may take to report ready.
@@ -61,7 +58,7 @@ class Supervisor:
         self.port = 0
         self.grpc_port = -1
         self.children: list[Child | None] = [None] * self.count
-        self.stopping = threading.Event()
+        self.stopping = StopRequest()
 
     def child_args(self) -> list[str]:
         # Later flags win in argparse: these override whatever argv said.
@@ -99,8 +96,7 @@ class Supervisor:
         except OSError as exc:
             print(f"omnifabric edge: cannot bind {self.config.host}: {exc}", file=sys.stderr)
             return 2
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._on_signal)
+        self.stopping.install()
         try:
             return self._serve()
         finally:
@@ -108,9 +104,6 @@ class Supervisor:
             stop(running, self.config.drain_grace_s, who="omnifabric edge")
             for sock in self.reserved:
                 sock.close()
-
-    def _on_signal(self, _signum: int, _frame: FrameType | None) -> None:
-        self.stopping.set()
 
     def _serve(self) -> int:
         first = [self.start_child(i) for i in range(self.count)]

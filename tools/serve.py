@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
-from types import FrameType
 
 from omnifabric.common import config as settings
-from omnifabric.common.children import Child, spawn, stop
+from omnifabric.common.children import Child, StopRequest, spawn, stop
 from omnifabric.scheduler import election
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.worker.config import ASR_CHOICES
@@ -155,13 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"omnifabric serve: {problem}", file=sys.stderr)
         return 1
     children: list[Child] = []
-    stopping = threading.Event()
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stopping = StopRequest()
+    stopping.install()
     code = 0
     try:
         grace = ["--grace", str(args.grace)]

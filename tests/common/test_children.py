@@ -1,0 +1,41 @@
+"""common/children.py: the supervisors' stop request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from omnifabric.common.children import StopRequest
+
+
+@pytest.fixture(autouse=True)
+def _restore_handlers():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_a_signal_during_wait_ends_it():
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        stop = StopRequest()
+        stop.install()
+        threading.Timer(0.2, os.kill, (os.getpid(), signum)).start()
+        started = time.monotonic()
+        assert stop.wait(60.0) is True
+        assert time.monotonic() - started < 30.0
+
+
+def test_wait_times_out_without_a_signal_and_the_handler_needs_no_lock():
+    stop = StopRequest()
+    stop.install()
+    assert stop.wait(0.1) is False
+    # What the handler does must be safe whatever the main thread holds: it only assigns.
+    handler = signal.getsignal(signal.SIGINT)
+    assert callable(handler)
+    handler(signal.SIGINT, None)
+    assert stop.requested and stop.wait(0.0) is True
