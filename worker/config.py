@@ -263,6 +263,16 @@ class WorkerConfig:
         False, env="OMNI_WORKER_COMPILE", flag="--compile", help="minicpmo: torch.compile the LLM"
     )
     """minicpmo: wrap the LLM forward in torch.compile (slower start, faster units)."""
+    cuda_graphs: str = setting(
+        "auto",
+        env="OMNI_WORKER_CUDA_GRAPHS",
+        flag="--cuda-graphs",
+        choices=("auto", "on", "off"),
+        help="minicpmo: batched decode forwards in static shapes replayed as CUDA graphs",
+    )
+    """minicpmo: the batched step's decode forwards padded to bucketed static shapes and, on
+    CUDA, captured and replayed as CUDA graphs (auto: on where the device is CUDA; on a CPU,
+    on runs the static shapes eagerly; off: the ragged forwards)."""
     minicpmo_api: str = setting(
         "auto",
         env="OMNI_WORKER_MINICPMO_API",

@@ -513,3 +513,56 @@ def test_control_a_broken_vocoder_cache_fails(eng16, monkeypatch):
     got = batched(eng16, plans)
     with pytest.raises(AssertionError, match="audio"):
         compare(want[0], got[0], "nudged row")
+
+
+# ---- static shapes (graphs.py) -----------------------------------------------------------
+
+
+@pytest.fixture
+def static_shapes(eng16, monkeypatch):
+    """The stepper's decode forwards in static shapes (eager on a CPU, CUDA graphs on
+    CUDA), on a slot cache with the scratch row; the ragged cache back afterwards."""
+    from omnifabric.worker.engines.minicpmo import graphs
+
+    stepper = eng16.stepper()
+    assert stepper.cache.claimed() == []
+    monkeypatch.setattr(eng16, "cuda_graphs", "on")
+    monkeypatch.setattr(graphs, "MIN_WIDTH", 16)  # widths change from unit to unit
+    saved = stepper._cache, stepper._static
+    stepper._cache = stepper._static = None
+    yield stepper
+    stepper._cache, stepper._static = saved
+
+
+def test_static_shape_decode_equals_solo(eng16, static_shapes):
+    """Sixteen sessions (greedy and seeded sampling, caps that stop rows at different
+    tokens, joining mid-reply and leaving) through padded, bucketed decode forwards: each
+    session's tokens, results and next prefill logits are its solo run's."""
+    plans = [plan(eng16, k, seed=None if k % 3 else 300 + k) for k in range(16)]
+    for k, p in enumerate(plans):
+        p.units = p.units[: 3 if k < 4 else 2 if k < 10 else 1]
+    starts = [0, 0, 1, 0, 2, 0, 1, 3, 0, 1, 2, 0, 1, 2, 3, 1]
+    want = check(eng16, plans, starts)
+    listens, speaks = kinds(want)
+    assert listens > 0 and speaks > 0
+    shapes = set(static_shapes._static._shapes)
+    assert len({rows for rows, _ in shapes}) > 2 and len({w for _, w in shapes}) > 1, shapes
+
+
+def test_static_shape_control_shifted_position_fails(eng16, static_shapes, monkeypatch):
+    plans = [plan(eng16, k) for k in range(3)]
+    for p in plans:
+        p.units = p.units[:2]
+    want = [solo(eng16, p) for p in plans]
+    original = slots_module.SlotCache.begin_decode
+
+    def shifted(self, slots, reuse):
+        step = original(self, slots, reuse)
+        step.positions[0] += 1
+        return step
+
+    monkeypatch.setattr(slots_module.SlotCache, "begin_decode", shifted)
+    got = batched(eng16, plans)
+    with pytest.raises(AssertionError):
+        for k in range(3):
+            compare(want[k], got[k], f"shifted row, session {k}")

@@ -21,6 +21,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.cache_utils import DynamicCache
 
+from omnifabric.worker.engines.minicpmo import graphs
+from omnifabric.worker.engines.minicpmo.graphs import StaticDecode
 from omnifabric.worker.engines.minicpmo.slots import (
     NoFreeSlot,
     SlotCache,
@@ -76,6 +78,9 @@ class Outcome:
     argmax_equal: bool = True
     lengths_equal: bool = True
     rows: int = 0
+    static_rows: int = 0
+    #: The (rows, keys) shapes the static-shape decode ran in.
+    shapes: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     #: Session -> the slot it claimed.
     claims: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -104,10 +109,15 @@ def run_plan(
     make_embeds: Callable[[int], torch.Tensor],
     cache_type: type[SlotCache] = SlotCache,
     slots: int = 3,
+    static: bool = False,
 ) -> Outcome:
-    """PLAN through a slot cache and through a DynamicCache per session; the worst gaps."""
+    """PLAN through a slot cache and through a DynamicCache per session; the worst gaps.
+    `static`: steps of one token per row go through the static-shape decode (graphs.py)."""
     weights = next(llm.parameters())
-    cache = cache_type(llm.config, slots, 64, device=weights.device, dtype=weights.dtype)
+    cache = cache_type(
+        llm.config, slots, 64, device=weights.device, dtype=weights.dtype, scratch=static
+    )
+    decoder = StaticDecode(llm, cache, graphs=False) if static else None
     where: dict[str, int] = {}
     solo: dict[str, DynamicCache] = {}
     outcome = Outcome()
@@ -121,7 +131,12 @@ def run_plan(
                 else:
                     cache.release(where.pop(name))
             embeds = {name: make_embeds(count) for name, count in step.items()}
-            got = feed(llm, cache, [(where[name], embeds[name]) for name in step])
+            fed = [(where[name], embeds[name]) for name in step]
+            if decoder is not None and set(step.values()) == {1}:
+                got = decoder.feed(fed)
+                outcome.static_rows += len(fed)
+            else:
+                got = feed(llm, cache, fed)
             for row, name in enumerate(step):
                 logits, hidden = solo_feed(llm, solo[name], embeds[name])
                 outcome.rows += 1
@@ -132,6 +147,8 @@ def run_plan(
                     outcome.hidden_diff, (got.hidden[row] - hidden).abs().max().item()
                 )
                 outcome.argmax_equal &= bool(got.logits[row].argmax() == logits.argmax())
+            if decoder is not None:
+                outcome.shapes |= set(decoder._shapes)
             for name, slot in where.items():
                 outcome.lengths_equal &= cache.length(slot) == solo[name].get_seq_length()
     return outcome
@@ -191,6 +208,59 @@ def test_a_wrong_position_is_caught(llm, control):
     assert outcome.logit_diff > 100 * TOLERANCE
     assert outcome.hidden_diff > 100 * TOLERANCE
     assert outcome.lengths_equal  # the lengths alone would not show it
+
+
+@pytest.mark.parametrize("min_width", [8, 256])
+def test_static_shape_decode_equals_each_row_alone(llm, monkeypatch, min_width):
+    """One-token steps padded to row buckets on the scratch row, keys read up to a width
+    bucket (8, 16, 32, 64 with min_width 8; the whole slot with 256): each row still what it
+    gives alone, and the padding touches no slot."""
+    monkeypatch.setattr(graphs, "MIN_WIDTH", min_width)
+    outcome = run_plan(llm, random_embeds(llm.config.hidden_size), slots=4, static=True)
+    print(f"static: max|dlogit| {outcome.logit_diff:.2e} over {outcome.static_rows} rows")
+    assert outcome.static_rows == 9  # four one-token steps, of 2, 2, 3 and 2 rows
+    assert {rows for rows, _ in outcome.shapes} == {2, 4}  # 3 rows padded to 4
+    widths = {width for _, width in outcome.shapes}
+    assert widths == ({8, 16} if min_width == 8 else {64})
+    assert outcome.logit_diff < TOLERANCE
+    assert outcome.hidden_diff < TOLERANCE
+    assert outcome.argmax_equal
+    assert outcome.lengths_equal
+
+
+def test_static_shape_decode_control_shifted_position_fails(llm):
+    class Shifted(SlotCache):
+        def begin_decode(self, slots, reuse):
+            step = super().begin_decode(slots, reuse)
+            if step.starts[0] > 0:
+                step.positions[0] += 1
+            return step
+
+    outcome = run_plan(llm, random_embeds(llm.config.hidden_size), Shifted, static=True)
+    assert outcome.logit_diff > 100 * TOLERANCE
+
+
+def test_buckets():
+    assert graphs.bucket(3, 10, 64, 4096) == (4, 256)
+    assert graphs.bucket(33, 257, 64, 4096) == (64, 512)
+    assert graphs.bucket(9, 5000, 12, 4096) == (12, 4096)  # no more rows than slots
+    assert graphs.bucket(1, 1, 1, 100) == (1, 100)
+
+
+def test_static_decode_refuses_what_it_cannot_take(llm):
+    cache = SlotCache(llm.config, 2, 16, scratch=True)
+    decoder = StaticDecode(llm, cache, graphs=True)  # a CPU cache: no graphs
+    assert decoder.graphs is False
+    a = cache.claim()
+    make = random_embeds(llm.config.hidden_size)
+    with pytest.raises(ValueError, match="one token"):
+        decoder.feed([(a, make(2))])
+    feed(llm, cache, [(a, make(16))])
+    with pytest.raises(ValueError, match="would pass max_len 16"):
+        decoder.feed([(a, make(1))])
+    with pytest.raises(RuntimeError, match="scratch=True"):
+        SlotCache(llm.config, 1, 8).decode_shape(1, 8)
+    assert cache.length(a) == 16
 
 
 def test_consecutive_and_gathered_rows_read_the_same(llm):

@@ -21,7 +21,6 @@ import torch
 
 from omnifabric.worker.engines.minicpmo import layouts
 from omnifabric.worker.engines.minicpmo.rows import Row, Steps, unit_end
-from omnifabric.worker.engines.minicpmo.slots import feed
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.minicpmo.engine import MiniCPMOSession
@@ -68,8 +67,6 @@ class _Plan:
 def run(stepper: Steps, rows: list[Row]) -> None:
     """Decode one unit of every row: all LLM forwards of the loop, the bookkeeping the
     public generate keeps, and each row's outcome on the row."""
-    engine = stepper.engine
-    llm = engine.model.llm
     plans = {id(r): _Plan(r) for r in rows}
     for row in rows:
         _start(stepper, row)
@@ -101,10 +98,8 @@ def run(stepper: Steps, rows: list[Row]) -> None:
                 fed.append((row, tid))
         if not fed:
             break
-        res = feed(
-            llm,
-            stepper.cache,
-            [(_slot(r), r.duplex.decoder.embed_tokens([tid])) for r, tid in fed],
+        res = stepper.decode_feed(
+            [(_slot(r), r.duplex.decoder.embed_tokens([tid])) for r, tid in fed]
         )
         for k, (row, tid) in enumerate(fed):
             d = row.duplex
@@ -203,20 +198,18 @@ def _finish(stepper: Steps, row: Row, plan: _Plan) -> None:
 
 
 def _decide(rows: list[Row], plans: dict[int, _Plan], j: int) -> list[int]:
-    """One token per row by the public decoder's rules; one host sync for the batch."""
+    """One token per row by the public decoder's rules; one host sync for the batch. The
+    logit rules run as a few indexed ops over all rows (_adjust); draws stay per row, each
+    from its session's generator (a session's tokens never depend on its batch-mates)."""
     if not rows:
         return []
     logits = torch.cat([r.logits for r in rows if r.logits is not None])
-    vocab = logits.shape[-1]
     raw_max = logits.argmax(-1)
-    masked = logits.clone()
     pre: list[torch.Tensor] = []
     saved: list[Any] = []
     gens: list[torch.Generator | None] = []
     for k, row in enumerate(rows):
-        plan = plans[id(row)]
-        dec = row.duplex.decoder
-        if plan.greedy:
+        if plans[id(row)].greedy:
             pre.append(raw_max[k])
             gens.append(None)
         else:
@@ -225,44 +218,21 @@ def _decide(rows: list[Row], plans: dict[int, _Plan], j: int) -> list[int]:
             pre.append(torch.multinomial(probs, 1, generator=g)[0])
             gens.append(g)
         saved.append(gens[-1].get_state() if gens[-1] is not None else None)
-        if dec.forbidden_token_ids:
-            masked[k, _ids(dec.forbidden_token_ids, logits.device)] = float("-inf")
-        history = dec.generated_tokens
-        if plan.penalty != 1.0 and history:
-            recent = [t for t in set(history[-plan.window :]) if t < vocab]
-            if recent:
-                idx = torch.tensor(recent, device=logits.device)
-                if plan.penalty > 1.0:
-                    masked[k, idx] = masked[k, idx] / plan.penalty
-                else:
-                    masked[k, idx] = masked[k, idx] * (1.0 / plan.penalty)
-        if plan.length_penalty != 1.0:
-            lp = plan.length_penalty
-            x = masked[k, dec.turn_eos_id]
-            masked[k, dec.turn_eos_id] = torch.where(x > 0, x / lp, x * lp)
-        if plan.listen_prob_scale != 1.0:
-            masked[k, dec.listen_id] *= plan.listen_prob_scale
-    final_max = masked.argmax(-1)
-    final: list[torch.Tensor] = []
-    ranks: list[torch.Tensor] = []
-    for k, row in enumerate(rows):
-        plan = plans[id(row)]
-        dec = row.duplex.decoder
-        if plan.listen_top_k is not None:
-            ranks.append((masked[k] > masked[k, dec.listen_id]).sum())
-        else:
-            ranks.append(torch.zeros((), dtype=torch.long, device=logits.device))
-        gen = gens[k]
-        if gen is None:
-            final.append(final_max[k])
-        else:
+    masked = _adjust(logits, rows, plans)
+    final = masked.argmax(-1)
+    drawn = [k for k, gen in enumerate(gens) if gen is not None]
+    if drawn:
+        final = final.clone()
+        for k in drawn:
+            plan = plans[id(rows[k])]
             scaled = masked[k : k + 1] / plan.temperature
             scaled = _top_k_top_p(scaled, plan.top_k, plan.top_p)
             probs = torch.softmax(scaled, dim=-1)
-            final.append(torch.multinomial(probs, 1, generator=gen)[0, 0])
-    host = torch.stack(
-        [torch.stack(pre).long(), torch.stack(final).long(), torch.stack(ranks).long()]
-    ).tolist()
+            final[k] = torch.multinomial(probs, 1, generator=gens[k])[0, 0]
+    listen = torch.tensor([r.duplex.decoder.listen_id for r in rows]).to(logits.device)
+    at_listen = masked.gather(1, listen[:, None])
+    ranks = (masked > at_listen).sum(-1)
+    host = torch.stack([torch.stack(pre).long(), final.long(), ranks.long()]).tolist()
     out = []
     for k, row in enumerate(rows):
         plan = plans[id(row)]
@@ -289,20 +259,59 @@ def _decide(rows: list[Row], plans: dict[int, _Plan], j: int) -> list[int]:
     return out
 
 
-_ID_CACHE: dict[tuple[int, int, str], tuple[list[int], torch.Tensor]] = {}
+class _Entries:
+    """(row, id) entries of the logits grouped by one value (a penalty, a scale): the rows
+    sharing a value are changed by one indexed op, with that value as a Python number as
+    the public code uses it (so the arithmetic is the same, division included)."""
+
+    def __init__(self) -> None:
+        self.groups: dict[float, tuple[list[int], list[int]]] = {}
+
+    def add(self, value: float, row: int, ids: list[int]) -> None:
+        rows, cols = self.groups.setdefault(value, ([], []))
+        rows.extend([row] * len(ids))
+        cols.extend(ids)
+
+    def indexed(self, device: torch.device) -> list[tuple[float, tuple[torch.Tensor, ...]]]:
+        out = []
+        for value, (rows, cols) in self.groups.items():
+            both = torch.tensor([rows, cols], dtype=torch.long).to(device)
+            out.append((value, (both[0], both[1])))
+        return out
 
 
-def _ids(ids: list[int], device: torch.device) -> torch.Tensor:
-    """`ids` as a tensor on `device`, cached while the list is unchanged."""
-    key = (id(ids), len(ids), str(device))
-    hit = _ID_CACHE.get(key)
-    if hit is not None and hit[0] is ids:
-        return hit[1]
-    tensor = torch.tensor(ids, dtype=torch.long, device=device)
-    if len(_ID_CACHE) > 256:
-        _ID_CACHE.clear()
-    _ID_CACHE[key] = (ids, tensor)
-    return tensor
+def _adjust(logits: torch.Tensor, rows: list[Row], plans: dict[int, _Plan]) -> torch.Tensor:
+    """The rows' logits after the public decoder's rules, in its order: forbidden ids to
+    -inf, the sign-blind repetition penalty over the recent history, the length penalty on
+    `<|turn_eos|>`, listen_prob_scale on the listen id."""
+    vocab = logits.shape[-1]
+    forbidden, penalty, length, listen = _Entries(), _Entries(), _Entries(), _Entries()
+    for k, row in enumerate(rows):
+        plan = plans[id(row)]
+        dec = row.duplex.decoder
+        if dec.forbidden_token_ids:
+            forbidden.add(0.0, k, [t for t in dec.forbidden_token_ids if t < vocab])
+        history = dec.generated_tokens
+        if plan.penalty != 1.0 and history:
+            recent = [t for t in set(history[-plan.window :]) if t < vocab]
+            if recent:
+                penalty.add(plan.penalty, k, recent)
+        if plan.length_penalty != 1.0:
+            length.add(plan.length_penalty, k, [dec.turn_eos_id])
+        if plan.listen_prob_scale != 1.0:
+            listen.add(plan.listen_prob_scale, k, [dec.listen_id])
+    masked = logits.clone()
+    dev = logits.device
+    for _, where in forbidden.indexed(dev):
+        masked[where] = float("-inf")
+    for p, where in penalty.indexed(dev):
+        masked[where] = masked[where] / p if p > 1.0 else masked[where] * (1.0 / p)
+    for lp, where in length.indexed(dev):
+        x = masked[where]
+        masked[where] = torch.where(x > 0, x / lp, x * lp)
+    for scale, where in listen.indexed(dev):
+        masked[where] = masked[where] * scale
+    return masked
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -422,6 +422,7 @@ class MiniCPMOEngine(Engine):
         context_tokens: int = 8192,
         stepper_class: Callable[[MiniCPMOEngine], BatchedStep] | None = None,
         dtype: str | None = None,
+        cuda_graphs: str = "auto",
     ) -> None:
         self.model_path = model_path
         self.device = device
@@ -430,6 +431,11 @@ class MiniCPMOEngine(Engine):
         opt-in tests ask for float32 on CUDA, to compare batched and solo within 1e-4)."""
         self.attn = attn
         self.compile = compile
+        if cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs is auto, on or off, not {cuda_graphs!r}")
+        self.cuda_graphs = cuda_graphs
+        """The batched decode's shapes: off ragged; on static (CUDA graphs on CUDA); auto
+        static with graphs on CUDA, ragged elsewhere (graphs.py)."""
         self.slots = slots
         self.api = api
         self.text_only = text_only
@@ -473,7 +479,15 @@ class MiniCPMOEngine(Engine):
             vocoder_batched=not config.serial_vocoder,
             context_tokens=config.max_context_tokens,
             stepper_class=stepper_class,
+            cuda_graphs=config.cuda_graphs,
         )
+
+    @property
+    def static_decode(self) -> bool:
+        """The batched decode runs in static shapes (graphs.py)."""
+        if self.cuda_graphs == "auto":
+            return str(self.device).startswith("cuda")
+        return self.cuda_graphs == "on"
 
     # ---- loading -------------------------------------------------------------------
 

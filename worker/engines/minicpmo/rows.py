@@ -14,7 +14,7 @@ from omnifabric.worker.engine import StepRow
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.minicpmo.engine import MiniCPMOEngine, MiniCPMOSession
-    from omnifabric.worker.engines.minicpmo.slots import SlotCache
+    from omnifabric.worker.engines.minicpmo.slots import FeedResult, SlotCache
 
 
 class Steps(Protocol):
@@ -25,6 +25,7 @@ class Steps(Protocol):
     @property
     def cache(self) -> SlotCache: ...
     def defer(self, row: Row, ids: list[int]) -> None: ...
+    def decode_feed(self, rows: list[tuple[int, torch.Tensor]]) -> FeedResult: ...
 
 
 @dataclass

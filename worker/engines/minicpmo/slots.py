@@ -18,6 +18,7 @@ Checked against each row run alone on a DynamicCache in tests/worker/minicpmo/te
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,7 @@ class SlotCache(Cache):
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        scratch: bool = False,
     ) -> None:
         super().__init__()
         if slots < 1 or max_len < 1:
@@ -93,7 +95,10 @@ class SlotCache(Cache):
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        shape = (slots, config.num_key_value_heads, max_len, head_dim)
+        # The scratch row (after the slots, never claimed) is where the padding rows of a
+        # static-shape decode write and read (begin_decode).
+        self.scratch = slots if scratch else None
+        shape = (slots + int(scratch), config.num_key_value_heads, max_len, head_dim)
         layers = config.num_hidden_layers
         self.slots = slots
         self.max_len = max_len
@@ -183,22 +188,7 @@ class SlotCache(Cache):
         slots, at least one token each, nothing past max_len) before anything is written, and
         builds its positions, mask and indices. Ends with commit (the forward went through)
         or abort."""
-        if self._step is not None:
-            raise RuntimeError("a step is already open on this slot cache")
-        if not slots or len(slots) != len(counts):
-            raise ValueError("a step needs one token count per slot, and at least one slot")
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"a slot appears twice in one step: {list(slots)}")
-        for slot, count in zip(slots, counts, strict=True):
-            self._check_claimed(slot)
-            if count < 1:
-                raise ValueError(f"slot {slot}: a row feeds at least one token (got {count})")
-            if self._lengths[slot] + count > self.max_len:
-                raise ValueError(
-                    f"slot {slot} holds {self._lengths[slot]} tokens: {count} more would pass "
-                    f"max_len {self.max_len}"
-                )
-        starts = [self._lengths[slot] for slot in slots]
+        starts = self._checked(slots, counts)
         rows, longest = len(slots), max(counts)
         width = max(s + c for s, c in zip(starts, counts, strict=True))
         # Small index tensors are built on the host (no device sync), then moved.
@@ -236,6 +226,83 @@ class SlotCache(Cache):
         )
         self._step = step
         return step
+
+    def _checked(self, slots: Sequence[int], counts: Sequence[int]) -> list[int]:
+        """What begin checks before anything is written; the slots' lengths."""
+        if self._step is not None:
+            raise RuntimeError("a step is already open on this slot cache")
+        if not slots or len(slots) != len(counts):
+            raise ValueError("a step needs one token count per slot, and at least one slot")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot appears twice in one step: {list(slots)}")
+        for slot, count in zip(slots, counts, strict=True):
+            self._check_claimed(slot)
+            if count < 1:
+                raise ValueError(f"slot {slot}: a row feeds at least one token (got {count})")
+            if self._lengths[slot] + count > self.max_len:
+                raise ValueError(
+                    f"slot {slot} holds {self._lengths[slot]} tokens: {count} more would pass "
+                    f"max_len {self.max_len}"
+                )
+        return [self._lengths[slot] for slot in slots]
+
+    def begin_decode(self, slots: Sequence[int], reuse: SlotStep) -> SlotStep:
+        """Opens a step that adds one token to each of `slots` in the static shape of `reuse`
+        (a step from decode_shape: its tensors are filled in place, so a CUDA graph captured
+        over them replays this step): rows past len(slots) are padding on the scratch row at
+        position 0, and every row reads `reuse.width` keys. Checked like begin; the width
+        must hold every row's new token. Ends with commit or abort."""
+        if self.scratch is None:
+            raise RuntimeError("a static-shape decode needs a slot cache made with scratch=True")
+        rows = int(reuse.positions.shape[0])
+        if not 0 < len(slots) <= rows:
+            raise ValueError(f"a decode of {len(slots)} rows in a shape of {rows}")
+        starts = self._checked(slots, [1] * len(slots))
+        if max(starts) + 1 > reuse.width:
+            raise ValueError(
+                f"slot {slots[starts.index(max(starts))]} holds {max(starts)} tokens: a "
+                f"decode shape {reuse.width} wide cannot take its next"
+            )
+        pad = rows - len(slots)
+        host = torch.tensor([[*slots, *[self.scratch] * pad], [*starts, *[0] * pad]])
+        where = host.to(self.device, non_blocking=True)
+        reuse.write_slots.copy_(where[0])
+        reuse.write_positions.copy_(where[1])
+        assert isinstance(reuse.read, torch.Tensor)
+        reuse.read.copy_(where[0])
+        reuse.positions.copy_(where[1][:, None])
+        keys = torch.arange(reuse.width, device=self.device)
+        visible = keys[None, :] <= where[1][:, None]
+        reuse.mask.copy_(torch.where(visible, 0.0, torch.finfo(self.dtype).min)[:, None, None, :])
+        opened = dataclasses.replace(
+            reuse, slots=tuple(slots), counts=(1,) * len(slots), starts=tuple(starts)
+        )
+        self._step = opened
+        return opened
+
+    def decode_shape(self, rows: int, width: int) -> SlotStep:
+        """The tensors of a static-shape decode of `rows` rows over `width` keys (see
+        begin_decode), allocated once; nothing is opened."""
+        if self.scratch is None:
+            raise RuntimeError("a static-shape decode needs a slot cache made with scratch=True")
+        if not 0 < width <= self.max_len:
+            raise ValueError(f"a decode width of {width} for slots of {self.max_len} tokens")
+        dev = self.device
+        zeros = torch.zeros(rows, dtype=torch.long, device=dev)
+        return SlotStep(
+            slots=(),
+            counts=(),
+            starts=(),
+            positions=torch.zeros((rows, 1), dtype=torch.long, device=dev),
+            mask=torch.zeros((rows, 1, 1, width), dtype=self.dtype, device=dev),
+            last=zeros,
+            width=width,
+            write_rows=torch.arange(rows, device=dev),
+            write_tokens=zeros,
+            write_slots=zeros.clone(),
+            write_positions=zeros.clone(),
+            read=zeros.clone(),
+        )
 
     def commit(self) -> None:
         """Closes the open step: each of its slots now holds its new tokens."""

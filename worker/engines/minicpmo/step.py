@@ -76,8 +76,9 @@ from omnifabric.worker.engines.minicpmo.engine import (
     MiniCPMOSession,
     _images,
 )
+from omnifabric.worker.engines.minicpmo.graphs import StaticDecode
 from omnifabric.worker.engines.minicpmo.rows import Row, unit_end
-from omnifabric.worker.engines.minicpmo.slots import NoFreeSlot, SlotCache, feed
+from omnifabric.worker.engines.minicpmo.slots import FeedResult, NoFreeSlot, SlotCache, feed
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.minicpmo.tts import BatchedTTS
@@ -118,6 +119,8 @@ class MiniCPMOStepper(Stepper):
     def __init__(self, engine: MiniCPMOEngine) -> None:
         self.engine = engine
         self._cache: SlotCache | None = None
+        self._static: StaticDecode | None = None
+        """The static-shape decode (graphs.py), once the first decode asks for it."""
         self._deferred: dict[int, list[int]] = {}
         """id(session) -> KV tokens of its last unit not fed yet (fed with its next step)."""
         self._ema: list[float] | None = None
@@ -143,8 +146,20 @@ class MiniCPMOStepper(Stepper):
                 self.engine.kv_slot_tokens,
                 device=weight.device,
                 dtype=weight.dtype,
+                scratch=self.engine.static_decode,
             )
         return self._cache
+
+    def decode_feed(self, rows: list[tuple[int, torch.Tensor]]) -> FeedResult:
+        """One decode forward of the rows (slot, [1, hidden] embeddings): ragged, or in
+        static shapes (replayed as CUDA graphs) when the engine asks for them."""
+        cache = self.cache
+        if cache.scratch is None:
+            return feed(self.engine.model.llm, cache, rows)
+        if self._static is None:
+            graphs = self.engine.cuda_graphs != "off"
+            self._static = StaticDecode(self.engine.model.llm, cache, graphs)
+        return self._static.feed(rows)
 
     def _slot_in(self, session: MiniCPMOSession) -> None:
         """Move the session's LLM KV cache from its decoder into a slot of its own."""

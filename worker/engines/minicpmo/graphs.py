@@ -1,0 +1,171 @@
+"""The decode loop's LLM forwards in static shapes, replayed as CUDA graphs (issue 51).
+
+A ragged decode forward (slots.feed) has a shape of its own every call: as many rows as are
+still speaking, keys up to the longest of their contexts. Here each forward is padded to a
+bucket: rows up to the next of ROW_BUCKETS (the padding rows sit on the slot cache's scratch
+row), keys up to the next power of two from MIN_WIDTH (capped at the slot length), and
+every index, position and mask lives in tensors allocated once per bucket and filled in
+place (SlotCache.begin_decode). With graphs on, the first forward of a bucket is run eagerly
+twice on a side stream (its cache writes are the step's own, so running it again changes
+nothing), then captured; later forwards of that bucket copy their embeddings in and replay
+the graph: one launch instead of a kernel launch per op. A capture that fails turns graphs
+off for the worker with a warning, and the eager static forward goes on.
+
+On a CPU (or with graphs off) the same static-shape forward runs eagerly: what the CPU tests
+compare with the ragged path, row for row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omnifabric.worker.engines.minicpmo.slots import FeedResult, SlotCache, SlotStep
+
+log = logging.getLogger(__name__)
+
+#: Rows of a decode forward are padded up to the next of these.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+#: The narrowest key width of a decode forward; wider ones double up to the slot length.
+MIN_WIDTH = 256
+
+
+def bucket(rows: int, width: int, slots: int, max_len: int) -> tuple[int, int]:
+    """The static shape (rows, keys) a decode of `rows` rows needing `width` keys runs in."""
+    top = max(slots, 1)
+    rows_b = next((b for b in ROW_BUCKETS if b >= rows), rows)
+    rows_b = max(rows, min(rows_b, top))  # no more padding rows than the cache has slots
+    width_b = MIN_WIDTH
+    while width_b < width:
+        width_b *= 2
+    return rows_b, min(width_b, max_len)
+
+
+@dataclass
+class _Shape:
+    """A bucket's static tensors, and its graph once captured."""
+
+    step: SlotStep
+    embeds: torch.Tensor
+    """[rows, 1, hidden]: the rows' new embeddings (zeros on padding rows)."""
+    hidden: torch.Tensor
+    """[rows, 1, hidden]: the final hidden states."""
+    logits: torch.Tensor
+    """[rows, vocab]."""
+    graph: Any = None
+    runs: int = 0
+
+
+class StaticDecode:
+    """Decode forwards of one LLM over one slot cache (made with scratch=True) in bucketed
+    static shapes; `graphs` captures and replays them on CUDA."""
+
+    def __init__(self, llm: Any, cache: SlotCache, graphs: bool) -> None:
+        self.llm = llm
+        self.cache = cache
+        self.graphs = graphs and cache.device.type == "cuda"
+        self.failure: str | None = None
+        """Why graphs were turned off, when a capture failed."""
+        self._shapes: dict[tuple[int, int], _Shape] = {}
+        self._pool: Any = None
+
+    @property
+    def captured(self) -> int:
+        """Graphs captured so far."""
+        return sum(shape.graph is not None for shape in self._shapes.values())
+
+    def feed(self, rows: Sequence[tuple[int, torch.Tensor]]) -> FeedResult:
+        """Like slots.feed for rows of one new token each ([1, hidden] embeddings): the
+        logits [rows, vocab] and per row its hidden state [1, hidden], both copies."""
+        if not rows:
+            raise ValueError("a decode forward needs at least one row")
+        for slot, embeds in rows:
+            if tuple(embeds.shape[:1]) != (1,) or embeds.dim() != 2:
+                raise ValueError(
+                    f"slot {slot}: a decode row is one token, [1, hidden], got "
+                    f"{tuple(embeds.shape)}"
+                )
+        cache = self.cache
+        slots = [slot for slot, _ in rows]
+        need = max(cache.length(slot) for slot in slots) + 1
+        shape = self._shape(*bucket(len(rows), need, cache.slots, cache.max_len))
+        step = cache.begin_decode(slots, shape.step)
+        n = len(rows)
+        try:
+            with torch.no_grad():
+                shape.embeds[n:].zero_()
+                shape.embeds[:n, 0].copy_(torch.cat([embeds for _, embeds in rows]))
+                self._run(shape, step)
+        except BaseException:
+            cache.abort()
+            raise
+        cache.commit()
+        hidden = shape.hidden[:n].clone()
+        return FeedResult(logits=shape.logits[:n].clone(), hidden=list(hidden))
+
+    def _shape(self, rows: int, width: int) -> _Shape:
+        key = (rows, width)
+        shape = self._shapes.get(key)
+        if shape is None:
+            weight = self.llm.lm_head.weight
+            hidden = self.llm.config.hidden_size
+            dev, dtype = self.cache.device, self.cache.dtype
+            shape = _Shape(
+                step=self.cache.decode_shape(rows, width),
+                embeds=torch.zeros((rows, 1, hidden), device=dev, dtype=dtype),
+                hidden=torch.zeros((rows, 1, hidden), device=dev, dtype=dtype),
+                logits=torch.zeros((rows, weight.shape[0]), device=dev, dtype=weight.dtype),
+            )
+            self._shapes[key] = shape
+        return shape
+
+    def _run(self, shape: _Shape, step: SlotStep) -> None:
+        if shape.graph is not None:
+            shape.graph.replay()
+            return
+        if not self.graphs:
+            self._forward(shape, step)
+            return
+        self._capture(shape, step)
+
+    def _forward(self, shape: _Shape, step: SlotStep) -> None:
+        """The static-shape forward: the decoder over the padded rows, the head over them."""
+        out = self.llm.model(
+            inputs_embeds=shape.embeds,
+            position_ids=step.positions,
+            attention_mask=step.mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            return_dict=True,
+        )
+        shape.hidden.copy_(out.last_hidden_state)
+        shape.logits.copy_(self.llm.lm_head(out.last_hidden_state[:, 0]))
+
+    def _capture(self, shape: _Shape, step: SlotStep) -> None:
+        """Runs the step eagerly (twice, on a side stream: the warm-up capture needs), then
+        captures its graph; on failure graphs go off for good and the eager run stands."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(shape, step)
+        torch.cuda.current_stream().wait_stream(side)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._forward(shape, step)
+        except Exception as exc:  # a capture failure is a slower worker, never a dead one
+            self.graphs = False
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture failed, decode runs eagerly: %s", self.failure)
+            torch.cuda.synchronize()
+            self._forward(shape, step)  # the outputs the capture may have left half-written
+            return
+        shape.graph = graph
+        graph.replay()  # the outputs of this step (the capture itself ran nothing)
