@@ -31,10 +31,13 @@ from omnifabric.tools.client import percentile
 from omnifabric.worker.engine import DuplexSettings, Engine, EngineSession, Stepper, StepRow
 
 #: The modes compared: one batched step per round, the same with the vocoder run per speaker
-#: (minicpmo's --serial-vocoder), or the units one by one.
+#: (minicpmo's --serial-vocoder), the same with ragged eager decode forwards (minicpmo's
+#: --cuda-graphs off), or the units one by one.
 BATCHED = "batched"
 SERIAL_VOCODER = "serial-vocoder"
+EAGER = "batched-eager"
 SLICED = "time-sliced"
+STEPPED = (BATCHED, SERIAL_VOCODER, EAGER)
 #: Output audio: samples a second (24 kHz), and the share of a unit a speaking unit may lack
 #: before it counts as a gap a listener hears.
 OUT_RATE = 24000
@@ -53,20 +56,28 @@ class _ForwardCounter:
     """Counts the forwards of the engine's LLM backbone (a hook on its module: the same
     count whichever path calls it), for the engines that have one (minicpmo)."""
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, replays: Callable[[], int]) -> None:
         self.count = 0
         self.handle = module.register_forward_pre_hook(self._seen)
+        self.replays = replays
+        self.replayed = replays()
 
     def _seen(self, *_: Any) -> None:
         self.count += 1
 
     @classmethod
-    def on(cls, engine: Engine) -> _ForwardCounter | None:
+    def on(cls, engine: Engine, stepper: Stepper | None) -> _ForwardCounter | None:
+        """The counter of the engine's backbone; forwards replayed as CUDA graphs (no hook
+        sees them) come from the stepper's graph_replays."""
         backbone = getattr(getattr(getattr(engine, "model", None), "llm", None), "model", None)
-        return cls(backbone) if hasattr(backbone, "register_forward_pre_hook") else None
+        if not hasattr(backbone, "register_forward_pre_hook"):
+            return None
+        return cls(backbone, lambda: int(getattr(stepper, "graph_replays", 0)))
 
     def take(self) -> int:
-        count, self.count = self.count, 0
+        replayed = self.replays()
+        count = self.count + replayed - self.replayed
+        self.count, self.replayed = 0, replayed
         return count
 
     def remove(self) -> None:
@@ -95,17 +106,24 @@ def _close(sessions: Sequence[EngineSession]) -> None:
 
 
 @contextlib.contextmanager
-def vocoder_mode(engine: Engine, mode: str) -> Iterator[None]:
-    """The engine's vocoder as `mode` runs it (per speaker in SERIAL_VOCODER, batched in
-    the others), where the engine has the choice; as it was afterwards."""
-    before = getattr(engine, "vocoder_batched", None)
-    if before is not None:
+def engine_mode(engine: Engine, stepper: Stepper | None, mode: str) -> Iterator[None]:
+    """The engine as `mode` runs it, where the engine has the choice: the vocoder per
+    speaker in SERIAL_VOCODER (batched otherwise); ragged eager decode forwards in EAGER
+    (the engine's own --cuda-graphs otherwise). As it was afterwards."""
+    vocoder = getattr(engine, "vocoder_batched", None)
+    graphs = getattr(engine, "cuda_graphs", None)
+    reset = getattr(stepper, "reset_decode", None)
+    if vocoder is not None:
         engine.vocoder_batched = mode != SERIAL_VOCODER  # type: ignore[attr-defined]
+    if mode == EAGER and reset is not None:
+        reset("off")
     try:
         yield
     finally:
-        if before is not None:
-            engine.vocoder_batched = before  # type: ignore[attr-defined]
+        if vocoder is not None:
+            engine.vocoder_batched = vocoder  # type: ignore[attr-defined]
+        if mode == EAGER and reset is not None:
+            reset(graphs)
 
 
 def _units(units: list[np.ndarray], count: int, offset: int) -> list[np.ndarray]:
@@ -124,11 +142,11 @@ def run(
     settings: DuplexSettings | None = None,
 ) -> dict[str, Any]:
     """`n` sessions, `count` units each, in `mode`; the figures of the run."""
-    if mode in (BATCHED, SERIAL_VOCODER) and stepper is None:
+    if mode in STEPPED and stepper is None:
         raise ValueError(f"the {engine.name} engine has no batched step")
     settings = settings or DuplexSettings(temperature=0)
     sessions = _open(engine, n, mode, settings)
-    counter = _ForwardCounter.on(engine)
+    counter = _ForwardCounter.on(engine, stepper)
     latencies: list[float] = []
     cycles: list[float] = []
     phases: dict[str, float] = {}
@@ -325,13 +343,34 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
                 f"N={n}: vocoder ms per step batched {va:.1f} vs per speaker {vb:.1f}; "
                 f"cycle {a['cycle_ms']['mean']:.0f} vs {b['cycle_ms']['mean']:.0f} ms"
             )
+        if BATCHED in modes and EAGER in modes:
+            lines.append(_graphs_line(n, modes[BATCHED], modes[EAGER]))
         cache = next((r["vocoder_cache_mib_per_session"] for r in modes.values()), None)
         if cache is not None:
             lines.append(f"N={n}: vocoder caches {cache:.1f} MiB per session")
-    for mode in (BATCHED, SERIAL_VOCODER, SLICED):
+    for mode in (*STEPPED, SLICED):
         held = [r["sessions"] for r in rows if r["mode"] == mode and r["real_time"]]
         ran = [r["sessions"] for r in rows if r["mode"] == mode]
         if ran:
             best = max(held) if held else 0
             lines.append(f"{mode}: the largest N that holds real time (unit p95 < 1 s): {best}")
     return lines
+
+
+def _graphs_line(n: int, static: dict[str, Any], eager: dict[str, Any]) -> str:
+    """Decode per step and per decode forward (the round's LLM forwards less its prefill),
+    the engine's own decode (static shapes, graphs on CUDA) against ragged eager forwards."""
+
+    def per_forward(r: dict[str, Any]) -> str:
+        forwards = r["llm_forwards_per_round"]
+        if not forwards or forwards <= 1:
+            return "-"
+        return f"{r['phases_ms_per_step'].get('decode', 0.0) / (forwards - 1):.1f}"
+
+    a = static["phases_ms_per_step"].get("decode", 0.0)
+    b = eager["phases_ms_per_step"].get("decode", 0.0)
+    return (
+        f"N={n}: decode ms per step {a:.1f} vs eager {b:.1f} (per forward "
+        f"{per_forward(static)} vs {per_forward(eager)}); cycle "
+        f"{static['cycle_ms']['mean']:.0f} vs {eager['cycle_ms']['mean']:.0f} ms"
+    )

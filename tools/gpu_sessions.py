@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from omnifabric.tools import batched
+from omnifabric.tools import batched, step_profile
 from omnifabric.tools.client import percentile
 from omnifabric.tools.probe import read_wav_16k, split_units
 from omnifabric.worker.config import WorkerConfig
@@ -31,6 +31,8 @@ from omnifabric.worker.engines.registry import load_engine
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FIXTURE = "tests/fixtures/speech/question.wav"
 MIB = 1024 * 1024
+#: Steps --profile records (a few: the trace grows with every kernel).
+PROFILE_STEPS = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         default=f"{batched.BATCHED},{batched.SLICED}",
         help="with --batched: which to run (batched, serial-vocoder: batched with the vocoder "
-        "per speaker, time-sliced)",
+        "per speaker, batched-eager: batched with ragged eager decode forwards, time-sliced)",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="minicpmo: the batched decode in static shapes replayed as CUDA graphs (worker's)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --batched: after the runs, profile a few steps of the largest N: a torch "
+        "profiler trace in DIR and the GPU's busy share per phase",
     )
     parser.add_argument(
         "--batch-share",
@@ -148,6 +164,7 @@ def make_config(args: argparse.Namespace) -> tuple[WorkerConfig, list[str]]:
         "model_path": args.model_path,
         "attn": args.attn,
         "compile": True if args.compile else None,
+        "cuda_graphs": args.cuda_graphs,
     }
     overrides: dict[str, Any] = {"engine": args.engine}
     if args.batched:
@@ -266,11 +283,13 @@ def _batched_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     """--batched's session counts and --modes. Raises ValueError naming the bad flag."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     counts = batched.parse_counts(args.batched) if args.batched else []
-    known = {batched.BATCHED, batched.SERIAL_VOCODER, batched.SLICED}
+    known = {*batched.STEPPED, batched.SLICED}
     if not modes or set(modes) - known:
         raise ValueError(f"--modes takes {', '.join(sorted(known))}")
     if args.units is not None and args.units < 1:
         raise ValueError("--units must be >= 1")
+    if args.profile is not None and not counts:
+        raise ValueError("--profile needs --batched")
     return counts, modes
 
 
@@ -365,7 +384,7 @@ def _batched(
     modes: list[str],
 ) -> int:
     """--batched: every N in each mode, the table, the ratios, the JSON."""
-    steps = {batched.BATCHED, batched.SERIAL_VOCODER} & set(modes)
+    steps = set(batched.STEPPED) & set(modes)
     stepper = engine.stepper() if steps else None
     if steps and stepper is None:
         print(f"error: the {args.engine} engine offers no batched step here", file=sys.stderr)
@@ -376,7 +395,7 @@ def _batched(
     for n in counts:
         for mode in modes:
             meter.reset_peak()
-            with batched.vocoder_mode(engine, mode):
+            with batched.engine_mode(engine, stepper, mode):
                 row = batched.run(engine, stepper, mode, n, units, count, unit_s, meter.sync)
             row["peak_bytes"] = meter.peak()
             meter.cleanup()
@@ -395,6 +414,20 @@ def _batched(
     print(batched.table(rows))
     for line in batched.summary(rows):
         print(line)
+    profiled = None
+    if args.profile is not None:
+        profiled = step_profile.profile(
+            engine,
+            stepper,
+            max(counts),
+            units,
+            min(count, PROFILE_STEPS),
+            unit_s,
+            meter.sync,
+            args.profile,
+        )
+        for line in step_profile.lines(profiled):
+            print(line)
     if args.json is not None:
         report = {
             "engine": args.engine,
@@ -403,6 +436,7 @@ def _batched(
             "units_per_session": count,
             "runs": rows,
             "summary": batched.summary(rows),
+            "profile": profiled,
         }
         _write_json(args.json, report)
     return 0

@@ -119,3 +119,56 @@ def test_serial_vocoder_mode_runs_where_the_engine_has_no_choice(tmp_path: Path)
     for run in runs.values():
         assert run["audio_gaps"] >= 0 and run["audio_s"] >= 0
         assert run["vocoder_cache_mib_per_session"] is None  # the synthetic engine has none
+
+
+def test_eager_mode_and_profile_run_on_any_engine(tmp_path: Path, capsys):
+    """--modes batched,batched-eager and --profile on the synthetic engine (no decode to
+    switch, no phases marked, no GPU): both modes run, a trace is written and the report
+    says no kernels were recorded."""
+    out = tmp_path / "profile.json"
+    argv = ["--engine", "synthetic", "--device", "cpu", "--batched", "2", "--units", "2"]
+    argv += ["--batch-share", "0.1", "--modes", "batched,batched-eager"]
+    assert gpu_sessions.main([*argv, "--profile", str(tmp_path / "trace"), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "no CUDA kernels recorded" in printed
+    report = json.loads(out.read_text())
+    assert {r["mode"] for r in report["runs"]} == {"batched", "batched-eager"}
+    assert any(line.startswith("N=2: decode ms per step") for line in report["summary"])
+    profiled = report["profile"]
+    assert profiled["gpu_measured"] is False and profiled["sessions"] == 2
+    assert Path(profiled["trace"]).stat().st_size > 0
+    assert profiled["window"]["wall_ms"] > 0
+
+
+def test_profile_needs_batched(capsys):
+    argv = ["--engine", "synthetic", "--device", "cpu", "--profile", "x"]
+    assert gpu_sessions.main(argv) == 2
+    assert "--profile needs --batched" in capsys.readouterr().err
+
+
+def test_busy_shares_count_overlapping_kernels_once():
+    from types import SimpleNamespace
+
+    from torch.profiler import DeviceType
+
+    from omnifabric.tools import step_profile
+
+    def event(name: str, start: float, end: float, device=DeviceType.CPU) -> SimpleNamespace:
+        span = SimpleNamespace(start=start, end=end)
+        return SimpleNamespace(name=name, time_range=span, device_type=device)
+
+    events = [
+        event("minicpmo.decode", 0, 1000),
+        event("minicpmo.decode", 2000, 3000),
+        event("minicpmo.tts", 3000, 4000),
+        event("kernel", 100, 400, DeviceType.CUDA),
+        event("kernel", 300, 600, DeviceType.CUDA),  # overlaps the first: 100-600 busy
+        event("kernel", 2500, 3500, DeviceType.CUDA),  # half in decode, half in tts
+    ]
+    report = step_profile.shares(events, 4.0)
+    decode, tts = report["phases"]["decode"], report["phases"]["tts"]
+    assert decode["ranges"] == 2 and decode["wall_ms"] == 2.0
+    assert decode["gpu_busy_ms"] == 1.0 and decode["busy_share"] == 0.5
+    assert tts["gpu_busy_ms"] == 0.5
+    assert report["window"]["wall_ms"] == 4.0 and report["window"]["gpu_busy_ms"] == 1.5
+    assert report["gpu_measured"] is True

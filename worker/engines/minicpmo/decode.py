@@ -272,7 +272,9 @@ class _Entries:
         rows.extend([row] * len(ids))
         cols.extend(ids)
 
-    def indexed(self, device: torch.device) -> list[tuple[float, tuple[torch.Tensor, ...]]]:
+    def indexed(
+        self, device: torch.device
+    ) -> list[tuple[float, tuple[torch.Tensor, torch.Tensor]]]:
         out = []
         for value, (rows, cols) in self.groups.items():
             both = torch.tensor([rows, cols], dtype=torch.long).to(device)

@@ -70,6 +70,8 @@ class StaticDecode:
         self.graphs = graphs and cache.device.type == "cuda"
         self.failure: str | None = None
         """Why graphs were turned off, when a capture failed."""
+        self.replays = 0
+        """Forwards run as a graph replay (no module forward seen by hooks)."""
         self._shapes: dict[tuple[int, int], _Shape] = {}
         self._pool: Any = None
 
@@ -126,6 +128,7 @@ class StaticDecode:
     def _run(self, shape: _Shape, step: SlotStep) -> None:
         if shape.graph is not None:
             shape.graph.replay()
+            self.replays += 1
             return
         if not self.graphs:
             self._forward(shape, step)

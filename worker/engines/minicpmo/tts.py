@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.utils.parametrize as parametrize
+from torch.profiler import record_function
 from transformers.cache_utils import DynamicCache
 
 from omnifabric.worker.engines.minicpmo import layouts
@@ -57,19 +58,20 @@ class BatchedTTS:
     def run(self, rows: list[Row], phases: dict[str, float]) -> None:
         """TTS tokens, then audio, of every speaking row (row.tts_tokens, row.wave)."""
         t0 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), record_function("minicpmo.tts"):
             self._generate(rows)
         phases["tts"] += (time.perf_counter() - t0) * 1000.0
         t0 = time.perf_counter()
-        if self.engine.audio_on and self.engine.vocoder_batched:
-            from omnifabric.worker.engines.minicpmo import waveform
+        with record_function("minicpmo.vocoder"):
+            if self.engine.audio_on and self.engine.vocoder_batched:
+                from omnifabric.worker.engines.minicpmo import waveform
 
-            flushes = [self._flushes(r) for r in rows]
-            with torch.no_grad():
-                waveform.speak(self.engine, rows, flushes, self.engine.batched_vocoder())
-        else:
-            for row in rows:
-                self._vocoder(row)
+                flushes = [self._flushes(r) for r in rows]
+                with torch.no_grad():
+                    waveform.speak(self.engine, rows, flushes, self.engine.batched_vocoder())
+            else:
+                for row in rows:
+                    self._vocoder(row)
         phases["vocoder"] += (time.perf_counter() - t0) * 1000.0
 
     def _generate(self, rows: list[Row]) -> None:
