@@ -205,6 +205,9 @@ class MiniCPMOSession(EngineSession):
         next step's prefill (counted by kv_length meanwhile)."""
         self.generator: Any = None
         """Batched: this session's sampling generator (seeded from settings.seed)."""
+        self.mel_cache: Any = None
+        """Batched: the raw log-mel frames of its audio window that later audio cannot
+        change (mel.MelCache), for its next unit."""
 
     def unit_samples(self) -> tuple[int, int]:
         return self.engine.first_unit_samples, self.engine.unit_samples

@@ -53,6 +53,7 @@ session never enters a slot (_batchable) and its cache stays the decoder's own.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,7 @@ from omnifabric.worker.engines.minicpmo.engine import (
     _images,
 )
 from omnifabric.worker.engines.minicpmo.graphs import StaticDecode
+from omnifabric.worker.engines.minicpmo.mel import MelJob, StreamingMel
 from omnifabric.worker.engines.minicpmo.rows import Row, unit_end
 from omnifabric.worker.engines.minicpmo.slots import FeedResult, NoFreeSlot, SlotCache, feed
 
@@ -87,6 +89,7 @@ if TYPE_CHECKING:
 #: Tokens one unit may add at most besides its vision: merged finalize (2), <unit>, audio
 #: (10), a closing turn_eos, the speak tokens (max 20) and the next finalize (2).
 UNIT_HEADROOM = 40
+log = logging.getLogger(__name__)
 #: The unified layout's limit on the characters of one unit's text.
 CHAR_LIMIT = 28
 #: EMA weight of the newest step in the added-cost estimate.
@@ -122,6 +125,8 @@ class MiniCPMOStepper(Stepper):
         self._cache: SlotCache | None = None
         self._static: StaticDecode | None = None
         self._replays_before = 0
+        self._mel_engine: StreamingMel | bool | None = None
+        """The incremental mel (mel.py); False where it cannot run."""
         """The static-shape decode (graphs.py), once the first decode asks for it."""
         self._deferred: dict[int, list[int]] = {}
         """id(session) -> KV tokens of its last unit not fed yet (fed with its next step)."""
@@ -522,15 +527,7 @@ class MiniCPMOStepper(Stepper):
         past), each row's cache put back where the session keeps it."""
         model = self.engine.model
         got: list[torch.Tensor | Exception | None] = [None] * len(rows)
-        ready: list[tuple[int, Row, AudioRow]] = []
-        for i, row in enumerate(rows):
-            try:
-                with self.engine.using(row.session), torch.no_grad():
-                    feature = self._mel(row, row.duplex, phases)
-                    cache = model.audio_past_key_values
-                ready.append((i, row, _audio_row(feature, cache)))
-            except Exception as exc:  # noqa: BLE001 - this row's failure alone
-                got[i] = exc
+        ready = self._mels(rows, got, phases)
         if ready:
             t0 = time.perf_counter()
             outs: list[audio_batch.AudioOut | Exception]
@@ -551,12 +548,77 @@ class MiniCPMOStepper(Stepper):
                 got[i] = out.embeds
         return [g if g is not None else RuntimeError("no audio embedding") for g in got]
 
-    def _mel(self, row: Row, d: Any, phases: dict[str, float]) -> Any:
-        """The unit's mel frames from the session's streaming processor (the session's state
-        on the model), its audio buffer consumed as the public unit consumes it."""
+    def _mels(
+        self, rows: list[Row], got: list[torch.Tensor | Exception | None], phases: dict[str, float]
+    ) -> list[tuple[int, Row, AudioRow]]:
+        """Every row's unit of log-mel (mel.py: only the frames that changed, all rows in
+        one transform on the model's device; the public processor where that cannot run),
+        with its audio encoder cache, as rows for the batched encoder."""
+        model = self.engine.model
+        t0 = time.perf_counter()
+        planned: list[tuple[int, Row, MelJob, Any]] = []
+        ready: list[tuple[int, Row, AudioRow]] = []
+        streaming = self._streaming_mel()
+        for i, row in enumerate(rows):
+            try:
+                with self.engine.using(row.session), torch.no_grad():
+                    if streaming is None:
+                        feature = self._mel(row, row.duplex, phases)
+                        ready.append((i, row, _audio_row(feature, model.audio_past_key_values)))
+                        continue
+                    job = self._mel_job(streaming, row, row.duplex)
+                    planned.append((i, row, job, model.audio_past_key_values))
+            except Exception as exc:  # noqa: BLE001 - this row's failure alone
+                got[i] = exc
+        if planned and streaming is not None:
+            try:
+                with torch.no_grad():
+                    done = streaming.run([job for _, _, job, _ in planned])
+            except Exception as exc:  # noqa: BLE001 - the shared transform failed its rows
+                for i, _, _, _ in planned:
+                    got[i] = exc
+                return ready
+            spent = _ms(t0)
+            phases["mel"] += spent
+            for (i, row, _, cache), (features, mel_cache) in zip(planned, done, strict=True):
+                row.session.mel_cache = mel_cache
+                row.costs["audio_process"] = spent / len(planned)
+                if features.shape[-1] == 0:
+                    got[i] = RuntimeError("prefill failed: the streaming mel gave nothing")
+                    continue
+                first = row.duplex.audio_chunk_idx == 0
+                audio = AudioRow(features, cache, 0 if first else 2, 2, int(features.shape[-1]))
+                ready.append((i, row, audio))
+        return ready
+
+    def _streaming_mel(self) -> StreamingMel | None:
+        """The incremental mel of the model's processor (None where it cannot run: a
+        dithered extractor; the public processor then runs per session)."""
+        if self._mel_engine is None:
+            model = self.engine.model
+            try:
+                device = model.llm.model.embed_tokens.weight.device
+                self._mel_engine = StreamingMel(model.processor, device)
+            except (ValueError, AttributeError) as exc:
+                log.warning("minicpmo: the public streaming mel per session: %s", exc)
+                self._mel_engine = False
+        return self._mel_engine or None
+
+    def _mel_job(self, streaming: StreamingMel, row: Row, d: Any) -> MelJob:
+        """The session's unit for the incremental mel: its audio buffer consumed as the
+        public unit consumes it, its processor advanced (under its swapped state)."""
+        rate = int(d.SAMPLE_RATE)
+        buffer, need = self._unit_audio(row, d)
+        proc = self.engine.model.processor._streaming_mel_processor
+        job = streaming.plan(proc, buffer[:need], row.session.mel_cache)
+        self._consume(d, buffer, rate)
+        return job
+
+    def _unit_audio(self, row: Row, d: Any) -> tuple[np.ndarray, int]:
+        """The session's buffered audio with the unit's, padded as the public first unit
+        pads it, and the samples the processor takes now."""
         processor = self.engine.model.processor
         rate = int(d.SAMPLE_RATE)
-        t0 = time.perf_counter()
         pcm = row.step_row.pcm.astype(np.float32, copy=False)
         buffer = np.concatenate([d.audio_buffer, pcm])
         if d.audio_chunk_idx == 0:
@@ -566,6 +628,24 @@ class MiniCPMOStepper(Stepper):
         need = processor.get_streaming_chunk_size()
         if len(buffer) < need:
             raise RuntimeError(f"prefill failed: {need} samples needed, {len(buffer)} held")
+        return buffer, need
+
+    def _consume(self, d: Any, buffer: np.ndarray, rate: int) -> None:
+        """What the public unit leaves of the buffer after its mel."""
+        if d.audio_chunk_idx == 0:
+            config = self.engine.model.processor._streaming_mel_processor.get_config()
+            used_ms = int(config.get("effective_first_chunk_ms", d.FIRST_CHUNK_MS))
+        else:
+            used_ms = int(d.CHUNK_MS)
+        d.audio_buffer = buffer[int(used_ms * rate / 1000) :]
+
+    def _mel(self, row: Row, d: Any, phases: dict[str, float]) -> Any:
+        """The unit's mel frames from the session's streaming processor (the session's state
+        on the model), its audio buffer consumed as the public unit consumes it."""
+        processor = self.engine.model.processor
+        rate = int(d.SAMPLE_RATE)
+        t0 = time.perf_counter()
+        buffer, need = self._unit_audio(row, d)
         feature = processor.process_audio_streaming(
             buffer[:need], reset=False, return_batch_feature=True
         )
@@ -574,12 +654,7 @@ class MiniCPMOStepper(Stepper):
         feature.prefix_extra_frames = 0 if d.audio_chunk_idx == 0 else 2
         feature.suffix_extra_frames = 2
         feature = feature.to(d.device)
-        if d.audio_chunk_idx == 0:
-            config = processor._streaming_mel_processor.get_config()
-            used_ms = int(config.get("effective_first_chunk_ms", d.FIRST_CHUNK_MS))
-        else:
-            used_ms = int(d.CHUNK_MS)
-        d.audio_buffer = buffer[int(used_ms * rate / 1000) :]
+        self._consume(d, buffer, rate)
         row.costs["audio_process"] = _ms(t0)
         phases["mel"] += row.costs["audio_process"]
         return feature
