@@ -31,8 +31,9 @@ from omnifabric.worker.engines.registry import load_engine
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FIXTURE = "tests/fixtures/speech/question.wav"
 MIB = 1024 * 1024
-#: Steps --profile records (a few: the trace grows with every kernel).
-PROFILE_STEPS = 3
+#: Steps --profile records at most (the trace grows with every kernel; the first units of
+#: new sessions mostly listen, so a few more than that show the speaking phases).
+PROFILE_STEPS = 8
 
 
 def build_parser() -> argparse.ArgumentParser:
