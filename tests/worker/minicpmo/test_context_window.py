@@ -310,7 +310,7 @@ def batched_engine(request, tiny_dirs):
     eng = MiniCPMOEngine(
         str(tiny_dirs[dict(LAYOUTS)[layout]]),
         device="cpu",
-        slots=2,
+        slots=3,
         api=layout,
         stepper_class=MiniCPMOStepper,
     )
@@ -318,32 +318,36 @@ def batched_engine(request, tiny_dirs):
     return eng
 
 
-def test_a_windowed_session_runs_serially_inside_a_batched_step(batched_engine):
-    """A windowed session and one without a window, stepped together: the windowed one
-    goes through the serial path every unit (never a slot) and each gives what the public
-    code gives it alone, the other one's slides moving nothing of the batched one."""
+def test_windowed_sessions_in_a_batched_step(batched_engine):
+    """A basic-windowed session, one without a window and one with the context window,
+    stepped together: the first two in slots (the basic window slides in its slot: its
+    deferred `[terminator, </unit>]` fed at once, the decoder's own enforce_window over the
+    slot's context), the context-windowed one on the serial path every unit; each gives what
+    the public code gives it alone, the slides moving nothing of the others."""
     engine = batched_engine
     stepper = engine.stepper()
-    window = ContextWindow("basic", high_tokens=250, low_tokens=150)
-    count = 30
-    pcms = {"w": pcm_units(engine, count, seed=1), "b": pcm_units(engine, count, seed=2)}
-    sessions = {
-        "w": engine.open_session("w", "audio"),
-        "b": engine.open_session("b", "audio"),
+    windows = {
+        "w": ContextWindow("basic", high_tokens=250, low_tokens=150),
+        "b": ContextWindow(),
+        "c": ContextWindow("context", units=8, previous_tokens=30),
     }
-    got: dict[str, list[dict[str, Any]]] = {"w": [], "b": []}
+    count = 30
+    pcms = {k: pcm_units(engine, count, seed=i + 1) for i, k in enumerate(windows)}
+    sessions = {k: engine.open_session(k, "audio") for k in windows}
+    got: dict[str, list[dict[str, Any]]] = {k: [] for k in windows}
     try:
-        sessions["w"].prepare(PROMPT, None, None, settings(window))
-        sessions["b"].prepare(PROMPT, None, None, settings(ContextWindow()))
+        for k, window in windows.items():
+            sessions[k].prepare(PROMPT, None, None, settings(window))
         for u in range(count):
-            names = ["w", "b"]
+            names = list(windows)
             starts = {k: len(sessions[k].handle.duplex.total_ids) for k in names}
             rows = [StepRow(sessions[k], pcms[k][u], [], 1, False) for k in names]
             outcome = stepper.step(rows)
-            assert outcome.phases_ms["serial_generate"] > 0  # the windowed row
-            assert sessions["w"].kv_slot is None and sessions["b"].kv_slot is not None
+            assert outcome.phases_ms["serial_generate"] > 0  # the context-windowed row
+            assert sessions["c"].kv_slot is None
+            assert sessions["w"].kv_slot is not None and sessions["b"].kv_slot is not None
             errors = stepper.finalize([sessions[k] for k in names])
-            assert errors == [None, None]
+            assert errors == [None] * len(names)
             for k, result in zip(names, outcome.rows, strict=True):
                 assert not isinstance(result, Exception), result
                 _, r = result
@@ -362,8 +366,8 @@ def test_a_windowed_session_runs_serially_inside_a_batched_step(batched_engine):
     finally:
         for s in sessions.values():
             s.close()
-    want_w = public_run(engine, window, pcms["w"])
-    assert got["w"][-1]["slides"] >= 3
-    assert got["w"] == want_w, first_difference(got["w"], want_w)
-    want_b = public_run(engine, ContextWindow(), pcms["b"])
-    assert got["b"] == want_b, first_difference(got["b"], want_b)
+    assert stepper.cache.claimed() == []
+    assert got["w"][-1]["slides"] >= 3 and got["c"][-1]["slides"] >= 3
+    for k, window in windows.items():
+        want = public_run(engine, window, pcms[k])
+        assert got[k] == want, f"{k}: " + first_difference(got[k], want)

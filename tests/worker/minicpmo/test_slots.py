@@ -384,3 +384,20 @@ def check_real_llm(real_llm: Any) -> None:
     assert outcome.hidden_diff < TOLERANCE
     assert outcome.argmax_equal
     assert outcome.lengths_equal
+
+
+def test_slots_follow_a_basic_window():
+    """A worker whose sessions slide by a basic window sizes its slots for the window's high
+    watermark (the engine adds its spare for the unit that crosses it), not the cap."""
+    from omnifabric.worker.config import WorkerConfig
+    from omnifabric.worker.engines.minicpmo.engine import MiniCPMOEngine, slot_tokens
+
+    capped = WorkerConfig.from_env({}, max_context_tokens=8192)
+    basic = capped.with_overrides(
+        context_window="basic", window_high_tokens=3000, window_low_tokens=2000
+    )
+    context = capped.with_overrides(context_window="context")
+    assert slot_tokens(capped) == 8192 and slot_tokens(context) == 8192
+    assert slot_tokens(basic) == 3000
+    engine = MiniCPMOEngine.from_config(basic.with_overrides(engine="minicpmo", slots=4))
+    assert engine.kv_slot_tokens == 3000 + MiniCPMOEngine.SLOT_SPARE_TOKENS

@@ -177,6 +177,24 @@ class BatchedStep(Protocol):
     def cache(self) -> Any: ...
 
 
+def _more_slots(device: Any, per_slot: float) -> str:
+    """On CUDA, how many more slots the device's free memory would hold now."""
+    if device.type != "cuda":
+        return ""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return f"; {int(free // per_slot)} more slots would fit in the free {free / 2**30:.1f} GiB"
+
+
+def slot_tokens(config: Any) -> int:
+    """The context a batched slot is sized for: a basic window's high watermark when the
+    worker's sessions slide by one (they never hold more; the slot follows the window),
+    else the context cap."""
+    window = config.window()
+    return window.high_tokens if window.mode == "basic" else int(config.max_context_tokens)
+
+
 class MiniCPMOSession(EngineSession):
     """One duplex session on one slot's duplex handle."""
 
@@ -423,6 +441,7 @@ class MiniCPMOEngine(Engine):
         default_voice: str | None = None,
         vocoder_batched: bool = True,
         context_tokens: int = 8192,
+        slot_tokens: int | None = None,
         stepper_class: Callable[[MiniCPMOEngine], BatchedStep] | None = None,
         dtype: str | None = None,
         cuda_graphs: str = "auto",
@@ -462,9 +481,11 @@ class MiniCPMOEngine(Engine):
         """The batched stepper, once asked for (stepper())."""
         self.stepper_class = stepper_class
         """Builds the batched step (step.MiniCPMOStepper); None: sessions time-slice."""
-        self.kv_slot_tokens = context_tokens + self.SLOT_SPARE_TOKENS
-        """Tokens each slot of the batched stepper's LLM KV cache holds: the context cap
-        (a session reaching it closes) and room for the unit that crosses it."""
+        self.kv_slot_tokens = (slot_tokens or context_tokens) + self.SLOT_SPARE_TOKENS
+        """Tokens each slot of the batched stepper's LLM KV cache holds: the context a
+        session keeps (the cap, or a basic window's high watermark: slot_tokens) and room
+        for the unit that crosses it. A session whose context outgrows its slot goes on
+        on the serial path."""
 
     @classmethod
     def from_config(
@@ -481,6 +502,7 @@ class MiniCPMOEngine(Engine):
             default_voice=config.default_voice,
             vocoder_batched=not config.serial_vocoder,
             context_tokens=config.max_context_tokens,
+            slot_tokens=slot_tokens(config),
             stepper_class=stepper_class,
             cuda_graphs=config.cuda_graphs,
         )
@@ -622,13 +644,18 @@ class MiniCPMOEngine(Engine):
             self.batched = self.stepper_class(self)
             if self.model is not None:
                 cache = self.batched.cache
+                rows = cache.slots + (cache.scratch is not None)
+                per_slot = cache.nbytes / rows
                 log.info(
-                    "minicpmo: batched steps; LLM KV slot cache of %d slots x %d tokens: "
-                    "%.2f GiB on %s",
+                    "minicpmo: batched steps; LLM KV slot cache of %d slots x %d tokens "
+                    "(%.0f MiB a slot%s): %.2f GiB on %s%s",
                     self.slots,
                     self.kv_slot_tokens,
+                    per_slot / 2**20,
+                    ", and a scratch row" if cache.scratch is not None else "",
                     cache.nbytes / 2**30,
                     self.device,
+                    _more_slots(cache.device, per_slot),
                 )
         assert isinstance(self.batched, Stepper)
         return self.batched

@@ -38,17 +38,21 @@ Where this differs from the public code, and why:
 - a unit with too little audio fails its row before anything is fed (the public prefill
   has fed `<unit>` and the frames when it finds out; the engine fails the unit either way);
 - not reproduced: the unified class's tts_pad suppression (dead code: tts_pad is always
-  forbidden), its debug traces, prints and session logs; a sliding window other than "off"
-  and the HF `as_duplex` layout go through the serial path.
+  forbidden), its debug traces, prints and session logs; the context window and the HF
+  `as_duplex` layout go through the serial path.
 
-A session with a context window (the model's own sliding window, set on its decoder at
-prepare) runs serially inside a step, every unit: the public code slides right after the
-unit's `[terminator, </unit>]` (in the unified class's finalize, in the duplex class's
-generate), dropping the oldest units from the session's cache and re-rotating (the basic
-mode) or recomputing (the context mode) what follows. Here those tokens wait for the next
-step's merged prefill, so an exact slide would need its own forward between them and the
-next `<unit>`, and a compaction of the row in the slot cache; neither is done, so a windowed
-session never enters a slot (_batchable) and its cache stays the decoder's own.
+A session with a basic window (the model's own sliding window, set on its decoder at
+prepare) slides where the public code slides it: right after the unit's `[terminator,
+</unit>]` (the unified class in its finalize, the duplex class in its generate). Those
+tokens wait for the next step's prefill here, so a session whose context (them counted)
+passes its high watermark gets them fed at once, in one forward for every such session,
+and then the decoder's own enforce_window runs over its slot's context (taken out as a
+DynamicCache, put back as enforce_window leaves it: the oldest units dropped, the keys
+after them re-rotated). A slot then never holds more than the high watermark and a unit,
+and the worker sizes its slots for that (engine.slot_tokens). The context window
+(dropping units and carrying their text forward, re-fed) stays on the serial path: a
+context-windowed session never enters a slot (_batchable) and its cache stays the
+decoder's own.
 """
 
 from __future__ import annotations
@@ -111,6 +115,14 @@ def _audio_row(feature: Any, cache: Any) -> AudioRow:
         suffix_extra_frames=int(feature.suffix_extra_frames),
         feature_len=length,
     )
+
+
+def _dynamic(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
+    """A DynamicCache of one row from per-layer [kv heads, tokens, head dim] tensors."""
+    past = DynamicCache()
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        past.update(k[None], v[None], layer)
+    return past
 
 
 class _RowFailed(Exception):
@@ -215,9 +227,7 @@ class MiniCPMOStepper(Stepper):
             return
         cache = self.cache
         keys, values = cache.take(slot)
-        past = DynamicCache()
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-            past.update(k[None], v[None], layer)
+        past = _dynamic(keys, values)
         d = session.handle.duplex
         with self.engine.using(session), torch.no_grad():
             d.decoder.cache = past if keys and keys[0].shape[-2] else None
@@ -242,6 +252,47 @@ class MiniCPMOStepper(Stepper):
         if session.kv_slot is None:
             return session.handle.kv_length()
         return self.cache.length(session.kv_slot) + len(self._deferred.get(id(session), []))
+
+    def _slide_due(self, session: MiniCPMOSession) -> bool:
+        """The session's basic window slides now: its context, its deferred tokens counted,
+        passes its high watermark (the public code checks right after a unit's end)."""
+        if session.kv_slot is None or session.handle.window_mode != "basic":
+            return False
+        dec = session.handle.duplex.decoder
+        return self.kv_length(session) > int(dec._window_config.basic_window_high_tokens)
+
+    def _slide(self, sessions: Sequence[MiniCPMOSession]) -> None:
+        """The basic window's slide of each session where due, where the public code makes
+        it (right after the unit's `[terminator, </unit>]`): those deferred tokens fed now,
+        in one forward for all of them, then the decoder's own enforce_window over the
+        slot's context (taken out as a DynamicCache, put back as it leaves it: the oldest
+        units dropped, the keys after them re-rotated to their new positions)."""
+        due = [s for s in sessions if self._slide_due(s)]
+        if not due:
+            return
+        cache = self.cache
+        rows = []
+        for session in due:
+            ids = self._deferred.pop(id(session), [])
+            if ids:
+                assert session.kv_slot is not None
+                rows.append((session.kv_slot, session.handle.duplex.decoder.embed_tokens(ids)))
+        with torch.no_grad():
+            if rows:
+                feed(self.engine.model.llm, cache, rows)
+            for session in due:
+                slot = session.kv_slot
+                assert slot is not None
+                decoder = session.handle.duplex.decoder
+                decoder.cache = _dynamic(*cache.take(slot))
+                try:
+                    decoder.enforce_window()
+                    kept = decoder.cache
+                    cache.put(
+                        slot, [k[0] for k in kept.key_cache], [v[0] for v in kept.value_cache]
+                    )
+                finally:
+                    decoder.cache = None
 
     def _take_finalize(self, session: MiniCPMOSession) -> None:
         """The unified layout's finalize_unit, all but its forward: the bookkeeping now, its
@@ -286,17 +337,26 @@ class MiniCPMOStepper(Stepper):
         """A batched session's deferred finalize is fed with its next step's prefill: here
         it is only marked taken. Sessions on the serial path finalize as they are."""
         failed: list[Exception | None] = []
+        taken: list[tuple[int, MiniCPMOSession]] = []
         for session in sessions:
             try:
                 if isinstance(session, MiniCPMOSession) and session.kv_slot is not None:
                     if session.handle.layout == layouts.UNIFIED:
                         self._take_finalize(session)
+                        taken.append((len(failed), session))
                     session.finalize_due = True
                 else:
                     session.finalize()
                 failed.append(None)
             except Exception as exc:  # noqa: BLE001 - the session's own failure
                 failed.append(exc)
+        if taken:
+            with self.engine._lock:
+                try:
+                    self._slide([s for _, s in taken])  # the unified class slides here
+                except Exception as exc:  # noqa: BLE001 - the sessions of the forward
+                    for i, _ in taken:
+                        failed[i] = exc
         return failed
 
     def step(self, rows: Sequence[StepRow]) -> StepOutcome:
@@ -365,7 +425,8 @@ class MiniCPMOStepper(Stepper):
             return False
         if getattr(d, "ls_mode", "explicit") != "explicit":
             return False
-        return session.handle.window_mode == "off"  # a windowed session: see the module doc
+        # A basic window slides in the slot (_slide); the context window: see the module doc.
+        return session.handle.window_mode in ("off", "basic")
 
     def _begin(self, index: int, session: MiniCPMOSession, step_row: StepRow) -> Row | None:
         """The row's settings and what its prefill feeds first; None when the session goes
@@ -397,6 +458,7 @@ class MiniCPMOStepper(Stepper):
         force = step_row.force_listen or session.units + 1 <= startup or capped
         if session.handle.layout == layouts.UNIFIED:
             self._take_finalize(session)  # a finalize not asked for: the unit closes here
+            self._slide([session])
         deferred = list(self._deferred.get(id(session), []))
         session.vision_tokens = vision_tokens
         return Row(
@@ -433,6 +495,8 @@ class MiniCPMOStepper(Stepper):
         try:
             with record_function("minicpmo.decode"):
                 decode.run(self, live)
+                # the duplex class slides in its generate, after the unit's end
+                self._slide([r.session for r in live if r.session.handle.layout != layouts.UNIFIED])
         except Exception as exc:  # noqa: BLE001 - the shared forwards failed every row
             for row in live:
                 out[row.index] = exc
