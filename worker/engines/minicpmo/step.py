@@ -136,10 +136,12 @@ class MiniCPMOStepper(Stepper):
         self.engine = engine
         self._cache: SlotCache | None = None
         self._static: StaticDecode | None = None
-        self._replays_before = 0
-        self._mel_engine: StreamingMel | bool | None = None
-        """The incremental mel (mel.py); False where it cannot run."""
         """The static-shape decode (graphs.py), once the first decode asks for it."""
+        self._replays_before = 0
+        self._mel_engine: StreamingMel | None = None
+        """The incremental mel (mel.py), once the first step asks for it."""
+        self._mel_public = False
+        """The incremental mel cannot run here: the public processor runs per session."""
         self._deferred: dict[int, list[int]] = {}
         """id(session) -> KV tokens of its last unit not fed yet (fed with its next step)."""
         self._ema: list[float] | None = None
@@ -658,15 +660,15 @@ class MiniCPMOStepper(Stepper):
     def _streaming_mel(self) -> StreamingMel | None:
         """The incremental mel of the model's processor (None where it cannot run: a
         dithered extractor; the public processor then runs per session)."""
-        if self._mel_engine is None:
+        if self._mel_engine is None and not self._mel_public:
             model = self.engine.model
             try:
                 device = model.llm.model.embed_tokens.weight.device
                 self._mel_engine = StreamingMel(model.processor, device)
             except (ValueError, AttributeError) as exc:
                 log.warning("minicpmo: the public streaming mel per session: %s", exc)
-                self._mel_engine = False
-        return self._mel_engine or None
+                self._mel_public = True
+        return self._mel_engine
 
     def _mel_job(self, streaming: StreamingMel, row: Row, d: Any) -> MelJob:
         """The session's unit for the incremental mel: its audio buffer consumed as the
