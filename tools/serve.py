@@ -41,6 +41,14 @@ def metrics_port(base: int, offset: int) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnifabric serve", description=__doc__.splitlines()[0])
+    _fabric_flags(parser)
+    _engine_flags(parser)
+    _run_flags(parser)
+    return parser
+
+
+def _fabric_flags(parser: argparse.ArgumentParser) -> None:
+    """Addresses, ports and how many of each service."""
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
     parser.add_argument("--port", type=int, default=8006, help="edge WebSocket port (0 = any)")
     parser.add_argument(
@@ -87,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="edge processes on the edge's ports (omnifabric edge --processes)",
     )
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    """What the workers run and how their sessions' contexts slide."""
     parser.add_argument(
         "--engine", default="reference", choices=["synthetic", "reference", "minicpmo"]
     )
@@ -128,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("--window-previous-tokens", "context window: earlier replies carried, tokens"),
     ):
         parser.add_argument(flag, type=int, help=what)
+
+
+def _run_flags(parser: argparse.ArgumentParser) -> None:
+    """Session limits, start and stop, recording."""
     parser.add_argument("--audio-limit-s", type=float, help="audio session limit, s (0: none)")
     parser.add_argument("--video-limit-s", type=float, help="video session limit, s (0: none)")
     parser.add_argument(
@@ -139,7 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--record-dir", help="the edge records every audio/video session here (user audio!)"
     )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,129 +171,131 @@ def main(argv: list[str] | None = None) -> int:
     stopping.install()
     code = 0
     try:
-        grace = ["--grace", str(args.grace)]
-        voice = default_voice(args)
-        scheds = [
-            spawn(name, "omnifabric.scheduler", scheduler_args(args, i))
-            for i, name in enumerate(scheduler_names(args.schedulers))
-        ]
-        children.extend(scheds)
-        addresses = [s.wait_ready(args.ready_timeout).split()[0] for s in scheds]
-        if args.ha is not None:
-            wait_for_leader(addresses, scheds, args.ready_timeout)
-        sched_addr = ",".join(addresses)
-        workers = []
-        for i in range(args.workers):
-            port = 0 if args.worker_base_port == 0 else args.worker_base_port + i
-            wargs = [
-                "--host",
-                args.host,
-                "--port",
-                str(port),
-                "--scheduler",
-                sched_addr,
-                "--engine",
-                args.engine,
-                "--worker-id",
-                f"{os.uname().nodename}-w{i}",
-                "--metrics-port",
-                str(metrics_port(args.metrics_base_port, 1 + i)),
-                *grace,
-            ]
-            if args.slots is not None:
-                wargs += ["--slots", str(args.slots)]
-            if args.compute_ms is not None:
-                wargs += ["--compute-ms", str(args.compute_ms)]
-            for flag, value in (
-                ("--model-dir", args.model_dir),
-                ("--device", args.device),
-                ("--minicpmo-api", args.minicpmo_api),
-                ("--llm-model", args.llm_model),
-                ("--asr", args.asr),
-                ("--llm-threads", None if args.llm_threads is None else str(args.llm_threads)),
-                ("--default-voice", voice),
-                ("--context-window", args.context_window),
-                *(
-                    (flag, None if value is None else str(value))
-                    for flag, value in (
-                        ("--window-high-tokens", args.window_high_tokens),
-                        ("--window-low-tokens", args.window_low_tokens),
-                        ("--window-units", args.window_units),
-                        ("--window-previous-tokens", args.window_previous_tokens),
-                        ("--audio-limit-s", args.audio_limit_s),
-                        ("--video-limit-s", args.video_limit_s),
-                    )
-                ),
-            ):
-                if value is not None:
-                    wargs += [flag, value]
-            if args.text_only:
-                wargs.append("--text-only")
-            workers.append(spawn(f"worker{i}", "omnifabric.worker", wargs))
-        children.extend(workers)
-        for w in workers:
-            w.wait_ready(args.ready_timeout)
-        edge = spawn(
-            "edge",
-            "omnifabric.edge",
-            [
-                "--host",
-                args.host,
-                "--port",
-                str(args.port),
-                "--grpc-port",
-                str(args.grpc_port),
-                "--scheduler",
-                sched_addr,
-                *grace,
-                *("--processes", str(args.edge_processes)),
-                *(["--record-dir", args.record_dir] if args.record_dir else []),
-                *(["--default-ref-audio", voice] if voice else []),
-            ],
-        )
-        children.append(edge)
-        url = edge.wait_ready(args.ready_timeout).split()[0]
-        print(f"omnifabric ready: {url}", flush=True)
-        web = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1)
-        print(f"omnifabric web client: {web.removesuffix('/v1/realtime')}/", flush=True)
-        print(f"omnifabric metrics: {_metrics_urls(scheds, workers, url)}", flush=True)
-        reported: set[str] = set()
-        while not stopping.wait(0.5):
-            # The edge gone, or every scheduler: nothing can be served any more.
-            gone = [edge] if edge.proc.poll() is not None else []
-            if all(s.proc.poll() is not None for s in scheds):
-                gone += [s for s in scheds if s.name not in reported]
-            if gone:
-                for dead in gone:
-                    print(
-                        f"omnifabric serve: {dead.name} exited ({dead.proc.returncode}); stopping",
-                        file=sys.stderr,
-                    )
-                code = 1
-                break
-            # A worker, or a scheduler of a pair: the others serve on.
-            for child in (*scheds, *workers):
-                if child.proc.poll() is not None and child.name not in reported:
-                    print(
-                        f"omnifabric serve: {child.name} exited ({child.proc.returncode}); "
-                        "serving on",
-                        file=sys.stderr,
-                    )
-                    reported.add(child.name)
+        scheds, workers, edge = _start(args, children)
+        code = _watch(stopping, edge, scheds, workers)
     except RuntimeError as exc:
         print(f"omnifabric serve: {exc}", file=sys.stderr)
         code = 1
     finally:
-        # Edge first (clients get session.closed), then the workers together (their
-        # sessions are closed already; their leases go back), then the scheduler.
-        by_kind = {
-            kind: [c for c in children if c.name.rstrip("0123456789") == kind]
-            for kind in ("edge", "worker", "scheduler")
-        }
-        for kind in ("edge", "worker", "scheduler"):
-            stop(by_kind[kind], args.grace)
+        _stop_in_order(children, args.grace)
     print("omnifabric stopped", flush=True)
     return code
+
+
+def _start(
+    args: argparse.Namespace, children: list[Child]
+) -> tuple[list[Child], list[Child], Child]:
+    """The schedulers, the workers, then the edge, each once the ones before are ready
+    (every child added to `children` as it starts); the ready lines printed."""
+    voice = default_voice(args)
+    scheds = [
+        spawn(name, "omnifabric.scheduler", scheduler_args(args, i))
+        for i, name in enumerate(scheduler_names(args.schedulers))
+    ]
+    children.extend(scheds)
+    addresses = [s.wait_ready(args.ready_timeout).split()[0] for s in scheds]
+    if args.ha is not None:
+        wait_for_leader(addresses, scheds, args.ready_timeout)
+    sched_addr = ",".join(addresses)
+    workers = [
+        spawn(f"worker{i}", "omnifabric.worker", worker_args(args, i, sched_addr, voice))
+        for i in range(args.workers)
+    ]
+    children.extend(workers)
+    for w in workers:
+        w.wait_ready(args.ready_timeout)
+    edge = spawn("edge", "omnifabric.edge", edge_args(args, sched_addr, voice))
+    children.append(edge)
+    url = edge.wait_ready(args.ready_timeout).split()[0]
+    print(f"omnifabric ready: {url}", flush=True)
+    web = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1)
+    print(f"omnifabric web client: {web.removesuffix('/v1/realtime')}/", flush=True)
+    print(f"omnifabric metrics: {_metrics_urls(scheds, workers, url)}", flush=True)
+    return scheds, workers, edge
+
+
+def worker_args(args: argparse.Namespace, i: int, sched_addr: str, voice: str | None) -> list[str]:
+    """Worker i's command line: its port, the schedulers, the engine and what was given
+    of the engine's and the sessions' settings."""
+    port = 0 if args.worker_base_port == 0 else args.worker_base_port + i
+    wargs = [
+        *("--host", args.host, "--port", str(port), "--scheduler", sched_addr),
+        *("--engine", args.engine, "--worker-id", f"{os.uname().nodename}-w{i}"),
+        *("--metrics-port", str(metrics_port(args.metrics_base_port, 1 + i))),
+        *("--grace", str(args.grace)),
+    ]
+    given = {
+        "--slots": args.slots,
+        "--compute-ms": args.compute_ms,
+        "--model-dir": args.model_dir,
+        "--device": args.device,
+        "--minicpmo-api": args.minicpmo_api,
+        "--llm-model": args.llm_model,
+        "--asr": args.asr,
+        "--llm-threads": args.llm_threads,
+        "--default-voice": voice,
+        "--context-window": args.context_window,
+        "--window-high-tokens": args.window_high_tokens,
+        "--window-low-tokens": args.window_low_tokens,
+        "--window-units": args.window_units,
+        "--window-previous-tokens": args.window_previous_tokens,
+        "--audio-limit-s": args.audio_limit_s,
+        "--video-limit-s": args.video_limit_s,
+    }
+    for flag, value in given.items():
+        if value is not None:
+            wargs += [flag, str(value)]
+    if args.text_only:
+        wargs.append("--text-only")
+    return wargs
+
+
+def edge_args(args: argparse.Namespace, sched_addr: str, voice: str | None) -> list[str]:
+    """The edge's command line."""
+    return [
+        *("--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port)),
+        *("--scheduler", sched_addr, "--grace", str(args.grace)),
+        *("--processes", str(args.edge_processes)),
+        *(["--record-dir", args.record_dir] if args.record_dir else []),
+        *(["--default-ref-audio", voice] if voice else []),
+    ]
+
+
+def _watch(stopping: StopRequest, edge: Child, scheds: list[Child], workers: list[Child]) -> int:
+    """Serve until a stop is asked (0) or nothing can be served any more (1: the edge
+    gone, or every scheduler); a worker, or one scheduler of a pair, exiting is reported
+    and the others serve on."""
+    reported: set[str] = set()
+    while not stopping.wait(0.5):
+        gone = [edge] if edge.proc.poll() is not None else []
+        if all(s.proc.poll() is not None for s in scheds):
+            gone += [s for s in scheds if s.name not in reported]
+        if gone:
+            for dead in gone:
+                print(
+                    f"omnifabric serve: {dead.name} exited ({dead.proc.returncode}); stopping",
+                    file=sys.stderr,
+                )
+            return 1
+        for child in (*scheds, *workers):
+            if child.proc.poll() is not None and child.name not in reported:
+                print(
+                    f"omnifabric serve: {child.name} exited ({child.proc.returncode}); serving on",
+                    file=sys.stderr,
+                )
+                reported.add(child.name)
+    return 0
+
+
+def _stop_in_order(children: list[Child], grace: float) -> None:
+    """Edge first (clients get session.closed), then the workers together (their sessions
+    are closed already; their leases go back), then the scheduler."""
+    by_kind = {
+        kind: [c for c in children if c.name.rstrip("0123456789") == kind]
+        for kind in ("edge", "worker", "scheduler")
+    }
+    for kind in ("edge", "worker", "scheduler"):
+        stop(by_kind[kind], grace)
 
 
 def default_voice(args: argparse.Namespace) -> str | None:
