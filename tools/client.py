@@ -194,178 +194,274 @@ async def run_session(
     not get are sent again (at `resume_url` when given: another edge). `drop_after` cuts
     the connection once after that unit (to measure resuming).
     """
-    report = SessionReport()
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    run = _SessionRun(
+        url,
+        units,
+        _Options(
+            pace_s=pace_s,
+            dialect=dialect,
+            system_prompt=system_prompt,
+            api_key=api_key,
+            frames=frames,
+            on_event=on_event,
+            close_reason=close_reason,
+            settle_s=settle_s,
+            init_extra=init_extra,
+            unit_extra=unit_extra,
+            reply_tail_s=reply_tail_s,
+            resume=resume,
+            drop_after=drop_after,
+            resume_url=resume_url,
+        ),
+    )
+    return await run.run()
 
-    def dial(target: str) -> Any:
+
+@dataclass
+class _Options:
+    """run_session's keyword arguments (see there)."""
+
+    pace_s: float
+    dialect: str
+    system_prompt: str
+    api_key: str | None
+    frames: list[list[bytes]] | None
+    on_event: Callable[[dict[str, Any], SessionReport], object] | None
+    close_reason: str
+    settle_s: float
+    init_extra: dict[str, Any] | None
+    unit_extra: list[dict[str, Any]] | None
+    reply_tail_s: int
+    resume: bool
+    drop_after: int | None
+    resume_url: str | None
+
+
+class _SessionRun:
+    """One run_session: its connection (resumed when lost), its report, its steps."""
+
+    def __init__(self, url: str, units: list[np.ndarray], options: _Options) -> None:
+        self.url = url
+        self.units = units
+        self.o = options
+        self.report = SessionReport()
+        self.headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else None
+        self.link: _Link | None = None
+        self.token: str | None = None
+        self.window_s = 0.0
+        self.done = asyncio.Event()
+
+    def dial(self, target: str) -> Any:
         return connect(
             target,
             subprotocols=[Subprotocol("map.realtime")],
-            additional_headers=headers,
+            additional_headers=self.headers,
             compression=None,
             max_size=None,
             open_timeout=30,
         )
 
-    t0 = time.monotonic()
-    async with dial(url) as first_ws:
-        link = _Link(first_ws)
+    @property
+    def ws(self) -> Any:
+        assert self.link is not None
+        return self.link.ws
 
-        async def next_event(ws: Any = None) -> dict[str, Any]:
-            event = json.loads(await (ws or link.ws).recv())
-            report.events.append(event)
-            if on_event:
-                on_event(event, report)
-            return event
+    async def next_event(self, ws: Any = None) -> dict[str, Any]:
+        event = json.loads(await (ws or self.ws).recv())
+        self.report.events.append(event)
+        if self.o.on_event:
+            self.o.on_event(event, self.report)
+        return event
 
+    async def run(self) -> SessionReport:
+        t0 = time.monotonic()
+        async with self.dial(self.url) as first_ws:
+            self.link = _Link(first_ws)
+            if not await self._open(t0):
+                return self.report
+            receiver = asyncio.create_task(self._receive())
+            await self._send_units()
+            await self._settle_and_close()
+            receiver.cancel()
+            if self.link.ws is not first_ws:
+                await self.link.ws.close()
+        return self.report
+
+    async def _open(self, t0: float) -> bool:
+        """Wait out the queue, then init the session; False (the error in the report) when
+        the server refused it."""
+        report = self.report
         while True:
-            event = await next_event()
+            event = await self.next_event()
             if event["type"] == "session.queue_done":
                 report.queue_wait_s = time.monotonic() - t0
                 break
             if event["type"] == "error":
                 report.error = event["error"]
-                return report
-        if dialect == "first":
-            session = {"instructions": system_prompt, **(init_extra or {})}
-            await link.ws.send(json.dumps({"type": "session.update", "session": session}))
+                return False
+        if self.o.dialect == "first":
+            session = {"instructions": self.o.system_prompt, **(self.o.init_extra or {})}
+            await self.ws.send(json.dumps({"type": "session.update", "session": session}))
         else:
-            payload = {"system_prompt": system_prompt, **(init_extra or {})}
-            await link.ws.send(json.dumps({"type": "session.init", "payload": payload}))
-        event = await next_event()
+            payload = {"system_prompt": self.o.system_prompt, **(self.o.init_extra or {})}
+            await self.ws.send(json.dumps({"type": "session.init", "payload": payload}))
+        event = await self.next_event()
         if event["type"] != "session.created":
             report.error = event.get("error", {"code": "unexpected", "message": event["type"]})
-            return report
-        report.session_id = event.get("session_id", "")
-        token = event.get("resume_token") if resume else None
-        window_s = float(event.get("resume_window_s") or 0)
-        done = asyncio.Event()
-
-        async def reconnect() -> bool:
-            """Resume the session on a new connection; False when it cannot be."""
-            lost = time.monotonic()
-            seqs = report.event_seqs()
-            base = resume_url or url
-            sep = "&" if "?" in base else "?"
-            target = f"{base}{sep}resume_token={token}&last_seq={max(seqs) if seqs else 0}"
-            attempt = 0
-            while time.monotonic() - lost < window_s:
-                await asyncio.sleep(RECONNECT_DELAYS_S[min(attempt, len(RECONNECT_DELAYS_S) - 1)])
-                attempt += 1
-                try:
-                    ws = await dial(target).__aenter__()
-                except (OSError, TimeoutError, InvalidHandshake):
-                    continue
-                try:
-                    answer = await next_event(ws)
-                except ConnectionClosed:
-                    continue
-                if answer["type"] == "session.resumed":
-                    # Units go on the new connection only from here.
-                    report.resumes_s.append(time.monotonic() - lost)
-                    link.resend_from = int(answer.get("last_input_seq", 0))
-                    link.ws = ws
-                    return True
-                report.error = answer.get("error") or {"code": "unexpected"}
-                return False
-            report.error = {"code": "resume_expired", "message": "could not reconnect in time"}
             return False
+        report.session_id = event.get("session_id", "")
+        self.token = event.get("resume_token") if self.o.resume else None
+        self.window_s = float(event.get("resume_window_s") or 0)
+        return True
 
-        async def receive() -> None:
+    async def _reconnect(self) -> bool:
+        """Resume the session on a new connection; False when it cannot be."""
+        assert self.link is not None
+        report = self.report
+        lost = time.monotonic()
+        seqs = report.event_seqs()
+        base = self.o.resume_url or self.url
+        sep = "&" if "?" in base else "?"
+        target = f"{base}{sep}resume_token={self.token}&last_seq={max(seqs) if seqs else 0}"
+        attempt = 0
+        while time.monotonic() - lost < self.window_s:
+            await asyncio.sleep(RECONNECT_DELAYS_S[min(attempt, len(RECONNECT_DELAYS_S) - 1)])
+            attempt += 1
             try:
-                while True:
-                    try:
-                        event = await next_event()
-                    except ConnectionClosed as closed:
-                        if done.is_set() or not token or closed.rcvd is not None:
-                            raise
-                        link.up.clear()
-                        if not await reconnect():
-                            raise
-                        link.up.set()
-                        continue
-                    _record(event, report, dialect)
-                    if event["type"] == "session.closed":
-                        report.closed_reason = event.get("reason")
-                        done.set()
-                        return
-                    if event["type"] == "error":
-                        report.error = event["error"]
-            except Exception:
-                done.set()
-                link.up.set()
+                ws = await self.dial(target).__aenter__()
+            except (OSError, TimeoutError, InvalidHandshake):
+                continue
+            try:
+                answer = await self.next_event(ws)
+            except ConnectionClosed:
+                continue
+            if answer["type"] == "session.resumed":
+                # Units go on the new connection only from here.
+                report.resumes_s.append(time.monotonic() - lost)
+                self.link.resend_from = int(answer.get("last_input_seq", 0))
+                self.link.ws = ws
+                return True
+            report.error = answer.get("error") or {"code": "unexpected"}
+            return False
+        report.error = {"code": "resume_expired", "message": "could not reconnect in time"}
+        return False
 
-        receiver = asyncio.create_task(receive())
+    async def _receive(self) -> None:
+        assert self.link is not None
+        link, report = self.link, self.report
+        try:
+            while True:
+                try:
+                    event = await self.next_event()
+                except ConnectionClosed as closed:
+                    if self.done.is_set() or not self.token or closed.rcvd is not None:
+                        raise
+                    link.up.clear()
+                    if not await self._reconnect():
+                        raise
+                    link.up.set()
+                    continue
+                _record(event, report, self.o.dialect)
+                if event["type"] == "session.closed":
+                    report.closed_reason = event.get("reason")
+                    self.done.set()
+                    return
+                if event["type"] == "error":
+                    report.error = event["error"]
+        except Exception:
+            self.done.set()
+            link.up.set()
+
+    def _next_unit(self, i: int) -> np.ndarray | None:
+        """Unit i: the input's, silence while a reply is still coming after it, or None
+        (nothing more to send)."""
+        count = len(self.units)
+        if i < count:
+            return self.units[i]
+        if i < count + self.o.reply_tail_s and not self.report.reply_done(count):
+            return SILENCE_UNIT  # the reply is still coming: keep the line open
+        return None
+
+    async def _send_units(self) -> None:
+        assert self.link is not None
+        link, report, o = self.link, self.report, self.o
         start = time.monotonic()
         i = 0
         dropped_once = False
-        while not done.is_set():
+        while not self.done.is_set():
             await link.up.wait()
-            if done.is_set():
+            if self.done.is_set():
                 break
             if link.resend_from is not None:
                 # Resumed: the session got units up to resend_from; the rest go again.
                 i, link.resend_from = link.resend_from, None
                 for seq in [s for s in report.units if s > i]:
                     del report.units[seq]
-            if i < len(units):
-                unit = units[i]
-            elif i < len(units) + reply_tail_s and not report.reply_done(len(units)):
-                unit = SILENCE_UNIT  # the reply is still coming: keep the line open
-            else:
+            unit = self._next_unit(i)
+            if unit is None:
                 break
-            if pace_s > 0:
-                delay = start + i * pace_s - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-            elif i and i in report.units:
-                # Lockstep: the next unit once the previous one is answered.
-                await _answered(report.units[i], done, settle_s)
-            if i >= len(units) and report.reply_done(len(units)):
+            await self._pace(i, start)
+            if i >= len(self.units) and report.reply_done(len(self.units)):
                 break
             if not link.up.is_set() or link.resend_from is not None:
                 continue  # resumed (or resuming) meanwhile: start again from what it says
             seq = i + 1
-            body: dict[str, Any] = {"audio": pcm_b64(unit)}
-            if frames and i < len(frames) and frames[i]:
-                body["video_frames"] = [base64.b64encode(f).decode() for f in frames[i]]
-            if unit_extra and i < len(unit_extra):
-                body.update(unit_extra[i])
-            report.units[seq] = UnitRecord(seq=seq, sent_at=time.monotonic())
-            event = (
-                {"type": "input_audio_buffer.append", **body}
-                if dialect == "first"
-                else {"type": "input.append", "input": body}
-            )
-            try:
-                await link.ws.send(json.dumps(event))
-            except ConnectionClosed:
-                del report.units[seq]  # never sent
-                if not token:
+            if not await self._send(i, seq, unit):
+                if not self.token:
                     break
                 link.up.clear()  # the receiver resumes the session (or gives up)
                 await asyncio.sleep(0.05)
                 continue
             i += 1
-            if drop_after is not None and seq == drop_after and not dropped_once:
+            if o.drop_after is not None and seq == o.drop_after and not dropped_once:
                 dropped_once = True
                 link.ws.transport.abort()  # a network that went away: no close frame
-        # Let the last results arrive, then close.
-        deadline = time.monotonic() + settle_s
-        while time.monotonic() < deadline and any(u.kind == "" for u in report.units.values()):
-            if done.is_set():
+
+    async def _pace(self, i: int, start: float) -> None:
+        """Wait for unit i's time (pace_s), or for unit i's answer (lockstep)."""
+        if self.o.pace_s > 0:
+            delay = start + i * self.o.pace_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        elif i and i in self.report.units:
+            # Lockstep: the next unit once the previous one is answered.
+            await _answered(self.report.units[i], self.done, self.o.settle_s)
+
+    async def _send(self, i: int, seq: int, unit: np.ndarray) -> bool:
+        """Sends unit i as `seq`; False when the connection was closed (not sent)."""
+        o = self.o
+        body: dict[str, Any] = {"audio": pcm_b64(unit)}
+        if o.frames and i < len(o.frames) and o.frames[i]:
+            body["video_frames"] = [base64.b64encode(f).decode() for f in o.frames[i]]
+        if o.unit_extra and i < len(o.unit_extra):
+            body.update(o.unit_extra[i])
+        self.report.units[seq] = UnitRecord(seq=seq, sent_at=time.monotonic())
+        event = (
+            {"type": "input_audio_buffer.append", **body}
+            if o.dialect == "first"
+            else {"type": "input.append", "input": body}
+        )
+        try:
+            await self.ws.send(json.dumps(event))
+        except ConnectionClosed:
+            del self.report.units[seq]  # never sent
+            return False
+        return True
+
+    async def _settle_and_close(self) -> None:
+        """Let the last results arrive, then close."""
+        deadline = time.monotonic() + self.o.settle_s
+        while time.monotonic() < deadline and any(u.kind == "" for u in self.report.units.values()):
+            if self.done.is_set():
                 break
             await asyncio.sleep(0.02)
-        if not done.is_set():
+        if not self.done.is_set():
             try:
-                await link.ws.send(json.dumps({"type": "session.close", "reason": close_reason}))
-                await asyncio.wait_for(done.wait(), 10)
+                close = {"type": "session.close", "reason": self.o.close_reason}
+                await self.ws.send(json.dumps(close))
+                await asyncio.wait_for(self.done.wait(), 10)
             except (TimeoutError, ConnectionClosed):
                 pass
-        receiver.cancel()
-        if link.ws is not first_ws:
-            await link.ws.close()
-    return report
 
 
 async def _answered(unit: UnitRecord, done: asyncio.Event, timeout_s: float) -> None:
