@@ -105,47 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         url += ("&" if "?" in url else "?") + f"mode={args.mode}"
 
     def show(event: dict[str, Any], _report: SessionReport) -> None:
-        if args.quiet:
-            return
-        kind = event.get("type")
-        metrics = event.get("metrics") or {}
-        if kind in ("session.queued", "session.queue_update"):
-            print(
-                f"queue: position {event['position']} of {event['queue_length']}, "
-                f"eta {event['estimated_wait_s']}s"
-            )
-        elif kind == "session.queue_done":
-            print("queue: done")
-        elif kind == "session.created":
-            print(f"session {event.get('session_id')} created")
-        elif kind == "response.output.delta":
-            if event["kind"] == "text":
-                print(f"unit {metrics.get('seq')}: text {event['text']!r}")
-            elif event["kind"] == "audio":
-                secs = len(event["audio"]) * 3 / 4 / 4 / 24000
-                print(
-                    f"unit {metrics.get('seq')}: audio {secs:.2f}s "
-                    f"kv={metrics.get('kv_cache_length')} "
-                    f"prefill {metrics.get('prefill_ms')}ms generate {metrics.get('generate_ms')}ms"
-                )
-            else:
-                print(f"unit {metrics.get('seq')}: listen kv={metrics.get('kv_cache_length')}")
-        elif kind == "response.listen":
-            print(f"unit {metrics.get('seq')}: listen kv={event.get('kv_cache_length')}")
-        elif kind == "response.output_audio.delta":
-            print(
-                f"unit {metrics.get('seq')}: speak {event['text']!r} "
-                f"end_of_turn={event['end_of_turn']}"
-            )
-        elif kind == "session.resumed":
-            print(
-                f"connection lost: session resumed ({event.get('replayed')} events replayed, "
-                f"units after {event.get('last_input_seq')} sent again)"
-            )
-        elif kind == "session.closed":
-            print(f"closed: {event.get('reason')}")
-        elif kind == "error":
-            print(f"error: {event['error']}")
+        if not args.quiet:
+            line = event_line(event)
+            if line is not None:
+                print(line)
 
     try:
         report = asyncio.run(
@@ -168,6 +131,57 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if report.error:
         print(f"omnifabric probe: server error {report.error}", file=sys.stderr)
+    print_units(report)
+    if reply_tail_s and not report.reply_done(len(units)):
+        print(f"the reply had not ended after {reply_tail_s} s of silence (--tail-s)")
+    if args.output:
+        write_wav_24k(args.output, report.reply_audio)
+        print(f"reply audio: {report.reply_audio.size / 24000:.2f}s -> {args.output}")
+    if args.transcribe:
+        print(f"reply heard as: {transcribe_24k(report.reply_audio)!r}")
+    return 0 if report.closed_reason and not report.error else 1
+
+
+def event_line(event: dict[str, Any]) -> str | None:
+    """What probe prints for a server event as it arrives (None: nothing)."""
+    kind = event.get("type")
+    metrics = event.get("metrics") or {}
+    seq = metrics.get("seq")
+    if kind in ("session.queued", "session.queue_update"):
+        return (
+            f"queue: position {event['position']} of {event['queue_length']}, "
+            f"eta {event['estimated_wait_s']}s"
+        )
+    if kind == "response.output.delta":
+        if event["kind"] == "text":
+            return f"unit {seq}: text {event['text']!r}"
+        if event["kind"] == "audio":
+            secs = len(event["audio"]) * 3 / 4 / 4 / 24000
+            return (
+                f"unit {seq}: audio {secs:.2f}s kv={metrics.get('kv_cache_length')} "
+                f"prefill {metrics.get('prefill_ms')}ms generate {metrics.get('generate_ms')}ms"
+            )
+        return f"unit {seq}: listen kv={metrics.get('kv_cache_length')}"
+    lines = {
+        "session.queue_done": lambda: "queue: done",
+        "session.created": lambda: f"session {event.get('session_id')} created",
+        "response.listen": lambda: f"unit {seq}: listen kv={event.get('kv_cache_length')}",
+        "response.output_audio.delta": lambda: (
+            f"unit {seq}: speak {event['text']!r} end_of_turn={event['end_of_turn']}"
+        ),
+        "session.resumed": lambda: (
+            f"connection lost: session resumed ({event.get('replayed')} events replayed, "
+            f"units after {event.get('last_input_seq')} sent again)"
+        ),
+        "session.closed": lambda: f"closed: {event.get('reason')}",
+        "error": lambda: f"error: {event['error']}",
+    }
+    line = lines.get(str(kind))
+    return None if line is None else line()
+
+
+def print_units(report: SessionReport) -> None:
+    """The per-unit table and the session's totals."""
     units_seen = sorted(report.units.values(), key=lambda u: u.seq)
     # engine_ms: this unit's prefill + generate; busy_ms and finalize_ms: its waits for the
     # session's earlier unit's compute and deferred finalize (engine time too); overhead_ms:
@@ -192,11 +206,3 @@ def main(argv: list[str] | None = None) -> int:
         f"overhead p50 {percentile(overheads, 50):.1f} ms p99 {percentile(overheads, 99):.1f} ms; "
         f"closed: {report.closed_reason}"
     )
-    if reply_tail_s and not report.reply_done(len(units)):
-        print(f"the reply had not ended after {reply_tail_s} s of silence (--tail-s)")
-    if args.output:
-        write_wav_24k(args.output, report.reply_audio)
-        print(f"reply audio: {report.reply_audio.size / 24000:.2f}s -> {args.output}")
-    if args.transcribe:
-        print(f"reply heard as: {transcribe_24k(report.reply_audio)!r}")
-    return 0 if report.closed_reason and not report.error else 1
