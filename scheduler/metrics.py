@@ -117,8 +117,14 @@ class _StateCollector(Collector):
         self._scheduler = scheduler
 
     def collect(self) -> Iterator[Any]:
+        yield from self._state()
+        yield from self._counters()
+        yield from self._leases()
+        yield from self._workers()
+
+    def _state(self) -> Iterator[Any]:
+        """The queue, draining, leadership and the last rebuild."""
         s = self._scheduler
-        counters = s.counters
         yield _gauge("omni_scheduler_queue_length", "Sessions waiting in the queue.", len(s.queue))
         yield _gauge(
             "omni_scheduler_draining",
@@ -149,6 +155,11 @@ class _StateCollector(Collector):
         if s.rebuild_s is not None:
             rebuild.add_metric([], s.rebuild_s)
         yield rebuild
+
+    def _counters(self) -> Iterator[Any]:
+        """The queue's bound and the lease and rejection counters."""
+        s = self._scheduler
+        counters = s.counters
         yield _gauge(
             "omni_scheduler_queue_max", "Queue length beyond which queue_full.", s.queue.queue_max
         )
@@ -188,6 +199,10 @@ class _StateCollector(Collector):
             ),
         ):
             yield CounterMetricFamily(f"omni_scheduler_{name}", help_text, value=value)
+
+    def _leases(self) -> Iterator[Any]:
+        """Leases by state."""
+        s = self._scheduler
         leases = list(s.leases)
         yield _gauge(
             "omni_scheduler_leases_active",
@@ -204,6 +219,10 @@ class _StateCollector(Collector):
             "Leases occupying a slot (active, returning or orphan).",
             len(leases),
         )
+
+    def _workers(self) -> Iterator[Any]:
+        """Workers by health, and each worker's slots and state."""
+        s = self._scheduler
         workers = list(s.registry)
         by_health = GaugeMetricFamily(
             "omni_scheduler_workers", "Registered workers by health.", labels=["health"]
