@@ -132,64 +132,8 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
     """Ask the scheduler for its snapshot and add this edge's sessions and the schedulers.
     Raises on an unreachable scheduler (grpc.aio.AioRpcError)."""
     snap, fleet = await asyncio.gather(snapshot(app), scheduler_list(app))
-    workers = []
-    for w in snap.workers:
-        worker: dict[str, Any] = {
-            "worker_id": w.worker_id,
-            "address": w.address,
-            "engine": w.engine,
-            "slots": w.slots,
-            "slots_free": w.slots_free,
-            "modes": [_name(common_pb2.Mode, m, "MODE_") for m in w.modes],
-            "health": _name(common_pb2.WorkerHealth, w.health, "WORKER_HEALTH_"),
-            "detail": w.detail,
-            "leases": len(w.lease_ids),
-        }
-        if w.HasField("memory"):
-            m = w.memory
-            worker["memory"] = {
-                "device": m.device,
-                "allocated_bytes": m.allocated_bytes,
-                "baseline_bytes": m.baseline_bytes,
-                "before_cleanup_bytes": m.before_cleanup_bytes,
-                "cleanups": m.cleanups,
-            }
-        worker["admits"] = [_name(common_pb2.Mode, m, "MODE_") for m in w.admits]
-        if w.HasField("headroom"):
-            h = w.headroom
-            worker["headroom"] = {
-                "engine_threads": h.engine_threads,
-                "session_cost": {
-                    _name(common_pb2.Mode, c.mode, "MODE_"): round(c.session_cost, 3)
-                    for c in h.costs
-                },
-                "late_units_recent": h.late_units_recent,
-                "late_units_total": h.late_units_total,
-                "late_window_s": h.late_window_s,
-                "unit_p95_ratio": round(h.unit_p95_ratio, 3),
-                "late_units_by_lease": dict(h.late_units_by_lease),
-            }
-        if w.HasField("limits"):
-            lim = w.limits
-            worker["limits"] = {
-                "max_slice_nums": [lim.min_slice_nums, lim.max_slice_nums],
-                "unit_samples": [lim.min_unit_samples, lim.max_unit_samples],
-            }
-        workers.append(worker)
-    late = {lease: n for w in snap.workers for lease, n in w.headroom.late_units_by_lease.items()}
-    sessions = [
-        {
-            "session_id": core.session_id,
-            "mode": c.mode,
-            "worker_id": core.worker_id,
-            "started": core.started,
-            "units": core.units_sent,
-            # Units its worker answered later than one unit length after they arrived.
-            "late_units": late.get(core.lease_id, 0),
-        }
-        for c in list(app.connections)
-        if (core := c.core) is not None  # always: a connection is listed once it has one
-    ]
+    workers = [_worker(w) for w in snap.workers]
+    sessions = _sessions(app, snap)
     return {
         "edge": {
             "pid": os.getpid(),
@@ -215,3 +159,67 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
         # The reference server's names for the same, for its clients.
         **reference_summary(snap),
     }
+
+
+def _worker(w: Any) -> dict[str, Any]:
+    """One worker of the scheduler's snapshot, as /status lists it."""
+    worker: dict[str, Any] = {
+        "worker_id": w.worker_id,
+        "address": w.address,
+        "engine": w.engine,
+        "slots": w.slots,
+        "slots_free": w.slots_free,
+        "modes": [_name(common_pb2.Mode, m, "MODE_") for m in w.modes],
+        "health": _name(common_pb2.WorkerHealth, w.health, "WORKER_HEALTH_"),
+        "detail": w.detail,
+        "leases": len(w.lease_ids),
+    }
+    if w.HasField("memory"):
+        m = w.memory
+        worker["memory"] = {
+            "device": m.device,
+            "allocated_bytes": m.allocated_bytes,
+            "baseline_bytes": m.baseline_bytes,
+            "before_cleanup_bytes": m.before_cleanup_bytes,
+            "cleanups": m.cleanups,
+        }
+    worker["admits"] = [_name(common_pb2.Mode, m, "MODE_") for m in w.admits]
+    if w.HasField("headroom"):
+        h = w.headroom
+        worker["headroom"] = {
+            "engine_threads": h.engine_threads,
+            "session_cost": {
+                _name(common_pb2.Mode, c.mode, "MODE_"): round(c.session_cost, 3) for c in h.costs
+            },
+            "late_units_recent": h.late_units_recent,
+            "late_units_total": h.late_units_total,
+            "late_window_s": h.late_window_s,
+            "unit_p95_ratio": round(h.unit_p95_ratio, 3),
+            "late_units_by_lease": dict(h.late_units_by_lease),
+        }
+    if w.HasField("limits"):
+        lim = w.limits
+        worker["limits"] = {
+            "max_slice_nums": [lim.min_slice_nums, lim.max_slice_nums],
+            "unit_samples": [lim.min_unit_samples, lim.max_unit_samples],
+        }
+    return worker
+
+
+def _sessions(app: EdgeContext, snap: Any) -> list[dict[str, Any]]:
+    """This edge's sessions, with the late units their workers reported."""
+    late = {lease: n for w in snap.workers for lease, n in w.headroom.late_units_by_lease.items()}
+    sessions = [
+        {
+            "session_id": core.session_id,
+            "mode": c.mode,
+            "worker_id": core.worker_id,
+            "started": core.started,
+            "units": core.units_sent,
+            # Units its worker answered later than one unit length after they arrived.
+            "late_units": late.get(core.lease_id, 0),
+        }
+        for c in list(app.connections)
+        if (core := c.core) is not None  # always: a connection is listed once it has one
+    ]
+    return sessions
