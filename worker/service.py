@@ -300,25 +300,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             kind = first.WhichOneof("kind") if first is not None else None
             if first is None or kind not in ("start", "resume"):
                 raise InvalidRequest("the first request must be start (or resume)")
-            context_in = telemetry.extract(context.invocation_metadata())
-            if kind == "resume":
-                session = self.runtime.resumable(first.resume.lease_id, first.resume.session_id)
-                logs.bind_session(session.session_id)
-                otel_context.attach(context_in)
-            else:
-                spec = decode_start(first.start, self.runtime.engine.limits)
-                self.runtime.leases.check_epoch(spec.lease_id, first.start.epoch)
-                spec = dataclasses.replace(
-                    spec,
-                    settings=session_window(spec.settings, self.runtime.config),
-                    trace_context=context_in,
-                )
-                logs.bind_session(spec.session_id)  # this task and the unit loop it starts
-                # The caller's trace is current for this RPC's task (and the unit loop's
-                # task created from it), so their log lines carry its trace id; the task
-                # ends with the RPC, so nothing needs detaching.
-                otel_context.attach(spec.trace_context)
-                session = await self.runtime.open_session(spec)
+            session = await self._session_of(first, kind, context)
         except Exception as exc:
             code, message = status_for(exc)
             if code == grpc.StatusCode.INTERNAL and not isinstance(exc, WorkerError):
@@ -328,39 +310,8 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
         attachment = session.journal.attach()
         replay = session.journal.length if kind == "resume" else 0
         reader = asyncio.ensure_future(self._read(requests, session, attachment))
-        limits = self.runtime.engine.limits
-        unit_timeout_ms = round((session.limits.unit_timeout_s or 0) * 1000)
         try:
-            if kind == "resume":
-                log.info("session %s resumed: %d results to replay", session.session_id, replay)
-                yield worker_pb.SessionResponse(
-                    resumed=worker_pb.SessionResumed(
-                        session_id=session.session_id,
-                        worker_id=self.worker_id,
-                        prompt_length=session.prompt_length,
-                        min_unit_samples=limits.min_unit_samples,
-                        max_unit_samples=limits.max_unit_samples,
-                        notes=list(session.notes),
-                        client_state=session.spec.client_state,
-                        last_unit_seq=session.last_unit_seq,
-                        replay_count=replay,
-                        unit_timeout_ms=unit_timeout_ms,
-                        duration_left_ms=session.duration_left_ms(),
-                    )
-                )
-            else:
-                yield worker_pb.SessionResponse(
-                    started=worker_pb.SessionStarted(
-                        session_id=session.session_id,
-                        worker_id=self.worker_id,
-                        prompt_length=session.prompt_length,
-                        min_unit_samples=limits.min_unit_samples,
-                        max_unit_samples=limits.max_unit_samples,
-                        notes=list(session.notes),
-                        unit_timeout_ms=unit_timeout_ms,
-                        duration_left_ms=session.duration_left_ms(),
-                    )
-                )
+            yield self._greeting(session, kind, replay)
             index = 0
             loop = asyncio.get_running_loop()
             async for event in session.journal.events(attachment):
@@ -386,6 +337,68 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
         finally:
             reader.cancel()
             session.stream_ended(attachment)  # detached for a resume, or closed
+
+    async def _session_of(
+        self, first: worker_pb.SessionRequest, kind: str, context: grpc.aio.ServicerContext
+    ) -> DuplexSession:
+        """The session a stream's first request names: a resumable one, or one opened for
+        its start (checked against the engine's limits and the lease's epoch, its window
+        resolved). The caller's trace becomes current for this RPC's task."""
+        context_in = telemetry.extract(context.invocation_metadata())
+        if kind == "resume":
+            session = self.runtime.resumable(first.resume.lease_id, first.resume.session_id)
+            logs.bind_session(session.session_id)
+            otel_context.attach(context_in)
+            return session
+        spec = decode_start(first.start, self.runtime.engine.limits)
+        self.runtime.leases.check_epoch(spec.lease_id, first.start.epoch)
+        spec = dataclasses.replace(
+            spec,
+            settings=session_window(spec.settings, self.runtime.config),
+            trace_context=context_in,
+        )
+        logs.bind_session(spec.session_id)  # this task and the unit loop it starts
+        # The caller's trace is current for this RPC's task (and the unit loop's task
+        # created from it), so their log lines carry its trace id; the task ends with the
+        # RPC, so nothing needs detaching.
+        otel_context.attach(spec.trace_context)
+        return await self.runtime.open_session(spec)
+
+    def _greeting(
+        self, session: DuplexSession, kind: str, replay: int
+    ) -> worker_pb.SessionResponse:
+        """The stream's first answer: started, or resumed with the results to replay."""
+        limits = self.runtime.engine.limits
+        unit_timeout_ms = round((session.limits.unit_timeout_s or 0) * 1000)
+        if kind == "resume":
+            log.info("session %s resumed: %d results to replay", session.session_id, replay)
+            return worker_pb.SessionResponse(
+                resumed=worker_pb.SessionResumed(
+                    session_id=session.session_id,
+                    worker_id=self.worker_id,
+                    prompt_length=session.prompt_length,
+                    min_unit_samples=limits.min_unit_samples,
+                    max_unit_samples=limits.max_unit_samples,
+                    notes=list(session.notes),
+                    client_state=session.spec.client_state,
+                    last_unit_seq=session.last_unit_seq,
+                    replay_count=replay,
+                    unit_timeout_ms=unit_timeout_ms,
+                    duration_left_ms=session.duration_left_ms(),
+                )
+            )
+        return worker_pb.SessionResponse(
+            started=worker_pb.SessionStarted(
+                session_id=session.session_id,
+                worker_id=self.worker_id,
+                prompt_length=session.prompt_length,
+                min_unit_samples=limits.min_unit_samples,
+                max_unit_samples=limits.max_unit_samples,
+                notes=list(session.notes),
+                unit_timeout_ms=unit_timeout_ms,
+                duration_left_ms=session.duration_left_ms(),
+            )
+        )
 
     def _observe(self, output: UnitOutput, mode: str) -> None:
         """A unit's metrics, apart from its stream: an instrument that fails is logged (by
