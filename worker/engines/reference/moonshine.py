@@ -227,22 +227,39 @@ def _linear_name(node: str) -> str:
 def _weights(path: Path, side: str) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
     """HF parameters from one file, and the small graph constants left over."""
     inits, nodes = read_ort(path)
-    users: dict[str, list[_Node]] = defaultdict(list)
-    for node in nodes:
-        for name in node.inputs:
-            users[name].append(node)
-    params: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-
-    def put(name: str, array: np.ndarray) -> None:
-        if name in params:
-            raise ValueError(f"{path.name}: {name} mapped twice")
-        params[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-
+    mapper = _Mapper(path, inits, nodes)
     for quantized in [k for k in inits if k.endswith("_quantized")]:
-        base = quantized.removesuffix("_quantized")
+        mapper.quantized(quantized.removesuffix("_quantized"))
+    mapper.plain(side)
+    if side == "encoder":
+        mapper.group_norm()
+    return mapper.params, mapper.leftovers()
+
+
+class _Mapper:
+    """One ONNX file's initializers mapped to HF parameter names."""
+
+    def __init__(self, path: Path, inits: dict[str, np.ndarray], nodes: list[_Node]) -> None:
+        self.path = path
+        self.inits = inits
+        self.nodes = nodes
+        self.users: dict[str, list[_Node]] = defaultdict(list)
+        for node in nodes:
+            for name in node.inputs:
+                self.users[name].append(node)
+        self.params: dict[str, torch.Tensor] = {}
+        self.used: set[str] = set()
+
+    def put(self, name: str, array: np.ndarray) -> None:
+        if name in self.params:
+            raise ValueError(f"{self.path.name}: {name} mapped twice")
+        self.params[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+    def quantized(self, base: str) -> None:
+        """A weight stored as q * scale + offset, placed by what consumes it."""
+        inits, users, name = self.inits, self.users, self.path.name
         scale, offset = inits[base + "_scale"], inits[base + "_zero_point"]
-        cast = _one(users[quantized], base)
+        cast = _one(users[base + "_quantized"], base)
         mul = _one(users[cast.outputs[0]], base)
         add = _one(users[mul.outputs[0]], base)
         if (
@@ -255,68 +272,81 @@ def _weights(path: Path, side: str) -> tuple[dict[str, torch.Tensor], dict[str, 
             or scale.size != 1
             or offset.size != 1
         ):
-            raise ValueError(f"{path.name}: {base} is not dequantized as q * scale + offset")
-        weight = inits[quantized].astype(np.float32) * float(scale.reshape(())) + float(
+            raise ValueError(f"{name}: {base} is not dequantized as q * scale + offset")
+        weight = inits[base + "_quantized"].astype(np.float32) * float(scale.reshape(())) + float(
             offset.reshape(())
         )
-        used |= {quantized, base + "_scale", base + "_zero_point"}
-        consumers = users[add.outputs[0]]
+        self.used |= {base + "_quantized", base + "_scale", base + "_zero_point"}
+        self._place(base, add.outputs[0], weight)
+
+    def _place(self, base: str, value: str, weight: np.ndarray) -> None:
+        """The dequantized weight `value` under the name its consumers give it."""
+        name = self.path.name
+        consumers = self.users[value]
         ops = {n.op for n in consumers}
         if ops == {"Conv"}:
             conv = re.fullmatch(r"/(conv\d)/Conv", _one(consumers, base).name)
             if conv is None:
-                raise ValueError(f"{path.name}: {base} feeds an unknown conv")
-            put(f"model.encoder.{conv.group(1)}.weight", weight)
+                raise ValueError(f"{name}: {base} feeds an unknown conv")
+            self.put(f"model.encoder.{conv.group(1)}.weight", weight)
         elif ops == {"MatMul"}:
             names = {_linear_name(n.name) for n in consumers}
-            if len(names) != 1 or any(n.inputs.index(add.outputs[0]) != 1 for n in consumers):
-                raise ValueError(f"{path.name}: {base} feeds MatMuls {sorted(names)}")
-            put(names.pop(), weight.T)
+            if len(names) != 1 or any(n.inputs.index(value) != 1 for n in consumers):
+                raise ValueError(f"{name}: {base} feeds MatMuls {sorted(names)}")
+            self.put(names.pop(), weight.T)
         elif ops == {"Gather", "Transpose"}:
             gathers = {n.name for n in consumers if n.op == "Gather"}
             for t in (n for n in consumers if n.op == "Transpose"):
-                logits = users[t.outputs[0]]
+                logits = self.users[t.outputs[0]]
                 if not logits or any(n.op != "MatMul" or n.outputs != ["logits"] for n in logits):
-                    raise ValueError(f"{path.name}: the embedding's transpose is not the logits'")
+                    raise ValueError(f"{name}: the embedding's transpose is not the logits'")
             if gathers != {"/model/decoder/embed_tokens/Gather"}:
-                raise ValueError(f"{path.name}: {base} is gathered by {gathers}")
-            put("model.decoder.embed_tokens.weight", weight)
+                raise ValueError(f"{name}: {base} is gathered by {gathers}")
+            self.put("model.decoder.embed_tokens.weight", weight)
         else:
-            raise ValueError(f"{path.name}: {base} feeds {sorted(ops)}")
+            raise ValueError(f"{name}: {base} feeds {sorted(ops)}")
 
-    for name, array in inits.items():
-        if (
-            name in used
-            or array.dtype != np.float32
-            or name.startswith(("/", "onnx::", "present."))
-        ):
-            continue
-        if side == "encoder":
-            if not re.fullmatch(r"layers\.\d+\..*|layer_norm\.weight|conv\d\.bias", name):
-                raise ValueError(f"{path.name}: unexpected initializer {name}")
-            put("model.encoder." + name, array)
-        else:
-            merged = re.fullmatch(r"(model\.decoder\..*)_merged_0", name)
-            if merged is None:
-                raise ValueError(f"{path.name}: unexpected initializer {name}")
-            put(".".join(_RENAME.get(p, p) for p in merged.group(1).split(".")), array)
-        used.add(name)
+    def plain(self, side: str) -> None:
+        """The float initializers stored as they are (norms, biases, the decoder's merged
+        weights)."""
+        for name, array in self.inits.items():
+            if (
+                name in self.used
+                or array.dtype != np.float32
+                or name.startswith(("/", "onnx::", "present."))
+            ):
+                continue
+            if side == "encoder":
+                if not re.fullmatch(r"layers\.\d+\..*|layer_norm\.weight|conv\d\.bias", name):
+                    raise ValueError(f"{self.path.name}: unexpected initializer {name}")
+                self.put("model.encoder." + name, array)
+            else:
+                merged = re.fullmatch(r"(model\.decoder\..*)_merged_0", name)
+                if merged is None:
+                    raise ValueError(f"{self.path.name}: unexpected initializer {name}")
+                self.put(".".join(_RENAME.get(p, p) for p in merged.group(1).split(".")), array)
+            self.used.add(name)
 
-    if side == "encoder":
+    def group_norm(self) -> None:
+        """The encoder's group norm weight and bias, found by the nodes that use them."""
         for op, which in (("/groupnorm/Mul", "weight"), ("/groupnorm/Add", "bias")):
-            node = _one([n for n in nodes if n.name == op], op)
-            found = [x for x in node.inputs if x in inits]
-            if len(found) != 1 or inits[found[0]].shape != (HIDDEN, 1):
-                raise ValueError(f"{path.name}: group norm {which} not found")
-            put(f"model.encoder.groupnorm.{which}", inits[found[0]].reshape(HIDDEN))
-            used.add(found[0])
+            node = _one([n for n in self.nodes if n.name == op], op)
+            found = [x for x in node.inputs if x in self.inits]
+            if len(found) != 1 or self.inits[found[0]].shape != (HIDDEN, 1):
+                raise ValueError(f"{self.path.name}: group norm {which} not found")
+            self.put(f"model.encoder.groupnorm.{which}", self.inits[found[0]].reshape(HIDDEN))
+            self.used.add(found[0])
 
-    left = {k: v for k, v in inits.items() if k not in used}
-    for name, array in left.items():
-        constant = name.startswith(("/", "onnx::")) and array.size <= 16
-        if not constant and not (name.startswith("present.") and array.size == 0):
-            raise ValueError(f"{path.name}: initializer {name} {array.shape} left unmapped")
-    return params, left
+    def leftovers(self) -> dict[str, np.ndarray]:
+        """What no parameter took: small graph constants only (else ValueError)."""
+        left = {k: v for k, v in self.inits.items() if k not in self.used}
+        for name, array in left.items():
+            constant = name.startswith(("/", "onnx::")) and array.size <= 16
+            if not constant and not (name.startswith("present.") and array.size == 0):
+                raise ValueError(
+                    f"{self.path.name}: initializer {name} {array.shape} left unmapped"
+                )
+        return left
 
 
 def _check_constants(constants: dict[str, np.ndarray], config: MoonshineConfig) -> None:
