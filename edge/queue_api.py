@@ -10,8 +10,8 @@ from datetime import UTC, datetime, timedelta
 from http import HTTPStatus
 from typing import Any
 
+from omnifabric.common import modes
 from omnifabric.edge.dialects.http_chat import HttpResponse
-from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 
 TIMEOUT_S = 2.0
@@ -22,7 +22,7 @@ ETA_FIELDS = {"eta_chat_s": "chat", "eta_audio_duplex_s": "audio", "eta_omni_dup
 
 
 def _type(mode: int) -> str:
-    name = common_pb2.Mode.Name(mode).removeprefix("MODE_").lower()
+    name = modes.label(mode)
     return REQUEST_TYPES.get(name, name)
 
 

@@ -11,7 +11,7 @@ import asyncio
 import os
 from typing import TYPE_CHECKING, Any
 
-from omnifabric.common import grpc_io, schedulers
+from omnifabric.common import grpc_io, modes, schedulers
 from omnifabric.edge import queue_api
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -74,12 +74,12 @@ def reference_workers(snap: scheduler_pb.GetStatusResponse) -> list[dict[str, An
     for w in snap.workers:
         host, _, port = w.address.rpartition(":")
         leases = running.get(w.worker_id, [])
-        modes = {_name(common_pb2.Mode, r.mode, "MODE_") for r in leases}
+        names = {modes.label(r.mode) for r in leases}
         if w.health != common_pb2.WORKER_HEALTH_SERVING:
             status = "loading"
-        elif modes - {"chat"}:
+        elif names - {"chat"}:
             status = "duplex_active"
-        elif modes:
+        elif names:
             status = "busy_chat"
         else:
             status = "idle"
@@ -95,9 +95,7 @@ def reference_workers(snap: scheduler_pb.GetStatusResponse) -> list[dict[str, An
                 "status": status,
                 "current_session_id": first.session_id if first else None,
                 "current_request_type": (
-                    queue_api.REQUEST_TYPES.get(_name(common_pb2.Mode, first.mode, "MODE_"))
-                    if first
-                    else None
+                    queue_api.REQUEST_TYPES.get(modes.label(first.mode)) if first else None
                 ),
                 "task_started_at": (
                     queue_api.started_at(first.elapsed_s) if first is not None else None
@@ -169,7 +167,7 @@ def _worker(w: Any) -> dict[str, Any]:
         "engine": w.engine,
         "slots": w.slots,
         "slots_free": w.slots_free,
-        "modes": [_name(common_pb2.Mode, m, "MODE_") for m in w.modes],
+        "modes": [modes.label(m) for m in w.modes],
         "health": _name(common_pb2.WorkerHealth, w.health, "WORKER_HEALTH_"),
         "detail": w.detail,
         "leases": len(w.lease_ids),
@@ -183,14 +181,12 @@ def _worker(w: Any) -> dict[str, Any]:
             "before_cleanup_bytes": m.before_cleanup_bytes,
             "cleanups": m.cleanups,
         }
-    worker["admits"] = [_name(common_pb2.Mode, m, "MODE_") for m in w.admits]
+    worker["admits"] = [modes.label(m) for m in w.admits]
     if w.HasField("headroom"):
         h = w.headroom
         worker["headroom"] = {
             "engine_threads": h.engine_threads,
-            "session_cost": {
-                _name(common_pb2.Mode, c.mode, "MODE_"): round(c.session_cost, 3) for c in h.costs
-            },
+            "session_cost": {modes.label(c.mode): round(c.session_cost, 3) for c in h.costs},
             "late_units_recent": h.late_units_recent,
             "late_units_total": h.late_units_total,
             "late_window_s": h.late_window_s,

@@ -23,6 +23,7 @@ from typing import TypeAlias
 
 import grpc
 
+from omnifabric.common import modes
 from omnifabric.edge import events as ev
 from omnifabric.edge.chat import (
     AudioPart,
@@ -56,13 +57,8 @@ Lease: TypeAlias = scheduler_pb.Lease
 #: What a leased worker's engine accepts (carried by the lease).
 EngineLimits: TypeAlias = common_pb2.EngineLimits
 
-_MODES = {
-    "audio": common_pb2.MODE_AUDIO,
-    "video": common_pb2.MODE_VIDEO,
-    "chat": common_pb2.MODE_CHAT,
-}
 #: The modes of a duplex session (SessionCore); "chat" is a turn's (run_turn).
-DUPLEX_MODES = ("audio", "video")
+DUPLEX_MODES = modes.DUPLEX
 _REASONS = {
     ev.USER_STOP: common_pb2.CLOSE_REASON_USER_STOP,
     ev.CLIENT_CLOSED: common_pb2.CLOSE_REASON_CLIENT_CLOSED,
@@ -99,7 +95,7 @@ def acquire_request(
 ) -> scheduler_pb.AcquireRequest:
     """The Acquire of a session of `mode` (audio, video, chat): the key claim, and with a
     `resume_token` the session's resume key and owner (digests) and its resume window."""
-    request = scheduler_pb.AcquireRequest(mode=_MODES[mode], session_id=session_id)
+    request = scheduler_pb.AcquireRequest(mode=modes.to_pb(mode), session_id=session_id)
     key_claim(request, owner, key_limit)
     if resume_token:
         request.resume_key = digest(resume_token)
@@ -133,7 +129,7 @@ def start_request(
         lease_id=lease.lease_id,
         epoch=lease.epoch,
         session_id=session_id,
-        mode=_MODES[mode],
+        mode=modes.to_pb(mode),
         system_prompt=init.system_prompt,
         ref_audio_pcm=init.ref_audio,
         tts_ref_audio_pcm=init.tts_ref_audio,

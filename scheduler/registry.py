@@ -13,15 +13,8 @@ from omnifabric.common import realtime
 
 # What a worker's engine accepts, as its hello declares it (the worker owns the values; the
 # scheduler only keeps them and hands them out with leases and status): common's type.
+from omnifabric.common.modes import Mode as Mode
 from omnifabric.common.session_types import EngineLimits as EngineLimits
-
-
-class Mode(enum.Enum):
-    """Session mode a request asks for and a worker serves."""
-
-    AUDIO = "audio"
-    VIDEO = "video"
-    CHAT = "chat"
 
 
 class Health(enum.Enum):

@@ -15,7 +15,7 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from omnifabric.common import logs, telemetry
+from omnifabric.common import logs, modes, telemetry
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
@@ -50,12 +50,6 @@ from omnifabric.scheduler.registry import (
 log = logging.getLogger(__name__)
 TRACER = telemetry.tracer("scheduler")
 
-_MODE_FROM_PB = {
-    common_pb2.MODE_AUDIO: Mode.AUDIO,
-    common_pb2.MODE_VIDEO: Mode.VIDEO,
-    common_pb2.MODE_CHAT: Mode.CHAT,
-}
-_MODE_TO_PB = {mode: value for value, mode in _MODE_FROM_PB.items()}
 _HEALTH_FROM_PB = {
     common_pb2.WORKER_HEALTH_SERVING: Health.SERVING,
     common_pb2.WORKER_HEALTH_NOT_SERVING: Health.NOT_SERVING,
@@ -265,14 +259,14 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                     engine=w.engine,
                     slots=w.slots,
                     slots_free=w.slots_free,
-                    modes=[_MODE_TO_PB[m] for m in w.modes],
+                    modes=[modes.to_pb(m) for m in w.modes],
                     health=_HEALTH_TO_PB[w.health],
                     detail=w.detail,
                     lease_ids=list(w.lease_ids),
                     memory=_memory_to_pb(w.memory),
                     limits=_limits_to_pb(w.limits),
                     headroom=_headroom_to_pb(w.headroom),
-                    admits=[_MODE_TO_PB[m] for m in w.admits],
+                    admits=[modes.to_pb(m) for m in w.admits],
                 )
                 for w in status.workers
             ],
@@ -284,7 +278,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
             queue=[
                 scheduler_pb.QueueEntry(
                     ticket_id=q.ticket_id,
-                    mode=_MODE_TO_PB[q.mode],
+                    mode=modes.to_pb(q.mode),
                     session_id=q.session_id,
                     position=q.position,
                     estimated_wait_s=q.estimated_wait_s,
@@ -296,7 +290,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                 scheduler_pb.RunningLease(
                     lease_id=r.lease_id,
                     worker_id=r.worker_id,
-                    mode=_MODE_TO_PB[r.mode] if r.mode else common_pb2.MODE_UNSPECIFIED,
+                    mode=modes.to_pb(r.mode) if r.mode else common_pb2.MODE_UNSPECIFIED,
                     session_id=r.session_id,
                     elapsed_s=r.elapsed_s,
                     estimated_remaining_s=r.estimated_remaining_s,
@@ -395,14 +389,14 @@ def _granted_mode_to_pb(mode: Mode | None) -> common_pb2.Mode:
     """A granted lease's mode; only an orphan's lease has none, and it is never granted."""
     if mode is None:
         raise ValueError("a lease without a mode cannot be granted")
-    return _MODE_TO_PB[mode]
+    return modes.to_pb(mode)
 
 
 def _mode_from_pb(value: common_pb2.Mode) -> Mode:
-    try:
-        return _MODE_FROM_PB[value]
-    except KeyError:
-        raise InvalidRequest("mode must be MODE_AUDIO, MODE_VIDEO or MODE_CHAT") from None
+    mode = modes.from_pb(value)
+    if mode is None:
+        raise InvalidRequest("mode must be MODE_AUDIO, MODE_VIDEO or MODE_CHAT")
+    return mode
 
 
 def _health_from_pb(value: common_pb2.WorkerHealth) -> Health:
@@ -429,7 +423,7 @@ def _held_from_pb(held: scheduler_pb.HeldLease) -> HeldLease:
     """(A mode this scheduler does not know: none, the lease stays a taken slot.)"""
     return HeldLease(
         lease_id=held.lease_id,
-        mode=_MODE_FROM_PB.get(held.mode),
+        mode=modes.from_pb(held.mode),
         session_id=held.session_id,
         key=held.key,
         resume_key=held.resume_key,
@@ -503,7 +497,7 @@ def _memory_to_pb(figures: MemoryFigures | None) -> common_pb2.MemoryStats | Non
 
 
 def _headroom_from_pb(msg: scheduler_pb.Headroom) -> Headroom:
-    costs = [(c, _MODE_FROM_PB[c.mode]) for c in msg.costs if c.mode in _MODE_FROM_PB]
+    costs = [(c, mode) for c in msg.costs if (mode := modes.from_pb(c.mode)) is not None]
     return Headroom(
         engine_threads=max(1, msg.engine_threads),
         session_cost={mode: max(0.0, c.session_cost) for c, mode in costs},
@@ -523,7 +517,7 @@ def _headroom_to_pb(room: Headroom | None) -> scheduler_pb.Headroom | None:
         engine_threads=room.engine_threads,
         costs=[
             scheduler_pb.ModeCost(
-                mode=_MODE_TO_PB[mode], session_cost=cost, added_cost=room.added_cost[mode]
+                mode=modes.to_pb(mode), session_cost=cost, added_cost=room.added_cost[mode]
             )
             for mode, cost in room.session_cost.items()
         ],

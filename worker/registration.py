@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from omnifabric.common import schedulers
+from omnifabric.common import modes, schedulers
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
@@ -33,13 +33,6 @@ log = logging.getLogger("omnifabric.worker.registration")
 
 #: Seconds between reports sent even when nothing changed: the scheduler's liveness signal.
 HEARTBEAT_S = 1.0
-
-MODE_NAMES = {
-    common_pb2.MODE_AUDIO: "audio",
-    common_pb2.MODE_VIDEO: "video",
-    common_pb2.MODE_CHAT: "chat",
-}
-MODE_VALUES = {name: value for value, name in MODE_NAMES.items()}
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -73,10 +66,12 @@ def headroom_pb(figures: HeadroomFigures | None) -> scheduler_pb.Headroom | None
         engine_threads=figures.engine_threads,
         costs=[
             scheduler_pb.ModeCost(
-                mode=MODE_VALUES[mode], session_cost=cost.session_cost, added_cost=cost.added_cost
+                mode=modes.to_pb(mode),
+                session_cost=cost.session_cost,
+                added_cost=cost.added_cost,
             )
             for mode, cost in sorted(figures.costs.items())
-            if mode in MODE_VALUES
+            if mode in modes.NAMES
         ],
         late_units_recent=figures.late_recent,
         late_units_total=figures.late_total,
@@ -212,7 +207,7 @@ class Registration:
                 worker_id=self.worker_id,
                 address=self.address,
                 slots=runtime.slots,
-                modes=sorted(MODE_VALUES[m] for m in runtime.engine.modes if m in MODE_VALUES),
+                modes=sorted(modes.to_pb(m) for m in runtime.engine.modes if m in modes.NAMES),
                 engine=runtime.engine.name,
                 health=_health_value(runtime.health),
                 active_lease_ids=[h.lease_id for h in held],
@@ -233,7 +228,11 @@ class Registration:
             held.append(
                 scheduler_pb.HeldLease(
                     lease_id=grant.lease_id,
-                    mode=MODE_VALUES.get(grant.mode, common_pb2.MODE_UNSPECIFIED),
+                    mode=(
+                        modes.to_pb(grant.mode)
+                        if grant.mode in modes.NAMES
+                        else common_pb2.MODE_UNSPECIFIED
+                    ),
                     session_id=grant.session_id,
                     key=grant.key,
                     resume_key=grant.resume_key,
@@ -420,7 +419,7 @@ class Registration:
         return bool(registered)
 
     def _on_granted(self, granted: scheduler_pb.LeaseGranted) -> None:
-        mode = MODE_NAMES.get(granted.mode)
+        mode = modes.name(granted.mode)
         if mode is None:
             log.warning("lease %s granted for an unsupported mode", granted.lease_id)
             self.lease_released(granted.lease_id)

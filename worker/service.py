@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 from opentelemetry import context as otel_context
 
-from omnifabric.common import close_reasons, logs, telemetry
+from omnifabric.common import close_reasons, logs, modes, telemetry
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
@@ -35,7 +35,6 @@ from omnifabric.worker.errors import (
     StaleLease,
     WorkerError,
 )
-from omnifabric.worker.registration import MODE_NAMES
 from omnifabric.worker.runtime import WorkerRuntime
 from omnifabric.worker.session import DuplexSession
 from omnifabric.worker.session_types import (
@@ -107,8 +106,8 @@ def decode_settings(config: common_pb2.DuplexConfig, max_slice_nums: int) -> Dup
 def decode_start(start: worker_pb.SessionStart, limits: EngineLimits) -> SessionSpec:
     """SessionStart as a SessionSpec, checked against the engine's limits. Raises
     InvalidRequest."""
-    mode = MODE_NAMES.get(start.mode)
-    if mode not in ("audio", "video"):
+    mode = modes.name(start.mode)
+    if mode not in modes.DUPLEX:
         raise InvalidRequest("mode must be MODE_AUDIO or MODE_VIDEO")
     if not start.lease_id:
         raise InvalidRequest("lease_id is required")

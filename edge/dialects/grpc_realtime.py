@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from omnifabric.common import modes
 from omnifabric.edge import events as ev
 from omnifabric.edge import fields, pcm
 from omnifabric.edge.dialects.base import DuplexDialect, Refusal
@@ -35,7 +36,6 @@ from omnifabric.edge.errors import (
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
 
-_MODE_NAMES = {common_pb2.MODE_AUDIO: "audio", common_pb2.MODE_VIDEO: "video"}
 #: Fatal errors -> the call's status; any other fatal error is UNAVAILABLE.
 _STATUS = {
     AppDisabled: "PERMISSION_DENIED",
@@ -145,8 +145,8 @@ class GrpcRealtime(DuplexDialect):
         if not self._opened:
             if kind == "resume":
                 resume = message.resume
-                mode = _MODE_NAMES.get(resume.mode)
-                if mode is None or not resume.resume_token:
+                mode = modes.name(resume.mode)
+                if mode not in modes.DUPLEX or not resume.resume_token:
                     raise InvalidPayload(
                         "resume needs mode AUDIO or VIDEO and the resume_token",
                         close_code=_BAD_START,
@@ -156,8 +156,8 @@ class GrpcRealtime(DuplexDialect):
                 return []
             if kind != "init":
                 raise InvalidPayload("the first request must be init", close_code=_BAD_START)
-            mode = _MODE_NAMES.get(message.init.mode)
-            if mode is None:
+            mode = modes.name(message.init.mode)
+            if mode not in modes.DUPLEX:
                 raise InvalidPayload("init.mode must be AUDIO or VIDEO", close_code=_BAD_START)
             try:
                 init = init_command(message.init)
