@@ -266,10 +266,12 @@ class EngineLimits:
     """Unit lengths served, 16 kHz samples, inclusive (1/4 s to 4 s; engines with a fixed
     unit length re-chunk what arrives)."""
 
-    def slices_refusal(self, value: int, what: str = "max_slice_nums") -> str:
-        """Why `value` (0: unset) is outside the slice range, naming it; empty within."""
+    def slices_refusal(
+        self, value: int, what: str = "max_slice_nums", taker: str = "this worker"
+    ) -> str:
+        """Why `value` (0: unset) is outside the slice range, naming it (and `taker`, who
+        refuses: the worker, or the server as the edge tells its clients); empty within.
+        The one slice rule: the worker and the edge both check with it."""
         if value and not self.min_slice_nums <= value <= self.max_slice_nums:
-            return (
-                f"{what}: {value}; this worker takes {self.min_slice_nums} to {self.max_slice_nums}"
-            )
+            return f"{what}: {value}; {taker} takes {self.min_slice_nums} to {self.max_slice_nums}"
         return ""

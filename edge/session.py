@@ -218,7 +218,7 @@ class SessionCore:
     def check_init(self, init: ev.InitCommand) -> None:
         """An init against the leased worker's limits. Raises InvalidPayload, which leaves
         the session as it was: nothing was sent, a corrected init may follow."""
-        check_slices(init.max_slice_nums, self.limits)
+        check_slices(self.limits, init.max_slice_nums)
 
     # ---- queue and lease -------------------------------------------------------
 
@@ -545,7 +545,7 @@ class SessionCore:
         bounds = self.unit_bounds
         if bounds is not None:
             check_unit_length(len(cmd.pcm) // 4, *bounds)
-        check_slices(cmd.max_slice_nums, self.limits)
+        check_slices(self.limits, cmd.max_slice_nums)
         self._seq += 1
         self._waiting[self._seq] = time.monotonic()
         # Edge-side time of the unit: from the client's append to the result going out.

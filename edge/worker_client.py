@@ -23,7 +23,7 @@ from typing import TypeAlias
 
 import grpc
 
-from omnifabric.common import modes
+from omnifabric.common import modes, session_types
 from omnifabric.edge import events as ev
 from omnifabric.edge.chat import (
     AudioPart,
@@ -257,16 +257,21 @@ def output_from(result: worker_pb.UnitResult) -> ev.Output:
     )
 
 
-def check_slices(value: int, limits: EngineLimits | None, what: str = "max_slice_nums") -> None:
-    """A max_slice_nums (0: unset) against the leased worker's range; nothing to check
-    without limits (older schedulers and workers: the worker alone decides). Raises
-    InvalidPayload naming the range."""
+def check_slices(limits: EngineLimits | None, value: int, what: str = "max_slice_nums") -> None:
+    """A max_slice_nums (0: unset) against the leased worker's range, by common's one slice
+    rule; nothing to check without limits (older schedulers and workers: the worker alone
+    decides). Raises InvalidPayload naming the range."""
     if not value or limits is None or not limits.max_slice_nums:
         return
-    if not limits.min_slice_nums <= value <= limits.max_slice_nums:
-        raise InvalidPayload(
-            f"{what}: {value}; this server takes {limits.min_slice_nums} to {limits.max_slice_nums}"
-        )
+    ours = session_types.EngineLimits(
+        min_slice_nums=limits.min_slice_nums,
+        max_slice_nums=limits.max_slice_nums,
+        min_unit_samples=limits.min_unit_samples,
+        max_unit_samples=limits.max_unit_samples,
+    )
+    refusal = ours.slices_refusal(value, what, taker="this server")
+    if refusal:
+        raise InvalidPayload(refusal)
 
 
 async def read_chat(

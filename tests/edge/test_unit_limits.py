@@ -24,10 +24,10 @@ def test_slices_are_checked_against_the_leases_limits_only_when_it_has_some():
     limits = common_pb2.EngineLimits(
         min_slice_nums=1, max_slice_nums=2, min_unit_samples=4000, max_unit_samples=64000
     )
-    check_slices(0, limits)  # unset: the session's value
-    check_slices(2, limits)
+    check_slices(limits, 0)  # unset: the session's value
+    check_slices(limits, 2)
     with pytest.raises(InvalidPayload, match=r"^max_slice_nums: 3; this server takes 1 to 2$"):
-        check_slices(3, limits)
+        check_slices(limits, 3)
     # No limits on the lease (an older scheduler or worker): forwarded, the worker decides.
-    check_slices(9, None)
-    check_slices(9, common_pb2.EngineLimits())
+    check_slices(None, 9)
+    check_slices(common_pb2.EngineLimits(), 9)
