@@ -44,6 +44,7 @@ from omnifabric.edge.worker_client import (
     chat_request,
     check_slices,
     close_request,
+    lease_limits,
     output_from,
     read_chat,
     reason_name,
@@ -123,6 +124,8 @@ class SessionCore:
         self._acquire_call: grpc.aio.UnaryStreamCall | None = None
         self._worker_call: grpc.aio.StreamStreamCall | None = None
         self._lease: Lease | None = None
+        self._limits: EngineLimits | None = None
+        """What the leased worker's engine accepts (lease_limits), read once per lease."""
         self._tasks: list[asyncio.Task] = []
         self._seq = 0
         self._usage = ev.Usage()
@@ -178,9 +181,7 @@ class SessionCore:
     def limits(self) -> EngineLimits | None:
         """What the leased worker's engine accepts, from the lease; None before the lease
         or when the scheduler passed on none."""
-        if self._lease is None or not self._lease.HasField("limits"):
-            return None
-        return self._lease.limits
+        return self._limits
 
     @property
     def unit_bounds(self) -> tuple[int, int] | None:
@@ -245,6 +246,7 @@ class SessionCore:
         started = time.monotonic()
         try:
             self._lease = await wait_for_lease(call, self._emit)
+            self._limits = lease_limits(self._lease)
         finally:
             queue_span.end()
         self.span.set_attribute("worker.id", self._lease.worker_id)
@@ -375,6 +377,7 @@ class SessionCore:
         )
         self._acquire_call = call
         self._lease = await wait_for_lease(call, self._emit)
+        self._limits = lease_limits(self._lease)
         self._tasks.append(asyncio.create_task(self._watch_lease(call)))
         request = resume_request(self._lease)
         address = self._lease.worker_address

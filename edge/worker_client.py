@@ -54,8 +54,8 @@ from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 
 #: The scheduler's lease (worker, address, limits), as wait_for_lease returns it.
 Lease: TypeAlias = scheduler_pb.Lease
-#: What a leased worker's engine accepts (carried by the lease).
-EngineLimits: TypeAlias = common_pb2.EngineLimits
+#: What a leased worker's engine accepts (carried by the lease; lease_limits reads it).
+EngineLimits = session_types.EngineLimits
 
 #: The modes of a duplex session (SessionCore); "chat" is a turn's (run_turn).
 DUPLEX_MODES = modes.DUPLEX
@@ -257,19 +257,26 @@ def output_from(result: worker_pb.UnitResult) -> ev.Output:
     )
 
 
+def lease_limits(lease: Lease) -> EngineLimits | None:
+    """What the leased worker's engine accepts, as the lease carries it; None when the
+    scheduler passed on none (older schedulers and workers: the worker alone decides)."""
+    if not lease.HasField("limits"):
+        return None
+    pb = lease.limits
+    return EngineLimits(
+        min_slice_nums=pb.min_slice_nums,
+        max_slice_nums=pb.max_slice_nums,
+        min_unit_samples=pb.min_unit_samples,
+        max_unit_samples=pb.max_unit_samples,
+    )
+
+
 def check_slices(limits: EngineLimits | None, value: int, what: str = "max_slice_nums") -> None:
     """A max_slice_nums (0: unset) against the leased worker's range, by common's one slice
-    rule; nothing to check without limits (older schedulers and workers: the worker alone
-    decides). Raises InvalidPayload naming the range."""
+    rule; nothing to check without limits. Raises InvalidPayload naming the range."""
     if not value or limits is None or not limits.max_slice_nums:
         return
-    ours = session_types.EngineLimits(
-        min_slice_nums=limits.min_slice_nums,
-        max_slice_nums=limits.max_slice_nums,
-        min_unit_samples=limits.min_unit_samples,
-        max_unit_samples=limits.max_unit_samples,
-    )
-    refusal = ours.slices_refusal(value, what, taker="this server")
+    refusal = limits.slices_refusal(value, what, taker="this server")
     if refusal:
         raise InvalidPayload(refusal)
 

@@ -7,8 +7,9 @@ import pytest
 
 from omnifabric.edge.errors import InvalidPayload
 from omnifabric.edge.session import check_unit_length
-from omnifabric.edge.worker_client import check_slices
+from omnifabric.edge.worker_client import check_slices, lease_limits
 from omnifabric.omni.realtime.v1 import common_pb2
+from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 
 
 def test_lengths_outside_the_workers_range_are_invalid_payload():
@@ -21,13 +22,18 @@ def test_lengths_outside_the_workers_range_are_invalid_payload():
 
 
 def test_slices_are_checked_against_the_leases_limits_only_when_it_has_some():
-    limits = common_pb2.EngineLimits(
-        min_slice_nums=1, max_slice_nums=2, min_unit_samples=4000, max_unit_samples=64000
+    lease = scheduler_pb.Lease(
+        limits=common_pb2.EngineLimits(
+            min_slice_nums=1, max_slice_nums=2, min_unit_samples=4000, max_unit_samples=64000
+        )
     )
+    limits = lease_limits(lease)
+    assert limits is not None and limits.max_unit_samples == 64000
     check_slices(limits, 0)  # unset: the session's value
     check_slices(limits, 2)
     with pytest.raises(InvalidPayload, match=r"^max_slice_nums: 3; this server takes 1 to 2$"):
         check_slices(limits, 3)
     # No limits on the lease (an older scheduler or worker): forwarded, the worker decides.
     check_slices(None, 9)
-    check_slices(common_pb2.EngineLimits(), 9)
+    assert lease_limits(scheduler_pb.Lease()) is None
+    check_slices(lease_limits(scheduler_pb.Lease(limits=common_pb2.EngineLimits())), 9)
