@@ -368,36 +368,27 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
     ) -> worker_pb.SessionResponse:
         """The stream's first answer: started, or resumed with the results to replay."""
         limits = self.runtime.engine.limits
-        unit_timeout_ms = round((session.limits.unit_timeout_s or 0) * 1000)
+        both: dict[str, Any] = {
+            "session_id": session.session_id,
+            "worker_id": self.worker_id,
+            "prompt_length": session.prompt_length,
+            "min_unit_samples": limits.min_unit_samples,
+            "max_unit_samples": limits.max_unit_samples,
+            "notes": list(session.notes),
+            "unit_timeout_ms": round((session.limits.unit_timeout_s or 0) * 1000),
+            "duration_left_ms": session.duration_left_ms(),
+        }
         if kind == "resume":
             log.info("session %s resumed: %d results to replay", session.session_id, replay)
             return worker_pb.SessionResponse(
                 resumed=worker_pb.SessionResumed(
-                    session_id=session.session_id,
-                    worker_id=self.worker_id,
-                    prompt_length=session.prompt_length,
-                    min_unit_samples=limits.min_unit_samples,
-                    max_unit_samples=limits.max_unit_samples,
-                    notes=list(session.notes),
+                    **both,
                     client_state=session.spec.client_state,
                     last_unit_seq=session.last_unit_seq,
                     replay_count=replay,
-                    unit_timeout_ms=unit_timeout_ms,
-                    duration_left_ms=session.duration_left_ms(),
                 )
             )
-        return worker_pb.SessionResponse(
-            started=worker_pb.SessionStarted(
-                session_id=session.session_id,
-                worker_id=self.worker_id,
-                prompt_length=session.prompt_length,
-                min_unit_samples=limits.min_unit_samples,
-                max_unit_samples=limits.max_unit_samples,
-                notes=list(session.notes),
-                unit_timeout_ms=unit_timeout_ms,
-                duration_left_ms=session.duration_left_ms(),
-            )
-        )
+        return worker_pb.SessionResponse(started=worker_pb.SessionStarted(**both))
 
     def _observe(self, output: UnitOutput, mode: str) -> None:
         """A unit's metrics, apart from its stream: an instrument that fails is logged (by
