@@ -5,6 +5,7 @@ group within a grace. Used by `omnifabric serve` (the whole stack) and by
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import re
 import signal
@@ -79,8 +80,13 @@ class StopRequest:
         self.requested = False
 
     def install(self) -> None:
+        """Handle SIGINT and SIGTERM; and SIGUSR1 prints every thread's stack to stderr
+        (faulthandler, which needs neither the main thread nor a lock: what a supervisor
+        that does not stop is doing, `kill -USR1 PID`)."""
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._on_signal)
+        if hasattr(signal, "SIGUSR1"):
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def _on_signal(self, _signum: int, _frame: FrameType | None) -> None:
         self.requested = True

@@ -6,6 +6,7 @@ root with every wait scaled by OMNI_TEST_TIME_FACTOR.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -54,6 +55,24 @@ def start_serve(*extra: str, env: dict[str, str] | None = None) -> subprocess.Po
     """`omnifabric serve` on free ports (every service), output on its stdout pipe; `env`
     adds variables to the children's environment."""
     return _stack.start_serve(*extra, cwd=ROOT, env=env)
+
+
+def stop_serve(proc: subprocess.Popen, timeout_s: float) -> str:
+    """SIGINT to a started serve, its remaining output once it exited (the caller checks
+    its return code). One that is still running after `timeout_s` is asked for every
+    thread's stack (SIGUSR1), killed, and the test fails with all it printed."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        rest, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        proc.kill()
+        rest, _ = proc.communicate()
+        raise AssertionError(
+            f"serve did not stop within {timeout_s:.0f} s after SIGINT:\n{rest}"
+        ) from None
+    return rest
 
 
 def keyed_stack(tmp_path: Path, keys: str, *edge_args: str) -> Stack:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -19,7 +18,7 @@ import pytest
 
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import WsClient, served_unit
-from tests.stack import read_until_line, start_serve
+from tests.stack import read_until_line, start_serve, stop_serve
 
 #: Top-level modules that only the extras bring (reference, minicpmo, bench).
 NOT_IN_BASE = (
@@ -102,8 +101,7 @@ async def test_a_synthetic_stack_serves_on_the_base_install(tmp_path):
         finally:
             await client.close()
     finally:
-        serve.send_signal(signal.SIGINT)
-        rest, _ = serve.communicate(timeout=scaled(30))
+        rest = stop_serve(serve, scaled(30))
     assert serve.returncode == 0, rest
     assert "No module named" not in rest, rest
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -39,3 +41,27 @@ def test_wait_times_out_without_a_signal_and_the_handler_needs_no_lock():
     assert callable(handler)
     handler(signal.SIGINT, None)
     assert stop.requested and stop.wait(0.0) is True
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on():
+    """What a supervisor that does not stop is doing: SIGUSR1 dumps the stacks (to stderr)
+    without stopping it; SIGTERM then still ends it."""
+    code = (
+        "from omnifabric.common.children import StopRequest\n"
+        "s = StopRequest(); s.install(); print('up', flush=True)\n"
+        "print('stopped' if s.wait(60) else 'timed out', flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        assert proc.poll() is None  # still running
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert out.strip() == "stopped"
+    assert "most recent call first" in err and "in wait" in err, err

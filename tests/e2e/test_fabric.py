@@ -20,7 +20,7 @@ from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_
 from tests.conftest import ROOT, scaled
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, wait_for
 from tests.e2e.wsclient import post_json as _post
-from tests.stack import read_until_line, start_serve
+from tests.stack import read_until_line, start_serve, stop_serve
 
 
 async def scheduler_status(address: str) -> scheduler_pb.GetStatusResponse:
@@ -231,8 +231,7 @@ def test_serve_then_probe(tmp_path):
         with wave.open(str(out)) as w:
             assert w.getframerate() == 24000 and w.getnframes() > 24000
     finally:
-        serve.send_signal(signal.SIGINT)
-        rest, _ = serve.communicate(timeout=scaled(30))
+        rest = stop_serve(serve, scaled(30))
     assert serve.returncode == 0, rest
     assert "omnifabric stopped" in rest
     import socket

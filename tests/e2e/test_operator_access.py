@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import signal
 import socket
 
 import pytest
@@ -20,7 +19,7 @@ import pytest
 from omnifabric.edge import access
 from omnifabric.edge.config import EdgeConfig, hash_key
 from tests.conftest import scaled
-from tests.stack import Stack, start_serve
+from tests.stack import Stack, start_serve, stop_serve
 
 #: What the 403 says to a remote client of an edge without keys.
 LOOPBACK_ONLY = "with no API keys configured, operator endpoints answer only clients on loopback"
@@ -252,7 +251,6 @@ def test_serve_beyond_loopback_without_keys_warns_once():
                 break
         assert seen and seen[-1].startswith("omnifabric ready: "), "".join(seen)
     finally:
-        serve.send_signal(signal.SIGINT)
-        rest, _ = serve.communicate(timeout=scaled(60))
+        rest = stop_serve(serve, scaled(60))
     output = "".join(seen) + rest
     assert output.count(WARNING) == 1, output

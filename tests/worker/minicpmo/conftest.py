@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 from omnifabric.tools import minicpmo_tiny
 from omnifabric.worker.engines.minicpmo import layouts
 from tests.conftest import scaled
-from tests.stack import read_until_line, start_serve
+from tests.stack import read_until_line, start_serve, stop_serve
 
 CODE_DIRS = [Path(p) for p in os.environ.get("OMNI_MINICPMO_CODE_DIR", "").split(os.pathsep) if p]
 SDK = os.environ.get("OMNI_MINICPMO_SDK") or None
@@ -106,6 +105,5 @@ def tiny_serve(
         url = read_until_line(proc, "omnifabric ready: ", timeout_s=scaled(240)).split()[-1]
         yield proc, url
     finally:
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=scaled(60))
+        rest = stop_serve(proc, scaled(60))
     assert proc.returncode == 0, rest
