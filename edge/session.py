@@ -38,16 +38,21 @@ from omnifabric.edge.fabric import Fabric, wait_for_lease
 from omnifabric.edge.metrics import METRICS, EdgeMetrics
 from omnifabric.edge.worker_client import (
     DUPLEX_MODES,
+    LEASE_LOST,
+    LEASE_MOVED,
+    Buffered,
     EngineLimits,
     Lease,
+    WorkerEnded,
+    WorkerResumed,
+    WorkerStarted,
     acquire_request,
     chat_request,
     check_slices,
     close_request,
     lease_limits,
-    output_from,
+    lease_news,
     read_chat,
-    reason_name,
     reattach_request,
     resume_error,
     resume_request,
@@ -55,7 +60,7 @@ from omnifabric.edge.worker_client import (
     start_error,
     start_request,
     unit_request,
-    usage_from,
+    worker_event,
 )
 
 log = logging.getLogger("omnifabric.edge.session")
@@ -272,9 +277,10 @@ class SessionCore:
         try:
             while True:
                 response = await call.read()
-                if response is grpc.aio.EOF or response.WhichOneof("kind") == "lease_lost":
+                news = LEASE_LOST if response is grpc.aio.EOF else lease_news(response)
+                if news == LEASE_LOST:
                     break
-                if response.WhichOneof("kind") == "lease_moved":
+                if news == LEASE_MOVED:
                     return  # resumed elsewhere: the worker stream ends it (superseded)
         except asyncio.CancelledError:
             return
@@ -343,17 +349,17 @@ class SessionCore:
                 raise WorkerConnectFailed(
                     "the worker did not start the session: timed out"
                 ) from None
-        if response is grpc.aio.EOF or response.WhichOneof("kind") != "started":
+        started = None if response is grpc.aio.EOF else worker_event(response)
+        if not isinstance(started, WorkerStarted):
             call.cancel()
             raise WorkerConnectFailed("the worker did not start the session")
-        started = response.started
-        if started.max_unit_samples:  # what this worker serves (older workers send none)
-            self.unit_samples = (started.min_unit_samples, started.max_unit_samples)
+        if started.unit_samples is not None:  # what this worker serves
+            self.unit_samples = started.unit_samples
         self._outwait_worker(started.unit_timeout_ms)
         created = ev.Created(
             self.session_id,
             started.prompt_length,
-            tuple(started.notes),
+            started.notes,
             self.resume_token,
             self.resume_window_s if self.resume_token else 0.0,
         )
@@ -386,16 +392,17 @@ class SessionCore:
         try:
             await worker_call.write(request)
             first = await asyncio.wait_for(worker_call.read(), self._start_timeout_s)
-            if first is grpc.aio.EOF or first.WhichOneof("kind") != "resumed":
+            resumed = None if first is grpc.aio.EOF else worker_event(first)
+            if not isinstance(resumed, WorkerResumed):
                 raise WorkerConnectFailed("the worker did not resume the session")
-            resumed = first.resumed
             outputs = []
             for _ in range(resumed.replay_count):
                 response = await asyncio.wait_for(worker_call.read(), self._start_timeout_s)
-                if response is grpc.aio.EOF or response.WhichOneof("kind") != "result":
+                replayed = None if response is grpc.aio.EOF else worker_event(response)
+                if not isinstance(replayed, ev.Output | Buffered):
                     raise WorkerConnectFailed("the worker's replay ended early")
-                if not response.result.buffered:
-                    outputs.append(output_from(response.result))
+                if isinstance(replayed, ev.Output):
+                    outputs.append(replayed)
         except grpc.aio.AioRpcError as err:
             worker_call.cancel()
             raise resume_error(err) from None
@@ -408,15 +415,15 @@ class SessionCore:
         self.resume_token = token
         self._seq = resumed.last_unit_seq
         self.started = True  # input is taken from here (before: not_ready)
-        if resumed.max_unit_samples:
-            self.unit_samples = (resumed.min_unit_samples, resumed.max_unit_samples)
+        if resumed.unit_samples is not None:
+            self.unit_samples = resumed.unit_samples
         self._outwait_worker(resumed.unit_timeout_ms)
         if outputs:
             self._usage = outputs[-1].usage
         reattached = ev.Reattached(
             session_id=self.session_id,
             prompt_length=resumed.prompt_length,
-            notes=tuple(resumed.notes),
+            notes=resumed.notes,
             client_state=resumed.client_state,
             outputs=tuple(outputs),
             resume_token=token,
@@ -488,22 +495,20 @@ class SessionCore:
                 response = await call.read()
                 if response is grpc.aio.EOF:
                     break
-                kind = response.WhichOneof("kind")
-                if kind == "result" and response.result.buffered:
-                    self._buffered(response.result.seq, response.result.dropped_seqs)
-                elif kind == "result":
-                    out = output_from(response.result)
-                    self._usage = out.usage
-                    self._answered(out)
-                    await self._emit(out)
-                    self._metrics.output(self.mode, out, self._unit_sent_at)
-                    self._end_unit_span(out)
-                elif kind == "ended":
-                    e = response.ended
-                    if e.HasField("usage"):
-                        self._usage = usage_from(e.usage)
+                event = worker_event(response)
+                if isinstance(event, ev.Output):
+                    self._usage = event.usage
+                    self._answered(event)
+                    await self._emit(event)
+                    self._metrics.output(self.mode, event, self._unit_sent_at)
+                    self._end_unit_span(event)
+                elif isinstance(event, Buffered):
+                    self._buffered(event.seq, event.dropped_seqs)
+                elif isinstance(event, WorkerEnded):
+                    if event.usage is not None:
+                        self._usage = event.usage
                     closed = self._closed(
-                        reason_name(e.reason), e.message, self._client_reason, e.error_code
+                        event.reason, event.message, self._client_reason, event.error_code
                     )
                     break
         except grpc.aio.AioRpcError as err:

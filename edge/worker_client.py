@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterable, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeAlias
 
 import grpc
@@ -255,6 +256,114 @@ def output_from(result: worker_pb.UnitResult) -> ev.Output:
         audio_dropped=result.audio_dropped,
         pruned=result.pruned,
     )
+
+
+@dataclass(frozen=True)
+class WorkerStarted:
+    """The worker started the session (its SessionStarted)."""
+
+    prompt_length: int
+    notes: tuple[str, ...]
+    unit_samples: tuple[int, int] | None
+    """(fewest, most) samples a unit may have on this worker; None from older workers."""
+    unit_timeout_ms: int
+    duration_left_ms: int
+
+
+@dataclass(frozen=True)
+class WorkerResumed:
+    """The worker took the session back on this stream (its SessionResumed); `replay_count`
+    results follow."""
+
+    session_id: str
+    prompt_length: int
+    notes: tuple[str, ...]
+    client_state: bytes
+    last_unit_seq: int
+    replay_count: int
+    unit_samples: tuple[int, int] | None
+    unit_timeout_ms: int
+    duration_left_ms: int
+
+
+@dataclass(frozen=True)
+class Buffered:
+    """The worker kept unit `seq`'s audio for its next model unit (and dropped these)."""
+
+    seq: int
+    dropped_seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WorkerEnded:
+    """The worker ended the session (its SessionEnded)."""
+
+    reason: str
+    message: str
+    error_code: str
+    usage: ev.Usage | None
+
+
+#: What the worker's Session stream says, read into domain types (worker_event).
+WorkerEvent = WorkerStarted | WorkerResumed | Buffered | ev.Output | WorkerEnded
+
+
+def worker_event(response: worker_pb.SessionResponse) -> WorkerEvent | None:
+    """A worker Session stream response -> its domain event (None: a kind this edge does
+    not know, from a newer worker)."""
+    kind = response.WhichOneof("kind")
+    if kind == "result":
+        result = response.result
+        if result.buffered:
+            return Buffered(result.seq, tuple(result.dropped_seqs))
+        return output_from(result)
+    if kind == "ended":
+        e = response.ended
+        usage = usage_from(e.usage) if e.HasField("usage") else None
+        return WorkerEnded(reason_name(e.reason), e.message, e.error_code, usage)
+    if kind == "started":
+        s = response.started
+        return WorkerStarted(
+            s.prompt_length,
+            tuple(s.notes),
+            _unit_samples(s.min_unit_samples, s.max_unit_samples),
+            s.unit_timeout_ms,
+            s.duration_left_ms,
+        )
+    if kind == "resumed":
+        r = response.resumed
+        return WorkerResumed(
+            r.session_id,
+            r.prompt_length,
+            tuple(r.notes),
+            r.client_state,
+            r.last_unit_seq,
+            r.replay_count,
+            _unit_samples(r.min_unit_samples, r.max_unit_samples),
+            r.unit_timeout_ms,
+            r.duration_left_ms,
+        )
+    return None
+
+
+#: What the Acquire stream says of a granted lease after the grant (lease_news).
+LEASE_LOST = "lost"
+LEASE_MOVED = "moved"
+
+
+def lease_news(response: scheduler_pb.AcquireResponse) -> str:
+    """An Acquire stream message after the lease: LEASE_LOST (its worker is gone),
+    LEASE_MOVED (another holder resumed the session), else ""."""
+    kind = response.WhichOneof("kind")
+    if kind == "lease_lost":
+        return LEASE_LOST
+    if kind == "lease_moved":
+        return LEASE_MOVED
+    return ""
+
+
+def _unit_samples(fewest: int, most: int) -> tuple[int, int] | None:
+    return (fewest, most) if most else None  # older workers send none
 
 
 def lease_limits(lease: Lease) -> EngineLimits | None:
