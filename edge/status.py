@@ -181,6 +181,13 @@ def _worker(w: Any) -> dict[str, Any]:
             "before_cleanup_bytes": m.before_cleanup_bytes,
             "cleanups": m.cleanups,
         }
+        if m.kv_slots:  # an engine with KV slots allocated at start
+            worker["memory"]["kv"] = {
+                "slots": m.kv_slots,
+                "slot_tokens": m.kv_slot_tokens,
+                "slot_bytes": m.kv_slot_bytes,
+                "slots_more": m.kv_slots_more,
+            }
     worker["admits"] = [modes.label(m) for m in w.admits]
     if w.HasField("headroom"):
         h = w.headroom

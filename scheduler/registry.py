@@ -34,6 +34,12 @@ class MemoryFigures:
     baseline_bytes: int
     before_cleanup_bytes: int
     cleanups: int
+    kv_slots: int = 0
+    """The engine's KV slots allocated at start (batched engines; 0: none), the tokens and
+    bytes of one, and how many more the device's free memory would hold."""
+    kv_slot_tokens: int = 0
+    kv_slot_bytes: int = 0
+    kv_slots_more: int = 0
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -476,24 +477,14 @@ def _acquire_event_to_pb(event: AcquireEvent) -> scheduler_pb.AcquireResponse:
 
 def _memory_from_pb(msg: common_pb2.MemoryStats) -> MemoryFigures:
     return MemoryFigures(
-        device=msg.device,
-        allocated_bytes=msg.allocated_bytes,
-        baseline_bytes=msg.baseline_bytes,
-        before_cleanup_bytes=msg.before_cleanup_bytes,
-        cleanups=msg.cleanups,
+        **{f.name: getattr(msg, f.name) for f in dataclasses.fields(MemoryFigures)}
     )
 
 
 def _memory_to_pb(figures: MemoryFigures | None) -> common_pb2.MemoryStats | None:
     if figures is None:
         return None
-    return common_pb2.MemoryStats(
-        device=figures.device,
-        allocated_bytes=figures.allocated_bytes,
-        baseline_bytes=figures.baseline_bytes,
-        before_cleanup_bytes=figures.before_cleanup_bytes,
-        cleanups=figures.cleanups,
-    )
+    return common_pb2.MemoryStats(**dataclasses.asdict(figures))
 
 
 def _headroom_from_pb(msg: scheduler_pb.Headroom) -> Headroom:

@@ -253,6 +253,20 @@ class UnitRunner(abc.ABC):
         engine seconds it took (a wait for a free engine thread left out)."""
 
 
+@dataclass(frozen=True)
+class KvFigures:
+    """An engine's KV cache kept in slots allocated at start (one per session served at
+    once), as the worker reports it (registration, /status)."""
+
+    slots: int
+    slot_tokens: int
+    """Tokens one slot holds."""
+    slot_bytes: int
+    """Bytes one slot takes (every layer's keys and values)."""
+    more_slots: int
+    """Slots more the device's free memory would hold now (CUDA; 0 elsewhere)."""
+
+
 class Engine(abc.ABC):
     """A loaded model that opens duplex sessions."""
 
@@ -297,6 +311,10 @@ class Engine(abc.ABC):
     def stepper(self) -> Stepper | None:
         """The batched entry, asked once when the worker starts: None (the default) when the
         engine serves sessions one by one (worker.runner.TimeSliced)."""
+        return None
+
+    def kv_figures(self) -> KvFigures | None:
+        """The engine's KV slots, where it allocates them at start (None: it does not)."""
         return None
 
     def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:

@@ -179,13 +179,20 @@ class Registration:
         if base is None:
             return None
         current = last or base
-        return common_pb2.MemoryStats(
+        stats = common_pb2.MemoryStats(
             device=current.device,
             allocated_bytes=current.after_bytes,
             baseline_bytes=base.after_bytes,
             before_cleanup_bytes=last.before_bytes if last else 0,
             cleanups=runtime.cleanups,
         )
+        kv = runtime.engine.kv_figures()
+        if kv is not None:
+            stats.kv_slots = kv.slots
+            stats.kv_slot_tokens = kv.slot_tokens
+            stats.kv_slot_bytes = kv.slot_bytes
+            stats.kv_slots_more = kv.more_slots
+        return stats
 
     def lease_released(self, lease_id: str) -> None:
         """Tell the scheduler the lease's session is freed (hello omits it when disconnected)."""

@@ -130,3 +130,37 @@ async def test_unexpected_errors_are_internal_without_details(
     again = await WorkerStream(harness.stub, "w2", slots=1).start()
     await Holder(harness.stub, AUDIO, "served").expect_lease()
     await again.close()
+
+
+async def test_a_workers_kv_slots_reach_the_status(start_scheduler: StartScheduler) -> None:
+    """The KV slot figures a batched worker reports with its memory (slots, tokens and bytes
+    of one, how many more would fit) are in GetStatus as it sent them; a worker without
+    slots reports zeros."""
+    harness = await start_scheduler()
+    worker = await WorkerStream(harness.stub, "gpu", slots=4).start()
+    assert worker.call is not None
+    memory = common_pb2.MemoryStats(
+        device="cuda",
+        allocated_bytes=9,
+        baseline_bytes=8,
+        kv_slots=4,
+        kv_slot_tokens=5120,
+        kv_slot_bytes=754_974_720,
+        kv_slots_more=37,
+    )
+    report = scheduler_pb.WorkerReport(health=common_pb2.WORKER_HEALTH_SERVING, memory=memory)
+    await worker.call.write(scheduler_pb.RegisterRequest(report=report))
+    plain = await WorkerStream(harness.stub, "cpu", slots=1).start()
+    deadline = asyncio.get_running_loop().time() + scaled(5)
+    while True:
+        status = await harness.stub.GetStatus(scheduler_pb.GetStatusRequest())
+        by_id = {w.worker_id: w for w in status.workers}
+        memory = by_id["gpu"].memory
+        if memory.kv_slots or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    assert (memory.kv_slots, memory.kv_slot_tokens) == (4, 5120)
+    assert (memory.kv_slot_bytes, memory.kv_slots_more) == (754_974_720, 37)
+    assert by_id["cpu"].memory.kv_slots == 0
+    await worker.close()
+    await plain.close()

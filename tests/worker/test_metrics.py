@@ -3,6 +3,7 @@ time; a real session through WorkerService is counted; /metrics over HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -10,9 +11,10 @@ import urllib.request
 
 from omnifabric.common import logs
 from omnifabric.omni.realtime.v1 import common_pb2
-from omnifabric.worker.engine import GenerateResult
+from omnifabric.worker.engine import GenerateResult, KvFigures
 from omnifabric.worker.metrics import WorkerMetrics, serve_http
 from omnifabric.worker.session_types import CloseReason, SessionEnd, UnitOutput, UnitTimings, Usage
+from tests.conftest import scaled
 from tests.worker.conftest import SessionClient
 
 
@@ -114,3 +116,19 @@ def test_json_log_lines_carry_the_session_id():
     assert (first["service"], first["level"], first["seq"]) == ("worker", "INFO", 7)
     assert first["ts"].endswith("Z") and "trace_id" not in first
     assert "session_id" not in second
+
+
+async def test_an_engines_kv_slots_go_out_with_the_memory_report(scheduler, workers):
+    """A worker whose engine keeps KV slots reports them with its memory (every report),
+    so the scheduler's status and the edge's /status show them; others report zeros."""
+    worker = await workers.start(slots=2)
+    figures = KvFigures(slots=2, slot_tokens=5120, slot_bytes=1000, more_slots=7)
+    worker.runtime.engine.kv_figures = lambda: figures  # type: ignore[method-assign]
+    deadline = asyncio.get_running_loop().time() + scaled(5)
+    while True:
+        report = await asyncio.wait_for(scheduler.reports.get(), scaled(5))
+        if report.memory.kv_slots or asyncio.get_running_loop().time() > deadline:
+            break
+    memory = report.memory
+    assert (memory.kv_slots, memory.kv_slot_tokens) == (2, 5120)
+    assert (memory.kv_slot_bytes, memory.kv_slots_more) == (1000, 7)

@@ -570,3 +570,15 @@ def test_static_shape_control_shifted_position_fails(eng16, static_shapes, monke
     with pytest.raises(AssertionError):
         for k in range(3):
             compare(want[k], got[k], f"shifted row, session {k}")
+
+
+def test_kv_figures_describe_the_slot_cache(eng16):
+    """What the worker reports of the batched step's LLM KV slots is the slot cache's."""
+    stepper = eng16.stepper()
+    cache = stepper.cache
+    kv = eng16.kv_figures()
+    assert kv is not None and kv.slots == 16 == cache.slots
+    assert kv.slot_tokens == eng16.kv_slot_tokens == cache.max_len
+    rows = cache.slots + (cache.scratch is not None)
+    assert kv.slot_bytes * rows == cache.nbytes
+    assert kv.more_slots == 0 if cache.device.type == "cpu" else kv.more_slots >= 0

@@ -31,6 +31,7 @@ from omnifabric.worker.engine import (
     Engine,
     EngineSession,
     GenerateResult,
+    KvFigures,
     StepOutcome,
     Stepper,
     StepRow,
@@ -177,14 +178,14 @@ class BatchedStep(Protocol):
     def cache(self) -> Any: ...
 
 
-def _more_slots(device: Any, per_slot: float) -> str:
-    """On CUDA, how many more slots the device's free memory would hold now."""
-    if device.type != "cuda":
-        return ""
+def _more_slots(device: Any, per_slot: int) -> int:
+    """On CUDA, how many more slots the device's free memory would hold now; 0 elsewhere."""
+    if device.type != "cuda" or per_slot <= 0:
+        return 0
     import torch
 
     free, _ = torch.cuda.mem_get_info(device)
-    return f"; {int(free // per_slot)} more slots would fit in the free {free / 2**30:.1f} GiB"
+    return int(free // per_slot)
 
 
 def slot_tokens(config: Any) -> int:
@@ -644,21 +645,37 @@ class MiniCPMOEngine(Engine):
             self.batched = self.stepper_class(self)
             if self.model is not None:
                 cache = self.batched.cache
-                rows = cache.slots + (cache.scratch is not None)
-                per_slot = cache.nbytes / rows
+                kv = self.kv_figures()
+                assert kv is not None
+                more = (
+                    f"; {kv.more_slots} more slots would fit in the free memory"
+                    if cache.device.type == "cuda"
+                    else ""
+                )
                 log.info(
                     "minicpmo: batched steps; LLM KV slot cache of %d slots x %d tokens "
                     "(%.0f MiB a slot%s): %.2f GiB on %s%s",
-                    self.slots,
-                    self.kv_slot_tokens,
-                    per_slot / 2**20,
+                    kv.slots,
+                    kv.slot_tokens,
+                    kv.slot_bytes / 2**20,
                     ", and a scratch row" if cache.scratch is not None else "",
                     cache.nbytes / 2**30,
                     self.device,
-                    _more_slots(cache.device, per_slot),
+                    more,
                 )
         assert isinstance(self.batched, Stepper)
         return self.batched
+
+    def kv_figures(self) -> KvFigures | None:
+        """The batched step's LLM KV slots (None before the stepper is built, or without
+        one)."""
+        stepper = self.batched
+        cache = getattr(stepper, "_cache", None) if stepper is not None else None
+        if cache is None:
+            return None
+        rows = cache.slots + (cache.scratch is not None)
+        per_slot = cache.nbytes // rows
+        return KvFigures(cache.slots, cache.max_len, per_slot, _more_slots(cache.device, per_slot))
 
     # ---- sessions --------------------------------------------------------------------
 
