@@ -20,7 +20,8 @@ from typing import Any
 
 import grpc
 
-from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.edge import worker_client
+from omnifabric.edge.worker_client import Switches
 
 log = logging.getLogger("omnifabric.edge.apps")
 
@@ -71,19 +72,19 @@ class Apps:
             for app_id, app in self._apps.items():
                 self._apps[app_id] = replace(app, enabled=app_id not in off)
 
-    def lost(self, switches: scheduler_pb.AppSwitches) -> list[str]:
+    def lost(self, switches: Switches) -> list[str]:
         """The apps off here that `switches` would turn on only because they come from a
         scheduler process that started afresh (another epoch, never switched: generation
         0, nothing off), for `follow` to switch off there again; [] otherwise."""
         with self._lock:
             fresh = switches.epoch != self._epoch and not switches.generation
-            if not self._epoch or not fresh or switches.disabled_app_ids:
+            if not self._epoch or not fresh or switches.disabled:
                 return []
             return sorted(app_id for app_id, app in self._apps.items() if not app.enabled)
 
-    def take(self, switches: scheduler_pb.AppSwitches) -> None:
+    def take(self, switches: Switches) -> None:
         """Apply the scheduler's switches (GetApps and SetApp answer them alike)."""
-        self.apply(switches.disabled_app_ids, switches.generation, switches.epoch)
+        self.apply(switches.disabled, switches.generation, switches.epoch)
 
     def view(self, app_id: str) -> dict[str, Any] | None:
         """One app's admin view, or None for an unknown id."""
@@ -114,10 +115,7 @@ class Apps:
         in the catalog."""
         if not self.known(app_id):
             return None
-        reply = await stub.SetApp(
-            scheduler_pb.SetAppRequest(app_id=app_id, enabled=enabled), timeout=5.0
-        )
-        self.take(reply.switches)
+        self.take(await worker_client.set_app(stub, app_id, enabled, timeout_s=5.0))
         return self.view(app_id)
 
 
@@ -128,13 +126,12 @@ async def follow(apps: Apps, stub: Any, interval_s: float = FOLLOW_INTERVAL_S) -
     failing = False
     while True:
         try:
-            reply = await stub.GetApps(scheduler_pb.GetAppsRequest(), timeout=2 * interval_s)
-            if lost := apps.lost(reply.switches):
+            switches = await worker_client.get_apps(stub, timeout_s=2 * interval_s)
+            if lost := apps.lost(switches):
                 log.info("app switches: a new scheduler; switching %s off again", ",".join(lost))
                 for app_id in lost:
-                    reply = await stub.SetApp(
-                        scheduler_pb.SetAppRequest(app_id=app_id, enabled=False),
-                        timeout=2 * interval_s,
+                    switches = await worker_client.set_app(
+                        stub, app_id, False, timeout_s=2 * interval_s
                     )
         except grpc.aio.AioRpcError as err:
             if not failing:
@@ -144,7 +141,7 @@ async def follow(apps: Apps, stub: Any, interval_s: float = FOLLOW_INTERVAL_S) -
             if failing:
                 log.info("app switches: read from the scheduler again")
             failing = False
-            apps.take(reply.switches)
+            apps.take(switches)
         await asyncio.sleep(interval_s)
 
 

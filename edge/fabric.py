@@ -24,7 +24,13 @@ import grpc
 from omnifabric.common import schedulers, tls
 from omnifabric.edge import events as ev
 from omnifabric.edge.errors import ServiceUnavailable
-from omnifabric.edge.worker_client import Lease, _from_scheduler, lease_error, queued_from
+from omnifabric.edge.worker_client import (
+    Lease,
+    _from_scheduler,
+    acquire_reply,
+    lease_error,
+    queued_position,
+)
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 
@@ -269,8 +275,9 @@ class _LeaderCall:
                 continue
             self._last_try = False
             if message is not grpc.aio.EOF:
-                if message.WhichOneof("kind") == "queued":
-                    self._position = message.queued.position
+                position = queued_position(message)
+                if position is not None:
+                    self._position = position
                 else:
                     self._leased = True
             return message
@@ -301,12 +308,12 @@ async def wait_for_lease(
                 response = await call.read()
             if response is grpc.aio.EOF:
                 raise ServiceUnavailable("the scheduler ended the queue without a lease")
-            kind = response.WhichOneof("kind")
-            if kind == "queued":
-                await on_queued(queued_from(response.queued, first))
+            reply = acquire_reply(response, first)
+            if isinstance(reply, ev.Queued):
+                await on_queued(reply)
                 first = False
-            elif kind == "lease":
-                return response.lease
+            elif reply is not None:
+                return reply
             else:
                 raise ServiceUnavailable("the worker was lost before the session started")
     except grpc.aio.AioRpcError as err:

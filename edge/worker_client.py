@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -216,6 +216,22 @@ def queued_from(msg: scheduler_pb.QueuePosition, first: bool) -> ev.Queued:
     return ev.Queued(msg.position, msg.queue_length, msg.estimated_wait_s, msg.ticket_id, first)
 
 
+def acquire_reply(response: scheduler_pb.AcquireResponse, first: bool) -> ev.Queued | Lease | None:
+    """An Acquire (or Reattach) stream message before the grant: a queue position, the
+    lease, or None (the worker was lost before the session started)."""
+    kind = response.WhichOneof("kind")
+    if kind == "queued":
+        return queued_from(response.queued, first)
+    if kind == "lease":
+        return response.lease
+    return None
+
+
+def queued_position(response: scheduler_pb.AcquireResponse) -> int | None:
+    """The queue position an Acquire stream message carries (None: it carries none)."""
+    return response.queued.position if response.WhichOneof("kind") == "queued" else None
+
+
 def reason_name(value: int) -> str:
     """CloseReason enum value -> reason name (user_stop, timeout, ...)."""
     if value == common_pb2.CLOSE_REASON_UNSPECIFIED:
@@ -344,6 +360,33 @@ def worker_event(response: worker_pb.SessionResponse) -> WorkerEvent | None:
             r.duration_left_ms,
         )
     return None
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The fabric's app switches as the scheduler answers them (GetApps, SetApp)."""
+
+    disabled: tuple[str, ...]
+    generation: int
+    """Counts the changes within one scheduler process (`epoch`)."""
+    epoch: str
+
+
+def _switches(msg: scheduler_pb.AppSwitches) -> Switches:
+    return Switches(tuple(msg.disabled_app_ids), msg.generation, msg.epoch)
+
+
+async def get_apps(stub: Any, timeout_s: float) -> Switches:
+    """The scheduler's app switches (its AioRpcError when it does not answer)."""
+    reply = await stub.GetApps(scheduler_pb.GetAppsRequest(), timeout=timeout_s)
+    return _switches(reply.switches)
+
+
+async def set_app(stub: Any, app_id: str, enabled: bool, timeout_s: float) -> Switches:
+    """Switch an app for the fabric; the switches after it (AioRpcError as get_apps)."""
+    request = scheduler_pb.SetAppRequest(app_id=app_id, enabled=enabled)
+    reply = await stub.SetApp(request, timeout=timeout_s)
+    return _switches(reply.switches)
 
 
 #: What the Acquire stream says of a granted lease after the grant (lease_news).
