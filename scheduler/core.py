@@ -10,7 +10,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from omnifabric.scheduler.config import SchedulerConfig
@@ -18,7 +18,6 @@ from omnifabric.scheduler.errors import (
     Cancelled,
     InvalidRequest,
     KeySessionLimit,
-    NotLeader,
     NoWorker,
     QueueFull,
     ResumeExpired,
@@ -28,6 +27,7 @@ from omnifabric.scheduler.errors import (
     ShuttingDown,
     UnknownLease,
 )
+from omnifabric.scheduler.leadership import Leadership, LeadershipNames
 from omnifabric.scheduler.leases import (
     Lease,
     LeaseGrantNotice,
@@ -130,9 +130,6 @@ class LeaseMove:
 
 
 AcquireEvent = QueueUpdate | LeaseOffer | LeaseLoss | LeaseMove
-#: Seconds after a scheduler begins to lead during which requests for a mode no registered
-#: worker serves wait in the queue (the workers re-register within about a second).
-REBUILD_S = 3.0
 #: The longest earlier wait a re-sent request may claim (AcquireRequest.waited_s), seconds.
 MAX_WAITED_S = 86_400.0
 #: Resume keys of ended sessions remembered (to tell an expired window from an unknown
@@ -209,12 +206,13 @@ class _Ending:
     error: SchedulerError = field(default_factory=ShuttingDown)
 
 
-class Scheduler:
+class Scheduler(LeadershipNames):
     """Owns the worker registry, the FIFO queue and the leases.
 
-    With an election (--ha) it grants only while `leads()`: a standby refuses requests and
-    registrations with NotLeader, and one that stops leading ends every stream and forgets
-    its state (the next leader rebuilds it from the workers and edges that come to it).
+    With an election (--ha) it grants only while its `leadership` leads: a standby refuses
+    requests and registrations with NotLeader, and one that stops leading ends every stream
+    and forgets its state (the next leader rebuilds it from the workers and edges that come
+    to it).
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -224,68 +222,35 @@ class Scheduler:
         self.leases = LeaseTable()
         self.sessions = SessionLengths(config.eta_alpha, config.eta_initial_s)
         self.counters = Counters()
+        self.leadership = Leadership()
         self.metrics = SchedulerMetrics(self)
         self.draining = False
         """Set by drain(): no new registrations, requests or grants; leases stay as they are."""
-        self.epoch = 0
-        """The epoch of this scheduler's leadership (0 without an election)."""
-        self.leader = ""
-        """The leader's name as the store holds it, this process's own while it leads (""
-        when unknown or without an election)."""
-        self.standby = False
-        """True while another scheduler may lead (with an election, from the start)."""
-        self.store_problem: Callable[[], str] = lambda: ""
-        """The election's account of why its store cannot be used ("" while it can): a
-        standby's refusals say it."""
-        self.term_valid: Callable[[], bool] = lambda: True
-        """The election's own check that this process's term cannot have expired yet: a
-        process paused past its TTL grants nothing when it wakes, before it hears so."""
         self._ended_resumes: dict[str, str] = {}
         """Resume keys of freed resumable leases -> "expired" or "closed" (newest last)."""
         self._ending = _Ending()
-        self._led_at = -REBUILD_S
-        """time.monotonic() when this scheduler last began to lead (with an election)."""
-        self.terms = 0
-        """Leaderships this process has begun (with an election): each after the first is a
-        failover or handover to it."""
-        self.rebuild_s: float | None = None
-        """The last rebuild: seconds from taking the lead to the last worker registration or
-        re-sent request within REBUILD_S of it (None before any; grows during the window)."""
 
     # --- leadership ------------------------------------------------------------------
 
-    def leads(self) -> bool:
-        """True while this scheduler may grant: it leads (or has no election) and its term
-        cannot have expired."""
-        return not self.standby and self.term_valid()
-
-    def _check_leads(self) -> None:
+    def _check_open(self) -> None:
+        """Refuse a call while draining (ShuttingDown) or not leading (NotLeader)."""
         if self.draining:
             raise ShuttingDown()
-        if not self.leads():
-            raise NotLeader(self.leader, self.store_problem())
+        self.leadership.check()
 
     def lead(self, epoch: int, name: str = "") -> None:
-        """Start leading with `epoch` (under `name`, this process's holder name): from an
-        empty state, which workers (registering) and edges (acquiring) rebuild."""
-        self.epoch, self.leader, self.standby = epoch, name, False
-        self._led_at = time.monotonic()
-        self.terms += 1
-        self.rebuild_s = 0.0
-        log.info("leading (epoch %d): taking registrations and requests", epoch)
+        """Start leading with `epoch` (Leadership.lead): from an empty state, which workers
+        (registering) and edges (acquiring) rebuild."""
+        self.leadership.lead(epoch, name)
 
     def follow(self, leader: str = "", epoch: int = 0) -> None:
         """Be (or stay) a standby of `leader` (its `epoch`, when known): refuse everything
-        with NotLeader naming it. A
-        scheduler that led ends every Acquire and Register stream (leases are not revoked:
-        running sessions go on with their workers, which register with the next leader)
-        and forgets its registry, queue and leases."""
-        self.leader = leader
-        self.epoch = max(self.epoch, epoch)
-        if self.standby:
+        with NotLeader naming it. A scheduler that led ends every Acquire and Register
+        stream (leases are not revoked: running sessions go on with their workers, which
+        register with the next leader) and forgets its registry, queue and leases."""
+        if not self.leadership.follow(leader, epoch):
             return
-        self.standby = True
-        error = NotLeader(leader, self.store_problem())
+        error = self.leadership.not_leader()
         log.warning(
             "standing by: %d waiting requests and %d registrations ended, %d leases left to "
             "their workers",
@@ -308,25 +273,11 @@ class Scheduler:
         self.leases = LeaseTable()
         self._ended_resumes = {}
 
-    def _rebuilding(self) -> bool:
-        """True for a while after this scheduler began to lead: the workers are still
-        coming to register, so a request no registered worker serves waits instead of
-        being refused."""
-        return time.monotonic() < self._led_at + REBUILD_S
-
-    def _rebuilt_by(self, now: float) -> None:
-        """A worker registered or a waiting caller came back at `now`: while the rebuild
-        window is open, the rebuild lasted at least until then."""
-        if self.terms and now < self._led_at + REBUILD_S:
-            self.rebuild_s = max(self.rebuild_s or 0.0, now - self._led_at)
-
     def refusal(self) -> SchedulerError | None:
         """Why streams are being ended now (drain or standby); None while leading."""
         if self.draining:
             return ShuttingDown()
-        if self.standby:
-            return NotLeader(self.leader, self.store_problem())
-        return None
+        return self.leadership.refusal()
 
     # --- workers ---------------------------------------------------------------------
 
@@ -336,7 +287,7 @@ class Scheduler:
         Raises InvalidRequest when the hello is incomplete, ShuttingDown while draining,
         NotLeader while a standby.
         """
-        self._check_leads()
+        self._check_open()
         _check_hello(hello)
         worker = Worker(
             worker_id=hello.worker_id,
@@ -377,7 +328,7 @@ class Scheduler:
             worker.engine,
             worker.health.value,
         )
-        self._rebuilt_by(time.monotonic())
+        self.leadership.rebuilt_by(time.monotonic())
         self._dispatch()
         return worker
 
@@ -504,13 +455,13 @@ class Scheduler:
         queue (the new leader may over-admit for a moment instead, before every request
         and worker has come back to it).
         """
-        self._check_leads()
+        self._check_open()
         now = time.monotonic()
-        if not self.registry.serves(mode) and not self._rebuilding():
+        if not self.registry.serves(mode) and not self.leadership.rebuilding(now):
             raise NoWorker(mode.value)
         resent = waited_s > 0
         if resent:
-            self._rebuilt_by(now)
+            self.leadership.rebuilt_by(now)
         if key and key_limit and not resent:
             held = self.leases.held_by(key) + sum(1 for t in self.queue if t.key == key)
             if held >= key_limit:
@@ -562,7 +513,7 @@ class Scheduler:
         A detached lease is taken back; one still held moves (its holder is told). Raises
         ResumeUnknown, ResumeExpired or ResumeForbidden (NotLeader from a standby).
         """
-        self._check_leads()
+        self._check_open()
         lease = self.leases.by_resume_key(resume_key)
         if lease is None or lease.state is LeaseState.RETURNING:
             if lease is not None or self._ended_resumes.get(resume_key) == "expired":
@@ -615,7 +566,7 @@ class Scheduler:
                 ticket_id=ticket_id,
                 queue_wait_s=queue_wait_s,
                 limits=worker.limits if worker else None,
-                epoch=self.epoch,
+                epoch=self.leadership.epoch,
             )
             if not await self._unless_ending(ending, lease.lost, moved):
                 raise ending.error
@@ -686,7 +637,7 @@ class Scheduler:
         """An operator takes a waiting request out of the queue: its Acquire stream ends
         with Cancelled. False when no request with that ticket waits (NotLeader from a
         standby)."""
-        self._check_leads()
+        self._check_open()
         ticket = self.queue.get(ticket_id)
         if ticket is None or not self.queue.remove(ticket):
             return False
@@ -709,7 +660,7 @@ class Scheduler:
     def set_eta(self, alpha: float | None, baseline_s: dict[Mode, float]) -> EtaSnapshot:
         """Change the estimate at run time (ValueError out of range); waiting clients get
         their new estimate with their next update (NotLeader from a standby)."""
-        self._check_leads()
+        self._check_open()
         self.sessions.configure(alpha, baseline_s)
         for ticket in self.queue:
             ticket.estimate_changed = True
@@ -803,7 +754,7 @@ class Scheduler:
 
     def _dispatch(self) -> None:
         """Grant, in FIFO order, every waiting request that a free slot can serve."""
-        if self.draining or not self.leads():
+        if self.draining or not self.leadership.leads():
             return
         granted = False
         for ticket in self.queue:

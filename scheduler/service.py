@@ -98,7 +98,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
         try:
             yield scheduler_pb.RegisterResponse(
                 registered=scheduler_pb.Registered(
-                    worker_id=worker.worker_id, epoch=self._scheduler.epoch
+                    worker_id=worker.worker_id, epoch=self._scheduler.leadership.epoch
                 )
             )
             while (notice := await worker.outbox.get()) is not None:
@@ -110,7 +110,7 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                             slot=lease.slot,
                             mode=_granted_mode_to_pb(lease.mode),
                             session_id=lease.session_id,
-                            epoch=self._scheduler.epoch,
+                            epoch=self._scheduler.leadership.epoch,
                             key=lease.key,
                             resume_key=lease.resume_key,
                             owner=lease.owner,
@@ -299,20 +299,20 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                 for r in status.running
             ],
             eta=_eta_to_pb(status.eta) if status.eta else None,
-            epoch=self._scheduler.epoch,
+            epoch=self._scheduler.leadership.epoch,
         )
 
     async def GetLeader(
         self, request: scheduler_pb.GetLeaderRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb.GetLeaderResponse:
-        core = self._scheduler
+        leadership = self._scheduler.leadership
         return scheduler_pb.GetLeaderResponse(
-            leading=core.leads() and not core.draining,
-            epoch=core.epoch,
-            leader=core.leader,
+            leading=leadership.leads() and not self._scheduler.draining,
+            epoch=leadership.epoch,
+            leader=leadership.leader,
             pid=os.getpid(),
-            terms=core.terms,
-            rebuild_s=core.rebuild_s,
+            terms=leadership.terms,
+            rebuild_s=leadership.rebuild_s,
         )
 
     async def CancelTicket(

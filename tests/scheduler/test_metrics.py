@@ -140,6 +140,7 @@ def test_leaderships_and_rebuild_seconds_follow_the_core(monkeypatch):
     rebuild gauge has no sample before the first, then the time from taking the lead to the
     last registration within the rebuild window."""
     from omnifabric.scheduler import core as core_module
+    from omnifabric.scheduler.leadership import REBUILD_S
 
     clock = [1000.0]
     monkeypatch.setattr(core_module.time, "monotonic", lambda: clock[0])
@@ -155,7 +156,7 @@ def test_leaderships_and_rebuild_seconds_follow_the_core(monkeypatch):
     clock[0] += 0.25
     core.register(_hello("w1"))
     assert value("omni_scheduler_rebuild_seconds") == pytest.approx(0.25)
-    clock[0] += core_module.REBUILD_S  # past the window: a late registration is no rebuild
+    clock[0] += REBUILD_S  # past the window: a late registration is no rebuild
     core.register(_hello("w2"))
     assert value("omni_scheduler_rebuild_seconds") == pytest.approx(0.25)
 
