@@ -132,7 +132,7 @@ async def test_resent_callers_keep_their_place_and_are_not_refused_again() -> No
         assert isinstance(update, QueueUpdate) and update.position == 1
         assert [e.session_id for e in core.status().queue] == ["first", "second", "new"]
         assert core.status().queue[0].waited_s >= 20.0
-        assert core.rebuild_s is not None and core.rebuild_s < 3.0
+        assert core.leadership.rebuild_s is not None and core.leadership.rebuild_s < 3.0
         core.release(worker, "L1")  # the running session ends: the oldest caller is served
         assert isinstance(await asyncio.wait_for(anext(first), scaled(2)), LeaseOffer)
         for call in (first, second, new):
