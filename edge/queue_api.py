@@ -1,7 +1,7 @@
 """The queue as the reference server shows it: `GET /api/queue`, `GET|DELETE
 /api/queue/{ticket}`, `GET|PUT /api/config/eta`, answered from the scheduler (GetStatus,
-CancelTicket, SetEta). Shapes follow the reference server's models; session types are named
-as it names them (`audio_duplex`, `omni_duplex`, `chat`)."""
+CancelTicket, SetEta, through edge.scheduler_client). Shapes follow the reference server's
+models; session types are named as it names them (`audio_duplex`, `omni_duplex`, `chat`)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,17 @@ from datetime import UTC, datetime, timedelta
 from http import HTTPStatus
 from typing import Any
 
-from omnifabric.common import modes
+from omnifabric.edge import scheduler_client as sc
 from omnifabric.edge.dialects.http_chat import HttpResponse
-from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 
-TIMEOUT_S = 2.0
 #: Scheduler mode -> the reference server's session type.
 REQUEST_TYPES = {"audio": "audio_duplex", "video": "omni_duplex", "chat": "chat"}
 #: PUT /api/config/eta field -> scheduler mode.
 ETA_FIELDS = {"eta_chat_s": "chat", "eta_audio_duplex_s": "audio", "eta_omni_duplex_s": "video"}
 
 
-def _type(mode: int) -> str:
-    name = modes.label(mode)
-    return REQUEST_TYPES.get(name, name)
+def _type(mode: str) -> str:
+    return REQUEST_TYPES.get(mode, mode)
 
 
 def started_at(ago_s: float) -> str:
@@ -31,7 +28,7 @@ def started_at(ago_s: float) -> str:
     return (datetime.now(UTC) - timedelta(seconds=ago_s)).isoformat(timespec="milliseconds")
 
 
-def _item(entry: scheduler_pb.QueueEntry) -> dict[str, Any]:
+def _item(entry: sc.QueueEntry) -> dict[str, Any]:
     return {
         "ticket_id": entry.ticket_id,
         "request_type": _type(entry.mode),
@@ -43,11 +40,7 @@ def _item(entry: scheduler_pb.QueueEntry) -> dict[str, Any]:
     }
 
 
-async def _status(stub: Any) -> scheduler_pb.GetStatusResponse:
-    return await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=TIMEOUT_S)
-
-
-def running_tasks(snap: scheduler_pb.GetStatusResponse) -> list[dict[str, Any]]:
+def running_tasks(snap: sc.Snapshot) -> list[dict[str, Any]]:
     """The sessions on workers as the reference server lists them (RunningTaskInfo)."""
     return [
         {
@@ -63,7 +56,7 @@ def running_tasks(snap: scheduler_pb.GetStatusResponse) -> list[dict[str, Any]]:
 
 
 async def queue(stub: Any) -> HttpResponse:
-    snap = await _status(stub)
+    snap = await sc.get_status(stub)
     body = {
         "queue_length": snap.queue_length,
         "max_queue_size": snap.queue_max,
@@ -74,8 +67,7 @@ async def queue(stub: Any) -> HttpResponse:
 
 
 async def ticket(stub: Any, ticket_id: str) -> HttpResponse:
-    snap = await _status(stub)
-    found = next((q for q in snap.queue if q.ticket_id == ticket_id), None)
+    found = await sc.find_ticket(stub, ticket_id)
     if found is None:
         message = "not waiting: already served, gone, cancelled or unknown"
         return HttpResponse(HTTPStatus.OK, {"found": False, "message": message})
@@ -83,14 +75,11 @@ async def ticket(stub: Any, ticket_id: str) -> HttpResponse:
 
 
 async def cancel(stub: Any, ticket_id: str) -> HttpResponse:
-    reply = await stub.CancelTicket(
-        scheduler_pb.CancelTicketRequest(ticket_id=ticket_id), timeout=TIMEOUT_S
-    )
-    return HttpResponse(HTTPStatus.OK, {"success": reply.cancelled})
+    return HttpResponse(HTTPStatus.OK, {"success": await sc.cancel_ticket(stub, ticket_id)})
 
 
-def eta_body(eta: scheduler_pb.EtaStatus) -> dict[str, Any]:
-    """EtaStatus as the reference server shapes it. Half-duplex has no queue of its own
+def eta_body(eta: sc.Eta) -> dict[str, Any]:
+    """The wait estimate as the reference server shapes it. Half-duplex has no queue of its own
     yet: its figures are the audio duplex ones."""
     config = {f: eta.baseline_s.get(mode, 0.0) for f, mode in ETA_FIELDS.items()}
     config["eta_half_duplex_s"] = config["eta_audio_duplex_s"]
@@ -105,18 +94,20 @@ def eta_body(eta: scheduler_pb.EtaStatus) -> dict[str, Any]:
 
 
 async def get_eta(stub: Any) -> HttpResponse:
-    return HttpResponse(HTTPStatus.OK, eta_body((await _status(stub)).eta))
+    return HttpResponse(HTTPStatus.OK, eta_body(await sc.get_eta(stub)))
 
 
-def eta_request(request: Any) -> scheduler_pb.SetEtaRequest:
-    """PUT /api/config/eta's body as a SetEtaRequest; ValueError naming the bad field."""
+def eta_request(request: Any) -> sc.EtaChange:
+    """PUT /api/config/eta's body as the change it asks for; ValueError naming the bad
+    field."""
     if not isinstance(request, dict):
         raise ValueError("the body must be a JSON object")
     known = {*ETA_FIELDS, "eta_half_duplex_s", "ema_alpha"}
     unknown = sorted(set(request) - known)
     if unknown:
         raise ValueError(f"unknown field {unknown[0]!r} (use {', '.join(sorted(known))})")
-    out = scheduler_pb.SetEtaRequest()
+    alpha = 0.0
+    baseline_s: dict[str, float] = {}
     for field, value in request.items():
         if value is None:
             continue
@@ -125,12 +116,11 @@ def eta_request(request: Any) -> scheduler_pb.SetEtaRequest:
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"{field} must be a positive number")
         if field == "ema_alpha":
-            out.alpha = float(value)
+            alpha = float(value)
         elif field in ETA_FIELDS:
-            out.baseline_s[ETA_FIELDS[field]] = float(value)
-    return out
+            baseline_s[ETA_FIELDS[field]] = float(value)
+    return sc.EtaChange(alpha, baseline_s)
 
 
-async def set_eta(stub: Any, request: scheduler_pb.SetEtaRequest) -> HttpResponse:
-    reply = await stub.SetEta(request, timeout=TIMEOUT_S)
-    return HttpResponse(HTTPStatus.OK, eta_body(reply.eta))
+async def set_eta(stub: Any, change: sc.EtaChange) -> HttpResponse:
+    return HttpResponse(HTTPStatus.OK, eta_body(await sc.set_eta(stub, change)))

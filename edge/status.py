@@ -11,28 +11,17 @@ import asyncio
 import os
 from typing import TYPE_CHECKING, Any
 
-from omnifabric.common import grpc_io, modes, schedulers
+from omnifabric.common import grpc_io, schedulers
 from omnifabric.edge import queue_api
-from omnifabric.omni.realtime.v1 import common_pb2
-from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+from omnifabric.edge import scheduler_client as sc
 
 if TYPE_CHECKING:
-    from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
-
     from omnifabric.edge.connection import EdgeContext
 
-STATUS_TIMEOUT_S = 2.0
 
-
-def _name(enum_type: EnumTypeWrapper, value: int, prefix: str) -> str:
-    return enum_type.Name(value).removeprefix(prefix).lower()
-
-
-async def snapshot(app: EdgeContext) -> scheduler_pb.GetStatusResponse:
+async def snapshot(app: EdgeContext) -> sc.Snapshot:
     """The scheduler's snapshot (grpc.aio.AioRpcError when it cannot be reached)."""
-    return await app.fabric.scheduler.GetStatus(
-        scheduler_pb.GetStatusRequest(), timeout=STATUS_TIMEOUT_S
-    )
+    return await sc.get_status(app.fabric.scheduler)
 
 
 async def scheduler_list(app: EdgeContext) -> dict[str, Any]:
@@ -41,9 +30,7 @@ async def scheduler_list(app: EdgeContext) -> dict[str, Any]:
     and its last rebuild, s; and the address of the one that leads (the highest epoch of
     those that say so, as the edge follows it; None: none does). Raises nothing."""
     fabric = app.fabric
-    answers = await asyncio.gather(
-        *(schedulers.ask(stub, i) for i, stub in enumerate(fabric.scheduler_stubs))
-    )
+    answers = await sc.leadership(fabric.scheduler_stubs)
     leader = schedulers.leader(answers)
     return {
         "schedulers": [
@@ -62,20 +49,20 @@ async def scheduler_list(app: EdgeContext) -> dict[str, Any]:
     }
 
 
-def reference_workers(snap: scheduler_pb.GetStatusResponse) -> list[dict[str, Any]]:
+def reference_workers(snap: sc.Snapshot) -> list[dict[str, Any]]:
     """Workers as the reference server's GET /workers lists them (its WorkerInfo). A worker
     here serves several sessions: `status` is `duplex_active` when one of them is a duplex
     session, `busy_chat` when they are chats, `idle` with none, `loading` while it does not
     take sessions; `current_session_id` is the first; `gpu_id` the CUDA index (-1: CPU)."""
-    running: dict[str, list[scheduler_pb.RunningLease]] = {}
+    running: dict[str, list[sc.RunningLease]] = {}
     for lease in snap.running:
         running.setdefault(lease.worker_id, []).append(lease)
     out = []
     for w in snap.workers:
         host, _, port = w.address.rpartition(":")
         leases = running.get(w.worker_id, [])
-        names = {modes.label(r.mode) for r in leases}
-        if w.health != common_pb2.WORKER_HEALTH_SERVING:
+        names = {r.mode for r in leases}
+        if w.health != sc.SERVING:
             status = "loading"
         elif names - {"chat"}:
             status = "duplex_active"
@@ -83,7 +70,7 @@ def reference_workers(snap: scheduler_pb.GetStatusResponse) -> list[dict[str, An
             status = "busy_chat"
         else:
             status = "idle"
-        device = w.memory.device if w.HasField("memory") else ""
+        device = w.memory.device if w.memory is not None else ""
         index = device.partition(":")[2] if device.startswith("cuda") else ""
         first = max(leases, key=lambda r: r.elapsed_s) if leases else None
         out.append(
@@ -95,7 +82,7 @@ def reference_workers(snap: scheduler_pb.GetStatusResponse) -> list[dict[str, An
                 "status": status,
                 "current_session_id": first.session_id if first else None,
                 "current_request_type": (
-                    queue_api.REQUEST_TYPES.get(modes.label(first.mode)) if first else None
+                    queue_api.REQUEST_TYPES.get(first.mode) if first else None
                 ),
                 "task_started_at": (
                     queue_api.started_at(first.elapsed_s) if first is not None else None
@@ -107,7 +94,7 @@ def reference_workers(snap: scheduler_pb.GetStatusResponse) -> list[dict[str, An
     return out
 
 
-def reference_summary(snap: scheduler_pb.GetStatusResponse) -> dict[str, Any]:
+def reference_summary(snap: sc.Snapshot) -> dict[str, Any]:
     """The reference server's GET /status fields (its ServiceStatus)."""
     workers = reference_workers(snap)
     count = {s: sum(w["status"] == s for w in workers) for s in ("idle", "loading")}
@@ -130,7 +117,7 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
     """Ask the scheduler for its snapshot and add this edge's sessions and the schedulers.
     Raises on an unreachable scheduler (grpc.aio.AioRpcError)."""
     snap, fleet = await asyncio.gather(snapshot(app), scheduler_list(app))
-    workers = [_worker(w) for w in snap.workers]
+    workers = [worker_entry(w) for w in snap.workers]
     sessions = _sessions(app, snap)
     return {
         "edge": {
@@ -160,6 +147,13 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
 
 
 def _worker(w: Any) -> dict[str, Any]:
+    """worker_entry of a Worker, or of a WorkerStatus message read through scheduler_client
+    first: tests/edge/test_status_entries.py hands it messages (drop this once it reads them
+    through scheduler_client.worker_from)."""
+    return worker_entry(w if isinstance(w, sc.Worker) else sc.worker_from(w))
+
+
+def worker_entry(w: sc.Worker) -> dict[str, Any]:
     """One worker of the scheduler's snapshot, as /status lists it."""
     worker: dict[str, Any] = {
         "worker_id": w.worker_id,
@@ -167,40 +161,26 @@ def _worker(w: Any) -> dict[str, Any]:
         "engine": w.engine,
         "slots": w.slots,
         "slots_free": w.slots_free,
-        "modes": [modes.label(m) for m in w.modes],
-        "health": _name(common_pb2.WorkerHealth, w.health, "WORKER_HEALTH_"),
+        "modes": list(w.modes),
+        "health": w.health,
         "detail": w.detail,
         "leases": len(w.lease_ids),
     }
-    if w.HasField("memory"):
-        m = w.memory
-        worker["memory"] = {
-            "device": m.device,
-            "allocated_bytes": m.allocated_bytes,
-            "baseline_bytes": m.baseline_bytes,
-            "before_cleanup_bytes": m.before_cleanup_bytes,
-            "cleanups": m.cleanups,
-        }
-        if m.kv_slots:  # an engine with KV slots allocated at start
-            worker["memory"]["kv"] = {
-                "slots": m.kv_slots,
-                "slot_tokens": m.kv_slot_tokens,
-                "slot_bytes": m.kv_slot_bytes,
-                "slots_more": m.kv_slots_more,
-            }
-    worker["admits"] = [modes.label(m) for m in w.admits]
-    if w.HasField("headroom"):
+    if w.memory is not None:
+        worker["memory"] = _memory(w.memory)
+    worker["admits"] = list(w.admits)
+    if w.headroom is not None:
         h = w.headroom
         worker["headroom"] = {
             "engine_threads": h.engine_threads,
-            "session_cost": {modes.label(c.mode): round(c.session_cost, 3) for c in h.costs},
+            "session_cost": {mode: round(cost, 3) for mode, cost in h.session_cost.items()},
             "late_units_recent": h.late_units_recent,
             "late_units_total": h.late_units_total,
             "late_window_s": h.late_window_s,
             "unit_p95_ratio": round(h.unit_p95_ratio, 3),
             "late_units_by_lease": dict(h.late_units_by_lease),
         }
-    if w.HasField("limits"):
+    if w.limits is not None:
         lim = w.limits
         worker["limits"] = {
             "max_slice_nums": [lim.min_slice_nums, lim.max_slice_nums],
@@ -209,9 +189,34 @@ def _worker(w: Any) -> dict[str, Any]:
     return worker
 
 
-def _sessions(app: EdgeContext, snap: Any) -> list[dict[str, Any]]:
+def _memory(m: sc.Memory) -> dict[str, Any]:
+    """A worker's memory report, as /status lists it (`kv`: only for engines with KV slots
+    allocated at start)."""
+    memory: dict[str, Any] = {
+        "device": m.device,
+        "allocated_bytes": m.allocated_bytes,
+        "baseline_bytes": m.baseline_bytes,
+        "before_cleanup_bytes": m.before_cleanup_bytes,
+        "cleanups": m.cleanups,
+    }
+    if m.kv is not None:
+        memory["kv"] = {
+            "slots": m.kv.slots,
+            "slot_tokens": m.kv.slot_tokens,
+            "slot_bytes": m.kv.slot_bytes,
+            "slots_more": m.kv.slots_more,
+        }
+    return memory
+
+
+def _sessions(app: EdgeContext, snap: sc.Snapshot) -> list[dict[str, Any]]:
     """This edge's sessions, with the late units their workers reported."""
-    late = {lease: n for w in snap.workers for lease, n in w.headroom.late_units_by_lease.items()}
+    late = {
+        lease: n
+        for w in snap.workers
+        if w.headroom is not None
+        for lease, n in w.headroom.late_units_by_lease.items()
+    }
     sessions = [
         {
             "session_id": core.session_id,
