@@ -187,7 +187,7 @@ class Shutdown:
 TurnEvent = TurnStarted | TurnQueued | TurnLeased | TurnPrefilled | TurnDelta | TurnDone
 
 
-def _image(data: object, where: str) -> bytes:
+def image_file(data: object, where: str) -> bytes:
     """A base64 image file (JPEG, PNG, ...), verified by the image parser."""
     from PIL import Image, UnidentifiedImageError
 
@@ -209,9 +209,26 @@ def _audio(item: dict[str, Any], where: str) -> bytes:
     audio = np.frombuffer(raw, dtype="<f4")
     if not np.isfinite(audio).all():
         raise InvalidPayload(f"{where}.data: samples must be finite numbers")
-    if audio.size / rate > MAX_AUDIO_SECONDS:
-        raise InvalidPayload(f"{where}: at most {MAX_AUDIO_SECONDS} s of audio per part")
+    check_audio_seconds(audio.size / rate, where)
     return pcm.resample(audio, rate, 16000).astype("<f4").tobytes()
+
+
+def check_audio_seconds(seconds: float, where: str) -> None:
+    """One audio part of a chat request holds at most MAX_AUDIO_SECONDS."""
+    if seconds > MAX_AUDIO_SECONDS:
+        raise InvalidPayload(f"{where}: at most {MAX_AUDIO_SECONDS} s of audio per part")
+
+
+def check_message_count(n: int) -> None:
+    if n > MAX_MESSAGES:
+        raise InvalidPayload(f"at most {MAX_MESSAGES} messages per request")
+
+
+def check_messages(messages: tuple[ChatMessage, ...]) -> None:
+    """A chat request's conversation: at most MAX_MESSAGES, the user's last."""
+    check_message_count(len(messages))
+    if not messages or messages[-1].role != "user":
+        raise InvalidPayload("the last message must be the user's")
 
 
 def _video(item: dict[str, Any], where: str) -> list[Part]:
@@ -270,7 +287,7 @@ def _parts(content: object, where: str) -> tuple[Part, ...]:
                 raise MissingField(f"{at}.text is required")
             parts.append(TextPart(item["text"]))
         elif kind == "image":
-            parts.append(ImagePart(_image(item.get("data"), f"{at}.data")))
+            parts.append(ImagePart(image_file(item.get("data"), f"{at}.data")))
         elif kind == "audio":
             parts.append(AudioPart(_audio(item, at)))
         elif kind == "video":
@@ -288,8 +305,7 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
         raise MissingField("'messages' is required")
     if not isinstance(messages, list) or not messages:
         raise InvalidPayload("'messages' must be a non-empty list")
-    if len(messages) > MAX_MESSAGES:
-        raise InvalidPayload(f"at most {MAX_MESSAGES} messages per request")
+    check_message_count(len(messages))  # before any is decoded
     parsed = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -300,8 +316,7 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
         if "content" not in message:
             raise MissingField(f"messages[{i}].content is required")
         parsed.append(ChatMessage(role, _parts(message["content"], f"messages[{i}]")))
-    if parsed[-1].role != "user":
-        raise InvalidPayload("the last message must be the user's")
+    check_messages(tuple(parsed))
     streaming = body.get("streaming", True)
     if not isinstance(streaming, bool):
         raise InvalidPayload("'streaming' must be true or false")

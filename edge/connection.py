@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from opentelemetry import context as otel_context
 
+from omnifabric.edge import cadence as cadences
 from omnifabric.edge import events as ev
 from omnifabric.edge.access import KeySessions
 from omnifabric.edge.apps import Apps
@@ -45,7 +46,7 @@ from omnifabric.edge.chat import (
     parse_chat,
 )
 from omnifabric.edge.config import EdgeConfig
-from omnifabric.edge.dialects.base import ChatDialect, DuplexDialect
+from omnifabric.edge.dialects.base import ChatDialect, DuplexDialect, SessionFacts
 from omnifabric.edge.errors import (
     AppDisabled,
     EdgeError,
@@ -138,13 +139,16 @@ class DuplexConnection:
         self._aborting: asyncio.Future | None = None
         self._acquiring: asyncio.Task | None = None
         """Waiting in the queue (or resuming), then starting the session."""
+        self.cadence = cadences.for_traits(dialect.traits.cadence)
+        """How the client's stream of audio becomes units (edge.cadence), when the dialect's
+        client does not send whole units."""
         self._ticker: asyncio.Task | None = None
+        """The cadence's clock."""
         self._turn: asyncio.Task | None = None
         """A chat turn beside the session (ev.TurnCommand)."""
         self.finished = asyncio.Event()
         """Set once the connection is over and its last messages went out (drain waits)."""
         transport.bind(self._overflowed, self._render_error)
-        dialect.voices = app.voices.pcm
 
     @property
     def mode(self) -> str | None:
@@ -184,17 +188,19 @@ class DuplexConnection:
     async def _emit(self, event: ev.SessionEvent) -> None:
         """Session events (SessionCore's emit, the pause watchdog) -> the client."""
         if isinstance(event, ev.Created | ev.Reattached) and self.core is not None:
-            # Before the client hears that the session started: what the dialect cuts a
-            # stream of audio into (half-duplex calls).
-            self.dialect.unit_bounds = self.core.unit_bounds
+            if self.cadence is not None:  # units of the leased worker's lengths from now
+                self.cadence.start(self.core.unit_bounds, time.monotonic())
+        if isinstance(event, ev.Created) and self.recorder is not None:
+            event = dataclasses.replace(event, recording_id=self.recorder.recording_id)
         if isinstance(event, ev.Reattached):
-            self.dialect.session_id = event.session_id
             # ResumeExpired: _resume fails it
             self._send_all(list(self.dialect.replay(event)))
             return
         if isinstance(event, ev.Closed):
             self._stop_pause()
             self._done.set()
+            if self.cadence is not None:
+                self.cadence.close()
             if event.error_code:
                 self.app.metrics.client_error(event.error_code)
         elif isinstance(event, ev.Output) and self.recorder is not None:
@@ -203,11 +209,15 @@ class DuplexConnection:
         if isinstance(event, ev.Closed):
             self.transport.close(1000, event.reason)
         elif isinstance(event, ev.Output):
-            for cmd in self.dialect.after_output(event):
-                try:
+            try:
+                for cmd in self.dialect.after_output(event):
                     await self._handle(cmd)
-                except EdgeError as err:  # the session ended meanwhile: nothing to feed
-                    log.debug("dialect command after an output dropped: %s", err)
+                if self.cadence is not None:  # the next unit may go once this was answered
+                    self.cadence.answered(event)
+                    for unit in self.cadence.due(time.monotonic(), clock=False):
+                        await self._append(unit, self.cadence)
+            except EdgeError as err:  # the session ended meanwhile: nothing to feed
+                log.debug("a command after an output dropped: %s", err)
 
     async def stop_turn(self) -> bool:
         """End the model's turn now (POST /api/half_duplex/stop); False when the dialect has
@@ -243,7 +253,8 @@ class DuplexConnection:
 
     async def _serve(self, first: list[ev.Command]) -> None:
         assert self.dialect.mode is not None
-        kind = self.dialect.app_mode or self.dialect.mode
+        traits = self.dialect.traits
+        kind = traits.app_mode or self.dialect.mode
         if not self.app.apps.enabled(kind):
             self.fail(AppDisabled(f"{kind} sessions are switched off"))
             return
@@ -258,14 +269,13 @@ class DuplexConnection:
             unit_timeout_s=config.unit_timeout_s,
             session_id=self.dialect.session_id,
             metrics=self.app.metrics,
-            resume_window_s=config.resume_window_s if self.dialect.resumable else 0.0,
+            resume_window_s=config.resume_window_s if traits.resumable else 0.0,
             owner=owner,
             key_limit=self.app.key_sessions.limit(owner) if owner else 0,
         )
-        self.dialect.session_id = core.session_id
-        if (
-            self.dialect.recorded and not self.dialect.resume_token
-        ):  # opt-in (--record-dir); a disabled recorder ignores all
+        self.dialect.bind(SessionFacts(core.session_id, self.app.voices.pcm))
+        if traits.recorded and not self.dialect.resume_token:
+            # opt-in (--record-dir); a disabled recorder ignores all
             self.recorder = SessionRecorder.for_session(
                 config, core.session_id, self.dialect.mode, self.transport.path
             )
@@ -276,10 +286,10 @@ class DuplexConnection:
         self._send_all(self.dialect.opening())
         if self.dialect.resume_token:
             self._acquiring = asyncio.create_task(self._resume())
-        elif not self.dialect.lease_on_init:
+        elif not traits.lease_on_init:
             self._acquiring = asyncio.create_task(self._acquire())
-        if self.dialect.tick_s > 0:
-            self._ticker = asyncio.create_task(self._tick())
+        if self.cadence is not None and self.cadence.tick_s > 0:
+            self._ticker = asyncio.create_task(self._tick(self.cadence))
         try:
             for cmd in first:
                 await self._handle(cmd)
@@ -312,7 +322,7 @@ class DuplexConnection:
     async def _read(self) -> None:
         assert self.core is not None
         while not self._done.is_set():
-            if self.dialect.holds_input_until_started and self.core.init is not None:
+            if self.dialect.traits.holds_input_until_started and self.core.init is not None:
                 await self._until_started()
                 if self._done.is_set():
                     return
@@ -410,7 +420,6 @@ class DuplexConnection:
             return
         if self.recorder is not None:
             self.recorder.start(init)
-            self.dialect.recording_id = self.recorder.recording_id
         try:
             await self.core.start(init, self.dialect.client_state())
         except EdgeError as err:
@@ -431,7 +440,7 @@ class DuplexConnection:
                 self.recorder.close_command(cmd)
             await core.close(ev.USER_STOP, cmd.reason)
         elif isinstance(cmd, ev.InitCommand):
-            core.take_init(cmd, self.dialect.already_initialized)
+            core.take_init(cmd, self.dialect.traits.already_initialized)
             try:
                 cmd = core.init = self._with_voices(cmd)
             except EdgeError:
@@ -443,11 +452,9 @@ class DuplexConnection:
                 self._acquiring = asyncio.create_task(self._acquire())
             # Sent during the queue: applied once a worker is assigned (_acquire).
         elif isinstance(cmd, ev.AppendCommand):
-            core.require_started(self.dialect.not_ready(cmd))
-            if self.recorder is not None:
-                self.recorder.append(cmd, core.init.dialect if core.init else None)
-            seq = await core.append(cmd)
-            self.dialect.appended(seq, cmd)
+            await self._append(cmd)
+        elif isinstance(cmd, ev.AudioCommand | ev.EndTurnCommand | ev.ClearAudioCommand):
+            await self._stream(cmd)
         elif isinstance(cmd, ev.PauseCommand):
             core.require_started(self.dialect.not_ready(cmd))
             # A second pause restarts the watchdog with its own timeout.
@@ -466,8 +473,10 @@ class DuplexConnection:
         elif isinstance(cmd, ev.TurnCommand):
             if self._turn is not None and not self._turn.done():
                 raise InvalidEvent("a response is still being generated")
-            # Off the loop: decoding and resampling a turn's audio takes milliseconds.
-            chat = await asyncio.to_thread(parse_chat, cmd.body)
+            chat = cmd.chat
+            if chat is None:
+                # Off the loop: decoding and resampling a turn's audio takes milliseconds.
+                chat = await asyncio.to_thread(parse_chat, cmd.body or {})
             if not self._done.is_set():
                 self._turn = asyncio.create_task(self._chat_turn(chat))
         elif isinstance(cmd, ev.CancelTurnCommand):
@@ -475,6 +484,39 @@ class DuplexConnection:
                 self._turn.cancel()
         else:
             raise InvalidEvent(f"unsupported command {type(cmd).__name__}")
+
+    async def _append(self, cmd: ev.AppendCommand, cadence: cadences.Cadence | None = None) -> None:
+        """One unit to the worker (`cadence`: the one that made it)."""
+        core = self.core
+        assert core is not None
+        core.require_started(self.dialect.not_ready(cmd))
+        if self.recorder is not None:
+            self.recorder.append(cmd, core.init.dialect if core.init else None)
+        seq = await core.append(cmd)
+        if cadence is not None:
+            cadence.sent(seq, time.monotonic())
+        self.dialect.appended(seq, cmd)
+
+    async def _stream(
+        self, cmd: ev.AudioCommand | ev.EndTurnCommand | ev.ClearAudioCommand
+    ) -> None:
+        """The client's stream of audio, through the cadence, to the units it makes."""
+        cadence = self.cadence
+        if cadence is None:
+            raise InvalidEvent(f"{type(cmd).__name__}: this protocol sends whole units")
+        assert self.core is not None
+        if not cadence.holds_before_start:
+            self.core.require_started(self.dialect.not_ready(cmd))
+        if isinstance(cmd, ev.AudioCommand):
+            cadence.push(cmd.samples, cmd.rate)
+            units = cadence.due(time.monotonic(), clock=False)
+        elif isinstance(cmd, ev.EndTurnCommand):
+            units = cadence.end_turn() + cadence.due(time.monotonic(), clock=False)
+        else:
+            cadence.clear()
+            units = []
+        for unit in units:
+            await self._append(unit, cadence)
 
     async def _chat_turn(self, chat: ChatInput) -> None:
         """One chat turn beside the session (ev.TurnCommand): its events to the dialect."""
@@ -506,13 +548,13 @@ class DuplexConnection:
             return
         await emit(TurnDone(done))
 
-    async def _tick(self) -> None:
-        """The dialect's clock: its due commands every tick_s, until the connection ends."""
+    async def _tick(self, cadence: cadences.Cadence) -> None:
+        """The cadence's clock: the units it makes due, every tick_s, until the end."""
         while not self._done.is_set():
-            await asyncio.sleep(self.dialect.tick_s)
-            for cmd in self.dialect.tick(time.monotonic()):
+            await asyncio.sleep(cadence.tick_s)
+            for unit in cadence.due(time.monotonic(), clock=True):
                 try:
-                    await self._handle(cmd)
+                    await self._append(unit, cadence)
                 except EdgeError as err:
                     self.fail(err)
 

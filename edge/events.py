@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from omnifabric.common import close_reasons
 
@@ -12,6 +15,9 @@ from omnifabric.common import close_reasons
 # usage in the SDK's shape: the types the worker shares (common's).
 from omnifabric.common.session_types import DuplexSettings as DuplexSettings
 from omnifabric.common.session_types import Usage as Usage
+
+if TYPE_CHECKING:
+    from omnifabric.edge.chat import ChatInput
 
 
 class Dialect(enum.Enum):
@@ -62,6 +68,25 @@ class AppendCommand:
 
 
 @dataclass(frozen=True)
+class AudioCommand:
+    """Client audio of any length for the session's cadence (edge.cadence), which cuts,
+    paces and pads it into units: float32 samples at `rate`."""
+
+    samples: np.ndarray = field(compare=False)
+    rate: int = 16000
+
+
+@dataclass(frozen=True)
+class EndTurnCommand:
+    """End the model's turn now: the cadence's next unit carries force_listen."""
+
+
+@dataclass(frozen=True)
+class ClearAudioCommand:
+    """Drop the audio the cadence holds (the dialect ignores it)."""
+
+
+@dataclass(frozen=True)
 class CloseCommand:
     """session.close; `reason` is the client's own (echoed in the current dialect)."""
 
@@ -93,11 +118,12 @@ class SendCommand:
 
 @dataclass(frozen=True)
 class TurnCommand:
-    """Run one chat turn (edge.chat's request body, validated by parse_chat) beside the
-    duplex session, on a slot of its own while it is generated; its turn events go back to
-    the dialect."""
+    """Run one chat turn beside the duplex session, on a slot of its own while it is
+    generated; its turn events go back to the dialect. The turn is either a validated
+    edge.chat.ChatInput (`chat`) or a chat request body that parse_chat validates."""
 
-    body: dict[str, object]
+    body: dict[str, object] | None = None
+    chat: ChatInput | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +134,9 @@ class CancelTurnCommand:
 Command = (
     InitCommand
     | AppendCommand
+    | AudioCommand
+    | EndTurnCommand
+    | ClearAudioCommand
     | CloseCommand
     | PauseCommand
     | ResumeCommand
@@ -142,6 +171,9 @@ class Created:
     resume_token: str = ""
     """A resumable session's token (given to the client once, never logged)."""
     resume_window_s: float = 0.0
+    recording_id: str | None = None
+    """The session's recording (edge.recording), None when nothing records it: the driver
+    fills it in before the dialect renders the start."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ import numpy as np
 
 from omnifabric.edge import events as ev
 from omnifabric.edge import g711, pcm
-from omnifabric.edge.dialects.openai_realtime import OpenAIRealtime
+from omnifabric.edge.cadence import PacedCadence
+from omnifabric.edge.dialects.base import SessionFacts
+from omnifabric.edge.dialects.openai import OpenAIRealtime
 from omnifabric.edge.dialects.realtime import RealtimeDuplex
 from omnifabric.tools.client import SILENCE_UNIT, percentile, run_session
 
@@ -73,20 +75,24 @@ def micro(units: int = 300) -> dict[str, float]:
         append = json.dumps(
             {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}
         )
+        cadence = PacedCadence()  # the driver's, as edge.connection runs it
+        dialect.bind(SessionFacts("rt_1"))
         dialect.decode(append)
-        dialect.unit_bounds = (16000, 16000)
-        dialect.session_id = "rt_1"
+        cadence.start((16000, 16000), time.monotonic())
         dialect.encode(ev.Created("rt_1", 10))
         t0 = time.perf_counter()
         for seq in range(1, units + 1):
-            sent = []
+            sent: list[ev.AppendCommand] = []
             for _ in range(int(1 / CHUNK_S)):
-                sent += dialect.decode(append)
+                for cmd in dialect.decode(append):
+                    if isinstance(cmd, ev.AudioCommand):
+                        cadence.push(cmd.samples, cmd.rate)
+                        sent += cadence.due(time.monotonic(), clock=False)
             for cmd in sent:
-                if isinstance(cmd, ev.AppendCommand):
-                    dialect.appended(seq, cmd)
+                cadence.sent(seq, time.monotonic())
+                dialect.appended(seq, cmd)
             dialect.encode(_answer(seq))
-            dialect.after_output(_answer(seq))
+            cadence.answered(_answer(seq))
         out[name] = (time.perf_counter() - t0) / units * 1e6
     return out
 

@@ -16,7 +16,7 @@ from omnifabric.edge.dialects.half_duplex import HalfDuplex
 from omnifabric.edge.dialects.http_chat import HttpChat
 from omnifabric.edge.dialects.legacy_chat import LegacyChat
 from omnifabric.edge.dialects.legacy_duplex import LegacyDuplex
-from omnifabric.edge.dialects.openai_realtime import OpenAIRealtime
+from omnifabric.edge.dialects.openai import OpenAIRealtime
 from omnifabric.edge.dialects.realtime import RealtimeDuplex
 from omnifabric.edge.dialects.realtime_chat import RealtimeChat
 

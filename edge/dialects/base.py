@@ -30,45 +30,62 @@ class Refusal:
     details: str
 
 
+@dataclass(frozen=True)
+class Traits:
+    """What a duplex dialect is, as the connection driver reads it: fixed for the dialect."""
+
+    recorded: bool = False
+    """Its sessions go to the opt-in recorder (edge.recording)."""
+    resumable: bool = False
+    """Its sessions can be resumed after a dropped connection (a token in their start,
+    `seq` on their events)."""
+    holds_input_until_started: bool = False
+    """Read no client message after the init until the session started (gRPC clients
+    pipeline their units right behind the init)."""
+    already_initialized: str = ALREADY_INITIALIZED
+    """The text of a second init (SessionCore.take_init refuses it)."""
+    app_mode: str | None = None
+    """The app its sessions belong to (edge.apps: switched on and off apart); None: the
+    session's mode's."""
+    lease_on_init: bool = False
+    """Wait in the queue only once the client's first init arrives, not from the connect
+    (a dialect whose client settles its session first, or may never need a duplex slot)."""
+    cadence: str | None = None
+    """How its client's audio becomes units (edge.cadence: CUT, PACED), or None: the client
+    sends whole units (AppendCommand)."""
+
+
+@dataclass(frozen=True)
+class SessionFacts:
+    """What the driver tells a dialect once, before its first message: the session's id
+    and the registered voices (edge.voices: a voice id -> its reference audio, float32
+    16 kHz PCM, None when unknown)."""
+
+    session_id: str
+    voices: Callable[[str], bytes | None] | None = None
+
+
 class DuplexDialect:
     """Base of duplex translators; subclasses override decode, encode and error."""
 
     name = "duplex"
+    traits = Traits()
     #: audio or video; None until the first message names it (gRPC).
     mode: str | None = None
-    #: The client's own session id (legacy path), or None for a new one.
+    #: The client's own session id (legacy path), or None for a new one; the session's
+    #: id once bound.
     session_id: str | None = None
-    #: Sessions of this dialect go to the opt-in recorder (edge.recording).
-    recorded = False
-    #: Sessions of this dialect can be resumed after a dropped connection (a token in
-    #: their start, `seq` on their events).
-    resumable = False
     #: Set when the client asks to resume a session instead of starting one: its token and
     #: the last event seq it received.
     resume_token = ""
     last_seq = 0
-    #: The recording's id once the session is being recorded (set by the driver before the
-    #: session starts; None when the edge records nothing or recording failed).
-    recording_id: str | None = None
-    #: (fewest, most) samples per unit the leased worker serves, set by the driver as the
-    #: session starts; None before, or when the worker states none.
-    unit_bounds: tuple[int, int] | None = None
-    #: Read no client message after the init until the session started (gRPC clients
-    #: pipeline their units right behind the init).
-    holds_input_until_started = False
-    #: The text of a second init (SessionCore.take_init refuses it).
-    already_initialized = ALREADY_INITIALIZED
-    #: The app a session of this dialect belongs to (edge.apps: switched on and off apart);
-    #: None: its mode's.
-    app_mode: str | None = None
-    #: Wait in the queue only once the client's first init arrives, not from the connect
-    #: (a dialect whose client settles its session first, or may never need a duplex slot).
-    lease_on_init = False
-    #: Seconds between calls of tick(); 0: the dialect has no clock.
-    tick_s = 0.0
-    #: The registered voices (edge.voices): a voice id -> its reference audio (float32
-    #: 16 kHz PCM), None when unknown. Set by the driver before anything is decoded.
+    #: The registered voices, from the facts.
     voices: Callable[[str], bytes | None] | None = None
+
+    def bind(self, facts: SessionFacts) -> None:
+        """The session's facts (the driver calls this once, before opening())."""
+        self.session_id = facts.session_id
+        self.voices = facts.voices
 
     def refusal(self) -> EdgeError | None:
         """An error that refuses the connection before any session (bad mode or id)."""
@@ -76,10 +93,6 @@ class DuplexDialect:
 
     def opening(self) -> list[Any]:
         """Messages sent as soon as the connection is served (before any queueing)."""
-        return []
-
-    def tick(self, now: float) -> list[ev.Command]:
-        """Commands due by the dialect's clock (time.monotonic() `now`), every tick_s."""
         return []
 
     def encode_turn(self, event: TurnEvent) -> list[Any]:
@@ -121,8 +134,8 @@ class DuplexDialect:
         return []
 
     def after_output(self, event: ev.Output) -> list[ev.Command]:
-        """Commands the driver runs once `event` went out (the OpenAI dialect sends its next
-        unit once the last one was answered); none by default."""
+        """Commands the driver runs once `event` went out (half-duplex drops the audio held
+        when an answer starts); none by default."""
         return []
 
     def client_state(self) -> bytes:

@@ -17,7 +17,7 @@ from typing import Any
 from omnifabric.common import modes
 from omnifabric.edge import events as ev
 from omnifabric.edge import fields, pcm
-from omnifabric.edge.dialects.base import DuplexDialect, Refusal
+from omnifabric.edge.dialects.base import DuplexDialect, Refusal, Traits
 from omnifabric.edge.errors import (
     AppDisabled,
     EdgeError,
@@ -124,9 +124,11 @@ class GrpcRealtime(DuplexDialect):
     """RealtimeService.Connect."""
 
     name = "grpc_realtime"
-    holds_input_until_started = True
-    already_initialized = "init may be sent only once"
-    resumable = True
+    traits = Traits(
+        holds_input_until_started=True,
+        already_initialized="init may be sent only once",
+        resumable=True,
+    )
 
     def __init__(self) -> None:
         self._opened = False
@@ -170,7 +172,7 @@ class GrpcRealtime(DuplexDialect):
         if kind == "close":
             return [ev.CloseCommand(message.close.reason or None)]
         if kind == "init":
-            raise InvalidPayload(self.already_initialized)
+            raise InvalidPayload(self.traits.already_initialized)
         raise InvalidPayload("an empty request")
 
     def _numbered(self, responses: list[Any]) -> list[Any]:

@@ -51,7 +51,8 @@ import numpy as np
 
 from omnifabric.edge import events as ev
 from omnifabric.edge import fields, pcm
-from omnifabric.edge.dialects.base import DuplexDialect
+from omnifabric.edge.cadence import CUT
+from omnifabric.edge.dialects.base import DuplexDialect, Traits
 from omnifabric.edge.dialects.legacy_duplex import (
     end_json,
     error_json,
@@ -73,9 +74,6 @@ MAX_NEW_TOKENS = 256
 #: The longest audio_chunk taken, 16 kHz samples: 30 s, the most of a turn a worker hears
 #: as one unit; a longer message is refused whole.
 MAX_CHUNK_SAMPLES = 30 * 16000
-#: One second of silence at 16 kHz: the force_listen unit of an external stop (a unit length
-#: every engine takes).
-SILENCE = np.zeros(16000, "<f4").tobytes()
 
 
 def system_content(value: Any) -> tuple[list[str], bytes]:
@@ -110,10 +108,14 @@ class HalfDuplex(DuplexDialect):
     """/ws/half_duplex/{session_id}."""
 
     name = "half_duplex"
-    recorded = True
-    already_initialized = "the session is already prepared"
-    #: The app it belongs to (edge.apps): switched on and off apart from audio duplex.
-    app_mode = "half_duplex"
+    #: Its own app (edge.apps): switched on and off apart from audio duplex. Its stream of
+    #: chunks is cut into the worker's units by the driver's cadence (edge.cadence).
+    traits = Traits(
+        recorded=True,
+        already_initialized="the session is already prepared",
+        app_mode="half_duplex",
+        cadence=CUT,
+    )
 
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
@@ -128,8 +130,8 @@ class HalfDuplex(DuplexDialect):
         self._timeout_s = TIMEOUT_S
         self._last_chunk = 0.0
         self._prepared = False
-        self._pending = bytearray()
-        """Audio received and not yet sent: less than the worker's shortest unit."""
+        self._answer_began = False
+        """An answer began with the last output: the audio held before it is dropped."""
 
     def refusal(self) -> EdgeError | None:
         return path_id_refusal(self.session_id)
@@ -162,31 +164,13 @@ class HalfDuplex(DuplexDialect):
             )
             if self._answering:
                 return idle  # the model is answering: input is ignored (no echo of its voice)
-            return [*self._units(raw), *idle]
+            return [ev.AudioCommand(np.frombuffer(raw, "<f4")), *idle]
         if kind == "prepare":
             return [self._prepare(event)]
         if kind == "stop":
             self._stopping = True
             return [ev.CloseCommand()]
         raise UnknownEvent(f"unknown message type {kind[:64]!r}")
-
-    def _units(self, raw: bytes) -> list[ev.Command]:
-        """The units a chunk of the stream completes: audio gathers until it reaches the
-        worker's shortest unit, then all of it goes, in as few units as the longest allows
-        (equal parts, so none falls under the shortest). Before the session started the
-        chunk goes as it is, to be refused as not ready."""
-        if self.unit_bounds is None:
-            return [ev.AppendCommand(pcm=raw)]
-        fewest, most = self.unit_bounds
-        self._pending += raw
-        total = len(self._pending) // 4
-        if total < fewest:
-            return []
-        parts = -(-total // most)
-        data = bytes(self._pending)
-        self._pending.clear()
-        cuts = [total * i // parts * 4 for i in range(parts + 1)]
-        return [ev.AppendCommand(pcm=data[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
 
     def _prepare(self, event: dict[str, Any]) -> ev.InitCommand:
         prompt = event.get("system_prompt", "")
@@ -257,9 +241,12 @@ class HalfDuplex(DuplexDialect):
         """An external stop (POST /api/half_duplex/stop): while the model answers, a unit
         with force_listen ends its turn (the worker's next piece of the answer takes it;
         turn_done follows with what was said); nothing to do otherwise."""
-        return [ev.AppendCommand(pcm=SILENCE, force_listen=True)] if self._answering else []
+        return [ev.EndTurnCommand()] if self._answering else []
 
-    # after_output: none (the base's). The worker goes on with an answer by itself.
+    def after_output(self, event: ev.Output) -> list[ev.Command]:
+        """The user's last instant before an answer is ignored too (as input during it)."""
+        began, self._answer_began = self._answer_began, False
+        return [ev.ClearAudioCommand()] if began else []
 
     # ---- session events -> client -------------------------------------------------------
 
@@ -271,7 +258,7 @@ class HalfDuplex(DuplexDialect):
                 "type": "prepared",
                 "session_id": self.session_id,
                 "timeout_s": self._timeout_s,
-                "recording_session_id": self.recording_id,
+                "recording_session_id": event.recording_id,
                 "prompt_length": event.prompt_length,
             }
             if event.notes:  # what the engine could not do as asked (settings it ignores)
@@ -304,7 +291,7 @@ class HalfDuplex(DuplexDialect):
             return messages
         if not self._answering:
             self._answering = True
-            self._pending.clear()  # the user's last instant before the answer: ignored too
+            self._answer_began = True
             if self._speaking:
                 messages.append({"type": "vad_state", "speaking": False})
             self._speaking = False

@@ -43,7 +43,7 @@ from typing import Any
 from omnifabric.common.close_reasons import close_message
 from omnifabric.edge import events as ev
 from omnifabric.edge import fields, pcm
-from omnifabric.edge.dialects.base import DuplexDialect
+from omnifabric.edge.dialects.base import DuplexDialect, Traits
 from omnifabric.edge.errors import (
     EdgeError,
     InvalidPayload,
@@ -195,8 +195,7 @@ class LegacyDuplex(DuplexDialect):
     """/ws/duplex/{session_id}."""
 
     name = "legacy_duplex"
-    recorded = True
-    already_initialized = "the session is already prepared"
+    traits = Traits(recorded=True, already_initialized="the session is already prepared")
 
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
@@ -249,7 +248,7 @@ class LegacyDuplex(DuplexDialect):
                 {
                     "type": "prepared",
                     "prompt_length": event.prompt_length,
-                    "recording_session_id": self.recording_id,
+                    "recording_session_id": event.recording_id,
                 }
             ]
         if isinstance(event, ev.Output):

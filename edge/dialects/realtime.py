@@ -11,7 +11,7 @@ from typing import Any
 
 from omnifabric.edge import events as ev
 from omnifabric.edge import fields, pcm
-from omnifabric.edge.dialects.base import DuplexDialect
+from omnifabric.edge.dialects.base import DuplexDialect, Traits
 from omnifabric.edge.errors import (
     EdgeError,
     InferenceError,
@@ -287,11 +287,9 @@ class RealtimeDuplex(DuplexDialect):
     """/v1/realtime?mode=audio|video, both dialects."""
 
     name = "realtime"
-    recorded = True
+    traits = Traits(recorded=True, resumable=True)
     #: The URL's ?mode=, known before any message (never None here, unlike the gRPC dialect).
     mode: str
-
-    resumable = True
 
     def __init__(self, mode: str, resume_token: str = "", last_seq: str = "") -> None:
         self.mode = mode

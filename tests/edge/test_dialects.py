@@ -15,6 +15,7 @@ import pytest
 from omnifabric.edge import errors, fields
 from omnifabric.edge import events as ev
 from omnifabric.edge.dialects import realtime
+from omnifabric.edge.dialects.base import SessionFacts
 from omnifabric.edge.pcm import reference_audio
 
 
@@ -311,7 +312,7 @@ def test_grpc_dialect_first_request_costs_and_refusals():
     assert isinstance(unit, ev.AppendCommand)
     with pytest.raises(errors.InvalidPayload, match="only once"):
         d.decode(init)
-    d.session_id = "rt_5"
+    d.bind(SessionFacts("rt_5"))
     timings = {"prefill_ms": 1.0, "cost_llm_ms": 7.5, "cost_tts_ms": 2.0, "queue_ms": 0.5}
     [out] = d.encode(_out(timings_ms=timings, n_tokens=3, n_tts_tokens=9))
     assert dict(out.output.timings.engine_costs_ms) == {"llm": 7.5, "tts": 2.0}
@@ -476,7 +477,8 @@ def test_half_duplex_maps_vad_and_generation_config():
     # ends the answer itself). The edge feeds the answer nothing: the worker goes on alone.
     assert s.max_tokens == 5
     d.encode(_out(seq=1, n_tokens=3))
-    assert d.after_output(_out(seq=1)) == []
+    # The answer began: the audio held for the next unit is dropped, nothing is fed.
+    assert d.after_output(_out(seq=1)) == [ev.ClearAudioCommand()]
     d.encode(_out(seq=1, n_tokens=2))  # the worker's own pieces carry the answer's seq
     assert d.after_output(_out(seq=1)) == []
     [*_, done] = d.encode(_out(seq=1, text="", n_tokens=0, end_of_turn=True))
@@ -488,21 +490,34 @@ def test_half_duplex_audio_is_a_stream_cut_into_the_workers_units():
     """audio_chunk of any length (issue 36: the 2484-sample last piece of a recording cut
     into 0.5 s chunks was refused): short chunks wait for the next, long ones go in equal
     units the worker serves, no sample lost or reordered."""
+    from omnifabric.edge.cadence import CutCadence, for_traits
     from omnifabric.edge.dialects.half_duplex import MAX_CHUNK_SAMPLES, HalfDuplex
 
     d = HalfDuplex("hd_1")
+    cadence = for_traits(d.traits.cadence)  # the driver's, as edge.connection runs it
+    assert isinstance(cadence, CutCadence)
     d.decode(_frame({"type": "prepare"}))
     audio = np.arange(200000, dtype="<f4") / 200000
 
-    def chunk(a: int, b: int) -> list[ev.Command]:
+    def chunk(a: int, b: int) -> list[ev.AppendCommand]:
         b64 = base64.b64encode(audio[a:b].tobytes()).decode()
-        cmds = d.decode(_frame({"type": "audio_chunk", "audio_base64": b64}))
-        return [c for c in cmds if isinstance(c, ev.AppendCommand)]
+        units: list[ev.AppendCommand] = []
+        for cmd in d.decode(_frame({"type": "audio_chunk", "audio_base64": b64})):
+            if isinstance(cmd, ev.AudioCommand):
+                cadence.push(cmd.samples, cmd.rate)
+                units += cadence.due(0.0, clock=False)
+        return units
 
-    # Before the session started (bounds unknown) a chunk goes as it is (refused as not
-    # ready by the driver, as before).
-    assert [len(c.pcm) // 4 for c in chunk(0, 2484)] == [2484]
-    d.unit_bounds = (4000, 64000)  # set by the driver as the session starts
+    def answered(out: ev.Output) -> None:
+        d.encode(out)
+        for cmd in d.after_output(out):
+            assert isinstance(cmd, ev.ClearAudioCommand)
+            cadence.clear()
+
+    # Before the session started the driver refuses a chunk as not ready (as before): the
+    # cut cadence holds nothing then.
+    assert not cadence.holds_before_start
+    cadence.start((4000, 64000), 0.0)  # the leased worker's bounds, as the session starts
     sent: list[ev.AppendCommand] = []
     sizes = []
     for a, b in ((0, 8000), (8000, 10484), (10484, 11484), (11484, 13000), (13000, 13000),
@@ -516,9 +531,9 @@ def test_half_duplex_audio_is_a_stream_cut_into_the_workers_units():
     got = np.frombuffer(b"".join(c.pcm for c in sent), "<f4")
     assert np.array_equal(got, audio[:150000])
     # The answer starts: what waited is the user's last instant before it, ignored too.
-    d.encode(_out(seq=5, n_tokens=1))
+    answered(_out(seq=5, n_tokens=1))
     assert chunk(151000, 152000) == []
-    d.encode(_out(seq=6, text="", n_tokens=0, end_of_turn=True))
+    answered(_out(seq=6, text="", n_tokens=0, end_of_turn=True))
     assert [len(c.pcm) // 4 for c in chunk(152000, 156000)] == [4000]
     with pytest.raises(errors.InvalidPayload, match=f"at most {MAX_CHUNK_SAMPLES}"):
         big = np.zeros(MAX_CHUNK_SAMPLES + 1, "<f4")
@@ -638,14 +653,14 @@ def test_half_duplex_answers_stop_at_256_tokens_unless_asked():
 def test_half_duplex_stop_turn_sends_one_force_listen_unit_while_answering():
     """POST /api/half_duplex/stop: one force_listen unit while the model answers (the
     worker's next piece takes it), nothing otherwise; the answer needs no unit per piece."""
-    from omnifabric.edge.dialects.half_duplex import SILENCE, HalfDuplex
+    from omnifabric.edge.dialects.half_duplex import HalfDuplex
 
     d = HalfDuplex("hd_1")
     d.decode(_frame({"type": "prepare"}))
     assert d.stop_turn() == []
     d.encode(_out(seq=4, n_tokens=2))
-    assert d.after_output(_out(seq=4)) == []
-    assert d.stop_turn() == [ev.AppendCommand(pcm=SILENCE, force_listen=True)]
+    assert d.after_output(_out(seq=4)) == [ev.ClearAudioCommand()]
+    assert d.stop_turn() == [ev.EndTurnCommand()]  # the cadence's silent force_listen unit
     [*_, done] = d.encode(_out(seq=5, is_listen=True, text="", pcm=b"", end_of_turn=True))
     assert done["type"] == "turn_done" and d.stop_turn() == []
 

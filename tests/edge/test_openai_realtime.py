@@ -1,5 +1,5 @@
-"""The OpenAI Realtime dialect without I/O: its events, its clock and its turns, driven by
-plain calls as the connection driver makes them."""
+"""The OpenAI Realtime dialect without I/O: its events, its turns, and its audio through the
+paced cadence (edge.cadence), driven by plain calls as the connection driver makes them."""
 
 from __future__ import annotations
 
@@ -13,15 +13,11 @@ import pytest
 
 from omnifabric.edge import events as ev
 from omnifabric.edge import g711
-from omnifabric.edge.chat import ChatResult, TurnDelta, TurnDone, TurnStarted, parse_chat
+from omnifabric.edge.cadence import FILL_GRACE_S, PacedCadence, for_traits
+from omnifabric.edge.chat import AudioPart, ChatResult, TurnDelta, TurnDone, TurnStarted
 from omnifabric.edge.dialects import WEBSOCKET, find
-from omnifabric.edge.dialects.openai_realtime import (
-    FILL_GRACE_S,
-    NOTICE,
-    OpenAIRealtime,
-    decode_audio,
-    encode_audio,
-)
+from omnifabric.edge.dialects.base import SessionFacts
+from omnifabric.edge.dialects.openai import NOTICE, OpenAIRealtime, decode_audio, encode_audio
 from omnifabric.edge.dialects.realtime import RealtimeDuplex
 from omnifabric.edge.errors import EdgeError, InvalidEvent, UnknownEvent
 
@@ -43,14 +39,52 @@ def sent_messages(commands: list) -> list[dict]:
     return [m for c in commands if isinstance(c, ev.SendCommand) for m in c.messages]
 
 
-def running(d: OpenAIRealtime) -> OpenAIRealtime:
+class Driven:
+    """The dialect and the cadence its traits name, as edge.connection drives them: audio
+    commands go to the cadence, the units it makes due come back."""
+
+    def __init__(self, d: OpenAIRealtime) -> None:
+        self.d = d
+        cadence = for_traits(d.traits.cadence)
+        assert isinstance(cadence, PacedCadence)
+        self.cadence = cadence
+
+    def send(self, **event) -> list:
+        return self.run(send(self.d, **event))
+
+    def run(self, commands: list) -> list:
+        """The commands, with the audio ones replaced by the units they make due."""
+        out: list = []
+        for cmd in commands:
+            if isinstance(cmd, ev.AudioCommand):
+                self.cadence.push(cmd.samples, cmd.rate)
+                out += self.cadence.due(time.monotonic(), clock=False)
+            elif isinstance(cmd, ev.EndTurnCommand):
+                out += self.cadence.end_turn() + self.cadence.due(time.monotonic(), clock=False)
+            else:
+                out.append(cmd)
+        return out
+
+    def tick(self, now: float) -> list:
+        return self.cadence.due(now, clock=True)
+
+    def appended(self, seq: int, unit: ev.AppendCommand) -> None:
+        self.cadence.sent(seq, time.monotonic())
+        self.d.appended(seq, unit)
+
+    def after_output(self, out: ev.Output) -> list:
+        self.cadence.answered(out)
+        return self.cadence.due(time.monotonic(), clock=False)
+
+
+def running(d: OpenAIRealtime) -> Driven:
     """The duplex session started (as the driver reports it)."""
-    if not any(isinstance(c, ev.InitCommand) for c in d.decode(APPEND_NOTHING)):
-        assert d.unit_bounds is None  # started by an earlier append
-    d.unit_bounds = (1600, 16000 * 30)
-    d.session_id = "rt_1"
+    driven = Driven(d)
+    driven.run(d.decode(APPEND_NOTHING))
+    d.bind(SessionFacts("rt_1"))
+    driven.cadence.start((1600, 16000 * 30), time.monotonic())
     assert d.encode(ev.Created("rt_1", 10)) == []
-    return d
+    return driven
 
 
 def output(seq: int, *, listen: bool, text: str = "", end: bool = False, **kw) -> ev.Output:
@@ -69,7 +103,7 @@ def test_the_route_tells_the_openai_client_from_minicpm_o_clients():
 
 def test_session_created_on_connect_and_updated_with_what_was_set():
     d = OpenAIRealtime("m")
-    d.session_id = "rt_1"
+    d.bind(SessionFacts("rt_1"))
     (created,) = d.opening()
     assert created["type"] == "session.created" and created["event_id"]
     assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
@@ -147,11 +181,11 @@ def test_malformed_and_unknown_events_get_an_error_and_the_session_goes_on():
 
 
 def test_the_first_audio_starts_the_duplex_session_and_units_go_one_at_a_time():
-    d = OpenAIRealtime("m")
-    commands = send(d, type="input_audio_buffer.append", audio=pcm16(3.0, 0.3))
+    d = Driven(OpenAIRealtime("m"))
+    commands = d.send(type="input_audio_buffer.append", audio=pcm16(3.0, 0.3))
     assert [type(c) for c in commands] == [ev.InitCommand]  # queued: no unit yet
-    assert send(d, type="input_audio_buffer.append", audio=pcm16(0.1)) == []
-    running(d)
+    assert d.send(type="input_audio_buffer.append", audio=pcm16(0.1)) == []
+    d.cadence.start((1600, 16000 * 30), time.monotonic())
     (unit,) = d.tick(100.0)
     assert isinstance(unit, ev.AppendCommand) and len(unit.pcm) == 16000 * 4
     d.appended(1, unit)
@@ -178,7 +212,7 @@ def test_the_clock_fills_a_silent_second_so_a_reply_never_waits_for_input():
 
 
 def test_engine_turn_taking_becomes_vad_events_and_a_response():
-    d = running(OpenAIRealtime("m"))
+    d = running(OpenAIRealtime("m")).d
     speech = ev.AppendCommand(pcm=np.full(16000, 0.3, "<f4").tobytes())
     silence = ev.AppendCommand(pcm=np.zeros(16000, "<f4").tobytes())
     d.appended(1, speech)
@@ -214,7 +248,7 @@ def test_engine_turn_taking_becomes_vad_events_and_a_response():
 
 
 def test_speech_over_a_reply_that_then_stops_is_a_barge_in():
-    d = running(OpenAIRealtime("m"))
+    d = running(OpenAIRealtime("m")).d
     silence = ev.AppendCommand(pcm=np.zeros(16000, "<f4").tobytes())
     speech = ev.AppendCommand(pcm=np.full(16000, 0.3, "<f4").tobytes())
     d.appended(1, silence)
@@ -231,22 +265,22 @@ def test_cancel_ends_the_response_now_and_the_next_unit_ends_the_engines_turn():
     d = running(OpenAIRealtime("m"))
     (first,) = d.tick(time.monotonic() + 1.0 + FILL_GRACE_S)  # a silent second, in flight
     d.appended(1, first)
-    d.encode(output(1, listen=False, text="Hello"))
-    commands = send(d, type="response.cancel")
+    d.d.encode(output(1, listen=False, text="Hello"))
+    commands = d.send(type="response.cancel")
     assert not [c for c in commands if isinstance(c, ev.AppendCommand)]
     (done,) = [m for m in sent_messages(commands) if m["type"] == "response.done"]
     assert done["response"]["status_details"]["reason"] == "client_cancelled"
     (unit,) = d.after_output(output(1, listen=False))
     assert unit.force_listen
     d.appended(2, unit)
-    assert d.encode(output(2, listen=False, text="more")) == []  # muted until it listens
+    assert d.d.encode(output(2, listen=False, text="more")) == []  # muted until it listens
     with pytest.raises(InvalidEvent):
-        send(d, type="response.cancel")
+        d.send(type="response.cancel")
 
 
 def test_manual_turns_are_chat_turns_over_the_conversation():
     d = OpenAIRealtime("m")
-    d.session_id = "rt_1"
+    d.bind(SessionFacts("rt_1"))
     send(d, type="session.update", session={"audio": {"input": {"turn_detection": None}}})
     with pytest.raises(InvalidEvent):
         send(d, type="input_audio_buffer.commit")  # empty
@@ -260,10 +294,12 @@ def test_manual_turns_are_chat_turns_over_the_conversation():
     text = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
     send(d, type="conversation.item.create", item=text)
     (turn,) = send(d, type="response.create", response={"instructions": "Short."})
-    assert isinstance(turn, ev.TurnCommand)
-    chat = parse_chat(turn.body)  # the chat path's own validator takes it
+    assert isinstance(turn, ev.TurnCommand) and turn.chat is not None
+    chat = turn.chat  # built as the chat path's own validator builds it
     assert [m.role for m in chat.messages] == ["system", "user", "user"]
     assert chat.speech
+    heard = chat.messages[1].parts[0]
+    assert isinstance(heard, AudioPart) and len(heard.pcm) == 16000 * 4  # a second at 16 kHz
     started = d.encode_turn(TurnStarted(True, True))
     assert [m["type"] for m in started][0] == "response.created"
     pcm = np.full(12000, 0.1, "<f4").tobytes()
@@ -285,8 +321,8 @@ def test_a_text_only_response_and_a_token_cap():
     (turn,) = send(
         d, type="response.create", response={"output_modalities": ["text"], "max_output_tokens": 7}
     )
-    assert turn.body["tts"]["enabled"] is False
-    assert turn.body["generation"]["max_new_tokens"] == 7
+    assert turn.chat.tts.enabled is False
+    assert turn.chat.generation.max_new_tokens == 7
     d.encode_turn(TurnStarted(True, False))
     (delta,) = d.encode_turn(TurnDelta("Hey", b""))
     assert delta["type"] == "response.output_text.delta"

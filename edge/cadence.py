@@ -1,0 +1,240 @@
+"""The edge's one owner of the unit cadence: how a client's stream of audio, of any length,
+becomes the worker's units. Sans-I/O: it holds samples and a little state, the connection
+driver (edge.connection) feeds it, clocks it and sends what it says is due. Dialects only
+hand it decoded audio (ev.AudioCommand) and say when the model's turn must end
+(ev.EndTurnCommand) or the held audio is moot (ev.ClearAudioCommand); none keeps a clock.
+
+Two cadences, named by a dialect's traits:
+- `cut` (half-duplex calls): audio gathers until it reaches the worker's shortest unit,
+  then all of it goes, in as few units as the longest allows, equal parts. The session's
+  clock is the worker's (it feeds silence to an answer itself), so nothing is paced.
+- `paced` (the OpenAI dialect's server-VAD sessions): one unit of UNIT_SAMPLES in flight
+  at a time, the next once the last was answered; when the client sends less than real
+  time the rest of the unit is silence, so the session's clock never stops and a reply
+  never waits for more input. Audio sent while the session waits for a worker is held
+  (MAX_BACKLOG_S at most, the oldest dropped and counted).
+
+Units are float32 16 kHz PCM, the rate every engine hears; audio at another rate is kept
+at its own rate and resampled a unit at a time (edge.pcm.resample).
+
+The worker's intake (worker.rechunk) still shapes client units into the exact model
+units an engine takes (MiniCPM-o's 1.035 s first unit); that is the model's cadence, this
+is the client's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from omnifabric.edge import events as ev
+from omnifabric.edge import pcm
+
+#: The rate units are sent at (what the engines hear).
+UNIT_RATE = 16000
+#: The unit the paced cadence cuts (16 kHz samples), within the worker's bounds: one
+#: second, as the duplex models take it. Also the length of the silent unit that ends a
+#: model's turn.
+UNIT_SAMPLES = 16000
+#: How late the client's audio may be before the paced cadence fills the unit with silence.
+FILL_GRACE_S = 0.25
+#: A unit unanswered this many unit lengths no longer holds the next one back.
+IN_FLIGHT_UNITS = 2.0
+#: Audio waiting for the engine at most (seconds), paced; older audio is dropped (counted).
+MAX_BACKLOG_S = 10.0
+#: How often the driver clocks a paced cadence (seconds).
+TICK_S = 0.1
+#: The cadences a dialect may name (DuplexDialect.traits.cadence).
+CUT, PACED = "cut", "paced"
+
+
+def unit_length(bounds: tuple[int, int] | None) -> int:
+    """The unit a cadence sends (16 kHz samples): UNIT_SAMPLES within the worker's bounds
+    (fewest, most); UNIT_SAMPLES where the worker states none."""
+    fewest, most = bounds or (UNIT_SAMPLES, UNIT_SAMPLES)
+    return min(max(UNIT_SAMPLES, fewest), most)
+
+
+def _pcm_bytes(audio: np.ndarray) -> bytes:
+    return audio.astype("<f4").tobytes()
+
+
+class Cadence:
+    """What both cadences share: the held audio at its rate, the worker's unit bounds once
+    the session started, and the units sent and answered."""
+
+    #: Audio pushed before the session started is held (True) or refused as not ready.
+    holds_before_start = False
+    #: Seconds between the driver's clock calls (due(clock=True)); 0: no clock.
+    tick_s = 0.0
+
+    def __init__(self) -> None:
+        self._held: list[np.ndarray] = []
+        self._held_n = 0
+        self._rate = UNIT_RATE
+        self.bounds: tuple[int, int] | None = None
+        """(fewest, most) samples a unit of the leased worker; None before the start."""
+        self.started = False
+        self.closed = False
+        self.dropped_s = 0.0
+        """Audio dropped because the engine fell behind (paced), seconds."""
+
+    # ---- the driver's calls ---------------------------------------------------------
+
+    def push(self, samples: np.ndarray, rate: int) -> None:
+        """Take client audio (float32 at `rate`); a change of rate converts what is held."""
+        if rate != self._rate:
+            held = self._take_all()
+            if held.size:
+                self._hold(pcm.resample(held, self._rate, rate))
+            self._rate = rate
+        self._hold(samples.astype(np.float32, copy=False))
+
+    def start(self, bounds: tuple[int, int] | None, now: float) -> None:
+        """The session started on a worker that takes units within `bounds`."""
+        self.bounds, self.started = bounds, True
+
+    def close(self) -> None:
+        self.closed = True
+
+    def clear(self) -> None:
+        """Drop what is held (the dialect ignores it)."""
+        self._take_all()
+
+    def sent(self, seq: int, now: float) -> None:
+        """A unit this cadence made went to the worker as `seq`."""
+
+    def answered(self, out: ev.Output) -> None:
+        """The worker answered up to `out.seq`."""
+
+    def due(self, now: float, clock: bool) -> list[ev.AppendCommand]:
+        """The units to send now (`clock`: called by the driver's clock)."""
+        raise NotImplementedError
+
+    def end_turn(self) -> list[ev.AppendCommand]:
+        """The units that end the model's turn now (force_listen)."""
+        raise NotImplementedError
+
+    # ---- the held audio -------------------------------------------------------------
+
+    @property
+    def held_samples(self) -> int:
+        """Samples held, at the client's rate."""
+        return self._held_n
+
+    def _hold(self, audio: np.ndarray) -> None:
+        if audio.size:
+            self._held.append(audio)
+            self._held_n += audio.size
+
+    def _take_all(self) -> np.ndarray:
+        audio = np.concatenate(self._held) if self._held else np.zeros(0, np.float32)
+        self._held, self._held_n = [], 0
+        return audio
+
+    def _take(self, n: int) -> np.ndarray:
+        audio = self._take_all()
+        self._hold(audio[n:])
+        return audio[:n]
+
+    def _heard(self, audio: np.ndarray) -> np.ndarray:
+        """Held audio as the engine hears it (16 kHz)."""
+        return pcm.resample(audio, self._rate, UNIT_RATE)
+
+
+class CutCadence(Cadence):
+    """Half-duplex: gather to the shortest unit, then everything in equal parts no longer
+    than the longest. Before the start nothing is held: the driver refuses the audio as
+    not ready, as the protocol says."""
+
+    def due(self, now: float, clock: bool) -> list[ev.AppendCommand]:
+        if not self.started or self.closed or self.bounds is None:
+            return []
+        fewest, most = self.bounds
+        if self._held_n < fewest:
+            return []
+        audio = self._heard(self._take_all())
+        total = audio.size
+        parts = -(-total // most)
+        cuts = [total * i // parts for i in range(parts + 1)]
+        return [
+            ev.AppendCommand(pcm=_pcm_bytes(audio[a:b]))
+            for a, b in zip(cuts, cuts[1:], strict=False)
+        ]
+
+    def end_turn(self) -> list[ev.AppendCommand]:
+        """One unit of silence with force_listen (the worker's answer ends with it)."""
+        silence = np.zeros(unit_length(self.bounds), np.float32)
+        return [ev.AppendCommand(pcm=_pcm_bytes(silence), force_listen=True)]
+
+
+class PacedCadence(Cadence):
+    """Real-time sessions: one unit in flight, silence when the client is late."""
+
+    holds_before_start = True
+    tick_s = TICK_S
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._in_flight = 0
+        self._sent_at = 0.0
+        self._force_listen = False
+
+    def push(self, samples: np.ndarray, rate: int) -> None:
+        super().push(samples, rate)
+        excess = self._held_n - int(MAX_BACKLOG_S * self._rate)
+        if excess > 0:
+            self._take(excess)
+            self.dropped_s += excess / self._rate
+
+    def start(self, bounds: tuple[int, int] | None, now: float) -> None:
+        # The session's clock starts now: what the client sent while it waited for a
+        # worker goes first, in whole units, before any silence is filled in.
+        super().start(bounds, now)
+        self._sent_at = now
+
+    def sent(self, seq: int, now: float) -> None:
+        self._in_flight = seq
+
+    def answered(self, out: ev.Output) -> None:
+        if self._in_flight and (out.seq >= self._in_flight or self._in_flight in out.dropped_seqs):
+            self._in_flight = 0
+
+    def end_turn(self) -> list[ev.AppendCommand]:
+        """The next unit goes at once, with what was sent so far, and ends the turn."""
+        self._force_listen = True
+        return []
+
+    def due(self, now: float, clock: bool) -> list[ev.AppendCommand]:
+        """A whole unit of the client's audio once the last unit was answered; on the
+        clock, what came (or silence) once a unit's time passed without one; after
+        end_turn, at once."""
+        if not self.started or self.closed:
+            return []
+        unit = unit_length(self.bounds)
+        unit_s = unit / UNIT_RATE
+        if self._in_flight and now - self._sent_at < IN_FLIGHT_UNITS * unit_s:
+            return []
+        n = unit * self._rate // UNIT_RATE
+        if self._held_n >= n:
+            audio = self._take(n)
+        elif self._force_listen or (clock and now - self._sent_at >= unit_s + FILL_GRACE_S):
+            audio = self._take_all()
+        else:
+            return []
+        heard = self._heard(audio)
+        if heard.size < unit:
+            heard = np.concatenate([heard, np.zeros(unit - heard.size, np.float32)])
+        self._sent_at = now
+        force, self._force_listen = self._force_listen, False
+        return [ev.AppendCommand(pcm=_pcm_bytes(heard[:unit]), force_listen=force)]
+
+
+def for_traits(kind: str | None) -> Cadence | None:
+    """The cadence a dialect names (CUT, PACED), or None: its client sends whole units."""
+    if kind == CUT:
+        return CutCadence()
+    if kind == PACED:
+        return PacedCadence()
+    if kind is None:
+        return None
+    raise ValueError(f"unknown cadence {kind!r}")

@@ -1,0 +1,80 @@
+"""The OpenAI Realtime API's audio formats: what the client sends and hears, and the
+conversions to and from what the engine hears (16 kHz float32) and speaks (24 kHz float32)."""
+
+from __future__ import annotations
+
+import binascii
+from typing import Any
+
+import numpy as np
+
+from omnifabric.edge import codec, g711, pcm
+from omnifabric.edge.errors import InvalidPayload
+
+#: Audio formats: `type` -> (sample rate, bytes a sample).
+FORMATS = {"audio/pcm": (24000, 2), "audio/pcmu": (8000, 1), "audio/pcma": (8000, 1)}
+#: The rate the engine hears and the rate it speaks.
+ENGINE_IN_RATE, ENGINE_OUT_RATE = 16000, 24000
+
+
+def rate(kind: str) -> int:
+    """The sample rate of the format `kind`."""
+    return FORMATS[kind][0]
+
+
+def parse_format(value: Any, where: str) -> str:
+    """An audio format object ({type, rate}) -> its type; InvalidPayload otherwise."""
+    if not isinstance(value, dict) or value.get("type") not in FORMATS:
+        raise InvalidPayload(f"{where}.type must be one of {', '.join(FORMATS)}")
+    given = value.get("rate")
+    if given is not None and given != rate(value["type"]):
+        raise InvalidPayload(f"{where}.rate: {value['type']} is {rate(value['type'])} Hz")
+    return str(value["type"])
+
+
+def format_json(kind: str) -> dict[str, Any]:
+    return {"type": kind, "rate": rate(kind)} if kind == "audio/pcm" else {"type": kind}
+
+
+def decode_audio(data: bytes, kind: str) -> np.ndarray:
+    """Client audio bytes in `kind` -> float32 samples at its rate."""
+    if kind == "audio/pcmu":
+        samples = g711.mulaw_decode(data)
+    elif kind == "audio/pcma":
+        samples = g711.alaw_decode(data)
+    else:
+        samples = np.frombuffer(data[: len(data) - len(data) % 2], dtype="<i2")
+    return samples.astype(np.float32) / 32768.0
+
+
+def heard(data: bytes, kind: str) -> np.ndarray:
+    """Client audio bytes in `kind` as the engine hears them (float32 16 kHz)."""
+    return pcm.resample(decode_audio(data, kind), rate(kind), ENGINE_IN_RATE)
+
+
+def encode_audio(pcm24k_f32: bytes, kind: str) -> bytes:
+    """The engine's speech (float32 24 kHz) -> bytes in `kind`."""
+    audio = np.frombuffer(pcm24k_f32, dtype="<f4")
+    if rate(kind) != ENGINE_OUT_RATE:
+        audio = pcm.resample(audio, ENGINE_OUT_RATE, rate(kind))
+    samples = (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2")
+    if kind == "audio/pcmu":
+        return g711.mulaw_encode(samples)
+    if kind == "audio/pcma":
+        return g711.alaw_encode(samples)
+    return samples.tobytes()
+
+
+def b64(value: Any, where: str) -> bytes:
+    """A base64 field (empty allowed: an append of nothing) -> bytes."""
+    if not isinstance(value, str):
+        raise InvalidPayload(f"{where} must be a base64 string")
+    try:
+        return codec.b64decode(value)
+    except (binascii.Error, ValueError):
+        raise InvalidPayload(f"{where} base64 decode failed") from None
+
+
+def speech_ms(pcm24k_f32: bytes) -> float:
+    """How long the engine's speech (float32 24 kHz bytes) plays, milliseconds."""
+    return len(pcm24k_f32) / 4 / ENGINE_OUT_RATE * 1000

@@ -1,0 +1,267 @@
+"""The session's settings: what `session.update` may set, how each value is checked, what
+is accepted and not used (said once, as a notice), and the session object reported back."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnifabric.edge import events as ev
+from omnifabric.edge import fields
+from omnifabric.edge.chat import MAX_NEW_TOKENS
+from omnifabric.edge.dialects.openai.audio import format_json, parse_format
+from omnifabric.edge.dialects.openai.wire import BadParam, Wire
+
+TURN_DETECTION = ("server_vad", "semantic_vad")
+#: Turn detection settings the engine's own turn-taking has no use for.
+TURN_DETECTION_EXTRAS = (
+    "prefix_padding_ms",
+    "create_response",
+    "interrupt_response",
+    "idle_timeout_ms",
+    "eagerness",
+)
+#: Their values that ask for what the engine does anyway (no notice).
+USUAL_EXTRAS = {"create_response": True, "interrupt_response": True, "eagerness": "auto"}
+#: Accepted and not used: said once when set.
+UNSUPPORTED = {
+    "tools": "function calling is not supported by this server's engines",
+    "tool_choice": "function calling is not supported by this server's engines",
+    "tracing": "traces are the server's own (OpenTelemetry), not per-session settings",
+    "prompt": "stored prompts are not available: send instructions",
+    "include": "log probabilities are not available",
+    "truncation": "the engine keeps its own context (closes with context_full when full)",
+    "audio.input.transcription": "the engine's own transcript is reported when it has one",
+    "audio.input.noise_reduction": "no noise reduction is applied",
+    "audio.output.speed": "the engine speaks at its own speed",
+    "audio.input.turn_detection.prefix_padding_ms": "the engine keeps its own margins",
+    "audio.input.turn_detection.create_response": "the duplex engine decides when to answer",
+    "audio.input.turn_detection.interrupt_response": "the duplex engine decides when to yield",
+    "audio.input.turn_detection.idle_timeout_ms": "no idle timeout: the engine decides",
+    "audio.input.turn_detection.eagerness": "the engine's own turn-taking decides",
+}
+SESSION_KEYS = {
+    "type",
+    "model",
+    "instructions",
+    "output_modalities",
+    "audio",
+    "max_output_tokens",
+    *(k for k in UNSUPPORTED if "." not in k),
+}
+#: Voice names that mean the server's default voice.
+DEFAULT_VOICES = ("", "default")
+#: Settings a running duplex session cannot take (it started with them).
+LOCKED = ("instructions", "output_modalities", "voice", "turn_detection")
+#: Why a locked setting is not applied.
+LOCKED_WHY = (
+    "the conversation's duplex session has started with the earlier value: a new session "
+    "takes a new one"
+)
+
+
+@dataclass
+class Settings:
+    """The session's settings as the client last set them."""
+
+    instructions: str = ""
+    output_modalities: tuple[str, ...] = ("audio",)
+    input_format: str = "audio/pcm"
+    output_format: str = "audio/pcm"
+    turn_detection: dict[str, Any] | None = field(default_factory=lambda: {"type": "server_vad"})
+    voice: str = ""
+    max_output_tokens: int | None = None
+
+    @property
+    def speaks(self) -> bool:
+        return "audio" in self.output_modalities
+
+
+def modalities(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) != 1 or value[0] not in ("audio", "text"):
+        raise BadParam(
+            f"{where}.output_modalities", 'output_modalities must be ["audio"] or ["text"]'
+        )
+    return (value[0],)
+
+
+def max_tokens(value: Any, where: str) -> int | None:
+    if value == "inf":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise BadParam(f"{where}.max_output_tokens", 'max_output_tokens must be 1 to 4096 or "inf"')
+    return min(value, MAX_NEW_TOKENS)
+
+
+def tokens_json(cap: int | None) -> int | str:
+    return "inf" if cap is None else cap
+
+
+class Voices:
+    """The registered voices as this dialect names them."""
+
+    def __init__(self, lookup: Callable[[str], bytes | None] | None) -> None:
+        self._lookup = lookup
+
+    def audio(self, voice: str) -> bytes:
+        """A registered voice's reference audio; b"" for the default voice or an unknown
+        one (said when it was set)."""
+        if voice in DEFAULT_VOICES or self._lookup is None:
+            return b""
+        return self._lookup(voice) or b""
+
+    def name(self, voice: str) -> str:
+        """The voice that speaks, as the session reports it."""
+        return voice if self.audio(voice) else "default"
+
+
+class SettingsUpdate:
+    """One `session.update`: the new settings and the notices it calls for."""
+
+    def __init__(self, wire: Wire, voices: Voices, current: Settings) -> None:
+        self.wire = wire
+        self.voices = voices
+        self.current = current
+        self.new = dataclasses.replace(current)
+        self.notes: list[dict[str, Any]] = []
+
+    def apply(self, body: Any, started: bool) -> Settings:
+        """Check and apply the update's `session` body; `started`: the duplex session
+        runs with the settings it started with."""
+        if not isinstance(body, dict):
+            raise BadParam("session", "'session' must be an object")
+        unknown = sorted(set(body) - SESSION_KEYS)
+        if unknown:
+            raise BadParam(f"session.{unknown[0]}", f"unknown parameter 'session.{unknown[0]}'")
+        if body.get("type", "realtime") != "realtime":
+            raise BadParam("session.type", "only realtime sessions are served (no transcription)")
+        self._top(body)
+        audio = body.get("audio")
+        if audio is not None:
+            if not isinstance(audio, dict):
+                raise BadParam("session.audio", "audio must be an object")
+            self._audio(audio)
+        for key in UNSUPPORTED:
+            if "." not in key and body.get(key) not in (None, [], "auto", "none"):
+                self.notes += self.wire.unsupported(f"session.{key}", UNSUPPORTED[key])
+        if started:
+            self._locked()
+        return self.new
+
+    def _top(self, body: dict[str, Any]) -> None:
+        new = self.new
+        if "instructions" in body:
+            if not isinstance(body["instructions"], str):
+                raise BadParam("session.instructions", "instructions must be a string")
+            new.instructions = body["instructions"]
+        if "output_modalities" in body:
+            new.output_modalities = modalities(body["output_modalities"], "session")
+        if "max_output_tokens" in body:
+            new.max_output_tokens = max_tokens(body["max_output_tokens"], "session")
+
+    def _locked(self) -> None:
+        before, new = self.current, self.new
+        for name in LOCKED:
+            if getattr(new, name) == getattr(before, name):
+                continue
+            # Turning turn detection off after a duplex session with it on changes nothing.
+            if name == "turn_detection" and before.turn_detection is None:
+                if not new.turn_detection:
+                    continue
+            self.notes += self.wire.unsupported(f"session.{name}", LOCKED_WHY)
+
+    def _audio(self, audio: dict[str, Any]) -> None:
+        new = self.new
+        inp = fields.obj(audio, "input")
+        out = fields.obj(audio, "output")
+        if inp.get("format") is not None:
+            new.input_format = parse_format(inp["format"], "session.audio.input.format")
+        if out.get("format") is not None:
+            new.output_format = parse_format(out["format"], "session.audio.output.format")
+        for key in ("transcription", "noise_reduction"):
+            if inp.get(key) is not None:
+                name = f"audio.input.{key}"
+                self.notes += self.wire.unsupported(name, UNSUPPORTED[name])
+        if out.get("speed") not in (None, 1, 1.0):
+            self.notes += self.wire.unsupported(
+                "audio.output.speed", UNSUPPORTED["audio.output.speed"]
+            )
+        if "voice" in out:
+            self._voice(out["voice"])
+        if "turn_detection" in inp:
+            self._turn_detection(inp["turn_detection"])
+
+    def _voice(self, voice: Any) -> None:
+        if not isinstance(voice, str):
+            raise BadParam("session.audio.output.voice", "voice must be a string")
+        self.new.voice = voice
+        if voice not in DEFAULT_VOICES and not self.voices.audio(voice):
+            self.notes += self.wire.unsupported(
+                f"audio.output.voice={voice}",
+                f"no registered voice {voice!r} (POST /api/assets/ref_audio registers "
+                "one): the server's default voice speaks",
+            )
+
+    def _turn_detection(self, value: Any) -> None:
+        where = "session.audio.input.turn_detection"
+        if value is None:
+            self.new.turn_detection = None
+            return
+        if not isinstance(value, dict) or value.get("type") not in TURN_DETECTION:
+            raise BadParam(
+                f"{where}.type", "turn_detection.type must be server_vad or semantic_vad"
+            )
+        # Checked here, applied to the duplex session's settings at its start.
+        fields.number_field(value, "threshold", *fields.VAD_THRESHOLD, where)
+        fields.integer_field(value, "silence_duration_ms", *fields.END_OF_TURN_SILENCE_MS, where)
+        # What the engine does anyway needs no notice: answering, yielding, its own pace.
+        for key in TURN_DETECTION_EXTRAS:
+            if value.get(key) is not None and value.get(key) != USUAL_EXTRAS.get(key):
+                name = f"audio.input.turn_detection.{key}"
+                self.notes += self.wire.unsupported(name, UNSUPPORTED[name])
+        self.new.turn_detection = dict(value)
+
+
+def session_json(s: Settings, session_id: str | None, model: str, voice: str) -> dict[str, Any]:
+    """The session object of session.created / session.updated (`voice`: the one that
+    speaks)."""
+    turn = None if s.turn_detection is None else dict(s.turn_detection)
+    return {
+        "type": "realtime",
+        "object": "realtime.session",
+        "id": session_id,
+        "model": model,
+        "output_modalities": list(s.output_modalities),
+        "instructions": s.instructions,
+        "max_output_tokens": tokens_json(s.max_output_tokens),
+        "audio": {
+            "input": {
+                "format": format_json(s.input_format),
+                "turn_detection": turn,
+                "transcription": None,
+                "noise_reduction": None,
+            },
+            "output": {"format": format_json(s.output_format), "voice": voice, "speed": 1.0},
+        },
+        "tools": [],
+        "tool_choice": "auto",
+    }
+
+
+def init_command(s: Settings, ref_audio: bytes) -> ev.InitCommand:
+    """The duplex session's start, with the settings it runs with."""
+    turn = s.turn_detection or {}
+    threshold = turn.get("threshold")
+    config = ev.DuplexSettings(
+        tts_enabled=s.speaks,
+        vad_threshold=None if threshold is None else float(threshold),
+        end_of_turn_silence_ms=turn.get("silence_duration_ms"),
+    )
+    return ev.InitCommand(
+        dialect=ev.Dialect.CURRENT,
+        system_prompt=s.instructions,
+        config=config,
+        ref_audio=ref_audio,
+    )

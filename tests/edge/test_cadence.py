@@ -1,0 +1,141 @@
+"""The edge's unit cadence (edge.cadence) without I/O: cut and paced, as the driver calls
+them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omnifabric.edge import events as ev
+from omnifabric.edge import pcm
+from omnifabric.edge.cadence import (
+    CUT,
+    FILL_GRACE_S,
+    IN_FLIGHT_UNITS,
+    MAX_BACKLOG_S,
+    PACED,
+    CutCadence,
+    PacedCadence,
+    for_traits,
+    unit_length,
+)
+
+
+def _out(seq: int, dropped: tuple[int, ...] = ()) -> ev.Output:
+    return ev.Output(seq, True, "", b"", False, 0, {}, ev.Usage(), dropped_seqs=dropped)
+
+
+def _samples(units: list[ev.AppendCommand]) -> np.ndarray:
+    return np.frombuffer(b"".join(u.pcm for u in units), "<f4")
+
+
+def test_the_traits_name_the_cadence():
+    assert isinstance(for_traits(CUT), CutCadence)
+    assert isinstance(for_traits(PACED), PacedCadence)
+    assert for_traits(None) is None
+    with pytest.raises(ValueError):
+        for_traits("jazz")
+
+
+def test_the_unit_is_a_second_within_the_workers_bounds():
+    assert unit_length(None) == 16000
+    assert unit_length((1600, 480000)) == 16000
+    assert unit_length((20000, 480000)) == 20000  # a worker that takes longer units only
+    assert unit_length((1600, 8000)) == 8000
+
+
+def test_cut_gathers_to_the_shortest_then_sends_all_in_equal_parts():
+    c = CutCadence()
+    audio = np.arange(100000, dtype=np.float32)
+    c.push(audio[:3000], 16000)
+    assert c.due(0.0, clock=False) == []  # not started: nothing goes
+    c.start((4000, 30000), 0.0)
+    assert c.due(0.0, clock=False) == []  # 3000 < the shortest unit
+    c.push(audio[3000:70000], 16000)
+    units = c.due(0.0, clock=False)
+    assert [len(u.pcm) // 4 for u in units] == [23333, 23333, 23334]
+    assert np.array_equal(_samples(units), audio[:70000])  # nothing lost or reordered
+    c.push(audio[70000:71000], 16000)
+    c.clear()  # an answer began: what waited is dropped
+    c.push(audio[71000:75000], 16000)
+    assert np.array_equal(_samples(c.due(0.0, clock=False)), audio[71000:75000])
+    (stop,) = c.end_turn()
+    assert stop.force_listen and len(stop.pcm) == 16000 * 4 and not _samples([stop]).any()
+
+
+def test_paced_sends_one_unit_in_flight_and_the_next_when_answered():
+    c = PacedCadence()
+    c.push(np.full(24000 * 3, 0.5, np.float32), 24000)  # 3 s at 24 kHz, before the start
+    assert c.due(100.0, clock=True) == []  # held until the session starts
+    c.start((1600, 480000), 100.0)
+    (first,) = c.due(100.0, clock=False)
+    assert len(first.pcm) == 16000 * 4 and not first.force_listen
+    c.sent(1, 100.0)
+    assert c.due(100.1, clock=True) == []  # one unit in flight
+    c.answered(_out(1))
+    (second,) = c.due(100.2, clock=False)
+    c.sent(2, 100.2)
+    c.answered(_out(3, dropped=(2,)))  # a unit the worker joined into another is answered
+    (third,) = c.due(100.3, clock=False)
+    c.sent(3, 100.3)
+    # An unanswered unit holds the next back only so long.
+    c.push(np.zeros(24000, np.float32), 24000)
+    assert c.due(100.3 + IN_FLIGHT_UNITS - 0.01, clock=True) == []
+    assert len(c.due(100.3 + IN_FLIGHT_UNITS, clock=True)) == 1
+
+
+def test_paced_fills_a_late_second_with_silence_and_resamples_a_unit_at_a_time():
+    c = PacedCadence()
+    c.start(None, 10.0)
+    assert c.due(10.0 + 1.0, clock=True) == []  # within the grace
+    tone = np.sin(np.arange(12000) / 10.0).astype(np.float32)  # half a second at 24 kHz
+    c.push(tone, 24000)
+    assert c.due(10.0 + 1.0, clock=False) == []  # not a whole unit, and no clock
+    (unit,) = c.due(10.0 + 1.0 + FILL_GRACE_S, clock=True)
+    got = np.frombuffer(unit.pcm, "<f4")
+    assert got.size == 16000
+    assert np.array_equal(got[:8000], pcm.resample(tone, 24000, 16000))
+    assert not got[8000:].any()
+
+
+def test_paced_end_turn_sends_what_came_at_once_with_force_listen():
+    c = PacedCadence()
+    c.start(None, 0.0)
+    c.push(np.full(4000, 0.2, np.float32), 16000)
+    assert c.end_turn() == []
+    (unit,) = c.due(0.01, clock=False)
+    assert unit.force_listen and len(unit.pcm) == 16000 * 4
+    c.sent(1, 0.01)
+    c.answered(_out(1))
+    c.push(np.zeros(16000, np.float32), 16000)
+    (nxt,) = c.due(0.02, clock=False)
+    assert not nxt.force_listen
+
+
+def test_paced_keeps_at_most_the_backlog_and_counts_what_it_dropped():
+    c = PacedCadence()
+    rate = 8000
+    c.push(np.arange(int(MAX_BACKLOG_S * rate) + rate, dtype=np.float32), rate)
+    assert c.held_samples == int(MAX_BACKLOG_S * rate)
+    assert c.dropped_s == pytest.approx(1.0)
+    c.start(None, 0.0)
+    (unit,) = c.due(0.0, clock=False)  # the newest audio is kept, the oldest dropped
+    assert np.frombuffer(unit.pcm, "<f4")[0] == pytest.approx(rate)
+
+
+def test_a_change_of_rate_converts_what_is_held():
+    c = PacedCadence()
+    c.push(np.full(8000, 0.5, np.float32), 8000)  # a second at 8 kHz
+    c.push(np.full(12000, 0.5, np.float32), 24000)  # half a second at 24 kHz
+    assert c.held_samples == 24000 + 12000
+    c.start(None, 0.0)
+    (unit,) = c.due(0.0, clock=False)
+    assert np.allclose(np.frombuffer(unit.pcm, "<f4"), 0.5)
+
+
+def test_a_closed_cadence_sends_nothing():
+    c = PacedCadence()
+    c.start(None, 0.0)
+    c.push(np.zeros(32000, np.float32), 16000)
+    c.close()
+    assert c.due(5.0, clock=True) == [] and c.end_turn() == [] and c.due(5.0, False) == []
