@@ -27,7 +27,7 @@ from omnifabric.scheduler.errors import (
     ShuttingDown,
     UnknownLease,
 )
-from omnifabric.scheduler.leadership import Leadership, LeadershipNames
+from omnifabric.scheduler.leadership import Leadership
 from omnifabric.scheduler.leases import (
     Lease,
     LeaseGrantNotice,
@@ -206,7 +206,7 @@ class _Ending:
     error: SchedulerError = field(default_factory=ShuttingDown)
 
 
-class Scheduler(LeadershipNames):
+class Scheduler:
     """Owns the worker registry, the FIFO queue and the leases.
 
     With an election (--ha) it grants only while its `leadership` leads: a standby refuses

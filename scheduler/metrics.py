@@ -25,6 +25,7 @@ from prometheus_client.metrics import Gauge
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from omnifabric.scheduler.leadership import Leadership
 from omnifabric.scheduler.leases import LeaseTable
 from omnifabric.scheduler.queue import WaitQueue
 from omnifabric.scheduler.registry import Registry
@@ -63,12 +64,7 @@ class SchedulerState(Protocol):
     @property
     def draining(self) -> bool: ...
     @property
-    def epoch(self) -> int: ...
-    @property
-    def terms(self) -> int: ...
-    @property
-    def rebuild_s(self) -> float | None: ...
-    def leads(self) -> bool: ...
+    def leadership(self) -> Leadership: ...
 
 
 class SchedulerMetrics:
@@ -125,6 +121,7 @@ class _StateCollector(Collector):
     def _state(self) -> Iterator[Any]:
         """The queue, draining, leadership and the last rebuild."""
         s = self._scheduler
+        lead = s.leadership
         yield _gauge("omni_scheduler_queue_length", "Sessions waiting in the queue.", len(s.queue))
         yield _gauge(
             "omni_scheduler_draining",
@@ -134,26 +131,26 @@ class _StateCollector(Collector):
         yield _gauge(
             "omni_scheduler_leader",
             "1 while this scheduler leads (always without --ha), 0 while a standby.",
-            1 if s.leads() and not s.draining else 0,
+            1 if lead.leads() and not s.draining else 0,
         )
         yield _gauge(
             "omni_scheduler_epoch",
             "Epoch of the newest leadership this scheduler knows of (0 without --ha).",
-            s.epoch,
+            lead.epoch,
         )
         yield CounterMetricFamily(
             "omni_scheduler_leaderships",
             "Leaderships this scheduler began since start (--ha; 0 without): each after the "
             "fabric's first is a failover or handover to it.",
-            value=s.terms,
+            value=lead.terms,
         )
         rebuild = GaugeMetricFamily(
             "omni_scheduler_rebuild_seconds",
             "Its last rebuild: seconds from taking the lead to the last worker registration or "
             "re-sent request within the rebuild window (no sample before it first led).",
         )
-        if s.rebuild_s is not None:
-            rebuild.add_metric([], s.rebuild_s)
+        if lead.rebuild_s is not None:
+            rebuild.add_metric([], lead.rebuild_s)
         yield rebuild
 
     def _counters(self) -> Iterator[Any]:

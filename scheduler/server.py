@@ -70,7 +70,7 @@ class RunningScheduler:
             self.scheduler.lead(term.epoch, term.holder)
         else:
             self.scheduler.follow(term.holder if term else "", term.epoch if term else 0)
-        task = asyncio.ensure_future(self.set_serving(self.scheduler.leads()))
+        task = asyncio.ensure_future(self.set_serving(self.scheduler.leadership.leads()))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -139,9 +139,10 @@ async def start_server(config: SchedulerConfig) -> RunningScheduler:
         # A standby until the election says otherwise.
         holder = f"{config.host}:{port}#{secrets.token_hex(4)}"
         elector = RedisElector(parse_store_url(config.ha), holder, config.ha_ttl_s)
-        scheduler.standby = True
-        scheduler.term_valid = lambda: elector.leading
-        scheduler.store_problem = elector.store_problem
+        leadership = scheduler.leadership
+        leadership.standby = True
+        leadership.term_valid = lambda: elector.leading
+        leadership.store_problem = elector.store_problem
         elector.listeners.append(running.on_leadership)
         running.elector = elector
         await running.set_serving(False)
