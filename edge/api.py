@@ -28,9 +28,9 @@ from omnifabric.edge.dialects.http_chat import HttpResponse
 from omnifabric.edge.errors import InvalidPayload
 from omnifabric.edge.fabric import Fabric
 from omnifabric.edge.presets import Presets
+from omnifabric.edge.scheduler_client import admin_error
 from omnifabric.edge.sessions_api import Recordings
 from omnifabric.edge.voices import VoiceRegistry
-from omnifabric.edge.worker_client import admin_error
 
 FRONTEND_DEFAULTS = "/api/frontend_defaults"
 PRESETS = "/api/presets"

@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from omnifabric.edge import worker_client
-from omnifabric.edge.worker_client import Switches
+from omnifabric.edge import scheduler_client
+from omnifabric.edge.scheduler_client import Switches
 
 log = logging.getLogger("omnifabric.edge.apps")
 
@@ -115,7 +115,7 @@ class Apps:
         in the catalog."""
         if not self.known(app_id):
             return None
-        self.take(await worker_client.set_app(stub, app_id, enabled, timeout_s=5.0))
+        self.take(await scheduler_client.set_app(stub, app_id, enabled, timeout_s=5.0))
         return self.view(app_id)
 
 
@@ -126,11 +126,11 @@ async def follow(apps: Apps, stub: Any, interval_s: float = FOLLOW_INTERVAL_S) -
     failing = False
     while True:
         try:
-            switches = await worker_client.get_apps(stub, timeout_s=2 * interval_s)
+            switches = await scheduler_client.get_apps(stub, timeout_s=2 * interval_s)
             if lost := apps.lost(switches):
                 log.info("app switches: a new scheduler; switching %s off again", ",".join(lost))
                 for app_id in lost:
-                    switches = await worker_client.set_app(
+                    switches = await scheduler_client.set_app(
                         stub, app_id, False, timeout_s=2 * interval_s
                     )
         except grpc.aio.AioRpcError as err:

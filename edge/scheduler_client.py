@@ -7,9 +7,10 @@ GetLeader of every configured scheduler through common.schedulers) and reads the
 into the small frozen types below: a Snapshot of workers (health by name, memory with its
 KV figures, headroom, engine limits), the queue, the running leases and the wait estimate.
 Modes are named as status pages name them (common.modes.label). A failed call raises its
-grpc.aio.AioRpcError; what that means for a client is edge.worker_client's (admin_error).
+grpc.aio.AioRpcError; what that means for a client is admin_error's. The fabric's app
+switches (GetApps, SetApp: edge.apps) are read here too.
 
-The sessions' own calls (Acquire, Reattach, the worker's streams) and the app switches are
+The sessions' own calls (Acquire, Reattach, the worker's streams) are
 edge.worker_client's; channels and stubs are edge.fabric's; the JSON is edge.status's and
 edge.queue_api's.
 """
@@ -21,8 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
+from omnifabric.common import limits as engine_limits
 from omnifabric.common import modes, schedulers
 from omnifabric.common.session_types import EngineLimits
+from omnifabric.edge.errors import EdgeError, InvalidPayload, ServiceUnavailable
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 
@@ -190,12 +195,7 @@ def headroom_from(h: scheduler_pb.Headroom) -> Headroom:
 
 
 def limits_from(pb: common_pb2.EngineLimits) -> EngineLimits:
-    return EngineLimits(
-        min_slice_nums=pb.min_slice_nums,
-        max_slice_nums=pb.max_slice_nums,
-        min_unit_samples=pb.min_unit_samples,
-        max_unit_samples=pb.max_unit_samples,
-    )
+    return engine_limits.from_pb(pb)
 
 
 def worker_from(w: scheduler_pb.WorkerStatus) -> Worker:
@@ -298,3 +298,41 @@ async def leadership(stubs: Sequence[Any]) -> list[schedulers.Answer | None]:
     """Every scheduler's GetLeader, asked at once, in the stubs' order (None: that one did
     not answer in time). Raises nothing."""
     return list(await asyncio.gather(*(schedulers.ask(s, i) for i, s in enumerate(stubs))))
+
+
+# ---- the app switches (edge.apps) --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The fabric's app switches as the scheduler answers them (GetApps, SetApp)."""
+
+    disabled: tuple[str, ...]
+    generation: int
+    """Counts the changes within one scheduler process (`epoch`)."""
+    epoch: str
+
+
+def _switches(msg: scheduler_pb.AppSwitches) -> Switches:
+    return Switches(tuple(msg.disabled_app_ids), msg.generation, msg.epoch)
+
+
+async def get_apps(stub: Any, timeout_s: float) -> Switches:
+    """The scheduler's app switches (its AioRpcError when it does not answer)."""
+    reply = await stub.GetApps(scheduler_pb.GetAppsRequest(), timeout=timeout_s)
+    return _switches(reply.switches)
+
+
+async def set_app(stub: Any, app_id: str, enabled: bool, timeout_s: float) -> Switches:
+    """Switch an app for the fabric; the switches after it (AioRpcError as get_apps)."""
+    request = scheduler_pb.SetAppRequest(app_id=app_id, enabled=enabled)
+    reply = await stub.SetApp(request, timeout=timeout_s)
+    return _switches(reply.switches)
+
+
+def admin_error(err: grpc.aio.AioRpcError) -> EdgeError:
+    """A scheduler admin RPC's failure (the queue API): InvalidPayload when it refused the
+    request, else ServiceUnavailable (its details name addresses and are not for clients)."""
+    if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidPayload(err.details() or "")
+    return ServiceUnavailable("the scheduler cannot be reached")

@@ -146,13 +146,6 @@ async def edge_status(app: EdgeContext) -> dict[str, Any]:
     }
 
 
-def _worker(w: Any) -> dict[str, Any]:
-    """worker_entry of a Worker, or of a WorkerStatus message read through scheduler_client
-    first: tests/edge/test_status_entries.py hands it messages (drop this once it reads them
-    through scheduler_client.worker_from)."""
-    return worker_entry(w if isinstance(w, sc.Worker) else sc.worker_from(w))
-
-
 def worker_entry(w: sc.Worker) -> dict[str, Any]:
     """One worker of the scheduler's snapshot, as /status lists it."""
     worker: dict[str, Any] = {

@@ -20,10 +20,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import grpc
 
+from omnifabric.common import limits as engine_limits
 from omnifabric.common import modes, session_types
 from omnifabric.edge import events as ev
 from omnifabric.edge.chat import (
@@ -362,33 +363,6 @@ def worker_event(response: worker_pb.SessionResponse) -> WorkerEvent | None:
     return None
 
 
-@dataclass(frozen=True)
-class Switches:
-    """The fabric's app switches as the scheduler answers them (GetApps, SetApp)."""
-
-    disabled: tuple[str, ...]
-    generation: int
-    """Counts the changes within one scheduler process (`epoch`)."""
-    epoch: str
-
-
-def _switches(msg: scheduler_pb.AppSwitches) -> Switches:
-    return Switches(tuple(msg.disabled_app_ids), msg.generation, msg.epoch)
-
-
-async def get_apps(stub: Any, timeout_s: float) -> Switches:
-    """The scheduler's app switches (its AioRpcError when it does not answer)."""
-    reply = await stub.GetApps(scheduler_pb.GetAppsRequest(), timeout=timeout_s)
-    return _switches(reply.switches)
-
-
-async def set_app(stub: Any, app_id: str, enabled: bool, timeout_s: float) -> Switches:
-    """Switch an app for the fabric; the switches after it (AioRpcError as get_apps)."""
-    request = scheduler_pb.SetAppRequest(app_id=app_id, enabled=enabled)
-    reply = await stub.SetApp(request, timeout=timeout_s)
-    return _switches(reply.switches)
-
-
 #: What the Acquire stream says of a granted lease after the grant (lease_news).
 LEASE_LOST = "lost"
 LEASE_MOVED = "moved"
@@ -414,13 +388,7 @@ def lease_limits(lease: Lease) -> EngineLimits | None:
     scheduler passed on none (older schedulers and workers: the worker alone decides)."""
     if not lease.HasField("limits"):
         return None
-    pb = lease.limits
-    return EngineLimits(
-        min_slice_nums=pb.min_slice_nums,
-        max_slice_nums=pb.max_slice_nums,
-        min_unit_samples=pb.min_unit_samples,
-        max_unit_samples=pb.max_unit_samples,
-    )
+    return engine_limits.from_pb(lease.limits)
 
 
 def check_slices(limits: EngineLimits | None, value: int, what: str = "max_slice_nums") -> None:
@@ -530,11 +498,3 @@ def chat_error(err: grpc.aio.AioRpcError) -> EdgeError:
     if err.code() == grpc.StatusCode.INTERNAL:
         return InferenceError(err.details() or "inference failed")
     return WorkerConnectFailed(f"the worker failed the turn: {err.details()}")
-
-
-def admin_error(err: grpc.aio.AioRpcError) -> EdgeError:
-    """A scheduler admin RPC's failure (the queue API): InvalidPayload when it refused the
-    request, else ServiceUnavailable (its details name addresses and are not for clients)."""
-    if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidPayload(err.details() or "")
-    return ServiceUnavailable("the scheduler cannot be reached")

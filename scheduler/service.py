@@ -16,6 +16,7 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from omnifabric.common import limits as engine_limits
 from omnifabric.common import logs, modes, telemetry
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -521,20 +522,8 @@ def _headroom_to_pb(room: Headroom | None) -> scheduler_pb.Headroom | None:
 
 
 def _limits_from_pb(msg: common_pb2.EngineLimits) -> EngineLimits:
-    return EngineLimits(
-        min_slice_nums=msg.min_slice_nums,
-        max_slice_nums=msg.max_slice_nums,
-        min_unit_samples=msg.min_unit_samples,
-        max_unit_samples=msg.max_unit_samples,
-    )
+    return engine_limits.from_pb(msg)
 
 
 def _limits_to_pb(limits: EngineLimits | None) -> common_pb2.EngineLimits | None:
-    if limits is None:
-        return None
-    return common_pb2.EngineLimits(
-        min_slice_nums=limits.min_slice_nums,
-        max_slice_nums=limits.max_slice_nums,
-        min_unit_samples=limits.min_unit_samples,
-        max_unit_samples=limits.max_unit_samples,
-    )
+    return None if limits is None else engine_limits.to_pb(limits)

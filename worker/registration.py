@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from omnifabric.common import limits as engine_limits
 from omnifabric.common import modes, schedulers
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -50,12 +51,7 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 def limits_pb(limits: EngineLimits) -> common_pb2.EngineLimits:
     """The engine's limits as the hello carries them to the scheduler (and on to edges)."""
-    return common_pb2.EngineLimits(
-        min_slice_nums=limits.min_slice_nums,
-        max_slice_nums=limits.max_slice_nums,
-        min_unit_samples=limits.min_unit_samples,
-        max_unit_samples=limits.max_unit_samples,
-    )
+    return engine_limits.to_pb(limits)
 
 
 def headroom_pb(figures: HeadroomFigures | None) -> scheduler_pb.Headroom | None:
