@@ -119,90 +119,135 @@ async def until(predicate, timeout_s: float, what: str) -> float:  # type: ignor
     return time.monotonic()
 
 
+@dataclass
+class Rig:
+    """What measure's steps share: the two schedulers' addresses, channels and stubs,
+    which of them leads (and which stands by), the simulated workers' and callers' tasks,
+    the edge's client of the pair, the sessions granted a lease, and the leader's queue."""
+
+    addresses: list[str]
+    channels: list[grpc.aio.Channel]
+    stubs: list[scheduler_grpc.SchedulerServiceStub]
+    leader: int
+    standby: int
+    tasks: list[asyncio.Future[None]] = field(default_factory=list)
+    fabric: Fabric | None = None
+    leased: list[str] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
+    """The leader's queue before the kill, session ids in its order."""
+
+
 async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, float | bool]:
+    """Two schedulers on one store, filled with workers, running sessions and waiting
+    callers; the leader stopped and the standby's rebuild timed (the figures `main`
+    prints). The schedulers (and a redis-server started here) stop whatever happens."""
     store = redis_local.start_redis(log_dir) if args.redis is None else None  # the caller stops it
     url = args.redis or (store.url if store else "")
     sched_args = ["--port", "0", "--metrics-port", "0", "--ha", url, "--ha-ttl", str(args.ttl)]
     sched_args += ["--queue-max", str(args.callers + 10)]
-    procs = []
+    procs: list[children.Child] = []
     try:
-        addresses = []
-        for name in ("sched-a", "sched-b"):
-            child = children.spawn(
-                name, "omnifabric.scheduler", sched_args, log_dir / f"{name}.log"
-            )
-            procs.append(child)
-            addresses.append(child.wait_ready(30).split()[0])
-            if name == "sched-a":
-                await asyncio.sleep(args.ttl)  # the first leads
-        channels = [
-            grpc.aio.insecure_channel(
-                a, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-            )
-            for a in addresses
-        ]
-        stubs = [scheduler_grpc.SchedulerServiceStub(c) for c in channels]
-        answer, _ = await schedulers.find_leader(stubs)
-        assert answer is not None, "no scheduler leads"
-        leader, standby = answer.index, 1 - answer.index
-
-        workers = [SimWorker(f"w{n}", args.slots, stubs) for n in range(args.workers)]
-        tasks = [asyncio.ensure_future(w.run()) for w in workers]
-        await until(
-            lambda: _count(stubs[leader], workers=args.workers), 60, "every worker registered"
-        )
-        fabric = Fabric(",".join(addresses), MAX_MESSAGE_BYTES)
-        fabric.start()
-        running = args.workers * args.slots
-        leased: list[str] = []
-        tasks += [
-            asyncio.ensure_future(hold(fabric, f"run{n:05d}", leased)) for n in range(running)
-        ]
-        await until(lambda: _leased(leased, running), 120, "every slot leased")
-        for n in range(args.callers):
-            tasks.append(asyncio.ensure_future(hold(fabric, f"wait{n:05d}", leased)))
-        await until(lambda: _count(stubs[leader], queued=args.callers), 120, "every caller queued")
-        # Concurrent streams reach the scheduler in any order: its queue is the order.
-        waiting = [e.session_id for e in (await status(stubs[leader])).queue]
-
-        victim = procs[leader]
-        victim.proc.send_signal(signal.SIGKILL if args.signal == "kill" else signal.SIGTERM)
-        t0 = time.monotonic()
-        led = await until(lambda: _leads(stubs[standby]), 60, "the standby leads")
-        rebuilt_workers = await until(
-            lambda: _count(stubs[standby], workers=args.workers, leases=running),
-            120,
-            "every worker and running session back",
-        )
-        requeued = await until(
-            lambda: _count(stubs[standby], queued=args.callers), 120, "every caller back"
-        )
-        after = [e.session_id for e in (await status(stubs[standby])).queue]
-        misplaced = [
-            n for n, pair in enumerate(zip(after, waiting, strict=False)) if len(set(pair)) > 1
-        ]
-        if misplaced:
-            n = misplaced[0]
-            print(f"first out of place: #{n + 1} is {after[n]}, was {waiting[n]}")
-        identity = await schedulers.ask(stubs[standby], standby, 5)
-        for task in tasks:
+        rig = await _connect(await _start_schedulers(args, sched_args, log_dir, procs))
+        running = await _fill(args, rig)
+        figures = await _fail_over(args, rig, procs[rig.leader], running)
+        for task in rig.tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await fabric.close()
-        for channel in channels:
+        await asyncio.gather(*rig.tasks, return_exceptions=True)
+        assert rig.fabric is not None
+        await rig.fabric.close()
+        for channel in rig.channels:
             await channel.close()
-        return {
-            "standby_leads_s": led - t0,
-            "workers_back_s": rebuilt_workers - t0,
-            "callers_back_s": requeued - t0,
-            "order_kept": after == waiting,
-            "misplaced": float(len(misplaced) + abs(len(after) - len(waiting))),
-            "leader_rebuild_s": (identity.rebuild_s if identity and identity.rebuild_s else -1.0),
-        }
+        return figures
     finally:
         children.stop(procs, 2.0, who="ha_rebuild")
         if store is not None:
             store.stop()
+
+
+async def _start_schedulers(
+    args: argparse.Namespace, sched_args: list[str], log_dir: Path, procs: list[children.Child]
+) -> list[str]:
+    """sched-a, and once it leads, sched-b (each into `procs` as it starts); returns their
+    gRPC addresses."""
+    addresses = []
+    for name in ("sched-a", "sched-b"):
+        child = children.spawn(name, "omnifabric.scheduler", sched_args, log_dir / f"{name}.log")
+        procs.append(child)
+        addresses.append(child.wait_ready(30).split()[0])
+        if name == "sched-a":
+            await asyncio.sleep(args.ttl)  # the first leads
+    return addresses
+
+
+async def _connect(addresses: list[str]) -> Rig:
+    """A channel and stub to each scheduler, and which of them leads."""
+    channels = [
+        grpc.aio.insecure_channel(
+            a, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        )
+        for a in addresses
+    ]
+    stubs = [scheduler_grpc.SchedulerServiceStub(c) for c in channels]
+    answer, _ = await schedulers.find_leader(stubs)
+    assert answer is not None, "no scheduler leads"
+    return Rig(addresses, channels, stubs, answer.index, 1 - answer.index)
+
+
+async def _fill(args: argparse.Namespace, rig: Rig) -> int:
+    """Every worker registered with the leader, every slot leased, every caller queued
+    (the queue's order into `rig.waiting`); returns the running sessions' count."""
+    stubs, leader = rig.stubs, rig.leader
+    workers = [SimWorker(f"w{n}", args.slots, stubs) for n in range(args.workers)]
+    rig.tasks = [asyncio.ensure_future(w.run()) for w in workers]
+    await until(lambda: _count(stubs[leader], workers=args.workers), 60, "every worker registered")
+    fabric = rig.fabric = Fabric(",".join(rig.addresses), MAX_MESSAGE_BYTES)
+    fabric.start()
+    running = args.workers * args.slots
+    leased = rig.leased
+    rig.tasks += [
+        asyncio.ensure_future(hold(fabric, f"run{n:05d}", leased)) for n in range(running)
+    ]
+    await until(lambda: _leased(leased, running), 120, "every slot leased")
+    for n in range(args.callers):
+        rig.tasks.append(asyncio.ensure_future(hold(fabric, f"wait{n:05d}", leased)))
+    await until(lambda: _count(stubs[leader], queued=args.callers), 120, "every caller queued")
+    # Concurrent streams reach the scheduler in any order: its queue is the order.
+    rig.waiting = [e.session_id for e in (await status(stubs[leader])).queue]
+    return running
+
+
+async def _fail_over(
+    args: argparse.Namespace, rig: Rig, victim: children.Child, running: int
+) -> dict[str, float | bool]:
+    """Stop the leader (`victim`) and time the standby's rebuild from then: when it leads,
+    when the workers and their sessions are back, when the callers are, and whether their
+    queue kept its order."""
+    standby, waiting = rig.stubs[rig.standby], rig.waiting
+    victim.proc.send_signal(signal.SIGKILL if args.signal == "kill" else signal.SIGTERM)
+    t0 = time.monotonic()
+    led = await until(lambda: _leads(standby), 60, "the standby leads")
+    rebuilt_workers = await until(
+        lambda: _count(standby, workers=args.workers, leases=running),
+        120,
+        "every worker and running session back",
+    )
+    requeued = await until(lambda: _count(standby, queued=args.callers), 120, "every caller back")
+    after = [e.session_id for e in (await status(standby)).queue]
+    misplaced = [
+        n for n, pair in enumerate(zip(after, waiting, strict=False)) if len(set(pair)) > 1
+    ]
+    if misplaced:
+        n = misplaced[0]
+        print(f"first out of place: #{n + 1} is {after[n]}, was {waiting[n]}")
+    identity = await schedulers.ask(standby, rig.standby, 5)
+    return {
+        "standby_leads_s": led - t0,
+        "workers_back_s": rebuilt_workers - t0,
+        "callers_back_s": requeued - t0,
+        "order_kept": after == waiting,
+        "misplaced": float(len(misplaced) + abs(len(after) - len(waiting))),
+        "leader_rebuild_s": (identity.rebuild_s if identity and identity.rebuild_s else -1.0),
+    }
 
 
 async def _leads(stub: scheduler_grpc.SchedulerServiceStub) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.exceptions import ConnectionClosed
+from websockets.extensions.base import ServerExtensionFactory
 from websockets.extensions.permessage_deflate import enable_server_permessage_deflate
 from websockets.http11 import SERVER, Request, Response
 from websockets.protocol import State
@@ -108,25 +109,53 @@ class Upgrade(Protocol):
 LISTEN_BACKLOG = 2048
 
 
-async def serve_port(
-    context: Any, upgrade: Upgrade, config: EdgeConfig, tls: ssl.SSLContext | None
-) -> Server:
-    """Listen on config.host:config.port: HTTP requests with a body are served by
-    FrontProtocol, WebSocket upgrades by `upgrade`. Returns the started websockets Server
-    (its close() ends the WebSocket connections with 1001)."""
+def allowed_origins(config: EdgeConfig) -> list[Origin | None] | None:
+    """The Origin headers a handshake may carry (None: any); a configured list also lets
+    in a handshake that carries no Origin header."""
+    if not config.allowed_origins:
+        return None
+    return [*map(Origin, config.allowed_origins), None]
 
-    async def create_server() -> asyncio.Server:
+
+def server_extensions(config: EdgeConfig) -> Sequence[ServerExtensionFactory] | None:
+    """The WebSocket extensions offered. Off unless configured: audio frames barely
+    compress and deflate costs milliseconds per frame on each side."""
+    if config.ws_compression == "deflate":
+        return enable_server_permessage_deflate(None)
+    return None
+
+
+class PortServer:
+    """One listening port's setup, shared by all its connections: the listener
+    (`create_server`), the switch of an upgrade from FrontProtocol to a websockets
+    ServerConnection (`open_websocket`) and each connection's life (`run_connection`).
+    `server` is the websockets Server built on the first and the last."""
+
+    def __init__(
+        self, context: Any, upgrade: Upgrade, config: EdgeConfig, tls: ssl.SSLContext | None
+    ) -> None:
+        self.context = context
+        self.upgrade = upgrade
+        self.config = config
+        self.tls = tls
+        self.server = Server(self.create_server, self.run_connection)
+        self.origins = allowed_origins(config)
+        self.extensions = server_extensions(config)
+
+    async def create_server(self) -> asyncio.Server:
+        """The asyncio listener: every accepted connection starts in FrontProtocol."""
+        config = self.config
         loop = asyncio.get_running_loop()
         kwargs: dict[str, Any] = {}
-        if tls is not None:
+        if self.tls is not None:
             # Bounds the TLS handshake like the WebSocket one.
             kwargs.update(
-                ssl=tls,
+                ssl=self.tls,
                 ssl_handshake_timeout=config.open_timeout_s,
                 ssl_shutdown_timeout=config.ws_close_timeout_s,
             )
         return await loop.create_server(
-            lambda: FrontProtocol(context, open_websocket),
+            lambda: FrontProtocol(self.context, self.open_websocket),
             config.host,
             config.port,
             backlog=LISTEN_BACKLOG,
@@ -134,12 +163,13 @@ async def serve_port(
             **kwargs,
         )
 
-    async def run_connection(connection: ServerConnection) -> None:
+    async def run_connection(self, connection: ServerConnection) -> None:
         """One upgraded connection: the handshake within the open timeout, then the
         handler; the TCP connection is closed whatever happens."""
+        server, upgrade = self.server, self.upgrade
         try:
             try:
-                async with asyncio.timeout(config.open_timeout_s):
+                async with asyncio.timeout(self.config.open_timeout_s):
                     await connection.handshake(upgrade.process_request, None, SERVER)
                 if connection.protocol.state is not State.OPEN:
                     connection.transport.abort()
@@ -159,32 +189,24 @@ async def serve_port(
             server.handler_tasks.discard(asyncio.current_task())
             upgrade.released(connection)
 
-    server = Server(create_server, run_connection)
-    origins: list[Origin | None] | None = None
-    if config.allowed_origins:
-        origins = [*map(Origin, config.allowed_origins), None]
-
-    # Off unless configured: audio frames barely compress and deflate costs milliseconds
-    # per frame on each side.
-    extensions = None
-    if config.ws_compression == "deflate":
-        extensions = enable_server_permessage_deflate(None)
-
-    def open_websocket(transport: asyncio.Transport, first: bytes) -> None:
+    def open_websocket(self, transport: asyncio.Transport, first: bytes) -> None:
+        """Hand an upgrade's transport, and the bytes FrontProtocol read, to a new
+        ServerConnection: that starts run_connection."""
+        config, upgrade = self.config, self.upgrade
         connection: ServerConnection
 
         def select(_protocol: ServerProtocol, offered: Sequence[Subprotocol]) -> Subprotocol | None:
             return upgrade.select_subprotocol(connection, offered)
 
         protocol = ServerProtocol(
-            origins=origins,
+            origins=self.origins,
             select_subprotocol=select,
-            extensions=extensions,
+            extensions=self.extensions,
             max_size=config.max_frame_bytes,
         )
         connection = ServerConnection(
             protocol,
-            server,
+            self.server,
             # The edge runs its own keepalive (edge.outbox): websockets' waits for a full
             # send buffer to drain before timing the pong, so a client that stops reading
             # would never be dropped.
@@ -196,4 +218,11 @@ async def serve_port(
         connection.connection_made(transport)  # starts run_connection
         connection.data_received(first)
 
-    return await server
+
+async def serve_port(
+    context: Any, upgrade: Upgrade, config: EdgeConfig, tls: ssl.SSLContext | None
+) -> Server:
+    """Listen on config.host:config.port: HTTP requests with a body are served by
+    FrontProtocol, WebSocket upgrades by `upgrade`. Returns the started websockets Server
+    (its close() ends the WebSocket connections with 1001)."""
+    return await PortServer(context, upgrade, config, tls).server

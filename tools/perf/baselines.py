@@ -297,7 +297,6 @@ class GrpcDirect:
         """One session: Acquire (held open: the lease lives with it), Session, units, close."""
         from omnifabric.omni.realtime.v1 import common_pb2
         from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
-        from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 
         await asyncio.sleep(delay_s)
         session_id = f"bench-{uuid.uuid4().hex[:12]}"
@@ -308,82 +307,110 @@ class GrpcDirect:
         )
         t0 = time.monotonic()
         try:
-            lease = None
-            async for response in acquire:
-                if response.WhichOneof("kind") == "lease":
-                    lease = response.lease
-                    break
-                if response.WhichOneof("kind") != "queued":
-                    raise RuntimeError(f"acquire: {response.WhichOneof('kind')}")
-            if lease is None:
-                raise RuntimeError("acquire: ended without a lease")
+            lease = await _granted(acquire)
             s.queue_wait.append((time.monotonic() - t0) * 1000.0)
-            # Written with call.write(), as the edge writes (a request iterator fed from a
-            # queue would put a task switch in front of every unit).
-            call = self.worker(lease.worker_address).Session()
-            await call.write(
-                worker_pb.SessionRequest(
-                    start=worker_pb.SessionStart(
-                        lease_id=lease.lease_id, session_id=session_id, mode=common_pb2.MODE_AUDIO
-                    )
-                )
-            )
-            first = await call.read()
-            if first is self._grpc.aio.EOF or first.WhichOneof("kind") != "started":
-                raise RuntimeError("session: no started")
-            done = asyncio.Event()
-
-            async def receive() -> None:
-                # read(), not `async for`: grpc.aio refuses both styles on one call.
-                while (response := await call.read()) is not self._grpc.aio.EOF:
-                    now = time.monotonic()
-                    kind = response.WhichOneof("kind")
-                    if kind == "ended":
-                        ended.append(response.ended.reason)
-                        break
-                    if kind != "result":
-                        continue
-                    result, timings = response.result, response.result.timings
-                    units_by_seq.result(
-                        result.seq,
-                        result.dropped_seqs,
-                        now,
-                        engine_ms(timings),
-                        timings.wall_clock_ms,
-                    )
-
-            async def receive_all() -> None:
-                try:
-                    await receive()
-                except Exception as exc:
-                    s.errors.append(f"session stream: {type(exc).__name__}")
-                finally:
-                    done.set()
-
-            receiver = asyncio.create_task(receive_all())
-
-            async def send(k: int) -> bool:
-                if done.is_set():
-                    return False
-                units_by_seq.send(k + 1)
-                await call.write(
-                    worker_pb.SessionRequest(unit=worker_pb.Unit(seq=k + 1, pcm=pcms[k]))
-                )
-                return True
-
-            await paced(len(units), send)
-            await settle(units_by_seq.settled, done, 5.0)
-            if not done.is_set():
-                await call.write(
-                    worker_pb.SessionRequest(
-                        close=worker_pb.SessionClose(reason=common_pb2.CLOSE_REASON_USER_STOP)
-                    )
-                )
-                await call.done_writing()
-            await asyncio.wait_for(done.wait(), 15)
-            receiver.cancel()
+            call = await self._start(lease, session_id)
+            await self._stream(call, units, pcms, units_by_seq, ended)
         except Exception as exc:
             s.errors.append(f"{type(exc).__name__}: {str(exc)[:100]}")
         finally:
             acquire.cancel()
         units_by_seq.tally(closed_cleanly=ended == [common_pb2.CLOSE_REASON_USER_STOP])
+
+    async def _start(self, lease: Any, session_id: str) -> Any:
+        """The worker's Session call on `lease`, once the worker said it started."""
+        from omnifabric.omni.realtime.v1 import common_pb2
+        from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
+
+        # Written with call.write(), as the edge writes (a request iterator fed from a
+        # queue would put a task switch in front of every unit).
+        call = self.worker(lease.worker_address).Session()
+        await call.write(
+            worker_pb.SessionRequest(
+                start=worker_pb.SessionStart(
+                    lease_id=lease.lease_id, session_id=session_id, mode=common_pb2.MODE_AUDIO
+                )
+            )
+        )
+        first = await call.read()
+        if first is self._grpc.aio.EOF or first.WhichOneof("kind") != "started":
+            raise RuntimeError("session: no started")
+        return call
+
+    async def _stream(
+        self,
+        call: Any,
+        units: list[np.ndarray],
+        pcms: list[bytes],
+        units_by_seq: UnitLedger,
+        ended: list[int],
+    ) -> None:
+        """The units, one a second, while the results are read; then the last results, the
+        close and the worker's end (its reason into `ended`)."""
+        from omnifabric.omni.realtime.v1 import common_pb2
+        from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
+
+        done = asyncio.Event()
+
+        async def receive_all() -> None:
+            try:
+                await self._receive(call, units_by_seq, ended)
+            except Exception as exc:
+                units_by_seq.samples.errors.append(f"session stream: {type(exc).__name__}")
+            finally:
+                done.set()
+
+        receiver = asyncio.create_task(receive_all())
+
+        async def send(k: int) -> bool:
+            if done.is_set():
+                return False
+            units_by_seq.send(k + 1)
+            await call.write(worker_pb.SessionRequest(unit=worker_pb.Unit(seq=k + 1, pcm=pcms[k])))
+            return True
+
+        await paced(len(units), send)
+        await settle(units_by_seq.settled, done, 5.0)
+        if not done.is_set():
+            await call.write(
+                worker_pb.SessionRequest(
+                    close=worker_pb.SessionClose(reason=common_pb2.CLOSE_REASON_USER_STOP)
+                )
+            )
+            await call.done_writing()
+        await asyncio.wait_for(done.wait(), 15)
+        receiver.cancel()
+
+    async def _receive(self, call: Any, units_by_seq: UnitLedger, ended: list[int]) -> None:
+        """The worker's results into the ledger, until its end (the reason into `ended`)."""
+        # read(), not `async for`: grpc.aio refuses both styles on one call.
+        while (response := await call.read()) is not self._grpc.aio.EOF:
+            now = time.monotonic()
+            kind = response.WhichOneof("kind")
+            if kind == "ended":
+                ended.append(response.ended.reason)
+                break
+            if kind != "result":
+                continue
+            result, timings = response.result, response.result.timings
+            units_by_seq.result(
+                result.seq,
+                result.dropped_seqs,
+                now,
+                engine_ms(timings),
+                timings.wall_clock_ms,
+            )
+
+
+async def _granted(acquire: Any) -> Any:
+    """The lease an Acquire stream grants, after any queued replies."""
+    lease = None
+    async for response in acquire:
+        if response.WhichOneof("kind") == "lease":
+            lease = response.lease
+            break
+        if response.WhichOneof("kind") != "queued":
+            raise RuntimeError(f"acquire: {response.WhichOneof('kind')}")
+    if lease is None:
+        raise RuntimeError("acquire: ended without a lease")
+    return lease

@@ -9,6 +9,8 @@ import asyncio
 import math
 import sys
 import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,90 @@ def say(text: str) -> None:
     console.say("bench", text)
 
 
+@dataclass
+class LevelRun:
+    """What one level's background tasks share while its sessions run: the samples they
+    read, and the streaming window's two ends and the loop lags they note."""
+
+    path: str
+    sessions: int
+    args: argparse.Namespace
+    samples: Samples
+    started: float = 0.0
+    steady: list[tuple[float, float | None, int]] = field(default_factory=list)
+    """The streaming window: from the moment every session has sent its first unit to the
+    moment one sends its last. Both ends: (time, edge CPU s or None, units answered)."""
+    lags: list[float] = field(default_factory=list)
+
+    async def progress(self) -> None:
+        """A progress line every --progress-every s."""
+        args, samples = self.args, self.samples
+        while True:
+            await asyncio.sleep(args.progress_every)
+            p99 = percentile(samples.overhead, 99) if samples.overhead else math.nan
+            say(
+                f"{self.path} x{self.sessions}: {time.monotonic() - self.started:.0f}/"
+                f"{args.seconds} s, "
+                f"{len(samples.overhead)}/{samples.sent} answered, overhead p99 so far "
+                f"{p99:.1f} ms"
+            )
+
+    async def steady_window(self, stack: BenchStack) -> None:
+        """Note the streaming window's two ends (`steady`), when the run is long enough."""
+        pids = edge_pids(stack.pids) if self.path in THROUGH_EDGE else []
+        if self.args.seconds < 3:
+            return
+        for mark in (self.sessions, self.sessions * (self.args.seconds - 1)):
+            while self.samples.sent < mark:
+                await asyncio.sleep(0.02)
+            cpus = [sample[0] for pid in pids if (sample := proc_sample(pid)) is not None]
+            cpu = sum(cpus) if pids and len(cpus) == len(pids) else None
+            self.steady.append((time.monotonic(), cpu, len(self.samples.overhead)))
+
+    async def loop_lag(self) -> None:
+        """The client's own event loop: a late wake-up here delays every timestamp it takes,
+        so a high lag means the measurement, not the fabric, is the bottleneck."""
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            self.lags.append((time.monotonic() - before - 0.01) * 1000.0)
+
+
+def session_runs(
+    path: str,
+    units: list[Any],
+    delays: list[float],
+    samples: Samples,
+    stack: BenchStack,
+    grpc_clients: dict[str, Any],
+) -> list[Coroutine[Any, Any, None]]:
+    """One session per delay over `path`, each sending `units`."""
+    if path == "fabric":
+        frames = [append_frame(u) for u in units]
+        url = f"{stack.url}?mode=audio"
+        return [fabric_session(url, d, units, frames, samples) for d in delays]
+    if path == "ws-echo":
+        frames = [append_frame(u) for u in units]
+        return [echo_session(stack.echo_url, d, units, frames, samples) for d in delays]
+    pcms = [pcm(u) for u in units]
+    client = grpc_clients[path]  # made whenever the path is measured
+    return [client.session(d, units, pcms, samples) for d in delays]
+
+
+def watched_names(path: str, args: argparse.Namespace, stack: BenchStack) -> list[str]:
+    """The processes a level over `path` watches, by their names in the stack's pids."""
+    if path in THROUGH_EDGE:
+        # A fabric of its own: every service; a --url fabric: the client (and --edge-pid).
+        return [
+            n
+            for n in stack.pids
+            if n not in ECHOES and (not args.url or n == "client" or is_edge(n))
+        ]
+    if path in BASELINE_SERVERS:
+        return [BASELINE_SERVERS[path], "client"]
+    return [n for n in stack.pids if n.startswith(("worker", "scheduler")) or n == "client"]
+
+
 async def run_level(
     path: str,
     sessions: int,
@@ -39,76 +125,19 @@ async def run_level(
     grpc-thread, grpc-sync, grpc-direct), by path; each has `session(delay_s, units, pcms,
     samples)`."""
     units = unit_script(args.seconds)
-    samples = Samples()
+    run = LevelRun(path, sessions, args, Samples())
     # Session i opens at i * ramp / N s; its units follow once a second from then on, so
     # the units of all sessions stay spread over each second whatever the ramp.
     delays = [i * args.ramp_s / sessions for i in range(sessions)]
-    if path == "fabric":
-        frames = [append_frame(u) for u in units]
-        url = f"{stack.url}?mode=audio"
-        runs = [fabric_session(url, d, units, frames, samples) for d in delays]
-    elif path == "ws-echo":
-        frames = [append_frame(u) for u in units]
-        runs = [echo_session(stack.echo_url, d, units, frames, samples) for d in delays]
-    else:
-        pcms = [pcm(u) for u in units]
-        client = grpc_clients[path]  # made whenever the path is measured
-        runs = [client.session(d, units, pcms, samples) for d in delays]
-    if path in THROUGH_EDGE:
-        # A fabric of its own: every service; a --url fabric: the client (and --edge-pid).
-        watched = [
-            n
-            for n in stack.pids
-            if n not in ECHOES and (not args.url or n == "client" or is_edge(n))
-        ]
-    elif path in BASELINE_SERVERS:
-        watched = [BASELINE_SERVERS[path], "client"]
-    else:
-        watched = [n for n in stack.pids if n.startswith(("worker", "scheduler")) or n == "client"]
-    watch = ProcessWatch({n: stack.pids[n] for n in watched})
-    started = time.monotonic()
-
-    async def progress() -> None:
-        while True:
-            await asyncio.sleep(args.progress_every)
-            p99 = percentile(samples.overhead, 99) if samples.overhead else math.nan
-            say(
-                f"{path} x{sessions}: {time.monotonic() - started:.0f}/{args.seconds} s, "
-                f"{len(samples.overhead)}/{samples.sent} answered, overhead p99 so far "
-                f"{p99:.1f} ms"
-            )
-
-    # The streaming window: from the moment every session has sent its first unit to the
-    # moment one sends its last. Both ends: (time, edge CPU s or None, units answered).
-    steady: list[tuple[float, float | None, int]] = []
-
-    async def steady_window() -> None:
-        pids = edge_pids(stack.pids) if path in THROUGH_EDGE else []
-        if args.seconds < 3:
-            return
-        for mark in (sessions, sessions * (args.seconds - 1)):
-            while samples.sent < mark:
-                await asyncio.sleep(0.02)
-            cpus = [sample[0] for pid in pids if (sample := proc_sample(pid)) is not None]
-            cpu = sum(cpus) if pids and len(cpus) == len(pids) else None
-            steady.append((time.monotonic(), cpu, len(samples.overhead)))
-
-    lags: list[float] = []
-
-    async def loop_lag() -> None:
-        # The client's own event loop: a late wake-up here delays every timestamp it takes,
-        # so a high lag means the measurement, not the fabric, is the bottleneck.
-        while True:
-            before = time.monotonic()
-            await asyncio.sleep(0.01)
-            lags.append((time.monotonic() - before - 0.01) * 1000.0)
-
+    runs = session_runs(path, units, delays, run.samples, stack, grpc_clients)
+    watch = ProcessWatch({n: stack.pids[n] for n in watched_names(path, args, stack)})
+    run.started = time.monotonic()
     say(f"{path} x{sessions}: {sessions} sessions x {args.seconds} s")
     profiler = _start_profile(args, stack, path, sessions)
     watch.start()
-    lagger = asyncio.create_task(loop_lag())
-    ticker = asyncio.create_task(progress())
-    window = asyncio.create_task(steady_window())
+    lagger = asyncio.create_task(run.loop_lag())
+    ticker = asyncio.create_task(run.progress())
+    window = asyncio.create_task(run.steady_window(stack))
     try:
         await asyncio.gather(*runs)
     finally:
@@ -117,8 +146,19 @@ async def run_level(
         lagger.cancel()
         if profiler is not None:
             await _finish_profile(profiler)
-    level = samples.fill(Level(path, sessions, args.seconds))
-    level.client_loop_lag_ms = stats(lags)
+    level = await level_figures(run, watch)
+    say(level_line(level))
+    if path in THROUGH_EDGE and stack.url:
+        await edge_idle(stack.url, 30)
+    return level
+
+
+async def level_figures(run: LevelRun, watch: ProcessWatch) -> Level:
+    """The level's figures once its sessions are over: the samples', the watched
+    processes', the edge's CPU per unit and the streaming window's."""
+    samples = run.samples
+    level = samples.fill(Level(run.path, run.sessions, run.args.seconds))
+    level.client_loop_lag_ms = stats(run.lags)
     level.processes = await watch.stop()
     level.wall_s = round(watch.wall_s, 2)
     level.machine_cores = round(watch.machine_cores, 2)
@@ -126,17 +166,24 @@ async def run_level(
     edge_cpu_s = [p["cpu_s"] for n, p in level.processes.items() if is_edge(n)]
     if edge_cpu_s and level.answered:
         level.edge_cpu_us_per_unit = us_per_unit(sum(edge_cpu_s), level.answered)
-    if len(steady) == 2:
-        (t0, cpu0, n0), (t1, cpu1, n1) = steady
+    if len(run.steady) == 2:
+        (t0, cpu0, n0), (t1, cpu1, n1) = run.steady
         level.overhead_streaming_ms = stats(
             [o for o, at in zip(samples.overhead, samples.sent_at, strict=True) if t0 <= at < t1]
         )
         if cpu0 is not None and cpu1 is not None and n1 > n0:
             level.edge_cpu_us_per_unit_steady = us_per_unit(cpu1 - cpu0, n1 - n0)
+    return level
+
+
+def level_line(level: Level) -> str:
+    """The progress line that ends a level: its counts and overhead, and the figures it
+    has of the streaming window, the worker, the client's loop lag and the edge's CPU."""
     o = level.overhead_ms
     steady_us = level.edge_cpu_us_per_unit_steady
-    say(
-        f"{path} x{sessions}: {level.answered}/{level.units_sent} answered, lost {level.lost}, "
+    return (
+        f"{level.path} x{level.sessions}: {level.answered}/{level.units_sent} answered, "
+        f"lost {level.lost}, "
         f"dropped {level.dropped}, lost sessions {level.lost_sessions}; overhead p50 "
         f"{o['p50']:.2f} / p95 {o['p95']:.2f} / p99 {o['p99']:.2f} ms"
         + (
@@ -159,9 +206,6 @@ async def run_level(
         )
         + (f"; errors {level.errors}" if level.errors else "")
     )
-    if path in THROUGH_EDGE and stack.url:
-        await edge_idle(stack.url, 30)
-    return level
 
 
 async def measure(

@@ -182,21 +182,27 @@ def cpu_floor(by: dict[tuple[str, int], Level]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(result: dict[str, Any]) -> str:
-    """Tables: overhead per path and count, ratios, processes, targets."""
-    levels = result["levels"]
+def _by_count_then_path(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The levels in the tables' order: by session count, then by PATHS' order."""
+    return sorted(levels, key=lambda x: (x["sessions"], PATHS.index(x["path"])))
+
+
+def _ms_cell(stats: dict[str, float], key: str = "p99") -> str:
+    """A percentile of a level's stats, "-" where it has none."""
+    value = stats.get(key, math.nan) if stats else math.nan
+    return f"{value:.2f}" if math.isfinite(value) else "-"
+
+
+def _levels_table(levels: list[dict[str, Any]]) -> list[str]:
+    """Overhead per path and session count, with the level's counts, CPU and steal."""
     lines = [
         "| sessions | path | units | answered | lost | dropped | overhead p50 | p95 | p99 "
         "| max | p99 while all stream | in worker p99 | client lag p99 | queue wait p99 "
         "| edge CPU per unit (level / streaming) | steal (cores) |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-
-    def ms(stats: dict[str, float], key: str = "p99") -> str:
-        value = stats.get(key, math.nan) if stats else math.nan
-        return f"{value:.2f}" if math.isfinite(value) else "-"
-
-    for lv in sorted(levels, key=lambda x: (x["sessions"], PATHS.index(x["path"]))):
+    ms = _ms_cell
+    for lv in _by_count_then_path(levels):
         o = lv["overhead_ms"]
         edge, steady = lv["edge_cpu_us_per_unit"], lv["edge_cpu_us_per_unit_steady"]
         edge_text = (
@@ -214,7 +220,12 @@ def markdown(result: dict[str, Any]) -> str:
             + (f" ({len(lv['noisy_attempts'])} set aside)" if lv["noisy_attempts"] else "")
             + " |"
         )
-    lines += [
+    return lines
+
+
+def _ratios_table(ratios: list[dict[str, Any]]) -> list[str]:
+    """The edge paths' overhead as a multiple of the baselines', and the ms added to echo."""
+    lines = [
         "",
         "| sessions | path | p50 / echo | p99 / echo | p50 / gRPC direct | p99 / gRPC direct "
         "| added to echo p50 / p99 |",
@@ -228,82 +239,113 @@ def markdown(result: dict[str, Any]) -> str:
         p50, p99 = row.get("p50_added_to_ws-echo_ms"), row.get("p99_added_to_ws-echo_ms")
         return "-" if p50 is None or p99 is None else f"{p50:+.2f} / {p99:+.2f} ms"
 
-    for row in result["ratios"]:
+    for row in ratios:
         lines.append(
             f"| {row['sessions']} | {row['path']} | {fmt(row.get('p50_vs_ws-echo'))} | "
             f"{fmt(row.get('p99_vs_ws-echo'))} | {fmt(row.get('p50_vs_grpc-direct'))} | "
             f"{fmt(row.get('p99_vs_grpc-direct'))} | {added(row)} |"
         )
-    if result.get("split"):
-        lines += [
-            "",
-            "| sessions | fabric added p50 (- ws-echo) | one gRPC exchange (grpc-echo) | worker "
-            "(grpc-direct - grpc-echo) | of it, the engine-thread hand-off (grpc-thread - "
-            "grpc-echo) | and the session logic (grpc-direct - grpc-thread) | edge (fabric - "
-            "ws-echo - grpc-direct) | the hand-off on a synchronous server (grpc-sync - "
-            "grpc-echo) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
+    return lines
 
-        def signed(x: float | None) -> str:
-            return "-" if x is None else f"{x:+.2f} ms"
 
-        for row in result["split"]:
-            lines.append(
-                f"| {row['sessions']} | {signed(row['added_ms'])} | "
-                f"{signed(row['grpc_exchange_ms'])} | {signed(row['worker_ms'])} | "
-                f"{signed(row.get('engine_handoff_ms'))} | "
-                f"{signed(row.get('session_logic_ms'))} | {signed(row['edge_ms'])} | "
-                f"{signed(row.get('sync_handoff_ms'))} |"
-            )
-    if result.get("cpu_floor"):
-        lines += [
-            "",
-            "| sessions | edge CPU per unit | ws-echo server | grpc-echo server "
-            "| the two servers | edge over them |",
-            "|---:|---:|---:|---:|---:|---:|",
-        ]
-        for row in result["cpu_floor"]:
-            lines.append(
-                f"| {row['sessions']} | {row['edge_us']:.0f} us | "
-                f"{row['ws_echo_server_us']:.0f} us | {row['grpc_echo_server_us']:.0f} us | "
-                f"{row['echo_servers_us']:.0f} us | {row['edge_over_echo_servers_us']:+.0f} us |"
-            )
-    lines += [
+def _split_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Where the fabric's added p50 goes (`split`)."""
+    lines = [
+        "",
+        "| sessions | fabric added p50 (- ws-echo) | one gRPC exchange (grpc-echo) | worker "
+        "(grpc-direct - grpc-echo) | of it, the engine-thread hand-off (grpc-thread - "
+        "grpc-echo) | and the session logic (grpc-direct - grpc-thread) | edge (fabric - "
+        "ws-echo - grpc-direct) | the hand-off on a synchronous server (grpc-sync - "
+        "grpc-echo) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def signed(x: float | None) -> str:
+        return "-" if x is None else f"{x:+.2f} ms"
+
+    for row in rows:
+        lines.append(
+            f"| {row['sessions']} | {signed(row['added_ms'])} | "
+            f"{signed(row['grpc_exchange_ms'])} | {signed(row['worker_ms'])} | "
+            f"{signed(row.get('engine_handoff_ms'))} | "
+            f"{signed(row.get('session_logic_ms'))} | {signed(row['edge_ms'])} | "
+            f"{signed(row.get('sync_handoff_ms'))} |"
+        )
+    return lines
+
+
+def _cpu_floor_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The edge's CPU per unit beside the echo servers' (`cpu_floor`)."""
+    lines = [
+        "",
+        "| sessions | edge CPU per unit | ws-echo server | grpc-echo server "
+        "| the two servers | edge over them |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['sessions']} | {row['edge_us']:.0f} us | "
+            f"{row['ws_echo_server_us']:.0f} us | {row['grpc_echo_server_us']:.0f} us | "
+            f"{row['echo_servers_us']:.0f} us | {row['edge_over_echo_servers_us']:+.0f} us |"
+        )
+    return lines
+
+
+def _processes_table(levels: list[dict[str, Any]]) -> list[str]:
+    """Each watched process's CPU and peak RSS, per level."""
+    lines = [
         "",
         "| sessions | path | process | CPU cores | CPU s | RSS peak MiB |",
         "|---:|---|---|---:|---:|---:|",
     ]
-    for lv in sorted(levels, key=lambda x: (x["sessions"], PATHS.index(x["path"]))):
+    for lv in _by_count_then_path(levels):
         for name, p in sorted(lv["processes"].items()):
             lines.append(
                 f"| {lv['sessions']} | {lv['path']} | {name} | {p['cores']:.2f} | "
                 f"{p['cpu_s']:.2f} | {p['rss_mib_peak']:.1f} |"
             )
+    return lines
+
+
+def _target_lines(targets: dict[str, Any]) -> list[str]:
+    """The target checks as a list: the target session count's, the max search's."""
+    lines = [""]
+    at = targets.get("at_target_sessions")
+    if at:
+        lines.append(
+            f"- {at['sessions']} sessions: p99 {at['p99_ms']:.2f} ms, lost {at['lost']} "
+            f"(+{at['lost_in_noisy_attempts']} in attempts set aside), steal "
+            f"{at['steal_cores']:.2f} cores "
+            f"(target {at['target']}): {'PASS' if at['passed'] else 'MISS'}"
+        )
+    mx = targets.get("max_sessions_within")
+    if mx:
+        capped = " (the search's cap: --max-sessions)" if mx["capped"] else ""
+        again = ""
+        if "remeasured_p99_ms" in mx:
+            again = (
+                f"; measured again with the baselines: p99 {mx['remeasured_p99_ms']:.2f} ms"
+                f" ({'within' if mx['remeasured_within'] else 'over'} the limit)"
+            )
+        lines.append(
+            f"- largest session count with p99 <= {mx['max_p99_ms']:g} ms and nothing "
+            f"lost: {mx['sessions']}{capped}{again}"
+        )
+    return lines
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """Tables: overhead per path and count, ratios, processes, targets."""
+    levels = result["levels"]
+    lines = _levels_table(levels) + _ratios_table(result["ratios"])
+    if result.get("split"):
+        lines += _split_table(result["split"])
+    if result.get("cpu_floor"):
+        lines += _cpu_floor_table(result["cpu_floor"])
+    lines += _processes_table(levels)
     targets = result["targets"]
     if targets:
-        lines += [""]
-        at = targets.get("at_target_sessions")
-        if at:
-            lines.append(
-                f"- {at['sessions']} sessions: p99 {at['p99_ms']:.2f} ms, lost {at['lost']} "
-                f"(+{at['lost_in_noisy_attempts']} in attempts set aside), steal "
-                f"{at['steal_cores']:.2f} cores "
-                f"(target {at['target']}): {'PASS' if at['passed'] else 'MISS'}"
-            )
-        mx = targets.get("max_sessions_within")
-        if mx:
-            capped = " (the search's cap: --max-sessions)" if mx["capped"] else ""
-            again = ""
-            if "remeasured_p99_ms" in mx:
-                again = (
-                    f"; measured again with the baselines: p99 {mx['remeasured_p99_ms']:.2f} ms"
-                    f" ({'within' if mx['remeasured_within'] else 'over'} the limit)"
-                )
-            lines.append(
-                f"- largest session count with p99 <= {mx['max_p99_ms']:g} ms and nothing "
-                f"lost: {mx['sessions']}{capped}{again}"
-            )
+        lines += _target_lines(targets)
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,79 +29,135 @@ from omnifabric.tools.perf.soak_row import (
     scrape,
     wait_until,
 )
+from omnifabric.tools.perf.stack import Stack
 
 SPEECH_FIXTURE = ROOT / "tests" / "fixtures" / "speech" / "question.wav"
 
 
+Figures = dict[str, dict[str, float]]
+"""RSS (MiB), open fds and live asyncio tasks of every service, by name (process_figures)."""
+
+
+@dataclass
+class L1Run:
+    """What L1's steps hand on to its verdict."""
+
+    before: Figures = field(default_factory=dict)
+    after: Figures = field(default_factory=dict)
+    result: dict[str, Any] = field(default_factory=dict)
+    """tools.load's figures of the measured run."""
+    cpu: dict[str, float] = field(default_factory=dict)
+    idle: bool = False
+    edge_rss: list[float] = field(default_factory=list)
+    """MiB, one per progress line: plateau or steady climb?"""
+
+
 async def row_l1(args: argparse.Namespace, log_dir: Path) -> RowResult:
     """L1: a warm-up round, the baseline, N sessions x S s, then the same figures again."""
-    from omnifabric.tools.load import run as load
-
     target = (
         f"0 lost units and sessions; overhead p99 <= {args.max_overhead_p99_ms:g} ms; tasks "
         f"and fds back to their level; RSS growth < {args.max_rss_growth:g}%"
     )
     stack = row_stack(log_dir, "L1")
+    run = L1Run()
     try:
-        say("L1", f"starting scheduler, {args.workers} workers x {args.slots} slots, edge")
-        stack.start_scheduler()
-        for i in range(args.workers):
-            stack.start_worker(
-                "--slots", str(args.slots), "--compute-ms", str(args.compute_ms), name=f"w{i}"
-            )
-        stack.start_edge()
-        url = f"{stack.url}?mode=audio"
-        if args.warmup_seconds > 0:
-            say("L1", f"warm-up: {args.sessions} sessions x {args.warmup_seconds} s")
-            await load(url, args.sessions, args.warmup_seconds)
-        await wait_until(lambda: fabric_idle(stack), args.settle)
-        before = await asyncio.to_thread(process_figures, stack)
-        say("L1", f"before: {_brief(before)}")
-        edge = http_address(stack.url)
-        edge_rss: list[float] = []  # MiB, one per progress line: plateau or steady climb?
-
-        def line() -> str:
-            samples = scrape(edge)
-            edge_rss.append(round(metric(samples, "process_resident_memory_bytes") / 2**20, 1))
-            return (
-                f"{metric(samples, 'omni_edge_sessions_active', state='active'):.0f} sessions "
-                f"active, {metric(samples, 'omni_edge_outputs_total'):.0f} results so far; "
-                f"edge RSS {edge_rss[-1]:.0f} MiB"
-            )
-
-        say("L1", f"{args.sessions} sessions x {args.seconds} s at 1 unit/s")
-        pids = [os.getpid(), *(svc.proc.pid for svc in stack.services)]
-        cpu_before, started = cpu_seconds(pids), time.monotonic()
-        progress = asyncio.create_task(print_progress("L1", args.progress_every, line))
-        try:
-            result = await load(url, args.sessions, args.seconds)
-        finally:
-            progress.cancel()
-        cpu_after, wall = cpu_seconds(pids), time.monotonic() - started
-        cpu = {
-            "ours_cores": round((cpu_after[1] - cpu_before[1]) / wall, 2),
-            "others_cores": round(
-                ((cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1])) / wall, 2
-            ),
-        }
-        say(
-            "L1",
-            f"CPU: this stack {cpu['ours_cores']} cores, other processes {cpu['others_cores']}",
-        )
-        idle = await wait_until(lambda: fabric_idle(stack), args.settle)
-
-        def recovered() -> bool:
-            now = process_figures(stack)
-            return all(
-                now[n]["tasks"] <= before[n]["tasks"] and now[n]["fds"] <= before[n]["fds"]
-                for n in before
-            )
-
-        await wait_until(recovered, args.settle)
-        after = await asyncio.to_thread(process_figures, stack)
-        say("L1", f"after: {_brief(after)}")
+        url = _l1_start(args, stack)
+        run.before = await _l1_baseline(args, stack, url)
+        run.result, run.cpu = await _l1_load(args, stack, url, run.edge_rss)
+        run.idle, run.after = await _l1_recover(args, stack, run.before)
     finally:
         stack.stop()
+    return _l1_verdict(args, target, run)
+
+
+def _l1_start(args: argparse.Namespace, stack: Stack) -> str:
+    """The scheduler, --workers workers and the edge; returns the sessions' URL."""
+    say("L1", f"starting scheduler, {args.workers} workers x {args.slots} slots, edge")
+    stack.start_scheduler()
+    for i in range(args.workers):
+        stack.start_worker(
+            "--slots", str(args.slots), "--compute-ms", str(args.compute_ms), name=f"w{i}"
+        )
+    stack.start_edge()
+    return f"{stack.url}?mode=audio"
+
+
+async def _l1_baseline(args: argparse.Namespace, stack: Stack, url: str) -> Figures:
+    """The warm-up round, then every service's figures once the fabric is idle."""
+    from omnifabric.tools.load import run as load
+
+    if args.warmup_seconds > 0:
+        say("L1", f"warm-up: {args.sessions} sessions x {args.warmup_seconds} s")
+        await load(url, args.sessions, args.warmup_seconds)
+    await wait_until(lambda: fabric_idle(stack), args.settle)
+    before = await asyncio.to_thread(process_figures, stack)
+    say("L1", f"before: {_brief(before)}")
+    return before
+
+
+async def _l1_load(
+    args: argparse.Namespace, stack: Stack, url: str, edge_rss: list[float]
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """N sessions x S s with progress lines (the edge's RSS of each goes into `edge_rss`);
+    returns tools.load's figures and the cores this stack and other processes took."""
+    from omnifabric.tools.load import run as load
+
+    edge = http_address(stack.url)
+
+    def line() -> str:
+        samples = scrape(edge)
+        edge_rss.append(round(metric(samples, "process_resident_memory_bytes") / 2**20, 1))
+        return (
+            f"{metric(samples, 'omni_edge_sessions_active', state='active'):.0f} sessions "
+            f"active, {metric(samples, 'omni_edge_outputs_total'):.0f} results so far; "
+            f"edge RSS {edge_rss[-1]:.0f} MiB"
+        )
+
+    say("L1", f"{args.sessions} sessions x {args.seconds} s at 1 unit/s")
+    pids = [os.getpid(), *(svc.proc.pid for svc in stack.services)]
+    cpu_before, started = cpu_seconds(pids), time.monotonic()
+    progress = asyncio.create_task(print_progress("L1", args.progress_every, line))
+    try:
+        result = await load(url, args.sessions, args.seconds)
+    finally:
+        progress.cancel()
+    cpu_after, wall = cpu_seconds(pids), time.monotonic() - started
+    cpu = {
+        "ours_cores": round((cpu_after[1] - cpu_before[1]) / wall, 2),
+        "others_cores": round(
+            ((cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1])) / wall, 2
+        ),
+    }
+    say(
+        "L1",
+        f"CPU: this stack {cpu['ours_cores']} cores, other processes {cpu['others_cores']}",
+    )
+    return result, cpu
+
+
+async def _l1_recover(
+    args: argparse.Namespace, stack: Stack, before: Figures
+) -> tuple[bool, Figures]:
+    """Wait for the fabric to go idle and the tasks and fds to come back to `before`;
+    returns whether it went idle and the figures after."""
+    idle = await wait_until(lambda: fabric_idle(stack), args.settle)
+
+    def recovered() -> bool:
+        now = process_figures(stack)
+        return all(
+            now[n]["tasks"] <= before[n]["tasks"] and now[n]["fds"] <= before[n]["fds"]
+            for n in before
+        )
+
+    await wait_until(recovered, args.settle)
+    after = await asyncio.to_thread(process_figures, stack)
+    say("L1", f"after: {_brief(after)}")
+    return idle, after
+
+
+def _l1_verdict(args: argparse.Namespace, target: str, run: L1Run) -> RowResult:
+    """L1's checks and figures from its steps."""
+    before, after, result, cpu = run.before, run.after, run.result, run.cpu
     growth = {
         n: round(100.0 * (after[n]["rss_mib"] - before[n]["rss_mib"]) / before[n]["rss_mib"], 2)
         for n in before
@@ -111,7 +168,7 @@ async def row_l1(args: argparse.Namespace, log_dir: Path) -> RowResult:
         "no lost units": result["lost"] == 0,
         "every session closed": lost_sessions == 0,
         "overhead p99": overhead["p99"] <= args.max_overhead_p99_ms,
-        "idle after": idle,
+        "idle after": run.idle,
         "tasks back": all(after[n]["tasks"] <= before[n]["tasks"] for n in before),
         "fds back": all(after[n]["fds"] <= before[n]["fds"] for n in before),
         "rss growth": all(g < args.max_rss_growth for g in growth.values()),
@@ -133,7 +190,7 @@ async def row_l1(args: argparse.Namespace, log_dir: Path) -> RowResult:
         before=before,
         after=after,
         rss_growth_pct=growth,
-        edge_rss_mib_during=edge_rss,
+        edge_rss_mib_during=run.edge_rss,
         cpu=cpu,
         config={
             key: getattr(args, key)
