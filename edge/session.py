@@ -50,7 +50,6 @@ from omnifabric.edge.worker_client import (
     chat_request,
     check_slices,
     close_request,
-    lease_limits,
     lease_news,
     read_chat,
     reattach_request,
@@ -129,8 +128,6 @@ class SessionCore:
         self._acquire_call: grpc.aio.UnaryStreamCall | None = None
         self._worker_call: grpc.aio.StreamStreamCall | None = None
         self._lease: Lease | None = None
-        self._limits: EngineLimits | None = None
-        """What the leased worker's engine accepts (lease_limits), read once per lease."""
         self._tasks: list[asyncio.Task] = []
         self._seq = 0
         self._usage = ev.Usage()
@@ -186,7 +183,7 @@ class SessionCore:
     def limits(self) -> EngineLimits | None:
         """What the leased worker's engine accepts, from the lease; None before the lease
         or when the scheduler passed on none."""
-        return self._limits
+        return self._lease.limits if self._lease is not None else None
 
     @property
     def unit_bounds(self) -> tuple[int, int] | None:
@@ -251,7 +248,6 @@ class SessionCore:
         started = time.monotonic()
         try:
             self._lease = await wait_for_lease(call, self._emit)
-            self._limits = lease_limits(self._lease)
         finally:
             queue_span.end()
         self.span.set_attribute("worker.id", self._lease.worker_id)
@@ -383,7 +379,6 @@ class SessionCore:
         )
         self._acquire_call = call
         self._lease = await wait_for_lease(call, self._emit)
-        self._limits = lease_limits(self._lease)
         self._tasks.append(asyncio.create_task(self._watch_lease(call)))
         request = resume_request(self._lease)
         address = self._lease.worker_address

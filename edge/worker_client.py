@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeAlias
 
 import grpc
 
@@ -54,10 +53,29 @@ from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 
-#: The scheduler's lease (worker, address, limits), as wait_for_lease returns it.
-Lease: TypeAlias = scheduler_pb.Lease
-#: What a leased worker's engine accepts (carried by the lease; lease_limits reads it).
+#: What a leased worker's engine accepts (carried by the lease).
 EngineLimits = session_types.EngineLimits
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A slot the scheduler granted, as wait_for_lease returns it."""
+
+    lease_id: str
+    worker_id: str
+    worker_address: str
+    epoch: int = 0
+    """The granting leader's epoch (0 without an election), presented in SessionStart."""
+    limits: EngineLimits | None = None
+    """What the leased worker's engine accepts; None when the scheduler passed on none
+    (older schedulers and workers: the worker alone decides)."""
+
+
+def lease_from(msg: scheduler_pb.Lease) -> Lease:
+    """The scheduler's Lease message -> the domain lease."""
+    limits = engine_limits.from_pb(msg.limits) if msg.HasField("limits") else None
+    return Lease(msg.lease_id, msg.worker_id, msg.worker_address, msg.epoch, limits)
+
 
 #: The modes of a duplex session (SessionCore); "chat" is a turn's (run_turn).
 DUPLEX_MODES = modes.DUPLEX
@@ -224,7 +242,7 @@ def acquire_reply(response: scheduler_pb.AcquireResponse, first: bool) -> ev.Que
     if kind == "queued":
         return queued_from(response.queued, first)
     if kind == "lease":
-        return response.lease
+        return lease_from(response.lease)
     return None
 
 
@@ -381,14 +399,6 @@ def lease_news(response: scheduler_pb.AcquireResponse) -> str:
 
 def _unit_samples(fewest: int, most: int) -> tuple[int, int] | None:
     return (fewest, most) if most else None  # older workers send none
-
-
-def lease_limits(lease: Lease) -> EngineLimits | None:
-    """What the leased worker's engine accepts, as the lease carries it; None when the
-    scheduler passed on none (older schedulers and workers: the worker alone decides)."""
-    if not lease.HasField("limits"):
-        return None
-    return engine_limits.from_pb(lease.limits)
 
 
 def check_slices(limits: EngineLimits | None, value: int, what: str = "max_slice_nums") -> None:

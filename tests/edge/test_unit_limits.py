@@ -7,7 +7,7 @@ import pytest
 
 from omnifabric.edge.errors import InvalidPayload
 from omnifabric.edge.session import check_unit_length
-from omnifabric.edge.worker_client import check_slices, lease_limits
+from omnifabric.edge.worker_client import check_slices, lease_from
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 
@@ -27,7 +27,7 @@ def test_slices_are_checked_against_the_leases_limits_only_when_it_has_some():
             min_slice_nums=1, max_slice_nums=2, min_unit_samples=4000, max_unit_samples=64000
         )
     )
-    limits = lease_limits(lease)
+    limits = lease_from(lease).limits
     assert limits is not None and limits.max_unit_samples == 64000
     check_slices(limits, 0)  # unset: the session's value
     check_slices(limits, 2)
@@ -35,5 +35,5 @@ def test_slices_are_checked_against_the_leases_limits_only_when_it_has_some():
         check_slices(limits, 3)
     # No limits on the lease (an older scheduler or worker): forwarded, the worker decides.
     check_slices(None, 9)
-    assert lease_limits(scheduler_pb.Lease()) is None
-    check_slices(lease_limits(scheduler_pb.Lease(limits=common_pb2.EngineLimits())), 9)
+    assert lease_from(scheduler_pb.Lease()).limits is None
+    check_slices(lease_from(scheduler_pb.Lease(limits=common_pb2.EngineLimits())).limits, 9)
