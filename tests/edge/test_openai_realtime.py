@@ -17,7 +17,7 @@ from omnifabric.edge.cadence import FILL_GRACE_S, PacedCadence, for_traits
 from omnifabric.edge.chat import AudioPart, ChatResult, TurnDelta, TurnDone, TurnStarted
 from omnifabric.edge.dialects import WEBSOCKET, find
 from omnifabric.edge.dialects.base import SessionFacts
-from omnifabric.edge.dialects.openai import NOTICE, OpenAIRealtime, decode_audio, encode_audio
+from omnifabric.edge.dialects.openai import OpenAIRealtime, decode_audio, encode_audio
 from omnifabric.edge.dialects.realtime import RealtimeDuplex
 from omnifabric.edge.errors import EdgeError, InvalidEvent, UnknownEvent
 
@@ -73,8 +73,10 @@ class Driven:
         self.d.appended(seq, unit)
 
     def after_output(self, out: ev.Output) -> list:
+        """The dialect's commands after an output, then the units the answer lets go."""
+        units = self.run(self.d.after_output(out))
         self.cadence.answered(out)
-        return self.cadence.due(time.monotonic(), clock=False)
+        return units + self.cadence.due(time.monotonic(), clock=False)
 
 
 def running(d: OpenAIRealtime) -> Driven:
@@ -87,9 +89,11 @@ def running(d: OpenAIRealtime) -> Driven:
     return driven
 
 
-def output(seq: int, *, listen: bool, text: str = "", end: bool = False, **kw) -> ev.Output:
+def output(
+    seq: int, *, listen: bool, text: str = "", end: bool = False, usage=None, **kw
+) -> ev.Output:
     pcm = b"" if listen else np.full(24000, 0.1, "<f4").tobytes()
-    return ev.Output(seq, listen, text, pcm, end, 0, {}, ev.Usage(), **kw)
+    return ev.Output(seq, listen, text, pcm, end, 0, {}, usage or ev.Usage(), **kw)
 
 
 def test_the_route_tells_the_openai_client_from_minicpm_o_clients():
@@ -125,22 +129,31 @@ def test_session_created_on_connect_and_updated_with_what_was_set():
     assert session["audio"]["input"]["turn_detection"] is None
 
 
-def test_what_the_engine_cannot_honour_is_said_once_and_the_update_applies():
+def test_what_the_engine_cannot_honour_is_accepted_and_the_effective_settings_reported():
+    """Issue 53 (4): no event outside the API's schema (typed clients report one as an
+    error) and no error (frameworks end the session on one): session.updated alone, with
+    the settings in effect."""
     d = OpenAIRealtime("m")
     session = {
-        "tools": [{"type": "function", "name": "f"}],
-        "audio": {"output": {"voice": "alloy"}},
+        "tracing": "auto",
+        "audio": {
+            "input": {"transcription": {"model": "whisper-1"}, "noise_reduction": {}},
+            "output": {"voice": "alloy", "speed": 1.5},
+        },
     }
-    first = sent_messages(send(d, type="session.update", session=session, event_id="c1"))
-    notes = [m for m in first if m["type"] == NOTICE]
-    assert {n["param"] for n in notes} == {"session.tools", "audio.output.voice=alloy"}
-    assert all(n["code"] == "unsupported_parameter" for n in notes)
-    assert all(n["client_event_id"] == "c1" for n in notes)
-    assert not [m for m in first if m["type"] == "error"]  # frameworks end sessions on those
-    assert first[-1]["session"]["audio"]["output"]["voice"] == "default"  # what speaks
-    assert first[-1]["type"] == "session.updated"
-    again = sent_messages(send(d, type="session.update", session=session))
-    assert [m["type"] for m in again] == ["session.updated"]
+    (updated,) = sent_messages(send(d, type="session.update", session=session, event_id="c1"))
+    assert updated["type"] == "session.updated"
+    audio = updated["session"]["audio"]
+    assert audio["output"]["voice"] == "default" and audio["output"]["speed"] == 1.0
+    assert audio["input"]["transcription"] is None and audio["input"]["noise_reduction"] is None
+
+
+def test_settings_a_running_duplex_session_cannot_take_keep_their_running_value():
+    d = running(OpenAIRealtime("m")).d
+    update = {"instructions": "Be a pirate.", "output_modalities": ["text"]}
+    (updated,) = sent_messages(send(d, type="session.update", session=update))
+    assert updated["session"]["instructions"] == ""
+    assert updated["session"]["output_modalities"] == ["audio"]
 
 
 @pytest.mark.parametrize(
@@ -150,6 +163,19 @@ def test_what_the_engine_cannot_honour_is_said_once_and_the_update_applies():
         ({"output_modalities": ["audio", "text"]}, "session.output_modalities"),
         ({"max_output_tokens": 0}, "session.max_output_tokens"),
         ({"audio": {"input": {"turn_detection": {"type": "magic"}}}}, None),
+        # Issue 53 (5): an out-of-range number names its parameter.
+        (
+            {"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 5.0}}}},
+            "session.audio.input.turn_detection.threshold",
+        ),
+        (
+            {
+                "audio": {
+                    "input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 9}}
+                }
+            },
+            "session.audio.input.turn_detection.silence_duration_ms",
+        ),
         ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, None),
     ],
 )
@@ -383,3 +409,86 @@ def test_truncate_cuts_the_heard_transcript_and_items_are_retrieved_and_deleted(
     assert gone["item_id"] == answer.id and answer not in d.items
     with pytest.raises(EdgeError):
         send(d, type="conversation.item.retrieve", item_id=answer.id)
+
+
+def _speaking(d: Driven) -> dict:
+    """A duplex reply in progress; its conversation.item.added."""
+    silence = ev.AppendCommand(pcm=np.zeros(16000, "<f4").tobytes())
+    d.appended(1, silence)
+    reply = d.d.encode(output(1, listen=False, text="A long answer"))
+    return next(m for m in reply if m["type"] == "conversation.item.added")
+
+
+def test_the_reply_being_spoken_can_be_truncated():
+    """Issue 53 (1): the assistant item is in the conversation from its announcement, so a
+    barge-in's truncate of it is served (it was refused: no item in the conversation)."""
+    d = running(OpenAIRealtime("m"))
+    added = _speaking(d)
+    item_id = added["item"]["id"]
+    (cut,) = sent_messages(
+        d.send(type="conversation.item.truncate", item_id=item_id, audio_end_ms=500)
+    )
+    assert cut["type"] == "conversation.item.truncated" and cut["item_id"] == item_id
+    assert d.d.items[-1].id == item_id
+
+
+def test_speech_over_a_reply_ends_it_at_once_and_no_more_of_it_is_sent():
+    """Issue 53 (2): after speech_started no delta of the interrupted reply goes out; the
+    reply is done (cancelled, turn_detected) there, and the engine's turn is ended."""
+    d = running(OpenAIRealtime("m"))
+    _speaking(d)
+    speech = ev.AppendCommand(pcm=np.full(16000, 0.3, "<f4").tobytes())
+    d.appended(2, speech)
+    events = d.d.encode(output(2, listen=False, text=" goes on"))
+    kinds = [m["type"] for m in events]
+    assert kinds[0] == "input_audio_buffer.speech_started"
+    assert "response.output_audio.delta" not in kinds
+    done = events[-1]
+    assert done["type"] == "response.done" and done["response"]["status"] == "cancelled"
+    assert done["response"]["status_details"]["reason"] == "turn_detected"
+    (unit,) = d.after_output(output(2, listen=False))
+    assert unit.force_listen  # the engine's turn ends with the next unit
+    assert d.d.encode(output(3, listen=False, text="more")) == []  # the rest is not sent
+
+
+def test_interrupt_response_off_lets_the_engine_decide():
+    d = Driven(OpenAIRealtime("m"))
+    turn = {"type": "server_vad", "interrupt_response": False}
+    send(d.d, type="session.update", session={"audio": {"input": {"turn_detection": turn}}})
+    d = running(d.d)
+    _speaking(d)
+    d.appended(2, ev.AppendCommand(pcm=np.full(16000, 0.3, "<f4").tobytes()))
+    kinds = [m["type"] for m in d.d.encode(output(2, listen=False, text=" goes on"))]
+    assert "response.output_audio.delta" in kinds and "response.done" not in kinds
+    assert d.after_output(output(2, listen=False)) == []
+
+
+def test_the_users_transcript_carries_its_usage():
+    """Issue 53 (3): input_audio_transcription.completed has `usage` (the schema requires
+    it; typed clients dropped the event without it)."""
+    d = running(OpenAIRealtime("m"))
+    d.appended(1, ev.AppendCommand(pcm=np.full(16000, 0.3, "<f4").tobytes()))
+    d.d.encode(output(1, listen=True))
+    d.appended(2, ev.AppendCommand(pcm=np.zeros(16000, "<f4").tobytes()))
+    reply = d.d.encode(output(2, listen=False, text="Hi.", input_transcript="hello"))
+    (done,) = [m for m in reply if m["type"].endswith("transcription.completed")]
+    assert done["usage"] == {"type": "duration", "seconds": 1.0}
+
+
+def test_max_output_tokens_caps_a_duplex_reply():
+    """Issue 53 (6): the session's max_output_tokens reaches the duplex reply: at the cap it
+    is done (incomplete, max_output_tokens) and the engine's turn ends."""
+    d = Driven(OpenAIRealtime("m"))
+    send(d.d, type="session.update", session={"max_output_tokens": 5})
+    d = running(d.d)
+    d.appended(1, ev.AppendCommand(pcm=np.zeros(16000, "<f4").tobytes()))
+    first = d.d.encode(output(1, listen=False, text="One two", usage=ev.Usage(output_tokens=3)))
+    assert "response.done" not in [m["type"] for m in first]
+    d.appended(2, ev.AppendCommand(pcm=np.zeros(16000, "<f4").tobytes()))
+    second = d.d.encode(output(2, listen=False, text=" three", usage=ev.Usage(output_tokens=6)))
+    done = second[-1]["response"]
+    assert done["status"] == "incomplete"
+    assert done["status_details"]["reason"] == "max_output_tokens"
+    assert done["max_output_tokens"] == 5
+    (unit,) = d.after_output(output(2, listen=False))
+    assert unit.force_listen

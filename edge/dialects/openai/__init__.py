@@ -40,6 +40,5 @@ The package: `translator` (the dialect), `settings` (session.update), `conversat
 
 from omnifabric.edge.dialects.openai.audio import decode_audio, encode_audio
 from omnifabric.edge.dialects.openai.translator import OpenAIRealtime
-from omnifabric.edge.dialects.openai.wire import NOTICE
 
-__all__ = ["NOTICE", "OpenAIRealtime", "decode_audio", "encode_audio"]
+__all__ = ["OpenAIRealtime", "decode_audio", "encode_audio"]

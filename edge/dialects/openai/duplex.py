@@ -3,7 +3,9 @@
 The units the cadence sent are measured as they go (input time, which held speech); each
 engine output then says what happened: speech heard (`speech_started`), the engine
 answering (`speech_stopped`, `committed`, the user's item and a response of its own), a
-reply spoken over and ended (`cancelled`, `turn_detected`)."""
+reply spoken over (a barge-in: the reply ends `cancelled`, `turn_detected`, at once, no
+more of it is sent, and the engine's turn is ended: `interrupt_response`, on unless the
+client turns it off), a reply at its `max_output_tokens` (ended `incomplete` the same way)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from omnifabric.edge.dialects.openai.audio import ENGINE_IN_RATE
 from omnifabric.edge.dialects.openai.conversation import Conversation, Item
 from omnifabric.edge.dialects.openai.responses import Response, Responses
 from omnifabric.edge.dialects.openai.settings import Settings
-from omnifabric.edge.dialects.openai.wire import Wire
+from omnifabric.edge.dialects.openai.wire import Wire, minus
 
 #: Units whose start is kept after the engine answered past them.
 KEPT_UNITS = 8
@@ -38,7 +40,15 @@ class DuplexTurns:
         self._speech_start_ms = 0.0
         self._speech_end_ms = 0.0
         self.muted = False
-        """The client cancelled the reply: its remaining output is not sent."""
+        """The reply was ended (cancelled, spoken over, capped): the rest of the engine's
+        turn is not sent."""
+        self.end_turn = False
+        """The engine's turn must end now (the driver's next unit carries force_listen)."""
+
+    def cut(self) -> None:
+        """The reply in progress ended here: mute the rest, end the engine's turn."""
+        self.muted = True
+        self.end_turn = True
 
     def appended(self, seq: int, pcm: bytes) -> None:
         """A unit went to the engine as `seq`."""
@@ -48,14 +58,14 @@ class DuplexTurns:
         if samples.size and float(np.sqrt(np.mean(samples**2))) > SPEECH_RMS:
             self._speech_seqs.add(seq)
 
-    def output(self, out: ev.Output, reply: Any) -> list[Any]:
+    def output(self, out: ev.Output, settings: Settings, reply: Any) -> list[Any]:
         """The events of one engine output; `reply()` makes the Response of a reply the
         engine starts."""
         messages = self._heard(out)
         responses = self.responses
+        current = responses.current
         if out.is_listen:
             self.muted = False
-            current = responses.current
             if current is not None:
                 interrupted = current.heard_speech
                 messages += responses.finish(
@@ -63,14 +73,20 @@ class DuplexTurns:
                     "turn_detected" if interrupted else None,
                 )
             return messages
+        if current is not None and current.heard_speech and interrupts(settings):
+            self.cut()
+            return messages + responses.finish("cancelled", "turn_detected")
         if self.muted:
             return messages
-        if responses.current is None:
+        if current is None:
             messages += self._user_turn(out.input_transcript)
-            responses.current = reply()
+            current = responses.current = reply()
             messages += responses.begin()
         messages += responses.deltas(out.text, out.pcm)
-        if out.end_of_turn:
+        if _capped(current, responses.usage):
+            self.cut()
+            messages += responses.finish("incomplete", "max_output_tokens")
+        elif out.end_of_turn:
             messages += responses.finish("completed", None)
         return messages
 
@@ -121,15 +137,29 @@ class DuplexTurns:
             *item_added(self.wire, item, previous),
         ]
         if transcript:
+            seconds = max(0.0, self._speech_end_ms - self._speech_start_ms) / 1000
             messages.append(
                 event(
                     "conversation.item.input_audio_transcription.completed",
                     item_id=item.id,
                     content_index=0,
                     transcript=transcript,
+                    usage={"type": "duration", "seconds": round(seconds, 3)},
                 )
             )
         return messages
+
+
+def interrupts(settings: Settings) -> bool:
+    """Speech over a reply ends it (turn_detection.interrupt_response, on by default)."""
+    turn = settings.turn_detection or {}
+    return turn.get("interrupt_response") is not False
+
+
+def _capped(response: Response, usage: ev.Usage) -> bool:
+    """The reply reached its max_output_tokens (text and audio tokens, as its usage)."""
+    cap = response.max_tokens
+    return cap is not None and minus(usage, response.usage_at_start).output_tokens >= cap
 
 
 def item_added(wire: Wire, item: Item, previous: str | None) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
-"""A response's life on the wire: created, its item and content part added, text and
-audio deltas, and the closing events (done last) that put its item in the conversation.
-The same for a duplex reply the engine chose to make and for a response on request."""
+"""A response's life on the wire: created, its item added to the conversation (where the
+client may truncate it while it is spoken) and its content part, text and audio deltas,
+and the closing events (done last). The same for a duplex reply the engine chose to make
+and for a response on request."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class Response:
     usage_at_start: ev.Usage = field(default_factory=ev.Usage)
     heard_speech: bool = False
     """The user spoke over it (duplex)."""
-    audio_ms: float = 0.0
+    previous_item_id: str | None = None
+    """The item before its own in the conversation."""
     metadata: dict[str, Any] | None = None
     """The client's, echoed (LiveKit matches its requests by it)."""
 
@@ -77,6 +79,7 @@ class Responses:
             part = {"type": "text", "text": ""}
             response.item.parts = [{"type": "output_text", "text": ""}]
         empty = {**response.item.json(), "content": []}
+        response.previous_item_id = self.conversation.append(response.item)
         return [
             event("response.created", response=response.json("in_progress")),
             event(
@@ -85,7 +88,7 @@ class Responses:
             # The assistant's item joins the conversation (LiveKit keeps its copy by these;
             # Pipecat opens the response's frames on it).
             event(
-                "conversation.item.added", previous_item_id=self.conversation.last_id, item=empty
+                "conversation.item.added", previous_item_id=response.previous_item_id, item=empty
             ),
             event("response.content_part.added", **response.content_index(), part=part),
         ]
@@ -104,7 +107,7 @@ class Responses:
             return messages
         if audio:
             data = codec.b64encode(encode_audio(audio, response.output_format))
-            response.audio_ms += speech_ms(audio)
+            response.item.audio_ms += speech_ms(audio)
             messages.append(self.wire.event("response.output_audio.delta", **ids, delta=data))
         if text:
             part["transcript"] += text
@@ -145,13 +148,12 @@ class Responses:
         return messages
 
     def _item_done(self, response: Response) -> list[Any]:
-        """The content's closing events, and the item joins the conversation."""
+        """The content's closing events (the item is in the conversation since begin)."""
         event, item = self.wire.event, response.item
         ids = response.content_index()
         part = item.parts[0]
         if response.audio:
             transcript = part["transcript"]
-            item.audio_ms = response.audio_ms
             messages = [
                 event("response.output_audio.done", **ids),
                 event("response.output_audio_transcript.done", **ids, transcript=transcript),
@@ -167,7 +169,7 @@ class Responses:
                 event("response.output_text.done", **ids, text=text),
                 event("response.content_part.done", **ids, part={"type": "text", "text": text}),
             ]
-        previous = self.conversation.append(item)
+        previous = response.previous_item_id
         done = item.json()
         messages.append(
             event("response.output_item.done", response_id=response.id, output_index=0, item=done)

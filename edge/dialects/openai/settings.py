@@ -1,5 +1,6 @@
 """The session's settings: what `session.update` may set, how each value is checked, what
-is accepted and not used (said once, as a notice), and the session object reported back."""
+is accepted and not used (logged once; the session object reported back shows the settings
+in effect), and that object."""
 
 from __future__ import annotations
 
@@ -13,19 +14,14 @@ from omnifabric.edge import fields
 from omnifabric.edge.chat import MAX_NEW_TOKENS
 from omnifabric.edge.dialects.openai.audio import format_json, parse_format
 from omnifabric.edge.dialects.openai.wire import BadParam, Wire
+from omnifabric.edge.errors import InvalidPayload
 
 TURN_DETECTION = ("server_vad", "semantic_vad")
 #: Turn detection settings the engine's own turn-taking has no use for.
-TURN_DETECTION_EXTRAS = (
-    "prefix_padding_ms",
-    "create_response",
-    "interrupt_response",
-    "idle_timeout_ms",
-    "eagerness",
-)
-#: Their values that ask for what the engine does anyway (no notice).
-USUAL_EXTRAS = {"create_response": True, "interrupt_response": True, "eagerness": "auto"}
-#: Accepted and not used: said once when set.
+TURN_DETECTION_EXTRAS = ("prefix_padding_ms", "create_response", "idle_timeout_ms", "eagerness")
+#: Their values that ask for what the engine does anyway (nothing to log).
+USUAL_EXTRAS = {"create_response": True, "eagerness": "auto"}
+#: Accepted and not used: logged once when set (session.updated shows what is in effect).
 UNSUPPORTED = {
     "tools": "function calling is not supported by this server's engines",
     "tool_choice": "function calling is not supported by this server's engines",
@@ -38,7 +34,6 @@ UNSUPPORTED = {
     "audio.output.speed": "the engine speaks at its own speed",
     "audio.input.turn_detection.prefix_padding_ms": "the engine keeps its own margins",
     "audio.input.turn_detection.create_response": "the duplex engine decides when to answer",
-    "audio.input.turn_detection.interrupt_response": "the duplex engine decides when to yield",
     "audio.input.turn_detection.idle_timeout_ms": "no idle timeout: the engine decides",
     "audio.input.turn_detection.eagerness": "the engine's own turn-taking decides",
 }
@@ -53,13 +48,11 @@ SESSION_KEYS = {
 }
 #: Voice names that mean the server's default voice.
 DEFAULT_VOICES = ("", "default")
-#: Settings a running duplex session cannot take (it started with them).
+#: Settings a running duplex session cannot take (it started with them): a change keeps
+#: the running value, which session.updated reports.
 LOCKED = ("instructions", "output_modalities", "voice", "turn_detection")
 #: Why a locked setting is not applied.
-LOCKED_WHY = (
-    "the conversation's duplex session has started with the earlier value: a new session "
-    "takes a new one"
-)
+LOCKED_WHY = "the conversation's duplex session runs with the value it started with"
 
 
 @dataclass
@@ -118,14 +111,13 @@ class Voices:
 
 
 class SettingsUpdate:
-    """One `session.update`: the new settings and the notices it calls for."""
+    """One `session.update`: the new settings (what is ignored is logged)."""
 
     def __init__(self, wire: Wire, voices: Voices, current: Settings) -> None:
         self.wire = wire
         self.voices = voices
         self.current = current
         self.new = dataclasses.replace(current)
-        self.notes: list[dict[str, Any]] = []
 
     def apply(self, body: Any, started: bool) -> Settings:
         """Check and apply the update's `session` body; `started`: the duplex session
@@ -145,7 +137,7 @@ class SettingsUpdate:
             self._audio(audio)
         for key in UNSUPPORTED:
             if "." not in key and body.get(key) not in (None, [], "auto", "none"):
-                self.notes += self.wire.unsupported(f"session.{key}", UNSUPPORTED[key])
+                self.wire.ignored(f"session.{key}", UNSUPPORTED[key])
         if started:
             self._locked()
         return self.new
@@ -164,13 +156,9 @@ class SettingsUpdate:
     def _locked(self) -> None:
         before, new = self.current, self.new
         for name in LOCKED:
-            if getattr(new, name) == getattr(before, name):
-                continue
-            # Turning turn detection off after a duplex session with it on changes nothing.
-            if name == "turn_detection" and before.turn_detection is None:
-                if not new.turn_detection:
-                    continue
-            self.notes += self.wire.unsupported(f"session.{name}", LOCKED_WHY)
+            if getattr(new, name) != getattr(before, name):
+                self.wire.ignored(f"session.{name}", LOCKED_WHY)
+                setattr(new, name, getattr(before, name))
 
     def _audio(self, audio: dict[str, Any]) -> None:
         new = self.new
@@ -183,11 +171,9 @@ class SettingsUpdate:
         for key in ("transcription", "noise_reduction"):
             if inp.get(key) is not None:
                 name = f"audio.input.{key}"
-                self.notes += self.wire.unsupported(name, UNSUPPORTED[name])
+                self.wire.ignored(name, UNSUPPORTED[name])
         if out.get("speed") not in (None, 1, 1.0):
-            self.notes += self.wire.unsupported(
-                "audio.output.speed", UNSUPPORTED["audio.output.speed"]
-            )
+            self.wire.ignored("audio.output.speed", UNSUPPORTED["audio.output.speed"])
         if "voice" in out:
             self._voice(out["voice"])
         if "turn_detection" in inp:
@@ -198,7 +184,7 @@ class SettingsUpdate:
             raise BadParam("session.audio.output.voice", "voice must be a string")
         self.new.voice = voice
         if voice not in DEFAULT_VOICES and not self.voices.audio(voice):
-            self.notes += self.wire.unsupported(
+            self.wire.ignored(
                 f"audio.output.voice={voice}",
                 f"no registered voice {voice!r} (POST /api/assets/ref_audio registers "
                 "one): the server's default voice speaks",
@@ -214,13 +200,20 @@ class SettingsUpdate:
                 f"{where}.type", "turn_detection.type must be server_vad or semantic_vad"
             )
         # Checked here, applied to the duplex session's settings at its start.
-        fields.number_field(value, "threshold", *fields.VAD_THRESHOLD, where)
-        fields.integer_field(value, "silence_duration_ms", *fields.END_OF_TURN_SILENCE_MS, where)
+        try:
+            fields.number_field(value, "threshold", *fields.VAD_THRESHOLD, where)
+        except InvalidPayload as err:
+            raise BadParam(f"{where}.threshold", err.message) from None
+        key = "silence_duration_ms"
+        try:
+            fields.integer_field(value, key, *fields.END_OF_TURN_SILENCE_MS, where)
+        except InvalidPayload as err:
+            raise BadParam(f"{where}.{key}", err.message) from None
         # What the engine does anyway needs no notice: answering, yielding, its own pace.
         for key in TURN_DETECTION_EXTRAS:
             if value.get(key) is not None and value.get(key) != USUAL_EXTRAS.get(key):
                 name = f"audio.input.turn_detection.{key}"
-                self.notes += self.wire.unsupported(name, UNSUPPORTED[name])
+                self.wire.ignored(name, UNSUPPORTED[name])
         self.new.turn_detection = dict(value)
 
 

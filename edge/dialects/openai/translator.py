@@ -34,7 +34,7 @@ from omnifabric.edge.dialects.openai.settings import (
     modalities,
     session_json,
 )
-from omnifabric.edge.dialects.openai.wire import NOTICE, BadParam, Wire
+from omnifabric.edge.dialects.openai.wire import BadParam, Wire
 from omnifabric.edge.errors import EdgeError, InvalidEvent, UnknownEvent
 
 #: What the client is told for each way a session ends that is not its own doing:
@@ -95,8 +95,7 @@ class OpenAIRealtime(DuplexDialect):
     def _session_update(self, event: dict[str, Any]) -> list[ev.Command]:
         update = SettingsUpdate(self.wire, self._voices, self.settings)
         self.settings = update.apply(event.get("session"), started=self._init_sent)
-        updated = self.wire.event("session.updated", session=self.session_json())
-        return self._send(*update.notes, updated)
+        return self._send(self.wire.event("session.updated", session=self.session_json()))
 
     # ---- client events ------------------------------------------------------------------
 
@@ -178,14 +177,13 @@ class OpenAIRealtime(DuplexDialect):
             raise BadParam("item", "'item' must be an object")
         item = self._parser.parse(body, "item", self.settings.input_format)
         before = self.conversation.insert(item, event.get("previous_item_id"))
-        notes: list[Any] = []
         if self._init_sent:
-            notes = self.wire.unsupported(
+            self.wire.ignored(
                 "conversation.item.create",
                 "the duplex engine hears the session's audio only: items are kept for the "
                 "conversation's record",
             )
-        return self._send(*notes, *item_added(self.wire, item, before))
+        return self._send(*item_added(self.wire, item, before))
 
     def _item_delete(self, event: dict[str, Any]) -> list[ev.Command]:
         item = self.conversation.delete(event.get("item_id"))
@@ -320,24 +318,24 @@ class OpenAIRealtime(DuplexDialect):
     def appended(self, seq: int, cmd: ev.AppendCommand) -> None:
         self.duplex.appended(seq, cmd.pcm)
 
+    def after_output(self, event: ev.Output) -> list[ev.Command]:
+        """A reply ended by a barge-in or its token cap: the engine's turn ends too."""
+        end, self.duplex.end_turn = self.duplex.end_turn, False
+        return [ev.EndTurnCommand()] if end else []
+
     def encode(self, event: ev.SessionEvent) -> list[Any]:
         if isinstance(event, ev.Created):
-            notes: list[Any] = []
-            for note in event.notes:
-                notes += self.wire.unsupported(note.split(":", 1)[0] or note, note)
-            return notes
+            for note in event.notes:  # what the leased engine cannot use
+                self.wire.ignored(note.split(":", 1)[0] or note, note)
+            return []
         if isinstance(event, ev.Output):
             self.responses.usage = event.usage
-            return self.duplex.output(event, self._engine_reply)
+            return self.duplex.output(event, self.settings, self._engine_reply)
         if isinstance(event, ev.Closed):
             return self._session_closed(event)
-        if isinstance(event, ev.Expiring):
-            message = f"the session's time limit ends it in {event.seconds_left} s"
-            expiring = self.wire.event(
-                NOTICE, code="session_expiring", seconds_left=event.seconds_left, message=message
-            )
-            return [expiring]
-        return []  # queue events and pauses: nothing in this protocol
+        # Queue events, pauses and the time limit's warning: nothing in this protocol (the
+        # limit's end is an error, session_expired).
+        return []
 
     def _engine_reply(self) -> Response:
         voice = self._voices.name(self.settings.voice)

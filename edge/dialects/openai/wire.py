@@ -1,18 +1,18 @@
 """The OpenAI Realtime API's wire shapes the dialect's parts share: ids, server events,
-errors (with the client's event id and the parameter at fault), the one notice of a
-setting accepted and not used, and usage."""
+errors (with the client's event id and the parameter at fault), settings accepted and not
+used (logged once; the client reads the effective settings in session.updated), and usage."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 from typing import Any
 
 from omnifabric.edge import events as ev
 from omnifabric.edge.errors import EdgeError, InvalidPayload
 
-#: The event that says what is accepted and not used (no OpenAI event says it).
-NOTICE = "omnifabric.notice"
+log = logging.getLogger("omnifabric.edge.openai")
 
 
 class BadParam(InvalidPayload):
@@ -50,21 +50,15 @@ class Wire:
         }
         return self.event("error", error=body)
 
-    def unsupported(self, param: str, why: str) -> list[dict[str, Any]]:
-        """The one notice that `param` is accepted and not used; [] once said. A notice,
-        not an `error`: frameworks end the session on errors they do not know (Pipecat),
-        and ignore event types they do not know."""
+    def ignored(self, param: str, why: str) -> None:
+        """`param` is accepted and not used: logged once a connection. No event says it:
+        the API has none (an `error` ends the session in frameworks, an event outside the
+        schema is reported as an error by typed clients); session.updated shows the
+        settings in effect instead."""
         if param in self._said:
-            return []
+            return
         self._said.add(param)
-        notice = self.event(
-            NOTICE,
-            code="unsupported_parameter",
-            param=param,
-            message=f"{param}: {why}",
-            client_event_id=self.client_event_id,
-        )
-        return [notice]
+        log.info("OpenAI Realtime session: %s: %s", param, why)
 
 
 def minus(a: ev.Usage, b: ev.Usage) -> ev.Usage:
