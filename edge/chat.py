@@ -201,8 +201,14 @@ def image_file(data: object, where: str) -> bytes:
 
 
 def _audio(item: dict[str, Any], where: str) -> bytes:
-    """base64 float32 PCM at `sample_rate` (default 16000) -> float32 16 kHz bytes."""
+    """base64 float32 PCM at `sample_rate` (default 16000), or a WAV file (its header says
+    its rate; edge.pcm.wav_to_pcm16k) -> float32 16 kHz bytes, through the low-pass
+    resampler."""
     raw = pcm.b64decode(item.get("data"), f"{where}.data")
+    if raw[:4] == b"RIFF":  # as float32, "RIFF" is 1.3e4: never a sample of audio
+        decoded = pcm.wav_to_pcm16k(raw, f"{where}.data")
+        check_audio_seconds(len(decoded) / 4 / 16000, where)
+        return decoded
     if len(raw) % 4:
         raise InvalidPayload(f"{where}.data is not a whole number of float32 samples")
     rate = integer_field(item, "sample_rate", 4000, 192000, where) or 16000

@@ -1,20 +1,36 @@
-"""Base64 audio and image payloads: decoded once at the edge, validated, carried as bytes."""
+"""Base64 audio and image payloads: decoded once at the edge, validated, carried as bytes;
+WAV files decoded to 16 kHz mono, and the rate converter (common.resample) re-exported."""
 
 from __future__ import annotations
 
 import binascii
 import io
-import struct
-import wave
-from fractions import Fraction
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+# The rate converter is common's (the worker's engines use it too); the edge's code names
+# it here, with the decoders of what clients send.
+from omnifabric.common.resample import Resampler as Resampler
+from omnifabric.common.resample import resample as resample
 from omnifabric.edge import codec
 from omnifabric.edge.errors import InvalidPayload
 
+if TYPE_CHECKING:
+    import av
+    import av.audio.stream
+
 #: WAV sample rates accepted (reference voices, probe input), Hz.
 MIN_WAV_RATE, MAX_WAV_RATE = 4000, 384000
+#: Channels a WAV may have (7.1 at most); they are mixed down to mono.
+MAX_WAV_CHANNELS = 8
+#: FFmpeg's decoders of the WAV encodings taken: unsigned 8-bit, signed 16/24/32-bit and
+#: float PCM (little-endian, as WAV stores them), and G.711 A-law and mu-law.
+WAV_CODECS = frozenset(
+    {"pcm_u8", "pcm_s16le", "pcm_s24le", "pcm_s32le", "pcm_f32le", "pcm_f64le"}
+    | {"pcm_alaw", "pcm_mulaw"}
+)
 
 
 def b64decode(value: object, what: str) -> bytes:
@@ -71,64 +87,58 @@ def reference_audio(value: object, what: str) -> bytes:
 
 
 def wav_to_pcm16k(data: bytes, what: str) -> bytes:
-    """Decode a PCM16/float WAV to mono float32 at 16 kHz (linear resampling)."""
+    """A WAV file as mono float32 at 16 kHz: PCM of 8, 16, 24 or 32 bits, 32- or 64-bit
+    float or G.711, plain or WAVE_FORMAT_EXTENSIBLE headers, any rate from MIN_WAV_RATE to
+    MAX_WAV_RATE, up to MAX_WAV_CHANNELS channels mixed down, decoded by FFmpeg's WAV reader
+    (PyAV) and resampled with the low-pass converter. A file cut short keeps its whole
+    frames. InvalidPayload, its message starting with `what`, names what cannot be taken."""
+    import av
+
     try:
-        with wave.open(io.BytesIO(data)) as wav:
-            channels, width, rate = wav.getnchannels(), wav.getsampwidth(), wav.getframerate()
-            frames = wav.readframes(wav.getnframes())
-    except (wave.Error, EOFError, RuntimeError, struct.error) as exc:
-        # The wave module raises RuntimeError for a chunk size past the end of the data.
-        raise InvalidPayload(f"{what}: unreadable WAV ({exc or type(exc).__name__})") from None
-    frames = frames[: len(frames) - len(frames) % width] if width else frames
-    if width == 2:
-        audio = np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0
-    elif width == 4:
-        audio = np.frombuffer(frames, dtype="<i4").astype(np.float32) / 2147483648.0
-    else:
-        raise InvalidPayload(f"{what}: {8 * width}-bit WAV not supported (use 16 or 32 bit)")
-    # Bounded: resampling a 1 Hz file to 16 kHz would multiply its size by 16000.
-    if not MIN_WAV_RATE <= rate <= MAX_WAV_RATE:
-        raise InvalidPayload(
-            f"{what}: WAV sample rate {rate} Hz (use {MIN_WAV_RATE} to {MAX_WAV_RATE})"
-        )
-    # A file cut inside its last frame: keep the whole frames.
-    audio = audio[: audio.size - audio.size % channels]
-    audio = audio.reshape(-1, channels).mean(axis=1)
+        with av.open(io.BytesIO(data), "r", format="wav") as container:
+            if not container.streams.audio:
+                raise InvalidPayload(f"{what}: the WAV file holds no audio stream")
+            stream = container.streams.audio[0]
+            _check_wav_stream(stream, what)
+            audio = _mono_float(container.decode(stream))
+            rate = stream.rate
+    except InvalidPayload:
+        raise
+    except (av.error.FFmpegError, ValueError, OSError, EOFError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise InvalidPayload(f"{what}: unreadable WAV ({why})") from None
     return resample(audio, rate, 16000).astype("<f4").tobytes()
 
 
-def resample(audio: np.ndarray, rate: int, target: int) -> np.ndarray:
-    """Linear-interpolation resampling of a mono float array. Between rates of a small
-    ratio (24 -> 16, 8 -> 16, 24 -> 8 kHz: the telephony and OpenAI paths, every unit)
-    the same values are computed phase by phase with slices, ~10x faster."""
-    if rate == target or audio.size == 0:
-        return audio.astype(np.float32)
-    n = int(round(audio.size * target / rate))
-    ratio = Fraction(rate, target)
-    if ratio.denominator <= 4 and ratio.numerator <= 6:
-        return _resample_phases(audio.astype(np.float32), n, ratio.numerator, ratio.denominator)
-    positions = np.arange(n) * (rate / target)
-    return np.interp(positions, np.arange(audio.size), audio).astype(np.float32)
+def _check_wav_stream(stream: av.audio.stream.AudioStream, what: str) -> None:
+    """The decoder, rate and channel count of a WAV's audio, or InvalidPayload naming the
+    one that cannot be taken. Bounded rates: resampling a 1 Hz file to 16 kHz would
+    multiply its size by 16000."""
+    context = stream.codec_context  # None: FFmpeg has no decoder for the header's format
+    codec = context.name if context is not None else "(unknown)"
+    if codec not in WAV_CODECS:
+        raise InvalidPayload(
+            f"{what}: WAV encoding {codec} not supported "
+            "(use PCM of 8, 16, 24 or 32 bits, 32- or 64-bit float, or G.711)"
+        )
+    if not MIN_WAV_RATE <= stream.rate <= MAX_WAV_RATE:
+        raise InvalidPayload(
+            f"{what}: WAV sample rate {stream.rate} Hz (use {MIN_WAV_RATE} to {MAX_WAV_RATE})"
+        )
+    if not 1 <= stream.channels <= MAX_WAV_CHANNELS:
+        raise InvalidPayload(
+            f"{what}: WAV with {stream.channels} channels (use 1 to {MAX_WAV_CHANNELS})"
+        )
 
 
-def _resample_phases(x: np.ndarray, n: int, p: int, q: int) -> np.ndarray:
-    """Output k lies at input position k * p / q: for each phase r (k = q*j + r) the
-    positions are p*j + r*p/q, one slice of x and the next, weighted by the fraction. Past
-    the last input sample the last value holds (as np.interp's)."""
-    out = np.empty(n, np.float32)
-    padded = np.concatenate([x, np.full(p + 1, x[-1], np.float32)])
-    for r in range(q):
-        count = len(range(r, n, q))
-        if not count:
-            continue
-        base, frac = divmod(r * p, q)
-        left = padded[base : base + p * count : p]
-        if frac:
-            right = padded[base + 1 : base + 1 + p * count : p]
-            out[r::q] = left + (right - left) * (frac / q)
-        else:
-            out[r::q] = left
-    return out
+def _mono_float(frames: Iterable[av.AudioFrame]) -> np.ndarray:
+    """Decoded frames of any sample format as one float32 mono array: FFmpeg converts the
+    samples to planar float (integers scaled to [-1, 1)), the channels are averaged."""
+    import av
+
+    planar = av.AudioResampler(format="fltp")
+    parts = [f.to_ndarray().mean(axis=0) for frame in frames for f in planar.resample(frame)]
+    return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
 
 
 def jpeg_frame(value: object, what: str) -> bytes:

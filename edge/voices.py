@@ -1,7 +1,7 @@
 """Registered reference voices: `GET/POST /api/assets/ref_audio`, `DELETE
 /api/assets/ref_audio/{id}`, as the reference server offers them.
 
-An upload is a WAV (16- or 32-bit PCM, any rate 8-48 kHz, mono or stereo) in base64 with a
+An upload is a WAV (any encoding edge.pcm.wav_to_pcm16k takes) in base64 with a
 display name; it is stored normalized (16 kHz mono 16-bit WAV) as `DIR/<id>.wav`, listed in
 `DIR/registry.json`. Several processes may share the folder (`omnifabric edge --processes
 N`, or edges on one host given the same DIR): each change is a read-modify-write of the

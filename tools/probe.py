@@ -21,7 +21,8 @@ from omnifabric.tools.client import SILENCE_UNIT, SessionReport, percentile, run
 
 
 def read_wav_16k(path: Path) -> np.ndarray:
-    """A WAV file as mono float32 at 16 kHz."""
+    """A WAV file (any PCM or float encoding, rate and channel count the edge takes) as mono
+    float32 at 16 kHz."""
     from omnifabric.edge.pcm import wav_to_pcm16k
 
     return np.frombuffer(wav_to_pcm16k(path.read_bytes(), str(path)), dtype="<f4")
@@ -52,11 +53,10 @@ def transcribe_24k(audio: np.ndarray) -> str:
     """What 24 kHz reply audio says, by Whisper tiny.en (loads the model: a few seconds)."""
     if audio.size == 0:
         return ""
-    from scipy.signal import resample_poly
-
+    from omnifabric.common.resample import resample
     from omnifabric.worker.engines.reference.asr import Transcriber
 
-    return Transcriber(model="tiny.en").transcribe(resample_poly(audio, 2, 3).astype(np.float32))
+    return Transcriber(model="tiny.en").transcribe(resample(audio, 24000, 16000))
 
 
 def build_parser() -> argparse.ArgumentParser:

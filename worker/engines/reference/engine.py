@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from scipy.signal import resample_poly
 
+from omnifabric.common.resample import resample
 from omnifabric.common.session_types import WINDOW_MARGIN_TOKENS, ContextWindow
 from omnifabric.worker.config import ASR_CHOICES
 from omnifabric.worker.engine import (
@@ -922,8 +922,7 @@ class ReferenceEngine(Engine):
             self.reply_cost = replied_s / (spoken.size / OUTPUT_RATE)
             self.learn_reply_start(first or 0.0)
             # What a turn's end costs to hear: the recognizers on the reply's own speech.
-            heard = resample_poly(spoken, INPUT_RATE // 8000, OUTPUT_RATE // 8000)
-            heard = heard.astype(np.float32)
+            heard = resample(spoken, OUTPUT_RATE, INPUT_RATE)
             t0 = time.perf_counter()
             self.asr.hear(heard)
             heard_s = time.perf_counter() - t0

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
-from scipy.signal import resample_poly
+
+from omnifabric.common.resample import resample
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.reference.piper import PiperProcess
@@ -74,11 +74,9 @@ def _trim_float(audio: np.ndarray, rate: int) -> np.ndarray:
 
 
 def _to_24k(audio: np.ndarray, rate: int) -> np.ndarray:
-    """float32 ``audio`` at ``rate`` resampled to 24 kHz (polyphase; 22050 Hz -> 160/147)."""
-    ratio = Fraction(OUTPUT_RATE, rate)
-    if ratio != 1:
-        audio = resample_poly(audio, ratio.numerator, ratio.denominator)
-    return np.clip(audio, -1.0, 1.0).astype(np.float32)
+    """float32 ``audio`` at ``rate`` resampled to 24 kHz (the fabric's low-pass converter,
+    common.resample) and clipped to [-1, 1]."""
+    return np.clip(resample(audio, rate, OUTPUT_RATE), -1.0, 1.0).astype(np.float32)
 
 
 #: The name under which ``voices()`` lists the espeak-ng voice.
@@ -130,8 +128,7 @@ class Speaker:
         samples = _trim(_parse_wav(done.stdout), ESPEAK_RATE)
         if samples.size == 0:
             return np.zeros(0, np.float32)
-        audio = resample_poly(samples.astype(np.float32) / 32768.0, 160, 147)
-        return np.clip(audio, -1.0, 1.0).astype(np.float32)
+        return _to_24k(samples.astype(np.float32) / 32768.0, ESPEAK_RATE)
 
 
 class PiperSpeaker:
