@@ -23,6 +23,9 @@ import numpy as np
 # scheduler share (common's); the worker refuses requests outside them (worker.service).
 from omnifabric.common.session_types import DuplexSettings as DuplexSettings
 from omnifabric.common.session_types import EngineLimits as EngineLimits
+from omnifabric.common.tools import ToolCall as ToolCall
+from omnifabric.common.tools import ToolChoice as ToolChoice
+from omnifabric.common.tools import ToolSpec as ToolSpec
 from omnifabric.worker.errors import EngineStuck, EngineUnavailable
 from omnifabric.worker.headroom import CHAT_COST
 from omnifabric.worker.units import UnitInput
@@ -57,10 +60,14 @@ class GenerateResult:
 @dataclass(frozen=True)
 class ChatMessage:
     """One chat message: parts in order; str = text, np.ndarray = 16 kHz float32 audio,
-    bytes = an image file."""
+    bytes = an image file. Role system, user, assistant, or tool: a function's output (its
+    text part), answering the assistant's call `tool_call_id`."""
 
     role: str
     parts: tuple[str | np.ndarray | bytes, ...]
+    tool_calls: tuple[ToolCall, ...] = ()
+    """An assistant message's function calls."""
+    tool_call_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,9 @@ class ChatTurn:
     use_image_id: bool | None = None
     omni_mode: bool = False
     enable_thinking: bool = False
+    tools: tuple[ToolSpec, ...] = ()
+    """Functions the reply may call (common.tools); none: it answers in words only."""
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,9 @@ class ChatChunk:
     cut: bool = False
     """The reply reached max_new_tokens."""
     ignored: tuple[str, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    """Function calls the reply makes (each checked against its ToolSpec's schema); the
+    reply ends with them (the done chunk follows)."""
 
 
 class EngineSession(abc.ABC):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,12 +18,20 @@ import grpc
 import numpy as np
 from opentelemetry import context as otel_context
 
-from omnifabric.common import close_reasons, logs, modes, telemetry
+from omnifabric.common import close_reasons, logs, modes, telemetry, tools
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
 from omnifabric.worker.config import WorkerConfig
-from omnifabric.worker.engine import ChatMessage, ChatTurn, DuplexSettings, EngineLimits
+from omnifabric.worker.engine import (
+    ChatMessage,
+    ChatTurn,
+    DuplexSettings,
+    EngineLimits,
+    ToolCall,
+    ToolChoice,
+    ToolSpec,
+)
 from omnifabric.worker.errors import (
     EngineFailure,
     EngineUnavailable,
@@ -166,26 +175,52 @@ def decode_unit(unit: worker_pb.Unit, limits: EngineLimits) -> UnitInput:
     )
 
 
+def _chat_message(message: worker_pb.ChatMessage, i: int) -> ChatMessage:
+    if message.role not in ("system", "user", "assistant", "tool"):
+        raise InvalidRequest(f"messages[{i}].role must be system, user, assistant or tool")
+    parts: list[str | np.ndarray | bytes] = []
+    for part in message.parts:
+        kind = part.WhichOneof("kind")
+        if kind == "text":
+            parts.append(part.text)
+        elif kind == "image":
+            parts.append(part.image)
+        elif kind == "audio_pcm":
+            parts.append(decode_pcm(part.audio_pcm, f"messages[{i}] audio"))
+    calls = tuple(ToolCall(c.call_id, c.name, c.arguments_json) for c in message.tool_calls)
+    return ChatMessage(message.role, tuple(parts), calls, message.tool_call_id)
+
+
+def _tools(request: worker_pb.ChatRequest) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
+    """The request's functions and tool choice. Raises InvalidRequest."""
+    specs = []
+    for i, spec in enumerate(request.tools):
+        try:
+            name = tools.check_name(spec.name, f"tools[{i}].name")
+            schema = json.loads(spec.parameters_json) if spec.parameters_json else {}
+            specs.append(
+                ToolSpec(name, spec.description, tools.check_schema(schema, f"tools[{i}]"))
+            )
+        except ValueError as exc:  # json's too
+            raise InvalidRequest(str(exc)) from None
+    kind = request.tool_choice or tools.AUTO
+    if kind not in tools.CHOICES:
+        raise InvalidRequest(f"tool_choice must be one of {', '.join(tools.CHOICES)}")
+    if kind == tools.FUNCTION and request.tool_choice_name not in {s.name for s in specs}:
+        raise InvalidRequest(
+            f"tool_choice names no function of the request: {request.tool_choice_name!r}"
+        )
+    return tuple(specs), ToolChoice(kind, request.tool_choice_name)
+
+
 def decode_chat(request: worker_pb.ChatRequest) -> ChatTurn:
     """ChatRequest as a ChatTurn. Raises InvalidRequest."""
     if not request.lease_id:
         raise InvalidRequest("lease_id is required")
-    messages = []
-    for i, message in enumerate(request.messages):
-        if message.role not in ("system", "user", "assistant"):
-            raise InvalidRequest(f"messages[{i}].role must be system, user or assistant")
-        parts: list[str | np.ndarray | bytes] = []
-        for part in message.parts:
-            kind = part.WhichOneof("kind")
-            if kind == "text":
-                parts.append(part.text)
-            elif kind == "image":
-                parts.append(part.image)
-            elif kind == "audio_pcm":
-                parts.append(decode_pcm(part.audio_pcm, f"messages[{i}] audio"))
-        messages.append(ChatMessage(message.role, tuple(parts)))
-    if not messages or messages[-1].role != "user":
-        raise InvalidRequest("the last message must be the user's")
+    messages = [_chat_message(m, i) for i, m in enumerate(request.messages)]
+    if not messages or messages[-1].role not in ("user", "tool"):
+        raise InvalidRequest("the last message must be the user's (or a function's output)")
+    specs, choice = _tools(request)
     gen, image = request.generation, request.image
     return ChatTurn(
         messages=tuple(messages),
@@ -203,6 +238,8 @@ def decode_chat(request: worker_pb.ChatRequest) -> ChatTurn:
         use_image_id=image.use_image_id if image.HasField("use_image_id") else None,
         omni_mode=request.omni_mode,
         enable_thinking=request.enable_thinking,
+        tools=specs,
+        tool_choice=choice,
     )
 
 
@@ -409,6 +446,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             await context.abort(code, message)
             return
         text: list[str] = []
+        called = False
         started = time.perf_counter()
         yield worker_pb.ChatResponse(
             prefilled=worker_pb.ChatPrefilled(input_tokens=first.input_tokens)
@@ -430,19 +468,33 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                                 output_text_tokens=chunk.output_tokens,
                                 total_tokens=chunk.input_tokens + chunk.output_tokens,
                             ),
-                            reason="max_tokens" if chunk.cut else "turn_end",
+                            reason=(
+                                tools.TOOL_CALLS
+                                if called
+                                else "max_tokens"
+                                if chunk.cut
+                                else "turn_end"
+                            ),
                             ignored=list(chunk.ignored),
                             prefill_ms=first_ms,
                             generate_ms=(time.perf_counter() - started) * 1000.0 - prefill_ms,
                         )
                     )
                     return
-                text.append(chunk.text)
-                yield worker_pb.ChatResponse(
-                    delta=worker_pb.ChatDelta(
-                        text=chunk.text, pcm=np.asarray(chunk.audio, dtype="<f4").tobytes()
+                if chunk.text or chunk.audio.size or not chunk.tool_calls:
+                    text.append(chunk.text)
+                    yield worker_pb.ChatResponse(
+                        delta=worker_pb.ChatDelta(
+                            text=chunk.text, pcm=np.asarray(chunk.audio, dtype="<f4").tobytes()
+                        )
                     )
-                )
+                for call in chunk.tool_calls:
+                    called = True
+                    yield worker_pb.ChatResponse(
+                        tool_call=worker_pb.ToolCall(
+                            call_id=call.call_id, name=call.name, arguments_json=call.arguments
+                        )
+                    )
         except Exception as exc:
             code, message = status_for(exc)
             log.exception("Chat failed while generating")
