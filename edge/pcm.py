@@ -94,6 +94,7 @@ def wav_to_pcm16k(data: bytes, what: str) -> bytes:
     frames. InvalidPayload, its message starting with `what`, names what cannot be taken."""
     import av
 
+    _check_fmt_chunk(data, what)
     try:
         with av.open(io.BytesIO(data), "r", format="wav") as container:
             if not container.streams.audio:
@@ -112,8 +113,7 @@ def wav_to_pcm16k(data: bytes, what: str) -> bytes:
 
 def _check_wav_stream(stream: av.audio.stream.AudioStream, what: str) -> None:
     """The decoder, rate and channel count of a WAV's audio, or InvalidPayload naming the
-    one that cannot be taken. Bounded rates: resampling a 1 Hz file to 16 kHz would
-    multiply its size by 16000."""
+    one that cannot be taken."""
     context = stream.codec_context  # None: FFmpeg has no decoder for the header's format
     codec = context.name if context is not None else "(unknown)"
     if codec not in WAV_CODECS:
@@ -121,14 +121,36 @@ def _check_wav_stream(stream: av.audio.stream.AudioStream, what: str) -> None:
             f"{what}: WAV encoding {codec} not supported "
             "(use PCM of 8, 16, 24 or 32 bits, 32- or 64-bit float, or G.711)"
         )
-    if not MIN_WAV_RATE <= stream.rate <= MAX_WAV_RATE:
+    _check_rate_and_channels(stream.rate, stream.channels, what)
+
+
+def _check_fmt_chunk(data: bytes, what: str) -> None:
+    """The rate and channel count of a RIFF/WAVE file's fmt chunk, checked before FFmpeg
+    reads it, which refuses a 0 Hz or channel-less header as mere "invalid data": this
+    names the value. Files without a readable fmt chunk are left to FFmpeg."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return
+    at = 12
+    while at + 16 <= len(data):
+        size = int.from_bytes(data[at + 4 : at + 8], "little")
+        if data[at : at + 4] == b"fmt ":
+            channels = int.from_bytes(data[at + 10 : at + 12], "little")
+            _check_rate_and_channels(
+                int.from_bytes(data[at + 12 : at + 16], "little"), channels, what
+            )
+            return
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+
+
+def _check_rate_and_channels(rate: int, channels: int, what: str) -> None:
+    """Bounded rates (resampling a 1 Hz file to 16 kHz would multiply its size by 16000)
+    and channel counts, or InvalidPayload naming the value."""
+    if not MIN_WAV_RATE <= rate <= MAX_WAV_RATE:
         raise InvalidPayload(
-            f"{what}: WAV sample rate {stream.rate} Hz (use {MIN_WAV_RATE} to {MAX_WAV_RATE})"
+            f"{what}: WAV sample rate {rate} Hz (use {MIN_WAV_RATE} to {MAX_WAV_RATE})"
         )
-    if not 1 <= stream.channels <= MAX_WAV_CHANNELS:
-        raise InvalidPayload(
-            f"{what}: WAV with {stream.channels} channels (use 1 to {MAX_WAV_CHANNELS})"
-        )
+    if not 1 <= channels <= MAX_WAV_CHANNELS:
+        raise InvalidPayload(f"{what}: WAV with {channels} channels (use 1 to {MAX_WAV_CHANNELS})")
 
 
 def _mono_float(frames: Iterable[av.AudioFrame]) -> np.ndarray:

@@ -119,7 +119,8 @@ def test_a_file_cut_short_keeps_its_whole_frames():
         (riff(PCM, 1, 2000, 16, b"\x00" * 64), "ref_audio: WAV sample rate 2000 Hz"),
         (riff(PCM, 1, 768000, 16, b"\x00" * 64), "ref_audio: WAV sample rate 768000 Hz"),
         (riff(PCM, 9, 16000, 16, b"\x00" * 72), "ref_audio: WAV with 9 channels"),
-        (riff(PCM, 1, 0, 16, b"\x00" * 64), "ref_audio: unreadable WAV"),
+        (riff(PCM, 1, 0, 16, b"\x00" * 64), "ref_audio: WAV sample rate 0 Hz"),
+        (riff(PCM, 0, 16000, 16, b"\x00" * 64), "ref_audio: WAV with 0 channels"),
     ],
 )
 def test_what_cannot_be_taken_is_named(data, message):
