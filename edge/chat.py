@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from omnifabric.common.close_reasons import SERVER_SHUTDOWN, close_message
+from omnifabric.common.tools import ToolCall, ToolChoice, ToolSpec
 from omnifabric.edge import events as ev
 from omnifabric.edge import pcm
 from omnifabric.edge.errors import InvalidPayload, MissingField
@@ -55,8 +56,12 @@ Part = TextPart | ImagePart | AudioPart
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
-    """system, user or assistant."""
+    """system, user, assistant, or tool (a function's output in a text part)."""
     parts: tuple[Part, ...]
+    tool_calls: tuple[ToolCall, ...] = ()
+    """An assistant message's function calls."""
+    tool_call_id: str = ""
+    """A tool message: the call it answers."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,9 @@ class ChatInput:
     image: ImageOptions = field(default_factory=ImageOptions)
     omni_mode: bool = False
     enable_thinking: bool = False
+    tools: tuple[ToolSpec, ...] = ()
+    """Functions the reply may call (common.tools)."""
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
     notes: tuple[str, ...] = ()
     """Accepted fields that have no effect at the edge or on any engine, and why."""
 
@@ -117,8 +125,10 @@ class ChatResult:
     generated_tokens: int = 0
     usage: ev.Usage = field(default_factory=ev.Usage)
     reason: str = "turn_end"
+    """turn_end, max_tokens, or tool_calls (common.tools.TOOL_CALLS)."""
     ignored: tuple[str, ...] = ()
     timings_ms: dict[str, float] = field(default_factory=dict)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 # ---- what the chat dialects translate --------------------------------------------
@@ -172,6 +182,13 @@ class TurnDelta:
 
 
 @dataclass(frozen=True)
+class TurnToolCall:
+    """The reply calls a function (after its text, before TurnDone)."""
+
+    call: ToolCall
+
+
+@dataclass(frozen=True)
 class TurnDone:
     result: ChatResult
 
@@ -184,7 +201,9 @@ class Shutdown:
     reason = SERVER_SHUTDOWN
 
 
-TurnEvent = TurnStarted | TurnQueued | TurnLeased | TurnPrefilled | TurnDelta | TurnDone
+TurnEvent = (
+    TurnStarted | TurnQueued | TurnLeased | TurnPrefilled | TurnDelta | TurnToolCall | TurnDone
+)
 
 
 def image_file(data: object, where: str) -> bytes:
@@ -231,9 +250,10 @@ def check_message_count(n: int) -> None:
 
 
 def check_messages(messages: tuple[ChatMessage, ...]) -> None:
-    """A chat request's conversation: at most MAX_MESSAGES, the user's last."""
+    """A chat request's conversation: at most MAX_MESSAGES, the user's last (or a
+    function's output, which the reply goes on from)."""
     check_message_count(len(messages))
-    if not messages or messages[-1].role != "user":
+    if not messages or messages[-1].role not in ("user", "tool"):
         raise InvalidPayload("the last message must be the user's")
 
 

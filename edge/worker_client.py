@@ -18,6 +18,7 @@ edge.session's.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -25,16 +26,19 @@ import grpc
 
 from omnifabric.common import limits as engine_limits
 from omnifabric.common import modes, session_types
+from omnifabric.common.tools import ToolCall
 from omnifabric.edge import events as ev
 from omnifabric.edge.chat import (
     AudioPart,
     ChatInput,
+    ChatMessage,
     ChatResult,
     ImagePart,
     TextPart,
     TurnDelta,
     TurnEvent,
     TurnPrefilled,
+    TurnToolCall,
 )
 from omnifabric.edge.errors import (
     EdgeError,
@@ -195,17 +199,36 @@ def _part(part: TextPart | ImagePart | AudioPart) -> worker_pb.ContentPart:
     return worker_pb.ContentPart(audio_pcm=part.pcm)
 
 
+def _message(m: ChatMessage) -> worker_pb.ChatMessage:
+    calls = [
+        worker_pb.ToolCall(call_id=c.call_id, name=c.name, arguments_json=c.arguments)
+        for c in m.tool_calls
+    ]
+    return worker_pb.ChatMessage(
+        role=m.role,
+        parts=[_part(p) for p in m.parts],
+        tool_calls=calls,
+        tool_call_id=m.tool_call_id,
+    )
+
+
 def chat_request(chat: ChatInput, lease_id: str, session_id: str) -> worker_pb.ChatRequest:
     """A validated chat request (edge.chat.parse_chat) -> the worker's ChatRequest for the
     turn on `lease_id`. Options the client left out stay unset (the worker's defaults)."""
     request = worker_pb.ChatRequest(
         lease_id=lease_id,
         session_id=session_id,
-        messages=[
-            worker_pb.ChatMessage(role=m.role, parts=[_part(p) for p in m.parts])
-            for m in chat.messages
+        messages=[_message(m) for m in chat.messages],
+        tools=[
+            worker_pb.ToolSpec(
+                name=t.name, description=t.description, parameters_json=json.dumps(t.parameters)
+            )
+            for t in chat.tools
         ],
     )
+    if chat.tools:
+        request.tool_choice = chat.tool_choice.kind
+        request.tool_choice_name = chat.tool_choice.name
     gen = request.generation
     for name, value in chat.generation.__dict__.items():
         if value is not None:
@@ -428,6 +451,11 @@ async def read_chat(
             elif kind == "delta":
                 result.audio.append(response.delta.pcm)
                 await emit(TurnDelta(response.delta.text, response.delta.pcm))
+            elif kind == "tool_call":
+                c = response.tool_call
+                call = ToolCall(c.call_id, c.name, c.arguments_json)
+                result.tool_calls.append(call)
+                await emit(TurnToolCall(call))
             elif kind == "done":
                 d = response.done
                 result.text, result.reason = d.text, d.reason or "turn_end"

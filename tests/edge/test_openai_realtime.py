@@ -330,10 +330,14 @@ def test_manual_turns_are_chat_turns_over_the_conversation():
     assert [m["type"] for m in started][0] == "response.created"
     pcm = np.full(12000, 0.1, "<f4").tobytes()
     deltas = d.encode_turn(TurnDelta("Hello", pcm))
-    assert {m["type"] for m in deltas} == {
+    # The message item is announced with the reply's first words (a reply may be calls).
+    assert [m["type"] for m in deltas] == [
+        "response.output_item.added",
+        "conversation.item.added",
+        "response.content_part.added",
         "response.output_audio.delta",
         "response.output_audio_transcript.delta",
-    }
+    ]
     done = d.encode_turn(TurnDone(ChatResult(text="Hello", usage=ev.Usage(total_tokens=9))))
     assert done[-1]["response"]["status"] == "completed"
     assert done[-1]["response"]["usage"]["total_tokens"] == 9
@@ -350,7 +354,7 @@ def test_a_text_only_response_and_a_token_cap():
     assert turn.chat.tts.enabled is False
     assert turn.chat.generation.max_new_tokens == 7
     d.encode_turn(TurnStarted(True, False))
-    (delta,) = d.encode_turn(TurnDelta("Hey", b""))
+    *_, delta = d.encode_turn(TurnDelta("Hey", b""))
     assert delta["type"] == "response.output_text.delta"
     done = d.encode_turn(TurnDone(ChatResult(text="Hey", reason="max_tokens")))
     assert done[-1]["response"]["status"] == "incomplete"
@@ -492,3 +496,110 @@ def test_max_output_tokens_caps_a_duplex_reply():
     assert done["max_output_tokens"] == 5
     (unit,) = d.after_output(output(2, listen=False))
     assert unit.force_listen
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the current weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+def _with_tools(**session) -> OpenAIRealtime:
+    d = OpenAIRealtime("m")
+    d.bind(SessionFacts("rt_1"))
+    body = {"tools": [WEATHER], "audio": {"input": {"turn_detection": None}}, **session}
+    (updated,) = sent_messages(send(d, type="session.update", session=body))
+    assert updated["session"]["tools"] == [WEATHER]
+    return d
+
+
+def _ask(d: OpenAIRealtime, text: str, **response) -> ev.TurnCommand:
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    send(d, type="conversation.item.create", item=item)
+    (turn,) = send(d, type="response.create", response=response)
+    assert isinstance(turn, ev.TurnCommand) and turn.chat is not None
+    return turn
+
+
+def test_function_tools_reach_the_turn_and_a_call_streams_as_the_api_does():
+    from omnifabric.common.tools import ToolCall
+    from omnifabric.edge.chat import TurnToolCall
+
+    d = _with_tools()
+    turn = _ask(d, "What's the weather in Paris?")
+    assert [t.name for t in turn.chat.tools] == ["get_weather"]
+    assert turn.chat.tool_choice.kind == "auto"
+    assert [m["type"] for m in d.encode_turn(TurnStarted(True, True))] == ["response.created"]
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    events = d.encode_turn(TurnToolCall(call))
+    assert [m["type"] for m in events] == [
+        "response.output_item.added",
+        "conversation.item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "conversation.item.done",
+    ]
+    assert events[0]["item"]["type"] == "function_call" and events[0]["item"]["arguments"] == ""
+    done_args = events[3]
+    assert (done_args["name"], done_args["call_id"]) == ("get_weather", "call_1")
+    assert json.loads(done_args["arguments"]) == {"city": "Paris"}
+    done = d.encode_turn(TurnDone(ChatResult(reason="tool_calls")))[-1]["response"]
+    assert done["status"] == "completed"
+    assert [o["type"] for o in done["output"]] == ["function_call"]
+    # The client runs the function and sends its output; the next response uses it.
+    output = {"type": "function_call_output", "call_id": "call_1", "output": '{"temp_c": 21}'}
+    added = sent_messages(send(d, type="conversation.item.create", item=output))
+    assert added[0]["item"]["type"] == "function_call_output"
+    (turn,) = send(d, type="response.create")
+    roles = [m.role for m in turn.chat.messages]
+    assert roles == ["user", "assistant", "tool"]
+    assert turn.chat.messages[1].tool_calls == (call,)
+    assert turn.chat.messages[2].tool_call_id == "call_1"
+
+
+def test_tool_choice_none_and_a_named_function_reach_the_turn():
+    d = _with_tools(tool_choice="none")
+    assert _ask(d, "Weather in Paris?").chat.tool_choice.kind == "none"
+    d.encode_turn(TurnDone(ChatResult()))
+    named = {"type": "function", "name": "get_weather"}
+    turn = _ask(d, "And Rome?", tool_choice=named)
+    assert (turn.chat.tool_choice.kind, turn.chat.tool_choice.name) == ("function", "get_weather")
+
+
+@pytest.mark.parametrize(
+    "item, param",
+    [
+        (
+            {"type": "function_call_output", "call_id": "call_nope", "output": "x"},
+            "item.call_id",
+        ),
+        ({"type": "function_call", "name": "launch_rockets", "arguments": "{}"}, "item.name"),
+    ],
+)
+def test_an_unknown_function_or_call_is_an_error_not_a_crash(item, param):
+    d = _with_tools()
+    with pytest.raises(EdgeError) as caught:
+        send(d, type="conversation.item.create", item=item)
+    assert d.error(caught.value)["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "session, param",
+    [
+        ({"tools": [{"type": "mcp", "server_label": "x"}]}, "session.tools[0].type"),
+        ({"tools": [{"type": "function", "name": "no spaces"}]}, "session.tools[0].name"),
+        ({"tool_choice": {"type": "function", "name": "nope"}}, "session.tool_choice.name"),
+    ],
+)
+def test_bad_tools_are_refused_naming_the_parameter(session, param):
+    d = OpenAIRealtime("m")
+    with pytest.raises(EdgeError) as caught:
+        send(d, type="session.update", session=session)
+    assert d.error(caught.value)["error"]["param"] == param

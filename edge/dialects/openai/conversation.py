@@ -1,12 +1,14 @@
 """The conversation the client builds: its items (what the user and the engine said, with
-the audio and images the engine needs), their edits, and the chat input a response on
-request answers (edge.chat's ChatInput, built here directly)."""
+the audio and images the engine needs; the functions the model called and what they
+returned), their edits, and the chat input a response on request answers (edge.chat's
+ChatInput, built here directly)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnifabric.common.tools import ToolCall, ToolChoice, ToolSpec
 from omnifabric.edge.chat import (
     AudioPart,
     ChatInput,
@@ -25,6 +27,8 @@ from omnifabric.edge.dialects.openai.wire import BadParam
 from omnifabric.edge.errors import InvalidEvent
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+#: Item types: a message, a function call of the model, a function's output.
+MESSAGE, FUNCTION_CALL, FUNCTION_OUTPUT = "message", "function_call", "function_call_output"
 
 
 @dataclass
@@ -33,6 +37,7 @@ class Item:
 
     id: str
     role: str
+    """A message's role; "assistant" for a function call, "tool" for its output."""
     parts: list[dict[str, Any]]
     """OpenAI content parts as the client sees them (no audio bytes)."""
     audio: bytes = b""
@@ -42,22 +47,37 @@ class Item:
     status: str = "completed"
     audio_ms: float = 0.0
     """An assistant item's speech, milliseconds (what truncation cuts in proportion)."""
+    type: str = MESSAGE
+    call: ToolCall | None = None
+    """A function call item's call; the call a function output item answers."""
+    output: str = ""
+    """A function output item's output."""
 
     def json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "realtime.item",
-            "type": "message",
-            "role": self.role,
-            "status": self.status,
-            "content": self.parts,
-        }
+        base = {"id": self.id, "object": "realtime.item", "type": self.type}
+        if self.type == MESSAGE or self.call is None:
+            return {**base, "role": self.role, "status": self.status, "content": self.parts}
+        call = self.call
+        if self.type == FUNCTION_CALL:
+            return {
+                **base,
+                "status": self.status,
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            }
+        return {**base, "status": self.status, "call_id": call.call_id, "output": self.output}
 
     def text(self) -> str:
         return "".join(p.get("text") or p.get("transcript") or "" for p in self.parts)
 
     def message(self) -> ChatMessage:
-        """The item as a chat message (texts and images in order, the audio last)."""
+        """The item as a chat message (texts and images in order, the audio last; a call as
+        an assistant message's call, an output as a tool message)."""
+        if self.type == FUNCTION_CALL and self.call is not None:
+            return ChatMessage("assistant", (), tool_calls=(self.call,))
+        if self.type == FUNCTION_OUTPUT and self.call is not None:
+            return ChatMessage("tool", (TextPart(self.output),), tool_call_id=self.call.call_id)
         if self.role != "user":
             return ChatMessage(self.role, (TextPart(self.text()),))
         parts: list[Part] = []
@@ -81,17 +101,71 @@ class Item:
                 part["transcript"] = text[: int(len(text) * end_ms / total_ms)]
 
 
+def _string(body: dict[str, Any], key: str, where: str) -> str:
+    value = body.get(key, "")
+    if not isinstance(value, str):
+        raise BadParam(f"{where}.{key}", f"{where}.{key} must be a string")
+    return value
+
+
 class ItemParser:
-    """Client item objects -> Items (`new_id` names those the client did not)."""
+    """Client item objects -> Items (`new_id` names those the client did not). A function
+    call names a function of the tools offered; an output answers a call of the
+    conversation."""
 
     def __init__(self, new_id: Any) -> None:
         self.new_id = new_id
 
-    def parse(self, body: dict[str, Any], where: str, input_format: str) -> Item:
-        if body.get("type", "message") != "message":
-            raise BadParam(
-                f"{where}.type", f"{where}.type: only message items are served (no tools)"
-            )
+    def parse(
+        self,
+        body: dict[str, Any],
+        where: str,
+        input_format: str,
+        conversation: Conversation,
+        tools: tuple[ToolSpec, ...] = (),
+    ) -> Item:
+        kind = body.get("type", MESSAGE)
+        if kind == FUNCTION_CALL:
+            item = self._function_call(body, where, tools)
+        elif kind == FUNCTION_OUTPUT:
+            item = self._function_output(body, where, conversation)
+        elif kind == MESSAGE:
+            item = self._message(body, where, input_format)
+        else:
+            kinds = f"{MESSAGE}, {FUNCTION_CALL} or {FUNCTION_OUTPUT}"
+            raise BadParam(f"{where}.type", f"{where}.type must be {kinds}")
+        item_id = body.get("id")
+        if item_id is not None and not isinstance(item_id, str):
+            raise BadParam(f"{where}.id", f"{where}.id must be a string")
+        item.id = item_id or self.new_id("item")
+        return item
+
+    def _function_call(self, body: dict[str, Any], where: str, tools: tuple[ToolSpec, ...]) -> Item:
+        name = body.get("name")
+        if not any(t.name == name for t in tools):
+            raise BadParam(f"{where}.name", f"{where}.name: no function {name!r} in the tools")
+        arguments = body.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise BadParam(f"{where}.arguments", f"{where}.arguments must be a JSON string")
+        call = ToolCall(
+            _string(body, "call_id", where) or self.new_id("call"), str(name), arguments
+        )
+        return Item("", "assistant", [], type=FUNCTION_CALL, call=call)
+
+    def _function_output(
+        self, body: dict[str, Any], where: str, conversation: Conversation
+    ) -> Item:
+        call_id = _string(body, "call_id", where)
+        call = conversation.call(call_id)
+        if call is None:
+            message = f"{where}.call_id: no function call {call_id!r} in the conversation"
+            raise BadParam(f"{where}.call_id", message)
+        output = body.get("output")
+        if not isinstance(output, str):
+            raise BadParam(f"{where}.output", f"{where}.output must be a string")
+        return Item("", "tool", [], type=FUNCTION_OUTPUT, call=call, output=output)
+
+    def _message(self, body: dict[str, Any], where: str, input_format: str) -> Item:
         role = body.get("role")
         if role not in ("user", "assistant", "system"):
             raise BadParam(f"{where}.role", f"{where}.role must be user, assistant or system")
@@ -101,10 +175,6 @@ class ItemParser:
         item = Item("", role, [])
         for i, part in enumerate(content):
             self._part(item, part, f"{where}.content[{i}]", input_format)
-        item_id = body.get("id")
-        if item_id is not None and not isinstance(item_id, str):
-            raise BadParam(f"{where}.id", f"{where}.id must be a string")
-        item.id = item_id or self.new_id("item")
         return item
 
     def _part(self, item: Item, part: Any, at: str, input_format: str) -> None:
@@ -176,6 +246,28 @@ class Conversation:
     def delete(self, item_id: Any) -> Item:
         return self.items.pop(self.index(item_id, "item_id"))
 
+    def call(self, call_id: str) -> ToolCall | None:
+        """The function call `call_id` in the conversation, None when it holds none."""
+        for item in self.items:
+            if item.type == FUNCTION_CALL and item.call and item.call.call_id == call_id:
+                return item.call
+        return None
+
+
+def messages_of(items: list[Item]) -> list[ChatMessage]:
+    """The items as chat messages: a function call joins the assistant message before it
+    (the calls of one reply make one message), its output is a tool message."""
+    messages: list[ChatMessage] = []
+    for item in items:
+        message = item.message()
+        last = messages[-1] if messages else None
+        if item.type == FUNCTION_CALL and last is not None and last.role == "assistant":
+            calls = (*last.tool_calls, *message.tool_calls)
+            messages[-1] = ChatMessage("assistant", last.parts, tool_calls=calls)
+        else:
+            messages.append(message)
+    return messages
+
 
 @dataclass(frozen=True)
 class TurnRequest:
@@ -186,6 +278,8 @@ class TurnRequest:
     speaks: bool
     ref_audio: bytes
     max_tokens: int | None
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
 
 def chat_input(request: TurnRequest) -> ChatInput:
@@ -193,13 +287,17 @@ def chat_input(request: TurnRequest) -> ChatInput:
     messages: list[ChatMessage] = []
     if request.instructions:
         messages.append(ChatMessage("system", (TextPart(request.instructions),)))
-    messages += [item.message() for item in request.items]
-    if not messages or messages[-1].role != "user":
-        raise InvalidEvent("the conversation must end with a user item to answer")
+    messages += messages_of(request.items)
+    if not messages or messages[-1].role not in ("user", "tool"):
+        raise InvalidEvent(
+            "the conversation must end with a user item (or a function's output) to answer"
+        )
     check_messages(tuple(messages))
     return ChatInput(
         messages=tuple(messages),
         streaming=True,
         generation=Generation(max_new_tokens=request.max_tokens),
         tts=TtsOptions(enabled=request.speaks, ref_audio=request.ref_audio),
+        tools=request.tools,
+        tool_choice=request.tool_choice,
     )

@@ -1,17 +1,19 @@
-"""A response's life on the wire: created, its item added to the conversation (where the
-client may truncate it while it is spoken) and its content part, text and audio deltas,
-and the closing events (done last). The same for a duplex reply the engine chose to make
-and for a response on request."""
+"""A response's life on the wire: created; with its first text or audio its message item
+(added to the conversation, where the client may truncate it while it is spoken) and
+content part, then the deltas; each function call the model makes as an item of its own
+(added, its arguments, done); the closing events, done last. The same for a duplex reply
+the engine chose to make and for a response on request."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnifabric.common.tools import ToolCall
 from omnifabric.edge import codec
 from omnifabric.edge import events as ev
 from omnifabric.edge.dialects.openai.audio import encode_audio, format_json, speech_ms
-from omnifabric.edge.dialects.openai.conversation import Conversation, Item
+from omnifabric.edge.dialects.openai.conversation import FUNCTION_CALL, Conversation, Item
 from omnifabric.edge.dialects.openai.settings import tokens_json
 from omnifabric.edge.dialects.openai.wire import Wire, minus, usage_json
 
@@ -22,6 +24,7 @@ class Response:
 
     id: str
     item: Item
+    """Its message item (text or speech), announced with the first delta."""
     audio: bool
     output_format: str
     voice: str
@@ -30,21 +33,28 @@ class Response:
     usage_at_start: ev.Usage = field(default_factory=ev.Usage)
     heard_speech: bool = False
     """The user spoke over it (duplex)."""
-    previous_item_id: str | None = None
-    """The item before its own in the conversation."""
     metadata: dict[str, Any] | None = None
     """The client's, echoed (LiveKit matches its requests by it)."""
+    outputs: list[Item] = field(default_factory=list)
+    """Its output items as announced: the message item and the function calls."""
+    previous: dict[str, str | None] = field(default_factory=dict)
+    """Each output item's id -> the item before it in the conversation."""
+
+    @property
+    def speaking(self) -> bool:
+        """Its message item is announced (and not yet done)."""
+        return self.item in self.outputs and self.item.status == "in_progress"
 
     def content_index(self) -> dict[str, Any]:
         ids = {"response_id": self.id, "item_id": self.item.id}
-        return {**ids, "output_index": 0, "content_index": 0}
+        return {**ids, "output_index": self.outputs.index(self.item), "content_index": 0}
 
     def json(self, status: str, **extra: Any) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "realtime.response",
             "status": status,
-            "output": [self.item.json()] if status != "in_progress" else [],
+            "output": [o.json() for o in self.outputs] if status != "in_progress" else [],
             "output_modalities": ["audio" if self.audio else "text"],
             "audio": {"output": {"format": format_json(self.output_format), "voice": self.voice}},
             "max_output_tokens": tokens_json(self.max_tokens),
@@ -67,39 +77,62 @@ class Responses:
         """The usage when the last reply ended: where the next duplex one's starts."""
 
     def begin(self) -> list[Any]:
-        """The current response starts: its opening events."""
+        """The current response starts: response.created."""
         response = self.current
         if response is None:
             return []
+        return [self.wire.event("response.created", response=response.json("in_progress"))]
+
+    def _announce(self, response: Response, item: Item) -> list[Any]:
+        """An output item joins the response and the conversation (in progress)."""
+        index = len(response.outputs)
+        response.outputs.append(item)
+        response.previous[item.id] = self.conversation.append(item)
+        if item.type == FUNCTION_CALL:
+            empty = {**item.json(), "arguments": ""}
+        else:
+            empty = {**item.json(), "content": []}
         event = self.wire.event
+        return [
+            event(
+                "response.output_item.added",
+                response_id=response.id,
+                output_index=index,
+                item=empty,
+            ),
+            # The item joins the conversation (LiveKit keeps its copy by these; Pipecat
+            # opens the response's frames on it).
+            event(
+                "conversation.item.added", previous_item_id=response.previous[item.id], item=empty
+            ),
+        ]
+
+    def _open_message(self, response: Response) -> list[Any]:
+        """The message item and its content part, announced with the first delta."""
         if response.audio:
             part: dict[str, Any] = {"type": "audio", "transcript": ""}
             response.item.parts = [{"type": "output_audio", "transcript": ""}]
         else:
             part = {"type": "text", "text": ""}
             response.item.parts = [{"type": "output_text", "text": ""}]
-        empty = {**response.item.json(), "content": []}
-        response.previous_item_id = self.conversation.append(response.item)
-        return [
-            event("response.created", response=response.json("in_progress")),
-            event(
-                "response.output_item.added", response_id=response.id, output_index=0, item=empty
-            ),
-            # The assistant's item joins the conversation (LiveKit keeps its copy by these;
-            # Pipecat opens the response's frames on it).
-            event(
-                "conversation.item.added", previous_item_id=response.previous_item_id, item=empty
-            ),
-            event("response.content_part.added", **response.content_index(), part=part),
-        ]
+        response.item.status = "in_progress"
+        messages = self._announce(response, response.item)
+        messages.append(
+            self.wire.event("response.content_part.added", **response.content_index(), part=part)
+        )
+        return messages
 
     def deltas(self, text: str, audio: bytes) -> list[Any]:
         response = self.current
-        if response is None:
+        if response is None or not (text or audio):
             return []
+        messages: list[Any] = []
+        if response.item not in response.outputs:
+            messages += self._open_message(response)
+        elif not response.speaking:
+            return []  # the message is done (a call followed it): no more text in it
         part = response.item.parts[0]
         ids = response.content_index()
-        messages: list[Any] = []
         if not response.audio:
             if text:
                 part["text"] += text
@@ -116,6 +149,47 @@ class Responses:
             )
         return messages
 
+    def call(self, call: ToolCall) -> list[Any]:
+        """The model calls a function: its item, its arguments, done."""
+        response = self.current
+        if response is None:
+            return []
+        messages = self._message_done(response) if response.speaking else []
+        item = Item(self.wire.id("item"), "assistant", [], status="in_progress")
+        item.type, item.call = FUNCTION_CALL, call
+        messages += self._announce(response, item)
+        index = response.outputs.index(item)
+        ids = {"response_id": response.id, "item_id": item.id, "output_index": index}
+        event = self.wire.event
+        item.status = "completed"
+        messages += [
+            event(
+                "response.function_call_arguments.delta",
+                **ids,
+                call_id=call.call_id,
+                delta=call.arguments,
+            ),
+            event(
+                "response.function_call_arguments.done",
+                **ids,
+                call_id=call.call_id,
+                name=call.name,
+                arguments=call.arguments,
+            ),
+            event(
+                "response.output_item.done",
+                response_id=response.id,
+                output_index=index,
+                item=item.json(),
+            ),
+            event(
+                "conversation.item.done",
+                previous_item_id=response.previous[item.id],
+                item=item.json(),
+            ),
+        ]
+        return messages
+
     def finish(
         self,
         status: str,
@@ -127,9 +201,10 @@ class Responses:
         response, self.current = self.current, None
         if response is None:
             return []
-        item = response.item
-        item.status = "completed" if status == "completed" else "incomplete"
-        messages = self._item_done(response) if item.parts else []
+        done_status = "completed" if status == "completed" else "incomplete"
+        messages: list[Any] = []
+        if response.speaking:
+            messages += self._message_done(response, done_status)
         if usage is None:
             usage = minus(self.usage, response.usage_at_start)
         self.usage_at_end = self.usage
@@ -143,13 +218,13 @@ class Responses:
             status_details=details if status != "completed" else None,
             usage=usage_json(usage),
         )
-        done["output"] = [item.json()] if item.parts else []
         messages.append(self.wire.event("response.done", response=done))
         return messages
 
-    def _item_done(self, response: Response) -> list[Any]:
-        """The content's closing events (the item is in the conversation since begin)."""
+    def _message_done(self, response: Response, status: str = "completed") -> list[Any]:
+        """The message's closing events (it is in the conversation since it was added)."""
         event, item = self.wire.event, response.item
+        item.status = status
         ids = response.content_index()
         part = item.parts[0]
         if response.audio:
@@ -169,10 +244,13 @@ class Responses:
                 event("response.output_text.done", **ids, text=text),
                 event("response.content_part.done", **ids, part={"type": "text", "text": text}),
             ]
-        previous = response.previous_item_id
         done = item.json()
+        index = ids["output_index"]
         messages.append(
-            event("response.output_item.done", response_id=response.id, output_index=0, item=done)
+            event(
+                "response.output_item.done", response_id=response.id, output_index=index, item=done
+            )
         )
+        previous = response.previous[item.id]
         messages.append(event("conversation.item.done", previous_item_id=previous, item=done))
         return messages

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnifabric.common import tools
+from omnifabric.common.tools import ToolChoice, ToolSpec
 from omnifabric.edge import events as ev
 from omnifabric.edge import fields
 from omnifabric.edge.chat import MAX_NEW_TOKENS
@@ -23,8 +25,6 @@ TURN_DETECTION_EXTRAS = ("prefix_padding_ms", "create_response", "idle_timeout_m
 USUAL_EXTRAS = {"create_response": True, "eagerness": "auto"}
 #: Accepted and not used: logged once when set (session.updated shows what is in effect).
 UNSUPPORTED = {
-    "tools": "function calling is not supported by this server's engines",
-    "tool_choice": "function calling is not supported by this server's engines",
     "tracing": "traces are the server's own (OpenTelemetry), not per-session settings",
     "prompt": "stored prompts are not available: send instructions",
     "include": "log probabilities are not available",
@@ -39,6 +39,8 @@ UNSUPPORTED = {
 }
 SESSION_KEYS = {
     "type",
+    "tools",
+    "tool_choice",
     "model",
     "instructions",
     "output_modalities",
@@ -66,6 +68,8 @@ class Settings:
     turn_detection: dict[str, Any] | None = field(default_factory=lambda: {"type": "server_vad"})
     voice: str = ""
     max_output_tokens: int | None = None
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
     @property
     def speaks(self) -> bool:
@@ -86,6 +90,58 @@ def max_tokens(value: Any, where: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
         raise BadParam(f"{where}.max_output_tokens", 'max_output_tokens must be 1 to 4096 or "inf"')
     return min(value, MAX_NEW_TOKENS)
+
+
+def parse_tools(value: Any, where: str) -> tuple[ToolSpec, ...]:
+    """A `tools` list of function tools -> ToolSpecs (BadParam naming what is wrong)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise BadParam(where, f"{where} must be a list of function tools")
+    specs: list[ToolSpec] = []
+    for i, tool in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise BadParam(f"{at}.type", f"{at}: only function tools are served")
+        description = tool.get("description") or ""
+        if not isinstance(description, str):
+            raise BadParam(f"{at}.description", f"{at}.description must be a string")
+        try:
+            name = tools.check_name(tool.get("name"), f"{at}.name")
+        except ValueError as exc:
+            raise BadParam(f"{at}.name", str(exc)) from None
+        try:
+            schema = tools.check_schema(tool.get("parameters"), f"{at}.parameters")
+        except ValueError as exc:
+            raise BadParam(f"{at}.parameters", str(exc)) from None
+        if any(s.name == name for s in specs):
+            raise BadParam(f"{at}.name", f"{at}.name: a second function {name!r}")
+        specs.append(ToolSpec(name, description, schema))
+    return tuple(specs)
+
+
+def parse_tool_choice(value: Any, specs: tuple[ToolSpec, ...], where: str) -> ToolChoice:
+    """auto, none, required, or {type: function, name} of one of `specs`."""
+    if value is None:
+        return ToolChoice()
+    if value in (tools.AUTO, tools.NONE, tools.REQUIRED):
+        return ToolChoice(value)
+    if isinstance(value, dict) and value.get("type") == "function":
+        name = value.get("name")
+        if not any(s.name == name for s in specs):
+            raise BadParam(f"{where}.name", f"{where}.name: no function {name!r} in the tools")
+        return ToolChoice(tools.FUNCTION, str(name))
+    raise BadParam(where, f'{where} must be "auto", "none", "required" or a function')
+
+
+def tools_json(specs: tuple[ToolSpec, ...]) -> list[dict[str, Any]]:
+    return [{"type": "function", **s.json()} for s in specs]
+
+
+def tool_choice_json(choice: ToolChoice) -> str | dict[str, str]:
+    if choice.kind == tools.FUNCTION:
+        return {"type": "function", "name": choice.name}
+    return choice.kind
 
 
 def tokens_json(cap: int | None) -> int | str:
@@ -152,6 +208,11 @@ class SettingsUpdate:
             new.output_modalities = modalities(body["output_modalities"], "session")
         if "max_output_tokens" in body:
             new.max_output_tokens = max_tokens(body["max_output_tokens"], "session")
+        if "tools" in body:
+            new.tools = parse_tools(body["tools"], "session.tools")
+        if "tool_choice" in body or "tools" in body:
+            choice = body.get("tool_choice", tool_choice_json(new.tool_choice))
+            new.tool_choice = parse_tool_choice(choice, new.tools, "session.tool_choice")
 
     def _locked(self) -> None:
         before, new = self.current, self.new
@@ -238,8 +299,8 @@ def session_json(s: Settings, session_id: str | None, model: str, voice: str) ->
             },
             "output": {"format": format_json(s.output_format), "voice": voice, "speed": 1.0},
         },
-        "tools": [],
-        "tool_choice": "auto",
+        "tools": tools_json(s.tools),
+        "tool_choice": tool_choice_json(s.tool_choice),
     }
 
 

@@ -10,10 +10,18 @@ from typing import Any
 
 import numpy as np
 
+from omnifabric.common.tools import ToolChoice
 from omnifabric.edge import events as ev
 from omnifabric.edge import fields, pcm
 from omnifabric.edge.cadence import PACED
-from omnifabric.edge.chat import MAX_AUDIO_SECONDS, TurnDelta, TurnDone, TurnEvent, TurnStarted
+from omnifabric.edge.chat import (
+    MAX_AUDIO_SECONDS,
+    TurnDelta,
+    TurnDone,
+    TurnEvent,
+    TurnStarted,
+    TurnToolCall,
+)
 from omnifabric.edge.dialects.base import DuplexDialect, Traits
 from omnifabric.edge.dialects.openai import audio
 from omnifabric.edge.dialects.openai.conversation import (
@@ -32,6 +40,8 @@ from omnifabric.edge.dialects.openai.settings import (
     init_command,
     max_tokens,
     modalities,
+    parse_tool_choice,
+    parse_tools,
     session_json,
 )
 from omnifabric.edge.dialects.openai.wire import BadParam, Wire
@@ -138,6 +148,12 @@ class OpenAIRealtime(DuplexDialect):
             self._init_sent = True
             ref_audio = self._voices.audio(self.settings.voice)
             commands.append(init_command(self.settings, ref_audio))
+            if self.settings.tools:
+                self.wire.ignored(
+                    "session.tools",
+                    "the duplex engines do not call functions yet: function calling works in "
+                    "responses on request (turn detection null, or before the first audio)",
+                )
         if self._buffer_n:  # what the buffer held before turn detection was on goes first
             commands.append(ev.AudioCommand(self._take_buffer(), rate))
         return [*commands, ev.AudioCommand(samples, rate)]
@@ -175,7 +191,7 @@ class OpenAIRealtime(DuplexDialect):
         body = event.get("item")
         if not isinstance(body, dict):
             raise BadParam("item", "'item' must be an object")
-        item = self._parser.parse(body, "item", self.settings.input_format)
+        item = self._parse_item(body, "item", self.settings.tools)
         before = self.conversation.insert(item, event.get("previous_item_id"))
         if self._init_sent:
             self.wire.ignored(
@@ -251,7 +267,13 @@ class OpenAIRealtime(DuplexDialect):
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise BadParam("response.metadata", "metadata must be an object")
-        items = self._response_items(body)
+        specs = s.tools
+        if body.get("tools") is not None:
+            specs = parse_tools(body["tools"], "response.tools")
+        choice = s.tool_choice if body.get("tools") is None else ToolChoice()
+        if body.get("tool_choice") is not None:
+            choice = parse_tool_choice(body["tool_choice"], specs, "response.tool_choice")
+        items = self._response_items(body, specs)
         item = Item(self.wire.id("item"), "assistant", [], status="in_progress")
         response = Response(
             self.wire.id("resp"),
@@ -264,9 +286,13 @@ class OpenAIRealtime(DuplexDialect):
             metadata=metadata,
         )
         ref_audio = self._voices.audio(voice)
-        return response, TurnRequest(instructions, items, speaks, ref_audio, cap)
+        return response, TurnRequest(instructions, items, speaks, ref_audio, cap, specs, choice)
 
-    def _response_items(self, body: dict[str, Any]) -> list[Item]:
+    def _parse_item(self, body: dict[str, Any], where: str, tools: Any) -> Item:
+        fmt = self.settings.input_format
+        return self._parser.parse(body, where, fmt, self.conversation, tools)
+
+    def _response_items(self, body: dict[str, Any], tools: Any) -> list[Item]:
         if body.get("input") is None:
             return [] if body.get("conversation") == "none" else list(self.items)
         if not isinstance(body["input"], list):
@@ -277,7 +303,7 @@ class OpenAIRealtime(DuplexDialect):
                 items.append(self.conversation.get(entry.get("id"), f"response.input[{i}].id"))
             elif isinstance(entry, dict):
                 where = f"response.input[{i}]"
-                items.append(self._parser.parse(entry, where, self.settings.input_format))
+                items.append(self._parse_item(entry, where, tools))
             else:
                 raise BadParam(f"response.input[{i}]", "an input entry must be an object")
         return items
@@ -347,6 +373,8 @@ class OpenAIRealtime(DuplexDialect):
             return self.responses.begin()
         if isinstance(event, TurnDelta):
             return self.responses.deltas(event.text, event.pcm)
+        if isinstance(event, TurnToolCall):
+            return self.responses.call(event.call)
         if isinstance(event, TurnDone):
             result = event.result
             if self.responses.current is None:
