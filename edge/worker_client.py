@@ -453,9 +453,9 @@ async def read_chat(
                 await emit(TurnDelta(response.delta.text, response.delta.pcm))
             elif kind == "tool_call":
                 c = response.tool_call
-                call = ToolCall(c.call_id, c.name, c.arguments_json)
-                result.tool_calls.append(call)
-                await emit(TurnToolCall(call))
+                made = ToolCall(c.call_id, c.name, c.arguments_json)
+                result.tool_calls.append(made)
+                await emit(TurnToolCall(made))
             elif kind == "done":
                 d = response.done
                 result.text, result.reason = d.text, d.reason or "turn_end"
