@@ -7,11 +7,15 @@ answered once with `Connection: close`); anything else is handed to the WebSocke
 (edge.transports.websocket) with the bytes read so far. The request is read in full
 before it is served, within limits: its head within the open timeout and 16 KiB (431), a
 Content-Length (411, no chunked bodies) of at most the frame limit (413), the body within
-6 times the open timeout (408). A client may half-close its side once the body is sent
-(as curl and many HTTP clients can): the answer still goes out. A client that goes away
-cancels its turn. With API keys configured a request needs a valid key (401) and holds one
-of the key's sessions while its turn runs (429 at the key's limit, as the WebSocket
-endpoints answer before the upgrade).
+6 times the open timeout (408). The head is parsed strictly (`parse_head`, fuzzed in
+tests/fuzz/test_http_fuzz.py): a malformed request line or header line, a Content-Length
+that is not plain decimal digits, two of a header read as one value (Content-Length,
+Transfer-Encoding, Authorization, Content-Type, Host), or a Content-Length beside a
+Transfer-Encoding is answered 400, never raised. A client may half-close its side once
+the body is sent (as curl and many HTTP clients can): the answer still goes out. A client
+that goes away cancels its turn. With API keys configured a request needs a valid key
+(401) and holds one of the key's sessions while its turn runs (429 at the key's limit, as
+the WebSocket endpoints answer before the upgrade).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import tempfile
 from collections.abc import Callable
 from http import HTTPStatus
@@ -53,6 +58,80 @@ HTTP_METHODS = (b"POST ", b"PUT ", b"DELETE ")
 #: in memory (within the frame limit), an int spools it to a temporary file within that
 #: many bytes (uploads), a (status, text) refuses the request before its body is read.
 BodyPlan = int | tuple[HTTPStatus, str] | None
+
+
+class Malformed(Exception):
+    """A request head the reader refuses: the status and the sentence it answers with."""
+
+    def __init__(self, status: HTTPStatus, text: str) -> None:
+        super().__init__(text)
+        self.status, self.text = status, text
+
+
+#: The request line: one of the methods served here, a path (origin-form) of visible ASCII,
+#: HTTP/1.x, single spaces between (RFC 9112 3).
+_REQUEST_LINE = re.compile(rb"(POST|PUT|DELETE) (/[\x21-\x7e]*) HTTP/1\.[01]")
+#: A header's name: a token (RFC 9110 5.1), with no space before its colon.
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: What a header's value may not hold: control characters other than tab (RFC 9110 5.5).
+_VALUE_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+#: Headers read as one value: a second copy is refused rather than guessed between (two
+#: Content-Lengths are the classic request-smuggling confusion).
+_SINGLE = frozenset(
+    {"content-length", "transfer-encoding", "authorization", "content-type", "host"}
+)
+#: Content-Length digits past which no body limit can be met (10**18 bytes).
+_MAX_LENGTH_DIGITS = 18
+
+
+def parse_head(head: bytes) -> tuple[str, str, Headers, int]:
+    """(method, target, headers, body length) of a request head (without its blank line),
+    or Malformed: 400 for a bad request line, header line or Content-Length, or a header
+    that must be single given twice; 411 for a body of chunks or of unstated length (a
+    DELETE may come without one: 0); 413 for a length no limit allows."""
+    lines = head.split(b"\r\n")
+    line = _REQUEST_LINE.fullmatch(lines[0])
+    if line is None or not _splits(line.group(2).decode("ascii")):
+        raise Malformed(HTTPStatus.BAD_REQUEST, "malformed request line")
+    headers = Headers()
+    for raw in lines[1:]:
+        name_bytes, colon, value_bytes = raw.partition(b":")
+        if not colon or not _TOKEN.fullmatch(name_bytes) or _VALUE_CONTROL.search(value_bytes):
+            raise Malformed(HTTPStatus.BAD_REQUEST, "malformed header line")
+        name, value = name_bytes.decode("ascii"), value_bytes.strip(b" \t").decode("latin-1")
+        if name.lower() in _SINGLE and name in headers:
+            raise Malformed(HTTPStatus.BAD_REQUEST, f"more than one {name} header")
+        headers[name] = value
+    method = line.group(1).decode("ascii")
+    return method, line.group(2).decode("ascii"), headers, _body_length(method, headers)
+
+
+def _splits(target: str) -> bool:
+    """Whether the target is a URL urllib can take apart ("//[x" is not: the routes split
+    every target)."""
+    try:
+        urlsplit(target)
+    except ValueError:
+        return False
+    return True
+
+
+def _body_length(method: str, headers: Headers) -> int:
+    """The Content-Length of a parsed head (see parse_head for what is refused)."""
+    length = headers.get("Content-Length")
+    if "Transfer-Encoding" in headers:
+        if length is not None:
+            raise Malformed(HTTPStatus.BAD_REQUEST, "both Content-Length and Transfer-Encoding")
+        raise Malformed(HTTPStatus.LENGTH_REQUIRED, "send a Content-Length, not chunks")
+    if length is None:
+        if method == "DELETE":
+            return 0
+        raise Malformed(HTTPStatus.LENGTH_REQUIRED, "Content-Length required")
+    if not length or not length.isascii() or not length.isdigit():
+        raise Malformed(HTTPStatus.BAD_REQUEST, "Content-Length must be a decimal number")
+    if len(length) > _MAX_LENGTH_DIGITS:
+        raise Malformed(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
+    return int(length)
 
 
 class HttpRequestReader:
@@ -91,48 +170,41 @@ class HttpRequestReader:
         self.buffer += data
         if not self.head_done:
             end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self.buffer) > MAX_HEAD_BYTES:
+            if end < 0 or end > MAX_HEAD_BYTES:
+                if end > MAX_HEAD_BYTES or len(self.buffer) > MAX_HEAD_BYTES:
                     self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "head too large")
                 return
-            head, self.buffer = self.buffer[:end].decode("latin-1"), self.buffer[end + 4 :]
+            head, self.buffer = bytes(self.buffer[:end]), self.buffer[end + 4 :]
             self.head_done = True
-            lines = head.split("\r\n")
-            try:
-                self.method, self.target, _ = lines[0].split(" ", 2)
-                for line in lines[1:]:
-                    name, _, value = line.partition(":")
-                    self.headers[name.strip()] = value.strip()
-                # A DELETE may come without a body and without saying so.
-                none = "0" if self.method == "DELETE" else "-1"
-                self.length = int(self.headers.get("Content-Length", none))
-            except ValueError:
-                self._refuse(HTTPStatus.BAD_REQUEST, "malformed request")
-                return
-            if "Transfer-Encoding" in self.headers:
-                self._refuse(HTTPStatus.LENGTH_REQUIRED, "send a Content-Length, not chunks")
-                return
-            if self.length < 0:
-                self._refuse(HTTPStatus.LENGTH_REQUIRED, "Content-Length required")
-                return
-            plan = None if self.plan is None else self.plan(self.method, self.target, self.headers)
-            if isinstance(plan, tuple):
-                self._refuse(*plan)
-                return
-            limit = self.max_body if plan is None else plan
-            if self.length > limit:
-                self._refuse(
-                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                    f"body too large: at most {limit} bytes",
-                )
-                return
-            if plan is not None:
-                self.spool = tempfile.TemporaryFile()
-                data, self.buffer = bytes(self.buffer), bytearray()
-                self._to_spool(data)
+            if not self._take_head(head):
                 return
         if len(self.buffer) >= self.length:
             self.ready.set_result(None)
+
+    def _take_head(self, head: bytes) -> bool:
+        """Parse the head and plan the body: False when the request is refused (or its body
+        goes to a spool file, which completes the request by itself)."""
+        try:
+            self.method, self.target, self.headers, self.length = parse_head(head)
+        except Malformed as bad:
+            self._refuse(bad.status, bad.text)
+            return False
+        plan = None if self.plan is None else self.plan(self.method, self.target, self.headers)
+        if isinstance(plan, tuple):
+            self._refuse(*plan)
+            return False
+        limit = self.max_body if plan is None else plan
+        if self.length > limit:
+            self._refuse(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body too large: at most {limit} bytes"
+            )
+            return False
+        if plan is not None:
+            self.spool = tempfile.TemporaryFile()
+            data, self.buffer = bytes(self.buffer), bytearray()
+            self._to_spool(data)
+            return False
+        return True
 
     def _to_spool(self, data: bytes) -> None:
         assert self.spool is not None
