@@ -1,4 +1,5 @@
-"""The `omnifabric` command: serve, scheduler, worker, edge, probe, bench, eval, soak, stubs."""
+"""The `omnifabric` command: serve, scheduler, worker, edge, probe, bench, eval, eval-tools,
+soak, stubs."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ commands:
   smoke       check every public surface of a running edge (all modes, legacy endpoints)
   bench       fabric overhead per unit vs a websockets echo and direct gRPC, same run
   eval        ask a stack spoken questions (several voices) and score the spoken answers
+  eval-tools  ask a stack requests that need a function and ones that need none; score calls
   soak        the long-run reliability rows (L1 L2 L3 F1 FUZZ) on their own local stack
   stubs       regenerate the gRPC stubs from proto/ (--check: fail when stale)
   config-doc  write docs/configuration.md's tables from the settings (--check: fail when stale)
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         from omnifabric.tools.perf.bench import main as run
     elif command == "eval":
         from omnifabric.tools.eval_reference import main as run
+    elif command == "eval-tools":
+        from omnifabric.tools.eval_tools import main as run
     elif command == "soak":
         from omnifabric.tools.perf.soak import main as run
     elif command == "stubs":

@@ -1,0 +1,291 @@
+"""Ask a running stack requests that need a function and requests that need none, through
+the OpenAI Realtime dialect, typed and spoken, and score the calls.
+
+    omnifabric eval-tools [--url ws://HOST:PORT/v1/realtime] [--modes typed,spoken] [--out DIR]
+
+Three functions are offered (get_weather, book_table, order_status). Each request is one
+response on request (turn detection null) in its own connection: a typed request is an
+`input_text` item, a spoken one the request rendered with Piper's voice as an
+`input_audio` item (24 kHz PCM16). A request that needs a function is right when the reply
+calls that function, and only it, with the expected arguments (strings compared
+case-insensitively and ignoring punctuation, numbers by value); one that needs none is right
+when the reply calls nothing. Printed: a line per request, then a table per mode with the
+counts and the time to the response's end (p50/p90). Without `--url` it starts
+`omnifabric serve` on free ports (the reference engine) and stops it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city"}},
+            "required": ["city"],
+        },
+    },
+    {
+        "type": "function",
+        "name": "book_table",
+        "description": "Book a table at a restaurant.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "restaurant": {"type": "string"},
+                "people": {"type": "integer", "description": "how many people"},
+                "time": {"type": "string", "description": "when, e.g. 7pm"},
+            },
+            "required": ["restaurant", "people", "time"],
+        },
+    },
+    {
+        "type": "function",
+        "name": "order_status",
+        "description": "Look up the status of a customer's order by its number.",
+        "parameters": {
+            "type": "object",
+            "properties": {"order_id": {"type": "string", "description": "the order number"}},
+            "required": ["order_id"],
+        },
+    },
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A request and the call it needs (None: no call)."""
+
+    text: str
+    tool: str | None = None
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+def _weather(text: str, city: str) -> Case:
+    return Case(text, "get_weather", {"city": city})
+
+
+def _book(text: str, restaurant: str, people: int, when: str) -> Case:
+    return Case(text, "book_table", {"restaurant": restaurant, "people": people, "time": when})
+
+
+def _order(text: str, order_id: str) -> Case:
+    return Case(text, "order_status", {"order_id": order_id})
+
+
+CASES = (
+    _weather("What's the weather in Paris?", "Paris"),
+    _weather("Is it raining in London right now?", "London"),
+    _weather("How warm is it in Tokyo today?", "Tokyo"),
+    _weather("Tell me the weather for Berlin.", "Berlin"),
+    _weather("Do I need an umbrella in Seattle today?", "Seattle"),
+    _weather("What's the temperature in Madrid?", "Madrid"),
+    _weather("Is it sunny in Rome?", "Rome"),
+    _book("Book a table for four at Luigi's at 8pm.", "Luigi's", 4, "8pm"),
+    _book("Reserve a table for two at Nobu at 7pm.", "Nobu", 2, "7pm"),
+    _book("Can you get me a table for six at the Ivy at 9pm?", "the Ivy", 6, "9pm"),
+    _book("I'd like to book Chez Marie for three people at 6pm.", "Chez Marie", 3, "6pm"),
+    _book("Book Sakura for five at 8:30pm please.", "Sakura", 5, "8:30pm"),
+    _book("Please reserve a table at Roma for two at noon.", "Roma", 2, "noon"),
+    _order("Where is my order 12345?", "12345"),
+    _order("What's the status of order 98765?", "98765"),
+    _order("Has my order 55501 shipped yet?", "55501"),
+    _order("Can you check order number 4242 for me?", "4242"),
+    _order("Track my order 31337.", "31337"),
+    _order("Is order 77777 delivered?", "77777"),
+    _order("Look up order 2024 please.", "2024"),
+    Case("What is the capital of Spain?"),
+    Case("How many legs does a spider have?"),
+    Case("Tell me a joke about cats."),
+    Case("What is two plus two?"),
+    Case("Who wrote Romeo and Juliet?"),
+    Case("Why is the sky blue?"),
+    Case("What is the largest planet in our solar system?"),
+    Case("How do I boil an egg?"),
+    Case("What is the opposite of hot?"),
+    Case("Say hello to my friend Anna."),
+    Case("What does a bee make?"),
+    Case("How many days are in a week?"),
+    Case("What language do people speak in Brazil?"),
+    Case("Can you recommend a good book?"),
+    Case("What is ten minus three?"),
+    Case("Which animal barks?"),
+    Case("What's the tallest mountain in the world?"),
+    Case("How do you say thank you in French?"),
+    Case("What color is a banana?"),
+    Case("Thanks, that's all for today."),
+)
+
+
+@dataclass
+class Outcome:
+    mode: str
+    text: str
+    expected: str | None
+    calls: list[dict[str, Any]]
+    right: bool
+    seconds: float
+    reply: str = ""
+    error: str = ""
+
+
+def _norm(value: Any) -> Any:
+    """A value as compared: strings without case, a leading "the", spaces and punctuation;
+    numbers given as digits in a string by value."""
+    if isinstance(value, str):
+        text = re.sub(r"^the\s+", "", value.strip().lower())
+        text = re.sub(r"[^a-z0-9:]", "", text)
+        return int(text) if text.isdigit() and len(text) < 4 else text
+    return value
+
+
+def scored(case: Case, calls: list[dict[str, Any]]) -> bool:
+    """The reply's calls against the case: the one function with the expected arguments,
+    or no call at all."""
+    if case.tool is None:
+        return not calls
+    if len(calls) != 1 or calls[0]["name"] != case.tool:
+        return False
+    try:
+        got = json.loads(calls[0]["arguments"])
+    except ValueError:
+        return False
+    return isinstance(got, dict) and all(
+        _norm(got.get(k)) == _norm(v) for k, v in case.arguments.items()
+    )
+
+
+def spoken_item(text: str) -> dict[str, Any]:
+    """`text` in Piper's voice as an input_audio item (24 kHz PCM16)."""
+    from scipy.signal import resample_poly
+
+    from omnifabric.tools.eval_reference import render
+
+    audio = render("piper", "joe", 1.0, text)
+    pcm24 = resample_poly(audio, 3, 2)
+    pcm16 = (np.clip(pcm24, -1, 1) * 32767).astype("<i2").tobytes()
+    part = {"type": "input_audio", "audio": base64.b64encode(pcm16).decode()}
+    return {"type": "message", "role": "user", "content": [part]}
+
+
+def typed_item(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+async def ask(url: str, case: Case, mode: str, timeout_s: float) -> Outcome:
+    """One request in its own connection; its calls scored."""
+    from websockets.asyncio.client import connect
+
+    item = spoken_item(case.text) if mode == "spoken" else typed_item(case.text)
+    session = {
+        "type": "realtime",
+        "tools": TOOLS,
+        "output_modalities": ["text"],
+        "audio": {"input": {"turn_detection": None}},
+    }
+    outcome = Outcome(mode, case.text, case.tool, [], False, 0.0)
+    async with connect(f"{url}?model=eval", max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+        started = time.monotonic()
+        await ws.send(json.dumps({"type": "response.create"}))
+        async with asyncio.timeout(timeout_s):
+            async for raw in ws:
+                event = json.loads(raw)
+                kind = event["type"]
+                if kind == "response.function_call_arguments.done":
+                    outcome.calls.append({"name": event["name"], "arguments": event["arguments"]})
+                elif kind == "response.output_text.delta":
+                    outcome.reply += event["delta"]
+                elif kind == "error":
+                    outcome.error = event["error"]["message"]
+                    break
+                elif kind == "response.done":
+                    break
+    outcome.seconds = time.monotonic() - started
+    outcome.right = not outcome.error and scored(case, outcome.calls)
+    return outcome
+
+
+def table(outcomes: list[Outcome]) -> str:
+    from omnifabric.tools.client import percentile
+
+    rows = [
+        "| mode | needs a call: right | needs none: right | errors | response end p50 / p90 s |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in sorted({o.mode for o in outcomes}):
+        group = [o for o in outcomes if o.mode == mode]
+        need = [o for o in group if o.expected]
+        none = [o for o in group if not o.expected]
+        seconds = [o.seconds for o in group]
+        rows.append(
+            f"| {mode} | {sum(o.right for o in need)}/{len(need)} "
+            f"| {sum(o.right for o in none)}/{len(none)} | {sum(bool(o.error) for o in group)} "
+            f"| {percentile(seconds, 50):.2f} / {percentile(seconds, 90):.2f} |"
+        )
+    return "\n".join(rows)
+
+
+async def run_all(url: str, modes: list[str], timeout_s: float) -> list[Outcome]:
+    outcomes = []
+    for mode in modes:
+        for case in CASES:
+            try:
+                outcome = await ask(url, case, mode, timeout_s)
+            except (TimeoutError, OSError) as exc:
+                outcome = Outcome(mode, case.text, case.tool, [], False, timeout_s, error=str(exc))
+            outcomes.append(outcome)
+            mark = "ok " if outcome.right else "MISS"
+            calls = ", ".join(f"{c['name']}{c['arguments']}" for c in outcome.calls) or "-"
+            print(f"{mark} [{mode}] {case.text!r} -> {calls} ({outcome.seconds:.2f} s)", flush=True)
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="omnifabric eval-tools", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--url", help="a running edge's /v1/realtime (default: start one here)")
+    parser.add_argument("--modes", default="typed,spoken", help="typed, spoken")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="per request")
+    parser.add_argument("--out", type=Path, help="folder for results.json and table.md")
+    parser.add_argument("serve_args", nargs="*", help="extra `omnifabric serve` flags (after --)")
+    args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in modes:
+        if mode not in ("typed", "spoken"):
+            parser.error(f"unknown mode {mode!r}: typed or spoken")
+    proc = None
+    url = args.url
+    if url is None:
+        from omnifabric.tools.eval_reference import start_stack
+
+        proc, url = start_stack(args.serve_args)
+    try:
+        outcomes = asyncio.run(run_all(url, modes, args.timeout_s))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    report = table(outcomes)
+    print(report)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
+        (args.out / "table.md").write_text(report + "\n")
+    return 0
