@@ -14,6 +14,7 @@ from typing import Any
 from omnifabric.common import config as settings
 from omnifabric.common import schedulers
 from omnifabric.common.config import ConfigError, setting
+from omnifabric.common.tls import FabricTls
 
 
 def hash_key(key: str) -> str:
@@ -99,7 +100,7 @@ def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
 
 
 @dataclass(frozen=True)
-class EdgeConfig:
+class EdgeConfig(FabricTls):
     """Settings of one edge process."""
 
     host: str = setting("127.0.0.1", env="OMNI_EDGE_HOST", flag="--host", help="bind address")
@@ -260,28 +261,6 @@ class EdgeConfig:
         None, env="OMNI_EDGE_TLS_KEY", flag="--tls-key", help="PEM private key of --tls-cert"
     )
     """PEM private key of tls_cert."""
-    fabric_tls_ca: str | None = setting(
-        None,
-        env="OMNI_FABRIC_TLS_CA",
-        flag="--fabric-tls-ca",
-        help="PEM CA of the scheduler's and workers' certificates (TLS)",
-    )
-    """PEM CA the scheduler's and workers' certificates are checked against; set = the
-    edge dials them over TLS (edge/fabric.py), unset = plaintext."""
-    fabric_tls_cert: str | None = setting(
-        None,
-        env="OMNI_FABRIC_TLS_CERT",
-        flag="--fabric-tls-cert",
-        help="PEM client certificate for the fabric (mTLS)",
-    )
-    """PEM client certificate the edge presents to them (mutual TLS); needs fabric_tls_key."""
-    fabric_tls_key: str | None = setting(
-        None,
-        env="OMNI_FABRIC_TLS_KEY",
-        flag="--fabric-tls-key",
-        help="PEM private key of --fabric-tls-cert",
-    )
-    """PEM private key of fabric_tls_cert."""
     worker_start_timeout_s: float = 30.0
     """Time allowed for a worker to prepare a session (system prompt, voices)."""
     ws_compression: str = setting(
@@ -391,6 +370,7 @@ class EdgeConfig:
             schedulers.addresses(self.scheduler)
         except ValueError as exc:
             raise ConfigError("OMNI_EDGE_SCHEDULER", str(exc)) from None
+        self.check_fabric_tls()
 
     @classmethod
     def from_env(

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from omnifabric.common import config as settings
 from omnifabric.common import realtime
 from omnifabric.common.config import ConfigError, setting
+from omnifabric.common.tls import FabricTls
 from omnifabric.scheduler import election
-
-FABRIC_TLS = ("OMNI_FABRIC_TLS_CERT", "OMNI_FABRIC_TLS_KEY")
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """How the scheduler listens, queues and estimates waits."""
+class SchedulerConfig(FabricTls):
+    """How the scheduler listens, queues and estimates waits; the fabric's TLS files are
+    common.tls.FabricTls's settings."""
 
     host: str = setting(
         "127.0.0.1", env="OMNI_SCHEDULER_HOST", flag="--host", help="address to bind"
@@ -123,30 +123,6 @@ class SchedulerConfig:
     )
     """Largest gRPC message either way; a larger one fails with RESOURCE_EXHAUSTED."""
 
-    tls_ca: str | None = setting(
-        None,
-        env="OMNI_FABRIC_TLS_CA",
-        flag="--fabric-tls-ca",
-        help="PEM CA: clients must present a certificate it signed",
-    )
-    """PEM CA file: with tls_cert/tls_key set, clients must present a certificate it signed."""
-
-    tls_cert: str | None = setting(
-        None,
-        env="OMNI_FABRIC_TLS_CERT",
-        flag="--fabric-tls-cert",
-        help="PEM certificate: the server speaks TLS only",
-    )
-    """PEM certificate of this server; with tls_key, the server speaks TLS only."""
-
-    tls_key: str | None = setting(
-        None,
-        env="OMNI_FABRIC_TLS_KEY",
-        flag="--fabric-tls-key",
-        help="PEM private key of the certificate",
-    )
-    """PEM private key of tls_cert."""
-
     ha: str | None = setting(
         None,
         env="OMNI_SCHEDULER_HA",
@@ -175,11 +151,20 @@ class SchedulerConfig:
                 election.parse_store_url(self.ha)
             except election.StoreUrlError as exc:
                 raise ConfigError("OMNI_SCHEDULER_HA", str(exc)) from None
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError(
-                " and ".join(FABRIC_TLS),
-                "(--fabric-tls-cert, --fabric-tls-key) must be set together",
-            )
+        self.check_fabric_tls()
+
+    # The names the scheduler's server (and its tests) read; the fields are FabricTls's.
+    @property
+    def tls_ca(self) -> str | None:
+        return self.fabric_tls_ca
+
+    @property
+    def tls_cert(self) -> str | None:
+        return self.fabric_tls_cert
+
+    @property
+    def tls_key(self) -> str | None:
+        return self.fabric_tls_key
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SchedulerConfig:

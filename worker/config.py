@@ -13,6 +13,7 @@ from omnifabric.common import config as settings
 from omnifabric.common import schedulers
 from omnifabric.common.config import ConfigError, setting
 from omnifabric.common.session_types import WINDOW_MODES, ContextWindow
+from omnifabric.common.tls import FabricTls
 from omnifabric.worker import headroom
 from omnifabric.worker.journal import JOURNAL_RESULTS
 
@@ -28,7 +29,7 @@ def _default_worker_id() -> str:
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(FabricTls):
     """Everything one worker process needs; defaults suit a single-host deployment."""
 
     host: str = setting(
@@ -427,28 +428,6 @@ class WorkerConfig:
         help="Prometheus /metrics port, 0 = any free, -1 = off",
     )
     """Port of the Prometheus /metrics HTTP server (on `host`); 0 = any free port, -1 = off."""
-    tls_ca: str | None = setting(
-        None,
-        env="OMNI_FABRIC_TLS_CA",
-        flag="--fabric-tls-ca",
-        help="PEM CA: TLS to the scheduler; with a cert: mTLS",
-    )
-    """PEM CA: the scheduler's certificate is checked against it (TLS to the scheduler);
-    with tls_cert/tls_key also set, edges must present a certificate it signed."""
-    tls_cert: str | None = setting(
-        None,
-        env="OMNI_FABRIC_TLS_CERT",
-        flag="--fabric-tls-cert",
-        help="PEM certificate: the worker serves TLS",
-    )
-    """PEM certificate: the WorkerService speaks TLS only; also presented to a TLS scheduler."""
-    tls_key: str | None = setting(
-        None,
-        env="OMNI_FABRIC_TLS_KEY",
-        flag="--fabric-tls-key",
-        help="PEM private key of --fabric-tls-cert",
-    )
-    """PEM private key of tls_cert."""
 
     def __post_init__(self) -> None:
         settings.check(self)
@@ -458,17 +437,26 @@ class WorkerConfig:
             schedulers.addresses(self.scheduler_address)
         except ValueError as exc:
             raise ConfigError("OMNI_WORKER_SCHEDULER", str(exc)) from None
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError(
-                "OMNI_FABRIC_TLS_CERT and OMNI_FABRIC_TLS_KEY",
-                "(--fabric-tls-cert, --fabric-tls-key) must be set together",
-            )
+        self.check_fabric_tls()
         device = self.device
         if device is not None and not (device in ("cpu", "cuda") or device.startswith("cuda:")):
             raise ConfigError("OMNI_WORKER_DEVICE", f"must be cpu, cuda or cuda:N, got {device!r}")
         refusal = self.window().refusal(self.max_context_tokens)
         if refusal:
             raise ConfigError("OMNI_WORKER_WINDOW_* (--window-*)", refusal)
+
+    # The names the worker's server (and its tests) read; the fields are FabricTls's.
+    @property
+    def tls_ca(self) -> str | None:
+        return self.fabric_tls_ca
+
+    @property
+    def tls_cert(self) -> str | None:
+        return self.fabric_tls_cert
+
+    @property
+    def tls_key(self) -> str | None:
+        return self.fabric_tls_key
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:
