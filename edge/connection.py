@@ -455,6 +455,8 @@ class DuplexConnection:
             await self._append(cmd)
         elif isinstance(cmd, ev.AudioCommand | ev.EndTurnCommand | ev.ClearAudioCommand):
             await self._stream(cmd)
+        elif isinstance(cmd, ev.ToolOutputCommand):
+            await core.tool_output(cmd)
         elif isinstance(cmd, ev.PauseCommand):
             core.require_started(self.dialect.not_ready(cmd))
             # A second pause restarts the watchdog with its own timeout.

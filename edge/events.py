@@ -15,6 +15,7 @@ from omnifabric.common import close_reasons
 # usage in the SDK's shape: the types the worker shares (common's).
 from omnifabric.common.session_types import DuplexSettings as DuplexSettings
 from omnifabric.common.session_types import Usage as Usage
+from omnifabric.common.tools import ToolCall, ToolChoice, ToolSpec
 
 if TYPE_CHECKING:
     from omnifabric.edge.chat import ChatInput
@@ -54,6 +55,9 @@ class InitCommand:
     ref_audio_id: str = ""
     """A registered voice (/api/assets/ref_audio) instead of ref_audio: the edge fills
     ref_audio from it before the session starts."""
+    tools: tuple[ToolSpec, ...] = ()
+    """Functions the model may call (common.tools), and how."""
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
     tts_ref_audio_id: str = ""
 
 
@@ -74,6 +78,14 @@ class AudioCommand:
 
     samples: np.ndarray = field(compare=False)
     rate: int = 16000
+
+
+@dataclass(frozen=True)
+class ToolOutputCommand:
+    """A function's output for a call the session's model made (Output.tool_calls)."""
+
+    call_id: str
+    output: str
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,7 @@ Command = (
     | AudioCommand
     | EndTurnCommand
     | ClearAudioCommand
+    | ToolOutputCommand
     | CloseCommand
     | PauseCommand
     | ResumeCommand
@@ -197,6 +210,8 @@ class Output:
     pruned: bool = False
     """A replayed output the worker keeps as its shape alone: it may be counted (event
     numbers), never sent again."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """Functions the model calls with this unit (answered by ToolOutputCommands)."""
 
 
 @dataclass(frozen=True)

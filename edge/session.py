@@ -58,6 +58,7 @@ from omnifabric.edge.worker_client import (
     retry_on_new_channel,
     start_error,
     start_request,
+    tool_output_request,
     unit_request,
     worker_event,
 )
@@ -568,6 +569,17 @@ class SessionCore:
             pass
         self.units_sent += 1
         return self._seq
+
+    async def tool_output(self, cmd: ev.ToolOutputCommand) -> None:
+        """Forward a function's output to the worker (NotReady before start)."""
+        self.require_started()
+        call = self._worker_call
+        assert call is not None
+        try:
+            async with self._send_lock:
+                await call.write(tool_output_request(cmd))
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the stream is gone; the pump reports the end
 
     # ---- ending ----------------------------------------------------------------
 

@@ -26,7 +26,7 @@ import grpc
 
 from omnifabric.common import limits as engine_limits
 from omnifabric.common import modes, session_types
-from omnifabric.common.tools import ToolCall
+from omnifabric.common.tools import ToolCall, ToolSpec
 from omnifabric.edge import events as ev
 from omnifabric.edge.chat import (
     AudioPart,
@@ -159,11 +159,31 @@ def start_request(
         tts_ref_audio_pcm=init.tts_ref_audio,
         config=config_to(init.config),
         max_slice_nums=init.max_slice_nums,
+        tools=tool_specs(init.tools),
     )
+    if init.tools:
+        start.tool_choice = init.tool_choice.kind
+        start.tool_choice_name = init.tool_choice.name
     if resume_grace_s > 0:
         start.resume_grace_s = resume_grace_s
         start.client_state = client_state
     return worker_pb.SessionRequest(start=start)
+
+
+def tool_output_request(cmd: ev.ToolOutputCommand) -> worker_pb.SessionRequest:
+    """A function's output on the worker's Session stream."""
+    output = worker_pb.ToolOutput(call_id=cmd.call_id, output=cmd.output)
+    return worker_pb.SessionRequest(tool_output=output)
+
+
+def tool_specs(specs: tuple[ToolSpec, ...]) -> list[worker_pb.ToolSpec]:
+    """Functions as ChatRequest and SessionStart carry them."""
+    return [
+        worker_pb.ToolSpec(
+            name=t.name, description=t.description, parameters_json=json.dumps(t.parameters)
+        )
+        for t in specs
+    ]
 
 
 def resume_request(lease: Lease) -> worker_pb.SessionRequest:
@@ -219,12 +239,7 @@ def chat_request(chat: ChatInput, lease_id: str, session_id: str) -> worker_pb.C
         lease_id=lease_id,
         session_id=session_id,
         messages=[_message(m) for m in chat.messages],
-        tools=[
-            worker_pb.ToolSpec(
-                name=t.name, description=t.description, parameters_json=json.dumps(t.parameters)
-            )
-            for t in chat.tools
-        ],
+        tools=tool_specs(chat.tools),
     )
     if chat.tools:
         request.tool_choice = chat.tool_choice.kind
@@ -313,6 +328,7 @@ def output_from(result: worker_pb.UnitResult) -> ev.Output:
         input_transcript=result.input_transcript,
         audio_dropped=result.audio_dropped,
         pruned=result.pruned,
+        tool_calls=tuple(ToolCall(c.call_id, c.name, c.arguments_json) for c in result.tool_calls),
     )
 
 

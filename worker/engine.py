@@ -55,6 +55,9 @@ class GenerateResult:
     input_transcript: str = ""
     """What the engine heard the user say, on the unit where it took the user's turn
     (engines with a recognizer of their own; empty otherwise)."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """Functions the model calls with this unit (offer_tools); its turn ends with them and
+    it waits for their outputs (tool_output)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,18 @@ class EngineSession(abc.ABC):
     def unit_samples(self) -> tuple[int, int] | None:
         """(first, every later) unit length in 16 kHz samples the engine needs exactly, or
         None when it takes any length. The worker re-chunks client units to it."""
+        return None
+
+    def offer_tools(self, tools: tuple[ToolSpec, ...], choice: ToolChoice) -> tuple[str, ...]:
+        """Functions the session's model may call (after prepare, before the first unit);
+        returns notes for session.created. By default the engine calls none and says so."""
+        if not tools:
+            return ()
+        return ("tools: this engine does not call functions in duplex sessions",)
+
+    def tool_output(self, call_id: str, output: str) -> None:
+        """A function's output for a call the model made (GenerateResult.tool_calls), given
+        before the next unit's prefill; the model goes on from it. By default ignored."""
         return None
 
     @abc.abstractmethod

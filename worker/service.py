@@ -122,6 +122,7 @@ def decode_start(start: worker_pb.SessionStart, limits: EngineLimits) -> Session
         raise InvalidRequest("lease_id is required")
     # Edges check this against the lease's limits first; this refusal is for those that do not.
     check_slices(limits, start.max_slice_nums)
+    specs, choice = decode_tools(start)
     ref_audio = decode_pcm(start.ref_audio_pcm, "ref_audio_pcm") if start.ref_audio_pcm else None
     tts_ref = (
         decode_pcm(start.tts_ref_audio_pcm, "tts_ref_audio_pcm")
@@ -138,6 +139,8 @@ def decode_start(start: worker_pb.SessionStart, limits: EngineLimits) -> Session
         settings=decode_settings(start.config, start.max_slice_nums),
         resume_grace_s=max(0.0, min(start.resume_grace_s, MAX_RESUME_GRACE_S)),
         client_state=start.client_state[:MAX_CLIENT_STATE_BYTES],
+        tools=specs,
+        tool_choice=choice,
     )
 
 
@@ -191,8 +194,11 @@ def _chat_message(message: worker_pb.ChatMessage, i: int) -> ChatMessage:
     return ChatMessage(message.role, tuple(parts), calls, message.tool_call_id)
 
 
-def _tools(request: worker_pb.ChatRequest) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
-    """The request's functions and tool choice. Raises InvalidRequest."""
+def decode_tools(
+    request: worker_pb.ChatRequest | worker_pb.SessionStart,
+) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
+    """A request's functions and tool choice (ChatRequest's, SessionStart's). Raises
+    InvalidRequest."""
     specs = []
     for i, spec in enumerate(request.tools):
         try:
@@ -220,7 +226,7 @@ def decode_chat(request: worker_pb.ChatRequest) -> ChatTurn:
     messages = [_chat_message(m, i) for i, m in enumerate(request.messages)]
     if not messages or messages[-1].role not in ("user", "tool"):
         raise InvalidRequest("the last message must be the user's (or a function's output)")
-    specs, choice = _tools(request)
+    specs, choice = decode_tools(request)
     gen, image = request.generation, request.image
     return ChatTurn(
         messages=tuple(messages),
@@ -315,6 +321,11 @@ def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
         fields["audio_dropped"] = True
     if event.pruned:
         fields["pruned"] = True
+    if result.tool_calls:
+        fields["tool_calls"] = [
+            {"call_id": c.call_id, "name": c.name, "arguments_json": c.arguments}
+            for c in result.tool_calls
+        ]
     return worker_pb.SessionResponse(result=fields)
 
 
@@ -523,6 +534,9 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                         session.close(CloseReason.ERROR, str(exc))
                         return
                     session.submit(unit)
+                elif kind == "tool_output":
+                    output = request.tool_output
+                    session.tool_output(output.call_id, output.output)
                 elif kind == "close":
                     # The sender's reason (the edge forwards its drain's server_shutdown
                     # too): the session's end is worded by it, not as the client's stop.

@@ -111,6 +111,8 @@ class DuplexSession:
         self._late_free: asyncio.Task[None] | None = None
         self.prompt_length = 0
         self.notes: tuple[str, ...] = ()
+        self._tool_outputs: list[tuple[str, str]] = []
+        """Function outputs from the sender, for the engine before the next unit."""
         """What the engine could not do as the session asked (for session.created)."""
         self.usage = Usage()
         self.units_served = 0
@@ -189,7 +191,6 @@ class DuplexSession:
             await self._free()
             raise EngineFailure("the engine failed to start the session") from exc
         self.usage.input_text_tokens = self.prompt_length
-        self.notes = tuple(self.engine_session.notes) if self.engine_session else ()
         return self.prompt_length
 
     def _open_blocking(self) -> int:
@@ -199,11 +200,18 @@ class DuplexSession:
         self._intake.configure(
             self.engine_session.unit_samples(), spec.settings.half_duplex is True
         )
-        return int(
+        length = int(
             self.engine_session.prepare(
                 spec.system_prompt, spec.ref_audio, spec.tts_ref_audio, spec.settings
             )
         )
+        offered = self.engine_session.offer_tools(spec.tools, spec.tool_choice)
+        self.notes = (*self.engine_session.notes, *offered)
+        return length
+
+    def tool_output(self, call_id: str, output: str) -> None:
+        """A function's output from the sender: the engine takes it before the next unit."""
+        self._tool_outputs.append((call_id, output))
 
     def submit(self, unit: UnitInput) -> None:
         """Hand a unit to the loop; a unit still waiting is replaced (newest wins), except
@@ -402,6 +410,9 @@ class DuplexSession:
         finalize_wait_ms = (time.perf_counter() - taken) * 1000.0
         if self._finalize_error is not None:
             raise self._finalize_error
+        while self._tool_outputs and self.engine_session is not None:
+            call_id, said = self._tool_outputs.pop(0)
+            await self._call(self.engine_session.tool_output, call_id, said)
         force_listen = unit.force_listen or self._output_cap_reached()
         max_slices = unit.max_slice_nums or self.spec.settings.max_slice_nums or 1
         run = await self.runner.run(self, unit, force_listen, max_slices)

@@ -11,7 +11,7 @@ import numpy as np
 # Why a session ended and its token usage: the types the edge shares (common's).
 from omnifabric.common.close_reasons import CloseReason as CloseReason
 from omnifabric.common.session_types import Usage as Usage
-from omnifabric.worker.engine import DuplexSettings, GenerateResult
+from omnifabric.worker.engine import DuplexSettings, GenerateResult, ToolChoice, ToolSpec
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class SessionSpec:
     """> 0: a stream that ends without close leaves the session detached this long."""
     client_state: bytes = b""
     """The sender's own state, handed back on resume (opaque here)."""
+    tools: tuple[ToolSpec, ...] = ()
+    """Functions the model may call (EngineSession.offer_tools)."""
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
 
 @dataclass(frozen=True)

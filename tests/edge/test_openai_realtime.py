@@ -603,3 +603,34 @@ def test_bad_tools_are_refused_naming_the_parameter(session, param):
     with pytest.raises(EdgeError) as caught:
         send(d, type="session.update", session=session)
     assert d.error(caught.value)["error"]["param"] == param
+
+
+def test_a_duplex_engines_call_and_the_clients_output_go_through_the_session():
+    """Server VAD: the tools reach the engine's session; a unit that ends in a call is a
+    response of its own; the client's output goes to the engine, and the response.create
+    that follows it is taken as said (the engine answers by itself)."""
+    from omnifabric.common.tools import ToolCall
+
+    d = Driven(OpenAIRealtime("m"))
+    send(d.d, type="session.update", session={"tools": [WEATHER]})
+    (init,) = d.run(d.d.decode(APPEND_NOTHING))
+    assert isinstance(init, ev.InitCommand) and [t.name for t in init.tools] == ["get_weather"]
+    d = running(d.d)
+    d.appended(1, ev.AppendCommand(pcm=np.full(16000, 0.3, "<f4").tobytes()))
+    d.d.encode(output(1, listen=True))
+    d.appended(2, ev.AppendCommand(pcm=np.zeros(16000, "<f4").tobytes()))
+    call = ToolCall("call_9", "get_weather", '{"city": "Paris"}')
+    events = d.d.encode(
+        output(2, listen=True, input_transcript="weather in paris", tool_calls=(call,))
+    )
+    kinds = [m["type"] for m in events]
+    assert kinds[0] == "input_audio_buffer.speech_stopped" and "response.created" in kinds
+    assert "response.function_call_arguments.done" in kinds
+    done = events[-1]["response"]
+    assert done["status"] == "completed" and done["output"][0]["type"] == "function_call"
+    item = {"type": "function_call_output", "call_id": "call_9", "output": "sunny"}
+    commands = send(d.d, type="conversation.item.create", item=item)
+    assert commands[-1] == ev.ToolOutputCommand("call_9", "sunny")
+    assert send(d.d, type="response.create") == []  # taken as said
+    with pytest.raises(InvalidEvent):
+        send(d.d, type="response.create")  # no output waits: the engine takes turns itself

@@ -64,6 +64,8 @@ class DuplexTurns:
         messages = self._heard(out)
         responses = self.responses
         current = responses.current
+        if out.tool_calls:
+            return messages + self._calls(out, reply)
         if out.is_listen:
             self.muted = False
             if current is not None:
@@ -89,6 +91,23 @@ class DuplexTurns:
         elif out.end_of_turn:
             messages += responses.finish("completed", None)
         return messages
+
+    def _calls(self, out: ev.Output, reply: Any) -> list[Any]:
+        """The engine's turn ends in function calls: the reply (started here when the
+        engine said nothing before) carries them and is done; the engine waits for their
+        outputs (the client's function_call_output items)."""
+        responses = self.responses
+        messages: list[Any] = []
+        if responses.current is None:
+            messages += self._user_turn(out.input_transcript)
+            responses.current = reply()
+            messages += responses.begin()
+        if not self.muted:
+            messages += responses.deltas(out.text, out.pcm)
+        for call in out.tool_calls:
+            messages += responses.call(call)
+        self.muted = False
+        return messages + responses.finish("completed", None)
 
     def _heard(self, out: ev.Output) -> list[Any]:
         """speech_started when the units answered held speech (once per user turn)."""

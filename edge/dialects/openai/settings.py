@@ -318,4 +318,6 @@ def init_command(s: Settings, ref_audio: bytes) -> ev.InitCommand:
         system_prompt=s.instructions,
         config=config,
         ref_audio=ref_audio,
+        tools=s.tools,
+        tool_choice=s.tool_choice,
     )

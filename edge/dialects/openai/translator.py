@@ -25,6 +25,7 @@ from omnifabric.edge.chat import (
 from omnifabric.edge.dialects.base import DuplexDialect, Traits
 from omnifabric.edge.dialects.openai import audio
 from omnifabric.edge.dialects.openai.conversation import (
+    FUNCTION_OUTPUT,
     Conversation,
     Item,
     ItemParser,
@@ -75,6 +76,8 @@ class OpenAIRealtime(DuplexDialect):
         """The input audio buffer of client-driven turns (at the input format's rate)."""
         self._buffer_n = 0
         self._init_sent = False
+        self._outputs_sent = False
+        """A function's output went to the duplex engine since the last response.create."""
 
     @property
     def items(self) -> list[Item]:
@@ -148,12 +151,6 @@ class OpenAIRealtime(DuplexDialect):
             self._init_sent = True
             ref_audio = self._voices.audio(self.settings.voice)
             commands.append(init_command(self.settings, ref_audio))
-            if self.settings.tools:
-                self.wire.ignored(
-                    "session.tools",
-                    "the duplex engines do not call functions yet: function calling works in "
-                    "responses on request (turn detection null, or before the first audio)",
-                )
         if self._buffer_n:  # what the buffer held before turn detection was on goes first
             commands.append(ev.AudioCommand(self._take_buffer(), rate))
         return [*commands, ev.AudioCommand(samples, rate)]
@@ -193,13 +190,20 @@ class OpenAIRealtime(DuplexDialect):
             raise BadParam("item", "'item' must be an object")
         item = self._parse_item(body, "item", self.settings.tools)
         before = self.conversation.insert(item, event.get("previous_item_id"))
-        if self._init_sent:
-            self.wire.ignored(
-                "conversation.item.create",
-                "the duplex engine hears the session's audio only: items are kept for the "
-                "conversation's record",
-            )
-        return self._send(*item_added(self.wire, item, before))
+        added = self._send(*item_added(self.wire, item, before))
+        if not self._init_sent:
+            return added
+        if item.type == FUNCTION_OUTPUT and item.call is not None:
+            # The duplex engine goes on from the output before its next unit; the
+            # client's response.create that usually follows is taken as said.
+            self._outputs_sent = True
+            return [*added, ev.ToolOutputCommand(item.call.call_id, item.output)]
+        self.wire.ignored(
+            "conversation.item.create",
+            "the duplex engine hears the session's audio only: items are kept for the "
+            "conversation's record",
+        )
+        return added
 
     def _item_delete(self, event: dict[str, Any]) -> list[ev.Command]:
         item = self.conversation.delete(event.get("item_id"))
@@ -230,6 +234,9 @@ class OpenAIRealtime(DuplexDialect):
             raise InvalidEvent(
                 "conversation_already_has_active_response: wait for response.done or cancel it"
             )
+        if self._init_sent and self._outputs_sent:
+            self._outputs_sent = False  # the engine answers the outputs by itself
+            return []
         if self._init_sent:
             raise InvalidEvent(
                 "the duplex engine answers by itself in this session: responses on request "
