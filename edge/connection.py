@@ -36,7 +36,6 @@ from omnifabric.edge.apps import Apps
 from omnifabric.edge.chat import (
     SHUTDOWN_MESSAGE,
     ChatClose,
-    ChatInput,
     ChatOpen,
     ChatTurn,
     Shutdown,
@@ -45,6 +44,7 @@ from omnifabric.edge.chat import (
     TurnStarted,
     parse_chat,
 )
+from omnifabric.edge.chat_input import ChatInput
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.dialects.base import ChatDialect, DuplexDialect, SessionFacts
 from omnifabric.edge.errors import (

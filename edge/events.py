@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,9 +15,7 @@ from omnifabric.common import close_reasons
 from omnifabric.common.session_types import DuplexSettings as DuplexSettings
 from omnifabric.common.session_types import Usage as Usage
 from omnifabric.common.tools import ToolCall, ToolChoice, ToolSpec
-
-if TYPE_CHECKING:
-    from omnifabric.edge.chat import ChatInput
+from omnifabric.edge.chat_input import ChatInput
 
 
 class Dialect(enum.Enum):

@@ -24,7 +24,8 @@ from opentelemetry.trace import Span
 from omnifabric.common import logs, telemetry
 from omnifabric.common.close_reasons import close_message
 from omnifabric.edge import events as ev
-from omnifabric.edge.chat import ChatInput, ChatResult, TurnEvent, TurnLeased, TurnQueued
+from omnifabric.edge.chat import ChatResult, TurnEvent, TurnLeased, TurnQueued
+from omnifabric.edge.chat_input import ChatInput
 from omnifabric.edge.errors import (
     ALREADY_INITIALIZED,
     NOT_STARTED,

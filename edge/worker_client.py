@@ -18,28 +18,16 @@ edge.session's.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 
 from omnifabric.common import limits as engine_limits
-from omnifabric.common import modes, session_types
-from omnifabric.common.tools import ToolCall, ToolSpec
+from omnifabric.common import modes, session_types, tool_wire
 from omnifabric.edge import events as ev
-from omnifabric.edge.chat import (
-    AudioPart,
-    ChatInput,
-    ChatMessage,
-    ChatResult,
-    ImagePart,
-    TextPart,
-    TurnDelta,
-    TurnEvent,
-    TurnPrefilled,
-    TurnToolCall,
-)
+from omnifabric.edge.chat import ChatResult, TurnDelta, TurnEvent, TurnPrefilled, TurnToolCall
+from omnifabric.edge.chat_input import AudioPart, ChatInput, ChatMessage, ImagePart, TextPart
 from omnifabric.edge.errors import (
     EdgeError,
     InferenceError,
@@ -159,7 +147,7 @@ def start_request(
         tts_ref_audio_pcm=init.tts_ref_audio,
         config=config_to(init.config),
         max_slice_nums=init.max_slice_nums,
-        tools=tool_specs(init.tools),
+        tools=tool_wire.specs_to_pb(init.tools),
     )
     if init.tools:
         start.tool_choice = init.tool_choice.kind
@@ -172,18 +160,8 @@ def start_request(
 
 def tool_output_request(cmd: ev.ToolOutputCommand) -> worker_pb.SessionRequest:
     """A function's output on the worker's Session stream."""
-    output = worker_pb.ToolOutput(call_id=cmd.call_id, output=cmd.output)
+    output = common_pb2.ToolOutput(call_id=cmd.call_id, output=cmd.output)
     return worker_pb.SessionRequest(tool_output=output)
-
-
-def tool_specs(specs: tuple[ToolSpec, ...]) -> list[worker_pb.ToolSpec]:
-    """Functions as ChatRequest and SessionStart carry them."""
-    return [
-        worker_pb.ToolSpec(
-            name=t.name, description=t.description, parameters_json=json.dumps(t.parameters)
-        )
-        for t in specs
-    ]
 
 
 def resume_request(lease: Lease) -> worker_pb.SessionRequest:
@@ -220,10 +198,7 @@ def _part(part: TextPart | ImagePart | AudioPart) -> worker_pb.ContentPart:
 
 
 def _message(m: ChatMessage) -> worker_pb.ChatMessage:
-    calls = [
-        worker_pb.ToolCall(call_id=c.call_id, name=c.name, arguments_json=c.arguments)
-        for c in m.tool_calls
-    ]
+    calls = [tool_wire.call_to_pb(c) for c in m.tool_calls]
     return worker_pb.ChatMessage(
         role=m.role,
         parts=[_part(p) for p in m.parts],
@@ -239,7 +214,7 @@ def chat_request(chat: ChatInput, lease_id: str, session_id: str) -> worker_pb.C
         lease_id=lease_id,
         session_id=session_id,
         messages=[_message(m) for m in chat.messages],
-        tools=tool_specs(chat.tools),
+        tools=tool_wire.specs_to_pb(chat.tools),
     )
     if chat.tools:
         request.tool_choice = chat.tool_choice.kind
@@ -328,7 +303,7 @@ def output_from(result: worker_pb.UnitResult) -> ev.Output:
         input_transcript=result.input_transcript,
         audio_dropped=result.audio_dropped,
         pruned=result.pruned,
-        tool_calls=tuple(ToolCall(c.call_id, c.name, c.arguments_json) for c in result.tool_calls),
+        tool_calls=tuple(tool_wire.call_from_pb(c) for c in result.tool_calls),
     )
 
 
@@ -468,8 +443,7 @@ async def read_chat(
                 result.audio.append(response.delta.pcm)
                 await emit(TurnDelta(response.delta.text, response.delta.pcm))
             elif kind == "tool_call":
-                c = response.tool_call
-                made = ToolCall(c.call_id, c.name, c.arguments_json)
+                made = tool_wire.call_from_pb(response.tool_call)
                 result.tool_calls.append(made)
                 await emit(TurnToolCall(made))
             elif kind == "done":

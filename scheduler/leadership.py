@@ -97,4 +97,3 @@ class Leadership:
         window is open, the rebuild lasted at least until then."""
         if self.terms and self.rebuilding(now):
             self.rebuild_s = max(self.rebuild_s or 0.0, now - self._led_at)
-

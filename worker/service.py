@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,7 +17,7 @@ import grpc
 import numpy as np
 from opentelemetry import context as otel_context
 
-from omnifabric.common import close_reasons, logs, modes, telemetry, tools
+from omnifabric.common import close_reasons, logs, modes, telemetry, tool_wire, tools
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import worker_service_pb2 as worker_pb
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
@@ -28,7 +27,6 @@ from omnifabric.worker.engine import (
     ChatTurn,
     DuplexSettings,
     EngineLimits,
-    ToolCall,
     ToolChoice,
     ToolSpec,
 )
@@ -190,7 +188,7 @@ def _chat_message(message: worker_pb.ChatMessage, i: int) -> ChatMessage:
             parts.append(part.image)
         elif kind == "audio_pcm":
             parts.append(decode_pcm(part.audio_pcm, f"messages[{i}] audio"))
-    calls = tuple(ToolCall(c.call_id, c.name, c.arguments_json) for c in message.tool_calls)
+    calls = tuple(tool_wire.call_from_pb(c) for c in message.tool_calls)
     return ChatMessage(message.role, tuple(parts), calls, message.tool_call_id)
 
 
@@ -199,24 +197,11 @@ def decode_tools(
 ) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
     """A request's functions and tool choice (ChatRequest's, SessionStart's). Raises
     InvalidRequest."""
-    specs = []
-    for i, spec in enumerate(request.tools):
-        try:
-            name = tools.check_name(spec.name, f"tools[{i}].name")
-            schema = json.loads(spec.parameters_json) if spec.parameters_json else {}
-            specs.append(
-                ToolSpec(name, spec.description, tools.check_schema(schema, f"tools[{i}]"))
-            )
-        except ValueError as exc:  # json's too
-            raise InvalidRequest(str(exc)) from None
-    kind = request.tool_choice or tools.AUTO
-    if kind not in tools.CHOICES:
-        raise InvalidRequest(f"tool_choice must be one of {', '.join(tools.CHOICES)}")
-    if kind == tools.FUNCTION and request.tool_choice_name not in {s.name for s in specs}:
-        raise InvalidRequest(
-            f"tool_choice names no function of the request: {request.tool_choice_name!r}"
-        )
-    return tuple(specs), ToolChoice(kind, request.tool_choice_name)
+    try:
+        specs = tool_wire.specs_from_pb(request.tools)
+        return specs, tool_wire.choice_from(request.tool_choice, request.tool_choice_name, specs)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def decode_chat(request: worker_pb.ChatRequest) -> ChatTurn:
@@ -501,11 +486,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
                     )
                 for call in chunk.tool_calls:
                     called = True
-                    yield worker_pb.ChatResponse(
-                        tool_call=worker_pb.ToolCall(
-                            call_id=call.call_id, name=call.name, arguments_json=call.arguments
-                        )
-                    )
+                    yield worker_pb.ChatResponse(tool_call=tool_wire.call_to_pb(call))
         except Exception as exc:
             code, message = status_for(exc)
             log.exception("Chat failed while generating")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omnifabric.common import modes
+from omnifabric.common import modes, tool_wire
 from omnifabric.edge import events as ev
 from omnifabric.edge import fields, pcm
 from omnifabric.edge.dialects.base import DuplexDialect, Refusal, Traits
@@ -73,6 +73,11 @@ def _voice(raw: bytes, what: str) -> bytes:
 
 
 def init_command(msg: rt_pb.SessionInit) -> ev.InitCommand:
+    try:
+        tools = tool_wire.specs_from_pb(msg.tools, "init.tools")
+        choice = tool_wire.choice_from(msg.tool_choice, msg.tool_choice_name, tools)
+    except ValueError as exc:
+        raise InvalidPayload(str(exc)) from None
     return ev.InitCommand(
         dialect=ev.Dialect.CURRENT,
         system_prompt=msg.system_prompt,
@@ -80,6 +85,8 @@ def init_command(msg: rt_pb.SessionInit) -> ev.InitCommand:
         ref_audio=_voice(msg.ref_audio, "ref_audio") if msg.ref_audio else b"",
         tts_ref_audio=_voice(msg.tts_ref_audio, "tts_ref_audio") if msg.tts_ref_audio else b"",
         max_slice_nums=msg.max_slice_nums or 1,
+        tools=tools,
+        tool_choice=choice,
     )
 
 
@@ -171,6 +178,11 @@ class GrpcRealtime(DuplexDialect):
             return [append_command(message.append)]
         if kind == "close":
             return [ev.CloseCommand(message.close.reason or None)]
+        if kind == "tool_output":
+            output = message.tool_output
+            if not output.call_id:
+                raise MissingField("'tool_output.call_id' is required")
+            return [ev.ToolOutputCommand(output.call_id, output.output)]
         if kind == "init":
             raise InvalidPayload(self.traits.already_initialized)
         raise InvalidPayload("an empty request")
@@ -220,6 +232,7 @@ class GrpcRealtime(DuplexDialect):
             input_transcript=event.input_transcript,
             n_tokens=event.n_tokens,
             n_tts_tokens=event.n_tts_tokens,
+            tool_calls=[tool_wire.call_to_pb(c) for c in event.tool_calls],
         )
         return [rt_pb.ConnectResponse(output=output)]
 

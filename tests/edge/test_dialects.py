@@ -329,6 +329,40 @@ def test_grpc_dialect_first_request_costs_and_refusals():
     assert d.error(refused).status == "INVALID_ARGUMENT"
 
 
+def test_grpc_dialect_carries_tools_calls_and_outputs():
+    """Issue 53: the RealtimeService's own function calling: tools in the init, the model's
+    calls on the output, the client's outputs as requests (checked like the JSON ones)."""
+    from omnifabric.common.tools import ToolCall
+    from omnifabric.edge.dialects.grpc_realtime import GrpcRealtime
+    from omnifabric.omni.realtime.v1 import common_pb2
+    from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+
+    schema = '{"type": "object", "properties": {"city": {"type": "string"}}}'
+    weather = common_pb2.ToolSpec(name="get_weather", parameters_json=schema)
+    init = rt_pb.SessionInit(
+        mode=common_pb2.MODE_AUDIO, tools=[weather], tool_choice="function",
+        tool_choice_name="get_weather",
+    )  # fmt: skip
+    d = GrpcRealtime()
+    [cmd] = d.decode(rt_pb.ConnectRequest(init=init))
+    assert isinstance(cmd, ev.InitCommand) and cmd.tools[0].parameters["type"] == "object"
+    assert (cmd.tool_choice.kind, cmd.tool_choice.name) == ("function", "get_weather")
+    call = ToolCall("call_1", "get_weather", '{"city": "Oslo"}')
+    [out] = d.encode(_out(tool_calls=(call,)))
+    assert [(c.call_id, c.name) for c in out.output.tool_calls] == [("call_1", "get_weather")]
+    output = rt_pb.ConnectRequest(tool_output=common_pb2.ToolOutput(call_id="call_1", output="9C"))
+    assert d.decode(output) == [ev.ToolOutputCommand("call_1", "9C")]
+    spec = common_pb2.ToolSpec
+    for tools, choice, why in (
+        ([spec(name="a b")], {}, "name"),
+        ([spec(name="f", parameters_json="{")], {}, "JSON"),
+        ([weather], {"tool_choice": "function", "tool_choice_name": "x"}, "names no"),
+    ):
+        bad = rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, tools=tools, **choice)
+        with pytest.raises(errors.InvalidPayload, match=why):
+            GrpcRealtime().decode(rt_pb.ConnectRequest(init=bad))
+
+
 def _result(**kw):
     from omnifabric.edge.chat import ChatResult
 

@@ -14,7 +14,8 @@ import pytest
 from omnifabric.edge import events as ev
 from omnifabric.edge import g711
 from omnifabric.edge.cadence import FILL_GRACE_S, PacedCadence, for_traits
-from omnifabric.edge.chat import AudioPart, ChatResult, TurnDelta, TurnDone, TurnStarted
+from omnifabric.edge.chat import ChatResult, TurnDelta, TurnDone, TurnStarted
+from omnifabric.edge.chat_input import AudioPart
 from omnifabric.edge.dialects import WEBSOCKET, find
 from omnifabric.edge.dialects.base import SessionFacts
 from omnifabric.edge.dialects.openai import OpenAIRealtime, decode_audio, encode_audio

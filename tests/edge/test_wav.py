@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnifabric.edge import pcm
-from omnifabric.edge.chat import AudioPart, parse_chat
+from omnifabric.edge.chat import parse_chat
+from omnifabric.edge.chat_input import AudioPart
 from omnifabric.edge.errors import InvalidPayload
 
 PCM, FLOAT, ALAW, MULAW, EXTENSIBLE = 1, 3, 6, 7, 0xFFFE

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnifabric.common.tools import ToolCall, ToolChoice, ToolSpec
-from omnifabric.edge.chat import (
+from omnifabric.edge.chat import check_audio_seconds, check_messages, image_file
+from omnifabric.edge.chat_input import (
     AudioPart,
     ChatInput,
     ChatMessage,
@@ -18,9 +19,6 @@ from omnifabric.edge.chat import (
     Part,
     TextPart,
     TtsOptions,
-    check_audio_seconds,
-    check_messages,
-    image_file,
 )
 from omnifabric.edge.dialects.openai.audio import ENGINE_IN_RATE, b64, heard
 from omnifabric.edge.dialects.openai.wire import BadParam
