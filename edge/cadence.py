@@ -14,8 +14,9 @@ Two cadences, named by a dialect's traits:
   never waits for more input. Audio sent while the session waits for a worker is held
   (MAX_BACKLOG_S at most, the oldest dropped and counted).
 
-Units are float32 16 kHz PCM, the rate every engine hears; audio at another rate is kept
-at its own rate and resampled a unit at a time (edge.pcm.resample).
+Units are float32 16 kHz PCM, the rate every engine hears; audio at another rate goes
+through one streaming resampler per cadence as it arrives (edge.pcm.Resampler: a low-pass,
+no seam between pieces, a few ms held back), and what is held waits at 16 kHz.
 
 The worker's intake (worker.rechunk) still shapes client units into the exact model
 units an engine takes (MiniCPM-o's 1.035 s first unit); that is the model's cadence, this
@@ -71,6 +72,8 @@ class Cadence:
         self._held: list[np.ndarray] = []
         self._held_n = 0
         self._rate = UNIT_RATE
+        self._resampler: pcm.Resampler | None = None
+        """The client's rate -> UNIT_RATE, while it is another."""
         self.bounds: tuple[int, int] | None = None
         """(fewest, most) samples a unit of the leased worker; None before the start."""
         self.started = False
@@ -81,13 +84,14 @@ class Cadence:
     # ---- the driver's calls ---------------------------------------------------------
 
     def push(self, samples: np.ndarray, rate: int) -> None:
-        """Take client audio (float32 at `rate`); a change of rate converts what is held."""
-        if rate != self._rate:
-            held = self._take_all()
-            if held.size:
-                self._hold(pcm.resample(held, self._rate, rate))
+        """Take client audio (float32 at `rate`), held at UNIT_RATE."""
+        if rate != self._rate:  # a new format: what the old converter holds comes first
+            if self._resampler is not None:
+                self._hold(self._resampler.flush())
             self._rate = rate
-        self._hold(samples.astype(np.float32, copy=False))
+            self._resampler = pcm.Resampler(rate, UNIT_RATE) if rate != UNIT_RATE else None
+        audio = samples.astype(np.float32, copy=False)
+        self._hold(self._resampler.process(audio) if self._resampler is not None else audio)
 
     def start(self, bounds: tuple[int, int] | None, now: float) -> None:
         """The session started on a worker that takes units within `bounds`."""
@@ -118,7 +122,7 @@ class Cadence:
 
     @property
     def held_samples(self) -> int:
-        """Samples held, at the client's rate."""
+        """Samples held, at UNIT_RATE."""
         return self._held_n
 
     def _hold(self, audio: np.ndarray) -> None:
@@ -136,10 +140,6 @@ class Cadence:
         self._hold(audio[n:])
         return audio[:n]
 
-    def _heard(self, audio: np.ndarray) -> np.ndarray:
-        """Held audio as the engine hears it (16 kHz)."""
-        return pcm.resample(audio, self._rate, UNIT_RATE)
-
 
 class CutCadence(Cadence):
     """Half-duplex: gather to the shortest unit, then everything in equal parts no longer
@@ -152,7 +152,7 @@ class CutCadence(Cadence):
         fewest, most = self.bounds
         if self._held_n < fewest:
             return []
-        audio = self._heard(self._take_all())
+        audio = self._take_all()
         total = audio.size
         parts = -(-total // most)
         cuts = [total * i // parts for i in range(parts + 1)]
@@ -181,10 +181,10 @@ class PacedCadence(Cadence):
 
     def push(self, samples: np.ndarray, rate: int) -> None:
         super().push(samples, rate)
-        excess = self._held_n - int(MAX_BACKLOG_S * self._rate)
+        excess = self._held_n - int(MAX_BACKLOG_S * UNIT_RATE)
         if excess > 0:
             self._take(excess)
-            self.dropped_s += excess / self._rate
+            self.dropped_s += excess / UNIT_RATE
 
     def start(self, bounds: tuple[int, int] | None, now: float) -> None:
         # The session's clock starts now: what the client sent while it waited for a
@@ -214,14 +214,12 @@ class PacedCadence(Cadence):
         unit_s = unit / UNIT_RATE
         if self._in_flight and now - self._sent_at < IN_FLIGHT_UNITS * unit_s:
             return []
-        n = unit * self._rate // UNIT_RATE
-        if self._held_n >= n:
-            audio = self._take(n)
+        if self._held_n >= unit:
+            heard = self._take(unit)
         elif self._force_listen or (clock and now - self._sent_at >= unit_s + FILL_GRACE_S):
-            audio = self._take_all()
+            heard = self._take_all()
         else:
             return []
-        heard = self._heard(audio)
         if heard.size < unit:
             heard = np.concatenate([heard, np.zeros(unit - heard.size, np.float32)])
         self._sent_at = now

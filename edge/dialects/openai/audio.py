@@ -52,17 +52,44 @@ def heard(data: bytes, kind: str) -> np.ndarray:
     return pcm.resample(decode_audio(data, kind), rate(kind), ENGINE_IN_RATE)
 
 
-def encode_audio(pcm24k_f32: bytes, kind: str) -> bytes:
-    """The engine's speech (float32 24 kHz) -> bytes in `kind`."""
-    audio = np.frombuffer(pcm24k_f32, dtype="<f4")
-    if rate(kind) != ENGINE_OUT_RATE:
-        audio = pcm.resample(audio, ENGINE_OUT_RATE, rate(kind))
+def _encoded(audio: np.ndarray, kind: str) -> bytes:
     samples = (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2")
     if kind == "audio/pcmu":
         return g711.mulaw_encode(samples)
     if kind == "audio/pcma":
         return g711.alaw_encode(samples)
     return samples.tobytes()
+
+
+def encode_audio(pcm24k_f32: bytes, kind: str) -> bytes:
+    """The engine's speech (float32 24 kHz) -> bytes in `kind`, in one piece."""
+    audio = np.frombuffer(pcm24k_f32, dtype="<f4")
+    if rate(kind) != ENGINE_OUT_RATE:
+        audio = pcm.resample(audio, ENGINE_OUT_RATE, rate(kind))
+    return _encoded(audio, kind)
+
+
+class SpeechOut:
+    """The engine's speech as one stream in `kind`, delta by delta: one resampler for the
+    stream (no seam between deltas), its last few ms given by flush()."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._resampler = (
+            pcm.Resampler(ENGINE_OUT_RATE, rate(kind)) if rate(kind) != ENGINE_OUT_RATE else None
+        )
+
+    def encode(self, pcm24k_f32: bytes) -> bytes:
+        audio = np.frombuffer(pcm24k_f32, dtype="<f4")
+        if self._resampler is not None:
+            audio = self._resampler.process(audio)
+        return _encoded(audio, self.kind)
+
+    def flush(self) -> bytes:
+        """What the resampler still holds, encoded (b"" without one)."""
+        if self._resampler is None:
+            return b""
+        return _encoded(self._resampler.flush(), self.kind)
 
 
 def b64(value: Any, where: str) -> bytes:

@@ -12,7 +12,7 @@ from typing import Any
 from omnifabric.common.tools import ToolCall
 from omnifabric.edge import codec
 from omnifabric.edge import events as ev
-from omnifabric.edge.dialects.openai.audio import encode_audio, format_json, speech_ms
+from omnifabric.edge.dialects.openai.audio import SpeechOut, format_json, speech_ms
 from omnifabric.edge.dialects.openai.conversation import FUNCTION_CALL, Conversation, Item
 from omnifabric.edge.dialects.openai.settings import tokens_json
 from omnifabric.edge.dialects.openai.wire import Wire, minus, usage_json
@@ -35,6 +35,8 @@ class Response:
     """The user spoke over it (duplex)."""
     metadata: dict[str, Any] | None = None
     """The client's, echoed (LiveKit matches its requests by it)."""
+    speech: SpeechOut | None = None
+    """Its audio in the output format, as one stream (made with the message item)."""
     outputs: list[Item] = field(default_factory=list)
     """Its output items as announced: the message item and the function calls."""
     previous: dict[str, str | None] = field(default_factory=dict)
@@ -116,6 +118,7 @@ class Responses:
             part = {"type": "text", "text": ""}
             response.item.parts = [{"type": "output_text", "text": ""}]
         response.item.status = "in_progress"
+        response.speech = SpeechOut(response.output_format) if response.audio else None
         messages = self._announce(response, response.item)
         messages.append(
             self.wire.event("response.content_part.added", **response.content_index(), part=part)
@@ -138,8 +141,8 @@ class Responses:
                 part["text"] += text
                 messages.append(self.wire.event("response.output_text.delta", **ids, delta=text))
             return messages
-        if audio:
-            data = codec.b64encode(encode_audio(audio, response.output_format))
+        if audio and response.speech is not None:
+            data = codec.b64encode(response.speech.encode(audio))
             response.item.audio_ms += speech_ms(audio)
             messages.append(self.wire.event("response.output_audio.delta", **ids, delta=data))
         if text:
@@ -229,7 +232,12 @@ class Responses:
         part = item.parts[0]
         if response.audio:
             transcript = part["transcript"]
-            messages = [
+            tail = response.speech.flush() if response.speech is not None else b""
+            messages = []
+            if tail:  # the resampler's last few ms
+                delta = codec.b64encode(tail)
+                messages.append(event("response.output_audio.delta", **ids, delta=delta))
+            messages += [
                 event("response.output_audio.done", **ids),
                 event("response.output_audio_transcript.done", **ids, transcript=transcript),
                 event(
