@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 
 from omnifabric.edge import codec, g711, pcm
+from omnifabric.edge.chat import MAX_AUDIO_SECONDS
+from omnifabric.edge.dialects.openai.wire import BadParam
 from omnifabric.edge.errors import InvalidPayload
 
 #: Audio formats: `type` -> (sample rate, bytes a sample).
@@ -105,3 +107,38 @@ def b64(value: Any, where: str) -> bytes:
 def speech_ms(pcm24k_f32: bytes) -> float:
     """How long the engine's speech (float32 24 kHz bytes) plays, milliseconds."""
     return len(pcm24k_f32) / 4 / ENGINE_OUT_RATE * 1000
+
+
+class InputBuffer:
+    """The input audio buffer of client-driven turns: appends as they came, each at its
+    format's rate, at most MAX_AUDIO_SECONDS."""
+
+    def __init__(self) -> None:
+        self._runs: list[tuple[np.ndarray, int]] = []
+        self.seconds = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self._runs)
+
+    def append(self, samples: np.ndarray, at_rate: int) -> None:
+        """Add an append's samples; BadParam("audio") when the buffer would pass the cap."""
+        seconds = self.seconds + samples.size / at_rate
+        if seconds > MAX_AUDIO_SECONDS:
+            message = f"the input audio buffer holds at most {MAX_AUDIO_SECONDS} s: commit it first"
+            raise BadParam("audio", message)
+        if self._runs and self._runs[-1][1] == at_rate:
+            held, _ = self._runs[-1]
+            self._runs[-1] = (np.concatenate([held, samples]), at_rate)
+        else:
+            self._runs.append((samples, at_rate))
+        self.seconds = seconds
+
+    def take(self) -> list[tuple[np.ndarray, int]]:
+        """Everything, emptied: the runs of one rate each, in order."""
+        runs, self._runs, self.seconds = self._runs, [], 0.0
+        return runs
+
+    def take_heard(self) -> np.ndarray:
+        """Everything as the engine hears it (16 kHz), emptied."""
+        heard = [pcm.resample(samples, at, ENGINE_IN_RATE) for samples, at in self.take()]
+        return np.concatenate(heard) if heard else np.zeros(0, np.float32)

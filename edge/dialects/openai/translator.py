@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from omnifabric.common.tools import ToolChoice
 from omnifabric.edge import events as ev
-from omnifabric.edge import fields, pcm
+from omnifabric.edge import fields
 from omnifabric.edge.cadence import PACED
 from omnifabric.edge.chat import (
-    MAX_AUDIO_SECONDS,
     TurnDelta,
     TurnDone,
     TurnEvent,
@@ -72,9 +69,7 @@ class OpenAIRealtime(DuplexDialect):
         self.responses = Responses(self.wire, self.conversation)
         self.duplex = DuplexTurns(self.wire, self.conversation, self.responses)
         self._parser = ItemParser(self.wire.id)
-        self._buffer: list[np.ndarray] = []
-        """The input audio buffer of client-driven turns (at the input format's rate)."""
-        self._buffer_n = 0
+        self._buffer = audio.InputBuffer()
         self._init_sent = False
         self._outputs_sent = False
         """A function's output went to the duplex engine since the last response.create."""
@@ -137,28 +132,16 @@ class OpenAIRealtime(DuplexDialect):
         samples = audio.decode_audio(audio.b64(event.get("audio"), "audio"), kind)
         rate = audio.rate(kind)
         if not self._duplex():
-            if (self._buffer_n + samples.size) / rate > MAX_AUDIO_SECONDS:
-                raise BadParam(
-                    "audio",
-                    f"the input audio buffer holds at most {MAX_AUDIO_SECONDS:.0f} s: "
-                    "commit it first",
-                )
-            self._buffer.append(samples)
-            self._buffer_n += samples.size
+            self._buffer.append(samples, rate)
             return []
         commands: list[ev.Command] = []
         if not self._init_sent:
             self._init_sent = True
             ref_audio = self._voices.audio(self.settings.voice)
             commands.append(init_command(self.settings, ref_audio))
-        if self._buffer_n:  # what the buffer held before turn detection was on goes first
-            commands.append(ev.AudioCommand(self._take_buffer(), rate))
+        # What the buffer held before turn detection was on goes first.
+        commands += [ev.AudioCommand(held, at) for held, at in self._buffer.take()]
         return [*commands, ev.AudioCommand(samples, rate)]
-
-    def _take_buffer(self) -> np.ndarray:
-        held = np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.float32)
-        self._buffer, self._buffer_n = [], 0
-        return held
 
     def _commit(self, event: dict[str, Any]) -> list[ev.Command]:
         if self._duplex():
@@ -166,10 +149,9 @@ class OpenAIRealtime(DuplexDialect):
                 "with turn detection on, the engine takes turns itself: set "
                 "audio.input.turn_detection to null for manual commits"
             )
-        if not self._buffer_n:
+        if not self._buffer:
             raise InvalidEvent("input_audio_buffer_commit_empty: the input audio buffer is empty")
-        rate = audio.rate(self.settings.input_format)
-        heard = pcm.resample(self._take_buffer(), rate, audio.ENGINE_IN_RATE)
+        heard = self._buffer.take_heard()
         part = {"type": "input_audio", "transcript": None}
         item = Item(self.wire.id("item"), "user", [part], heard.astype("<f4").tobytes())
         previous = self.conversation.append(item)
@@ -181,7 +163,7 @@ class OpenAIRealtime(DuplexDialect):
     def _clear(self, event: dict[str, Any]) -> list[ev.Command]:
         if self._init_sent:
             raise InvalidEvent("the duplex session hears the audio as it comes: nothing to clear")
-        self._take_buffer()
+        self._buffer.take()
         return self._send(self.wire.event("input_audio_buffer.cleared"))
 
     def _item_create(self, event: dict[str, Any]) -> list[ev.Command]:
