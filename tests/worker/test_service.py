@@ -473,3 +473,103 @@ async def test_refuses_sessions_while_warming_up(workers):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     engine.warm_gate.set()
     await asyncio.wait_for(worker.wait_ready(), scaled(3))
+
+
+def _chat_request(**fields) -> worker_pb.ChatRequest:
+    text = worker_pb.ContentPart(text="What's the weather in Paris?")
+    fields.setdefault("messages", [worker_pb.ChatMessage(role="user", parts=[text])])
+    return worker_pb.ChatRequest(lease_id="C1", **fields)
+
+
+_WEATHER = common_pb2.ToolSpec(
+    name="get_weather",
+    description="Get the current weather in a city.",
+    parameters_json='{"type": "object", "properties": {"city": {"type": "string"}}, '
+    '"required": ["city"]}',
+)
+
+
+def test_decode_chat_takes_tools_choice_and_tool_messages():
+    from omnifabric.common.tools import FUNCTION, ToolCall
+    from omnifabric.worker.service import decode_chat
+
+    call = common_pb2.ToolCall(call_id="call_1", name="get_weather", arguments_json="{}")
+    messages = [
+        worker_pb.ChatMessage(role="user", parts=[worker_pb.ContentPart(text="weather?")]),
+        worker_pb.ChatMessage(role="assistant", tool_calls=[call]),
+        worker_pb.ChatMessage(
+            role="tool", parts=[worker_pb.ContentPart(text="sunny")], tool_call_id="call_1"
+        ),
+    ]
+    turn = decode_chat(
+        _chat_request(
+            messages=messages,
+            tools=[_WEATHER],
+            tool_choice="function",
+            tool_choice_name="get_weather",
+        )
+    )
+    (spec,) = turn.tools
+    assert spec.name == "get_weather" and spec.parameters["required"] == ["city"]
+    assert (turn.tool_choice.kind, turn.tool_choice.name) == (FUNCTION, "get_weather")
+    assert turn.messages[1].tool_calls == (ToolCall("call_1", "get_weather", "{}"),)
+    assert turn.messages[2].role == "tool" and turn.messages[2].tool_call_id == "call_1"
+    assert turn.messages[2].parts == ("sunny",)
+    # No tools: an empty tuple and auto, as before.
+    plain = decode_chat(_chat_request())
+    assert plain.tools == () and plain.tool_choice.kind == "auto"
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        (
+            {"tools": [common_pb2.ToolSpec(name="f", parameters_json='{"type": "string"}')]},
+            "tools[0].parameters.type must be object",
+        ),
+        ({"tools": [common_pb2.ToolSpec(name="f", parameters_json="{oops")]}, "not JSON"),
+        (
+            {"tools": [common_pb2.ToolSpec(name="f", parameters_json='{"required": "city"}')]},
+            "required must be a list",
+        ),
+        ({"tools": [common_pb2.ToolSpec(name="bad name")]}, "tools[0].name"),
+        (
+            {"tools": [_WEATHER], "tool_choice": "function", "tool_choice_name": "get_time"},
+            "names no function",
+        ),
+        ({"tool_choice": "function", "tool_choice_name": "get_weather"}, "names no function"),
+        ({"tools": [_WEATHER], "tool_choice": "sometimes"}, "tool_choice must be one of"),
+    ],
+)
+def test_decode_chat_refuses_bad_tools(fields, problem):
+    from omnifabric.worker.errors import InvalidRequest
+    from omnifabric.worker.service import decode_chat
+
+    with pytest.raises(InvalidRequest) as err:
+        decode_chat(_chat_request(**fields))
+    assert problem in str(err.value)
+
+
+async def test_chat_streams_the_synthetic_engines_tool_call(workers):
+    worker = await workers.start()
+    workers.scheduler.grant(worker.worker_id, "C1", mode=common_pb2.MODE_CHAT)
+    stub = workers.stub(worker)
+    request = _chat_request(tools=[_WEATHER])
+    request.tts.enabled = False
+    responses = [r async for r in stub.Chat(request, timeout=scaled(10))]
+    kinds = [r.WhichOneof("kind") for r in responses]
+    assert kinds == ["prefilled", "tool_call", "done"]
+    call = responses[1].tool_call
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    assert call.arguments_json == '{"city": "Paris"}'
+    assert responses[-1].done.reason == "tool_calls" and responses[-1].done.text == ""
+    # The function's output, sent back under a new lease: answered in words with it.
+    workers.scheduler.grant(worker.worker_id, "C2", mode=common_pb2.MODE_CHAT)
+    request.lease_id = "C2"
+    request.messages.add(role="assistant", tool_calls=[call])
+    request.messages.add(
+        role="tool", parts=[worker_pb.ContentPart(text="18 C, rain")], tool_call_id=call.call_id
+    )
+    responses = [r async for r in stub.Chat(request, timeout=scaled(10))]
+    done = responses[-1].done
+    assert done.text == "The result: 18 C, rain" and done.reason == "turn_end"

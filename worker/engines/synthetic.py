@@ -4,19 +4,26 @@ For fabric tests, load tests and capacity planning: it follows the real model's 
 taking (startup protection, listen while the user speaks, reply after a silence, barge-in
 and force_listen close the turn) and its context accounting, context windows included (the
 oldest units leave the accounting as the model's window would drop them), and answers with
-a tone.
+a tone. Its chat turns echo the user, and call a function by fixed rules when offered some
+(SyntheticEngine.chat), so the fabric's function calling is tested without a model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import re
+import string
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from omnifabric.common.session_types import ContextWindow
+from omnifabric.common.tools import FUNCTION, REQUIRED, argument_errors
 from omnifabric.worker.engine import (
     OUTPUT_RATE,
     ChatChunk,
@@ -28,6 +35,8 @@ from omnifabric.worker.engine import (
     StepOutcome,
     Stepper,
     StepRow,
+    ToolCall,
+    ToolSpec,
 )
 
 #: A unit is speech when its RMS exceeds this.
@@ -331,6 +340,75 @@ def _tone(reply_number: int, start: int, count: int) -> np.ndarray:
     return (0.2 * np.sin(2.0 * math.pi * freq * n / OUTPUT_RATE)).astype(np.float32)
 
 
+def _tool_outputs(turn: ChatTurn) -> str:
+    """The text of the function outputs that end the turn (several: joined by a space)."""
+    outputs: list[str] = []
+    for message in reversed(turn.messages):
+        if message.role != "tool":
+            break
+        outputs.insert(0, "".join(p for p in message.parts if isinstance(p, str)))
+    return " ".join(outputs)
+
+
+def _called(turn: ChatTurn, text: str) -> ToolSpec | None:
+    """The function the reply calls: required, the first; function, the named one; auto, the
+    first whose name has a word of 4+ letters (split on "_") among the user's words."""
+    if not turn.tools or not turn.tool_choice.allows_calls():
+        return None
+    choice = turn.tool_choice
+    if choice.kind == REQUIRED:
+        return turn.tools[0]
+    if choice.kind == FUNCTION:
+        return next((t for t in turn.tools if t.name == choice.name), None)
+    said = set(re.findall(r"[a-z0-9]+", text.lower()))
+    for spec in turn.tools:
+        if any(len(w) >= 4 and w in said for w in spec.name.lower().split("_")):
+            return spec
+    return None
+
+
+def _tool_call(
+    spec: ToolSpec, turn: ChatTurn, said: list[str]
+) -> tuple[ToolCall | None, list[str]]:
+    """The call of ``spec``, its required arguments filled from their schemas (the user's
+    last word for a string), checked: (None, the problems) when they do not fit."""
+    arguments = json.dumps(_arguments(spec.parameters, _last_word(said)))
+    problems = argument_errors(spec, arguments)
+    if problems:
+        return None, [f"tool {spec.name}: {p}" for p in problems]
+    key = f"{len(turn.messages)}:{spec.name}:{arguments}:{' '.join(said)}"
+    call_id = "call_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    return ToolCall(call_id, spec.name, arguments), []
+
+
+def _last_word(said: list[str]) -> str:
+    """The user's last word of 3+ characters, punctuation stripped; "synthetic" if none."""
+    words = [w.strip(string.punctuation) for w in " ".join(said).split()]
+    return next((w for w in reversed(words) if len(w) >= 3), "synthetic")
+
+
+def _arguments(schema: dict[str, Any], word: str) -> dict[str, Any]:
+    """Each required property of an object schema, filled deterministically."""
+    properties = schema.get("properties") or {}
+    return {name: _value(properties.get(name) or {}, word) for name in schema.get("required", [])}
+
+
+def _value(schema: dict[str, Any], word: str) -> Any:
+    """A value for one property: its enum's first, else by its (first) type."""
+    if schema.get("enum"):
+        return schema["enum"][0]
+    kind = schema.get("type", "string")
+    kind = (kind[0] if kind else "string") if isinstance(kind, list) else kind
+    return {
+        "integer": 1,
+        "number": 1,
+        "boolean": True,
+        "array": [],
+        "object": {},
+        "null": None,
+    }.get(kind, word)
+
+
 class SyntheticEngine(Engine):
     """No model: deterministic replies, `compute_ms` of busy time per unit."""
 
@@ -388,9 +466,19 @@ class SyntheticEngine(Engine):
     def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
         """Deterministic chat: echoes the last user message ("You said: ..."; audio parts
         as their length, images as their size) in pieces of <= 16 characters, each with
-        0.25 s of tone when speech is on; `compute_ms` of busy time before the reply."""
-        if not turn.messages or turn.messages[-1].role != "user":
-            raise ValueError("the last message must be the user's")
+        0.25 s of tone when speech is on; `compute_ms` of busy time before the reply.
+
+        With functions (turn.tools, a choice other than none) the reply may call one
+        instead (``_tool_call``); after a function's output it answers "The result: ..."
+        with the output verbatim."""
+        if not turn.messages or turn.messages[-1].role not in ("user", "tool"):
+            raise ValueError("the last message must be the user's (or a function's output)")
+        input_tokens = sum(len(str(p).split()) for m in turn.messages for p in m.parts)
+        time.sleep(self.compute_ms / 1000.0)
+        yield ChatChunk(prefilled=True, input_tokens=input_tokens)
+        if turn.messages[-1].role == "tool":
+            yield from self._stream(f"The result: {_tool_outputs(turn)}", turn, input_tokens)
+            return
         said = []
         for part in turn.messages[-1].parts:
             if isinstance(part, str):
@@ -399,23 +487,41 @@ class SyntheticEngine(Engine):
                 said.append(f"[image {len(part)} bytes]")
             else:
                 said.append(f"[audio {part.size / 16000:.1f} s]")
-        words = f"You said: {' '.join(said)}".split()
-        input_tokens = sum(len(str(p).split()) for m in turn.messages for p in m.parts)
-        time.sleep(self.compute_ms / 1000.0)
-        yield ChatChunk(prefilled=True, input_tokens=input_tokens)
+        spec = _called(turn, " ".join(p for p in said if p))
+        if spec is None:
+            yield from self._stream(
+                " ".join(f"You said: {' '.join(said)}".split()), turn, input_tokens
+            )
+            return
+        call, problems = _tool_call(spec, turn, said)
+        if call is None:
+            text = f"I could not call {spec.name}."
+            yield from self._stream(text, turn, input_tokens, tuple(problems))
+            return
+        yield ChatChunk(tool_calls=(call,))
+        tokens = len(call.arguments.split()) + 1
+        yield ChatChunk(done=True, input_tokens=input_tokens, output_tokens=tokens)
+
+    def _stream(
+        self, text: str, turn: ChatTurn, input_tokens: int, ignored: tuple[str, ...] = ()
+    ) -> Iterator[ChatChunk]:
+        """``text`` in pieces of <= 16 characters (whole words, whitespace kept as it is),
+        a word a token, cut at max_new_tokens; then the done chunk."""
         produced, piece, cut = 0, "", False
-        for word in words:
+        for word in re.findall(r"\S+\s*", text):
             if produced >= turn.max_new_tokens:
                 cut = True
                 break
             produced += 1
-            if piece and len(piece) + len(word) + 1 > 16:
-                yield self._chat_piece(piece + " ", turn.speech, produced)
+            if piece and len(piece.rstrip()) + len(word.rstrip()) + 1 > 16:
+                yield self._chat_piece(piece, turn.speech, produced)
                 piece = ""
-            piece = f"{piece} {word}" if piece else word
+            piece += word
         if piece:
-            yield self._chat_piece(piece, turn.speech, produced)
-        yield ChatChunk(done=True, input_tokens=input_tokens, output_tokens=produced, cut=cut)
+            yield self._chat_piece(piece.rstrip() if cut else piece, turn.speech, produced)
+        yield ChatChunk(
+            done=True, input_tokens=input_tokens, output_tokens=produced, cut=cut, ignored=ignored
+        )
 
     @staticmethod
     def _chat_piece(text: str, speech: bool, n: int) -> ChatChunk:
