@@ -237,3 +237,85 @@ async def test_keys_as_header_and_as_a_browser_subprotocol(stack):
         assert ws.subprotocol == "realtime"
         created = json.loads(await asyncio.wait_for(ws.recv(), scaled(10)))
         assert created["type"] == "session.created"
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the current weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+async def _turn_with_tools(conn, text: str, **session) -> list:
+    """A typed question with the weather tool offered; the response's events."""
+    await conn.session.update(
+        session={
+            "type": "realtime",
+            "tools": [WEATHER_TOOL],
+            "output_modalities": ["text"],
+            "audio": {"input": {"turn_detection": None}},
+            **session,
+        }
+    )
+    await until(conn, "session.updated")
+    await conn.conversation.item.create(
+        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    )
+    await conn.response.create()
+    seen: list = []
+    await until(conn, "response.done", seen=seen)
+    return seen
+
+
+async def test_a_function_is_called_and_its_output_answered(stack):
+    """Issue 53: the model's call streams as the API streams it (the synthetic engine calls
+    a tool whose name the question mentions), the client's output goes back, the next
+    response answers with it."""
+    async with client(stack).realtime.connect(model="m") as conn:
+        await until(conn, "session.created")
+        seen = await _turn_with_tools(conn, "What's the weather in Paris?")
+        (done_args,) = [e for e in seen if e.type == "response.function_call_arguments.done"]
+        assert done_args.name == "get_weather"
+        assert json.loads(done_args.arguments) == {"city": "Paris"}
+        done = seen[-1].response
+        assert done.status == "completed" and done.output[0].type == "function_call"
+        await conn.conversation.item.create(
+            item={
+                "type": "function_call_output",
+                "call_id": done_args.call_id,
+                "output": '{"sky": "cloudy", "celsius": 14}',
+            }
+        )
+        await until(conn, "conversation.item.done")
+        await conn.response.create()
+        seen = []
+        await until(conn, "response.done", seen=seen)
+        text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+        assert "cloudy" in text
+
+
+async def test_tool_choice_none_gets_no_call_and_a_bad_output_is_an_error(stack):
+    async with client(stack).realtime.connect(model="m") as conn:
+        await until(conn, "session.created")
+        seen = await _turn_with_tools(conn, "What's the weather in Paris?", tool_choice="none")
+        assert not [e for e in seen if e.type.startswith("response.function_call")]
+        assert seen[-1].response.output[0].type == "message"
+        await conn.conversation.item.create(
+            item={"type": "function_call_output", "call_id": "call_unknown", "output": "{}"}
+        )
+        error = await until(conn, "error")
+        assert error.error.param == "item.call_id"
+        await conn.conversation.item.create(  # the session goes on
+            item={
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Thanks"}],
+            }
+        )
+        await conn.response.create()
+        assert (await until(conn, "response.done")).response.status == "completed"
