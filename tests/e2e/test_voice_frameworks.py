@@ -105,6 +105,8 @@ class Reply:
     text: str = ""
     audio_samples: int = 0
     modalities: list[str] = field(default_factory=list)
+    calls: list[Any] = field(default_factory=list)
+    """The generation's function calls (llm.FunctionCall)."""
 
 
 @dataclass
@@ -159,8 +161,8 @@ async def read_generation(generation) -> Reply:
     async for message in generation.message_stream:
         await asyncio.gather(text(message), audio(message))
         reply.modalities = list(await message.modalities)
-    async for _ in generation.function_stream:
-        pass
+    async for call in generation.function_stream:
+        reply.calls.append(call)
     return reply
 
 
@@ -193,7 +195,8 @@ class LiveKitSession:
 
 def no_errors(errors: list) -> None:
     """The plugin's defaults ask for what no engine here does (a transcription model, an
-    OpenAI voice, semantic_vad eagerness): the edge says so in notices, never errors."""
+    OpenAI voice, semantic_vad eagerness): the edge takes them and reports the settings in
+    effect, never with an error."""
     assert not errors, errors
 
 
@@ -236,6 +239,45 @@ async def test_livekit_chat_context_holds_the_spoken_reply(livekit, stack):
         await rec.response_done()
         items = [(i.role, i.content) for i in rec.session.chat_ctx.items if i.type == "message"]
     assert ("assistant", [reply.text]) in items, items
+
+
+async def test_livekit_function_tool_is_called_and_its_result_answered(livekit, stack):
+    """Issue 53: an agent's function tool reaches the engine, the model's call comes back
+    on the generation's function stream with its arguments, and the tool's output, added
+    to the chat context as an agent does, is what the next reply answers with."""
+    import json
+
+    @livekit.llm.function_tool
+    async def get_weather(city: str) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: the city
+        """
+        return "cloudy and 14 degrees"
+
+    async with LiveKitSession(livekit, stack) as rec:
+        session = rec.session
+        await asyncio.wait_for(session.update_tools([get_weather]), scaled(10))
+        chat = livekit.llm.ChatContext()
+        chat.add_message(role="user", content="What is the weather in Paris?")
+        await asyncio.wait_for(session.update_chat_ctx(chat), scaled(10))
+        await asyncio.wait_for(session.generate_reply(), scaled(10))
+        calls = (await rec.reply()).calls
+        assert [c.name for c in calls] == ["get_weather"], calls
+        assert json.loads(calls[0].arguments) == {"city": "Paris"}
+        chat = session.chat_ctx.copy()
+        output = livekit.llm.FunctionCallOutput(
+            call_id=calls[0].call_id, name="get_weather", output="cloudy and 14 degrees",
+            is_error=False,
+        )  # fmt: skip
+        chat.items.append(output)
+        await asyncio.wait_for(session.update_chat_ctx(chat), scaled(10))
+        await asyncio.wait_for(session.generate_reply(), scaled(10))
+        await until(lambda: len(rec.replies) > 1, 30)
+        reply = await asyncio.wait_for(rec.replies[1], scaled(30))
+    assert "cloudy and 14 degrees" in reply.text  # the synthetic engine says the output
+    no_errors(rec.errors)
 
 
 # Pipecat
@@ -348,3 +390,43 @@ async def test_pipecat_session_goes_on_past_a_setting_the_engine_does_not_use(pi
     assert not run.errors, run.errors
     assert run.of("LLMFullResponseEndFrame")
     assert sum(len(f.audio) for f in run.of("TTSAudioRawFrame")) >= RATE * 2
+
+
+async def test_pipecat_function_is_called_and_its_result_answered(pipecat, stack):
+    """Issue 53: a context with a tool, as an app gives one: the service asks the engine,
+    the model's call runs the registered handler, its result goes back as the call's
+    output, and the next response answers with it."""
+    from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
+    from pipecat.adapters.llm.schemas.tools_schema import ToolsSchema
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.frame_processor import FrameDirection
+
+    weather = FunctionSchema(
+        name="get_weather",
+        description="Get the current weather in a city.",
+        properties={"city": {"type": "string", "description": "the city"}},
+        required=["city"],
+    )
+    asked: list[dict] = []
+
+    async def get_weather(params) -> None:
+        asked.append(dict(params.arguments))
+        await params.result_callback({"conditions": "cloudy and 14 degrees"})
+
+    async with PipecatRun(pipecat, stack) as run:
+        run.service.register_function("get_weather", get_weather)
+        context = LLMContext(
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=ToolsSchema(standard_tools=[weather]),
+        )
+        await run.worker.queue_frame(pipecat.frames.LLMContextFrame(context))
+        await until(lambda: run.of("FunctionCallResultFrame") or run.errors, 30)
+        assert asked == [{"city": "Paris"}], (asked, run.errors)
+        # As the assistant aggregator asks once a result is in: answer what came back.
+        await run.service.queue_frame(
+            pipecat.frames.LLMContextFrame(context), FrameDirection.UPSTREAM
+        )
+        await until(lambda: len(run.of("LLMFullResponseEndFrame")) > 1 or run.errors, 30)
+    assert not run.errors, run.errors
+    said = "".join(f.text for f in run.of("TTSTextFrame"))
+    assert "cloudy and 14 degrees" in said, said
