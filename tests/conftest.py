@@ -77,6 +77,18 @@ def pytest_collection_finish(session: object) -> None:
     gc.freeze()
 
 
+@pytest.fixture(scope="session")
+def reference_fabric(tmp_path_factory):
+    """A scheduler and one reference worker (2 slots, `worker0`) for the whole run: the
+    browser tests and tests/e2e/test_reference.py each start their own edge on it
+    (tests.stack.edge_on), so its models load and warm up once, not once per file."""
+    from tests.stack import start_reference_fabric
+
+    s = start_reference_fabric(tmp_path_factory.mktemp("reference-fabric"))
+    yield s
+    s.stop()
+
+
 @pytest.fixture
 def stack(tmp_path):
     """An empty local stack (tests.stack.Stack) the test starts services in, stopped after

@@ -31,8 +31,44 @@ def start_service(name: str, module: str, args: list[str], log_dir: Path) -> _st
 class Stack(_stack.Stack):
     """A scheduler, workers and an edge as separate processes on free ports."""
 
+    #: Seconds its reference worker took to be ready (set by start_reference_fabric).
+    worker_ready_s: float = 0.0
+
     def __init__(self, log_dir: Path) -> None:
         super().__init__(log_dir, cwd=ROOT, time_factor=TIME_FACTOR)
+
+
+def start_reference_fabric(log_dir: Path) -> Stack:
+    """A scheduler and one reference worker (2 slots, `worker0`), without an edge: the
+    worker loads its models and times a unit and a spoken reply before it is ready (15-30
+    s on a 2-core host), so the files that need this worker share one (tests/conftest.py's
+    `reference_fabric` fixture) and each starts its own edge on it (`edge_on`). The caller
+    stops it; `worker_ready_s` says how long the worker took."""
+    stack = Stack(log_dir)
+    try:
+        stack.start_scheduler()
+        t0 = time.monotonic()
+        stack.start_worker("--engine", "reference", "--slots", "2")
+        stack.worker_ready_s = time.monotonic() - t0
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def edge_on(fabric: Stack, log_dir: Path, *edge_args: str) -> Stack:
+    """A Stack of one edge (with `edge_args`) on `fabric`'s scheduler, its log in `log_dir`;
+    stopping it stops that edge only. `worker_ready_s` is the fabric's."""
+    stack = Stack(log_dir)
+    stack.scheduler_address = fabric.scheduler_address
+    stack.workers = list(fabric.workers)
+    stack.worker_ready_s = fabric.worker_ready_s
+    try:
+        stack.start_edge(*edge_args)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
 
 
 def read_until_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 60.0) -> str:

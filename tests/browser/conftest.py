@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, scaled
-from tests.stack import Stack
+from tests.stack import Stack, edge_on
 
 QUESTION = "What is the capital of France?"
 #: The microphone's words. Not question.wav: the browser starts capturing at a random phase
@@ -90,16 +90,13 @@ def playwright_chromium(microphone_wav) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="package")
-def stack(tmp_path_factory) -> Iterator[Stack]:
-    """Scheduler, one reference worker (2 slots) and an edge, shared by every browser test."""
-    s = Stack(tmp_path_factory.mktemp("browser-stack"))
-    try:
-        s.start_scheduler()
-        s.start_worker("--engine", "reference", "--slots", "2", name="worker0")
-        s.start_edge("--record-dir", str(s.log_dir / "records"))  # the viewer's sessions
-        yield s
-    finally:
-        s.stop()
+def stack(reference_fabric, tmp_path_factory) -> Iterator[Stack]:
+    """An edge on the run's scheduler and reference worker (2 slots, worker0;
+    tests/conftest.py), shared by every browser test; it records sessions for the viewer."""
+    log_dir = tmp_path_factory.mktemp("browser-stack")
+    s = edge_on(reference_fabric, log_dir, "--record-dir", str(log_dir / "records"))
+    yield s
+    s.stop()
 
 
 def http_base(ws_url: str) -> str:

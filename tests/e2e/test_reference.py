@@ -11,23 +11,18 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT, scaled
-from tests.stack import Stack
+from tests.stack import Stack, edge_on
 
 FIXTURE = ROOT / "tests" / "fixtures" / "speech" / "question.wav"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("logs"))
-    try:
-        s.start_scheduler()
-        t0 = time.monotonic()
-        s.start_worker("--engine", "reference", "--slots", "2")
-        s.worker_ready_s = time.monotonic() - t0
-        s.start_edge()
-        yield s
-    finally:
-        s.stop()
+def stack(reference_fabric, tmp_path_factory):
+    """An edge of this module's own on the run's scheduler and reference worker (2 slots;
+    tests/conftest.py), which the browser tests share."""
+    s = edge_on(reference_fabric, tmp_path_factory.mktemp("logs"))
+    yield s
+    s.stop()
 
 
 def test_probe_gets_a_spoken_answer(stack, tmp_path):

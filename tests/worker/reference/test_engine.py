@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -11,26 +12,39 @@ from scipy.signal import resample_poly
 
 from omnifabric.worker.engine import DuplexSettings
 from omnifabric.worker.engines.reference.engine import UNIT_TOKENS, ReferenceEngine
-from omnifabric.worker.engines.reference.turns import TurnRules
-from tests.worker.reference.drive import drive, timeline
+from tests.worker.reference.drive import Step, drive, timeline
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(inline_engine):
     # The unit that ends the turn does its work itself, whatever it costs on this machine
-    # (exact timelines); test_turn_work_* cover the other places.
-    e = ReferenceEngine(slots=2, rules=TurnRules(turn_work="inline"))
-    e.load()
-    e.warmup()
-    return e
+    # (exact timelines); test_turn_work_* cover the other places. Loaded once for the
+    # package (tests/worker/reference/conftest.py).
+    return inline_engine
+
+
+@pytest.fixture(scope="module")
+def driven(engine) -> Callable[[str], list[Step]]:
+    """drive(engine, name) with the default settings, run once per fixture for the module:
+    the tests that only read such a run share it (~3-5 s each on a 2-core host). The engine
+    gives the same output for the same input (test_same_input_same_output compares this
+    first run with a fresh one)."""
+    runs: dict[str, list[Step]] = {}
+
+    def run(name: str) -> list[Step]:
+        if name not in runs:
+            runs[name] = drive(engine, name)
+        return runs[name]
+
+    return run
 
 
 def spoken(steps) -> np.ndarray:
     return np.concatenate([s.result.audio for s in steps if s.result.audio.size] or [np.zeros(0)])
 
 
-def test_question_timeline_and_answer(engine):
-    steps = drive(engine, "question")
+def test_question_timeline_and_answer(engine, driven):
+    steps = driven("question")
     # The question ends in unit 5 (lead-in 3 s); unit 6 ends in silence, the words read as a
     # finished question, so that same unit transcribes, prefills and starts speaking.
     assert timeline(steps) == "L L L L L S S S* L L L L L L L"
@@ -52,15 +66,15 @@ def test_question_timeline_and_answer(engine):
     assert kv[-1] > kv[0] + UNIT_TOKENS * (len(steps) - 1)
 
 
-def test_same_input_same_output(engine):
-    a, b = drive(engine, "question"), drive(engine, "question")
+def test_same_input_same_output(engine, driven):
+    a, b = driven("question"), drive(engine, "question")
     assert [s.result.text for s in a] == [s.result.text for s in b]
     assert all(np.array_equal(x.result.audio, y.result.audio) for x, y in zip(a, b, strict=True))
     assert [s.result.kv_cache_length for s in a] == [s.result.kv_cache_length for s in b]
 
 
-def test_two_questions_keep_the_conversation(engine):
-    steps = drive(engine, "two_questions")
+def test_two_questions_keep_the_conversation(driven):
+    steps = driven("two_questions")
     assert timeline(steps) == ("L L L L L S S S* L L L L L L L S S* L L L L L L L L")
     turns = "".join(s.result.text for s in steps)
     assert "Paris" in turns and "blue" in turns
@@ -75,8 +89,8 @@ def test_barge_in_closes_the_turn_at_once(engine):
     assert "stop" in steps[9].result.input_transcript.lower()
 
 
-def test_finalize_makes_the_next_second_of_speech(engine):
-    steps = drive(engine, "question")
+def test_finalize_makes_the_next_second_of_speech(driven):
+    steps = driven("question")
     speaking = [s for s in steps if not s.result.is_listen]
     # The turn's unit generates a short first piece itself ...
     assert "llm" in speaking[0].result.costs_ms
@@ -87,8 +101,8 @@ def test_finalize_makes_the_next_second_of_speech(engine):
     assert all(s.result.text for s in speaking[1:-1])
 
 
-def test_words_heard_so_far_are_prefilled_ahead(engine):
-    steps = drive(engine, "question")
+def test_words_heard_so_far_are_prefilled_ahead(driven):
+    steps = driven("question")
     # A unit inside the question prefilled its first words, in its finalize (after its
     # result); the reply is what it would be without that (test_question_timeline_and_answer).
     assert not any("llm_warm" in s.result.costs_ms for s in steps)
@@ -217,20 +231,20 @@ def test_text_only_when_tts_disabled(engine):
     assert "".join(s.result.text for s in speaking).startswith("The capital of France is Paris")
 
 
-def test_unit_compute_recorded(engine):
-    steps = drive(engine, "two_questions")
+def test_unit_compute_recorded(driven):
+    steps = driven("two_questions")
     ms = sorted(s.compute_ms for s in steps)
     # Recorded for the note; a loose bound only catches pathologies (one core, real time).
     print(f"\nreference per-unit compute ms: p50 {ms[len(ms) // 2]:.0f} max {ms[-1]:.0f}")
     assert ms[-1] < 5000
 
 
-def test_concurrent_sessions_match_serial(engine):
+def test_concurrent_sessions_match_serial(engine, driven):
     """Two sessions on two engine threads at once (shared models, own state) give the
     same output as one alone: no shared mutable state, no tokenizer races."""
     from concurrent.futures import ThreadPoolExecutor
 
-    alone = drive(engine, "two_questions")
+    alone = driven("two_questions")
     with ThreadPoolExecutor(2) as pool:
         both = list(pool.map(lambda _: drive(engine, "two_questions"), range(2)))
     for steps in both:

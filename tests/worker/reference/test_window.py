@@ -5,7 +5,6 @@ context window slide instead of filling up (real models, the committed fixtures)
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -22,7 +21,6 @@ from omnifabric.worker.engines.reference.llm_gguf import (
     Conversation,
     Exchange,
 )
-from omnifabric.worker.engines.reference.turns import TurnRules
 from tests.conftest import scaled
 from tests.worker.reference.drive import load_fixture, units_of
 
@@ -140,11 +138,10 @@ def test_an_open_reply_is_never_forgotten_and_goes_on_in_the_new_context() -> No
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[ReferenceEngine]:
-    # As test_engine's: the unit that ends the turn does its work itself (exact timelines).
-    e = ReferenceEngine(slots=2, rules=TurnRules(turn_work="inline"))
-    e.load()
-    yield e
+def engine(inline_engine: ReferenceEngine) -> ReferenceEngine:
+    # As test_engine's, the same one: the unit that ends the turn does its work itself
+    # (exact timelines).
+    return inline_engine
 
 
 def _reply(conv: Conversation, limit: int = 60) -> str:

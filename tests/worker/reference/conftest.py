@@ -1,0 +1,20 @@
+"""One loaded reference engine for the files here that drive real sessions through it."""
+
+from __future__ import annotations
+
+import pytest
+
+from omnifabric.worker.engines.reference.engine import ReferenceEngine
+from omnifabric.worker.engines.reference.turns import TurnRules
+
+
+@pytest.fixture(scope="package")
+def inline_engine() -> ReferenceEngine:
+    """A reference engine of 2 slots, loaded and warmed up once for the package (~4 s to
+    load, ~8 s to warm up on a 2-core host), whose turn's end is worked out by the unit that
+    ends it ("inline": exact timelines whatever a unit costs on this machine). Its tests
+    open their own sessions and put back any setting they change, so sharing it is safe."""
+    engine = ReferenceEngine(slots=2, rules=TurnRules(turn_work="inline"))
+    engine.load()
+    engine.warmup()
+    return engine
