@@ -319,3 +319,29 @@ async def test_tool_choice_none_gets_no_call_and_a_bad_output_is_an_error(stack)
         )
         await conn.response.create()
         assert (await until(conn, "response.done")).response.status == "completed"
+
+
+async def test_a_duplex_sessions_call_is_answered_after_its_output(stack):
+    """Server VAD: the engine's turn ends in a call (the synthetic engine calls the first
+    function after each user turn); the client runs it, sends the output and the usual
+    response.create (taken as said), and the engine's next reply says the result."""
+    async with client(stack).realtime.connect(model="m") as conn:
+        await until(conn, "session.created")
+        await conn.session.update(
+            session={"type": "realtime", "tools": [WEATHER_TOOL], "output_modalities": ["text"]}
+        )
+        await until(conn, "session.updated")
+        await speak(conn)
+        seen: list = []
+        await until(conn, "response.done", seen=seen)
+        (call,) = [e for e in seen if e.type == "response.function_call_arguments.done"]
+        assert call.name == "get_weather"
+        await conn.conversation.item.create(
+            item={"type": "function_call_output", "call_id": call.call_id, "output": "cloudy"}
+        )
+        await conn.response.create()
+        seen = []
+        done = await until(conn, "response.done", "error", seen=seen)
+        assert done.type == "response.done", done
+        text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+        assert "The result: cloudy" in text

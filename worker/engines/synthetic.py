@@ -18,6 +18,7 @@ import string
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from omnifabric.worker.engine import (
     Stepper,
     StepRow,
     ToolCall,
+    ToolChoice,
     ToolSpec,
 )
 
@@ -83,6 +85,42 @@ class SyntheticSession(EngineSession):
         """Context mode: tokens of earlier replies carried forward."""
         self.slides = 0
         """How often the context window slid."""
+        self.tools: tuple[ToolSpec, ...] = ()
+        self.tool_choice = ToolChoice()
+        self.calls = 0
+        """Function calls made so far (their ids count them)."""
+        self.awaiting = ""
+        """The call id whose output the session waits for; "" when none."""
+        self.answer = ""
+        """A function's output the next reply says."""
+
+    def offer_tools(self, tools: tuple[ToolSpec, ...], choice: ToolChoice) -> tuple[str, ...]:
+        """Duplex sessions call too: each user turn's reply is first a call (auto and
+        required: the first function; function: the named one), then, once its output came
+        (tool_output), a reply that says it ("The result: <output>")."""
+        self.tools, self.tool_choice = tools, choice
+        return ()
+
+    def tool_output(self, call_id: str, output: str) -> None:
+        if call_id != self.awaiting:
+            return  # not the call it waits for (an old one): nothing to answer
+        self.awaiting, self.answer = "", output
+        self.reply_number += 1
+        self.reply_part = 1
+        self.reply_samples = 0
+
+    def _duplex_call(self) -> ToolCall | None:
+        """The call a reply starts with, per offer_tools' rule; None without one."""
+        if not self.tools or not self.tool_choice.allows_calls():
+            return None
+        spec = self.tools[0]
+        if self.tool_choice.kind == FUNCTION:
+            spec = next((t for t in self.tools if t.name == self.tool_choice.name), spec)
+        arguments = json.dumps(_arguments(spec.parameters, "synthetic"))
+        if argument_errors(spec, arguments):
+            return None
+        self.calls += 1
+        return ToolCall(f"call_{self.session_id[-8:]}_{self.calls}", spec.name, arguments)
 
     def _busy(self, share: float) -> float:
         """Spend `share` of the unit's compute time; returns the ms spent."""
@@ -174,6 +212,11 @@ class SyntheticSession(EngineSession):
             return self._listen(spent, end_of_turn=False)
         if self.heard_speech:
             self.heard_speech = False
+            call = self._duplex_call()
+            if call is not None:  # the reply is a call; its output starts the spoken one
+                self.awaiting = call.call_id
+                result = self._listen(spent, end_of_turn=True)
+                return replace(result, tool_calls=(call,))
             self.reply_number += 1
             self.reply_part = 1
             self.reply_samples = 0
@@ -215,6 +258,8 @@ class SyntheticSession(EngineSession):
         part, total = self.reply_part, self.engine.reply_units
         last = part >= total
         text = f"reply {self.reply_number} part {part} "[:MAX_TEXT_CHARS]
+        if part == 1 and self.answer:  # a function's output, said whole
+            text, self.answer = f"The result: {self.answer} ", ""
         if last:
             samples = LAST_PIECE_SAMPLES
         elif part == 1:
