@@ -523,3 +523,36 @@ async def test_the_reference_servers_operator_views(stack):
 class NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, *args, **kwargs):
         return None
+
+
+async def test_grpc_session_calls_a_function_and_goes_on_from_its_output(stack):
+    """Issue 53 on the RealtimeService: tools in the init, the model's call on an output,
+    the client's tool_output request, and the reply that says the result (the synthetic
+    engine calls the first function after a user turn)."""
+    schema = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
+    weather = common_pb2.ToolSpec(name="get_weather", parameters_json=schema)
+    init = rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, tools=[weather])
+    said = []
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        call = rt_grpc.RealtimeServiceStub(channel).Connect()
+        await call.write(rt_pb.ConnectRequest(init=init))
+        while (await asyncio.wait_for(call.read(), scaled(10))).WhichOneof("kind") != "created":
+            pass
+        calls = []
+        for unit in SCRIPT:
+            pcm = unit.astype("<f4").tobytes()
+            await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=pcm)))
+            out = (await asyncio.wait_for(call.read(), scaled(10))).output
+            calls += list(out.tool_calls)
+            said.append(out.text)
+            if calls:
+                break
+        assert [c.name for c in calls] == ["get_weather"], said
+        output = common_pb2.ToolOutput(call_id=calls[0].call_id, output="cloudy")
+        await call.write(rt_pb.ConnectRequest(tool_output=output))
+        for _ in range(3):
+            pcm = SILENCE.astype("<f4").tobytes()
+            await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=pcm)))
+            said.append((await asyncio.wait_for(call.read(), scaled(10))).output.text)
+        await call.write(rt_pb.ConnectRequest(close=rt_pb.SessionCloseRequest()))
+    assert any(text.startswith("The result: cloudy") for text in said), said
