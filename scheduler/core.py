@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
@@ -35,6 +36,7 @@ from omnifabric.scheduler.leases import (
     LeaseState,
     LeaseTable,
 )
+from omnifabric.scheduler.liveness import LOST_GRACE_S, AttendedTimer, Liveness, LoopClock
 from omnifabric.scheduler.metrics import Counters, SchedulerMetrics
 from omnifabric.scheduler.queue import SessionLengths, Ticket, WaitQueue, estimate_wait_s
 from omnifabric.scheduler.registry import (
@@ -222,6 +224,13 @@ class Scheduler:
         self.leases = LeaseTable()
         self.sessions = SessionLengths(config.eta_alpha, config.eta_initial_s)
         self.counters = Counters()
+        self.clock = LoopClock()
+        """The scheduler's own pulse: its loop's lateness, and time net of its stalls."""
+        self.liveness = Liveness(config.worker_timeout_s, self.clock)
+        self.lost_grace_s = LOST_GRACE_S
+        """Attended seconds a lost worker's leases wait for it to register again."""
+        self._lost: dict[str, AttendedTimer] = {}
+        """Lost workers whose leases wait out their grace, by worker id."""
         self.leadership = Leadership()
         self.metrics = SchedulerMetrics(self)
         self.draining = False
@@ -261,6 +270,7 @@ class Scheduler:
         ending, self._ending = self._ending, _Ending()
         ending.error = error
         ending.event.set()
+        self._forget_lost()
         for ticket in self.queue:
             ticket.refused = error
             ticket.changed.set()
@@ -299,13 +309,18 @@ class Scheduler:
             limits=hello.limits,
             headroom=hello.headroom,
         )
+        self.liveness.seen(worker)
         old = self.registry.add(worker)
         claimed = set(hello.active_lease_ids)
         held = {h.lease_id: h for h in hello.held_leases if h.lease_id in claimed}
         if old is not None:
             log.info("worker %s re-registered; replacing its previous stream", worker.worker_id)
-            self._adopt(old, worker, claimed)
+            self._adopt(old.worker_id, worker, claimed)
             old.outbox.put_nowait(None)
+        elif (grace := self._lost.pop(worker.worker_id, None)) is not None:
+            grace.cancel()
+            log.info("worker %s is back within its grace: its sessions go on", worker.worker_id)
+            self._adopt(worker.worker_id, worker, claimed)
         for lease_id in hello.active_lease_ids:
             if lease_id in worker.lease_slots:
                 continue
@@ -411,17 +426,81 @@ class Scheduler:
         self._free(lease)
 
     def unregister(self, worker: Worker) -> None:
-        """The worker's stream ended: it is gone, and so is every lease on it."""
+        """The worker's stream ended: it is gone, and every lease on it ends unless it
+        registers again with them within `lost_grace_s` of attended time (its stream broke
+        but it lives, or it was only slow): then its sessions go on, their holders none the
+        wiser."""
         worker.outbox.put_nowait(None)
         if not self.registry.remove(worker):
             return
         if self.draining:
             # This scheduler ended the stream: the worker lives on, and so do its sessions.
             return
-        log.warning("worker %s lost", worker.worker_id)
-        self._drop_leases(
-            self.leases.on_worker(worker.worker_id), f"worker {worker.worker_id} lost"
+        self.counters.workers_lost += 1
+        worker_id = worker.worker_id
+        held = self.leases.on_worker(worker_id)
+        if not held or self.lost_grace_s <= 0 or not _in_loop():
+            log.warning("worker %s lost", worker_id)
+            self._drop_leases(held, f"worker {worker_id} lost")
+            return
+        log.warning(
+            "worker %s lost: its %d leases wait %.1f s for it to register again",
+            worker_id,
+            len(held),
+            self.lost_grace_s,
         )
+        self._lost[worker_id] = AttendedTimer(
+            self.clock, self.lost_grace_s, self._grace_over, worker_id
+        )
+
+    def _grace_over(self, worker_id: str) -> None:
+        """A lost worker did not come back within its grace: its leases end."""
+        if self._lost.pop(worker_id, None) is None or self.registry.get(worker_id) is not None:
+            return
+        self._drop_leases(self.leases.on_worker(worker_id), f"worker {worker_id} lost")
+
+    def _forget_lost(self) -> None:
+        """Stop every lost worker's grace (a drain keeps their leases; a standby forgets
+        them)."""
+        for grace in self._lost.values():
+            grace.cancel()
+        self._lost = {}
+
+    async def watch(self) -> None:
+        """The scheduler's pulse and its workers' watchdog, for as long as it serves
+        (server.start_server runs it): the probe wakes every `clock.tick_s` and notes how
+        late (the loop's lag: metrics, and the stalls `attended` time leaves out); a few
+        times per worker timeout every registration silent past it is ended
+        (`_hang_up_silent`)."""
+        clock = self.clock
+        period_s = min(0.25, self.config.worker_timeout_s / 4)
+        sweep_every = max(1, round(period_s / clock.tick_s))
+        clock.start()
+        try:
+            for n in itertools.count(1):
+                await asyncio.sleep(clock.tick_s)
+                self.metrics.observe_loop_lag(clock.tick())
+                if n % sweep_every == 0:
+                    self._hang_up_silent()
+        finally:
+            clock.stop()
+
+    def _hang_up_silent(self) -> None:
+        """End the registration of every worker silent past the timeout while this
+        scheduler listened (alive but hung: the TCP connection stays up, so only its
+        missing reports tell). Its stream's end unregisters it; no new lease goes to it
+        meanwhile."""
+        for worker in self.registry:
+            if worker.hung_up or not self.liveness.hung(worker):
+                continue
+            worker.hung_up = True
+            self.counters.workers_hung += 1
+            log.warning(
+                "worker %s silent for %.1fs: treating it as hung",
+                worker.worker_id,
+                self.liveness.silence_s(worker),
+            )
+            worker.outbox.put_nowait(None)
 
     def lease_announced(self, lease: Lease) -> None:
         """The worker's stream has passed on the grant of `lease`."""
@@ -521,8 +600,10 @@ class Scheduler:
             raise ResumeUnknown()
         if not hmac.compare_digest(lease.owner, owner):
             raise ResumeForbidden()
-        if lease.worker_released:
-            raise ResumeUnknown()  # the session ended; its holder has not let go yet
+        if lease.worker_released or lease.worker_id in self._lost:
+            # The session ended (its holder has not let go yet), or its worker is lost
+            # and may not come back.
+            raise ResumeUnknown()
         if lease.state in (LeaseState.DETACHED, LeaseState.ORPHAN):
             # ORPHAN: rebuilt from its worker's hello after a switch of leader, with no
             # holder here (its edge's stream went with the old leader); the worker still
@@ -681,6 +762,7 @@ class Scheduler:
             self.leases.count(LeaseState.ACTIVE),
         )
         self._ending.event.set()
+        self._forget_lost()
         for ticket in self.queue:
             ticket.changed.set()
         for worker in self.registry:
@@ -901,10 +983,11 @@ class Scheduler:
             worker.free_slot(lease.lease_id)
         self._dispatch()
 
-    def _adopt(self, old: Worker, new: Worker, claimed: set[str]) -> None:
-        """Move the leases the re-registered worker still serves; the rest end."""
+    def _adopt(self, worker_id: str, new: Worker, claimed: set[str]) -> None:
+        """Move the leases of `worker_id`'s previous registration that the new one still
+        serves; the rest end."""
         dropped = []
-        for lease in self.leases.on_worker(old.worker_id):
+        for lease in self.leases.on_worker(worker_id):
             if lease.lease_id not in claimed:
                 dropped.append(lease)
                 continue
@@ -912,7 +995,7 @@ class Scheduler:
             lease.announced.set()
             if lease.state is LeaseState.RETURNING:
                 new.outbox.put_nowait(LeaseRevokeNotice(lease.lease_id, "holder gone"))
-        self._drop_leases(dropped, f"worker {old.worker_id} re-registered without the lease")
+        self._drop_leases(dropped, f"worker {worker_id} re-registered without the lease")
 
     def _drop_leases(self, leases: Iterable[Lease], reason: str) -> None:
         """End leases whose worker no longer serves them; their holders are told."""
@@ -924,6 +1007,15 @@ class Scheduler:
                 lease.lost.set()
                 lease.announced.set()
                 log.warning("lease %s lost: %s", lease.lease_id, reason)
+
+
+def _in_loop() -> bool:
+    """True when called on a running event loop (timers can be set)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _check_hello(hello: WorkerHello) -> None:

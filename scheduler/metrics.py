@@ -27,11 +27,14 @@ from prometheus_client.registry import Collector
 
 from omnifabric.scheduler.leadership import Leadership
 from omnifabric.scheduler.leases import LeaseTable
+from omnifabric.scheduler.liveness import LoopClock
 from omnifabric.scheduler.queue import WaitQueue
 from omnifabric.scheduler.registry import Registry
 
 #: Queue waits, seconds: from immediate grants to the long waits of a full fleet.
 QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+#: The event loop's lateness, seconds: from ordinary jitter to a paused process.
+LOOP_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 @dataclass
@@ -48,6 +51,10 @@ class Counters:
     """Returned leases freed by the release timeout (the worker never confirmed)."""
     leases_reattached: int = 0
     """Resumable leases taken over by a new holder (Reattach)."""
+    workers_lost: int = 0
+    """Registrations that ended other than by a drain: the stream broke, or it was hung."""
+    workers_hung: int = 0
+    """Registrations ended by the watchdog: silent past the timeout on attended time."""
 
 
 class SchedulerState(Protocol):
@@ -65,6 +72,8 @@ class SchedulerState(Protocol):
     def draining(self) -> bool: ...
     @property
     def leadership(self) -> Leadership: ...
+    @property
+    def clock(self) -> LoopClock: ...
 
 
 class SchedulerMetrics:
@@ -77,6 +86,13 @@ class SchedulerMetrics:
             "Time from a session's Acquire to its lease grant (0 when a slot was free), by mode.",
             ["mode"],
             buckets=QUEUE_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.loop_lag = Histogram(
+            "omni_scheduler_loop_lag_seconds",
+            "How late the scheduler's event-loop probe woke (every 0.1 s): its own lag, "
+            "which a worker's silence is judged net of.",
+            buckets=LOOP_LAG_BUCKETS,
             registry=self.registry,
         )
         self.registry.register(_StateCollector(scheduler))
@@ -94,6 +110,9 @@ class SchedulerMetrics:
 
     def observe_queue_wait(self, mode: str, seconds: float) -> None:
         self.queue_wait.labels(mode).observe(max(0.0, seconds))
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        self.loop_lag.observe(seconds)
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format (what a scrape returns)."""
@@ -152,6 +171,17 @@ class _StateCollector(Collector):
         if lead.rebuild_s is not None:
             rebuild.add_metric([], lead.rebuild_s)
         yield rebuild
+        yield _gauge(
+            "omni_scheduler_loop_lag_max_seconds",
+            "The event-loop probe's largest lateness over the last 10-20 s.",
+            s.clock.lag_max_s(),
+        )
+        yield CounterMetricFamily(
+            "omni_scheduler_stalled_seconds",
+            "Seconds the scheduler's loop did not run when due (lateness past jitter): left "
+            "out of every worker's silence.",
+            value=s.clock.stalled_total(),
+        )
 
     def _counters(self) -> Iterator[Any]:
         """The queue's bound and the lease and rejection counters."""
@@ -171,6 +201,17 @@ class _StateCollector(Collector):
                 "leases_lost",
                 "Active leases that ended with their worker (lost or re-registered without it).",
                 counters.leases_lost,
+            ),
+            (
+                "workers_lost",
+                "Worker registrations that ended other than by a drain (stream broken or hung).",
+                counters.workers_lost,
+            ),
+            (
+                "workers_hung",
+                "Worker registrations ended for silence past the worker timeout (net of the "
+                "scheduler's own stalls).",
+                counters.workers_hung,
             ),
             (
                 "leases_reattached",

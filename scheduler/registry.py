@@ -84,8 +84,11 @@ class Worker:
     engine: str
     health: Health
     detail: str = ""
-    #: Event-loop time of the worker's last message (its liveness).
+    #: When the worker last said anything, on the scheduler's attended clock
+    #: (scheduler.liveness: the rule that tells it hung).
     last_seen: float = 0.0
+    #: Set once its silence ended its registration: it gets no lease while that ends.
+    hung_up: bool = False
     #: The worker's latest memory report, or None before its first.
     memory: MemoryFigures | None = None
     #: What the worker's engine accepts, from its hello; None when it sent none.
@@ -112,6 +115,7 @@ class Worker:
         more session (see admits)."""
         return (
             self.health is Health.SERVING
+            and not self.hung_up
             and mode in self.modes
             and self.slots_free > 0
             and self.admits(mode, margin)

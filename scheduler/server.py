@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ class RunningScheduler:
     port: int
     elector: Elector | None = None
     """The election this scheduler takes part in (--ha); None: it leads alone."""
+    watch: asyncio.Task[None] | None = None
+    """The scheduler's pulse and workers' watchdog (Scheduler.watch), while it serves."""
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def on_leadership(self, leading: bool, term: Term | None) -> None:
@@ -90,6 +93,7 @@ class RunningScheduler:
             await self.elector.stop(release=True)
         await self.set_serving(False)
         await self.server.stop(grace)
+        await self._stop_watch()
         log.info("scheduler stopped")
 
     async def drain(self, grace: float) -> None:
@@ -103,7 +107,15 @@ class RunningScheduler:
         await self.set_serving(False)
         self.scheduler.drain()
         await self.server.stop(grace)
+        await self._stop_watch()
         log.info("scheduler drained and stopped")
+
+    async def _stop_watch(self) -> None:
+        if self.watch is not None:
+            self.watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.watch
+            self.watch = None
 
     async def wait_for_termination(self) -> None:
         """Return once the server has stopped."""
@@ -133,6 +145,7 @@ async def start_server(config: SchedulerConfig) -> RunningScheduler:
         raise OSError(f"could not bind {config.host}:{config.port}")
     await server.start()
     running = RunningScheduler(server, scheduler, health_servicer, config.host, port)
+    running.watch = asyncio.ensure_future(scheduler.watch())
     if config.ha is None:
         await running.set_serving(True)
     else:

@@ -92,9 +92,9 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
             worker = self._scheduler.register(_hello_from_pb(first.hello))
         except Exception as exc:
             await _abort(context, exc)
-        worker.last_seen = asyncio.get_running_loop().time()
+        # Its silence is watched by the scheduler's pulse (Scheduler.watch), which ends
+        # this stream through the outbox.
         reader = asyncio.create_task(self._read_worker(worker, requests))
-        watchdog = asyncio.create_task(self._watch_worker(worker, reader))
         failure: Exception | None = None
         try:
             yield scheduler_pb.RegisterResponse(
@@ -136,34 +136,18 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
                 failure = self._scheduler.refusal()
         finally:
             reader.cancel()
-            watchdog.cancel()
             self._scheduler.unregister(worker)
         if failure is not None:
             await _abort(context, failure)
-
-    async def _watch_worker(self, worker: Worker, reader: asyncio.Task) -> None:
-        """End the registration of a worker that went silent (alive but hung: the TCP
-        connection stays up, so only its missing reports tell)."""
-        timeout = self._scheduler.config.worker_timeout_s
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(min(0.5, timeout / 4))
-            silent = loop.time() - worker.last_seen
-            if silent > timeout:
-                log.warning(
-                    "worker %s silent for %.1fs: treating it as hung", worker.worker_id, silent
-                )
-                reader.cancel()
-                worker.outbox.put_nowait(None)
-                return
 
     async def _read_worker(
         self, worker: Worker, requests: AsyncIterator[scheduler_pb.RegisterRequest]
     ) -> Exception | None:
         """Apply the worker's reports and releases until its stream ends; returns its failure."""
+        liveness = self._scheduler.liveness
         try:
             async for request in requests:
-                worker.last_seen = asyncio.get_running_loop().time()
+                liveness.seen(worker)
                 kind = request.WhichOneof("kind")
                 if kind == "report":
                     report = request.report
