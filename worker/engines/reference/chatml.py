@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A one-off question's answer (``ReplyModel.ask``): its text, and the tokens asked and
+    generated (for usage)."""
+
+    text: str
+    prompt_tokens: int
+    output_tokens: int
 
 
 class ChatML:
@@ -33,6 +45,12 @@ class ChatML:
         with self._tokenizer_lock:
             plain = self.tokenizer(content, add_special_tokens=False, split_special_tokens=True)
         return [*self.encode(f"{IM_START}{role}\n"), *plain.input_ids]
+
+    def ask_ids(self, turns: Sequence[tuple[str, str]], prefix: str = "") -> list[int]:
+        """Closed ChatML turns (role, text), then an open assistant turn that already says
+        ``prefix`` (the answer continues it): what ``ReplyModel.ask`` decodes after."""
+        ids = [i for role, text in turns for i in self.turn_ids(role, text)]
+        return [*ids, *self.open_turn_ids("assistant", prefix)]
 
     def last_tokens(self, text: str, n: int) -> str:
         """The end of ``text`` in at most ``n`` tokens, from a word's start ("" for n < 1)."""

@@ -35,7 +35,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,7 +56,9 @@ from omnifabric.worker.engine import (
     Engine,
     EngineSession,
     GenerateResult,
+    ToolSpec,
 )
+from omnifabric.worker.engines.reference import functions
 from omnifabric.worker.engines.reference.tts import split_for_speech
 from omnifabric.worker.engines.reference.turns import (
     TurnRules,
@@ -824,20 +826,38 @@ class ReferenceEngine(Engine):
     def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
         """Turn-based chat: audio parts are transcribed, the history is prefilled in a fresh
         conversation, and the reply streams in pieces of ~16 characters (with speech when
-        asked). Raises ValueError when the last message is not the user's."""
+        asked). With functions (turn.tools) the reply may call them instead (``functions``:
+        the calls, then the done chunk); after their outputs it answers with them. Raises
+        ValueError when the last message is neither the user's nor a function's output."""
         messages = turn.messages
-        if not messages or messages[-1].role != "user":
-            raise ValueError("the last message must be the user's")
+        if not messages or messages[-1].role not in ("user", "tool"):
+            raise ValueError("the last message must be the user's (or a function's output)")
         ignored = self._ignored(turn)
-        system = [m for m in messages if m.role == "system"]
-        prompt = " ".join(self._text_of(m) for m in system) or self.default_prompt
-        conversation = self.llm.conversation(prompt)
-        turns = [m for m in messages if m.role != "system"]
-        for message in turns[:-1]:
-            conversation.add_history(message.role, self._text_of(message))
-        conversation.add_user_turn(self._text_of(turns[-1]))
-        input_tokens = conversation.context_tokens
+        request = self._text_of(messages[-1]) if messages[-1].role == "user" else ""
+        plan = functions.Plan()
+        if request and turn.tools and turn.tool_choice.allows_calls():
+            chosen = functions.choose(self.llm, turn, request, plan)
+            if chosen:
+                yield ChatChunk(prefilled=True, input_tokens=plan.prompt_tokens)
+                yield from self._call(turn, request, chosen, plan, ignored)
+                return
+        conversation = self._conversation(turn, request)
+        input_tokens = conversation.context_tokens + plan.prompt_tokens
         yield ChatChunk(prefilled=True, input_tokens=input_tokens)
+        produced, cut = yield from self._reply(conversation, turn)
+        yield ChatChunk(
+            done=True,
+            input_tokens=input_tokens,
+            output_tokens=produced + plan.output_tokens,
+            cut=cut,
+            ignored=ignored,
+        )
+
+    def _reply(
+        self, conversation: Conversation, turn: ChatTurn
+    ) -> Generator[ChatChunk, None, tuple[int, bool]]:
+        """The open reply of ``conversation`` in pieces of ~16 characters (spoken when the
+        turn asks); returns the tokens produced and whether max_new_tokens cut it."""
         pending, finished, produced, cut = "", False, 0, False
         while not finished or pending:
             while not finished and len(pending) <= self.rules.piece_chars:
@@ -851,14 +871,77 @@ class ReferenceEngine(Engine):
             piece, pending = pending[: len(pending) - len(rest)], rest
             if finished and not pending.strip():
                 piece, pending = piece + pending, ""
-            audio = np.zeros(0, np.float32)
-            if turn.speech and piece.strip():
-                audio = self.tts.synthesize(piece.strip())
-            if piece or audio.size:
-                yield ChatChunk(text=piece, audio=audio)
+            if piece:
+                yield self._said(piece, turn.speech)
+        return produced, cut
+
+    def _said(self, text: str, speech: bool) -> ChatChunk:
+        """A piece of a reply, with its speech when asked."""
+        audio = np.zeros(0, np.float32)
+        if speech and text.strip():
+            audio = self.tts.synthesize(text.strip())
+        return ChatChunk(text=text, audio=audio)
+
+    def _call(
+        self,
+        turn: ChatTurn,
+        request: str,
+        chosen: list[ToolSpec],
+        plan: functions.Plan,
+        ignored: tuple[str, ...],
+    ) -> Iterator[ChatChunk]:
+        """The calls of the ``chosen`` functions, their arguments written by the model; when
+        none could be made, a reply in words saying so (the problems in ``ignored``)."""
+        for spec in chosen:
+            functions.fill(self.llm, request, spec, plan)
+        if plan.calls:
+            yield ChatChunk(tool_calls=tuple(plan.calls))
+        else:
+            yield self._said(functions.CANNOT, turn.speech)
         yield ChatChunk(
-            done=True, input_tokens=input_tokens, output_tokens=produced, cut=cut, ignored=ignored
+            done=True,
+            input_tokens=plan.prompt_tokens,
+            output_tokens=plan.output_tokens,
+            ignored=ignored + tuple(plan.problems),
         )
+
+    def _conversation(self, turn: ChatTurn, request: str) -> Conversation:
+        """A fresh conversation of the turn's messages, its last user turn open for the
+        reply (``request``: the last message's words when it is the user's). Function calls
+        and outputs are written as the model's template does (``functions``)."""
+        messages = turn.messages
+        system = [m for m in messages if m.role == "system"]
+        prompt = " ".join(self._text_of(m) for m in system) or self.default_prompt
+        if functions.has_results(messages):
+            prompt = f"{prompt}\n{functions.RESULT_NOTE}"
+        conversation = self.llm.conversation(prompt)
+        turns = self._turns([m for m in messages if m.role != "system"], request)
+        for role, text in turns[:-1]:
+            conversation.add_history(role, text)
+        conversation.add_user_turn(turns[-1][1])
+        return conversation
+
+    def _turns(self, messages: list[ChatMessage], request: str) -> list[tuple[str, str]]:
+        """The messages as ChatML turns (role, text): a run of function outputs is one user
+        turn, and when it ends the messages it asks for the answer. ``request``: the last
+        message's words when it is the user's (already transcribed)."""
+        turns: list[tuple[str, str]] = []
+        outputs: list[str] = []
+        for i, message in enumerate(messages):
+            if message.role == "tool":
+                outputs.append(self._text_of(message))
+                continue
+            if outputs:
+                turns.append(("user", functions.results_text(outputs)))
+                outputs = []
+            last = i == len(messages) - 1 and message.role == "user"
+            said = request if last else self._text_of(message)
+            if message.role == "assistant":
+                said = functions.assistant_text(message, said)
+            turns.append((message.role, said))
+        if outputs:
+            turns.append(("user", f"{functions.results_text(outputs)}\n{functions.RESULT_ASK}"))
+        return turns
 
     @staticmethod
     def _ignored(turn: ChatTurn) -> tuple[str, ...]:

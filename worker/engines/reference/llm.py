@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 # Belt and braces next to local_files_only: the hub client reads this when first imported.
@@ -30,7 +31,13 @@ from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from omnifabric.common.paths import cache_root
 from omnifabric.worker.engines.cache import swap_in
-from omnifabric.worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML  # noqa: E402
+from omnifabric.worker.engines.reference.chatml import (  # noqa: E402
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    Answer,
+    ChatML,
+)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
@@ -148,6 +155,27 @@ class ReplyModel(ChatML):
     def conversation(self, system_prompt: str) -> Conversation:
         """A new dialogue with its own KV cache, the system prompt already prefilled."""
         return Conversation(self, system_prompt)
+
+    def ask(self, turns: Sequence[tuple[str, str]], max_tokens: int, prefix: str = "") -> Answer:
+        """A one-off greedy answer of up to ``max_tokens`` tokens after ChatML ``turns``
+        (role, text), continuing ``prefix`` (its text begins with it); no repetition
+        penalty (as llm_gguf's)."""
+        ids = self.ask_ids(turns, prefix)
+        cache, feed, said = DynamicCache(), ids, []
+        with torch.inference_mode():
+            for _ in range(max_tokens):
+                out = self.model(
+                    input_ids=torch.tensor([feed], dtype=torch.long, device=self.device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                cache, token = out.past_key_values, int(torch.argmax(out.logits[0, -1]))
+                if token in self.stop_ids:
+                    break
+                said.append(token)
+                feed = [token]
+        return Answer(prefix + self.decode(said), len(ids), len(said))
 
 
 class Conversation:

@@ -37,13 +37,14 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omnifabric.common.paths import cache_root
 from omnifabric.worker.engines.cache import swap_in
-from omnifabric.worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, ChatML
+from omnifabric.worker.engines.reference.chatml import ENDOFTEXT, IM_END, IM_START, Answer, ChatML
 
 log = logging.getLogger(__name__)
 
@@ -419,6 +420,7 @@ class ReplyModel(ChatML):
         self._slot_lock = threading.Lock()
         self._slot_owner: list[weakref.ref | None] = [None] * slots
         self._slot_used = [0.0] * slots
+        self._ask_slot: int | None = None
         self._server = xllamacpp.Server(
             _server_params(self.gguf_path, slots, self.max_context, self.threads, ram_cache_mib)
         )
@@ -484,6 +486,25 @@ class ReplyModel(ChatML):
     def conversation(self, system_prompt: str) -> Conversation:
         """A new dialogue, the system prompt already prefilled."""
         return Conversation(self, system_prompt)
+
+    def ask(self, turns: Sequence[tuple[str, str]], max_tokens: int, prefix: str = "") -> Answer:
+        """A one-off greedy answer of up to ``max_tokens`` tokens after ChatML ``turns``
+        (role, text), continuing ``prefix`` (its text begins with it); no repeat penalty.
+
+        The questions share one server slot (the model holds it while nobody takes it), so
+        what a question shares with the one before it (the same instructions and request)
+        is not computed again. Thread-safe: llama.cpp runs one request at a time there."""
+        ids = self.ask_ids(turns, prefix)
+        self._ask_slot = slot = self.slot_for(self, self._ask_slot)
+        done = self.complete(ids, max_tokens, 0, slot)
+        said = []
+        for token, raw in done.tokens:
+            if token in self.stop_ids:
+                break
+            if token not in self.special_ids:
+                said.append(raw)
+        text = b"".join(said).decode("utf-8", "replace")
+        return Answer(prefix + text, len(ids), len(said))
 
 
 class Conversation:

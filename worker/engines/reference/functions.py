@@ -1,0 +1,182 @@
+"""Function calling for the reference engine's reply model (a small ChatML model).
+
+Offered its functions in the system prompt, Qwen2.5-Coder-1.5B calls one for almost any
+question (get_weather for "What is the capital of Spain?"), so the choice and the arguments
+are asked separately, as short questions the model answers well:
+
+- whether to call: one yes/no question per function ("Do they want you to <what it
+  does>?"), its first token only (auto: every function that gets a yes, once; required:
+  those, else the one the model picks from a numbered list; a named function: that one);
+- the arguments: a JSON object for the function's schema and the user's words, greedy, its
+  answer begun with "{"; parsed and checked against the schema (common.tools), asked once
+  more with what was wrong, and never passed on when it still does not fit.
+
+A function's output goes back into the conversation as the model's template writes it: the
+call as an assistant turn "<tool_call>{json}</tool_call>", the outputs as a user turn of
+"<tool_response>" blocks (the tokenizer made from the GGUF has neither as a token of its own:
+they are text, and the client's text cannot close a turn: ChatML.turn_ids).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from omnifabric.common.tools import AUTO, FUNCTION, REQUIRED, argument_errors
+from omnifabric.worker.engine import ChatMessage, ChatTurn, ToolCall, ToolSpec
+from omnifabric.worker.engines.reference.chatml import Answer
+
+#: The yes/no question: what the model does when asked whether a request wants a function.
+CHECK_SYSTEM = "You answer yes or no only."
+CHECK_QUESTION = 'The user said: "{request}"\nDo they want you to {task}?'
+#: required, when no function got a yes: the model picks one by its number.
+PICK_SYSTEM = "You pick the one function that best serves a request. Answer with its number only."
+PICK_QUESTION = 'The user said: "{request}"\nFunctions:\n{functions}\nWhich number?'
+#: The arguments, as one JSON object.
+FILL_SYSTEM = (
+    "You fill in a function's arguments. Write one JSON object that fits the function's "
+    "schema, with values taken from the request, and nothing else."
+)
+FILL_QUESTION = (
+    "Function: {name}\nWhat it does: {description}\nSchema of its arguments: {schema}\n"
+    'Request: "{request}"'
+)
+FILL_RETRY = "That does not fit the schema: {problems}. Write the corrected JSON object only."
+ARGUMENT_TOKENS = 160
+#: How the model is told of function outputs (added to the system prompt when the
+#: conversation holds some), and what follows the outputs that end the turn.
+RESULT_NOTE = (
+    "When a function you called returns, its result comes in <tool_response> tags: answer "
+    "the user's question with it."
+)
+RESULT_ASK = "Answer my question with this result."
+#: A reply whose calls could not be made (their arguments never fit).
+CANNOT = "Sorry, I could not do that."
+
+
+class Asker(Protocol):
+    """What the reply model offers for one-off questions (llm_gguf's and llm's ReplyModel)."""
+
+    def ask(
+        self, turns: Sequence[tuple[str, str]], max_tokens: int, prefix: str = ""
+    ) -> Answer: ...
+
+
+@dataclass
+class Plan:
+    """What a turn with functions does: the calls to make, the problems of those that could
+    not be made, and the tokens its questions took."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    def count(self, answer: Answer) -> Answer:
+        self.prompt_tokens += answer.prompt_tokens
+        self.output_tokens += answer.output_tokens
+        return answer
+
+
+def task(spec: ToolSpec) -> str:
+    """What a function does, as words that follow "you to": its description (first letter
+    lowered, final period gone), else its name's words."""
+    text = spec.description.strip().rstrip(".").strip()
+    if not text:
+        return " ".join(re.split(r"[_\-]+", spec.name)).strip()
+    return text[:1].lower() + text[1:]
+
+
+def choose(llm: Asker, turn: ChatTurn, request: str, plan: Plan) -> list[ToolSpec]:
+    """The functions the reply calls for ``request`` (the user's last words) under the
+    turn's tool choice; none for auto when no function gets a yes."""
+    choice = turn.tool_choice
+    if not turn.tools or not choice.allows_calls():
+        return []
+    if choice.kind == FUNCTION:
+        return [s for s in turn.tools if s.name == choice.name][:1]
+    wanted = [s for s in turn.tools if wants(llm, request, s, plan)]
+    if wanted or choice.kind == AUTO:
+        return wanted
+    assert choice.kind == REQUIRED
+    return [pick(llm, request, turn.tools, plan)]
+
+
+def wants(llm: Asker, request: str, spec: ToolSpec, plan: Plan) -> bool:
+    """The model's yes or no: does ``request`` ask for what ``spec`` does?"""
+    question = CHECK_QUESTION.format(request=request, task=task(spec))
+    answer = plan.count(llm.ask([("system", CHECK_SYSTEM), ("user", question)], 1))
+    return answer.text.strip().lower().startswith("yes")
+
+
+def pick(llm: Asker, request: str, specs: Sequence[ToolSpec], plan: Plan) -> ToolSpec:
+    """The function the model names by number (the first when its answer is no number)."""
+    listed = "\n".join(f"{i}. {s.name}: {task(s)}" for i, s in enumerate(specs, start=1))
+    question = PICK_QUESTION.format(request=request, functions=listed)
+    answer = plan.count(llm.ask([("system", PICK_SYSTEM), ("user", question)], 3))
+    number = re.search(r"\d+", answer.text)
+    index = int(number.group()) - 1 if number else 0
+    return specs[index] if 0 <= index < len(specs) else specs[0]
+
+
+def fill(llm: Asker, request: str, spec: ToolSpec, plan: Plan) -> None:
+    """The call of ``spec`` with the arguments the model writes for ``request``, added to
+    the plan; asked once more when they do not fit, then the problem is the plan's."""
+    question = FILL_QUESTION.format(
+        name=spec.name,
+        description=spec.description or task(spec),
+        schema=json.dumps(spec.parameters or {"type": "object"}),
+        request=request,
+    )
+    turns = [("system", FILL_SYSTEM), ("user", question)]
+    for attempt in range(2):
+        answer = plan.count(llm.ask(turns, ARGUMENT_TOKENS, prefix="{"))
+        arguments, problems = parse_arguments(answer.text, spec)
+        if not problems:
+            plan.calls.append(ToolCall(f"call_{secrets.token_hex(8)}", spec.name, arguments))
+            return
+        if attempt == 0:
+            retry = FILL_RETRY.format(problems="; ".join(problems))
+            turns += [("assistant", answer.text), ("user", retry)]
+    plan.problems += [f"tool {spec.name}: {p}" for p in problems]
+
+
+def parse_arguments(text: str, spec: ToolSpec) -> tuple[str, list[str]]:
+    """The JSON object at the start of ``text`` (what follows it is dropped), as compact JSON
+    text, and what is wrong with it for ``spec`` ([] when it fits)."""
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text.strip())
+    except ValueError as exc:
+        return "", [f"the arguments are not JSON ({exc})"]
+    if not isinstance(value, dict):
+        return "", ["the arguments must be a JSON object"]
+    arguments = json.dumps(value, ensure_ascii=False)
+    return arguments, argument_errors(spec, arguments)
+
+
+def call_text(call: ToolCall) -> str:
+    """A call as the model's template writes it in an assistant turn."""
+    try:
+        arguments: Any = json.loads(call.arguments)
+    except ValueError:
+        arguments = call.arguments
+    body = json.dumps({"name": call.name, "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def assistant_text(message: ChatMessage, said: str) -> str:
+    """An assistant message's words (``said``) and its calls, as the model writes them."""
+    return "\n".join([*([said] if said else []), *(call_text(c) for c in message.tool_calls)])
+
+
+def results_text(outputs: Sequence[str]) -> str:
+    """Function outputs as one user turn's text."""
+    return "\n".join(f"<tool_response>\n{o}\n</tool_response>" for o in outputs)
+
+
+def has_results(messages: Sequence[ChatMessage]) -> bool:
+    return any(m.role == "tool" for m in messages)
