@@ -387,6 +387,7 @@ class Scheduler:
     ) -> None:
         """Record a worker's health (and memory figures, headroom, slots now); a SERVING
         worker may take waiting requests."""
+        self.counters.worker_reports += 1
         if not self.registry.is_current(worker):
             return
         if worker.health is not health:

@@ -55,6 +55,8 @@ class Counters:
     """Registrations that ended other than by a drain: the stream broke, or it was hung."""
     workers_hung: int = 0
     """Registrations ended by the watchdog: silent past the timeout on attended time."""
+    worker_reports: int = 0
+    """Reports read from workers' Register streams (each worker sends one a second)."""
 
 
 class SchedulerState(Protocol):
@@ -212,6 +214,11 @@ class _StateCollector(Collector):
                 "Worker registrations ended for silence past the worker timeout (net of the "
                 "scheduler's own stalls).",
                 counters.workers_hung,
+            ),
+            (
+                "worker_reports",
+                "Reports read from the workers (one a second each, and on every change).",
+                counters.worker_reports,
             ),
             (
                 "leases_reattached",

@@ -21,6 +21,7 @@ commands:
   eval        ask a stack spoken questions (several voices) and score the spoken answers
   eval-tools  ask a stack requests that need a function and ones that need none; score calls
   soak        the long-run reliability rows (L1 L2 L3 F1 FUZZ) on their own local stack
+  fleet-bench the scheduler alone under simulated workers and callers, level by level
   stubs       regenerate the gRPC stubs from proto/ (--check: fail when stale)
   config-doc  write docs/configuration.md's tables from the settings (--check: fail when stale)
 
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         from omnifabric.tools.eval_tools import main as run
     elif command == "soak":
         from omnifabric.tools.perf.soak import main as run
+    elif command == "fleet-bench":
+        from omnifabric.tools.fleet_bench import main as run
     elif command == "stubs":
         from omnifabric.tools.gen_stubs import main as run
     elif command == "config-doc":

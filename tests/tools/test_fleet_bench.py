@@ -1,0 +1,59 @@
+"""The fleet benchmark (tools/fleet_bench.py) on a tiny fleet: it runs end to end with
+real processes (a scheduler, simulated workers and callers) and reads its figures from the
+scheduler's side; and its arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from omnifabric.tools import fleet_bench
+from omnifabric.tools.fleet_bench import Level, Plan, Snapshot
+
+
+def test_a_tiny_fleet_runs_end_to_end(tmp_path, capsys):
+    figures_path = tmp_path / "figures.json"
+    args = ["--levels", "3x4", "--seconds", "3", "--session-s", "4", "--status-every", "1"]
+    args += ["--worker-procs", "1", "--caller-procs", "1", "--log-dir", str(tmp_path)]
+    assert fleet_bench.main([*args, "--json", str(figures_path)]) == 0
+    [row] = json.loads(figures_path.read_text())
+    print(fleet_bench.markdown([row]))
+    assert row["level"] == "3x4" and row["running"] == 11
+    assert row["arrivals"] > 0 and row["failed"] == 0
+    assert row["workers_lost"] == row["leases_lost"] == 0
+    assert 1.0 <= row["reports_per_s"] <= 6.0  # three workers, one report a second each
+    assert row["cpu_pct"] > 0 and row["rss_mib"] > 0 and row["status_kib"] > 0
+    assert "| 3x4 | 11 |" in capsys.readouterr().out
+
+
+def test_levels_percentiles_and_shares():
+    assert fleet_bench.parse_levels("10x8, 100x64") == [Level(10, 8), Level(100, 64)]
+    assert fleet_bench.percentile([], 99) == 0.0
+    assert fleet_bench.percentile([float(n) for n in range(1, 101)], 99) == 99.0
+    assert fleet_bench.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert fleet_bench._split(10, 3) == [4, 3, 3]
+    assert fleet_bench._split(1, 4) == [1]
+
+
+def test_a_plan_keeps_its_sessions_running():
+    args = argparse.Namespace(load=0.9, session_s=300.0, rate=0.0)
+    plan = Plan.of(Level(100, 64), args)
+    assert (plan.running, plan.rate, plan.session_s) == (5760, pytest.approx(19.2), 300.0)
+    args.rate = 250.0  # a rate given: sessions as long as keeps the load (Little's law)
+    assert Plan.of(Level(100, 64), args).session_s == pytest.approx(23.04)
+
+
+def test_the_loop_lag_quantile_reads_the_histogram_between_two_scrapes():
+    def snapshot(counts: list[float]) -> Snapshot:
+        bounds = ["0.001", "0.01", "0.1", "+Inf"]
+        name = "omni_scheduler_loop_lag_seconds_bucket"
+        samples = {name: [({"le": b}, c) for b, c in zip(bounds, counts, strict=True)]}
+        return Snapshot(0.0, 0.0, 0.0, samples)
+
+    before = snapshot([10, 10, 10, 10])
+    after = snapshot([100, 109, 110, 110])  # 90 under 1 ms, 9 under 10 ms, 1 under 100 ms
+    assert fleet_bench.lag_quantile(before, after, 0.5) == 0.001
+    assert fleet_bench.lag_quantile(before, after, 0.99) == 0.01
+    assert fleet_bench.lag_quantile(before, after, 1.0) == 0.1
