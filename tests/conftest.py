@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -51,16 +52,67 @@ def scaled(seconds: float) -> float:
 #: default suite within ~10 minutes on a 2-core machine: `bash tools/dev test -m long` runs
 #: them alone, OMNI_LONG_TESTS=1 with the rest.
 LONG = "long"
+#: The default suite's own long tests (callers speaking in real time for half a minute, an
+#: hour of units, a bench run, a long conversation through the real models): left out of
+#: the README's `bash tools/dev test` for the same 10 minutes, and run by CI in a second
+#: call after it (.ci/run: `bash tools/dev test -m ci_long`), so CI runs every test.
+CI_LONG = "ci_long"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"{LONG}: a long run, opt-in (bash tools/dev test -m {LONG}; OMNI_LONG_TESTS=1)"
     )
+    config.addinivalue_line(
+        "markers",
+        f"{CI_LONG}: a long test CI runs after the default suite, which leaves it out "
+        f"(bash tools/dev test -m {CI_LONG}; OMNI_LONG_TESTS=1 runs it with the rest)",
+    )
+
+
+_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """Say which long tests the run left out and how to run them."""
+    left_out = config.stash.get(_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(
+            f"{left_out} {CI_LONG} test{'s' * (left_out != 1)} left out (CI runs them): "
+            f"bash tools/dev test -m {CI_LONG}"
+        )
+
+
+def _named(config: pytest.Config, marker: str) -> bool:
+    """Whether -m names `marker` as a word (`-m ci_long` does not name `long`)."""
+    return re.search(rf"\b{marker}\b", config.option.markexpr or "") is not None
+
+
+def _asked_for(config: pytest.Config, item: pytest.Item) -> bool:
+    """Whether the command line names this test itself (path::name), not only its file."""
+    for arg in config.args:
+        path, sep, name = arg.partition("::")
+        if not sep:
+            continue
+        try:
+            node = f"{Path(path).resolve().relative_to(config.rootpath).as_posix()}::{name}"
+        except ValueError:  # outside the repository
+            continue
+        if item.nodeid == node or item.nodeid.startswith((f"{node}[", f"{node}::")):
+            return True
+    return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("OMNI_LONG_TESTS") == "1" or LONG in (config.option.markexpr or ""):
+    everything = os.environ.get("OMNI_LONG_TESTS") == "1"
+    if not (everything or _named(config, CI_LONG)):
+        left_out = [i for i in items if CI_LONG in i.keywords and not _asked_for(config, i)]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            dropped = set(map(id, left_out))
+            items[:] = [i for i in items if id(i) not in dropped]
+            config.stash[_LEFT_OUT] = len(left_out)
+    if everything or _named(config, LONG):
         return
     skip = pytest.mark.skip(reason=f"a long run, opt-in: bash tools/dev test -m {LONG}")
     for item in items:

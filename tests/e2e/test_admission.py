@@ -28,6 +28,10 @@ QUESTION = [SPEECH, SILENCE]
 NO_STARTUP = {"config": {"force_listen_count": 0}}
 
 
+#: Callers in real time for ~15 s, a worker slowed and recovering for ~10 s (tests/conftest.py).
+pytestmark = pytest.mark.ci_long
+
+
 @pytest.fixture
 def stack(tmp_path):
     stack = Stack(tmp_path)

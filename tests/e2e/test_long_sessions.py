@@ -183,6 +183,7 @@ async def test_the_official_sdk_goes_on_past_the_warning(limited):
 HOUR_GROWTH_MIB = 5.0
 
 
+@pytest.mark.ci_long  # 3,600 units, ~11 s each (tests/conftest.py)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("record", [False, True], ids=["plain", "recorded"])
 def test_an_hour_long_session_never_closes_and_memory_stays_flat(record):

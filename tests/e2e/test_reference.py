@@ -194,6 +194,7 @@ async def test_half_duplex_call_answers_the_spoken_question(stack):
     assert turn["turn_index"] == 1 and "paris" in turn["text"].lower(), turn
 
 
+@pytest.mark.ci_long  # three callers in real time, two at a time: ~35 s (tests/conftest.py)
 async def test_callers_beyond_real_time_wait_and_every_one_is_answered(stack):
     """Issue 37 on the reference engine: three callers ask at once, each speaking in real
     time, to a worker of 2 slots. How many it admits at once depends on what its sessions
@@ -304,6 +305,81 @@ async def test_openai_sdk_spoken_question_is_answered_in_speech(stack):
     assert "paris" in heard.lower(), (heard, done.response.output)
     user = next(e for e in seen if e.type == "conversation.item.added" and e.item.role == "user")
     assert user.item.id == next(e for e in seen if e.type.endswith("committed")).item_id
+
+
+async def test_openai_sdk_spoken_request_calls_a_function_and_speaks_its_result(stack):
+    """Issue 53 on the reference engine through the `openai` SDK: "What's the weather in
+    Paris?" spoken (Piper) as the user's audio item, a get_weather(city) tool offered; the
+    reply calls it with city Paris; the client's output comes back and the spoken answer
+    that follows, heard by a recognizer other than the engine's own, uses it."""
+    import asyncio
+    import base64
+    import json
+
+    openai = pytest.importorskip("openai")
+    from scipy.signal import resample_poly
+
+    from omnifabric.tools.eval_reference import render
+    from omnifabric.tools.probe import transcribe_24k
+
+    spoken = resample_poly(render("piper", "joe", 1.0, "What's the weather in Paris?"), 3, 2)
+    pcm24 = (np.clip(spoken, -1, 1) * 32767).astype("<i2").tobytes()
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    }
+    base = stack.url.replace("ws://", "http://").removesuffix("/realtime")
+    client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
+    seen = []
+    async with client.realtime.connect(model="reference") as conn:
+
+        async def until(kind: str):
+            while True:
+                event = await asyncio.wait_for(conn.recv(), scaled(120))
+                seen.append(event)
+                assert event.type != "error", event.error
+                if event.type == kind:
+                    return event
+
+        turns_off = {"input": {"turn_detection": None}}
+        await conn.session.update(
+            session={"type": "realtime", "tools": [weather], "audio": turns_off}
+        )
+        await until("session.updated")
+        audio = base64.b64encode(pcm24).decode()
+        await conn.conversation.item.create(
+            item={
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_audio", "audio": audio}],
+            }
+        )
+        await conn.response.create()
+        call = await until("response.function_call_arguments.done")
+        assert call.name == "get_weather"
+        assert json.loads(call.arguments)["city"].lower() == "paris"
+        await until("response.done")
+        output = {"temp_c": 31, "sky": "sunny"}
+        await conn.conversation.item.create(
+            item={
+                "type": "function_call_output",
+                "call_id": call.call_id,
+                "output": json.dumps(output),
+            }
+        )
+        await conn.response.create()
+        seen.clear()
+        done = await until("response.done")
+    assert done.response.status == "completed", done.response.status_details
+    reply = b"".join(base64.b64decode(e.delta) for e in seen if e.type.endswith("audio.delta"))
+    heard = transcribe_24k(np.frombuffer(reply, "<i2").astype(np.float32) / 32768.0).lower()
+    assert "sunny" in heard or "31" in heard or "thirty" in heard, heard
 
 
 @pytest.mark.long  # ~3 minutes of a 2-core machine: opt-in (bash tools/dev test -m long)

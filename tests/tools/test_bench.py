@@ -149,6 +149,7 @@ def test_every_path_measured_with_ratios_table_and_plot(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
 
+@pytest.mark.ci_long  # a bench run, measured twice: ~18 s (tests/conftest.py)
 def test_against_a_running_edge(tmp_path):
     stack = Stack(tmp_path)
     try:

@@ -10,11 +10,10 @@ from omnifabric.worker.engines.reference.turns import TurnRules
 
 @pytest.fixture(scope="package")
 def inline_engine() -> ReferenceEngine:
-    """A reference engine of 2 slots, loaded and warmed up once for the package (~4 s to
-    load, ~8 s to warm up on a 2-core host), whose turn's end is worked out by the unit that
-    ends it ("inline": exact timelines whatever a unit costs on this machine). Its tests
-    open their own sessions and put back any setting they change, so sharing it is safe."""
+    """A reference engine of 2 slots, loaded once for the package (~4 s on a 2-core host),
+    whose turn's end is worked out by the unit that ends it ("inline": exact timelines
+    whatever a unit costs on this machine). Its tests open their own sessions and put back
+    any setting they change, so sharing it is safe; test_engine warms it up."""
     engine = ReferenceEngine(slots=2, rules=TurnRules(turn_work="inline"))
     engine.load()
-    engine.warmup()
     return engine

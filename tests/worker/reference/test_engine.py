@@ -19,7 +19,8 @@ from tests.worker.reference.drive import Step, drive, timeline
 def engine(inline_engine):
     # The unit that ends the turn does its work itself, whatever it costs on this machine
     # (exact timelines); test_turn_work_* cover the other places. Loaded once for the
-    # package (tests/worker/reference/conftest.py).
+    # package (tests/worker/reference/conftest.py), warmed up here.
+    inline_engine.warmup()
     return inline_engine
 
 

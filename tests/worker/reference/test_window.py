@@ -139,8 +139,8 @@ def test_an_open_reply_is_never_forgotten_and_goes_on_in_the_new_context() -> No
 
 @pytest.fixture(scope="module")
 def engine(inline_engine: ReferenceEngine) -> ReferenceEngine:
-    # As test_engine's, the same one: the unit that ends the turn does its work itself
-    # (exact timelines).
+    # As test_engine's, the same one (warmed up when test_engine ran first): the unit that
+    # ends the turn does its work itself (exact timelines).
     return inline_engine
 
 
@@ -207,6 +207,7 @@ def _run(
     return rows, said
 
 
+@pytest.mark.ci_long  # a conversation of ~75 units on the real models: ~12-20 s (tests/conftest.py)
 def test_basic_window_slides_below_the_high_watermark_and_keeps_answering(engine) -> None:
     high, low = 400, 250
     settings = DuplexSettings(
@@ -246,6 +247,7 @@ def test_basic_window_slides_below_the_high_watermark_and_keeps_answering(engine
     )
 
 
+@pytest.mark.ci_long  # a conversation of ~40 units on the real models: ~8-13 s
 def test_context_window_keeps_its_units_and_carries_what_was_said(engine) -> None:
     units = 10
     settings = DuplexSettings(
