@@ -35,6 +35,8 @@ from omnifabric.scheduler.leases import (
     LeaseRevokeNotice,
     LeaseState,
     LeaseTable,
+    Signal,
+    first_set,
 )
 from omnifabric.scheduler.liveness import LOST_GRACE_S, AttendedTimer, Liveness, LoopClock
 from omnifabric.scheduler.metrics import Counters, SchedulerMetrics
@@ -204,7 +206,7 @@ class _Ending:
     """Set when every stream of the present state must end: a drain, or a lost leadership;
     `error` is what their callers are told."""
 
-    event: asyncio.Event = field(default_factory=asyncio.Event)
+    event: Signal = field(default_factory=Signal)
     error: SchedulerError = field(default_factory=ShuttingDown)
 
 
@@ -397,6 +399,7 @@ class Scheduler:
                 health.value,
                 f" ({detail})" if detail else "",
             )
+        moved = worker.health is not health or bool(slots and slots != worker.slots)
         worker.health = health
         worker.detail = detail
         if memory is not None:
@@ -411,6 +414,7 @@ class Scheduler:
                 worker.slots,
             )
             worker.slots = slots
+        self.registry.touch(worker, reindex=moved)
         if health is Health.SERVING:
             self._dispatch()
 
@@ -558,7 +562,7 @@ class Scheduler:
             ticket.resume_key, ticket.owner = resume_key, owner
             ticket.resume_grace_s = resume_grace_s
         # Behind anyone already waiting for this mode: the queue is FIFO.
-        waiting = any(t.mode is mode for t in self.queue)
+        waiting = self.queue.waiting(mode) > 0
         worker = None if waiting else self.registry.pick(mode, self.config.realtime_margin)
         if worker is not None:
             # After every change the queue is dispatched, so nobody waiting can use this slot.
@@ -569,7 +573,7 @@ class Scheduler:
             except QueueFull:
                 self.counters.queue_full_rejections += 1
                 raise
-        moved: asyncio.Event | None = None
+        moved: Signal | None = None
         try:
             async for update in self._wait(ticket):
                 yield update
@@ -615,7 +619,7 @@ class Scheduler:
             lease.state = LeaseState.ACTIVE
             log.info("lease %s reattached (session %s)", lease.lease_id, lease.session_id)
         else:  # held: the present holder is superseded
-            previous, lease.moved = lease.moved, asyncio.Event()
+            previous, lease.moved = lease.moved, Signal()
             previous.set()
             log.info(
                 "lease %s moved to a new holder (session %s)", lease.lease_id, lease.session_id
@@ -657,17 +661,9 @@ class Scheduler:
                 return
         yield LeaseLoss(lease.lease_id, lease.lost_reason or "lease lost")
 
-    async def _unless_ending(self, ending: _Ending, *events: asyncio.Event) -> bool:
+    async def _unless_ending(self, ending: _Ending, *events: Signal) -> bool:
         """Wait for any of `events`; False if `ending` (drain, step-down) comes first."""
-        if any(e.is_set() for e in events):
-            return True
-        waits = {asyncio.ensure_future(e.wait()) for e in events}
-        waits.add(asyncio.ensure_future(ending.event.wait()))
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waits:
-                waiter.cancel()
+        await first_set(ending.event, *events)
         return any(e.is_set() for e in events)
 
     async def _wait(self, ticket: Ticket) -> AsyncIterator[QueueUpdate]:
@@ -836,16 +832,27 @@ class Scheduler:
     # --- internals -------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        """Grant, in FIFO order, every waiting request that a free slot can serve."""
-        if self.draining or not self.leadership.leads():
+        """Grant, in FIFO order, every waiting request that a free slot can serve. Once no
+        worker takes a mode, no later request of it can be served: the walk stops when
+        that holds for every mode waiting (a full fleet: after one look, not the queue)."""
+        if self.draining or not self.leadership.leads() or not len(self.queue):
             return
-        granted = False
-        for ticket in self.queue:
+        granted: list[Ticket] = []
+        full: set[Mode] = set()
+        waiting = self.queue.modes()
+        for ticket in self.queue.ordered():
+            if ticket.mode in full:
+                continue
             worker = self.registry.pick(ticket.mode, self.config.realtime_margin)
-            if worker is not None:
-                self.queue.remove(ticket)
-                self._grant(ticket, worker)
-                granted = True
+            if worker is None:
+                full.add(ticket.mode)
+                if full >= waiting:
+                    break
+                continue
+            self._grant(ticket, worker)
+            granted.append(ticket)
+        for ticket in granted:
+            self.queue.remove(ticket)
         if granted:
             self._notify_waiting()
 

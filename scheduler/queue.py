@@ -6,6 +6,7 @@ import asyncio
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -65,6 +66,8 @@ class WaitQueue:
         self._tickets: dict[str, Ticket] = {}
         # Rebuilt lazily after a change: every waiter asks for its position on each change.
         self._positions: dict[str, int] | None = None
+        self._modes: Counter[Mode] = Counter()
+        """Waiting tickets per mode."""
 
     def __len__(self) -> int:
         return len(self._tickets)
@@ -82,6 +85,7 @@ class WaitQueue:
         if len(self._tickets) >= self.queue_max and not over_max:
             raise QueueFull(len(self._tickets), self.queue_max)
         self._positions = None
+        self._modes[ticket.mode] += 1
         tickets = self._tickets
         place = _place(ticket)
         if not tickets or _place(next(reversed(tickets.values()))) <= place:
@@ -103,7 +107,21 @@ class WaitQueue:
         if self._tickets.pop(ticket.ticket_id, None) is None:
             return False
         self._positions = None
+        self._modes[ticket.mode] -= 1
         return True
+
+    def ordered(self) -> Iterator[Ticket]:
+        """The waiting tickets in order, live (no copy): the queue must not change while
+        the caller walks it."""
+        return iter(self._tickets.values())
+
+    def waiting(self, mode: Mode) -> int:
+        """How many tickets of `mode` wait."""
+        return self._modes[mode]
+
+    def modes(self) -> set[Mode]:
+        """The modes some ticket waits for."""
+        return {mode for mode, n in self._modes.items() if n > 0}
 
     def positions(self) -> dict[str, int]:
         """1-based position of every waiting ticket, by ticket id."""

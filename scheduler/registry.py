@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import heapq
 import itertools
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +105,8 @@ class Worker:
     lease_modes: dict[str, Mode | None] = field(default_factory=dict)
     #: Messages for the worker's Register stream (lease notices; None ends the stream).
     outbox: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    #: Told when its slots are taken or freed (its registry's admission index).
+    on_change: Callable[[Worker], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def slots_free(self) -> int:
@@ -148,12 +152,54 @@ class Worker:
             slot = next(n for n in itertools.count() if n not in used)
         self.lease_slots[lease_id] = slot
         self.lease_modes[lease_id] = mode
+        if self.on_change is not None:
+            self.on_change(self)
         return slot
 
     def free_slot(self, lease_id: str) -> None:
         """Give back the slot `lease_id` occupied, if any."""
         self.lease_slots.pop(lease_id, None)
         self.lease_modes.pop(lease_id, None)
+        if self.on_change is not None:
+            self.on_change(self)
+
+
+class _FreeIndex:
+    """The workers that may take a session of one mode, most free slots first and oldest on
+    ties (Registry.pick's order) in a heap, so that admission looks at the best candidate
+    instead of every worker.
+
+    Entries are pushed whenever a worker's free slots or health change (Registry.touch) and
+    never updated: an entry whose worker changed since is stale and dropped when it comes
+    to the top; the heap is rebuilt when stale entries outnumber the workers."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[int, int, int, Worker]] = []
+        """(-free slots, registration order, push order, worker)."""
+
+    def push(self, worker: Worker, order: int) -> None:
+        heapq.heappush(self.heap, (-worker.slots_free, worker.seq, order, worker))
+
+    def best(
+        self, fits: Callable[[Worker], bool], live: Callable[[Worker, int], bool]
+    ) -> Worker | None:
+        """The first worker in order that `fits` (entries not `live` are dropped; the ones
+        that do not fit stay for later)."""
+        heap = self.heap
+        passed = []
+        found = None
+        while heap:
+            entry = heap[0]
+            if not live(entry[3], -entry[0]):
+                heapq.heappop(heap)
+            elif fits(entry[3]):
+                found = entry[3]
+                break
+            else:
+                passed.append(heapq.heappop(heap))
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        return found
 
 
 class Registry:
@@ -162,6 +208,14 @@ class Registry:
     def __init__(self) -> None:
         self._workers: dict[str, Worker] = {}
         self._seq = itertools.count()
+        self._pushes = itertools.count()
+        self._free: dict[Mode, _FreeIndex] = {mode: _FreeIndex() for mode in Mode}
+        """Per mode, the workers that may take one more session of it (see `pick`)."""
+        self._modes: Counter[Mode] = Counter()
+        """Registered workers per mode they serve, in any health."""
+        self.version = 0
+        """Counts every change that can change what the workers hold (capacity's cache)."""
+        self._capacity: dict[tuple[Mode, float], tuple[int, int]] = {}
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))
@@ -175,16 +229,60 @@ class Registry:
     def add(self, worker: Worker) -> Worker | None:
         """Register `worker`; returns the registration it replaces, if any."""
         old = self._workers.pop(worker.worker_id, None)
+        if old is not None:
+            self._forget(old)
         worker.seq = next(self._seq)
         self._workers[worker.worker_id] = worker
+        self._modes.update(worker.modes)
+        worker.on_change = self.touch
+        self.touch(worker)
         return old
 
     def remove(self, worker: Worker) -> bool:
         """Drop `worker` if it is still the live registration for its id."""
         if self._workers.get(worker.worker_id) is worker:
             del self._workers[worker.worker_id]
+            self._forget(worker)
             return True
         return False
+
+    def _forget(self, worker: Worker) -> None:
+        """`worker` is no longer registered: its entries in the index go stale."""
+        self._modes.subtract(worker.modes)
+        worker.on_change = None
+        self.version += 1
+
+    def touch(self, worker: Worker, reindex: bool = True) -> None:
+        """A worker's slots, health or headroom changed: forget cached capacities, and
+        (`reindex`: its free slots or health changed) index it anew where it may take one
+        more session."""
+        self.version += 1
+        if not reindex or not self._leasable(worker, worker.slots_free):
+            return
+        for mode in worker.modes:
+            self._free[mode].push(worker, next(self._pushes))
+        if sum(len(index.heap) for index in self._free.values()) > 4 * len(self._workers) + 64:
+            self._reindex()
+
+    def _reindex(self) -> None:
+        """Rebuild the index from the live workers (its stale entries had piled up)."""
+        for index in self._free.values():
+            index.heap = []
+        for worker in self._workers.values():
+            if self._leasable(worker, worker.slots_free):
+                for mode in worker.modes:
+                    self._free[mode].push(worker, next(self._pushes))
+
+    def _leasable(self, worker: Worker, free: int) -> bool:
+        """Whether an index entry of `worker` with `free` slots still stands: the worker is
+        registered, SERVING, not hung up, and has `free` (> 0) slots free."""
+        return (
+            free > 0
+            and worker.slots_free == free
+            and worker.health is Health.SERVING
+            and not worker.hung_up
+            and self._workers.get(worker.worker_id) is worker
+        )
 
     def is_current(self, worker: Worker) -> bool:
         """True while `worker` has not been removed or replaced."""
@@ -192,24 +290,22 @@ class Registry:
 
     def serves(self, mode: Mode) -> bool:
         """True when any registered worker, in any health, serves `mode`."""
-        return any(mode in w.modes for w in self._workers.values())
+        return self._modes[mode] > 0
 
     def pick(self, mode: Mode, margin: float = 0.0) -> Worker | None:
         """The SERVING worker for `mode` that can take it (Worker.can_take) with the most
-        free slots (oldest on ties)."""
-        best: Worker | None = None
-        for worker in self._workers.values():
-            if worker.can_take(mode, margin) and (
-                best is None or worker.slots_free > best.slots_free
-            ):
-                best = worker
-        return best
+        free slots (oldest on ties). From the index: the candidates in that order until one
+        keeps real time with one more session (Worker.admits), not a scan of the fleet."""
+        return self._free[mode].best(lambda w: w.can_take(mode, margin), self._leasable)
 
     def serving_capacity(self, mode: Mode, margin: float = 0.0) -> int:
         """Sessions of `mode` the SERVING workers hold at once: each its slots, or fewer
         where its headroom says fewer keep real time (with a margin); a worker that is
         behind (late units lately) takes none until it recovers, so it counts for what it
-        holds now (at least 1)."""
+        holds now (at least 1). Counted once per change of the fleet (`version`)."""
+        cached = self._capacity.get((mode, margin))
+        if cached is not None and cached[0] == self.version:
+            return cached[1]
         total = 0
         for w in self._workers.values():
             if w.health is not Health.SERVING or mode not in w.modes:
@@ -220,4 +316,5 @@ class Registry:
                 if w.headroom.late_recent:
                     held = min(held, max(1, len(w.lease_slots)))
             total += held
+        self._capacity[(mode, margin)] = (self.version, total)
         return total

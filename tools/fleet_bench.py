@@ -561,7 +561,10 @@ def _start_scheduler(args: argparse.Namespace, log_dir: Path) -> tuple[children.
     """A scheduler alone in its own process: (child, gRPC address, metrics address)."""
     flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
     flags += ["--queue-max", "1000000", "--log-level", args.log_level]
-    child = children.spawn("scheduler", "omnifabric.scheduler", flags, log_dir / "scheduler.log")
+    # --scheduler-from: another checkout's scheduler (a before/after comparison).
+    env = {"PYTHONPATH": str(args.scheduler_from)} if args.scheduler_from else None
+    log_path = log_dir / "scheduler.log"
+    child = children.spawn("scheduler", "omnifabric.scheduler", flags, log_path, env=env)
     words = child.wait_ready(60).split()
     return child, words[0], words[1].removeprefix("metrics=")
 
@@ -736,6 +739,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--caller-procs", type=int, default=2, help="processes for the callers (edges)")
     add("--status-every", type=float, default=2.0, help="GetStatus period, s (0: none)")
     add("--log-level", default="INFO", help="the scheduler's log level")
+    add(
+        "--scheduler-from",
+        type=Path,
+        help="run the scheduler from this folder on PYTHONPATH (holding an `omnifabric` "
+        "package: another checkout, for before/after figures)",
+    )
     add("--json", type=Path, help="also write the figures here")
     add("--log-dir", type=Path, help="every process's log (default: a temporary folder)")
     # A simulator process's own arguments (the orchestrator starts them).
