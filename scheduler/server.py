@@ -41,11 +41,15 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        # The server pings too: a hung worker (SIGSTOP, stuck kernel) stops acking, its
-        # Register stream breaks within ~4 s and its leases end (RELIABILITY.md F2).
-        ("grpc.keepalive_time_ms", 2_000),
-        ("grpc.keepalive_timeout_ms", 2_000),
-        ("grpc.http2.ping_timeout_ms", 2_000),
+        # The server pings too, as the backstop for a peer whose connection died without a
+        # reset (a hung edge's Acquire streams end within ~15 s). A hung worker is the
+        # watchdog's (scheduler.liveness: 3 s of silence net of the scheduler's own stalls,
+        # RELIABILITY.md F2). The timeout is long because a stalled scheduler reads no ack
+        # either: at 2 s, a full garbage collection of a 1,000-worker fleet (~5 s measured
+        # at 57,600 sessions, issue 55) ended every worker's registration at once.
+        ("grpc.keepalive_time_ms", 5_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.ping_timeout_ms", 10_000),
         # gRPC shares ports (SO_REUSEPORT) by default: a second scheduler started on the
         # same port would silently split the workers and the queue. Fail to bind instead.
         ("grpc.so_reuseport", 0),

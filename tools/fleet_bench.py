@@ -161,6 +161,9 @@ class SimWorker:
     def __init__(self, worker_id: str, slots: int, address: str, stats: WorkerStats) -> None:
         self.worker_id, self.slots, self.stats = worker_id, slots, stats
         self.held: set[str] = set()
+        self._report_message: scheduler_pb.RegisterRequest | None = None
+        """The report as of the leases held now (built again when they change: building a
+        map of 64 leases a second for each of 1,000 workers is the simulator's own cost)."""
         self.registered = asyncio.Event()
         self._outbox: asyncio.Queue[scheduler_pb.RegisterRequest] = asyncio.Queue()
         # Its own connection, as a worker process has (no subchannel shared with the rest).
@@ -197,12 +200,14 @@ class SimWorker:
     async def _report(self) -> None:
         await asyncio.sleep(random.uniform(0, REPORT_S))
         while True:
-            report = scheduler_pb.WorkerReport(
-                health=common_pb2.WORKER_HEALTH_SERVING,
-                headroom=_headroom(self.slots, self.held),
-                memory=common_pb2.MemoryStats(device="cuda", allocated_bytes=40 << 30),
-            )
-            self._outbox.put_nowait(scheduler_pb.RegisterRequest(report=report))
+            if self._report_message is None:
+                report = scheduler_pb.WorkerReport(
+                    health=common_pb2.WORKER_HEALTH_SERVING,
+                    headroom=_headroom(self.slots, self.held),
+                    memory=common_pb2.MemoryStats(device="cuda", allocated_bytes=40 << 30),
+                )
+                self._report_message = scheduler_pb.RegisterRequest(report=report)
+            self._outbox.put_nowait(self._report_message)
             self.stats.reports += 1
             await asyncio.sleep(REPORT_S)
 
@@ -230,10 +235,12 @@ class SimWorker:
         elif kind == "lease_granted":
             self.stats.grants += 1
             self.held.add(response.lease_granted.lease_id)
+            self._report_message = None
         elif kind == "lease_revoked":
             self.stats.revocations += 1
             lease_id = response.lease_revoked.lease_id
             self.held.discard(lease_id)
+            self._report_message = None
             released = scheduler_pb.LeaseReleased(lease_id=lease_id)
             self._outbox.put_nowait(scheduler_pb.RegisterRequest(lease_released=released))
 
@@ -683,7 +690,8 @@ def _figures(
         "status_p50_ms": percentile(poller.times, 50) * 1000,
         "status_max_ms": max(poller.times, default=0.0) * 1000,
         "status_kib": max(poller.sizes, default=0) / 1024,
-        "sim_lag_max_ms": max((s["lag_max_ms"] for s in sims), default=0.0),
+        "callers_lag_max_ms": max((c["lag_max_ms"] for c in callers), default=0.0),
+        "workers_lag_max_ms": max((s["lag_max_ms"] for s in sims if "reports" in s), default=0.0),
     }
 
 
@@ -709,7 +717,8 @@ COLUMNS = (
     ("leases_lost", "leases lost", "{:.0f}"),
     ("status_p50_ms", "GetStatus ms", "{:.0f}"),
     ("status_kib", "status KiB", "{:.0f}"),
-    ("sim_lag_max_ms", "sim lag max ms", "{:.0f}"),
+    ("callers_lag_max_ms", "callers lag max ms", "{:.0f}"),
+    ("workers_lag_max_ms", "workers lag max ms", "{:.0f}"),
     ("load_avg", "load", "{:.1f}"),
 )
 
