@@ -14,15 +14,19 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import io
+import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from omnifabric.common.tools import FUNCTION, REQUIRED
 from omnifabric.worker.engine import (
     ChatChunk,
     ChatMessage,
@@ -35,10 +39,12 @@ from omnifabric.worker.engine import (
     StepOutcome,
     Stepper,
     StepRow,
+    ToolCall,
 )
 from omnifabric.worker.engines.minicpmo import layouts, voice
 from omnifabric.worker.engines.minicpmo.code import import_module
 from omnifabric.worker.engines.minicpmo.state import SharedState
+from omnifabric.worker.engines.reference import functions
 from omnifabric.worker.errors import EngineUnavailable
 
 if TYPE_CHECKING:  # it imports torch (silero-vad)
@@ -796,11 +802,23 @@ class MiniCPMOEngine(Engine):
 
     def chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
         """One chat turn through the model's streaming path: streaming_prefill per message,
-        then streaming_generate, text (and speech) as it comes."""
+        then streaming_generate, text (and speech) as it comes. With functions, they go in
+        through the checkpoint's chat template and the model's calls come out of its text
+        (``tool_turn``, ``calls_from``)."""
+        if not turn.messages or turn.messages[-1].role not in ("user", "tool"):
+            raise ValueError("the last message must be the user's (or a function's output)")
+        if not turn.tools and not any(m.role == "tool" or m.tool_calls for m in turn.messages):
+            yield from self._chat(turn)
+            return
+        model_turn, notes = tool_turn(self.tokenizer, turn)
+        chunks = self._chat(model_turn)
+        if notes or (turn.tools and turn.tool_choice.allows_calls()):
+            chunks = calls_from(chunks, turn, notes)
+        yield from chunks
+
+    def _chat(self, turn: ChatTurn) -> Iterator[ChatChunk]:
         from omnifabric.worker.engines.minicpmo.chat import stream_turn
 
-        if not turn.messages or turn.messages[-1].role != "user":
-            raise ValueError("the last message must be the user's")
         # The chat's own values of the shared-model state, swapped like a session's, so a
         # duplex unit of another slot between two chunks sees nothing of the chat.
         holder = _ChatState(self.state.fresh())
@@ -830,3 +848,157 @@ class MiniCPMOEngine(Engine):
             else:
                 content.append(part)  # text, or 16 kHz float32 audio as the model takes it
         return content
+
+
+# ---- chat with functions ---------------------------------------------------------------
+
+#: Where a ChatML system turn begins and a turn ends, in the template's text.
+_SYSTEM_HEAD, _TURN_END = "<|im_start|>system\n", "<|im_end|>"
+_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tools_text(tokenizer: Any, turn: ChatTurn) -> str:
+    """The functions as the checkpoint's chat template writes them into the system turn
+    (its tools block), and what the tool choice asks ("" when the template takes none)."""
+    specs = [{"type": "function", "function": s.json()} for s in turn.tools]
+    probe = [{"role": "user", "content": "."}]
+    rendered = tokenizer.apply_chat_template(probe, tools=specs, tokenize=False)
+    if not rendered.startswith(_SYSTEM_HEAD) or _TURN_END not in rendered:
+        return ""
+    text = rendered[len(_SYSTEM_HEAD) : rendered.index(_TURN_END)].strip("\n")
+    if turn.tool_choice.kind == REQUIRED:
+        text += "\nCall at least one of these functions."
+    elif turn.tool_choice.kind == FUNCTION:
+        text += f"\nCall the function {turn.tool_choice.name}."
+    return text
+
+
+def tool_turn(tokenizer: Any, turn: ChatTurn) -> tuple[ChatTurn, tuple[str, ...]]:
+    """The turn as the model's streaming path takes it (system, user and assistant
+    messages): the tools block in the system message (unless the choice is none), an
+    assistant's calls and a run of function outputs written as the template writes them;
+    and what could not be done (a template without tools)."""
+    notes: tuple[str, ...] = ()
+    messages: list[ChatMessage] = []
+    outputs: list[str] = []
+    for message in turn.messages:
+        if message.role == "tool":
+            outputs.append(" ".join(p for p in message.parts if isinstance(p, str)))
+            continue
+        if outputs:
+            messages.append(ChatMessage("user", (functions.results_text(outputs),)))
+            outputs = []
+        calls = tuple(functions.call_text(c) for c in message.tool_calls)
+        messages.append(ChatMessage(message.role, (*message.parts, *calls)))
+    if outputs:
+        messages.append(ChatMessage("user", (functions.results_text(outputs),)))
+    block = tools_text(tokenizer, turn) if turn.tools and turn.tool_choice.allows_calls() else ""
+    if turn.tools and turn.tool_choice.allows_calls() and not block:
+        notes = ("tools: this checkpoint's chat template writes no functions",)
+    elif block and messages[0].role == "system":
+        messages[0] = ChatMessage("system", (*messages[0].parts, f"\n{block}"))
+    elif block:
+        messages.insert(0, ChatMessage("system", (block,)))
+    return replace(turn, messages=tuple(messages)), notes
+
+
+def calls_from(
+    chunks: Iterator[ChatChunk], turn: ChatTurn, notes: tuple[str, ...]
+) -> Iterator[ChatChunk]:
+    """The model's reply with its calls taken out of its text: what it says before
+    "<tool_call>" streams as usual, the rest is held back and read as calls when it ends
+    (each checked: its function offered, its arguments fitting the schema; one that is
+    not is left out and named in ``ignored``; none made: it says it could not)."""
+    said, held, body = "", "", None
+    try:
+        for chunk in chunks:
+            if chunk.done:
+                yield from _ending(chunk, turn, said, body, notes, held)
+                return
+            if chunk.prefilled:
+                yield chunk
+                continue
+            if body is not None:
+                body += chunk.text  # a call's text (and speech) is not the reply's
+                continue
+            text = held + chunk.text
+            at = text.find(_CALL_OPEN)
+            if at >= 0:
+                body, text, held = text[at:], text[:at], ""
+            else:
+                keep = _partial_open(text)
+                text, held = text[: len(text) - keep], text[len(text) - keep :]
+            said += text
+            if text or chunk.audio.size:
+                yield replace(chunk, text=text)
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+
+
+def _partial_open(text: str) -> int:
+    """How many characters at the end of ``text`` may begin "<tool_call>"."""
+    for n in range(min(len(text), len(_CALL_OPEN) - 1), 0, -1):
+        if _CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _ending(
+    done: ChatChunk,
+    turn: ChatTurn,
+    said: str,
+    body: str | None,
+    notes: tuple[str, ...],
+    held: str,
+) -> Iterator[ChatChunk]:
+    """The calls read from ``body`` (the reply from its first "<tool_call>"), then the done
+    chunk with what was left out."""
+    if held:
+        yield ChatChunk(text=held)
+    calls, problems = read_calls(body or "", turn)
+    if calls:
+        yield ChatChunk(tool_calls=tuple(calls))
+    elif problems and not (said + held).strip():
+        yield ChatChunk(text=functions.CANNOT)
+    elif not calls and turn.tool_choice.kind in (REQUIRED, FUNCTION) and body is None:
+        problems.append(f"tool_choice {turn.tool_choice.kind}: the model called no function")
+    yield replace(done, ignored=done.ignored + notes + tuple(problems))
+
+
+def read_calls(body: str, turn: ChatTurn) -> tuple[list[ToolCall], list[str]]:
+    """The calls written in ``body`` ("<tool_call>{"name": ..., "arguments": ...}
+    </tool_call>" each, the last maybe unclosed), and what is wrong with those left out."""
+    offered = {s.name: s for s in turn.tools}
+    if turn.tool_choice.kind == FUNCTION:
+        offered = {turn.tool_choice.name: offered[turn.tool_choice.name]}
+    calls: list[ToolCall] = []
+    problems: list[str] = []
+    for block in body.split(_CALL_OPEN)[1:]:
+        text = block.split(_CALL_CLOSE)[0].strip()
+        try:
+            call, _ = json.JSONDecoder().raw_decode(text)
+        except ValueError:
+            problems.append(f"a call is not JSON: {text[:80]!r}")
+            continue
+        name = call.get("name") if isinstance(call, dict) else None
+        if name not in offered:
+            problems.append(f"a call of {name!r}, not a function offered")
+            continue
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = _loads(arguments)
+        fitted, wrong = functions.parse_arguments(json.dumps(arguments), offered[name])
+        if wrong:
+            problems += [f"tool {name}: {p}" for p in wrong]
+        else:
+            calls.append(ToolCall(f"call_{secrets.token_hex(8)}", name, fitted))
+    return calls, problems
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
