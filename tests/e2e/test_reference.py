@@ -382,6 +382,76 @@ async def test_openai_sdk_spoken_request_calls_a_function_and_speaks_its_result(
     assert "sunny" in heard or "31" in heard or "thirty" in heard, heard
 
 
+async def test_openai_sdk_server_vad_call_is_answered_in_speech_after_its_output(stack):
+    """Issue 53, a duplex (server VAD) session on the reference engine through the `openai`
+    SDK: "What's the weather in Paris?" streamed as a client's microphone would, get_weather
+    offered; the turn's end is a get_weather call for Paris, the client's output and
+    response.create go back, and the spoken reply that follows, heard by a recognizer other
+    than the engine's own, uses the output."""
+    import asyncio
+    import base64
+    import json
+
+    openai = pytest.importorskip("openai")
+    from scipy.signal import resample_poly
+
+    from omnifabric.tools.eval_reference import render
+    from omnifabric.tools.probe import transcribe_24k
+
+    lead = np.zeros(8000, np.float32)
+    spoken = np.concatenate([lead, render("piper", "joe", 1.0, "What's the weather in Paris?")])
+    pcm24 = (np.clip(resample_poly(spoken, 3, 2), -1, 1) * 32767).astype("<i2")
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    }
+    base = stack.url.replace("ws://", "http://").removesuffix("/realtime")
+    client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
+    seen = []
+    async with client.realtime.connect(model="reference") as conn:
+
+        async def until(kind: str):
+            while True:
+                event = await asyncio.wait_for(conn.recv(), scaled(120))
+                seen.append(event)
+                assert event.type != "error", event.error
+                if event.type == kind:
+                    return event
+
+        await until("session.created")
+        await conn.session.update(session={"type": "realtime", "tools": [weather]})
+        await until("session.updated")
+        for i in range(0, pcm24.size, 4800):
+            chunk = base64.b64encode(pcm24[i : i + 4800].tobytes()).decode()
+            await conn.input_audio_buffer.append(audio=chunk)
+        call = await until("response.function_call_arguments.done")
+        assert call.name == "get_weather"
+        assert json.loads(call.arguments)["city"].lower() == "paris"
+        called = await until("response.done")
+        assert [o.type for o in called.response.output] == ["function_call"]
+        output = {"temp_c": 31, "sky": "sunny"}
+        await conn.conversation.item.create(
+            item={
+                "type": "function_call_output",
+                "call_id": call.call_id,
+                "output": json.dumps(output),
+            }
+        )
+        await conn.response.create()
+        seen.clear()
+        done = await until("response.done")
+    assert done.response.status == "completed", done.response.status_details
+    reply = b"".join(base64.b64decode(e.delta) for e in seen if e.type.endswith("audio.delta"))
+    heard = transcribe_24k(np.frombuffer(reply, "<i2").astype(np.float32) / 32768.0).lower()
+    assert "sunny" in heard or "31" in heard or "thirty" in heard, heard
+
+
 @pytest.mark.long  # ~3 minutes of a 2-core machine: opt-in (bash tools/dev test -m long)
 @pytest.mark.timeout(scaled(420))
 async def test_a_context_window_keeps_a_long_conversation_going(tmp_path):

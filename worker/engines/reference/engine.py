@@ -23,6 +23,12 @@ system message. The system prompt always stays; the llama.cpp slot gets the shor
 context at once, the kept turns' KV shifted into place rather than computed again, so it
 forgets the dropped turns too and a slide costs a unit little (``Conversation.forget``).
 
+With functions offered (``offer_tools``), the end of a user's turn first asks the model
+whether to call them (the chat path's rule, ``functions``); a call ends the model's turn in
+a unit of its own and the session listens until the outputs come (``tool_output``), then
+speaks the reply that answers with them. That work goes where a reply's start goes: in the
+unit when it fits, else in finalize (the arguments in a finalize of their own).
+
 On CUDA (``device="cuda"``) the recognizers run on the GPU in fp32, as on CPU; the reply model
 (CPU build of llama.cpp), VAD and TTS stay on the CPU.
 """
@@ -35,8 +41,9 @@ import math
 import os
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,6 +63,8 @@ from omnifabric.worker.engine import (
     Engine,
     EngineSession,
     GenerateResult,
+    ToolCall,
+    ToolChoice,
     ToolSpec,
 )
 from omnifabric.worker.engines.reference import functions
@@ -94,6 +103,17 @@ SPOKEN_STYLE = "Reply in one or two short, complete spoken sentences, without li
 CARRIED_NOTE = "Earlier in this conversation you said:"
 
 
+@dataclass
+class Calling:
+    """A user's turn whose reply calls functions, their arguments not yet written: what the
+    user said (and how sure the words were), the functions chosen, the plan's tokens so far."""
+
+    text: str
+    logprob: float
+    chosen: tuple[ToolSpec, ...]
+    plan: functions.Plan
+
+
 class ReferenceSession(EngineSession):
     """One conversation: its own VAD state, utterance tracker and LLM context."""
 
@@ -112,6 +132,8 @@ class ReferenceSession(EngineSession):
         self.settings = DuplexSettings()
         self.conversation: Conversation | None = None
         """The reply model's dialogue: from prepare until close."""
+        self.system = ""
+        """The reply model's system message (prepare)."""
         self.prompt_tokens = 0
         self.units = 0
         """Units generated so far (the kept ones are the last ``units - dropped_units``)."""
@@ -150,8 +172,25 @@ class ReferenceSession(EngineSession):
         self.warm_due = False
         """Finalize may prefill the words heard so far (TurnRules.warm_ahead)."""
         self.opening = ""
-        """What the user said, when finalize started the reply to it: the next unit says it
-        (input_transcript) with the reply's first piece."""
+        """What the user said, when finalize started the reply to it (or decided its calls):
+        the next unit says it (input_transcript) with the reply's first piece (or the calls)."""
+        self.first_ready = False
+        """Finalize started a reply: the next unit sends its first piece alone."""
+        self.offer = functions.Offer()
+        """The functions the model may call, and how (offer_tools)."""
+        self.calling: Calling | None = None
+        """The functions the checks chose at the end of the user's turn, their arguments not
+        yet written (``_write_calls``)."""
+        self.calls_due: tuple[ToolCall, ...] = ()
+        """Calls a finalize wrote: the next unit makes them."""
+        self.awaiting: dict[str, str | None] = {}
+        """The calls made whose outputs the session waits for: call id -> output (None until
+        tool_output gives it), in the order made."""
+        self.answer_due = False
+        """Every awaited output came: the reply that answers with them starts (the next
+        unit, or its finalize when that does not fit: TurnRules.turn_work)."""
+        self.called = False
+        """This unit made calls: its finalize prefills their turns ahead (``_warm_calls``)."""
         self.finalize_costs: dict[str, float] = {}
         """What the last finalize spent, by part (ms), like a result's costs_ms."""
         self.needs_finalize = False
@@ -177,7 +216,8 @@ class ReferenceSession(EngineSession):
         if self.vad is not None and config.vad_threshold is not None:
             self.vad.threshold = config.vad_threshold
         prompt = system_prompt.strip() or self.engine.default_prompt
-        conversation = self.engine.llm.conversation(f"{prompt}\n{SPOKEN_STYLE}")
+        self.system = f"{prompt}\n{SPOKEN_STYLE}"
+        conversation = self.engine.llm.conversation(self.system)
         self.conversation = conversation
         self.prompt_tokens = conversation.context_tokens
         self.window = config.window()
@@ -186,6 +226,33 @@ class ReferenceSession(EngineSession):
         voice = tts_ref_audio if tts_ref_audio is not None else ref_audio
         self.notes = self.engine.voice_notes(voice)
         return self.prompt_tokens
+
+    # ---- functions ---------------------------------------------------------------------
+
+    def offer_tools(self, tools: tuple[ToolSpec, ...], choice: ToolChoice) -> tuple[str, ...]:
+        """Duplex sessions call functions as chat turns do (``functions``): the end of a
+        user's turn may be calls (``_respond``), the session then listens until their outputs
+        came (``tool_output``), and the reply that answers with them is spoken. The system
+        message says how results come (RESULT_NOTE, as in chat): the conversation, empty
+        before the first unit, is begun again with it."""
+        self.offer = functions.Offer(tuple(tools), choice)
+        if self.offer.calls() and self.conversation is not None and not self.units:
+            self.conversation = None  # its server slot is free for the new one
+            self.conversation = self.engine.llm.conversation(
+                f"{self.system}\n{functions.RESULT_NOTE}"
+            )
+            self.prompt_tokens = self.conversation.context_tokens
+        return ()
+
+    def tool_output(self, call_id: str, output: str) -> None:
+        """The output of a call the session waits for; once all have come, the reply that
+        answers with them starts (``answer_due``). Others (an unknown id, a call a newer user
+        turn replaced) are ignored."""
+        if call_id not in self.awaiting or self.awaiting[call_id] is not None:
+            log.debug("session %s: output of %r ignored (not awaited)", self.session_id, call_id)
+            return
+        self.awaiting[call_id] = output
+        self.answer_due = all(o is not None for o in self.awaiting.values())
 
     def prefill(
         self, pcm: np.ndarray, frames: list[bytes], max_slice_nums: int
@@ -213,16 +280,23 @@ class ReferenceSession(EngineSession):
         self.units += 1
         self.needs_finalize = True
         costs: dict[str, float] = {}
+        if self.calls_due:  # a finalize wrote the turn's calls
+            return self._called(costs)
         if self.speaking:
             heard, self.opening = self.opening, ""
+            first, self.first_ready = self.first_ready, False
             if force_listen or self.unit_speech_s >= self.rules.barge_in_s:
                 return self._close_turn(costs, heard)
-            if heard:  # finalize started the reply: its first piece is ready
+            if first:  # finalize started the reply: its first piece is ready
                 return self._speak(costs, heard=heard, pieces=0)
             return self._speak(costs)
         startup = self.units <= self._force_listen_count()
         if force_listen or startup:
             return self._result(is_listen=True, costs=costs)
+        if self.calling is not None:
+            return self._calls_unit(costs)
+        if self.answer_due:
+            return self._answer(costs)
         due = self._turn_due()
         if due is not None and not self._fits_in_unit(due):
             self.turn_later = True
@@ -232,7 +306,9 @@ class ReferenceSession(EngineSession):
             self.warm_due = True
             return self._result(is_listen=True, costs=costs)
         text, logprob = turn
-        self._begin_reply(text, logprob, costs)
+        if self._respond(text, logprob, costs):
+            self.opening = text
+            return self._calls_unit(costs)
         return self._speak(costs, heard=text, pieces=0)
 
     def _turn_due(self) -> tuple[np.ndarray, tuple[int, int], bool] | None:
@@ -246,18 +322,25 @@ class ReferenceSession(EngineSession):
         return None
 
     def _fits_in_unit(self, due: tuple[np.ndarray, tuple[int, int], bool]) -> bool:
-        """Whether ending the turn (transcribing what is not yet, prefilling it, the reply's
-        first piece) fits in this unit's real-time budget (TurnRules.turn_work)."""
+        """Whether ending the turn (transcribing what is not yet, the function checks when
+        the session may call, prefilling it, the reply's first piece) fits in this unit's
+        real-time budget (TurnRules.turn_work)."""
+        audio, key, _ = due
+        heard = self.heard is not None and self.heard[0] == key
+        hear_s = 0.0 if heard else audio.size / INPUT_RATE
+        return self._fits(lambda: self.engine.turn_estimate(hear_s, self.offer.calls()))
+
+    def _fits(self, estimate: Callable[[], float | None]) -> bool:
+        """Whether work of the ``estimate``d seconds (None: not yet measured) fits in this
+        unit's real-time budget (TurnRules.turn_work)."""
         where = self.rules.turn_work
         if where != "auto":
             return where == "inline"
-        audio, key, _ = due
-        heard = self.heard is not None and self.heard[0] == key
-        estimate = self.engine.turn_estimate(0.0 if heard else audio.size / INPUT_RATE)
-        if estimate is None:
+        seconds = estimate()
+        if seconds is None:
             return False
         spent = time.perf_counter() - self.unit_started
-        return spent + estimate <= self.rules.inline_share * self.unit_s
+        return spent + seconds <= self.rules.inline_share * self.unit_s
 
     def _force_listen_count(self) -> int:
         # The reference engine needs no warm-up units (MiniCPM-o's first 3 are forced to
@@ -300,6 +383,17 @@ class ReferenceSession(EngineSession):
             self._dialogue().warm(" ".join(words))
             costs["llm_warm"] = (time.perf_counter() - t0) * 1000.0
 
+    def _warm_calls(self, costs: dict[str, float]) -> None:
+        """After the unit that made calls: prefill the user's turn, the calls and the start
+        of the outputs' turn (spare time only), so the answer's start computes little more
+        than the outputs (measured on a busy 2-core host: 1.1 -> 0.65 s, a reply to a user
+        turn starting in 0.85 s there)."""
+        if self.engine.busy() or not self.awaiting:
+            return
+        t0 = time.perf_counter()
+        self._dialogue().warm(functions.RESULT_OPEN)
+        costs["llm_warm"] = (time.perf_counter() - t0) * 1000.0
+
     def _transcribe(
         self, audio: np.ndarray, key: tuple[int, int], costs: dict[str, float]
     ) -> tuple[str, float]:
@@ -315,30 +409,152 @@ class ReferenceSession(EngineSession):
         self.heard = (key, text, logprob)
         return text, logprob
 
-    def _begin_reply(self, text: str, logprob: float, costs: dict[str, float]) -> None:
-        """Start the reply to what the user said and make its first short piece (text, and
-        its speech), which the next _speak sends."""
+    def _respond(self, text: str, logprob: float, costs: dict[str, float]) -> bool:
+        """What the user's finished turn gets: calls of the functions the model chooses for
+        it (the chat path's rule: ``functions.choose``), their arguments written next
+        (``calling``: ``_write_calls``), returning True; else (none chosen, no functions
+        offered, words too unsure to answer) the spoken reply, begun here. A new turn
+        replaces the calls still awaited."""
+        self.awaiting, self.answer_due = {}, False
+        if not self.offer.calls() or logprob < self.engine.repair_below:
+            self._begin_reply(text, logprob, costs)
+            return False
         t0 = time.perf_counter()
-        self._start_reply(text, logprob, costs)
+        plan = functions.Plan()
+        chosen = functions.choose(self.engine.llm, self.offer, text, plan)
+        took = time.perf_counter() - t0
+        costs["tools"] = took * 1000.0
+        self.engine.learn_checks(took)
+        if chosen:
+            self.calling = Calling(text, logprob, tuple(chosen), plan)
+            return True
+        self._begin_reply(text, logprob, costs)
+        self.ahead_tokens += plan.output_tokens
+        return False
+
+    def _calls_unit(self, costs: dict[str, float]) -> GenerateResult:
+        """The chosen functions' arguments, written in this unit when they fit (it makes the
+        calls), else in its finalize (it listens; the next unit makes them)."""
+        if not self._fits(lambda: self.engine.arguments_s):
+            return self._result(is_listen=True, costs=costs)
+        self._write_calls(costs)
+        if self.calls_due:
+            return self._called(costs)
+        heard, self.opening = self.opening, ""
+        return self._speak(costs, heard=heard, pieces=0)
+
+    def _write_calls(self, costs: dict[str, float]) -> None:
+        """The calls of the chosen functions, their arguments written by the model
+        (``functions.fill``), recorded and due (``calls_due``); when none could be made,
+        the reply that says so begins."""
+        calling, self.calling = self.calling, None
+        assert calling is not None
+        t0 = time.perf_counter()
+        plan = calling.plan
+        functions.fill_all(self.engine.llm, calling.text, calling.chosen, plan)
+        took = time.perf_counter() - t0
+        costs["tool_arguments"] = took * 1000.0
+        self.engine.learn_arguments(took)
+        if plan.problems:
+            log.info("session %s: calls not made: %s", self.session_id, "; ".join(plan.problems))
+        if plan.calls:
+            self._record_calls(calling.text, plan.calls)
+            self.calls_due, self.ahead_tokens = tuple(plan.calls), plan.output_tokens
+            return
+        self._begin_reply(calling.text, calling.logprob, costs, functions.CANNOT)
+        self.ahead_tokens += plan.output_tokens
+
+    def _record_calls(self, text: str, calls: list[ToolCall]) -> None:
+        """The user's turn and the model's calls, in the conversation as the model's template
+        writes them; the session waits for the calls' outputs."""
+        self.transcripts.append(text)
+        log.info(
+            "session %s: user said %r: calls %s",
+            self.session_id,
+            text,
+            ", ".join(f"{c.name}({c.arguments})" for c in calls),
+        )
+        conversation = self._dialogue()
+        conversation.add_history("user", text)
+        conversation.add_history("assistant", functions.calls_text(calls))
+        self.awaiting = {c.call_id: None for c in calls}
+
+    def _called(self, costs: dict[str, float]) -> GenerateResult:
+        """The unit that makes the turn's calls (``calls_due``): it listens and ends the
+        model's turn, with what the user said and the checks' tokens."""
+        calls, self.calls_due = self.calls_due, ()
+        heard, self.opening = self.opening, ""
+        tokens, self.ahead_tokens = self.ahead_tokens, 0
+        self.called = True
+        return self._result(
+            is_listen=True,
+            end_of_turn=True,
+            n_tokens=tokens,
+            costs=costs,
+            heard=heard,
+            tool_calls=calls,
+        )
+
+    def _answer(self, costs: dict[str, float]) -> GenerateResult:
+        """Every awaited output came: the reply that answers with them starts in this unit
+        when it fits (its first piece goes out now), else in its finalize (the next unit
+        speaks), as a user turn's reply does (TurnRules.turn_work)."""
+        if not self._fits(lambda: self.engine.turn_estimate(0.0)):
+            return self._result(is_listen=True, costs=costs)
+        self._begin_answer(costs)
+        return self._speak(costs, pieces=0)
+
+    def _begin_answer(self, costs: dict[str, float]) -> None:
+        """Start the reply that answers with the awaited outputs (a user turn of them, as the
+        chat path writes it: ``functions.answer_turn``) and make its first piece."""
+        outputs = [o or "" for o in self.awaiting.values()]
+        self.awaiting, self.answer_due = {}, False
+        t0 = time.perf_counter()
+        self._open_reply()
+        self._dialogue().add_user_turn(functions.answer_turn(outputs))
+        costs["llm_prefill"] = (time.perf_counter() - t0) * 1000.0
+        self._first_piece(costs, t0)
+
+    def _begin_reply(
+        self, text: str, logprob: float, costs: dict[str, float], fixed: str = ""
+    ) -> None:
+        """Start the reply to what the user said (``fixed`` words, when given) and make its
+        first short piece (text, and its speech), which the next _speak sends."""
+        t0 = time.perf_counter()
+        self._start_reply(text, logprob, costs, fixed)
+        self._first_piece(costs, t0)
+
+    def _first_piece(self, costs: dict[str, float], t0: float) -> None:
+        """The started reply's first short piece, made ahead for the next _speak; the
+        reply's start (since ``t0``) is learned when the model made it."""
         said, used = self._fill(1, self.rules.first_piece_chars, costs)
         self.ahead, self.ahead_tokens = said, used
         if not self.scripted:
             self.engine.learn_reply_start(time.perf_counter() - t0)
 
-    def _start_reply(self, text: str, logprob: float, costs: dict[str, float]) -> None:
-        """Begin the reply to what the user said: the model's, or a request to say it again
-        when the words are too unsure to answer."""
-        self.transcripts.append(text)
+    def _open_reply(self) -> None:
+        """A new reply begins: the session speaks, nothing of it made yet."""
         self.speaking = True
         self.pending_text = ""
         self.reply_finished = False
         self.reply_tokens = 0
         self.audio = np.zeros(0, np.float32)
         self.ahead, self.ahead_tokens = [], 0
-        self.scripted = logprob < self.engine.repair_below
+        self.scripted = False
+
+    def _start_reply(
+        self, text: str, logprob: float, costs: dict[str, float], fixed: str = ""
+    ) -> None:
+        """Begin the reply to what the user said: the model's, or fixed words: ``fixed``
+        (a call that could not be made), or a request to say it again when the words are
+        too unsure to answer."""
+        self.transcripts.append(text)
+        self._open_reply()
+        fixed = REPAIR_TEXT if logprob < self.engine.repair_below else fixed
+        self.scripted = bool(fixed)
         log.info("session %s: user said %r (logprob %.2f)", self.session_id, text, logprob)
         if self.scripted:
-            self.pending_text = REPAIR_TEXT
+            self.pending_text = fixed
             self.reply_finished = True
             # The context keeps what was heard and the request to say it again, so a
             # follow-up is answered from what the user actually got (measured: "What is my
@@ -346,7 +562,7 @@ class ReferenceSession(EngineSession):
             # "Your name is Anor." with it).
             conversation = self._dialogue()
             conversation.add_history("user", text)
-            conversation.add_history("assistant", REPAIR_TEXT)
+            conversation.add_history("assistant", fixed)
             return
         t1 = time.perf_counter()
         self._dialogue().add_user_turn(text)
@@ -470,6 +686,7 @@ class ReferenceSession(EngineSession):
         n_tokens: int = 0,
         costs: dict | None = None,
         heard: str = "",
+        tool_calls: tuple[ToolCall, ...] = (),
     ) -> GenerateResult:
         audio = np.zeros(0, np.float32) if audio is None else audio
         costs = {} if costs is None else costs
@@ -489,6 +706,7 @@ class ReferenceSession(EngineSession):
             n_tts_tokens=int(round(audio.size / 24000 * TTS_TOKENS_PER_SECOND)),
             input_audio_tokens=AUDIO_TOKENS_PER_UNIT,
             input_transcript=heard,
+            tool_calls=tool_calls,
         )
 
     @property
@@ -590,8 +808,10 @@ class ReferenceSession(EngineSession):
 
     def finalize(self) -> None:
         """After a unit's result has gone out: the work it left (the end of the user's turn
-        when that did not fit in the unit: the next unit speaks), the next second of speech
-        (so the next unit sends it at once), or the words heard so far prefilled ahead."""
+        when that did not fit in the unit: the next unit speaks or calls; the chosen calls'
+        arguments; the reply to the calls' outputs), the call's turns prefilled ahead, the
+        next second of speech (so the next unit sends it at once), or the words heard so far
+        prefilled ahead."""
         self.needs_finalize = False
         costs: dict[str, float] = {}
         with self.engine.running():
@@ -599,10 +819,18 @@ class ReferenceSession(EngineSession):
                 self.turn_later = False
                 heard = self._user_turn(costs)
                 if heard is not None:
-                    self._begin_reply(*heard, costs)
-                    self.opening = heard[0]
+                    calling = self._respond(*heard, costs)
+                    self.opening, self.first_ready = heard[0], not calling
                 else:
                     self._warm(costs)
+            elif self.calling is not None:
+                self._write_calls(costs)
+                self.first_ready = self.speaking  # none could be made: the reply says so
+            elif self.answer_due and not self.speaking:
+                self._begin_answer(costs)
+                self.first_ready = True
+            elif self.called:
+                self._warm_calls(costs)
             elif self.speaking and self.settings.tts_enabled is not False:
                 said, used = self._fill(2, self.rules.piece_chars, costs)
                 self.ahead += said
@@ -610,7 +838,7 @@ class ReferenceSession(EngineSession):
             elif self.warm_due and not self.speaking:
                 self._warm(costs)
             self._slide(costs)
-        self.warm_due = False
+        self.warm_due = self.called = False
         self.finalize_costs = costs
 
     @property
@@ -622,7 +850,8 @@ class ReferenceSession(EngineSession):
             self._end_reply()
         self.speaking = False
         self.opening = ""
-        self.turn_later = self.warm_due = False
+        self.turn_later = self.warm_due = self.first_ready = self.answer_due = False
+        self.calling, self.calls_due, self.awaiting = None, (), {}
 
     def close(self) -> None:
         if self.closed:
@@ -710,6 +939,10 @@ class ReferenceEngine(Engine):
         """Seconds the recognizers take per second of audio (a moving average, from warm-up)."""
         self.reply_start_s: float | None = None
         """Seconds from a transcript to its reply's first piece, with speech (likewise)."""
+        self.checks_s: float | None = None
+        """Seconds a duplex turn's function checks take (likewise, from their first turn)."""
+        self.arguments_s: float | None = None
+        """Seconds the model takes to write a duplex turn's calls (likewise)."""
 
     def load(self) -> None:
         from omnifabric.worker.engines.reference.llm_gguf import DEFAULT_MODEL, ReplyModel
@@ -802,12 +1035,24 @@ class ReferenceEngine(Engine):
         """A reply's start (prefill, first piece, its speech) took ``seconds``."""
         self.reply_start_s = _averaged(self.reply_start_s, seconds, self.LEARN_WEIGHT)
 
-    def turn_estimate(self, hear_s: float) -> float | None:
-        """Seconds the end of a user's turn takes: transcribing ``hear_s`` of audio, then
-        starting the reply; None before anything was measured."""
+    def learn_checks(self, seconds: float) -> None:
+        """A duplex turn's function checks (``functions.choose``) took ``seconds``."""
+        self.checks_s = _averaged(self.checks_s, seconds, self.LEARN_WEIGHT)
+
+    def learn_arguments(self, seconds: float) -> None:
+        """Writing a duplex turn's calls (``functions.fill``) took ``seconds``."""
+        self.arguments_s = _averaged(self.arguments_s, seconds, self.LEARN_WEIGHT)
+
+    def turn_estimate(self, hear_s: float, choosing: bool = False) -> float | None:
+        """Seconds the end of a user's turn takes: transcribing ``hear_s`` of audio, the
+        function checks when ``choosing``, then starting the reply; None before all of that
+        was measured (the checks are measured at a session's first turn with functions)."""
         if self.hearing_cost is None or self.reply_start_s is None:
             return None
-        return self.hearing_cost * hear_s + self.reply_start_s
+        if choosing and self.checks_s is None:
+            return None
+        checks = (self.checks_s or 0.0) if choosing else 0.0
+        return self.hearing_cost * hear_s + checks + self.reply_start_s
 
     def busy(self) -> bool:
         """More than one unit is being generated now: work that only saves time later (the
@@ -892,8 +1137,7 @@ class ReferenceEngine(Engine):
     ) -> Iterator[ChatChunk]:
         """The calls of the ``chosen`` functions, their arguments written by the model; when
         none could be made, a reply in words saying so (the problems in ``ignored``)."""
-        for spec in chosen:
-            functions.fill(self.llm, request, spec, plan)
+        functions.fill_all(self.llm, request, chosen, plan)
         if plan.calls:
             yield ChatChunk(tool_calls=tuple(plan.calls))
         else:
@@ -940,7 +1184,7 @@ class ReferenceEngine(Engine):
                 said = functions.assistant_text(message, said)
             turns.append((message.role, said))
         if outputs:
-            turns.append(("user", f"{functions.results_text(outputs)}\n{functions.RESULT_ASK}"))
+            turns.append(("user", functions.answer_turn(outputs)))
         return turns
 
     @staticmethod

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omnifabric.common.tools import AUTO, FUNCTION, REQUIRED, argument_errors
-from omnifabric.worker.engine import ChatMessage, ChatTurn, ToolCall, ToolSpec
+from omnifabric.worker.engine import ChatMessage, ToolCall, ToolChoice, ToolSpec
 from omnifabric.worker.engines.reference.chatml import Answer
 
 #: The yes/no question: what the model does when asked whether a request wants a function.
@@ -54,6 +54,8 @@ RESULT_NOTE = (
     "the user's question with it."
 )
 RESULT_ASK = "Answer my question with this result."
+#: How a function's output begins in the turn of outputs (``results_text``).
+RESULT_OPEN = "<tool_response>"
 #: A reply whose calls could not be made (their arguments never fit).
 CANNOT = "Sorry, I could not do that."
 
@@ -64,6 +66,29 @@ class Asker(Protocol):
     def ask(
         self, turns: Sequence[tuple[str, str]], max_tokens: int, prefix: str = ""
     ) -> Answer: ...
+
+
+class Offered(Protocol):
+    """What may be called and how: a chat turn (ChatTurn) or a duplex session's offer
+    (``Offer``)."""
+
+    @property
+    def tools(self) -> tuple[ToolSpec, ...]: ...
+
+    @property
+    def tool_choice(self) -> ToolChoice: ...
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A duplex session's functions and choice (EngineSession.offer_tools)."""
+
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+
+    def calls(self) -> bool:
+        """Whether a user's turn may end in calls."""
+        return bool(self.tools) and self.tool_choice.allows_calls()
 
 
 @dataclass
@@ -91,9 +116,9 @@ def task(spec: ToolSpec) -> str:
     return text[:1].lower() + text[1:]
 
 
-def choose(llm: Asker, turn: ChatTurn, request: str, plan: Plan) -> list[ToolSpec]:
+def choose(llm: Asker, turn: Offered, request: str, plan: Plan) -> list[ToolSpec]:
     """The functions the reply calls for ``request`` (the user's last words) under the
-    turn's tool choice; none for auto when no function gets a yes."""
+    turn's (or session's) tool choice; none for auto when no function gets a yes."""
     choice = turn.tool_choice
     if not turn.tools or not choice.allows_calls():
         return []
@@ -121,6 +146,12 @@ def pick(llm: Asker, request: str, specs: Sequence[ToolSpec], plan: Plan) -> Too
     number = re.search(r"\d+", answer.text)
     index = int(number.group()) - 1 if number else 0
     return specs[index] if 0 <= index < len(specs) else specs[0]
+
+
+def fill_all(llm: Asker, request: str, chosen: Sequence[ToolSpec], plan: Plan) -> None:
+    """The calls of the ``chosen`` functions (``fill`` each), added to the plan."""
+    for spec in chosen:
+        fill(llm, request, spec, plan)
 
 
 def fill(llm: Asker, request: str, spec: ToolSpec, plan: Plan) -> None:
@@ -170,12 +201,22 @@ def call_text(call: ToolCall) -> str:
 
 def assistant_text(message: ChatMessage, said: str) -> str:
     """An assistant message's words (``said``) and its calls, as the model writes them."""
-    return "\n".join([*([said] if said else []), *(call_text(c) for c in message.tool_calls)])
+    return calls_text(message.tool_calls, said)
+
+
+def calls_text(calls: Sequence[ToolCall], said: str = "") -> str:
+    """An assistant turn of ``said`` (words, if any) and ``calls``, as the model writes it."""
+    return "\n".join([*([said] if said else []), *(call_text(c) for c in calls)])
 
 
 def results_text(outputs: Sequence[str]) -> str:
     """Function outputs as one user turn's text."""
-    return "\n".join(f"<tool_response>\n{o}\n</tool_response>" for o in outputs)
+    return "\n".join(f"{RESULT_OPEN}\n{o}\n</tool_response>" for o in outputs)
+
+
+def answer_turn(outputs: Sequence[str]) -> str:
+    """The user turn of the outputs that end a turn: them, then the request to answer."""
+    return f"{results_text(outputs)}\n{RESULT_ASK}"
 
 
 def has_results(messages: Sequence[ChatMessage]) -> bool:
