@@ -153,13 +153,31 @@ def _check_rate_and_channels(rate: int, channels: int, what: str) -> None:
         raise InvalidPayload(f"{what}: WAV with {channels} channels (use 1 to {MAX_WAV_CHANNELS})")
 
 
-def _mono_float(frames: Iterable[av.AudioFrame]) -> np.ndarray:
-    """Decoded frames of any sample format as one float32 mono array: FFmpeg converts the
-    samples to planar float (integers scaled to [-1, 1)), the channels are averaged."""
-    import av
+#: FFmpeg sample formats the WAV decoders give -> the scale that maps them to [-1, 1) and
+#: the offset of unsigned 8-bit samples.
+_SAMPLE_SCALES = {"u8": (128.0, 128.0), "s16": (32768.0, 0.0), "s32": (2147483648.0, 0.0)}
+_SAMPLE_SCALES.update(flt=(1.0, 0.0), dbl=(1.0, 0.0))
 
-    planar = av.AudioResampler(format="fltp")
-    parts = [f.to_ndarray().mean(axis=0) for frame in frames for f in planar.resample(frame)]
+
+def _mono_float(frames: Iterable[av.AudioFrame]) -> np.ndarray:
+    """Decoded frames of any sample format as one float32 mono array (integers scaled to
+    [-1, 1), the channels averaged), converted here with numpy: FFmpeg's converter crashed
+    the process on frames of a damaged header (tests/edge/test_wav.py's fuzzing)."""
+    parts = []
+    for frame in frames:
+        name = frame.format.name
+        planar = name.endswith("p")
+        scale, offset = _SAMPLE_SCALES.get(name.rstrip("p"), (0.0, 0.0))
+        channels = len(frame.layout.channels)
+        if not scale or channels < 1:
+            raise ValueError(f"decoded as {name} with {channels} channels")
+        samples = frame.to_ndarray().astype(np.float64)
+        if planar:
+            mono = samples.mean(axis=0)
+        else:
+            mono = samples.reshape(-1)[: samples.size - samples.size % channels]
+            mono = mono.reshape(-1, channels).mean(axis=1)
+        parts.append((mono - offset) / scale)
     return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
 
 
