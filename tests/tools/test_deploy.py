@@ -110,9 +110,11 @@ WORKLOAD_SPEC_FIELDS = {
 
 def omni_names(service: str) -> set[str]:
     """OMNI_* names a service reads: the string constants that are exactly such a name in
-    its config.py and the shared common/logs.py (a renamed variable drops out of this set)."""
+    its config.py and the shared common/logs.py and common/tls.py (the fabric TLS settings
+    every service's config includes); a renamed variable drops out of this set."""
     names: set[str] = set()
-    for path in (ROOT / service / "config.py", ROOT / "common" / "logs.py"):
+    shared = (ROOT / "common" / "logs.py", ROOT / "common" / "tls.py")
+    for path in (ROOT / service / "config.py", *shared):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if (
