@@ -307,6 +307,7 @@ async def test_openai_sdk_spoken_question_is_answered_in_speech(stack):
     assert user.item.id == next(e for e in seen if e.type.endswith("committed")).item_id
 
 
+@pytest.mark.ci_long  # the real models write a call and speak its result: ~1.5 min
 async def test_openai_sdk_spoken_request_calls_a_function_and_speaks_its_result(stack):
     """Issue 53 on the reference engine through the `openai` SDK: "What's the weather in
     Paris?" spoken (Piper) as the user's audio item, a get_weather(city) tool offered; the
@@ -382,6 +383,7 @@ async def test_openai_sdk_spoken_request_calls_a_function_and_speaks_its_result(
     assert "sunny" in heard or "31" in heard or "thirty" in heard, heard
 
 
+@pytest.mark.ci_long  # the real models write a call and speak its result: ~1.5 min
 async def test_openai_sdk_server_vad_call_is_answered_in_speech_after_its_output(stack):
     """Issue 53, a duplex (server VAD) session on the reference engine through the `openai`
     SDK: "What's the weather in Paris?" streamed as a client's microphone would, get_weather

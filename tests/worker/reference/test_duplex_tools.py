@@ -30,6 +30,9 @@ WEATHER = ToolSpec(
 OUTPUT = '{"temperature_c": 17, "conditions": "light rain"}'
 SILENCE = np.zeros(16000, np.float32)
 
+#: Spoken sessions on the real models, ~2 minutes: CI's long group (tests/conftest.py).
+pytestmark = pytest.mark.ci_long
+
 
 @pytest.fixture(scope="module")
 def question() -> list[np.ndarray]:

@@ -61,6 +61,7 @@ def text(chunks) -> str:
     return "".join(c.text for c in chunks)
 
 
+@pytest.mark.ci_long  # the real reply model: ~5 s each
 def test_a_weather_question_calls_get_weather_for_paris(inline_engine) -> None:
     chunks = chat(inline_engine, user("What's the weather in Paris?"))
     (call,) = calls(chunks)
@@ -72,6 +73,7 @@ def test_a_weather_question_calls_get_weather_for_paris(inline_engine) -> None:
     assert chunks[-1].input_tokens > 0 and chunks[-1].output_tokens > 0
 
 
+@pytest.mark.ci_long  # the real reply model: ~5 s each
 def test_a_general_question_calls_nothing_and_says_what_it_would_without_tools(
     inline_engine,
 ) -> None:
@@ -83,11 +85,13 @@ def test_a_general_question_calls_nothing_and_says_what_it_would_without_tools(
     assert with_tools[-1].input_tokens > without[-1].input_tokens
 
 
+@pytest.mark.ci_long  # the real reply model: ~5 s each
 def test_tool_choice_none_calls_nothing(inline_engine) -> None:
     chunks = chat(inline_engine, user("What's the weather in Paris?"), tool_choice=ToolChoice(NONE))
     assert calls(chunks) == [] and text(chunks).strip()
 
 
+@pytest.mark.ci_long  # the real reply model: ~5 s each
 def test_a_named_function_is_called(inline_engine) -> None:
     chunks = chat(
         inline_engine,
@@ -98,6 +102,7 @@ def test_a_named_function_is_called(inline_engine) -> None:
     assert call.name == "order_status" and json.loads(call.arguments) == {"order_number": "4410"}
 
 
+@pytest.mark.ci_long  # the real reply model: ~5 s each
 def test_required_calls_the_fitting_function_or_the_one_the_model_picks(inline_engine) -> None:
     required = ToolChoice(REQUIRED)
     chunks = chat(inline_engine, user("I'm hungry, table for 2 at Nobu."), tool_choice=required)
@@ -111,6 +116,7 @@ def test_required_calls_the_fitting_function_or_the_one_the_model_picks(inline_e
     assert argument_errors(spec, call.arguments) == []
 
 
+@pytest.mark.ci_long  # the real reply model: ~5 s each
 def test_after_the_output_the_reply_uses_it_spoken(inline_engine) -> None:
     call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
     chunks = chat(
@@ -125,6 +131,7 @@ def test_after_the_output_the_reply_uses_it_spoken(inline_engine) -> None:
     assert any(c.audio.size for c in chunks if c.text.strip())
 
 
+@pytest.mark.ci_long  # the real reply model: ~5 s each
 def test_arguments_that_never_fit_are_not_passed_on(inline_engine) -> None:
     # No value can fit an empty enum: the model is asked twice, then the reply says so.
     impossible = ToolSpec(
