@@ -153,19 +153,6 @@ class SchedulerConfig(FabricTls):
                 raise ConfigError("OMNI_SCHEDULER_HA", str(exc)) from None
         self.check_fabric_tls()
 
-    # The names the scheduler's server (and its tests) read; the fields are FabricTls's.
-    @property
-    def tls_ca(self) -> str | None:
-        return self.fabric_tls_ca
-
-    @property
-    def tls_cert(self) -> str | None:
-        return self.fabric_tls_cert
-
-    @property
-    def tls_key(self) -> str | None:
-        return self.fabric_tls_key
-
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SchedulerConfig:
         """Defaults overridden by the OMNI_SCHEDULER_* variables that are set.

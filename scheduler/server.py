@@ -128,7 +128,9 @@ class RunningScheduler:
 
 async def start_server(config: SchedulerConfig) -> RunningScheduler:
     """Bind host:port (0: any free port), start serving and report SERVING."""
-    credentials = server_credentials(config.tls_ca, config.tls_cert, config.tls_key)
+    credentials = server_credentials(
+        config.fabric_tls_ca, config.fabric_tls_cert, config.fabric_tls_key
+    )
     scheduler = Scheduler(config)
     server = grpc.aio.server(
         options=server_options(config.max_message_bytes),
@@ -176,7 +178,7 @@ async def start_server(config: SchedulerConfig) -> RunningScheduler:
         port,
         "plaintext"
         if credentials is None
-        else "TLS" + (", client certificates required" if config.tls_ca else ""),
+        else "TLS" + (", client certificates required" if config.fabric_tls_ca else ""),
     )
     return running
 

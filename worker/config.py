@@ -445,19 +445,6 @@ class WorkerConfig(FabricTls):
         if refusal:
             raise ConfigError("OMNI_WORKER_WINDOW_* (--window-*)", refusal)
 
-    # The names the worker's server (and its tests) read; the fields are FabricTls's.
-    @property
-    def tls_ca(self) -> str | None:
-        return self.fabric_tls_ca
-
-    @property
-    def tls_cert(self) -> str | None:
-        return self.fabric_tls_cert
-
-    @property
-    def tls_key(self) -> str | None:
-        return self.fabric_tls_key
-
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:
         """Read OMNI_WORKER_* variables; `overrides` (flags: field -> value, None = not

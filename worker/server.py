@@ -130,7 +130,9 @@ async def start_worker(config: WorkerConfig, engine: Engine | None = None) -> Ru
 
     runtime.health_listeners.append(on_health)
 
-    credentials = server_credentials(config.tls_ca, config.tls_cert, config.tls_key)
+    credentials = server_credentials(
+        config.fabric_tls_ca, config.fabric_tls_cert, config.fabric_tls_key
+    )
     server = grpc.aio.server(
         options=server_options(config.max_message_bytes),
         interceptors=[ErrorInterceptor(status_for, log)],
@@ -156,7 +158,9 @@ async def start_worker(config: WorkerConfig, engine: Engine | None = None) -> Ru
         runtime,
         config.worker_id,
         address,
-        credentials=channel_credentials(config.tls_ca, config.tls_cert, config.tls_key),
+        credentials=channel_credentials(
+            config.fabric_tls_ca, config.fabric_tls_cert, config.fabric_tls_key
+        ),
     )
     registration.start()
     worker = RunningWorker(config, runtime, server, health_servicer, registration, port, address)
@@ -170,7 +174,7 @@ async def start_worker(config: WorkerConfig, engine: Engine | None = None) -> Ru
         runtime.slots,
         "plaintext"
         if credentials is None
-        else "TLS" + (", client certificates required" if config.tls_ca else ""),
+        else "TLS" + (", client certificates required" if config.fabric_tls_ca else ""),
         address,
     )
     return worker

@@ -51,10 +51,10 @@ def test_half_a_pair_is_refused_by_every_service(cls, half):
     settings.load(cls, {"OMNI_FABRIC_TLS_CA": "ca.pem"})  # a CA alone: TLS channels only
 
 
-def test_the_worker_and_scheduler_names_their_servers_read():
+def test_the_worker_and_scheduler_read_the_shared_fields():
     for cls in (WorkerConfig, SchedulerConfig):
         config = settings.load(cls, FILES)
-        assert (config.tls_ca, config.tls_cert, config.tls_key) == (
+        assert (config.fabric_tls_ca, config.fabric_tls_cert, config.fabric_tls_key) == (
             "ca.pem",
             "node.pem",
             "node.key",

@@ -54,14 +54,14 @@ def test_drain_limits_and_tls_settings() -> None:
         }
     )
     assert (config.drain_grace_s, config.max_message_bytes) == (2.5, 65536)
-    assert (config.tls_ca, config.tls_cert, config.tls_key) == (
+    assert (config.fabric_tls_ca, config.fabric_tls_cert, config.fabric_tls_key) == (
         "/etc/omni/ca.pem",
         "/etc/omni/node.pem",
         "/etc/omni/node.key",
     )
     defaults = SchedulerConfig.from_env({})
     assert (defaults.drain_grace_s, defaults.max_message_bytes) == (5.0, 8 * 1024 * 1024)
-    assert defaults.tls_cert is None
+    assert defaults.fabric_tls_cert is None
     with pytest.raises(ValueError, match="OMNI_SCHEDULER_MAX_MESSAGE_BYTES"):
         SchedulerConfig.from_env({"OMNI_SCHEDULER_MAX_MESSAGE_BYTES": "10"})
     with pytest.raises(ValueError, match="OMNI_SCHEDULER_DRAIN_GRACE_S"):

@@ -85,7 +85,11 @@ def test_drain_fault_limit_and_tls_flags():
     config = config_from_args(args)
     assert (config.drain_grace_s, config.unit_timeout_s) == (3.0, 1.5)
     assert (config.synthetic_hang_unit, config.max_message_bytes) == (2, 65536)
-    assert (config.tls_ca, config.tls_cert, config.tls_key) == ("ca.pem", "node.pem", "node.key")
+    assert (config.fabric_tls_ca, config.fabric_tls_cert, config.fabric_tls_key) == (
+        "ca.pem",
+        "node.pem",
+        "node.key",
+    )
     assert WorkerConfig.from_env({}).unit_timeout_s == 5.0
     with pytest.raises(ConfigError, match="OMNI_WORKER_UNIT_TIMEOUT_S"):
         WorkerConfig.from_env({"OMNI_WORKER_UNIT_TIMEOUT_S": "0"})
