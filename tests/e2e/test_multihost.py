@@ -170,6 +170,7 @@ async def stream(client: WsClient) -> None:
         await asyncio.sleep(0.5)
 
 
+@pytest.mark.ci_long  # a cut link, a killed scheduler and their recoveries: ~16 s
 async def test_sessions_across_hosts_survive_a_cut_link_and_a_scheduler_restart(stack):
     """Each service on its own host address. (a) Sessions from the client host reach the
     workers through the edge host. (b) The link of the serving worker's host is cut

@@ -92,6 +92,7 @@ async def test_no_record_dir_writes_nothing(tmp_path):
     assert "recording" not in s.edge.log().lower()
 
 
+@pytest.mark.ci_long  # a recorded session replayed on the real models: ~10 s
 def test_record_then_replay(stack, record_dir, tmp_path):
     probe = _cli(
         *("probe", "--url", stack.url, "--mode", "audio", "--input", str(FIXTURE)),

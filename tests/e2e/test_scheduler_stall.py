@@ -11,6 +11,7 @@ import signal
 import time
 
 import grpc
+import pytest
 
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
@@ -44,6 +45,7 @@ async def keep_serving(clients: list[WsClient], until: asyncio.Event) -> int:
     return served
 
 
+@pytest.mark.ci_long  # a 5 s pause under sessions, and the recovery: ~11 s
 async def test_paused_scheduler_declares_no_worker_lost(stack):
     scheduler = stack.start_scheduler()
     for name in ("wa", "wb"):

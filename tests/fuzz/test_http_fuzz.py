@@ -13,11 +13,15 @@ from __future__ import annotations
 import asyncio
 from http import HTTPStatus
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from omnifabric.edge.transports.http import MAX_HEAD_BYTES, HttpRequestReader
 from tests.fuzz import EXAMPLES
+
+#: Thousands of requests a property (~30 s): CI's long group (tests/conftest.py).
+pytestmark = pytest.mark.ci_long
 
 FUZZ = settings(
     max_examples=EXAMPLES,

@@ -354,6 +354,7 @@ def _normal_session(servers: Servers) -> worker_pb.SessionEnded:
     return responses[-1].ended
 
 
+@pytest.mark.ci_long  # thousands of requests against the real servers: ~13 s
 def test_servicers_answer_only_documented_statuses(servers):
     started = time.monotonic()
     fuzz = settings(
