@@ -1,6 +1,7 @@
 """Ask a running stack spoken questions as a real client and score the spoken answers.
 
     omnifabric eval [--url ws://HOST:PORT/v1/realtime] [--voices piper,espeak] [--out DIR]
+                    [--dialect current|openai]
 
 Questions are rendered with several voices (Piper's neural voices, espeak-ng's robotic
 ones) at several speaking rates, after lead-in silences of 0.3-1.5 s, with low seeded noise;
@@ -8,12 +9,15 @@ each goes through the whole stack in its own real-time session (1 s units, silen
 the question until the reply ends). The replies are transcribed by a recognizer other than
 the engine's own (Whisper tiny.en here; the engine says what it heard in
 `input_transcript`), and a reply is correct when it names the expected answer.
+`--dialect openai` asks through the OpenAI Realtime dialect instead (tools/eval_openai.py:
+the question as 24 kHz PCM16 in 100 ms appends, server VAD), scored the same way.
 
 Printed: a progress line per session, then one table row per voice kind: correct answers,
 question word error rate (the engine's transcript against the question), reply length,
 replies over 3 sentences or repeating themselves, first reply audio after the end of the
 question (p50/p90), gaps inside replies for a client playing them as they arrive, and unit
-round trips (p50/p99). `--out` also gets every session as JSON.
+round trips (p50/p99; n/a in the OpenAI dialect, which has no units). `--out` also gets
+every session as JSON.
 Without `--url` it starts `omnifabric serve` on free ports and stops it afterwards.
 
 The question set here is small on purpose: acceptance uses questions, voices and timings
@@ -228,48 +232,85 @@ async def ask(
     seed: int,
     tail_s: int,
     hearer: Callable[[np.ndarray], str],
+    dialect: str = "current",
 ) -> Outcome:
-    from scipy.signal import resample_poly
-
-    from omnifabric.tools.client import run_session
-    from omnifabric.worker.engines.reference.turns import repeated_from, sentence_ends
-
+    """One conversation through the stack in `dialect` ("current": the MiniCPM-o
+    protocol; "openai": the OpenAI Realtime one), scored."""
     units, start_s, end_s = compose(item, kind, voice, rate, lead_in_s, seed)
     out = Outcome(kind, voice, rate, lead_in_s, " / ".join(item.turns))
+    if dialect == "openai":
+        from omnifabric.tools.eval_openai import session as run
+    else:
+        run = current_session
     try:
-        report = await run_session(url, units, pace_s=1.0, reply_tail_s=tail_s)
+        reply_audio = await run(out, url, units, start_s, end_s, tail_s)
     except Exception as exc:  # a broken stack is a result too
         out.error = f"{type(exc).__name__}: {exc}"
         return out
+    hear_question(out, item)
+    judge(out, item, reply_audio, hearer)
+    return out
+
+
+async def current_session(
+    out: Outcome, url: str, units: list[np.ndarray], start_s: float, end_s: float, tail_s: int
+) -> np.ndarray:
+    """The session in the MiniCPM-o protocol (1 s units in real time): what the engine
+    heard, the reply's text and timing go into `out`; returns the reply's audio (24 kHz)."""
+    from omnifabric.tools.client import run_session
+
+    report = await run_session(url, units, pace_s=1.0, reply_tail_s=tail_s)
     if report.error:
         out.error = str(report.error)
-    heard = [e["input_transcript"] for e in report.events if e.get("input_transcript")]
-    out.heard = " / ".join(heard)
-    if heard:
-        out.question_wer = wer(" ".join(item.turns), " ".join(heard))
+    out.heard = " / ".join(
+        e["input_transcript"] for e in report.events if e.get("input_transcript")
+    )
     records = sorted(report.units.values(), key=lambda u: u.seq)
     out.unit_rtt_ms = [u.rtt_ms for u in records if u.rtt_ms is not None]
     if not records:
-        return out
+        return np.zeros(0, np.float32)
     # Unit n carries the audio of stream seconds [n-1, n): it is complete (and sent) at n.
     origin = records[0].sent_at - 1.0
     # The reply scored is the one to the last turn (earlier turns get replies of their own).
     replies = [u for u in records if u.kind == "speak" and u.sent_at - origin > start_s]
     out.reply_text = "".join(u.text for u in replies).strip()
-    first = next((u for u in replies if u.audio_samples and u.received_at), None)
-    if first is not None and first.received_at is not None:
-        out.first_audio_s = first.received_at - (origin + end_s)
     chunks = [(u.received_at, u.audio_samples / OUTPUT_RATE) for u in replies if u.received_at]
+    time_reply(out, chunks, origin + end_s)
+    return np.concatenate([np.zeros(0, np.float32), *_reply_audio(report, replies)])
+
+
+def hear_question(out: Outcome, item: Item) -> None:
+    """The question's word error rate, from what the engine said it heard (`out.heard`,
+    turns joined by " / ")."""
+    if out.heard:
+        out.question_wer = wer(" ".join(item.turns), out.heard)
+
+
+def time_reply(out: Outcome, chunks: list[tuple[float, float]], speech_end: float) -> None:
+    """The reply's timing from its audio as it arrived ((arrival, seconds of audio), in
+    order; `speech_end` is when the last question's audio ended, on the same clock)."""
+    first = next((t for t, seconds in chunks if seconds > 0), None)
+    if first is not None:
+        out.first_audio_s = first - speech_end
     out.gap_s = sum(playback_gaps(chunks))
-    out.reply_chunks = [(round(t - origin - end_s, 3), round(d, 3)) for t, d in chunks]
-    audio = np.concatenate([np.zeros(0, np.float32), *_reply_audio(report, replies)])
-    if audio.size:
-        out.reply_heard = hearer(resample_poly(audio, 2, 3).astype(np.float32))
+    out.reply_chunks = [(round(t - speech_end, 3), round(d, 3)) for t, d in chunks]
+
+
+def judge(
+    out: Outcome, item: Item, reply_audio: np.ndarray, hearer: Callable[[np.ndarray], str]
+) -> None:
+    """Score the reply: the independent recognizer's hearing of its audio (24 kHz) names
+    the answer or not; its text's sentences, words and loops."""
+    from scipy.signal import resample_poly
+
+    from omnifabric.worker.engines.reference.turns import repeated_from, sentence_ends
+
+    if reply_audio.size:
+        out.reply_heard = hearer(resample_poly(reply_audio, 2, 3).astype(np.float32))
     out.correct = names_answer(out.reply_heard, item.expect)
     out.sentences = len(sentence_ends(out.reply_text + " "))
     out.words = len(words_of(out.reply_text))
     out.loops = repeated_from(out.reply_text) is not None
-    return out
 
 
 def playback_gaps(chunks: list[tuple[float, float]]) -> list[float]:
@@ -354,10 +395,19 @@ def table(outcomes: list[Outcome]) -> str:
             f"| {percentile(firsts, 50):.2f} / {percentile(firsts, 90):.2f} "
             f"({len(firsts)} replied) "
             f"| {sum(o.gap_s > 0.05 for o in group)}, {sum(o.gap_s for o in group):.2f} "
-            f"| {percentile(rtts, 50):.0f} / {percentile(rtts, 99):.0f} "
+            f"| {_unit_rtts(rtts)} "
             f"| {sum(bool(o.error) for o in group)} |"
         )
     return "\n".join(rows)
+
+
+def _unit_rtts(rtts: list[float]) -> str:
+    """The unit round trips' cell: p50 / p99 ms (n/a in a dialect without units)."""
+    from omnifabric.tools.client import percentile
+
+    if not rtts:
+        return "n/a"
+    return f"{percentile(rtts, 50):.0f} / {percentile(rtts, 99):.0f}"
 
 
 def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -386,7 +436,7 @@ async def run_all(
         async with sem:
             item, kind, voice, rate, lead = spec
             outcome = await ask(
-                args.url, item, kind, voice, rate, lead, 1000 + i, args.tail_s, hearer
+                args.url, item, kind, voice, rate, lead, 1000 + i, args.tail_s, hearer, args.dialect
             )
             outcomes.append(outcome)
             progress(len(outcomes), len(runs), outcome, started)
@@ -405,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
         "--questions",
         type=Path,
         help="your own questions, one a line: 'question [/ next turn] | answer[, answer]'",
+    )
+    parser.add_argument(
+        "--dialect",
+        choices=["current", "openai"],
+        default="current",
+        help="the protocol the sessions speak: current (MiniCPM-o) or openai (OpenAI Realtime)",
     )
     parser.add_argument("--parallel", type=int, default=1, help="sessions at once")
     parser.add_argument("--tail-s", type=int, default=15, help="silence after the question, max s")

@@ -111,3 +111,47 @@ def test_a_bad_questions_file_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--questions", str(tmp_path / "missing.txt")])
     assert "missing.txt" in capsys.readouterr().err
+
+
+def test_openai_url_names_a_model():
+    from omnifabric.tools.eval_openai import openai_url
+
+    assert openai_url("ws://h:1/v1/realtime") == "ws://h:1/v1/realtime?model=eval"
+    assert openai_url("ws://h:1/v1/realtime?model=m") == "ws://h:1/v1/realtime?model=m"
+
+
+def test_the_openai_dialect_asks_and_scores_like_the_current_one(tmp_path):
+    """`ask(..., dialect="openai")` against a synthetic stack: the question streamed as
+    24 kHz PCM16 in real time with server VAD, the reply (the synthetic engine's tone and
+    "reply 1 part N") collected from the response's events, timed and scored."""
+    import asyncio
+
+    import numpy as np
+
+    from omnifabric.tools.eval_reference import Item, ask
+    from tests.conftest import scaled
+    from tests.stack import Stack
+
+    heard: list[np.ndarray] = []
+
+    def hearer(audio: np.ndarray) -> str:
+        heard.append(audio)
+        return "a tone"
+
+    item = Item(("What is two plus two?",), ("tone",))
+    stack = Stack(tmp_path)
+    try:
+        stack.start_scheduler()
+        stack.start_worker("--slots", "1", "--compute-ms", "5")
+        stack.start_edge()
+        question = ask(stack.url, item, "espeak", "en-us", 165, 0.3, 1, 10, hearer, "openai")
+        out = asyncio.run(asyncio.wait_for(question, scaled(60)))
+    finally:
+        stack.stop()
+    assert not out.error, out
+    assert out.correct and out.reply_heard == "a tone"
+    assert out.reply_text.startswith("reply 1 part 1"), out.reply_text
+    assert out.first_audio_s is not None and 0 < out.first_audio_s < scaled(5), out
+    assert out.reply_chunks and out.unit_rtt_ms == []
+    # 16 kHz for the recognizer: the synthetic reply is 2.25 s (0.75 + 1 + 0.5 s).
+    assert heard and heard[0].size > 16000, [a.size for a in heard]
