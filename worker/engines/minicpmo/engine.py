@@ -41,10 +41,10 @@ from omnifabric.worker.engine import (
     StepRow,
     ToolCall,
 )
+from omnifabric.worker.engines import tool_text
 from omnifabric.worker.engines.minicpmo import layouts, voice
 from omnifabric.worker.engines.minicpmo.code import import_module
 from omnifabric.worker.engines.minicpmo.state import SharedState
-from omnifabric.worker.engines.reference import functions
 from omnifabric.worker.errors import EngineUnavailable
 
 if TYPE_CHECKING:  # it imports torch (silero-vad)
@@ -886,12 +886,12 @@ def tool_turn(tokenizer: Any, turn: ChatTurn) -> tuple[ChatTurn, tuple[str, ...]
             outputs.append(" ".join(p for p in message.parts if isinstance(p, str)))
             continue
         if outputs:
-            messages.append(ChatMessage("user", (functions.results_text(outputs),)))
+            messages.append(ChatMessage("user", (tool_text.results_text(outputs),)))
             outputs = []
-        calls = tuple(functions.call_text(c) for c in message.tool_calls)
+        calls = tuple(tool_text.call_text(c) for c in message.tool_calls)
         messages.append(ChatMessage(message.role, (*message.parts, *calls)))
     if outputs:
-        messages.append(ChatMessage("user", (functions.results_text(outputs),)))
+        messages.append(ChatMessage("user", (tool_text.results_text(outputs),)))
     block = tools_text(tokenizer, turn) if turn.tools and turn.tool_choice.allows_calls() else ""
     if turn.tools and turn.tool_choice.allows_calls() and not block:
         notes = ("tools: this checkpoint's chat template writes no functions",)
@@ -961,7 +961,7 @@ def _ending(
     if calls:
         yield ChatChunk(tool_calls=tuple(calls))
     elif problems and not (said + held).strip():
-        yield ChatChunk(text=functions.CANNOT)
+        yield ChatChunk(text=tool_text.CANNOT)
     elif not calls and turn.tool_choice.kind in (REQUIRED, FUNCTION) and body is None:
         problems.append(f"tool_choice {turn.tool_choice.kind}: the model called no function")
     yield replace(done, ignored=done.ignored + notes + tuple(problems))
@@ -989,7 +989,7 @@ def read_calls(body: str, turn: ChatTurn) -> tuple[list[ToolCall], list[str]]:
         arguments = call.get("arguments", {})
         if isinstance(arguments, str):
             arguments = _loads(arguments)
-        fitted, wrong = functions.parse_arguments(json.dumps(arguments), offered[name])
+        fitted, wrong = tool_text.parse_arguments(json.dumps(arguments), offered[name])
         if wrong:
             problems += [f"tool {name}: {p}" for p in wrong]
         else:

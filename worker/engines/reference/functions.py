@@ -14,7 +14,9 @@ are asked separately, as short questions the model answers well:
 A function's output goes back into the conversation as the model's template writes it: the
 call as an assistant turn "<tool_call>{json}</tool_call>", the outputs as a user turn of
 "<tool_response>" blocks (the tokenizer made from the GGUF has neither as a token of its own:
-they are text, and the client's text cannot close a turn: ChatML.turn_ids).
+they are text, and the client's text cannot close a turn: ChatML.turn_ids). How calls and
+outputs are written as text, and how arguments are read back, is worker/engines/tool_text.py
+(shared with the minicpmo engine); the names engine.py uses are re-exported here (``x as x``).
 """
 
 from __future__ import annotations
@@ -24,11 +26,16 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from omnifabric.common.tools import AUTO, FUNCTION, REQUIRED, argument_errors
+from omnifabric.common.tools import AUTO, FUNCTION, REQUIRED
 from omnifabric.worker.engine import ChatMessage, ToolCall, ToolChoice, ToolSpec
 from omnifabric.worker.engines.reference.chatml import Answer
+from omnifabric.worker.engines.tool_text import CANNOT as CANNOT
+from omnifabric.worker.engines.tool_text import RESULT_OPEN as RESULT_OPEN
+from omnifabric.worker.engines.tool_text import calls_text as calls_text
+from omnifabric.worker.engines.tool_text import parse_arguments as parse_arguments
+from omnifabric.worker.engines.tool_text import results_text as results_text
 
 #: The yes/no question: what the model does when asked whether a request wants a function.
 CHECK_SYSTEM = "You answer yes or no only."
@@ -54,10 +61,6 @@ RESULT_NOTE = (
     "the user's question with it."
 )
 RESULT_ASK = "Answer my question with this result."
-#: How a function's output begins in the turn of outputs (``results_text``).
-RESULT_OPEN = "<tool_response>"
-#: A reply whose calls could not be made (their arguments never fit).
-CANNOT = "Sorry, I could not do that."
 
 
 class Asker(Protocol):
@@ -176,42 +179,9 @@ def fill(llm: Asker, request: str, spec: ToolSpec, plan: Plan) -> None:
     plan.problems += [f"tool {spec.name}: {p}" for p in problems]
 
 
-def parse_arguments(text: str, spec: ToolSpec) -> tuple[str, list[str]]:
-    """The JSON object at the start of ``text`` (what follows it is dropped), as compact JSON
-    text, and what is wrong with it for ``spec`` ([] when it fits)."""
-    try:
-        value, _ = json.JSONDecoder().raw_decode(text.strip())
-    except ValueError as exc:
-        return "", [f"the arguments are not JSON ({exc})"]
-    if not isinstance(value, dict):
-        return "", ["the arguments must be a JSON object"]
-    arguments = json.dumps(value, ensure_ascii=False)
-    return arguments, argument_errors(spec, arguments)
-
-
-def call_text(call: ToolCall) -> str:
-    """A call as the model's template writes it in an assistant turn."""
-    try:
-        arguments: Any = json.loads(call.arguments)
-    except ValueError:
-        arguments = call.arguments
-    body = json.dumps({"name": call.name, "arguments": arguments}, ensure_ascii=False)
-    return f"<tool_call>\n{body}\n</tool_call>"
-
-
 def assistant_text(message: ChatMessage, said: str) -> str:
     """An assistant message's words (``said``) and its calls, as the model writes them."""
     return calls_text(message.tool_calls, said)
-
-
-def calls_text(calls: Sequence[ToolCall], said: str = "") -> str:
-    """An assistant turn of ``said`` (words, if any) and ``calls``, as the model writes it."""
-    return "\n".join([*([said] if said else []), *(call_text(c) for c in calls)])
-
-
-def results_text(outputs: Sequence[str]) -> str:
-    """Function outputs as one user turn's text."""
-    return "\n".join(f"{RESULT_OPEN}\n{o}\n</tool_response>" for o in outputs)
 
 
 def answer_turn(outputs: Sequence[str]) -> str:
