@@ -73,12 +73,16 @@ def openai_url(url: str) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
-def pcm16_24k(audio: np.ndarray) -> bytes:
-    """16 kHz float audio as 24 kHz PCM16 (a polyphase low-pass: no aliasing added here)."""
+def pcm16_24k(audio: np.ndarray, rate: int) -> bytes:
+    """Float audio at 16 kHz (converted by a polyphase low-pass: no aliasing added here) or
+    at 24 kHz (as it is) as 24 kHz PCM16."""
     from scipy.signal import resample_poly
 
-    up = np.clip(resample_poly(audio, 3, 2), -1.0, 1.0)
-    return np.round(up * 32767).astype("<i2").tobytes()
+    if rate not in (16000, INPUT_RATE):
+        raise ValueError(f"questions come at 16 or 24 kHz, not {rate} Hz")
+    if rate != INPUT_RATE:
+        audio = resample_poly(audio, 3, 2)
+    return np.round(np.clip(audio, -1.0, 1.0) * 32767).astype("<i2").tobytes()
 
 
 def pcm16_float(raw: bytes) -> np.ndarray:
@@ -110,14 +114,13 @@ def note(event: dict[str, Any], talk: Conversation, now: float) -> None:
             reply.text += str(event.get("delta") or "")
 
 
-async def converse(url: str, audio: np.ndarray, last_start_s: float, tail_s: float) -> Conversation:
-    """One session: `audio` (16 kHz float) streamed in real time, then silence until the
+async def converse(url: str, pcm: bytes, last_start_s: float, tail_s: float) -> Conversation:
+    """One session: `pcm` (24 kHz PCM16) streamed in real time, then silence until the
     reply to the question that starts at stream second `last_start_s` has ended, or
     `tail_s` seconds after the audio."""
     from websockets.asyncio.client import connect
 
     talk = Conversation()
-    pcm = pcm16_24k(audio)
     step = int(INPUT_RATE * CHUNK_S) * 2  # bytes
     silence = bytes(step)
     async with connect(openai_url(url), max_size=None, open_timeout=30) as ws:
@@ -176,10 +179,11 @@ async def _stream(
 async def session(
     out: Outcome, url: str, units: list[np.ndarray], start_s: float, end_s: float, tail_s: int
 ) -> np.ndarray:
-    """eval_reference's session in this dialect: `units` (16 kHz, the question from
-    stream second `start_s` to `end_s`) as one stream; what the engine heard, the reply's
-    text and timing go into `out`; returns the reply's audio (24 kHz float)."""
-    talk = await converse(url, np.concatenate(units), start_s, tail_s)
+    """eval_reference's session in this dialect: `units` (1 s each, at 16 or 24 kHz; the
+    question from stream second `start_s` to `end_s`) as one stream; what the engine heard,
+    the reply's text and timing go into `out`; returns the reply's audio (24 kHz float)."""
+    rate = units[0].size if units else INPUT_RATE
+    talk = await converse(url, pcm16_24k(np.concatenate(units), rate), start_s, tail_s)
     out.error = talk.error
     out.heard = " / ".join(t for t in talk.transcripts if t)
     replies = talk.replies_after(start_s)

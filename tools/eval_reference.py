@@ -143,20 +143,24 @@ class Outcome:
 # ---- speech ------------------------------------------------------------------------------
 
 
-def render(kind: str, voice: str, rate: float, text: str) -> np.ndarray:
-    """``text`` spoken at 16 kHz float32 (trimmed of the synthesizer's own silence)."""
+def render(kind: str, voice: str, rate: float, text: str, sample_rate: int = RATE) -> np.ndarray:
+    """``text`` spoken at ``sample_rate`` Hz float32 (trimmed of the synthesizer's own
+    silence). Piper renders at its voice's rate (22.05 kHz: speech up to 11 kHz) and is
+    converted; espeak-ng's speech comes at 16 kHz only (make_fixtures.espeak)."""
     from scipy.signal import resample_poly
 
     if kind == "espeak":
         from omnifabric.tools.make_fixtures import espeak
 
+        if sample_rate != RATE:
+            raise ValueError(f"espeak voices render at {RATE} Hz only")
         audio = espeak(text, voice, int(rate))
     elif kind == "piper":
         from omnifabric.worker.engines.reference.piper import render as piper_render
 
         audio, native = piper_render(text, voice, length_scale=rate)
-        g = np.gcd(int(native), RATE)
-        audio = resample_poly(audio, RATE // g, int(native) // g).astype(np.float32)
+        g = np.gcd(int(native), sample_rate)
+        audio = resample_poly(audio, sample_rate // g, int(native) // g).astype(np.float32)
     else:
         raise ValueError(f"unknown voice kind {kind!r} (piper or espeak)")
     loud = np.flatnonzero(np.abs(audio) > 0.01)
@@ -164,25 +168,32 @@ def render(kind: str, voice: str, rate: float, text: str) -> np.ndarray:
 
 
 def compose(
-    item: Item, kind: str, voice: str, rate: float, lead_in_s: float, seed: int
+    item: Item,
+    kind: str,
+    voice: str,
+    rate: float,
+    lead_in_s: float,
+    seed: int,
+    sample_rate: int = RATE,
 ) -> tuple[list[np.ndarray], float, float]:
-    """The session's input audio (1 s units) and the stream times where the last question
-    starts and ends, in seconds."""
-    pieces = [np.zeros(int(lead_in_s * RATE), np.float32)]
+    """The session's input audio (1 s units at ``sample_rate``) and the stream times where
+    the last question starts and ends, in seconds."""
+    sr = sample_rate
+    pieces = [np.zeros(int(lead_in_s * sr), np.float32)]
     start_s = end_s = lead_in_s
     for i, turn in enumerate(item.turns):
-        start_s = sum(p.size for p in pieces) / RATE
-        pieces.append(render(kind, voice, rate, turn))
-        end_s = sum(p.size for p in pieces) / RATE
+        start_s = sum(p.size for p in pieces) / sr
+        pieces.append(render(kind, voice, rate, turn, sr))
+        end_s = sum(p.size for p in pieces) / sr
         if i < len(item.turns) - 1:
-            pieces.append(np.zeros(int(TURN_GAP_S * RATE), np.float32))
-    pieces.append(np.zeros(RATE, np.float32))
+            pieces.append(np.zeros(int(TURN_GAP_S * sr), np.float32))
+    pieces.append(np.zeros(sr, np.float32))
     audio = np.concatenate(pieces)
     noisy = audio + np.random.default_rng(seed).normal(0, NOISE_SIGMA, audio.size)
     audio = np.clip(noisy, -1, 1).astype(np.float32)
-    n = -(-audio.size // RATE)
-    audio = np.pad(audio, (0, n * RATE - audio.size))
-    return [audio[i * RATE : (i + 1) * RATE] for i in range(n)], start_s, end_s
+    n = -(-audio.size // sr)
+    audio = np.pad(audio, (0, n * sr - audio.size))
+    return [audio[i * sr : (i + 1) * sr] for i in range(n)], start_s, end_s
 
 
 # ---- scoring -----------------------------------------------------------------------------
@@ -233,15 +244,20 @@ async def ask(
     tail_s: int,
     hearer: Callable[[np.ndarray], str],
     dialect: str = "current",
+    wideband: bool = False,
 ) -> Outcome:
     """One conversation through the stack in `dialect` ("current": the MiniCPM-o
-    protocol; "openai": the OpenAI Realtime one), scored."""
-    units, start_s, end_s = compose(item, kind, voice, rate, lead_in_s, seed)
+    protocol; "openai": the OpenAI Realtime one), scored. `wideband` (openai only): the
+    question rendered at 24 kHz, its band above 8 kHz kept, instead of at 16 kHz."""
+    sample_rate = OUTPUT_RATE if wideband else RATE
+    units, start_s, end_s = compose(item, kind, voice, rate, lead_in_s, seed, sample_rate)
     out = Outcome(kind, voice, rate, lead_in_s, " / ".join(item.turns))
     if dialect == "openai":
         from omnifabric.tools.eval_openai import session as run
-    else:
+    elif not wideband:
         run = current_session
+    else:
+        raise ValueError("wideband questions go through the openai dialect only")
     try:
         reply_audio = await run(out, url, units, start_s, end_s, tail_s)
     except Exception as exc:  # a broken stack is a result too
@@ -436,7 +452,17 @@ async def run_all(
         async with sem:
             item, kind, voice, rate, lead = spec
             outcome = await ask(
-                args.url, item, kind, voice, rate, lead, 1000 + i, args.tail_s, hearer, args.dialect
+                args.url,
+                item,
+                kind,
+                voice,
+                rate,
+                lead,
+                1000 + i,
+                args.tail_s,
+                hearer,
+                args.dialect,
+                args.wideband,
             )
             outcomes.append(outcome)
             progress(len(outcomes), len(runs), outcome, started)
@@ -462,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
         default="current",
         help="the protocol the sessions speak: current (MiniCPM-o) or openai (OpenAI Realtime)",
     )
+    parser.add_argument(
+        "--wideband",
+        action="store_true",
+        help="openai dialect, piper voices: questions at 24 kHz with their band above 8 kHz",
+    )
     parser.add_argument("--parallel", type=int, default=1, help="sessions at once")
     parser.add_argument("--tail-s", type=int, default=15, help="silence after the question, max s")
     parser.add_argument("--out", type=Path, help="folder for results.json and table.md")
@@ -472,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         if kind not in VOICES:
             parser.error(f"unknown voice kind {kind!r}: choose from {', '.join(VOICES)}")
+    if args.wideband and (args.dialect != "openai" or kinds != ["piper"]):
+        parser.error("--wideband needs --dialect openai and --voices piper (espeak is 16 kHz)")
     items: tuple[Item, ...] = ITEMS
     if args.questions:
         try:

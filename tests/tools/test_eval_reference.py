@@ -155,3 +155,28 @@ def test_the_openai_dialect_asks_and_scores_like_the_current_one(tmp_path):
     assert out.reply_chunks and out.unit_rtt_ms == []
     # 16 kHz for the recognizer: the synthetic reply is 2.25 s (0.75 + 1 + 0.5 s).
     assert heard and heard[0].size > 16000, [a.size for a in heard]
+
+
+def test_questions_reach_the_openai_dialect_as_24_khz_pcm16():
+    import numpy as np
+
+    from omnifabric.tools.eval_openai import pcm16_24k
+
+    tone16 = 0.5 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)
+    assert len(pcm16_24k(tone16, 16000)) == 2 * 24000  # converted: 1 s at 24 kHz
+    wide = np.full(24000, 0.25)
+    pcm = np.frombuffer(pcm16_24k(wide, 24000), "<i2")
+    assert pcm.size == 24000 and (pcm == round(0.25 * 32767)).all()  # as it is
+    with pytest.raises(ValueError, match="16 or 24 kHz"):
+        pcm16_24k(wide, 22050)
+
+
+def test_wideband_is_for_piper_through_the_openai_dialect(capsys):
+    from omnifabric.tools.eval_reference import main
+
+    url = ["--url", "ws://127.0.0.1:9/v1/realtime"]
+    for argv in (["--wideband", "--voices", "piper"], ["--wideband", "--dialect", "openai"]):
+        with pytest.raises(SystemExit) as stop:
+            main([*url, *argv])
+        assert stop.value.code == 2
+        assert "--wideband needs --dialect openai and --voices piper" in capsys.readouterr().err
