@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
@@ -42,7 +42,7 @@ from typing import Any
 
 import grpc
 
-from omnifabric.common import children, grpc_io
+from omnifabric.common import children, grpc_io, schedulers
 from omnifabric.edge import events as ev
 from omnifabric.edge.fabric import Fabric, wait_for_lease
 from omnifabric.edge.worker_client import acquire_request
@@ -58,6 +58,9 @@ MAX_MESSAGE_BYTES = 256 << 20
 REPORT_S = 1.0
 #: At most this many Acquires in flight per caller process while the level fills.
 FILL_CONCURRENCY = 200
+#: A simulated worker's wait before registering again, and between asking several
+#: schedulers which leads (worker.config's register_backoff_s default).
+REGISTER_BACKOFF_S = 0.2
 #: How often the simulators' own loop probe wakes, seconds.
 PROBE_S = 0.05
 #: After the last arrival, the longest wait for the steady phase's last grants, seconds.
@@ -139,7 +142,7 @@ class WorkerStats:
     stream_ends: int = 0
 
 
-def _headroom(slots: int, held: set[str]) -> scheduler_pb.Headroom:
+def _headroom(slots: int, held: Iterable[str]) -> scheduler_pb.Headroom:
     """A batched engine's headroom that keeps `slots` sessions within the real-time margin,
     with every held lease listed (a report's largest form)."""
     cost = 0.5 / slots
@@ -155,29 +158,37 @@ def _headroom(slots: int, held: set[str]) -> scheduler_pb.Headroom:
 
 
 class SimWorker:
-    """One worker on its own connection: Register, a report every REPORT_S, a release for
-    every revocation; registers again whenever its stream ends."""
+    """One worker on its own connections: Register, a report every REPORT_S, a release for
+    every revocation; registers again whenever its stream ends. Given several scheduler
+    addresses (active/standby, comma-separated) it registers with whichever leads, asking
+    them as worker.registration does; its hello names every lease it holds as the grant
+    described it, so that a new leader rebuilds them (tools/ha_rebuild)."""
 
-    def __init__(self, worker_id: str, slots: int, address: str, stats: WorkerStats) -> None:
+    def __init__(self, worker_id: str, slots: int, addresses: str, stats: WorkerStats) -> None:
         self.worker_id, self.slots, self.stats = worker_id, slots, stats
-        self.held: set[str] = set()
+        self.held: dict[str, scheduler_pb.HeldLease] = {}
+        """The leases granted and not revoked, by lease id (each is a running session)."""
         self._report_message: scheduler_pb.RegisterRequest | None = None
         """The report as of the leases held now (built again when they change: building a
         map of 64 leases a second for each of 1,000 workers is the simulator's own cost)."""
         self.registered = asyncio.Event()
         self._outbox: asyncio.Queue[scheduler_pb.RegisterRequest] = asyncio.Queue()
-        # Its own connection, as a worker process has (no subchannel shared with the rest).
-        self._channel = grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.use_local_subchannel_pool", 1),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
-        self._stub = scheduler_grpc.SchedulerServiceStub(self._channel)
+        # Its own connections, as a worker process has (no subchannel shared with the rest).
+        self._channels = [
+            grpc.aio.insecure_channel(
+                address,
+                options=[
+                    ("grpc.use_local_subchannel_pool", 1),
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ],
+            )
+            for address in schedulers.addresses(addresses)
+        ]
+        self._stubs = [scheduler_grpc.SchedulerServiceStub(c) for c in self._channels]
 
     def _hello(self) -> scheduler_pb.RegisterRequest:
         n = int(self.worker_id.rsplit("-", 1)[1])
+        held = [self.held[lease_id] for lease_id in sorted(self.held)]
         return scheduler_pb.RegisterRequest(
             hello=scheduler_pb.WorkerHello(
                 worker_id=self.worker_id,
@@ -186,8 +197,8 @@ class SimWorker:
                 modes=[common_pb2.MODE_AUDIO],
                 engine="simulated",
                 health=common_pb2.WORKER_HEALTH_SERVING,
-                active_lease_ids=sorted(self.held),
-                held_leases=[scheduler_pb.HeldLease(lease_id=i) for i in sorted(self.held)],
+                active_lease_ids=[h.lease_id for h in held],
+                held_leases=held,
                 headroom=_headroom(self.slots, self.held),
             )
         )
@@ -211,10 +222,21 @@ class SimWorker:
             self.stats.reports += 1
             await asyncio.sleep(REPORT_S)
 
+    async def _leader(self) -> scheduler_grpc.SchedulerServiceStub:
+        """The stub to register with: the only one, or the one that leads now (asked every
+        REGISTER_BACKOFF_S until one does)."""
+        if len(self._stubs) == 1:
+            return self._stubs[0]
+        while True:
+            answer, _ = await schedulers.find_leader(self._stubs)
+            if answer is not None:
+                return self._stubs[answer.index]
+            await asyncio.sleep(REGISTER_BACKOFF_S)
+
     async def run(self) -> None:
         while True:
             self._outbox = asyncio.Queue()
-            call = self._stub.Register(self._requests())
+            call = (await self._leader()).Register(self._requests())
             reporter = asyncio.ensure_future(self._report())
             try:
                 async for response in call:
@@ -225,7 +247,7 @@ class SimWorker:
                 reporter.cancel()
             self.stats.stream_ends += 1
             self.registered.clear()
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(REGISTER_BACKOFF_S)
 
     def _on(self, response: scheduler_pb.RegisterResponse) -> None:
         kind = response.WhichOneof("kind")
@@ -234,18 +256,22 @@ class SimWorker:
             self.registered.set()
         elif kind == "lease_granted":
             self.stats.grants += 1
-            self.held.add(response.lease_granted.lease_id)
+            grant = response.lease_granted
+            self.held[grant.lease_id] = scheduler_pb.HeldLease(
+                lease_id=grant.lease_id, mode=grant.mode, session_id=grant.session_id
+            )
             self._report_message = None
         elif kind == "lease_revoked":
             self.stats.revocations += 1
             lease_id = response.lease_revoked.lease_id
-            self.held.discard(lease_id)
+            self.held.pop(lease_id, None)
             self._report_message = None
             released = scheduler_pb.LeaseReleased(lease_id=lease_id)
             self._outbox.put_nowait(scheduler_pb.RegisterRequest(lease_released=released))
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
 
 async def run_workers(args: argparse.Namespace) -> None:

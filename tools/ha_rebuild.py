@@ -1,7 +1,7 @@
 """How long a new leader takes to rebuild at scale: two real scheduler processes on a
 throwaway redis-server, many simulated workers and callers on the real gRPC services.
 
-    python -m omnifabric.tools.ha_rebuild --workers 100 --slots 10 --callers 1000
+    python -m omnifabric.tools.ha_rebuild --workers 100 --slots 64 --callers 1000
 
 Every worker registers with the leader and its slots fill with running sessions (one
 holder each); then `--callers` more wait in the queue, through the edge's own client of the
@@ -9,19 +9,24 @@ scheduler pair (edge.fabric.Fabric: it re-sends a waiting caller to the next lea
 long it waited). The leader is killed (SIGKILL, or SIGTERM with --signal term); measured
 from then: when the standby leads, when every worker has registered with it again (with
 its sessions), when every waiting caller is back in its queue, and whether the queue is in
-the callers' original order. The workers are simulated on the real Register stream (hello
-with their running sessions, as worker.registration sends it); no engine runs.
+the callers' original order (the session ids of GetStatus's queue before and after). The
+workers are fleet-bench's (tools/fleet_bench.SimWorker, in `--worker-procs` processes of
+their own): the real Register stream, a report every second with their headroom and held
+leases, a hello naming their running sessions as worker.registration does; no engine runs.
+The counts are read from the schedulers' /metrics (a GetStatus of thousands of leases,
+asked in a loop, would itself load the scheduler being timed).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import os
 import signal
 import sys
 import tempfile
 import time
+import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,106 +38,87 @@ from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.tools import redis_local
+from omnifabric.tools.fleet_bench import FILL_CONCURRENCY, LoopProbe, Role, _split
+from omnifabric.tools.perf.metrics import metric, scrape_metrics
+from omnifabric.tools.perf.procs import proc_sample
 
 #: gRPC message limit of the simulated clients (the status of 1,000s of leases is large).
 MAX_MESSAGE_BYTES = 64 << 20
+#: How often the schedulers' /metrics are read while a count is awaited, seconds.
+SCRAPE_S = 0.1
 
 
-@dataclass
-class SimWorker:
-    """One worker's Register stream, re-registered with whichever scheduler leads; its
-    hello reports the leases it was granted as running sessions."""
-
-    worker_id: str
-    slots: int
-    stubs: list[scheduler_grpc.SchedulerServiceStub]
-    granted: dict[str, scheduler_pb.LeaseGranted] = field(default_factory=dict)
-    registrations: int = 0
-    registered_at: list[float] = field(default_factory=list)
-
-    def hello(self) -> scheduler_pb.RegisterRequest:
-        held = [
-            scheduler_pb.HeldLease(lease_id=g.lease_id, mode=g.mode, session_id=g.session_id)
-            for g in self.granted.values()
-        ]
-        return scheduler_pb.RegisterRequest(
-            hello=scheduler_pb.WorkerHello(
-                worker_id=self.worker_id,
-                address=f"127.0.0.1:{20000 + int(self.worker_id[1:])}",
-                slots=self.slots,
-                modes=[common_pb2.MODE_AUDIO],
-                engine="simulated",
-                health=common_pb2.WORKER_HEALTH_SERVING,
-                active_lease_ids=[h.lease_id for h in held],
-                held_leases=held,
-            )
-        )
-
-    async def run(self) -> None:
-        while True:
-            answer, _ = await schedulers.find_leader(self.stubs)
-            if answer is None:
-                await asyncio.sleep(0.05)
-                continue
-            hello = self.hello()
-
-            async def requests(first: scheduler_pb.RegisterRequest = hello):  # type: ignore[no-untyped-def]
-                yield first
-                await asyncio.Event().wait()  # reports are not needed here
-
-            call = self.stubs[answer.index].Register(requests())
-            try:
-                async for response in call:
-                    kind = response.WhichOneof("kind")
-                    if kind == "registered":
-                        self.registrations += 1
-                        self.registered_at.append(time.monotonic())
-                    elif kind == "lease_granted":
-                        self.granted[response.lease_granted.lease_id] = response.lease_granted
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.05)
-
-
-async def hold(fabric: Fabric, session_id: str, leased: list[str]) -> None:
-    """One caller: Acquire through the edge's client, note its lease, hold it."""
+async def hold(
+    fabric: Fabric, session_id: str, rig: Rig, answered: asyncio.Semaphore | None = None
+) -> None:
+    """One caller: Acquire through the edge's client, note its lease (`rig.leased`), hold
+    it; a call refused or broken before its lease goes into `rig.failed` (code and
+    details). `answered` (held by the caller) is released at its first answer, queued or
+    leased, or its failure."""
     call = fabric.scheduler.Acquire(
         scheduler_pb.AcquireRequest(mode=common_pb2.MODE_AUDIO, session_id=session_id)
     )
-    with contextlib.suppress(grpc.aio.AioRpcError):
+    granted = False
+    try:
         while (message := await call.read()) is not grpc.aio.EOF:
+            if answered is not None:
+                answered.release()
+                answered = None
             if message.WhichOneof("kind") == "lease":
-                leased.append(session_id)
+                granted = True
+                rig.leased.append(session_id)
+    except grpc.aio.AioRpcError as exc:
+        if not granted:
+            rig.failed.append(f"{session_id}: {exc.code().name} {exc.details()}")
+    finally:
+        if answered is not None:
+            answered.release()
+
+
+async def start_callers(fabric: Fabric, rig: Rig, prefix: str, count: int) -> None:
+    """`count` callers (`hold`), at most FILL_CONCURRENCY of them not answered yet at once:
+    a burst of thousands of Acquires on one connection has some cancelled before the
+    scheduler sees them (fleet-bench's callers fill the same way)."""
+    answered = asyncio.Semaphore(FILL_CONCURRENCY)
+    for n in range(count):
+        await answered.acquire()
+        rig.tasks.append(asyncio.ensure_future(hold(fabric, f"{prefix}{n:05d}", rig, answered)))
 
 
 async def status(stub: scheduler_grpc.SchedulerServiceStub) -> scheduler_pb.GetStatusResponse:
-    return await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=10)
+    return await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=30)
 
 
-async def until(predicate, timeout_s: float, what: str) -> float:  # type: ignore[no-untyped-def]
+async def until(predicate, timeout_s: float, what: str, every_s: float = 0.02) -> float:  # type: ignore[no-untyped-def]
     """time.monotonic() once `predicate()` (async) holds; RuntimeError after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while not await predicate():
         if time.monotonic() > deadline:
             raise RuntimeError(f"not within {timeout_s:.0f} s: {what}")
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(every_s)
     return time.monotonic()
 
 
 @dataclass
 class Rig:
-    """What measure's steps share: the two schedulers' addresses, channels and stubs,
-    which of them leads (and which stands by), the simulated workers' and callers' tasks,
-    the edge's client of the pair, the sessions granted a lease, and the leader's queue."""
+    """What measure's steps share: the two schedulers (processes, gRPC and /metrics
+    addresses, channels and stubs), which of them leads (and which stands by), the
+    simulated workers' processes, the callers' tasks, the edge's client of the pair, the
+    sessions granted a lease, and the leader's queue."""
 
+    procs: list[children.Child]
     addresses: list[str]
+    metrics: list[str]
     channels: list[grpc.aio.Channel]
     stubs: list[scheduler_grpc.SchedulerServiceStub]
     leader: int
     standby: int
+    workers: list[Role] = field(default_factory=list)
     tasks: list[asyncio.Future[None]] = field(default_factory=list)
     fabric: Fabric | None = None
     leased: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    """Callers refused before their lease (none is expected)."""
     waiting: list[str] = field(default_factory=list)
     """The leader's queue before the kill, session ids in its order."""
 
@@ -140,25 +126,29 @@ class Rig:
 async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, float | bool]:
     """Two schedulers on one store, filled with workers, running sessions and waiting
     callers; the leader stopped and the standby's rebuild timed (the figures `main`
-    prints). The schedulers (and a redis-server started here) stop whatever happens."""
+    prints). The schedulers, the workers' processes (and a redis-server started here) stop
+    whatever happens."""
     store = redis_local.start_redis(log_dir) if args.redis is None else None  # the caller stops it
     url = args.redis or (store.url if store else "")
     sched_args = ["--port", "0", "--metrics-port", "0", "--ha", url, "--ha-ttl", str(args.ttl)]
     sched_args += ["--queue-max", str(args.callers + 10)]
     procs: list[children.Child] = []
+    rig: Rig | None = None
+    probe = LoopProbe()
+    probe.start()
     try:
-        rig = await _connect(await _start_schedulers(args, sched_args, log_dir, procs))
-        running = await _fill(args, rig)
-        figures = await _fail_over(args, rig, procs[rig.leader], running)
-        for task in rig.tasks:
-            task.cancel()
-        await asyncio.gather(*rig.tasks, return_exceptions=True)
-        assert rig.fabric is not None
-        await rig.fabric.close()
-        for channel in rig.channels:
-            await channel.close()
+        rig = await _connect(procs, await _start_schedulers(args, sched_args, log_dir, procs))
+        probe.lateness.clear()  # from the fill on (the schedulers' start blocked the loop)
+        figures: dict[str, float | bool] = {"load_avg_start": os.getloadavg()[0]}
+        figures.update(await _fill(args, rig, log_dir))
+        figures.update(await _fail_over(args, rig))
+        figures.update(_worker_figures(rig), load_avg_end=os.getloadavg()[0])
+        figures.update(own_lag_max_ms=probe.figures()["lag_max_ms"])
+        await _close(rig)
         return figures
     finally:
+        for role in rig.workers if rig else []:
+            role.stop(wait_s=5)
         children.stop(procs, 2.0, who="ha_rebuild")
         if store is not None:
             store.stop()
@@ -166,72 +156,123 @@ async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, float | 
 
 async def _start_schedulers(
     args: argparse.Namespace, sched_args: list[str], log_dir: Path, procs: list[children.Child]
-) -> list[str]:
+) -> list[tuple[str, str]]:
     """sched-a, and once it leads, sched-b (each into `procs` as it starts); returns their
-    gRPC addresses."""
+    gRPC and /metrics addresses."""
     addresses = []
     for name in ("sched-a", "sched-b"):
         child = children.spawn(name, "omnifabric.scheduler", sched_args, log_dir / f"{name}.log")
         procs.append(child)
-        addresses.append(child.wait_ready(30).split()[0])
+        words = child.wait_ready(30).split()
+        addresses.append((words[0], words[1].removeprefix("metrics=")))
         if name == "sched-a":
             await asyncio.sleep(args.ttl)  # the first leads
     return addresses
 
 
-async def _connect(addresses: list[str]) -> Rig:
+async def _connect(procs: list[children.Child], addresses: list[tuple[str, str]]) -> Rig:
     """A channel and stub to each scheduler, and which of them leads."""
     channels = [
         grpc.aio.insecure_channel(
             a, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         )
-        for a in addresses
+        for a, _ in addresses
     ]
     stubs = [scheduler_grpc.SchedulerServiceStub(c) for c in channels]
     answer, _ = await schedulers.find_leader(stubs)
     assert answer is not None, "no scheduler leads"
-    return Rig(addresses, channels, stubs, answer.index, 1 - answer.index)
+    grpc_addresses, metrics = [a for a, _ in addresses], [m for _, m in addresses]
+    return Rig(procs, grpc_addresses, metrics, channels, stubs, answer.index, 1 - answer.index)
 
 
-async def _fill(args: argparse.Namespace, rig: Rig) -> int:
+async def _close(rig: Rig) -> None:
+    """The callers and their client end, the workers' processes say their counts and end."""
+    for task in rig.tasks:
+        task.cancel()
+    await asyncio.gather(*rig.tasks, return_exceptions=True)
+    if rig.fabric is not None:
+        await rig.fabric.close()
+    for channel in rig.channels:
+        await channel.close()
+
+
+def _start_workers(args: argparse.Namespace, rig: Rig, log_dir: Path) -> None:
+    """The simulated workers in `--worker-procs` processes (fleet-bench's workers role),
+    each worker following whichever of the two schedulers leads."""
+    first = 0
+    for n, count in enumerate(_split(args.workers, args.worker_procs)):
+        argv = ["--role", "workers", "--scheduler", ",".join(rig.addresses)]
+        argv += ["--first", str(first), "--count", str(count), "--slots", str(args.slots)]
+        rig.workers.append(Role(f"workers{n}", argv, log_dir))
+        first += count
+
+
+async def _fill(args: argparse.Namespace, rig: Rig, log_dir: Path) -> dict[str, float]:
     """Every worker registered with the leader, every slot leased, every caller queued
-    (the queue's order into `rig.waiting`); returns the running sessions' count."""
-    stubs, leader = rig.stubs, rig.leader
-    workers = [SimWorker(f"w{n}", args.slots, stubs) for n in range(args.workers)]
-    rig.tasks = [asyncio.ensure_future(w.run()) for w in workers]
-    await until(lambda: _count(stubs[leader], workers=args.workers), 60, "every worker registered")
+    (the queue's order into `rig.waiting`); the times each took from the workers' start,
+    and the leader's CPU meanwhile (share of one core)."""
+    leader, pid = rig.leader, rig.procs[rig.leader].proc.pid
+    cpu0, t0 = _cpu_s(pid), time.monotonic()
+    _start_workers(args, rig, log_dir)
+    for role in rig.workers:
+        await asyncio.to_thread(role.expect, "ready", 300)
+    registered = await until(
+        lambda: _count(rig.metrics[leader], workers=args.workers),
+        60,
+        "every worker registered",
+        SCRAPE_S,
+    )
     fabric = rig.fabric = Fabric(",".join(rig.addresses), MAX_MESSAGE_BYTES)
     fabric.start()
     running = args.workers * args.slots
-    leased = rig.leased
-    rig.tasks += [
-        asyncio.ensure_future(hold(fabric, f"run{n:05d}", leased)) for n in range(running)
-    ]
-    await until(lambda: _leased(leased, running), 120, "every slot leased")
-    for n in range(args.callers):
-        rig.tasks.append(asyncio.ensure_future(hold(fabric, f"wait{n:05d}", leased)))
-    await until(lambda: _count(stubs[leader], queued=args.callers), 120, "every caller queued")
+    await start_callers(fabric, rig, "run", running)
+    filled = await until(lambda: _leased(rig, running), 300, "every slot leased")
+    await start_callers(fabric, rig, "wait", args.callers)
+    queued = await until(
+        lambda: _queued(rig, args.callers),
+        300,
+        "every caller queued",
+        SCRAPE_S,
+    )
+    cpu = _cpu_s(pid) - cpu0
     # Concurrent streams reach the scheduler in any order: its queue is the order.
-    rig.waiting = [e.session_id for e in (await status(stubs[leader])).queue]
-    return running
+    rig.waiting = [e.session_id for e in (await status(rig.stubs[leader])).queue]
+    hung = await asyncio.to_thread(scrape_metrics, rig.metrics[leader], 10.0)
+    return {
+        "workers_registered_s": registered - t0,
+        "slots_leased_s": filled - t0,
+        "fill_s": queued - t0,
+        "fill_grants_per_s": running / (filled - registered),
+        "leader_fill_cpu_pct": 100 * cpu / (queued - t0),
+        "leader_workers_hung": metric(hung, "omni_scheduler_workers_hung_total"),
+        "leader_workers_lost": metric(hung, "omni_scheduler_workers_lost_total"),
+    }
 
 
-async def _fail_over(
-    args: argparse.Namespace, rig: Rig, victim: children.Child, running: int
-) -> dict[str, float | bool]:
-    """Stop the leader (`victim`) and time the standby's rebuild from then: when it leads,
-    when the workers and their sessions are back, when the callers are, and whether their
-    queue kept its order."""
-    standby, waiting = rig.stubs[rig.standby], rig.waiting
+async def _fail_over(args: argparse.Namespace, rig: Rig) -> dict[str, float | bool]:
+    """Stop the leader and time the standby's rebuild from then: when it leads, when the
+    workers and their sessions are back, when the callers are, and whether their queue
+    kept its order; the standby's CPU meanwhile."""
+    standby, metrics, waiting = rig.stubs[rig.standby], rig.metrics[rig.standby], rig.waiting
+    running = args.workers * args.slots
+    victim, pid = rig.procs[rig.leader], rig.procs[rig.standby].proc.pid
+    cpu0 = _cpu_s(pid)
     victim.proc.send_signal(signal.SIGKILL if args.signal == "kill" else signal.SIGTERM)
     t0 = time.monotonic()
     led = await until(lambda: _leads(standby), 60, "the standby leads")
-    rebuilt_workers = await until(
-        lambda: _count(standby, workers=args.workers, leases=running),
-        120,
-        "every worker and running session back",
+    back = asyncio.ensure_future(
+        until(
+            lambda: _count(metrics, workers=args.workers, leases=running),
+            120,
+            "every worker and running session back",
+            SCRAPE_S,
+        )
     )
-    requeued = await until(lambda: _count(standby, queued=args.callers), 120, "every caller back")
+    requeued = await until(
+        lambda: _count(metrics, queued=args.callers), 120, "every caller back", SCRAPE_S
+    )
+    rebuilt_workers = await back
+    cpu = _cpu_s(pid) - cpu0
     after = [e.session_id for e in (await status(standby)).queue]
     misplaced = [
         n for n, pair in enumerate(zip(after, waiting, strict=False)) if len(set(pair)) > 1
@@ -240,6 +281,7 @@ async def _fail_over(
         n = misplaced[0]
         print(f"first out of place: #{n + 1} is {after[n]}, was {waiting[n]}")
     identity = await schedulers.ask(standby, rig.standby, 5)
+    lost = await asyncio.to_thread(scrape_metrics, metrics, 10.0)
     return {
         "standby_leads_s": led - t0,
         "workers_back_s": rebuilt_workers - t0,
@@ -247,7 +289,28 @@ async def _fail_over(
         "order_kept": after == waiting,
         "misplaced": float(len(misplaced) + abs(len(after) - len(waiting))),
         "leader_rebuild_s": (identity.rebuild_s if identity and identity.rebuild_s else -1.0),
+        "standby_rebuild_cpu_pct": 100 * cpu / (max(requeued, rebuilt_workers) - t0),
+        "standby_workers_lost": metric(lost, "omni_scheduler_workers_lost_total"),
+        "standby_leases_lost": metric(lost, "omni_scheduler_leases_lost_total"),
     }
+
+
+def _worker_figures(rig: Rig) -> dict[str, float]:
+    """The simulated workers' own counts: registrations (one each, then one each per
+    switch of leader) and their processes' largest loop lag (large: the simulator was
+    behind, not the scheduler)."""
+    for role in rig.workers:
+        role.send("stop")
+    done = [role.expect("done", 60) for role in rig.workers]
+    return {
+        "worker_registrations": float(sum(d["registrations"] for d in done)),
+        "workers_lag_max_ms": max((d["lag_max_ms"] for d in done), default=0.0),
+    }
+
+
+def _cpu_s(pid: int) -> float:
+    sample = proc_sample(pid)
+    return sample[0] if sample else 0.0
 
 
 async def _leads(stub: scheduler_grpc.SchedulerServiceStub) -> bool:
@@ -255,40 +318,57 @@ async def _leads(stub: scheduler_grpc.SchedulerServiceStub) -> bool:
     return answer is not None and answer.leading
 
 
-async def _count(
-    stub: scheduler_grpc.SchedulerServiceStub, workers: int = 0, queued: int = 0, leases: int = 0
-) -> bool:
+async def _count(metrics: str, workers: int = 0, queued: int = 0, leases: int = 0) -> bool:
+    """Whether the scheduler at `metrics` has at least these workers, waiting callers and
+    leases (read on a thread: the callers' loop goes on)."""
     try:
-        now = await status(stub)
-    except grpc.aio.AioRpcError:
+        now = await asyncio.to_thread(scrape_metrics, metrics, 10.0)
+    except (OSError, urllib.error.URLError):
         return False
-    held = sum(len(w.lease_ids) for w in now.workers)
-    return len(now.workers) >= workers and now.queue_length >= queued and held >= leases
+    return (
+        metric(now, "omni_scheduler_workers") >= workers
+        and metric(now, "omni_scheduler_queue_length") >= queued
+        and metric(now, "omni_scheduler_leases_occupying") >= leases
+    )
 
 
-async def _leased(leased: list[str], n: int) -> bool:
-    return len(leased) >= n
+async def _queued(rig: Rig, n: int) -> bool:
+    """Whether `n` callers wait in the leader's queue; RuntimeError once one was refused."""
+    return await _leased(rig, 0) and await _count(rig.metrics[rig.leader], queued=n)
 
 
-def main(argv: list[str] | None = None) -> int:
+async def _leased(rig: Rig, n: int) -> bool:
+    """Whether `n` callers hold a lease; RuntimeError once one was refused instead."""
+    if rig.failed:
+        raise RuntimeError(f"{len(rig.failed)} callers refused, the first: {rig.failed[0]}")
+    return len(rig.leased) >= n
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m omnifabric.tools.ha_rebuild", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--workers", type=int, default=100, help="simulated workers")
-    parser.add_argument("--slots", type=int, default=10, help="sessions per worker (all run)")
-    parser.add_argument("--callers", type=int, default=1000, help="callers waiting in the queue")
-    parser.add_argument("--ttl", type=float, default=1.0, help="leader key TTL, s (--ha-ttl)")
-    parser.add_argument("--signal", choices=("kill", "term"), default="kill")
-    parser.add_argument("--redis", help="an election store URL (default: start redis-server)")
-    parser.add_argument("--log-dir", type=Path, help="the schedulers' logs (default: a temp dir)")
-    args = parser.parse_args(argv)
+    add = parser.add_argument
+    add("--workers", type=int, default=100, help="simulated workers")
+    add("--slots", type=int, default=64, help="sessions per worker (all run)")
+    add("--callers", type=int, default=1000, help="callers waiting in the queue")
+    add("--worker-procs", type=int, default=2, help="processes for the simulated workers")
+    add("--ttl", type=float, default=1.0, help="leader key TTL, s (--ha-ttl)")
+    add("--signal", choices=("kill", "term"), default="kill")
+    add("--redis", help="an election store URL (default: start redis-server)")
+    add("--log-dir", type=Path, help="every process's log (default: a temp dir)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ha-rebuild-") as tmp:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         try:
             figures = asyncio.run(measure(args, log_dir))
         except (RuntimeError, FileNotFoundError) as exc:
-            print(f"ha_rebuild: {exc}", file=sys.stderr)
+            print(f"ha_rebuild: {exc} (logs: {log_dir})", file=sys.stderr)
             return 1
     print(
         f"{args.workers} workers x {args.slots} running sessions, {args.callers} callers waiting;"
