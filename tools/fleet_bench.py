@@ -2,6 +2,7 @@
 
     omnifabric fleet-bench --levels 10x8,100x64 --seconds 30
     python -m omnifabric.tools.fleet_bench --levels 1000x64 --session-s 300 --load 0.9
+    omnifabric fleet-bench --levels 100x64 --load 1 --overload 1.2 --session-s 60
 
 Per level (workers x slots) a fresh scheduler runs alone in its own process; simulated
 workers run in `--worker-procs` processes, each worker on its own connection with the real
@@ -11,10 +12,12 @@ processes, each one an edge: one channel, the edge's own Acquire path (edge.fabr
 wait_for_lease on worker_client.acquire_request). Sessions last an exponential time of mean
 `--session-s`; the level starts with the steady state's sessions already running (`--load`
 of the slots: exponential lengths make their time left the same law) and then sessions
-arrive at the rate that keeps it (load x slots / session-s per second) for `--seconds`.
+arrive at the rate that keeps it (load x slots / session-s per second) for `--seconds`
+(`--overload 1.2 --load 1`: 20 % faster, so that callers queue).
 
 Figures per level: Acquire latency from request to grant (p50/p99/max) of the steady
-arrivals, how many waited in the queue and the error of the ETA they were first given,
+arrivals, how many waited in the queue and the error of the ETA they were first given
+(estimated_wait_s less the wait that followed: median and p90 of its size, mean bias),
 reports handled per second, the scheduler's CPU (share of one core) and RSS from
 /proc/<pid>, its event-loop lag (its own probe, scheduler.liveness, from /metrics), the
 workers it declared lost and leases lost, GetStatus's time and size, and the simulators'
@@ -301,7 +304,9 @@ class CallerStats:
     latencies: list[float] = field(default_factory=list)
     """Request to grant, seconds, of the steady phase's arrivals."""
     eta_errors: list[float] = field(default_factory=list)
-    """Of the arrivals that waited: the first ETA given less the wait it turned out."""
+    """Of the arrivals that waited: the first ETA given (estimated_wait_s of the first
+    queue update) less the wait that followed it until the grant, seconds (> 0: the
+    estimate was too long)."""
     queued: int = 0
     failed: int = 0
     lost: int = 0
@@ -331,11 +336,12 @@ class Callers:
         return decided
 
     async def _session(self, session_id: str, measured: bool, decided: asyncio.Event) -> None:
-        first_eta: list[float] = []
+        first_eta: list[tuple[float, float]] = []
+        """The first queue update's estimate and when it came."""
 
         async def on_queued(queued: ev.Queued) -> None:
             if not first_eta:
-                first_eta.append(queued.estimated_wait_s)
+                first_eta.append((queued.estimated_wait_s, time.perf_counter()))
 
         started = time.perf_counter()
         call = self.fabric.scheduler.Acquire(acquire_request("audio", session_id))
@@ -346,12 +352,13 @@ class Callers:
             return
         finally:
             decided.set()
-        waited = time.perf_counter() - started
+        granted = time.perf_counter()
         if measured:
-            self.stats.latencies.append(waited)
+            self.stats.latencies.append(granted - started)
             if first_eta:
+                estimate, told = first_eta[0]
                 self.stats.queued += 1
-                self.stats.eta_errors.append(first_eta[0] - waited)
+                self.stats.eta_errors.append(estimate - (granted - told))
         try:
             await asyncio.wait_for(_until_lost(call), random.expovariate(1 / self.session_s))
             self.stats.lost += 1
@@ -576,7 +583,9 @@ class StatusPoller:
 @dataclass
 class Plan:
     """One level's numbers: sessions running from the start, arrivals a second, and the
-    mean session length that keeps them running (Little's law: running = rate x length)."""
+    mean session length that keeps them running (Little's law: running = rate x length);
+    with `--overload` above 1, arrivals come that much faster than the length keeps, and
+    once the slots are full the callers queue (the ETA's figures)."""
 
     level: Level
     running: int
@@ -587,7 +596,7 @@ class Plan:
     def of(cls, level: Level, args: argparse.Namespace) -> Plan:
         running = max(1, round(args.load * level.workers * level.slots))
         rate = args.rate or running / args.session_s
-        return cls(level, running, rate, running / rate)
+        return cls(level, running, rate * getattr(args, "overload", 1.0), running / rate)
 
 
 def _start_scheduler(args: argparse.Namespace, log_dir: Path) -> tuple[children.Child, str, str]:
@@ -684,7 +693,7 @@ def _figures(
     reports."""
     elapsed = after.at - before.at
     latencies = [x for c in callers for x in c["latencies"]]
-    eta_errors = [abs(x) for c in callers for x in c["eta_errors"]]
+    eta_errors = [x for c in callers for x in c["eta_errors"]]
     errors: dict[str, int] = {}
     for c in callers:
         for name, n in c["errors"].items():
@@ -698,7 +707,7 @@ def _figures(
         "acquire_p99_ms": percentile(latencies, 99) * 1000,
         "acquire_max_ms": max(latencies, default=0.0) * 1000,
         "queued": sum(c["queued"] for c in callers),
-        "eta_error_median_s": percentile(eta_errors, 50),
+        **_eta_figures(eta_errors),
         "failed": sum(c["failed"] for c in callers),
         "still_waiting": sum(c["still_waiting"] for c in callers),
         "errors": errors,
@@ -721,6 +730,17 @@ def _figures(
     }
 
 
+def _eta_figures(errors: list[float]) -> dict[str, float]:
+    """The queue's estimate against the waits that followed it: median and p90 of the
+    error's size, and its mean sign (> 0: waits were shorter than estimated), seconds."""
+    sizes = [abs(x) for x in errors]
+    return {
+        "eta_error_median_s": percentile(sizes, 50),
+        "eta_error_p90_s": percentile(sizes, 90),
+        "eta_bias_s": sum(errors) / len(errors) if errors else 0.0,
+    }
+
+
 def _rate(before: Snapshot, after: Snapshot, name: str, elapsed: float) -> float:
     return (after.value(name) - before.value(name)) / elapsed
 
@@ -734,6 +754,9 @@ COLUMNS = (
     ("acquire_p50_ms", "Acquire p50 ms", "{:.1f}"),
     ("acquire_p99_ms", "p99 ms", "{:.1f}"),
     ("queued", "queued", "{}"),
+    ("eta_error_median_s", "ETA err p50 s", "{:.1f}"),
+    ("eta_error_p90_s", "ETA err p90 s", "{:.1f}"),
+    ("eta_bias_s", "ETA bias s", "{:+.1f}"),
     ("reports_per_s", "reports/s", "{:.0f}"),
     ("cpu_pct", "sched CPU %", "{:.0f}"),
     ("rss_mib", "RSS MiB", "{:.0f}"),
@@ -770,6 +793,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--session-s", type=float, default=300.0, help="mean session length, s")
     add("--load", type=float, default=0.9, help="share of the slots in use at steady state")
     add("--rate", type=float, default=0.0, help="arrivals a second (0: what keeps --load)")
+    add(
+        "--overload",
+        type=float,
+        default=1.0,
+        help="arrivals this many times the rate that keeps --load (above 1 with --load 1: "
+        "callers queue)",
+    )
     add("--worker-procs", type=int, default=2, help="processes for the simulated workers")
     add("--caller-procs", type=int, default=2, help="processes for the callers (edges)")
     add("--status-every", type=float, default=2.0, help="GetStatus period, s (0: none)")
