@@ -58,6 +58,23 @@ class GenerateResult:
     tool_calls: tuple[ToolCall, ...] = ()
     """Functions the model calls with this unit (offer_tools); its turn ends with them and
     it waits for their outputs (tool_output)."""
+    reply_start_ms: dict[str, float] = field(default_factory=dict)
+    """On the unit that sends a reply's first piece, where the time from the end of the
+    user's speech went (engines that know it; REPLY_START_PARTS)."""
+    reply_start_how: str = ""
+    """On that unit, how the reply started (REPLY_START_HOW)."""
+
+
+#: The parts of a reply's start (GenerateResult.reply_start_ms, the worker's
+#: omni_worker_reply_start_seconds): ``endpoint`` the silence after the user's last words
+#: before the engine took the turn (stream time); ``asr``, ``llm`` (the turn's prefill and
+#: the reply's first piece) and ``tts`` (its speech) the compute on the way to the first
+#: audio, what was done ahead not counted.
+REPLY_START_PARTS = ("endpoint", "asr", "llm", "tts")
+#: How a reply started: in the unit that ended the user's turn (``inline``), in that unit's
+#: finalize with the next unit speaking (``finalize``), or on a guess a finalize made
+#: before the turn ended (``guess``).
+REPLY_START_HOW = ("inline", "finalize", "guess")
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,23 @@ class WorkerMetrics:
             "counted when their session ends.",
             registry=r,
         )
+        self.reply_start = Histogram(
+            "omni_worker_reply_start_seconds",
+            "Where the time to a reply's first audio went, by part (engines that report "
+            "it): endpoint (silence after the user's last words before the turn was taken, "
+            "stream time), asr, llm (the turn's prefill and the first piece), tts.",
+            ["part"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.reply_starts = Counter(
+            "omni_worker_reply_starts",
+            "Replies begun, by how: inline (in the unit that ended the user's turn), "
+            "finalize (in its finalize, the next unit speaking), guess (begun before the "
+            "turn ended, on the words heard so far).",
+            ["how"],
+            registry=r,
+        )
         self.context_tokens = Histogram(
             "omni_worker_unit_context_tokens",
             "Context (KV cache) length after each served unit, tokens.",
@@ -181,6 +198,10 @@ class WorkerMetrics:
         result = output.result
         self._child(self.units, mode, "listen" if result.is_listen else "speak").inc()
         self.context_tokens.observe(result.kv_cache_length)
+        if result.reply_start_how:
+            self._child(self.reply_starts, result.reply_start_how).inc()
+            for part, ms in result.reply_start_ms.items():
+                self._child(self.reply_start, part).observe(max(0.0, ms) / 1000.0)
 
     def observe_step(self, sessions: int, phases_ms: dict[str, float], wall_s: float) -> None:
         """One batched step: how many sessions it served and its phase times."""

@@ -52,6 +52,20 @@ def test_observe_unit_and_end_move_the_instruments():
     assert value("omni_worker_session_late_units_bucket", {"le": "1.0"}) == 1
 
 
+def test_a_replys_start_is_observed_by_part_and_how():
+    metrics = WorkerMetrics()
+    value = metrics.registry.get_sample_value
+    start = _output(3, 400.0, is_listen=False)
+    start.result.reply_start_how = "inline"
+    start.result.reply_start_ms = {"endpoint": 600.0, "asr": 300.0, "llm": 450.0, "tts": 50.0}
+    metrics.observe_unit(start, "audio")
+    metrics.observe_unit(_output(4, 20.0, is_listen=False), "audio")  # the reply goes on
+    assert value("omni_worker_reply_starts_total", {"how": "inline"}) == 1
+    assert value("omni_worker_reply_start_seconds_count", {"part": "asr"}) == 1
+    assert value("omni_worker_reply_start_seconds_sum", {"part": "llm"}) == 0.45
+    assert value("omni_worker_reply_start_seconds_bucket", {"part": "endpoint", "le": "0.5"}) == 0
+
+
 async def test_runtime_state_and_a_served_session(scheduler, workers):
     worker = await workers.start(slots=2)
     value = worker.runtime.metrics.registry.get_sample_value

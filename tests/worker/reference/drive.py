@@ -53,11 +53,23 @@ def drive(
     settings: DuplexSettings | None = None,
 ) -> list[Step]:
     """Run a whole fixture through one session; returns one Step per unit."""
+    return drive_audio(engine, load_fixture(name), name, force_listen_at, prompt, settings)
+
+
+def drive_audio(
+    engine,
+    audio: np.ndarray,
+    name: str = "audio",
+    force_listen_at: frozenset[int] = frozenset(),
+    prompt: str = "",
+    settings: DuplexSettings | None = None,
+) -> list[Step]:
+    """Run 16 kHz ``audio`` through one session in 1 s units; returns one Step per unit."""
     session = engine.open_session(f"test-{name}", "audio")
     steps = []
     try:
         session.prepare(prompt, None, None, settings or DuplexSettings())
-        for seq, unit in enumerate(units_of(load_fixture(name)), start=1):
+        for seq, unit in enumerate(units_of(audio), start=1):
             t0 = time.perf_counter()
             session.prefill(unit, [], 1)
             result = session.generate(seq in force_listen_at)

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from scipy.signal import resample_poly
 
-from omnifabric.worker.engine import DuplexSettings
+from omnifabric.common.resample import resample
+from omnifabric.worker.engine import INPUT_RATE, OUTPUT_RATE, REPLY_START_PARTS, DuplexSettings
 from omnifabric.worker.engines.reference.engine import UNIT_TOKENS, ReferenceEngine
-from tests.worker.reference.drive import Step, drive, timeline
+from tests.worker.reference.drive import Step, drive, drive_audio, load_fixture, timeline
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +91,9 @@ def test_barge_in_closes_the_turn_at_once(engine):
     assert "stop" in steps[9].result.input_transcript.lower()
 
 
-def test_finalize_makes_the_next_second_of_speech(driven):
-    steps = driven("question")
+def test_finalize_makes_the_next_second_of_speech(engine):
+    with rules(engine, guess_ahead=False):  # the reply begins in the turn's own unit
+        steps = drive(engine, "question")
     speaking = [s for s in steps if not s.result.is_listen]
     # The turn's unit generates a short first piece itself ...
     assert "llm" in speaking[0].result.costs_ms
@@ -102,8 +104,9 @@ def test_finalize_makes_the_next_second_of_speech(driven):
     assert all(s.result.text for s in speaking[1:-1])
 
 
-def test_words_heard_so_far_are_prefilled_ahead(driven):
-    steps = driven("question")
+def test_words_heard_so_far_are_prefilled_ahead(engine):
+    with rules(engine, guess_ahead=False):
+        steps = drive(engine, "question")
     # A unit inside the question prefilled its first words, in its finalize (after its
     # result); the reply is what it would be without that (test_question_timeline_and_answer).
     assert not any("llm_warm" in s.result.costs_ms for s in steps)
@@ -125,14 +128,20 @@ def test_prefill_ahead_only_in_spare_time(engine):
 
 
 @contextlib.contextmanager
-def turn_work(engine, where: str):
-    """The engine's sessions opened inside work out a turn's end ``where``."""
-    rules = engine.rules
-    engine.rules = replace(rules, turn_work=where)
+def rules(engine, **changes):
+    """The engine's sessions opened inside follow its TurnRules with ``changes``."""
+    before = engine.rules
+    engine.rules = replace(before, **changes)
     try:
         yield
     finally:
-        engine.rules = rules
+        engine.rules = before
+
+
+def turn_work(engine, where: str):
+    """The engine's sessions opened inside work out a turn's end ``where`` (no guessing:
+    a guess would begin this fixture's reply before the turn's end, test_guess_*)."""
+    return rules(engine, turn_work=where, guess_ahead=False)
 
 
 def test_turn_work_in_finalize_keeps_every_unit_short(engine):
@@ -171,6 +180,53 @@ def test_turn_work_auto_follows_the_measured_cost(engine):
     assert timeline(cheap) == "L L L L L S S S* L L L L L L L"
     assert timeline(dear) == "L L L L L L S S S* L L L L L L"
     assert learned is not None and learned > 0.0
+
+
+def test_a_turn_ended_by_its_next_unit_is_answered_on_a_guess(engine):
+    # The question's words end too near unit 5's end for the quick end; unit 5's finalize
+    # hears a finished question and begins the reply on it. Unit 6, all silence, ends the
+    # turn with the same words and sends that reply's first piece, computing nothing.
+    guessed = drive(engine, "question")
+    with rules(engine, guess_ahead=False):
+        plain = drive(engine, "question")
+    first = next(s for s in guessed if not s.result.is_listen)
+    assert first.seq == 6 and first.result.reply_start_how == "guess"
+    assert "guess" in guessed[4].finalized
+    assert not {"asr", "llm_prefill", "llm"} & set(first.result.costs_ms)
+    assert "capital" in first.result.input_transcript.lower()
+    # The reply is the one the turn gets without a guess (which unit 6 works out itself),
+    # word for word and sample for sample.
+    plain_first = next(s for s in plain if not s.result.is_listen)
+    assert plain_first.seq == 6 and plain_first.result.reply_start_how == "inline"
+    assert set(plain_first.result.reply_start_ms) == set(REPLY_START_PARTS)
+    # (its words were heard by unit 5's finalize already: no recognition on the way)
+    assert plain_first.result.reply_start_ms["asr"] == 0 < plain_first.result.reply_start_ms["llm"]
+    assert [s.result.text for s in guessed] == [s.result.text for s in plain]
+    assert all(
+        np.array_equal(g.result.audio, p.result.audio) for g, p in zip(guessed, plain, strict=True)
+    )
+    # Where the turn's work waits for finalize, the guess speaks a whole unit sooner.
+    with rules(engine, turn_work="finalize"):
+        soon = drive(engine, "question")
+    with turn_work(engine, "finalize"):
+        late = drive(engine, "question")
+    assert timeline(soon) == "L L L L L S S S* L L L L L L L"
+    assert timeline(late) == "L L L L L L S S S* L L L L L L"
+
+
+def test_a_guess_is_dropped_when_the_user_goes_on(engine):
+    # The same question, then at once more words: unit 5's finalize guesses a reply to the
+    # question, but unit 6 brings speech, so no reply starts on that guess: the turn ends
+    # later and its reply answers everything that was said.
+    question = load_fixture("question")[: 5 * INPUT_RATE]
+    more = resample(engine.tts.synthesize("And what about Spain?"), OUTPUT_RATE, INPUT_RATE)
+    audio = np.concatenate([question, more, np.zeros(4 * INPUT_RATE, np.float32)])
+    steps = drive_audio(engine, audio, "went-on")
+    assert "guess" in steps[4].finalized
+    assert steps[5].result.is_listen  # the user is still talking
+    first = next(s for s in steps if not s.result.is_listen)
+    assert "spain" in first.result.input_transcript.lower()
+    assert first.seq > 6
 
 
 def test_force_listen_closes_the_turn(engine):

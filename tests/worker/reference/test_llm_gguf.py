@@ -155,6 +155,21 @@ def test_multibyte_characters_are_held_back_and_end_is_seen_with_the_last_text()
     assert [w for _, _, w in model.requests[1:]] == [0, 1, 2, 3, 4, 5]
 
 
+def test_without_look_ahead_only_the_tokens_said_are_chosen() -> None:
+    model = _Scripted([(9, b"")])  # the system prompt's prefill takes one
+    conv = Conversation(model, "sys")  # type: ignore[arg-type]
+    model.script = [(50, b"The"), (51, b" capital"), (52, b" of"), (2, b"")]
+    conv.add_user_turn("hi")  # chooses the first token with the prefill
+    asked = len(model.requests)
+    assert conv.next_tokens(1, look_ahead=False) == ("The", False)
+    assert len(model.requests) == asked  # it was chosen already: nothing asked
+    assert conv.next_tokens(1, look_ahead=False) == (" capital", False)
+    assert len(model.requests) == asked + 1  # one request, for that token alone
+    # With look-ahead the token after is chosen at once, so the end shows with the text.
+    assert conv.next_tokens(1) == (" of", True)
+    assert len(model.requests) == asked + 3
+
+
 def test_context_counts_and_turn_closing() -> None:
     model = _Scripted([])
     conv = Conversation(model, "sys")  # type: ignore[arg-type]
@@ -236,6 +251,31 @@ def test_warm_prefills_the_first_words_and_changes_nothing_else(model: ReplyMode
     # While an assistant turn is open there is nothing to warm.
     assert warm.warm("And of Spain") == 0
     assert warm.warm("   ") == 0
+
+
+def test_a_reply_begun_and_taken_back_leaves_no_trace(model: ReplyModel) -> None:
+    # What the engine's guess does: begin a reply, keep it, take the dialogue back.
+    conv = model.conversation(SYSTEM)
+    before = conv.snapshot()
+    conv.add_user_turn("What is two plus two?")
+    first, _ = conv.next_tokens(2, look_ahead=False)
+    begun = conv.snapshot()
+    conv.restore(before)
+    assert conv.context_tokens == len(before.ids) and conv.reply_text == ""
+    # Taken back, the dialogue answers another turn exactly as a fresh one does ...
+    conv.add_user_turn("What is the capital of France?")
+    fresh = model.conversation(SYSTEM)
+    fresh.add_user_turn("What is the capital of France?")
+    assert reply(conv) == reply(fresh) and conv.context_tokens == fresh.context_tokens
+    # ... and the begun reply, taken up again, goes on as if it had never been left.
+    conv.restore(begun)
+    while not conv.next_tokens(1)[1]:
+        pass
+    whole = model.conversation(SYSTEM)
+    whole.add_user_turn("What is two plus two?")
+    assert first and conv.reply_text.startswith(first)
+    assert conv.reply_text == reply(whole)
+    assert conv.context_tokens == whole.context_tokens
 
 
 def test_follow_up_remembers_and_only_new_tokens_are_computed(model: ReplyModel) -> None:

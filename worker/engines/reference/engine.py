@@ -80,7 +80,11 @@ from omnifabric.worker.engines.vad import WINDOW, WINDOW_S, TurnTracker, VoiceAc
 if TYPE_CHECKING:  # loaded by ReferenceEngine.load (they import torch models)
     from omnifabric.worker.engines.reference.asr import Transcriber
     from omnifabric.worker.engines.reference.hearing import Ears
-    from omnifabric.worker.engines.reference.llm_gguf import Conversation, ReplyModel
+    from omnifabric.worker.engines.reference.llm_gguf import (
+        Conversation,
+        ConversationState,
+        ReplyModel,
+    )
     from omnifabric.worker.engines.reference.tts import TextToSpeech
 
 log = logging.getLogger("omnifabric.worker.reference")
@@ -112,6 +116,29 @@ class Calling:
     logprob: float
     chosen: tuple[ToolSpec, ...]
     plan: functions.Plan
+
+
+@dataclass
+class Guess:
+    """A reply begun on a guess (``ReferenceSession._guess``): in a finalize, the words heard
+    so far read as a finished turn, but the unit ended in too little silence to end it. When
+    the next unit adds only silence the turn ends with the same words (``key``) and this
+    reply's first piece goes out at once, instead of a unit later."""
+
+    key: tuple[int, int]
+    """TurnTracker.key() of the speech the guess heard."""
+    text: str
+    logprob: float
+    state: ConversationState
+    """The dialogue with the reply begun (its first piece chosen)."""
+    slides: int
+    """The session's slide count then: a context window that slid since voids the guess."""
+    said: list[str]
+    tokens: int
+    audio: np.ndarray
+    pending_text: str
+    reply_finished: bool
+    reply_tokens: int
 
 
 class ReferenceSession(EngineSession):
@@ -171,6 +198,16 @@ class ReferenceSession(EngineSession):
         unit: finalize does it, and the next unit speaks (TurnRules.turn_work)."""
         self.warm_due = False
         """Finalize may prefill the words heard so far (TurnRules.warm_ahead)."""
+        self.start: tuple[str, dict[str, float]] | None = None
+        """How the reply being begun started and its parts (REPLY_START_PARTS), until the
+        result that carries its first piece reports them."""
+        self.endpoint_s = 0.0
+        """Silence after the user's last words when the engine took the turn."""
+        self.in_finalize = False
+        """finalize() is running (a reply begun there starts "finalize", else "inline")."""
+        self.guess: Guess | None = None
+        """A reply its finalize began on the words heard so far (``_guess``): the next
+        unit sends its first piece when that unit ends the turn with the same words."""
         self.opening = ""
         """What the user said, when finalize started the reply to it (or decided its calls):
         the next unit says it (input_transcript) with the reply's first piece (or the calls)."""
@@ -292,12 +329,16 @@ class ReferenceSession(EngineSession):
             return self._speak(costs)
         startup = self.units <= self._force_listen_count()
         if force_listen or startup:
+            self.guess = None
             return self._result(is_listen=True, costs=costs)
         if self.calling is not None:
             return self._calls_unit(costs)
         if self.answer_due:
             return self._answer(costs)
+        guess, self.guess = self.guess, None
         due = self._turn_due()
+        if guess is not None and due is not None and self._guessed_right(guess, due):
+            return self._speak(costs, heard=guess.text, pieces=0)
         if due is not None and not self._fits_in_unit(due):
             self.turn_later = True
             return self._result(is_listen=True, costs=costs)
@@ -357,16 +398,86 @@ class ReferenceSession(EngineSession):
             return None
         audio, key, ended = due
         text, logprob = self._transcribe(audio, key, costs)
-        if ended:
-            self.turn.take_ended()
-        elif looks_finished(text):
-            self.turn.take_current()
-        else:
+        if not ended and not looks_finished(text):
             return None
+        self._take_turn(ended)
         self.heard = None
         if not text:
             return None
         return text, logprob
+
+    def _take_turn(self, ended: bool) -> None:
+        """Take the user's turn from the tracker: the one the end-of-turn silence ended, or
+        (the quick end) the one going on; the silence after its words is noted."""
+        if ended:
+            self.endpoint_s = self.rules.end_silence_s
+            self.turn.take_ended()
+        else:
+            self.endpoint_s = self.turn.silence_s
+            self.turn.take_current()
+
+    def _may_guess(self, text: str, logprob: float) -> bool:
+        """Whether a finalize may begin the reply to the words heard so far (``_guess``):
+        they read as a finished turn, sure enough to answer, with no functions to choose
+        from (their checks are too costly to make on a guess) and speech on."""
+        return (
+            self.rules.guess_ahead
+            and looks_finished(text)
+            and logprob >= self.engine.repair_below
+            and not self.offer.calls()
+            and self.settings.tts_enabled is not False
+        )
+
+    def _guess(
+        self, key: tuple[int, int], text: str, logprob: float, costs: dict[str, float]
+    ) -> None:
+        """Begin the reply to ``text`` (its first piece made, as ``_begin_reply`` would) and
+        keep it as ``guess``, the dialogue and the session taken back to listening: when the
+        next unit ends the turn with these words it sends that piece at once."""
+        conversation = self._dialogue()
+        before = conversation.snapshot()
+        t0 = time.perf_counter()
+        parts: dict[str, float] = {}
+        self._open_reply()
+        conversation.add_user_turn(text)
+        said, used = self._fill(1, self.rules.first_piece_chars, parts, look_ahead=False)
+        self.guess = Guess(
+            key=key,
+            text=text,
+            logprob=logprob,
+            state=conversation.snapshot(),
+            slides=self.slides,
+            said=said,
+            tokens=used,
+            audio=self.audio,
+            pending_text=self.pending_text,
+            reply_finished=self.reply_finished,
+            reply_tokens=self.reply_tokens,
+        )
+        conversation.restore(before)
+        self._open_reply()
+        self.speaking = False
+        costs["guess"] = (time.perf_counter() - t0) * 1000.0
+
+    def _guessed_right(self, guess: Guess, due: tuple[np.ndarray, tuple[int, int], bool]) -> bool:
+        """When the user's turn ends now with the words ``guess`` heard (only silence came
+        since), take it up: the turn is taken and the guessed reply is the session's, its
+        first piece ready to send; else False (the guess is dropped)."""
+        _, key, ended = due
+        if key != guess.key or guess.slides != self.slides:
+            return False
+        self._take_turn(ended)
+        self.heard = None
+        self.transcripts.append(guess.text)
+        log.info("session %s: user said %r (as guessed)", self.session_id, guess.text)
+        self._dialogue().restore(guess.state)
+        self._open_reply()
+        self.ahead, self.ahead_tokens = guess.said, guess.tokens
+        self.audio = guess.audio
+        self.pending_text, self.reply_finished = guess.pending_text, guess.reply_finished
+        self.reply_tokens = guess.reply_tokens
+        self.start = ("guess", {"endpoint": self.endpoint_s * 1000.0})
+        return True
 
     def _warm(self, costs: dict[str, float]) -> None:
         """Inside an utterance: prefill the words heard so far but the last (it may be cut
@@ -376,7 +487,10 @@ class ReferenceSession(EngineSession):
             return
         if self.engine.busy():
             return  # spare time only: another session's unit is being computed
-        text, _ = self._transcribe(turn.audio(), turn.key(), costs)
+        text, logprob = self._transcribe(turn.audio(), turn.key(), costs)
+        if self._may_guess(text, logprob):
+            self._guess(turn.key(), text, logprob, costs)
+            return
         words = text.split()[:-1]
         if words:
             t0 = time.perf_counter()
@@ -509,6 +623,7 @@ class ReferenceSession(EngineSession):
         chat path writes it: ``functions.answer_turn``) and make its first piece."""
         outputs = [o or "" for o in self.awaiting.values()]
         self.awaiting, self.answer_due = {}, False
+        self.endpoint_s = 0.0  # no user speech before this reply: the outputs came
         t0 = time.perf_counter()
         self._open_reply()
         self._dialogue().add_user_turn(functions.answer_turn(outputs))
@@ -527,10 +642,19 @@ class ReferenceSession(EngineSession):
     def _first_piece(self, costs: dict[str, float], t0: float) -> None:
         """The started reply's first short piece, made ahead for the next _speak; the
         reply's start (since ``t0``) is learned when the model made it."""
-        said, used = self._fill(1, self.rules.first_piece_chars, costs)
+        said, used = self._fill(1, self.rules.first_piece_chars, costs, look_ahead=False)
         self.ahead, self.ahead_tokens = said, used
         if not self.scripted:
             self.engine.learn_reply_start(time.perf_counter() - t0)
+        self.start = (
+            "finalize" if self.in_finalize else "inline",
+            {
+                "endpoint": self.endpoint_s * 1000.0,
+                "asr": costs.get("asr", 0.0),
+                "llm": costs.get("llm_prefill", 0.0) + costs.get("llm", 0.0),
+                "tts": costs.get("tts", 0.0),
+            },
+        )
 
     def _open_reply(self) -> None:
         """A new reply begins: the session speaks, nothing of it made yet."""
@@ -585,7 +709,7 @@ class ReferenceSession(EngineSession):
         end = self.reply_finished and not self.pending_text.strip() and self.audio.size == 0
         if end:
             self._end_reply()
-        return self._result(
+        result = self._result(
             is_listen=False,
             text="".join(said),
             audio=chunk,
@@ -594,16 +718,24 @@ class ReferenceSession(EngineSession):
             costs=costs,
             heard=heard,
         )
+        if self.start is not None:  # the reply's first piece: how it started
+            result.reply_start_how, result.reply_start_ms = self.start
+            self.start = None
+        return result
 
-    def _fill(self, pieces: int, chars: int, costs: dict[str, float]) -> tuple[list[str], int]:
+    def _fill(
+        self, pieces: int, chars: int, costs: dict[str, float], look_ahead: bool = True
+    ) -> tuple[list[str], int]:
         """Generate up to ``pieces`` pieces of ~``chars`` characters while the speech ready
-        to send is under 1 s (with speech off: the pieces); returns their text and tokens."""
+        to send is under 1 s (with speech off: the pieces); returns their text and tokens.
+        ``look_ahead`` False: no token is chosen beyond what the pieces need (a reply's
+        first piece: it goes out one token's time sooner)."""
         said: list[str] = []
         n_tokens = 0
         tts_on = self.settings.tts_enabled is not False
         while (self.audio.size < OUTPUT_RATE or not tts_on) and len(said) < pieces:
             t0 = time.perf_counter()
-            piece, used = self._next_piece(chars)
+            piece, used = self._next_piece(chars, look_ahead)
             costs["llm"] = costs.get("llm", 0.0) + (time.perf_counter() - t0) * 1000.0
             n_tokens += used
             if not piece:
@@ -615,7 +747,7 @@ class ReferenceSession(EngineSession):
                 costs["tts"] = costs.get("tts", 0.0) + (time.perf_counter() - t1) * 1000.0
         return said, n_tokens
 
-    def _next_piece(self, chars: int) -> tuple[str, int]:
+    def _next_piece(self, chars: int, look_ahead: bool = True) -> tuple[str, int]:
         """The next piece of reply text as generated (spacing kept), about ``chars`` long, and
         the tokens it took; ("", n) when the reply is done."""
         used = 0
@@ -629,7 +761,7 @@ class ReferenceSession(EngineSession):
                 self._cut_reply(cut_at_limit(reply))
                 break
             before = conversation.context_tokens
-            delta, finished = conversation.next_tokens(1)
+            delta, finished = conversation.next_tokens(1, look_ahead=look_ahead)
             step = conversation.context_tokens - before
             used += step
             self.reply_tokens += step
@@ -814,32 +946,39 @@ class ReferenceSession(EngineSession):
         prefilled ahead."""
         self.needs_finalize = False
         costs: dict[str, float] = {}
-        with self.engine.running():
-            if self.turn_later:
-                self.turn_later = False
-                heard = self._user_turn(costs)
-                if heard is not None:
-                    calling = self._respond(*heard, costs)
-                    self.opening, self.first_ready = heard[0], not calling
-                else:
-                    self._warm(costs)
-            elif self.calling is not None:
-                self._write_calls(costs)
-                self.first_ready = self.speaking  # none could be made: the reply says so
-            elif self.answer_due and not self.speaking:
-                self._begin_answer(costs)
-                self.first_ready = True
-            elif self.called:
-                self._warm_calls(costs)
-            elif self.speaking and self.settings.tts_enabled is not False:
-                said, used = self._fill(2, self.rules.piece_chars, costs)
-                self.ahead += said
-                self.ahead_tokens += used
-            elif self.warm_due and not self.speaking:
-                self._warm(costs)
-            self._slide(costs)
-        self.warm_due = self.called = False
+        self.in_finalize = True
+        try:
+            with self.engine.running():
+                self._finalize_work(costs)
+                self._slide(costs)
+        finally:
+            self.warm_due = self.called = self.in_finalize = False
         self.finalize_costs = costs
+
+    def _finalize_work(self, costs: dict[str, float]) -> None:
+        """finalize's work, the one that applies (see finalize)."""
+        if self.turn_later:
+            self.turn_later = False
+            heard = self._user_turn(costs)
+            if heard is not None:
+                calling = self._respond(*heard, costs)
+                self.opening, self.first_ready = heard[0], not calling
+            else:
+                self._warm(costs)
+        elif self.calling is not None:
+            self._write_calls(costs)
+            self.first_ready = self.speaking  # none could be made: the reply says so
+        elif self.answer_due and not self.speaking:
+            self._begin_answer(costs)
+            self.first_ready = True
+        elif self.called:
+            self._warm_calls(costs)
+        elif self.speaking and self.settings.tts_enabled is not False:
+            said, used = self._fill(2, self.rules.piece_chars, costs)
+            self.ahead += said
+            self.ahead_tokens += used
+        elif self.warm_due and not self.speaking:
+            self._warm(costs)
 
     @property
     def replying(self) -> bool:
@@ -852,6 +991,7 @@ class ReferenceSession(EngineSession):
         self.opening = ""
         self.turn_later = self.warm_due = self.first_ready = self.answer_due = False
         self.calling, self.calls_due, self.awaiting = None, (), {}
+        self.guess, self.start = None, None
 
     def close(self) -> None:
         if self.closed:

@@ -507,6 +507,23 @@ class ReplyModel(ChatML):
         return Answer(prefix + text, len(ids), len(said))
 
 
+@dataclass(frozen=True)
+class ConversationState:
+    """A ``Conversation`` as it stood (``Conversation.snapshot``): its context, the reply
+    so far and the tokens chosen ahead."""
+
+    ids: list[int]
+    reply_ids: list[int]
+    next: list[tuple[int, bytes]]
+    stopped: bool
+    decoder: tuple[bytes, int]
+    open: bool
+    finished: bool
+    reply_text: str
+    turns: list[list[Any]]
+    note: str
+
+
 class Conversation:
     """One session's dialogue (greedy decoding), its whole history kept across turns (until
     ``forget`` drops the oldest exchanges, for a context window).
@@ -594,11 +611,47 @@ class Conversation:
             done = self._model.complete(ids, 0, 0, self._slot)
             return max(0, done.evaluated)
 
-    def next_tokens(self, max_tokens: int) -> tuple[str, bool]:
+    def snapshot(self) -> ConversationState:
+        """The dialogue as it stands (``restore`` returns to it): a reply begun on a guess
+        is kept this way and the dialogue taken back to before it. The server slot may
+        still hold the guessed tokens: llama.cpp keeps what a later request shares with
+        them and computes the rest, so correctness never depends on it."""
+        with self._lock:
+            return ConversationState(
+                ids=list(self._ids),
+                reply_ids=list(self._reply_ids),
+                next=list(self._next),
+                stopped=self._stopped,
+                decoder=self._decoder.getstate(),
+                open=self._open,
+                finished=self._finished,
+                reply_text=self.reply_text,
+                turns=[list(t) for t in self._turns],
+                note=self.note,
+            )
+
+    def restore(self, state: ConversationState) -> None:
+        """Return to a ``snapshot`` of this dialogue."""
+        with self._lock:
+            self._ids = list(state.ids)
+            self._reply_ids = list(state.reply_ids)
+            self._next = list(state.next)
+            self._stopped = state.stopped
+            self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            self._decoder.setstate(state.decoder)
+            self._open = state.open
+            self._finished = state.finished
+            self.reply_text = state.reply_text
+            self._turns = [list(t) for t in state.turns]
+            self.note = state.note
+
+    def next_tokens(self, max_tokens: int, look_ahead: bool = True) -> tuple[str, bool]:
         """Greedy-decode up to ``max_tokens`` more reply tokens: (new text, reply finished).
 
         The text is the exact new suffix of the reply; an incomplete multi-byte character is
-        held back until its last byte arrives."""
+        held back until its last byte arrives. ``look_ahead``: also choose the token after
+        them now, so a reply's end shows with its last text; without it that token is
+        chosen by the next call (a reply's first words go out one token's time sooner)."""
         with self._lock:
             if not self._open:
                 raise RuntimeError(
@@ -625,7 +678,7 @@ class Conversation:
             if not self._finished and not self._next:
                 if self._stopped:
                     self._finished = True
-                elif emitted:
+                elif emitted and look_ahead:
                     self._fetch(1)  # the next token now, so a reply's end shows at once
             if self._next and self._next[0][0] in self._model.stop_ids:
                 self._finished = True
