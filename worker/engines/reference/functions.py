@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -40,9 +40,15 @@ from omnifabric.worker.engines.tool_text import results_text as results_text
 #: The yes/no question: what the model does when asked whether a request wants a function.
 CHECK_SYSTEM = "You answer yes or no only."
 CHECK_QUESTION = 'The user said: "{request}"\nDo they want you to {task}?'
+#: After a call, whether the request asks for it again with other details ("And in
+#: London?" after get_weather for Paris), asked before CHECK_QUESTION (``continued``).
+AGAIN_QUESTION = (
+    'The user said: "{said}", and you did: {call}.\nThen they said: "{request}"\n'
+    "Do they want you to {task} once more, with other details they give?"
+)
 #: required, when no function got a yes: the model picks one by its number.
 PICK_SYSTEM = "You pick the one function that best serves a request. Answer with its number only."
-PICK_QUESTION = 'The user said: "{request}"\nFunctions:\n{functions}\nWhich number?'
+PICK_QUESTION = '{earlier}The user said: "{request}"\nFunctions:\n{functions}\nWhich number?'
 #: The arguments, as one JSON object.
 FILL_SYSTEM = (
     "You fill in a function's arguments. Write one JSON object that fits the function's "
@@ -50,7 +56,7 @@ FILL_SYSTEM = (
 )
 FILL_QUESTION = (
     "Function: {name}\nWhat it does: {description}\nSchema of its arguments: {schema}\n"
-    'Request: "{request}"'
+    '{earlier}Request: "{request}"'
 )
 FILL_RETRY = "That does not fit the schema: {problems}. Write the corrected JSON object only."
 ARGUMENT_TOKENS = 160
@@ -61,6 +67,14 @@ RESULT_NOTE = (
     "the user's question with it."
 )
 RESULT_ASK = "Answer my question with this result."
+#: A follow-up ("And in London?") means something only after the turns before it: the last
+#: few of them (the user's words, the calls they got) are quoted before the request in the
+#: questions that pick a function and write its arguments (``earlier_text``); with none,
+#: every question is as for a first request.
+RECENT_TURNS = 2
+EARLIER_HEAD = "Earlier in the conversation:"
+EARLIER_SAID = 'The user said: "{said}"'
+EARLIER_CALLED = "You called {call}."
 
 
 class Asker(Protocol):
@@ -110,6 +124,50 @@ class Plan:
         return answer
 
 
+@dataclass(frozen=True)
+class Earlier:
+    """A user's turn before the request: what they said and the calls it got."""
+
+    said: str
+    calls: tuple[ToolCall, ...] = ()
+
+
+def earlier_turns(
+    messages: Sequence[ChatMessage], text_of: Callable[[ChatMessage], str]
+) -> tuple[Earlier, ...]:
+    """The user's turns before the last message (the request) in a chat turn's messages,
+    the last RECENT_TURNS of them, each with the calls the assistant made after it;
+    ``text_of`` gives a message's words (the engine transcribes audio parts)."""
+    turns: list[Earlier] = []
+    for message in messages[:-1]:
+        if message.role == "user":
+            turns.append(Earlier(text_of(message)))
+        elif message.tool_calls and turns:
+            last = turns[-1]
+            turns[-1] = Earlier(last.said, last.calls + message.tool_calls)
+    return tuple(turns[-RECENT_TURNS:])
+
+
+def remembered(
+    recent: Sequence[Earlier], said: str, calls: Sequence[ToolCall] = ()
+) -> tuple[Earlier, ...]:
+    """``recent`` with the user's turn ``said`` (and its ``calls``) added, the last
+    RECENT_TURNS kept: what a duplex session holds for its next request."""
+    return (*recent, Earlier(said, tuple(calls)))[-RECENT_TURNS:]
+
+
+def earlier_text(recent: Sequence[Earlier]) -> str:
+    """The turns before the request as the questions quote them ("" when none), a line
+    each for what the user said and each call it got."""
+    if not recent:
+        return ""
+    lines = [EARLIER_HEAD]
+    for turn in recent[-RECENT_TURNS:]:
+        lines.append(EARLIER_SAID.format(said=turn.said))
+        lines += [EARLIER_CALLED.format(call=f"{c.name}({c.arguments})") for c in turn.calls]
+    return "\n".join(lines) + "\n"
+
+
 def task(spec: ToolSpec) -> str:
     """What a function does, as words that follow "you to": its description (first letter
     lowered, final period gone), else its name's words."""
@@ -119,51 +177,101 @@ def task(spec: ToolSpec) -> str:
     return text[:1].lower() + text[1:]
 
 
-def choose(llm: Asker, turn: Offered, request: str, plan: Plan) -> list[ToolSpec]:
+def choose(
+    llm: Asker, turn: Offered, request: str, plan: Plan, recent: Sequence[Earlier] = ()
+) -> list[ToolSpec]:
     """The functions the reply calls for ``request`` (the user's last words) under the
-    turn's (or session's) tool choice; none for auto when no function gets a yes."""
+    turn's (or session's) tool choice; none for auto when no function gets a yes.
+    ``recent``: the user's turns before it (``earlier_turns``, ``remembered``): a function
+    called there that the request asks for again (``continued``) is the one called, else
+    each function is asked about the request alone; none: the request is judged alone."""
     choice = turn.tool_choice
     if not turn.tools or not choice.allows_calls():
         return []
     if choice.kind == FUNCTION:
         return [s for s in turn.tools if s.name == choice.name][:1]
-    wanted = [s for s in turn.tools if wants(llm, request, s, plan)]
+    wanted = continued(llm, turn.tools, request, recent, plan)
+    wanted = wanted or [s for s in turn.tools if wants(llm, request, s, plan)]
     if wanted or choice.kind == AUTO:
         return wanted
     assert choice.kind == REQUIRED
-    return [pick(llm, request, turn.tools, plan)]
+    return [pick(llm, request, turn.tools, plan, earlier_text(recent))]
 
 
 def wants(llm: Asker, request: str, spec: ToolSpec, plan: Plan) -> bool:
     """The model's yes or no: does ``request`` ask for what ``spec`` does?"""
     question = CHECK_QUESTION.format(request=request, task=task(spec))
+    return yes(llm, question, plan)
+
+
+def continued(
+    llm: Asker,
+    specs: Sequence[ToolSpec],
+    request: str,
+    recent: Sequence[Earlier],
+    plan: Plan,
+) -> list[ToolSpec]:
+    """The offered functions called in the ``recent`` turns that ``request`` asks for once
+    more (AGAIN_QUESTION, about each one's latest call and the words that got it). Asked
+    first because a follow-up's words alone mislead the lone check ("And in London?" got a
+    yes from order_status as well as get_weather)."""
+    latest: dict[str, tuple[str, ToolCall]] = {}
+    for turn in recent:
+        latest.update((c.name, (turn.said, c)) for c in turn.calls)
+    wanted = []
+    for spec in specs:
+        if spec.name not in latest:
+            continue
+        said, call = latest[spec.name]
+        question = AGAIN_QUESTION.format(
+            said=said, call=f"{call.name}({call.arguments})", request=request, task=task(spec)
+        )
+        if yes(llm, question, plan):
+            wanted.append(spec)
+    return wanted
+
+
+def yes(llm: Asker, question: str, plan: Plan) -> bool:
+    """The model's one-token yes or no to ``question``."""
     answer = plan.count(llm.ask([("system", CHECK_SYSTEM), ("user", question)], 1))
     return answer.text.strip().lower().startswith("yes")
 
 
-def pick(llm: Asker, request: str, specs: Sequence[ToolSpec], plan: Plan) -> ToolSpec:
+def pick(
+    llm: Asker, request: str, specs: Sequence[ToolSpec], plan: Plan, earlier: str = ""
+) -> ToolSpec:
     """The function the model names by number (the first when its answer is no number)."""
     listed = "\n".join(f"{i}. {s.name}: {task(s)}" for i, s in enumerate(specs, start=1))
-    question = PICK_QUESTION.format(request=request, functions=listed)
+    question = PICK_QUESTION.format(earlier=earlier, request=request, functions=listed)
     answer = plan.count(llm.ask([("system", PICK_SYSTEM), ("user", question)], 3))
     number = re.search(r"\d+", answer.text)
     index = int(number.group()) - 1 if number else 0
     return specs[index] if 0 <= index < len(specs) else specs[0]
 
 
-def fill_all(llm: Asker, request: str, chosen: Sequence[ToolSpec], plan: Plan) -> None:
+def fill_all(
+    llm: Asker,
+    request: str,
+    chosen: Sequence[ToolSpec],
+    plan: Plan,
+    recent: Sequence[Earlier] = (),
+) -> None:
     """The calls of the ``chosen`` functions (``fill`` each), added to the plan."""
     for spec in chosen:
-        fill(llm, request, spec, plan)
+        fill(llm, request, spec, plan, recent)
 
 
-def fill(llm: Asker, request: str, spec: ToolSpec, plan: Plan) -> None:
-    """The call of ``spec`` with the arguments the model writes for ``request``, added to
-    the plan; asked once more when they do not fit, then the problem is the plan's."""
+def fill(
+    llm: Asker, request: str, spec: ToolSpec, plan: Plan, recent: Sequence[Earlier] = ()
+) -> None:
+    """The call of ``spec`` with the arguments the model writes for ``request`` (after the
+    ``recent`` turns, as ``choose`` takes them), added to the plan; asked once more when
+    they do not fit, then the problem is the plan's."""
     question = FILL_QUESTION.format(
         name=spec.name,
         description=spec.description or task(spec),
         schema=json.dumps(spec.parameters or {"type": "object"}),
+        earlier=earlier_text(recent),
         request=request,
     )
     turns = [("system", FILL_SYSTEM), ("user", question)]
