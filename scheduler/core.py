@@ -547,7 +547,7 @@ class Scheduler:
         if resent:
             self.leadership.rebuilt_by(now)
         if key and key_limit and not resent:
-            held = self.leases.held_by(key) + sum(1 for t in self.queue if t.key == key)
+            held = self.leases.held_by(key) + self.queue.with_key(key)
             if held >= key_limit:
                 self.counters.key_limit_rejections += 1
                 raise KeySessionLimit(held, key_limit)

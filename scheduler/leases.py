@@ -129,10 +129,16 @@ class LeaseRevokeNotice:
 
 
 class LeaseTable:
-    """Every lease that occupies a slot, by lease id."""
+    """Every lease that occupies a slot, by lease id; and indexed by worker, API key and
+    resume key, so that a registration, an Acquire with a key limit or a Reattach looks
+    at the leases concerned, not at the whole fleet's (a lease's worker, key and resume
+    key are fixed at its creation)."""
 
     def __init__(self) -> None:
         self._leases: dict[str, Lease] = {}
+        self._by_worker: dict[str, dict[str, Lease]] = {}
+        self._by_key: dict[str, dict[str, Lease]] = {}
+        self._by_resume_key: dict[str, dict[str, Lease]] = {}
 
     def __iter__(self) -> Iterator[Lease]:
         return iter(list(self._leases.values()))
@@ -141,7 +147,14 @@ class LeaseTable:
         return lease_id in self._leases
 
     def add(self, lease: Lease) -> None:
+        old = self._leases.get(lease.lease_id)
+        if old is not None:
+            self._unindex(old)
         self._leases[lease.lease_id] = lease
+        self._by_worker.setdefault(lease.worker_id, {})[lease.lease_id] = lease
+        self._by_key.setdefault(lease.key, {})[lease.lease_id] = lease
+        if lease.resume_key:
+            self._by_resume_key.setdefault(lease.resume_key, {})[lease.lease_id] = lease
 
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
@@ -149,7 +162,10 @@ class LeaseTable:
     def pop(self, lease_id: str) -> Lease | None:
         """Forget a lease, cancelling its release timer."""
         lease = self._leases.pop(lease_id, None)
-        if lease is not None and lease.release_timer is not None:
+        if lease is None:
+            return None
+        self._unindex(lease)
+        if lease.release_timer is not None:
             lease.release_timer.cancel()
             lease.release_timer = None
         return lease
@@ -158,14 +174,23 @@ class LeaseTable:
         """The resumable lease issued with this resume key, if any."""
         if not resume_key:
             return None
-        for lease in self._leases.values():
-            if lease.resume_key == resume_key:
-                return lease
-        return None
+        return next(iter(self._by_resume_key.get(resume_key, {}).values()), None)
+
+    def _unindex(self, lease: Lease) -> None:
+        for index, name in (
+            (self._by_worker, lease.worker_id),
+            (self._by_key, lease.key),
+            (self._by_resume_key, lease.resume_key),
+        ):
+            leases = index.get(name)
+            if leases is not None:
+                leases.pop(lease.lease_id, None)
+                if not leases:
+                    del index[name]
 
     def on_worker(self, worker_id: str) -> list[Lease]:
         """Every lease on the worker registered as `worker_id`."""
-        return [lease for lease in self._leases.values() if lease.worker_id == worker_id]
+        return list(self._by_worker.get(worker_id, {}).values())
 
     def active(self) -> list[Lease]:
         """The leases being served, oldest first."""
@@ -176,7 +201,7 @@ class LeaseTable:
         """Leases of the sessions of this API key: active, detached and resumable, or
         running without a holder here (rebuilt from their worker's hello)."""
         held = (LeaseState.ACTIVE, LeaseState.DETACHED, LeaseState.ORPHAN)
-        return sum(1 for lease in self._leases.values() if lease.key == key and lease.state in held)
+        return sum(1 for lease in self._by_key.get(key, {}).values() if lease.state in held)
 
     def count(self, state: LeaseState) -> int:
         """How many leases are in `state`."""

@@ -68,6 +68,8 @@ class WaitQueue:
         self._positions: dict[str, int] | None = None
         self._modes: Counter[Mode] = Counter()
         """Waiting tickets per mode."""
+        self._keys: Counter[str] = Counter()
+        """Waiting tickets per API key (those with a key to keep a limit for)."""
 
     def __len__(self) -> int:
         return len(self._tickets)
@@ -86,6 +88,8 @@ class WaitQueue:
             raise QueueFull(len(self._tickets), self.queue_max)
         self._positions = None
         self._modes[ticket.mode] += 1
+        if ticket.key:
+            self._keys[ticket.key] += 1
         tickets = self._tickets
         place = _place(ticket)
         if not tickets or _place(next(reversed(tickets.values()))) <= place:
@@ -108,6 +112,10 @@ class WaitQueue:
             return False
         self._positions = None
         self._modes[ticket.mode] -= 1
+        if ticket.key:
+            self._keys[ticket.key] -= 1
+            if not self._keys[ticket.key]:
+                del self._keys[ticket.key]
         return True
 
     def ordered(self) -> Iterator[Ticket]:
@@ -118,6 +126,10 @@ class WaitQueue:
     def waiting(self, mode: Mode) -> int:
         """How many tickets of `mode` wait."""
         return self._modes[mode]
+
+    def with_key(self, key: str) -> int:
+        """How many tickets of this API key wait."""
+        return self._keys[key] if key else 0
 
     def modes(self) -> set[Mode]:
         """The modes some ticket waits for."""

@@ -1,0 +1,64 @@
+"""LeaseTable's indexes (by worker, API key and resume key) and the queue's count per key
+answer as a walk over every lease and ticket would, on random histories (issue 55)."""
+
+from __future__ import annotations
+
+import random
+
+from omnifabric.scheduler.leases import Lease, LeaseState, LeaseTable
+from omnifabric.scheduler.queue import Ticket, WaitQueue
+from omnifabric.scheduler.registry import Mode
+
+HELD = (LeaseState.ACTIVE, LeaseState.DETACHED, LeaseState.ORPHAN)
+
+
+def _check(table: LeaseTable, workers: list[str], keys: list[str]) -> None:
+    every = list(table)
+    for worker_id in workers:
+        assert table.on_worker(worker_id) == [x for x in every if x.worker_id == worker_id]
+    for key in keys:
+        assert table.held_by(key) == sum(1 for x in every if x.key == key and x.state in HELD)
+        first = next((x for x in every if x.resume_key == key), None)
+        assert table.by_resume_key(key) is (first if key else None)
+
+
+def test_the_lease_indexes_match_a_walk():
+    rng = random.Random(55)
+    workers, keys = ["w1", "w2", "w3"], ["", "k1", "k2", "k3"]
+    table = LeaseTable()
+    ids: list[str] = []
+    for _ in range(2000):
+        if ids and rng.random() < 0.4:
+            table.pop(ids.pop(rng.randrange(len(ids))))
+        elif ids and rng.random() < 0.2:
+            table.get(rng.choice(ids)).state = rng.choice(list(LeaseState))  # type: ignore[union-attr]
+        else:
+            lease = Lease(
+                worker_id=rng.choice(workers),
+                slot=0,
+                mode=Mode.AUDIO,
+                key=rng.choice(keys),
+                resume_key=rng.choice(keys),
+            )
+            table.add(lease)
+            ids.append(lease.lease_id)
+        _check(table, workers, keys)
+    for lease_id in ids:
+        table.pop(lease_id)
+    assert (table._by_worker, table._by_key, table._by_resume_key) == ({}, {}, {})
+
+
+def test_the_queue_counts_waiting_tickets_per_key():
+    rng = random.Random(7)
+    queue = WaitQueue(queue_max=1000)
+    waiting: list[Ticket] = []
+    for _ in range(500):
+        if waiting and rng.random() < 0.45:
+            queue.remove(waiting.pop(rng.randrange(len(waiting))))
+        else:
+            ticket = Ticket(mode=Mode.AUDIO, session_id="s", key=rng.choice(["", "a", "b"]))
+            queue.push(ticket)
+            waiting.append(ticket)
+        for key in ("a", "b"):
+            assert queue.with_key(key) == sum(1 for t in queue if t.key == key)
+        assert queue.with_key("") == 0
