@@ -14,6 +14,7 @@ from scipy.io import wavfile
 from scipy.signal import resample_poly
 
 from omnifabric.worker.engines.reference.asr import (
+    CONTEXT_TOKENS,
     DEFAULT_MODEL,
     FULL_FRAMES,
     MODELS,
@@ -293,3 +294,39 @@ def test_hear_returns_its_own_logprob(base, speak):
     # Another call in between (another session's) does not change what this call returned.
     assert base.hear(np.zeros(16000, np.float32)) == ("", float("-inf"))
     assert base.hear(audio) == (text, logprob)
+
+
+@needs_base
+def test_base_context_steers_names(base, speak):
+    # The session's words (names a system prompt or a function's description gives) go
+    # into the prompt as the previous transcript: espeak's "Chez Marie" is heard as
+    # "shameery" without them.
+    audio = speak("I'd like to book Chez Marie tonight.")
+    alone = " ".join(words(base.transcribe(audio)))
+    assert "chez marie" not in alone, alone  # else this test shows nothing
+    context = "Nobu, the Ivy, Chez Marie, Sakura"
+    text, logprob = base.hear(audio, context)
+    assert "chez marie" in " ".join(words(text)), text
+    # Scoring under the same context gives the decoding's own log-probability.
+    enc = base.encode(audio)
+    found = base.hypothesis(enc, context)
+    total, n = base.score(enc, found.text, found.cross, context)
+    assert (found.text, found.mean) == (text, logprob)
+    assert total / n == pytest.approx(logprob, abs=0.05)
+    # The prompt: <|startofprev|>, the context's last CONTEXT_TOKENS tokens, the task.
+    assert base.prompt_for(None) == base.prompt == base.prompt_for("  ")
+    prompt = base.prompt_for(context)
+    assert prompt[0] == base.tokens.prev and prompt[-4:] == base.prompt
+    assert base.tokenizer.decode(list(prompt[1:-4])).strip() == context
+    assert len(base.prompt_for("word " * 500)) == 1 + CONTEXT_TOKENS + 4
+
+
+@needs_base
+def test_base_scores_many_transcripts_at_once(base, speak):
+    enc = base.encode(speak("How many legs does a spider have?"))
+    found = base.hypothesis(enc)
+    texts = [found.text, "How many lands does a spider have?", "Spider"]
+    one_by_one = [base.score(enc, t) for t in texts]
+    batched = base.score_many(enc, texts, found.cross)
+    for (a, n), (b, m) in zip(one_by_one, batched, strict=True):
+        assert n == m and a == pytest.approx(b, abs=1e-3)

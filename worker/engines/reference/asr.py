@@ -70,6 +70,8 @@ NO_SPEECH = 50361  # <|nocaptions|>
 NO_TIMESTAMPS = 50362
 PROMPT = (SOT, NO_TIMESTAMPS)
 MAX_NEW_TOKENS = 64
+CONTEXT_TOKENS = 96
+"""At most this many tokens of prompt text (Whisper was trained with up to 223)."""
 MIN_LOOP = 4  # shortest repeated token span treated as a decoding loop
 # Whisper's silence rule (openai/whisper transcribe): drop when the no-speech probability
 # is high and the decoded text is not confident.
@@ -516,6 +518,22 @@ class Hypothesis:
 # --- transcription -------------------------------------------------------------------------
 
 
+def widen(cross: Cache, batch: int) -> DynamicCache:
+    """A cross-attention cache of one encoding (``hypothesis``'s) for ``batch`` rows that
+    read it: views of the same keys and values, nothing copied (scoring only reads them)."""
+    legacy = cross.to_legacy_cache()  # type: ignore[attr-defined]
+    return DynamicCache.from_legacy_cache(
+        tuple((k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in legacy)
+    )
+
+
+def summed_logprob(logprobs: torch.Tensor, targets: list[int]) -> tuple[float, int]:
+    """Summed log-probability of ``targets`` in a row of per-position log-probabilities
+    (the first ``len(targets)`` positions), and how many tokens that is."""
+    rows = torch.arange(len(targets))
+    return float(logprobs[rows, torch.tensor(targets)].sum()), len(targets)
+
+
 def is_silent(audio: np.ndarray) -> bool:
     """Whether ``audio`` is empty or its peak stays under ``SILENCE_PEAK`` (no model is run
     on it: Whisper hears digital silence as something)."""
@@ -582,12 +600,8 @@ class Transcriber:
         vocab = self.model.config.vocab_size
         self.tokens = SpecialTokens.from_tokenizer(self.tokenizer, vocab)
         self.multilingual = self.tokens.en is not None
-        prefix: tuple[int, ...] = ()
-        if initial_prompt:
-            text = self.tokenizer.encode(" " + initial_prompt.strip(), add_special_tokens=False)
-            prefix = (self.tokens.prev, *text.ids)
-        self.prompt = (*prefix, *self.tokens.prompt())
-        self._sot_at = len(prefix)
+        self.initial_prompt = (initial_prompt or "").strip()
+        self.prompt = self.prompt_for(None)
         cfg = json.loads((self.model_dir / "config.json").read_text())
         # Text only: every special/timestamp token (>= SOT) plus Whisper's non-speech symbols.
         eot = self.tokens.eot
@@ -602,15 +616,26 @@ class Transcriber:
         self.last_no_speech_prob = 0.0
         self.last_avg_logprob = 0.0
 
+    def prompt_for(self, context: str | None) -> tuple[int, ...]:
+        """The decoder's prompt: ``initial_prompt`` and then ``context`` (the conversation's
+        words, e.g. names it may hear) as the previous transcript, its last
+        ``CONTEXT_TOKENS`` tokens, then SOT and the task."""
+        text = " ".join(t for t in (self.initial_prompt, (context or "").strip()) if t)
+        if not text:
+            return self.tokens.prompt()
+        ids = self.tokenizer.encode(" " + text, add_special_tokens=False).ids[-CONTEXT_TOKENS:]
+        return (self.tokens.prev, *ids, *self.tokens.prompt())
+
     @property
     def last_timings(self) -> dict[str, float]:
         """ms spent in features, encoder and decoder on the last call, and tokens decoded."""
         return dict(self._timings)
 
-    def hear(self, audio: np.ndarray) -> tuple[str, float]:
+    def hear(self, audio: np.ndarray, context: str | None = None) -> tuple[str, float]:
         """``transcribe``, with the mean log-probability of this very call: the ``last_*``
-        attributes are shared by the engine threads that use one Transcriber."""
-        return self._transcribe(audio, False)
+        attributes are shared by the engine threads that use one Transcriber. ``context``:
+        words the speaker may use (``prompt_for``)."""
+        return self._transcribe(audio, False, context)
 
     def transcribe(self, audio: np.ndarray, *, full_window: bool = False) -> str:
         """Text of float32 mono 16 kHz ``audio`` (up to 30 s); "" for silence (a peak under
@@ -622,14 +647,16 @@ class Transcriber:
         """
         return self._transcribe(audio, full_window)[0]
 
-    def _transcribe(self, audio: np.ndarray, full_window: bool) -> tuple[str, float]:
+    def _transcribe(
+        self, audio: np.ndarray, full_window: bool, context: str | None = None
+    ) -> tuple[str, float]:
         self._timings = {"features": 0.0, "encoder": 0.0, "decoder": 0.0, "tokens": 0.0}
         self.last_no_speech_prob = 1.0
         self.last_avg_logprob = float("-inf")
         enc = self.encode(audio, full_window=full_window)
         if enc is None:
             return "", float("-inf")
-        return self.decode(enc)
+        return self.decode(enc, context)
 
     def encode(self, audio: np.ndarray, *, full_window: bool = False) -> torch.Tensor | None:
         """The encoder's states for float32 mono 16 kHz ``audio`` (up to 30 s, on a cut
@@ -659,20 +686,20 @@ class Transcriber:
         }
         return enc
 
-    def decode(self, enc: torch.Tensor) -> tuple[str, float]:
+    def decode(self, enc: torch.Tensor, context: str | None = None) -> tuple[str, float]:
         """Greedy transcript of ``encode``'s states and its mean token log-probability; ""
         when Whisper's no-speech rule says nothing was said. Sets ``last_no_speech_prob``
         and ``last_avg_logprob`` (mean over the decoded tokens and the end token; -inf
         when decoding stopped at the prompt)."""
-        found = self.hypothesis(enc)
+        found = self.hypothesis(enc, context)
         return found.text, found.mean
 
-    def hypothesis(self, enc: torch.Tensor) -> Hypothesis:
+    def hypothesis(self, enc: torch.Tensor, context: str | None = None) -> Hypothesis:
         """``decode`` with its token count and the cross-attention keys and values it
         computed from ``enc``, which ``score`` can reuse instead of computing them again."""
         with torch.inference_mode():
             t0 = time.perf_counter()
-            tokens, no_speech, total, cache = self._decode(enc)
+            tokens, no_speech, total, cache = self._decode(enc, self.prompt_for(context))
             t1 = time.perf_counter()
         self._timings["decoder"] = (t1 - t0) * 1000.0
         self._timings["tokens"] = float(len(tokens))
@@ -686,30 +713,48 @@ class Transcriber:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
         return Hypothesis(text, total, count, cross)
 
-    def score(self, enc: torch.Tensor, text: str, cross: Cache | None = None) -> tuple[float, int]:
+    def score(
+        self, enc: torch.Tensor, text: str, cross: Cache | None = None, context: str | None = None
+    ) -> tuple[float, int]:
         """How likely Whisper finds ``text`` as the transcript of ``encode``'s states: the
         summed log-probability of its tokens and the end token (one teacher-forced pass),
         and how many tokens that is. ``cross``: ``hypothesis``'s cross-attention cache for
-        the same ``enc`` (only read)."""
-        ids = self.tokenizer.encode(" " + text.strip(), add_special_tokens=False).ids
-        targets = [*ids, self.tokens.eot]
+        the same ``enc`` (only read); ``context`` as ``hypothesis`` had it."""
+        return self.score_many(enc, [text], cross, context)[0]
+
+    def score_many(
+        self,
+        enc: torch.Tensor,
+        texts: list[str],
+        cross: Cache | None = None,
+        context: str | None = None,
+    ) -> list[tuple[float, int]]:
+        """``score`` for several transcripts of the same encoding in one batched pass (each
+        right-padded: the decoder is causal, so padding after a transcript changes none of
+        its log-probabilities)."""
+        targets = [
+            [*self.tokenizer.encode(" " + t.strip(), add_special_tokens=False).ids, self.tokens.eot]
+            for t in texts
+        ]
+        width = max(len(t) for t in targets)
+        prompt = self.prompt_for(context)
+        rows = [[*prompt, *t[:-1]] + [self.tokens.eot] * (width - len(t)) for t in targets]
         with torch.inference_mode():
-            inputs = torch.tensor([[*self.prompt, *ids]], dtype=torch.long, device=self.device)
+            inputs = torch.tensor(rows, dtype=torch.long, device=self.device)
             cache = None
             if cross is not None and cross.get_seq_length() > 0:
-                cache = EncoderDecoderCache(DynamicCache(), cross)
+                cache = EncoderDecoderCache(DynamicCache(), widen(cross, len(rows)))
             out = self.decoder(
                 input_ids=inputs,
-                encoder_hidden_states=enc,
+                encoder_hidden_states=enc.expand(len(rows), -1, -1),
                 past_key_values=cache,
                 use_cache=cache is not None,
                 return_dict=True,
             )
-            start = len(self.prompt) - 1
-            hidden = out.last_hidden_state[0, start : start + len(targets)]
+            start = len(prompt) - 1
+            hidden = out.last_hidden_state[:, start : start + width]
             logprobs = (self.model.proj_out(hidden).float() + self._mask).log_softmax(-1)
-            picked = logprobs[torch.arange(len(targets)), torch.tensor(targets)]
-        return float(picked.sum()), len(targets)
+        return [summed_logprob(logprobs[i], t) for i, t in enumerate(targets)]
 
     def _encode(self, mel: torch.Tensor) -> torch.Tensor:
         """WhisperEncoder.forward on a window of any even length <= 3000 frames.
@@ -726,12 +771,14 @@ class Transcriber:
             x = layer(x, None, layer_head_mask=None)[0]
         return e.layer_norm(x)
 
-    def _decode(self, enc: torch.Tensor) -> tuple[list[int], float, float, EncoderDecoderCache]:
+    def _decode(
+        self, enc: torch.Tensor, prompt: tuple[int, ...]
+    ) -> tuple[list[int], float, float, EncoderDecoderCache]:
         """Greedy decoding with the KV cache: tokens, no-speech probability, the summed
         log-probability of the tokens and the end token (-inf when stopped at the prompt),
         and the cache."""
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        ids = torch.tensor([self.prompt], dtype=torch.long, device=self.device)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         eot = self.tokens.eot
         tokens: list[int] = []
         no_speech = 0.0
@@ -748,7 +795,7 @@ class Transcriber:
             hidden = out.last_hidden_state
             if step == 0:
                 # Whisper's no-speech probability: <|nocaptions|> predicted after SOT.
-                sot_logits = self.model.proj_out(hidden[0, self._sot_at])
+                sot_logits = self.model.proj_out(hidden[0, prompt.index(self.tokens.sot)])
                 no_speech = float(sot_logits.softmax(-1)[self.tokens.no_speech])
                 if no_speech > NO_SPEECH_CERTAIN:
                     return [], no_speech, float("-inf"), cache

@@ -41,7 +41,7 @@ from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.models.moonshine.configuration_moonshine import MoonshineConfig
 from transformers.models.moonshine.modeling_moonshine import MoonshineForConditionalGeneration
 
-from omnifabric.worker.engines.reference.asr import Hypothesis
+from omnifabric.worker.engines.reference.asr import Hypothesis, summed_logprob, widen
 from omnifabric.worker.engines.reference.linears import use_onednn
 
 SAMPLE_RATE = 16000
@@ -477,14 +477,33 @@ class Moonshine:
         """Summed log-probability of ``text``'s tokens and the end token given ``encode``'s
         states (one teacher-forced pass), and how many tokens that is. ``cross``:
         ``hypothesis``'s cross-attention cache for the same ``enc`` (only read)."""
-        ids = self.ids(text)
-        targets = [*ids, END]
-        known = cross if cross is not None and cross.get_seq_length() > 0 else DynamicCache()
+        return self.score_many(enc, [text], cross)[0]
+
+    def score_many(
+        self, enc: torch.Tensor, texts: list[str], cross: Cache | None = None
+    ) -> list[tuple[float, int]]:
+        """``score`` for several transcripts of the same encoding in one batched pass (each
+        right-padded: the decoder is causal, so padding after a transcript changes none of
+        its log-probabilities)."""
+        targets = [[*self.ids(text), END] for text in texts]
+        width = max(len(t) for t in targets)
+        rows = [[START, *t[:-1]] + [END] * (width - len(t)) for t in targets]
+        known = (
+            widen(cross, len(rows))
+            if cross is not None and cross.get_seq_length() > 0
+            else DynamicCache()
+        )
         with torch.inference_mode():
             cache = EncoderDecoderCache(DynamicCache(), known)
-            logprobs = self._logits([START, *ids], enc, cache).log_softmax(-1)
-            picked = logprobs[torch.arange(len(targets)), torch.tensor(targets)]
-        return float(picked.sum()), len(targets)
+            inputs = torch.tensor(rows, dtype=torch.long, device=self.device)
+            out = self.model.model.decoder(
+                input_ids=inputs,
+                encoder_hidden_states=enc.expand(len(rows), -1, -1),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logprobs = self.model.proj_out(out.last_hidden_state).float().log_softmax(-1)
+        return [summed_logprob(logprobs[i], t) for i, t in enumerate(targets)]
 
     def text(self, ids: list[int]) -> str:
         raw = b"".join(self.pieces[i] for i in ids if i > END and i < len(self.pieces))

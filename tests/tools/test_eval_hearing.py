@@ -1,0 +1,77 @@
+"""The recognizer-only evaluation's plan, audio and scoring (the recognizers themselves are
+tested in tests/worker/reference/)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from omnifabric.tools.eval_hearing import (
+    PROBES,
+    VOICES,
+    Heard,
+    Probe,
+    cached_audio,
+    plan,
+    score,
+    table,
+    utterance_audio,
+)
+from omnifabric.tools.eval_reference import RATE, words_of
+from omnifabric.worker.engines.vad import UtteranceRules
+
+
+def test_every_key_word_is_in_its_probe():
+    assert len(PROBES) >= 40
+    for probe in PROBES:
+        said = set(words_of(probe.text))
+        assert probe.keys and all(set(k.split("|")) & said for k in probe.keys), probe
+
+
+def test_plan_says_every_probe_in_every_voice():
+    runs = plan(["piper", "espeak"], PROBES[:4])
+    assert len(runs) == 4 * (len(VOICES["piper"]) + len(VOICES["espeak"]))
+    assert len(VOICES["espeak"]) >= 6
+    assert {(kind, voice, rate) for _, kind, voice, rate, _, _ in runs} == {
+        (kind, voice, float(rate)) for kind in VOICES for voice, rate in VOICES[kind]
+    }
+    for kind in VOICES:  # each utterance of a kind has noise of its own
+        seeds = [seed for _, k, *_, seed in runs if k == kind]
+        assert len(set(seeds)) == len(seeds)
+    assert runs == plan(["piper", "espeak"], PROBES[:4])
+
+
+def test_scores_key_words_and_word_errors():
+    probe = Probe("Has my order 55501 shipped yet?", ("55501", "shipped"))
+    assert score(probe, "Has my order 55,501 shipped yet?") == (2, 0.0)
+    kept, wer = score(probe, "As my order 55,500 one shipped yet.")
+    assert kept == 1 and wer == pytest.approx(3 / 6)
+    assert score(Probe("What color is it?", ("color|colour",)), "What colour is it")[0] == 1
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")
+def test_audio_is_cut_as_the_turn_tracker_cuts_it(tmp_path):
+    spec = (PROBES[4], "espeak", "en-us", 165.0, 1.1, 7)
+    audio = utterance_audio(spec)
+    rules = UtteranceRules()
+    # Speech of the probe plus the tracker's pre-roll and tail, not the lead-in.
+    assert 0.8 < audio.size / RATE < 1.1 + 2.0
+    head = audio[: int(rules.pre_roll_s * RATE) - 80]
+    assert 0 < np.abs(head).max() < 0.02  # the evaluation's low noise, no speech
+    assert np.abs(audio).max() > 0.1
+    again = cached_audio(spec, tmp_path)
+    assert np.array_equal(again, audio) and len(list(tmp_path.iterdir())) == 1
+    assert np.array_equal(cached_audio(spec, tmp_path), audio)
+
+
+def test_table_has_a_row_per_voice_kind():
+    results = [
+        Heard("piper", "joe", 1.0, "a b", "a b", 2, 2, 0.0, 100.0, -0.2),
+        Heard("espeak", "en-us", 165, "a b", "a c", 1, 2, 0.5, 300.0, -0.9),
+    ]
+    text = table(results)
+    assert "| piper | 1 | 1/1 (100.0%) | 2/2 (100.0%) | 0.0% | 100 / 100 |" in text
+    assert "| espeak | 1 | 0/1 (0.0%) | 1/2 (50.0%) | 50.0% | 300 / 300 |" in text
+    assert "| all | 2 |" in text
