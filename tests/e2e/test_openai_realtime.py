@@ -14,6 +14,7 @@ from websockets.asyncio.client import connect
 
 from omnifabric.edge import g711
 from tests.conftest import scaled
+from tests.e2e.openai_helpers import WEATHER_TOOL, until
 from tests.e2e.test_default_voice import http_url
 from tests.edge.test_voices import request
 from tests.stack import keyed_stack
@@ -44,20 +45,6 @@ def pcm16(seconds: float, amplitude: float) -> str:
     t = np.arange(int(seconds * RATE)) / RATE
     x = amplitude * np.sin(2 * np.pi * 220 * t)
     return base64.b64encode((x * 32767).astype("<i2").tobytes()).decode()
-
-
-async def until(conn, *kinds: str, timeout_s: float = 30.0, seen: list | None = None):
-    """The next event of one of `kinds` (every event read is kept in `seen`)."""
-
-    async def read():
-        while True:
-            event = await conn.recv()
-            if seen is not None:
-                seen.append(event)
-            if event.type in kinds:
-                return event
-
-    return await asyncio.wait_for(read(), scaled(timeout_s))
 
 
 async def speak(conn, seconds: float = 2.0) -> None:
@@ -237,18 +224,6 @@ async def test_keys_as_header_and_as_a_browser_subprotocol(stack):
         assert ws.subprotocol == "realtime"
         created = json.loads(await asyncio.wait_for(ws.recv(), scaled(10)))
         assert created["type"] == "session.created"
-
-
-WEATHER_TOOL = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Get the current weather in a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
 
 
 async def _turn_with_tools(conn, text: str, **session) -> list:

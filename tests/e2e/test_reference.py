@@ -6,11 +6,13 @@ import subprocess
 import sys
 import time
 import wave
+from functools import partial
 
 import numpy as np
 import pytest
 
 from tests.conftest import ROOT, scaled
+from tests.e2e import openai_helpers
 from tests.stack import Stack, edge_on
 
 FIXTURE = ROOT / "tests" / "fixtures" / "speech" / "question.wav"
@@ -268,7 +270,6 @@ async def test_openai_sdk_spoken_question_is_answered_in_speech(stack):
     client streams it (24 kHz PCM16, 0.2 s appends), then nothing (the edge's clock hears
     silence); the spoken reply, transcribed by a recognizer other than the engine's own,
     names Paris."""
-    import asyncio
     import base64
 
     openai = pytest.importorskip("openai")
@@ -282,15 +283,7 @@ async def test_openai_sdk_spoken_question_is_answered_in_speech(stack):
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
     seen = []
     async with client.realtime.connect(model="reference") as conn:
-
-        async def until(kind: str):
-            while True:
-                event = await asyncio.wait_for(conn.recv(), scaled(90))
-                seen.append(event)
-                assert event.type != "error", event.error
-                if event.type == kind:
-                    return event
-
+        until = partial(openai_helpers.until, conn, timeout_s=90, seen=seen, fail_on_error=True)
         await until("session.created")
         await conn.session.update(session={"type": "realtime", "instructions": "Be brief."})
         await until("session.updated")
@@ -313,7 +306,6 @@ async def test_openai_sdk_spoken_request_calls_a_function_and_speaks_its_result(
     Paris?" spoken (Piper) as the user's audio item, a get_weather(city) tool offered; the
     reply calls it with city Paris; the client's output comes back and the spoken answer
     that follows, heard by a recognizer other than the engine's own, uses it."""
-    import asyncio
     import base64
     import json
 
@@ -325,33 +317,14 @@ async def test_openai_sdk_spoken_request_calls_a_function_and_speaks_its_result(
 
     spoken = resample_poly(render("piper", "joe", 1.0, "What's the weather in Paris?"), 3, 2)
     pcm24 = (np.clip(spoken, -1, 1) * 32767).astype("<i2").tobytes()
-    weather = {
-        "type": "function",
-        "name": "get_weather",
-        "description": "Get the current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    }
     base = stack.url.replace("ws://", "http://").removesuffix("/realtime")
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
     seen = []
     async with client.realtime.connect(model="reference") as conn:
-
-        async def until(kind: str):
-            while True:
-                event = await asyncio.wait_for(conn.recv(), scaled(120))
-                seen.append(event)
-                assert event.type != "error", event.error
-                if event.type == kind:
-                    return event
-
+        until = partial(openai_helpers.until, conn, timeout_s=120, seen=seen, fail_on_error=True)
         turns_off = {"input": {"turn_detection": None}}
-        await conn.session.update(
-            session={"type": "realtime", "tools": [weather], "audio": turns_off}
-        )
+        tools = [openai_helpers.WEATHER_TOOL]
+        await conn.session.update(session={"type": "realtime", "tools": tools, "audio": turns_off})
         await until("session.updated")
         audio = base64.b64encode(pcm24).decode()
         await conn.conversation.item.create(
@@ -390,7 +363,6 @@ async def test_openai_sdk_server_vad_call_is_answered_in_speech_after_its_output
     offered; the turn's end is a get_weather call for Paris, the client's output and
     response.create go back, and the spoken reply that follows, heard by a recognizer other
     than the engine's own, uses the output."""
-    import asyncio
     import base64
     import json
 
@@ -403,31 +375,15 @@ async def test_openai_sdk_server_vad_call_is_answered_in_speech_after_its_output
     lead = np.zeros(8000, np.float32)
     spoken = np.concatenate([lead, render("piper", "joe", 1.0, "What's the weather in Paris?")])
     pcm24 = (np.clip(resample_poly(spoken, 3, 2), -1, 1) * 32767).astype("<i2")
-    weather = {
-        "type": "function",
-        "name": "get_weather",
-        "description": "Get the current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    }
     base = stack.url.replace("ws://", "http://").removesuffix("/realtime")
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
     seen = []
     async with client.realtime.connect(model="reference") as conn:
-
-        async def until(kind: str):
-            while True:
-                event = await asyncio.wait_for(conn.recv(), scaled(120))
-                seen.append(event)
-                assert event.type != "error", event.error
-                if event.type == kind:
-                    return event
-
+        until = partial(openai_helpers.until, conn, timeout_s=120, seen=seen, fail_on_error=True)
         await until("session.created")
-        await conn.session.update(session={"type": "realtime", "tools": [weather]})
+        await conn.session.update(
+            session={"type": "realtime", "tools": [openai_helpers.WEATHER_TOOL]}
+        )
         await until("session.updated")
         for i in range(0, pcm24.size, 4800):
             chunk = base64.b64encode(pcm24[i : i + 4800].tobytes()).decode()

@@ -21,6 +21,7 @@ from omnifabric.edge.dialects.base import SessionFacts
 from omnifabric.edge.dialects.openai import OpenAIRealtime, decode_audio, encode_audio
 from omnifabric.edge.dialects.realtime import RealtimeDuplex
 from omnifabric.edge.errors import EdgeError, InvalidEvent, UnknownEvent
+from tests.e2e.openai_helpers import WEATHER_TOOL
 
 
 def pcm16(seconds: float, amplitude: float = 0.0, rate: int = 24000) -> str:
@@ -499,24 +500,12 @@ def test_max_output_tokens_caps_a_duplex_reply():
     assert unit.force_listen
 
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Get the current weather in a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
-
-
 def _with_tools(**session) -> OpenAIRealtime:
     d = OpenAIRealtime("m")
     d.bind(SessionFacts("rt_1"))
-    body = {"tools": [WEATHER], "audio": {"input": {"turn_detection": None}}, **session}
+    body = {"tools": [WEATHER_TOOL], "audio": {"input": {"turn_detection": None}}, **session}
     (updated,) = sent_messages(send(d, type="session.update", session=body))
-    assert updated["session"]["tools"] == [WEATHER]
+    assert updated["session"]["tools"] == [WEATHER_TOOL]
     return d
 
 
@@ -613,7 +602,7 @@ def test_a_duplex_engines_call_and_the_clients_output_go_through_the_session():
     from omnifabric.common.tools import ToolCall
 
     d = Driven(OpenAIRealtime("m"))
-    send(d.d, type="session.update", session={"tools": [WEATHER]})
+    send(d.d, type="session.update", session={"tools": [WEATHER_TOOL]})
     (init,) = d.run(d.d.decode(APPEND_NOTHING))
     assert isinstance(init, ev.InitCommand) and [t.name for t in init.tools] == ["get_weather"]
     d = running(d.d)
