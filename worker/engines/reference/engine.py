@@ -441,6 +441,9 @@ class ReferenceSession(EngineSession):
         self._open_reply()
         conversation.add_user_turn(text)
         said, used = self._fill(1, self.rules.first_piece_chars, parts, look_ahead=False)
+        self.ahead, self.ahead_tokens = said, used
+        self._top_up(parts)
+        said, used = self.ahead, self.ahead_tokens
         self.guess = Guess(
             key=key,
             text=text,
@@ -641,11 +644,26 @@ class ReferenceSession(EngineSession):
 
     def _first_piece(self, costs: dict[str, float], t0: float) -> None:
         """The started reply's first short piece, made ahead for the next _speak; the
-        reply's start (since ``t0``) is learned when the model made it."""
+        reply's start (since ``t0``) is learned when the model made it. Made in a finalize,
+        it is topped up (``_top_up``)."""
         said, used = self._fill(1, self.rules.first_piece_chars, costs, look_ahead=False)
         self.ahead, self.ahead_tokens = said, used
         if not self.scripted:
             self.engine.learn_reply_start(time.perf_counter() - t0)
+        self._note_start(costs)
+        self._top_up(costs)
+
+    def _top_up(self, costs: dict[str, float]) -> None:
+        """In a finalize, a reply's first piece goes out with the next unit and the second
+        after it with the unit after that: the piece is topped up to a second of speech, so
+        it plays until then (a short piece alone left a gap of ~0.3 s)."""
+        if self.in_finalize:
+            said, used = self._fill(1, self.rules.piece_chars, costs)
+            self.ahead += said
+            self.ahead_tokens += used
+
+    def _note_start(self, costs: dict[str, float]) -> None:
+        """How the reply being begun started, and its parts so far (``start``)."""
         self.start = (
             "finalize" if self.in_finalize else "inline",
             {

@@ -1,0 +1,129 @@
+"""Where a reply's first audio waits: the eval's spoken questions through one reference
+engine session in this process, no fabric, unit by unit as a real-time client sends them.
+
+    python -m omnifabric.tools.turn_starts [--voices piper,espeak] [--limit N] [--turn-work auto]
+
+For each question it prints the unit that began the reply, how it began (inline, finalize,
+guess: GenerateResult.reply_start_how) and where the time went (reply_start_ms: the silence
+waited after the words, recognition, the reply model, speech), then first audio p50/p90
+and the gaps a client playing the chunks as they come would hear. First audio is counted as
+`omnifabric eval` counts it, from the end of the question: unit n carries stream seconds
+[n, n+1) and is complete at n+1; its result leaves when the engine's generate returns
+(the fabric's own ~10 ms are not in it). A minute's run where `omnifabric eval` takes
+several, for trying a turn-taking change; the eval through the stack is the figure of
+record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from omnifabric.tools.eval_reference import (
+    ITEMS,
+    LEAD_INS_S,
+    RATE,
+    VOICES,
+    Item,
+    compose,
+    playback_gaps,
+)
+from omnifabric.worker.engine import OUTPUT_RATE, DuplexSettings
+
+if TYPE_CHECKING:
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine
+
+#: Silent units after the question while the reply has not ended.
+TAIL_UNITS = 8
+
+
+@dataclass
+class Start:
+    """One question's reply start."""
+
+    question: str
+    unit: int = -1
+    how: str = ""
+    parts_ms: dict[str, float] = field(default_factory=dict)
+    first_audio_s: float | None = None
+    gap_s: float = 0.0
+
+
+def drive(engine: ReferenceEngine, item: Item, kind: str, index: int) -> Start:
+    """One question through a fresh session of ``engine``; its reply's start."""
+    voice, rate = VOICES[kind][index % len(VOICES[kind])]
+    lead_in = LEAD_INS_S[index % len(LEAD_INS_S)]
+    units, _, end_s = compose(item, kind, voice, rate, lead_in, index)
+    units += [np.zeros(RATE, np.float32)] * TAIL_UNITS
+    out = Start(" / ".join(item.turns))
+    session = engine.open_session(f"turn-starts-{index}", "audio")
+    chunks: list[tuple[float, float]] = []
+    try:
+        session.prepare("", None, None, DuplexSettings())
+        for n, unit in enumerate(units):
+            t0 = time.perf_counter()
+            session.prefill(unit, [], 1)
+            result = session.generate(False)
+            left_at = n + 1 + time.perf_counter() - t0
+            session.finalize()
+            if result.reply_start_how and n + 1 > end_s:  # the last turn's reply
+                out.unit, out.how, out.parts_ms = n, result.reply_start_how, result.reply_start_ms
+                out.first_audio_s = left_at - end_s
+            if out.unit >= 0 and result.audio.size:
+                chunks.append((left_at, result.audio.size / OUTPUT_RATE))
+            if out.unit >= 0 and result.end_of_turn:
+                break
+    finally:
+        session.stop()
+        session.close()
+    out.gap_s = sum(playback_gaps(chunks))
+    return out
+
+
+def _line(kind: str, start: Start) -> str:
+    parts = ", ".join(f"{k} {v:.0f}" for k, v in start.parts_ms.items())
+    first = "-" if start.first_audio_s is None else f"{start.first_audio_s:.2f} s"
+    return (
+        f"{kind:6s} {start.question[:34]:34s} unit {start.unit:2d} {start.how:8s} "
+        f"first audio {first:7s} gap {start.gap_s:.2f} s  ms: {parts}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m omnifabric.tools.turn_starts")
+    parser.add_argument("--voices", default="piper,espeak", help="voice kinds: piper, espeak")
+    parser.add_argument("--limit", type=int, help="only the first N questions")
+    parser.add_argument("--turn-work", default="auto", help="auto, inline or finalize")
+    parser.add_argument("--no-guess", action="store_true", help="turn guessing off")
+    args = parser.parse_args(argv)
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine
+    from omnifabric.worker.engines.reference.turns import TurnRules
+
+    rules = TurnRules(turn_work=args.turn_work, guess_ahead=not args.no_guess)
+    engine = ReferenceEngine(rules=rules)
+    engine.load()
+    engine.warmup()
+    starts = []
+    for kind in args.voices.split(","):
+        for index, item in enumerate(ITEMS[: args.limit]):
+            start = drive(engine, item, kind, index)
+            print(_line(kind, start), flush=True)
+            starts.append(start)
+    firsts = sorted(s.first_audio_s for s in starts if s.first_audio_s is not None)
+    if firsts:
+        p50, p90 = firsts[len(firsts) // 2], firsts[min(len(firsts) - 1, int(len(firsts) * 0.9))]
+        hows = {h: sum(s.how == h for s in starts) for h in sorted({s.how for s in starts})}
+        gapped = [s.gap_s for s in starts if s.gap_s > 0]
+        print(
+            f"first audio p50 {p50:.2f} s, p90 {p90:.2f} s ({len(firsts)} replies); "
+            f"started {hows}; gaps: {len(gapped)} replies, {sum(gapped):.2f} s"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
