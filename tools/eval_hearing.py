@@ -1,7 +1,7 @@
 """Score the reference engine's recognizers alone on short spoken questions and requests.
 
     python -m omnifabric.tools.eval_hearing [--asr both|whisper] [--voices piper,espeak]
-                                            [--limit N] [--out DIR] [--label NAME]
+                                            [--context TEXT] [--limit N] [--out DIR]
 
 No server and no reply model: each utterance goes straight through the engine's hearing
 (``Ears``: Whisper base and Moonshine base-en; or Whisper base alone), as the engine would
@@ -10,7 +10,8 @@ requests, with names, places, times and order numbers like the function-calling
 evaluation's) rendered by ``eval_reference``'s renderers with every voice of ``VOICES``
 (six espeak-ng voices and rates, Piper's voice at three rates), each after a lead-in and
 with low seeded noise by ``eval_reference.compose``'s rules, then cut as the engine's turn
-tracker cuts an utterance (its pre-roll before the speech, its tail after).
+tracker cuts an utterance (its pre-roll before the speech, its tail after). ``--context``
+gives Whisper the same words with every utterance, as a session could (``Ears.hear``).
 
 Printed: one row per voice kind with the utterances whose key words all survived, the key
 words that survived, the word error rate against the text, and the recognition time per

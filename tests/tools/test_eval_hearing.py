@@ -3,6 +3,7 @@ tested in tests/worker/reference/)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -14,6 +15,7 @@ from omnifabric.tools.eval_hearing import (
     Heard,
     Probe,
     cached_audio,
+    main,
     plan,
     score,
     table,
@@ -75,3 +77,23 @@ def test_table_has_a_row_per_voice_kind():
     assert "| piper | 1 | 1/1 (100.0%) | 2/2 (100.0%) | 0.0% | 100 / 100 |" in text
     assert "| espeak | 1 | 0/1 (0.0%) | 1/2 (50.0%) | 50.0% | 300 / 300 |" in text
     assert "| all | 2 |" in text
+
+
+def test_the_tool_hears_with_the_engines_recognizers(tmp_path, capsys):
+    from omnifabric.worker.engines.reference import moonshine
+    from omnifabric.worker.engines.reference.asr import model_installed
+
+    if not (model_installed("base") and moonshine.model_installed()):
+        pytest.skip("Whisper base or Moonshine weights not installed")
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng not installed")
+    out = tmp_path / "out"
+    argv = ["--voices", "espeak", "--limit", "1", "--cache", str(tmp_path / "c")]
+    assert main([*argv, "--out", str(out), "--context", "France"]) == 0
+    printed = capsys.readouterr().out
+    assert "asr both, context 'France', load average" in printed
+    assert "| espeak | 6 |" in printed and "| all | 6 |" in printed
+    rows = json.loads((out / "results.json").read_text())
+    assert len(rows) == 6 and all(r["text"] == PROBES[0].text for r in rows)
+    assert sum(r["keys_kept"] == r["keys"] for r in rows) >= 4  # the capital of France
+    assert all(r["ms"] > 0 and r["confidence"] < 0 for r in rows)

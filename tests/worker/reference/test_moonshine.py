@@ -3,7 +3,7 @@ Whisper base and Moonshine together. Real weights, speech from espeak-ng."""
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 import re
 import shutil
 import subprocess
@@ -16,7 +16,7 @@ from scipy.signal import resample_poly
 
 from omnifabric.worker.engines.reference import moonshine
 from omnifabric.worker.engines.reference.asr import Transcriber, model_installed
-from omnifabric.worker.engines.reference.hearing import Ears, blends
+from omnifabric.worker.engines.reference.hearing import Ears
 from omnifabric.worker.engines.reference.linears import use_onednn
 from omnifabric.worker.engines.reference.moonshine import Moonshine, _loop_end, read_ort
 
@@ -193,39 +193,22 @@ def test_scores_many_transcripts_at_once(ms, speak):
         assert n == m and a == pytest.approx(b, abs=1e-3)
 
 
-def test_blends_mix_the_words_each_got_right():
-    assert blends("How many lands does a spider have?", "How many legs done a spider have.") == [
-        "How many lands done a spider have?",
-        "How many legs does a spider have?",
-    ]
-    # Case and punctuation are no difference; one difference leaves nothing to mix.
-    assert blends("What do these make?", "what do bees make.") == []
-    assert blends("Is it sunny in Rome?", "is it sunny in rome") == []
-    # Four places apart: the two heard different things.
-    assert blends("a b c d e f g", "a x c y e z g w") == []
-    mixed = blends(
-        "Reserve a table for 2 at Navu at 7pm.", "Reserve a table for two at Nobu at 7 pm"
-    )
-    assert len(mixed) == 2**3 - 2 and "Reserve a table for two at Nobu at 7pm." in mixed
+def test_ears_give_whisper_the_context(ears, speak, monkeypatch):
+    # Where the two disagree (test_ears_take_the_transcript_both_models_find_likelier),
+    # Whisper decodes and scores under the same prompt.
+    audio = speak("How many days are there in a week?", "en-us+f3", 150)
+    seen: list[tuple[str, str | None]] = []
+    whisper = ears.whisper
+    for name in ("hypothesis", "score"):
+        method = getattr(whisper, name)
 
+        def spy(*args, _method=method, _name=name, **kwargs):
+            bound = inspect.signature(_method).bind(*args, **kwargs)
+            seen.append((_name, bound.arguments.get("context")))
+            return _method(*args, **kwargs)
 
-def test_ears_take_a_blend_both_models_find_likelier(ears, speak):
-    # Each recognizer with one word wrong, a different one: the mix of their right words
-    # is what both models find likeliest.
-    said = "What time does the train leave for Boston?"
-    audio = speak(said)
-    w_enc, m_enc = ears.whisper.encode(audio), ears.moonshine.encode(audio)
-    w_real, m_real = ears.whisper.hypothesis(w_enc), ears.moonshine.hypothesis(m_enc)
-    w_text = "What time does the rain leave for Boston?"
-    m_text = "What time does the train leaf for Boston?"
-    w = dataclasses.replace(w_real, text=w_text, **_scored(ears.whisper.score(w_enc, w_text)))
-    m = dataclasses.replace(m_real, text=m_text, **_scored(ears.moonshine.score(m_enc, m_text)))
-    text, confidence, source = ears.choose(w, m, w_enc, m_enc)
-    assert (words(text), source) == (words(said), "blend")
-    assert confidence > max(w.mean, m.mean) - 0.5
-    alone = Ears(ears.whisper, ears.moonshine, blend=False)
-    assert alone.choose(w, m, w_enc, m_enc)[0] in (w_text, m_text)
-
-
-def _scored(found: tuple[float, int]) -> dict[str, float | int]:
-    return {"total": found[0], "count": found[1]}
+        monkeypatch.setattr(whisper, name, spy)
+    context = "Anna, Oliver."
+    text, confidence = ears.hear(audio, context)
+    assert words(text) == words("How many days are there in a week?")
+    assert seen == [("hypothesis", context), ("score", context)], seen
