@@ -521,10 +521,10 @@ class Hypothesis:
 def widen(cross: Cache, batch: int) -> DynamicCache:
     """A cross-attention cache of one encoding (``hypothesis``'s) for ``batch`` rows that
     read it: views of the same keys and values, nothing copied (scoring only reads them)."""
-    legacy = cross.to_legacy_cache()  # type: ignore[attr-defined]
-    return DynamicCache.from_legacy_cache(
-        tuple((k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in legacy)
-    )
+    wide = DynamicCache()
+    for layer, (keys, values) in enumerate(cross.to_legacy_cache()):  # type: ignore[attr-defined]
+        wide.update(keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1), layer)
+    return wide
 
 
 def summed_logprob(logprobs: torch.Tensor, targets: list[int]) -> tuple[float, int]:
