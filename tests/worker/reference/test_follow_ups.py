@@ -67,10 +67,19 @@ def test_earlier_turns_are_the_users_with_the_calls_they_got() -> None:
         ChatMessage("assistant", ("You're welcome.",)),
         user("And in London?"),
     )
-    assert functions.earlier_turns(messages, text_of) == (
+    asked: list[ChatMessage] = []
+
+    def transcribed(message: ChatMessage) -> str:
+        asked.append(message)
+        return text_of(message)
+
+    older = (user("Hi"), ChatMessage("assistant", ("Hello.",)))
+    assert functions.earlier_turns((*older, *messages), transcribed) == (
         functions.Earlier("What's the weather in Paris?", (PARIS,)),
         functions.Earlier("Thanks!"),
     )
+    # Only the turns kept are transcribed (a chat turn's audio parts cost the recognizer).
+    assert [text_of(m) for m in asked] == ["What's the weather in Paris?", "Thanks!"]
     assert functions.earlier_turns((user("Hi"),), text_of) == ()
     recent = functions.remembered((), "a", (PARIS,))
     recent = functions.remembered(functions.remembered(recent, "b"), "c")

@@ -137,15 +137,17 @@ def earlier_turns(
 ) -> tuple[Earlier, ...]:
     """The user's turns before the last message (the request) in a chat turn's messages,
     the last RECENT_TURNS of them, each with the calls the assistant made after it;
-    ``text_of`` gives a message's words (the engine transcribes audio parts)."""
-    turns: list[Earlier] = []
-    for message in messages[:-1]:
-        if message.role == "user":
-            turns.append(Earlier(text_of(message)))
-        elif message.tool_calls and turns:
-            last = turns[-1]
-            turns[-1] = Earlier(last.said, last.calls + message.tool_calls)
-    return tuple(turns[-RECENT_TURNS:])
+    ``text_of`` gives a message's words (the engine transcribes audio parts: only the
+    turns kept are asked for)."""
+    users = [i for i, m in enumerate(messages[:-1]) if m.role == "user"][-RECENT_TURNS:]
+    ends = [*users[1:], len(messages) - 1] if users else []
+    return tuple(
+        Earlier(
+            text_of(messages[start]),
+            tuple(c for m in messages[start + 1 : end] for c in m.tool_calls),
+        )
+        for start, end in zip(users, ends, strict=True)
+    )
 
 
 def remembered(
