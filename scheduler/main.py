@@ -4,12 +4,13 @@ or SIGINT."""
 from __future__ import annotations
 
 import argparse
-import gc
+import asyncio
 import logging
 
 from omnifabric.common import config as settings
 from omnifabric.common import logs, process
 from omnifabric.scheduler.config import SchedulerConfig
+from omnifabric.scheduler.heap import HeapKeeper
 from omnifabric.scheduler.metrics import serve_http
 from omnifabric.scheduler.server import start_server
 
@@ -54,11 +55,13 @@ async def _serve(config: SchedulerConfig) -> None:
     provider = telemetry.setup("scheduler", f"{socket.gethostname()}-{os.getpid()}")
     try:
         running = await start_server(config)
-        # Long-lived from here on (modules, server): out of the full collections' walk.
-        gc.collect()
-        gc.freeze()
     except (OSError, ImportError) as exc:
         raise SystemExit(f"omnifabric scheduler: {exc}") from None
+    # Long-lived from here on (modules, server, then held sessions): out of the full
+    # collections' walk, which otherwise pauses the loop in proportion to the fleet.
+    heap = HeapKeeper()
+    heap.settle()
+    keeper = asyncio.ensure_future(heap.keep())
     stop = process.stop_on_signals()
     metrics_word = ""
     if config.metrics_port >= 0:
@@ -76,5 +79,6 @@ async def _serve(config: SchedulerConfig) -> None:
     await stop.wait()
     log.info("draining (grace %.1f s)", config.drain_grace_s)
     await running.drain(config.drain_grace_s)
+    keeper.cancel()
     if provider is not None:
         provider.shutdown()  # flush the last spans
