@@ -132,6 +132,22 @@ def test_after_the_output_the_reply_uses_it_spoken(inline_engine) -> None:
 
 
 @pytest.mark.ci_long  # the real reply model: ~5 s each
+def test_a_follow_up_in_a_chat_is_called_with_the_earlier_turn_in_mind(inline_engine) -> None:
+    # The engine hands the chat's earlier turns to the checks (functions.earlier_turns).
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    chunks = chat(
+        inline_engine,
+        user("What's the weather in Paris?"),
+        ChatMessage("assistant", (), (call,)),
+        ChatMessage("tool", ('{"temperature_c": 17, "conditions": "light rain"}',), (), "call_1"),
+        ChatMessage("assistant", ("It is 17 degrees with light rain in Paris.",)),
+        user("And in London?"),
+    )
+    (follow,) = calls(chunks)
+    assert follow.name == "get_weather" and json.loads(follow.arguments) == {"city": "London"}
+
+
+@pytest.mark.ci_long  # the real reply model: ~5 s each
 def test_arguments_that_never_fit_are_not_passed_on(inline_engine) -> None:
     # No value can fit an empty enum: the model is asked twice, then the reply says so.
     impossible = ToolSpec(

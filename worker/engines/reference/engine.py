@@ -215,6 +215,9 @@ class ReferenceSession(EngineSession):
         """Finalize started a reply: the next unit sends its first piece alone."""
         self.offer = functions.Offer()
         """The functions the model may call, and how (offer_tools)."""
+        self.recent: tuple[functions.Earlier, ...] = ()
+        """The user's latest turns and the calls they got: the function checks and the
+        arguments quote them, so a follow-up ("And in London?") is understood."""
         self.calling: Calling | None = None
         """The functions the checks chose at the end of the user's turn, their arguments not
         yet written (``_write_calls``)."""
@@ -472,6 +475,7 @@ class ReferenceSession(EngineSession):
         self._take_turn(ended)
         self.heard = None
         self.transcripts.append(guess.text)
+        self.recent = functions.remembered(self.recent, guess.text)
         log.info("session %s: user said %r (as guessed)", self.session_id, guess.text)
         self._dialogue().restore(guess.state)
         self._open_reply()
@@ -538,7 +542,7 @@ class ReferenceSession(EngineSession):
             return False
         t0 = time.perf_counter()
         plan = functions.Plan()
-        chosen = functions.choose(self.engine.llm, self.offer, text, plan)
+        chosen = functions.choose(self.engine.llm, self.offer, text, plan, self.recent)
         took = time.perf_counter() - t0
         costs["tools"] = took * 1000.0
         self.engine.learn_checks(took)
@@ -568,7 +572,7 @@ class ReferenceSession(EngineSession):
         assert calling is not None
         t0 = time.perf_counter()
         plan = calling.plan
-        functions.fill_all(self.engine.llm, calling.text, calling.chosen, plan)
+        functions.fill_all(self.engine.llm, calling.text, calling.chosen, plan, self.recent)
         took = time.perf_counter() - t0
         costs["tool_arguments"] = took * 1000.0
         self.engine.learn_arguments(took)
@@ -585,6 +589,7 @@ class ReferenceSession(EngineSession):
         """The user's turn and the model's calls, in the conversation as the model's template
         writes them; the session waits for the calls' outputs."""
         self.transcripts.append(text)
+        self.recent = functions.remembered(self.recent, text, calls)
         log.info(
             "session %s: user said %r: calls %s",
             self.session_id,
@@ -691,6 +696,7 @@ class ReferenceSession(EngineSession):
         (a call that could not be made), or a request to say it again when the words are
         too unsure to answer."""
         self.transcripts.append(text)
+        self.recent = functions.remembered(self.recent, text)
         self._open_reply()
         fixed = REPAIR_TEXT if logprob < self.engine.repair_below else fixed
         self.scripted = bool(fixed)
@@ -1239,10 +1245,11 @@ class ReferenceEngine(Engine):
         request = self._text_of(messages[-1]) if messages[-1].role == "user" else ""
         plan = functions.Plan()
         if request and turn.tools and turn.tool_choice.allows_calls():
-            chosen = functions.choose(self.llm, turn, request, plan)
+            recent = functions.earlier_turns(messages, self._text_of)
+            chosen = functions.choose(self.llm, turn, request, plan, recent)
             if chosen:
                 yield ChatChunk(prefilled=True, input_tokens=plan.prompt_tokens)
-                yield from self._call(turn, request, chosen, plan, ignored)
+                yield from self._call(turn, request, chosen, plan, ignored, recent)
                 return
         conversation = self._conversation(turn, request)
         input_tokens = conversation.context_tokens + plan.prompt_tokens
@@ -1292,10 +1299,12 @@ class ReferenceEngine(Engine):
         chosen: list[ToolSpec],
         plan: functions.Plan,
         ignored: tuple[str, ...],
+        recent: tuple[functions.Earlier, ...] = (),
     ) -> Iterator[ChatChunk]:
-        """The calls of the ``chosen`` functions, their arguments written by the model; when
-        none could be made, a reply in words saying so (the problems in ``ignored``)."""
-        functions.fill_all(self.llm, request, chosen, plan)
+        """The calls of the ``chosen`` functions, their arguments written by the model (the
+        user's ``recent`` turns quoted); when none could be made, a reply in words saying so
+        (the problems in ``ignored``)."""
+        functions.fill_all(self.llm, request, chosen, plan, recent)
         if plan.calls:
             yield ChatChunk(tool_calls=tuple(plan.calls))
         else:
