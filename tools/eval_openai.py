@@ -23,7 +23,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 
-from omnifabric.tools.eval_reference import OUTPUT_RATE, Outcome, time_reply
+from omnifabric.tools.eval_outcome import OUTPUT_RATE, Outcome, time_reply
 
 INPUT_RATE = 24000
 #: Seconds of audio in one append (a microphone's buffer).

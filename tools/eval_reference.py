@@ -35,19 +35,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from omnifabric.tools.eval_outcome import OUTPUT_RATE, Outcome, time_reply
 from omnifabric.tools.perf.stack import start_serve
 
 if TYPE_CHECKING:
     from omnifabric.tools.client import SessionReport, UnitRecord
 
 RATE = 16000
-OUTPUT_RATE = 24000
 LEAD_INS_S = (0.3, 0.7, 1.1, 1.5)
 #: Seconds between the end of one turn's question and the next turn's (a reply fits).
 TURN_GAP_S = 8.0
@@ -112,32 +112,6 @@ VOICES = {
     "piper": (("joe", 1.0), ("joe", 0.85), ("joe", 1.2)),
     "espeak": (("en-us", 165), ("en-us+f3", 150), ("en-gb", 180)),
 }
-
-
-@dataclass
-class Outcome:
-    """One session's scores."""
-
-    kind: str
-    voice: str
-    rate: float
-    lead_in_s: float
-    question: str
-    heard: str = ""
-    reply_text: str = ""
-    reply_heard: str = ""
-    correct: bool = False
-    question_wer: float | None = None
-    sentences: int = 0
-    words: int = 0
-    loops: bool = False
-    first_audio_s: float | None = None
-    gap_s: float = 0.0
-    """Silence a client playing the reply as it arrives hears inside it (chunks late)."""
-    reply_chunks: list[tuple[float, float]] = field(default_factory=list)
-    """The reply's audio as (arrival after the end of the question, seconds of audio)."""
-    unit_rtt_ms: list[float] = field(default_factory=list)
-    error: str = ""
 
 
 # ---- speech ------------------------------------------------------------------------------
@@ -302,16 +276,6 @@ def hear_question(out: Outcome, item: Item) -> None:
         out.question_wer = wer(" ".join(item.turns), out.heard)
 
 
-def time_reply(out: Outcome, chunks: list[tuple[float, float]], speech_end: float) -> None:
-    """The reply's timing from its audio as it arrived ((arrival, seconds of audio), in
-    order; `speech_end` is when the last question's audio ended, on the same clock)."""
-    first = next((t for t, seconds in chunks if seconds > 0), None)
-    if first is not None:
-        out.first_audio_s = first - speech_end
-    out.gap_s = sum(playback_gaps(chunks))
-    out.reply_chunks = [(round(t - speech_end, 3), round(d, 3)) for t, d in chunks]
-
-
 def judge(
     out: Outcome, item: Item, reply_audio: np.ndarray, hearer: Callable[[np.ndarray], str]
 ) -> None:
@@ -327,21 +291,6 @@ def judge(
     out.sentences = len(sentence_ends(out.reply_text + " "))
     out.words = len(words_of(out.reply_text))
     out.loops = repeated_from(out.reply_text) is not None
-
-
-def playback_gaps(chunks: list[tuple[float, float]]) -> list[float]:
-    """Silences inside a reply for a client that plays each chunk (arrival time, seconds of
-    audio; in order) as soon as it has it and the chunk before it has played."""
-    gaps: list[float] = []
-    end = None
-    for arrival, duration in chunks:
-        if duration <= 0:
-            continue
-        start = arrival if end is None else max(arrival, end)
-        if end is not None and start > end:
-            gaps.append(start - end)
-        end = start + duration
-    return gaps
 
 
 def _reply_audio(report: SessionReport, replies: list[UnitRecord]) -> list[np.ndarray]:

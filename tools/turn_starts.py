@@ -23,15 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from omnifabric.tools.eval_reference import (
-    ITEMS,
-    LEAD_INS_S,
-    RATE,
-    VOICES,
-    Item,
-    compose,
-    playback_gaps,
-)
+from omnifabric.tools.eval_outcome import playback_gaps
+from omnifabric.tools.eval_reference import ITEMS, LEAD_INS_S, RATE, VOICES, Item, compose
 from omnifabric.worker.engine import OUTPUT_RATE, DuplexSettings
 
 if TYPE_CHECKING:

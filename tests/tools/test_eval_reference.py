@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from omnifabric.tools.eval_outcome import Outcome, playback_gaps
 from omnifabric.tools.eval_reference import (
     ITEMS,
     VOICES,
-    Outcome,
     names_answer,
     plan,
-    playback_gaps,
     read_items,
     table,
     wer,
