@@ -16,7 +16,11 @@ Two cadences, named by a dialect's traits:
 
 Units are float32 16 kHz PCM, the rate every engine hears; audio at another rate goes
 through one streaming resampler per cadence as it arrives (edge.pcm.Resampler: a low-pass,
-no seam between pieces, a few ms held back), and what is held waits at 16 kHz.
+no seam between pieces, a few ms held back), and what is held waits at 16 kHz. The
+resampler's hold-back is paid once, as that much silence before its stream: the 16 kHz
+audio runs ~4 ms behind the client's, and a unit is whole as soon as the client's audio
+covering it has come (without it, each unit waited for the client's next append: 100 ms
+later with 100 ms appends).
 
 The worker's intake (worker.rechunk) still shapes client units into the exact model
 units an engine takes (MiniCPM-o's 1.035 s first unit); that is the model's cadence, this
@@ -74,6 +78,8 @@ class Cadence:
         self._rate = UNIT_RATE
         self._resampler: pcm.Resampler | None = None
         """The client's rate -> UNIT_RATE, while it is another."""
+        self._lead_due = False
+        """The resampler's stream has given nothing yet: its hold-back goes first as silence."""
         self.bounds: tuple[int, int] | None = None
         """(fewest, most) samples a unit of the leased worker; None before the start."""
         self.started = False
@@ -90,8 +96,16 @@ class Cadence:
                 self._hold(self._resampler.flush())
             self._rate = rate
             self._resampler = pcm.Resampler(rate, UNIT_RATE) if rate != UNIT_RATE else None
+            self._lead_due = self._resampler is not None
         audio = samples.astype(np.float32, copy=False)
-        self._hold(self._resampler.process(audio) if self._resampler is not None else audio)
+        if self._resampler is None:
+            self._hold(audio)
+            return
+        out = self._resampler.process(audio)
+        if self._lead_due and audio.size:
+            self._lead_due = False
+            self._hold(np.zeros(self._resampler.held, np.float32))
+        self._hold(out)
 
     def start(self, bounds: tuple[int, int] | None, now: float) -> None:
         """The session started on a worker that takes units within `bounds`."""

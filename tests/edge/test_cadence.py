@@ -94,10 +94,33 @@ def test_paced_fills_a_late_second_with_silence_and_resamples_as_a_stream():
     assert c.due(10.0 + 1.0, clock=False) == []  # not a whole unit, and no clock
     (unit,) = c.due(10.0 + 1.0 + FILL_GRACE_S, clock=True)
     got = np.frombuffer(unit.pcm, "<f4")
-    heard = pcm.Resampler(24000, 16000).process(tone)  # the same stream, in one piece
-    assert got.size == 16000 and 7800 < heard.size <= 8000  # a few ms held back
-    assert np.allclose(got[: heard.size], heard, atol=1e-6)  # no seam between the pieces
-    assert not got[heard.size :].any()
+    one = pcm.Resampler(24000, 16000)  # the same stream, in one piece
+    heard = one.process(tone)
+    assert got.size == 16000 and 7800 < heard.size <= 8000  # a few ms held back ...
+    # ... paid once, as that much silence before the stream
+    lead = np.flatnonzero(got)[0]
+    assert 0 < lead <= 200 and not got[:lead].any()
+    assert np.allclose(got[lead : lead + heard.size], heard, atol=1e-6)  # no seam
+    assert not got[lead + heard.size :].any()
+
+
+@pytest.mark.parametrize("append_ms", [20, 100])
+def test_paced_a_unit_is_whole_once_the_clients_second_has_come(append_ms):
+    # The resampler holds back a few ms; paid up front, a unit never waits for the
+    # client's next append (it cost every unit one append's time: 100 ms with 100 ms).
+    c = PacedCadence()
+    c.start(None, 0.0)
+    piece = 24 * append_ms
+    tone = np.sin(np.arange(24000 * 2) / 7.0).astype(np.float32)
+    for n, start in enumerate(range(0, tone.size, piece), start=1):
+        c.push(tone[start : start + piece], 24000)
+        units = c.due(0.0, clock=False)
+        if n * append_ms < 1000:
+            assert units == []
+        elif n * append_ms == 1000:
+            assert len(units) == 1  # the append that completes the second
+            c.sent(1, 0.0)
+            c.answered(_out(1))
 
 
 def test_paced_end_turn_sends_what_came_at_once_with_force_listen():
