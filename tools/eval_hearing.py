@@ -23,18 +23,18 @@ JSON. Rendered speech is kept in ``--cache`` (default: the temporary folder) bet
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from omnifabric.tools.eval_outcome import save_run
 from omnifabric.tools.eval_reference import LEAD_INS_S, RATE, Item, compose, words_of
 from omnifabric.tools.eval_reference import VOICES as EVAL_VOICES
 from omnifabric.tools.eval_reference import wer as eval_wer
@@ -275,11 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.keys_kept < r.keys:
             print(f"- {r.kind}:{r.voice}@{r.rate:g}: {r.text!r} heard {r.heard!r}")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(
-            json.dumps([asdict(r) for r in results], indent=1) + "\n"
-        )
-        (args.out / "table.md").write_text(summary + "\n")
+        save_run(args.out, results, summary)
     return 0
 
 

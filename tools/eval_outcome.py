@@ -4,7 +4,11 @@ MiniCPM-o protocol, tools/eval_openai.py for the OpenAI Realtime one) and tools/
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 #: The reply audio's rate (24 kHz, both protocols).
 OUTPUT_RATE = 24000
@@ -59,3 +63,11 @@ def playback_gaps(chunks: list[tuple[float, float]]) -> list[float]:
             gaps.append(start - end)
         end = start + duration
     return gaps
+
+
+def save_run(folder: Path, rows: Sequence[Any], table: str) -> None:
+    """An eval's `--out` folder: every row (dataclasses) as results.json, the printed table
+    as table.md (the evals of spoken questions, hearing and function calls share it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    (folder / "table.md").write_text(table + "\n")

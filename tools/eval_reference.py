@@ -29,19 +29,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import json
 import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from omnifabric.tools.eval_outcome import OUTPUT_RATE, Outcome, time_reply
+from omnifabric.tools.eval_outcome import OUTPUT_RATE, Outcome, save_run, time_reply
 from omnifabric.tools.perf.stack import start_serve
 
 if TYPE_CHECKING:
@@ -487,11 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{o.heard!r} -> {o.reply_text!r} (reply heard as {o.reply_heard!r}) {o.error}"
         )
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(
-            json.dumps([asdict(o) for o in outcomes], indent=1) + "\n"
-        )
-        (args.out / "table.md").write_text(summary + "\n")
+        save_run(args.out, outcomes, summary)
     return 0
 
 

@@ -22,11 +22,13 @@ import base64
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from omnifabric.tools.eval_outcome import save_run
 
 TOOLS = [
     {
@@ -285,7 +287,5 @@ def main(argv: list[str] | None = None) -> int:
     report = table(outcomes)
     print(report)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
-        (args.out / "table.md").write_text(report + "\n")
+        save_run(args.out, outcomes, report)
     return 0
