@@ -11,8 +11,14 @@ import pytest
 from scipy.signal import resample_poly
 
 from omnifabric.common.resample import resample
-from omnifabric.worker.engine import INPUT_RATE, OUTPUT_RATE, REPLY_START_PARTS, DuplexSettings
-from omnifabric.worker.engines.reference.engine import UNIT_TOKENS, ReferenceEngine
+from omnifabric.worker.engine import (
+    INPUT_RATE,
+    OUTPUT_RATE,
+    REPLY_START_PARTS,
+    DuplexSettings,
+    ToolSpec,
+)
+from omnifabric.worker.engines.reference.engine import UNIT_TOKENS, ReferenceEngine, hearing_names
 from tests.worker.reference.drive import Step, drive, drive_audio, load_fixture, timeline
 
 
@@ -228,6 +234,36 @@ def test_a_guess_is_dropped_when_the_user_goes_on(engine):
     first = next(s for s in steps if not s.result.is_listen)
     assert "spain" in first.result.input_transcript.lower()
     assert first.seq > 6
+
+
+def test_names_the_session_holds_go_to_the_recognizer(engine, monkeypatch):
+    heard_with = []
+    hear = engine.asr.hear
+
+    def spy(audio, context=None):
+        heard_with.append(context)
+        return hear(audio, context)
+
+    monkeypatch.setattr(engine.asr, "hear", spy)
+    steps = drive(engine, "question", prompt="You are the host of Chez Marie. Paris is home.")
+    assert heard_with and set(heard_with) == {"Chez Marie"}  # "Paris" begins a sentence
+    assert "".join(s.result.text for s in steps).startswith("The capital of France is Paris")
+    heard_with.clear()
+    drive(engine, "question")  # no names: no context
+    assert heard_with and set(heard_with) == {None}
+
+
+def test_hearing_names_are_the_prompts_names_and_the_functions_enums():
+    book = ToolSpec(
+        "book",
+        parameters={
+            "type": "object",
+            "properties": {"place": {"type": "string", "enum": ["Sakura", "The Ivy", 3]}},
+        },
+    )
+    prompt = "You book tables at Nobu and Chez Marie.\nI can help. OK, the Ivy too"
+    assert hearing_names(prompt, (book,)) == "Nobu, Chez Marie, Ivy, Sakura, The Ivy"
+    assert hearing_names("You are a helpful assistant.") == ""
 
 
 def test_force_listen_closes_the_turn(engine):
