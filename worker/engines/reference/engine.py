@@ -669,8 +669,12 @@ class ReferenceSession(EngineSession):
     def _top_up(self, costs: dict[str, float]) -> None:
         """In a finalize, a reply's first piece goes out with the next unit and the second
         after it with the unit after that: the piece is topped up to a second of speech, so
-        it plays until then (a short piece alone left a gap of ~0.3 s)."""
-        if self.in_finalize:
+        it plays until then (a short piece alone left a gap of ~0.3 s), when that fits
+        before the next unit is due: a finalize still running then holds the next unit,
+        and with it the first audio (measured: +0.4-0.7 s)."""
+        cost = self.engine.reply_cost
+        due = self.unit_started + self.unit_s * self.rules.inline_share
+        if self.in_finalize and cost is not None and time.perf_counter() + cost <= due:
             said, used = self._fill(1, self.rules.piece_chars, costs)
             self.ahead += said
             self.ahead_tokens += used
