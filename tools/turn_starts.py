@@ -8,7 +8,8 @@ guess: GenerateResult.reply_start_how) and where the time went (reply_start_ms: 
 waited after the words, recognition, the reply model, speech), then first audio p50/p90
 and the gaps a client playing the chunks as they come would hear. First audio is counted as
 `omnifabric eval` counts it, from the end of the question: unit n carries stream seconds
-[n, n+1) and is complete at n+1; its result leaves when the engine's generate returns
+[n, n+1) and is complete at n+1; it starts then, or when the finalize before it ended if
+that is later (the worker's barrier), and its result leaves when its generate returns
 (the fabric's own ~10 ms are not in it). A minute's run where `omnifabric eval` takes
 several, for trying a turn-taking change; the eval through the stack is the figure of
 record.
@@ -57,12 +58,17 @@ def drive(engine: ReferenceEngine, item: Item, kind: str, index: int) -> Start:
     chunks: list[tuple[float, float]] = []
     try:
         session.prepare("", None, None, DuplexSettings())
+        busy_until = 0.0  # stream time the previous unit's finalize ended
         for n, unit in enumerate(units):
             t0 = time.perf_counter()
             session.prefill(unit, [], 1)
             result = session.generate(False)
-            left_at = n + 1 + time.perf_counter() - t0
+            t1 = time.perf_counter()
+            # A unit arrives when its second has passed, and starts once the finalize
+            # before it is done (the worker's barrier).
+            left_at = max(n + 1.0, busy_until) + t1 - t0
             session.finalize()
+            busy_until = left_at + time.perf_counter() - t1
             if result.reply_start_how and n + 1 > end_s:  # the last turn's reply
                 out.unit, out.how, out.parts_ms = n, result.reply_start_how, result.reply_start_ms
                 out.first_audio_s = left_at - end_s
