@@ -200,9 +200,6 @@ def test_a_turn_ended_by_its_next_unit_is_answered_on_a_guess(engine):
     assert "guess" in guessed[4].finalized
     assert not {"asr", "llm_prefill", "llm"} & set(first.result.costs_ms)
     assert "capital" in first.result.input_transcript.lower()
-    # Made in a finalize, the first piece was topped up to a second of speech, so it plays
-    # until the next unit's second comes.
-    assert first.result.audio.size == OUTPUT_RATE
     # The reply is the one the turn gets without a guess (which unit 6 works out itself),
     # word for word and sample for sample.
     plain_first = next(s for s in plain if not s.result.is_listen)
@@ -219,6 +216,21 @@ def test_a_turn_ended_by_its_next_unit_is_answered_on_a_guess(engine):
         late = drive(engine, "question")
     assert timeline(soon) == "L L L L L S S S* L L L L L L L"
     assert timeline(late) == "L L L L L L S S S* L L L L L L"
+    # Made in a finalize, the first piece is topped up to a second of speech (so it plays
+    # until the next unit's second comes) when that fits before the next unit is due: here
+    # made to fit (a second of speech costing nothing, the whole unit to do it in), then not.
+    cost = engine.reply_cost
+    try:
+        engine.reply_cost = 0.0
+        with rules(engine, inline_share=100.0):
+            fits = drive(engine, "question")
+        engine.reply_cost = 10.0
+        alone = drive(engine, "question")
+    finally:
+        engine.reply_cost = cost
+    assert next(s for s in fits if not s.result.is_listen).result.audio.size == OUTPUT_RATE
+    assert 0 < next(s for s in alone if not s.result.is_listen).result.audio.size < OUTPUT_RATE
+    assert "".join(s.result.text for s in fits) == "".join(s.result.text for s in alone)
 
 
 def test_a_guess_is_dropped_when_the_user_goes_on(engine):
