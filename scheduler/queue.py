@@ -150,13 +150,8 @@ class WaitQueue:
 
 
 def estimate_wait_s(position: int, mean_session_s: float, slots: int) -> float:
-    """Seconds until position `position` is served: with `slots` busy serving slots whose
-    sessions last `mean_session_s` on average, one ends every mean / slots seconds (the
-    sessions started at different times, or lengths without memory), so the p-th waiting
-    request is served after about p x mean / slots. (One whole mean session per round of
-    slots, the rule before, overstated a short queue's wait by up to a mean session:
-    fleet-bench at 100x64 measured every estimate too long, bias +15.9 s.)"""
-    return mean_session_s * position / max(1, slots)
+    """Seconds until position `position` is served: one mean session per full round of slots."""
+    return mean_session_s * math.ceil(position / max(1, slots))
 
 
 class SessionLengths:

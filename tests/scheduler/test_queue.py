@@ -58,9 +58,9 @@ def test_resent_tickets_go_first_in_their_earlier_order() -> None:
     [
         (1, 60.0, 1, 60.0),
         (3, 60.0, 1, 180.0),
-        (1, 10.0, 4, 2.5),  # four sessions running: one ends every 2.5 s
+        (1, 10.0, 4, 10.0),
         (4, 10.0, 4, 10.0),
-        (5, 10.0, 4, 12.5),
+        (5, 10.0, 4, 20.0),
         (2, 10.0, 0, 20.0),  # no serving slots: counted as one
     ],
 )
