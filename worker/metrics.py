@@ -127,29 +127,7 @@ class WorkerMetrics:
             "counted when their session ends.",
             registry=r,
         )
-        self.reply_start = Histogram(
-            "omni_worker_reply_start_seconds",
-            "Where the time to a reply's first audio went, by part (engines that report "
-            "it): endpoint (silence after the user's last words before the turn was taken, "
-            "stream time), asr, llm (the turn's prefill and the first piece), tts.",
-            ["part"],
-            buckets=STAGE_BUCKETS,
-            registry=r,
-        )
-        self.reply_starts = Counter(
-            "omni_worker_reply_starts",
-            "Replies begun, by how: inline (in the unit that ended the user's turn), "
-            "finalize (in its finalize, the next unit speaking), guess (begun before the "
-            "turn ended, on the words heard so far).",
-            ["how"],
-            registry=r,
-        )
-        self.context_tokens = Histogram(
-            "omni_worker_unit_context_tokens",
-            "Context (KV cache) length after each served unit, tokens.",
-            buckets=CONTEXT_BUCKETS,
-            registry=r,
-        )
+        self._add_result_figures(r)
         self._child = LabelledChildren()
         """Labelled children of the per-unit instruments (a unit's observations: 147 ->
         110 us on a cold path, 10.6 -> 5.3 us back to back)."""
@@ -187,6 +165,33 @@ class WorkerMetrics:
             # Read on the metrics server's thread; safe because all_tasks(loop) copies the
             # weak set of tasks with retries for exactly that case (bpo-36607).
             tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
+
+    def _add_result_figures(self, r: CollectorRegistry) -> None:
+        """The instruments of what a unit's result tells: its context length and, on a
+        reply's first unit, where the reply's start went (GenerateResult.reply_start_*)."""
+        self.context_tokens = Histogram(
+            "omni_worker_unit_context_tokens",
+            "Context (KV cache) length after each served unit, tokens.",
+            buckets=CONTEXT_BUCKETS,
+            registry=r,
+        )
+        self.reply_start = Histogram(
+            "omni_worker_reply_start_seconds",
+            "Where the time to a reply's first audio went, by part (engines that report "
+            "it): endpoint (silence after the user's last words before the turn was taken, "
+            "stream time), asr, llm (the turn's prefill and the first piece), tts.",
+            ["part"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.reply_starts = Counter(
+            "omni_worker_reply_starts",
+            "Replies begun, by how: inline (in the unit that ended the user's turn), "
+            "finalize (in its finalize, the next unit speaking), guess (begun before the "
+            "turn ended, on the words heard so far).",
+            ["how"],
+            registry=r,
+        )
 
     def observe_unit(self, output: UnitOutput, mode: str = "") -> None:
         """One served unit: its stage times, kind, context length, deadline."""

@@ -199,16 +199,7 @@ class ReferenceSession(EngineSession):
         unit: finalize does it, and the next unit speaks (TurnRules.turn_work)."""
         self.warm_due = False
         """Finalize may prefill the words heard so far (TurnRules.warm_ahead)."""
-        self.start: tuple[str, dict[str, float]] | None = None
-        """How the reply being begun started and its parts (REPLY_START_PARTS), until the
-        result that carries its first piece reports them."""
-        self.endpoint_s = 0.0
-        """Silence after the user's last words when the engine took the turn."""
-        self.in_finalize = False
-        """finalize() is running (a reply begun there starts "finalize", else "inline")."""
-        self.guess: Guess | None = None
-        """A reply its finalize began on the words heard so far (``_guess``): the next
-        unit sends its first piece when that unit ends the turn with the same words."""
+        self._begin_turn_state()
         self.opening = ""
         """What the user said, when finalize started the reply to it (or decided its calls):
         the next unit says it (input_transcript) with the reply's first piece (or the calls)."""
@@ -216,13 +207,7 @@ class ReferenceSession(EngineSession):
         """Finalize started a reply: the next unit sends its first piece alone."""
         self.offer = functions.Offer()
         """The functions the model may call, and how (offer_tools)."""
-        self.client_prompt = ""
-        """The client's system prompt (prepare), for ``names``."""
-        self.names = ""
-        """Names the session's words hold (``hearing_names``): the recognizer's context."""
-        self.recent: tuple[functions.Earlier, ...] = ()
-        """The user's latest turns and the calls they got: the function checks and the
-        arguments quote them, so a follow-up ("And in London?") is understood."""
+        self._begin_words_state()
         self.calling: Calling | None = None
         """The functions the checks chose at the end of the user's turn, their arguments not
         yet written (``_write_calls``)."""
@@ -242,6 +227,30 @@ class ReferenceSession(EngineSession):
         self.closed = False
         self.transcripts: list[str] = []
         self.notes: tuple[str, ...] = ()
+
+    def _begin_words_state(self) -> None:
+        """What the session keeps of the user's words beyond the dialogue (__init__'s part
+        for it): the names its recognizer hears with, the turns its function checks quote."""
+        self.client_prompt = ""
+        """The client's system prompt (prepare), for ``names``."""
+        self.names = ""
+        """Names the session's words hold (``hearing_names``): the recognizer's context."""
+        self.recent: tuple[functions.Earlier, ...] = ()
+        """The user's latest turns and the calls they got: the function checks and the
+        arguments quote them, so a follow-up ("And in London?") is understood."""
+
+    def _begin_turn_state(self) -> None:
+        """The state of how a reply starts (__init__'s part for it)."""
+        self.start: tuple[str, dict[str, float]] | None = None
+        """How the reply being begun started and its parts (REPLY_START_PARTS), until the
+        result that carries its first piece reports them."""
+        self.endpoint_s = 0.0
+        """Silence after the user's last words when the engine took the turn."""
+        self.in_finalize = False
+        """finalize() is running (a reply begun there starts "finalize", else "inline")."""
+        self.guess: Guess | None = None
+        """A reply its finalize began on the words heard so far (``_guess``): the next
+        unit sends its first piece when that unit ends the turn with the same words."""
 
     # ---- prepare / prefill -------------------------------------------------------
 
