@@ -37,6 +37,11 @@ class Outcome:
     reply_chunks: list[tuple[float, float]] = field(default_factory=list)
     """The reply's audio as (arrival after the end of the question, seconds of audio)."""
     unit_rtt_ms: list[float] = field(default_factory=list)
+    queued: bool = False
+    """The caller waited in the scheduler's queue (it got ``session.queued``) before its
+    session began; False where the dialect does not say."""
+    queue_wait_s: float | None = None
+    """Seconds from connecting to the lease (``session.queue_done``); None where not known."""
     error: str = ""
 
 

@@ -51,6 +51,8 @@ LEAD_INS_S = (0.3, 0.7, 1.1, 1.5)
 #: Seconds between the end of one turn's question and the next turn's (a reply fits).
 TURN_GAP_S = 8.0
 NOISE_SIGMA = 0.002
+#: A unit's length in ms: a unit answered later than this after it was sent is late.
+UNIT_MS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,8 @@ async def current_session(
     report = await run_session(url, units, pace_s=1.0, reply_tail_s=tail_s)
     if report.error:
         out.error = str(report.error)
+    out.queued = any(e.get("type") == "session.queued" for e in report.events)
+    out.queue_wait_s = round(report.queue_wait_s, 3)
     out.heard = " / ".join(
         e["input_transcript"] for e in report.events if e.get("input_transcript")
     )
@@ -341,9 +345,9 @@ def table(outcomes: list[Outcome]) -> str:
     head = (
         "| voices | sessions | correct | question WER | reply words (mean) | over 3 sentences "
         "| loops | first audio p50 / p90 s | gaps in replies (n, s) | unit p50 / p99 ms "
-        "| errors |"
+        "| late units | queued (n, longest wait s) | errors |"
     )
-    rows = [head, "|" + "---|" * 11]
+    rows = [head, "|" + "---|" * 13]
     for name, group in groups.items():
         n = len(group)
         right = sum(o.correct for o in group)
@@ -359,10 +363,25 @@ def table(outcomes: list[Outcome]) -> str:
             f"| {percentile(firsts, 50):.2f} / {percentile(firsts, 90):.2f} "
             f"({len(firsts)} replied) "
             f"| {sum(o.gap_s > 0.05 for o in group)}, {sum(o.gap_s for o in group):.2f} "
-            f"| {_unit_rtts(rtts)} "
+            f"| {_unit_rtts(rtts)} | {_late(rtts)} | {_queued(group)} "
             f"| {sum(bool(o.error) for o in group)} |"
         )
     return "\n".join(rows)
+
+
+def _late(rtts: list[float]) -> str:
+    """Units answered later than a unit length (1 s) after they were sent, as the client saw
+    them (its round trip; the worker's own count is `omni_worker_unit_deadline_misses_total`);
+    n/a in a dialect without units."""
+    return str(sum(ms > UNIT_MS for ms in rtts)) if rtts else "n/a"
+
+
+def _queued(group: list[Outcome]) -> str:
+    """Callers that waited in the scheduler's queue, and the longest wait from connecting to
+    the lease."""
+    waits = [o.queue_wait_s for o in group if o.queue_wait_s is not None]
+    longest = f"{max(waits):.1f}" if waits else "n/a"
+    return f"{sum(o.queued for o in group)}, {longest}"
 
 
 def _unit_rtts(rtts: list[float]) -> str:

@@ -55,6 +55,7 @@ def test_table_has_a_row_per_kind_and_one_for_all():
         unit_rtt_ms=[50.0, 900.0],
         reply_text="Paris.",
         words=1,
+        queue_wait_s=0.1,
     )
     wrong = Outcome(
         "espeak",
@@ -65,10 +66,14 @@ def test_table_has_a_row_per_kind_and_one_for_all():
         question_wer=0.5,
         sentences=4,
         loops=True,
-        unit_rtt_ms=[60.0],
+        unit_rtt_ms=[60.0, 1200.0],
         gap_s=0.3,
+        queued=True,
+        queue_wait_s=17.2,
     )
     text = table([right, wrong])
+    assert "| 0 | 0, 0.1 |" in text  # piper: no late unit, nobody queued
+    assert "| 1 | 1, 17.2 |" in text  # espeak: one unit over 1 s, its caller waited
     assert "| 0, 0.00 |" in text and "| 1, 0.30 |" in text
     assert "| piper | 1 | 1/1 (100%) | 0% |" in text
     assert "| espeak | 1 | 0/1 (0%) | 50% |" in text
