@@ -707,6 +707,8 @@ class Scheduler:
                 position,
                 self.sessions.mean_s(ticket.mode),
                 self.registry.serving_capacity(ticket.mode, self.config.realtime_margin),
+                self.leases.grants(ticket.mode),
+                time.monotonic(),
             ),
             ticket_id=ticket.ticket_id,
         )

@@ -7,7 +7,7 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -149,9 +149,36 @@ class WaitQueue:
         return self._positions
 
 
-def estimate_wait_s(position: int, mean_session_s: float, slots: int) -> float:
-    """Seconds until position `position` is served: one mean session per full round of slots."""
-    return mean_session_s * math.ceil(position / max(1, slots))
+def estimate_wait_s(
+    position: int,
+    mean_session_s: float,
+    slots: int,
+    grants: Sequence[tuple[float, str]] = (),
+    now: float = 0.0,
+) -> float:
+    """Seconds until position `position` is served, the later of two estimates.
+
+    Flow: the slots free one mean session apart each, so `slots` of them free one every
+    mean / slots seconds on average, and the p-th in line waits p x mean / slots. Right
+    for sessions that began at scattered times, too short for ones that began together
+    (none ends before a whole session).
+
+    Ages, from `grants` (the held sessions' grant times, oldest first, at `now`): a
+    session is expected to end one mean length after its grant (at once if older), and
+    the p-th in line gets the p-th slot to free; past one round of the held sessions, each
+    round adds a mean session. Right for sessions that began together, too short where
+    many held sessions are past the mean and go on.
+
+    Without held sessions (or serving slots), one mean session per full round of slots.
+    """
+    slots = max(1, slots)
+    if not grants:
+        return mean_session_s * math.ceil(position / slots)
+    flow = mean_session_s * position / slots
+    rounds, index = divmod(max(0, position - 1), len(grants))
+    age = now - grants[index][0]
+    ages = rounds * mean_session_s + max(0.0, mean_session_s - age)
+    return max(flow, ages)
 
 
 class SessionLengths:

@@ -1,5 +1,6 @@
-"""LeaseTable's indexes (by worker, API key and resume key) and the queue's count per key
-answer as a walk over every lease and ticket would, on random histories (issue 55)."""
+"""LeaseTable's indexes (by worker, API key, resume key and, per mode, grant time) and the
+queue's count per key answer as a walk over every lease and ticket would, on random
+histories (issue 55)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ def _check(table: LeaseTable, workers: list[str], keys: list[str]) -> None:
         assert table.held_by(key) == sum(1 for x in every if x.key == key and x.state in HELD)
         first = next((x for x in every if x.resume_key == key), None)
         assert table.by_resume_key(key) is (first if key else None)
+    for mode in Mode:
+        walk = sorted((x.granted_at, x.lease_id) for x in every if x.mode is mode)
+        assert table.grants(mode) == walk
 
 
 def test_the_lease_indexes_match_a_walk():
@@ -36,9 +40,11 @@ def test_the_lease_indexes_match_a_walk():
             lease = Lease(
                 worker_id=rng.choice(workers),
                 slot=0,
-                mode=Mode.AUDIO,
+                mode=rng.choice([Mode.AUDIO, Mode.VIDEO, None]),
                 key=rng.choice(keys),
                 resume_key=rng.choice(keys),
+                # Mostly in time order, as grants are; rebuilt leases and ties too.
+                granted_at=rng.choice([float(len(ids)), rng.uniform(0, 100), 5.0]),
             )
             table.add(lease)
             ids.append(lease.lease_id)
@@ -46,6 +52,7 @@ def test_the_lease_indexes_match_a_walk():
     for lease_id in ids:
         table.pop(lease_id)
     assert (table._by_worker, table._by_key, table._by_resume_key) == ({}, {}, {})
+    assert not any(table.grants(mode) for mode in Mode)
 
 
 def test_the_queue_counts_waiting_tickets_per_key():

@@ -76,3 +76,45 @@ def test_session_lengths_moving_average() -> None:
     lengths.observe(Mode.AUDIO, 20.0)
     assert lengths.mean_s(Mode.AUDIO) == pytest.approx(15.0)
     assert lengths.mean_s(Mode.VIDEO) == 60.0
+
+
+def _grants(*ages: float, now: float = 100.0) -> list[tuple[float, str]]:
+    """Held sessions of these ages at `now`, oldest first, as LeaseTable.grants gives them."""
+    return sorted((now - age, f"l{n}") for n, age in enumerate(ages))
+
+
+@pytest.mark.parametrize(
+    ("position", "expected"),
+    [(1, 7.0), (4, 10.0), (5, 17.0), (8, 20.0), (9, 27.0)],
+)
+def test_a_queue_behind_sessions_begun_together_waits_for_their_end(
+    position: int, expected: float
+) -> None:
+    """Four slots, four sessions 3 s into their 10 s: nobody is served before 7 s, and
+    each round after that a whole session more (the flow estimate would say 2.5 s)."""
+    grants = _grants(3.0, 3.0, 3.0, 3.0)
+    assert estimate_wait_s(position, 10.0, 4, grants, now=100.0) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("position", "expected"),
+    [(1, 2.5), (2, 5.0), (3, 7.5), (4, 10.0), (6, 15.0)],
+)
+def test_a_queue_behind_scattered_sessions_moves_with_their_ends(
+    position: int, expected: float
+) -> None:
+    """Sessions begun 2.5 s apart: one frees every 2.5 s, not a whole session per round of
+    slots (the estimate before issue 55 said 10 s to each of the first four)."""
+    grants = _grants(10.0, 7.5, 5.0, 2.5)
+    assert estimate_wait_s(position, 10.0, 4, grants, now=100.0) == pytest.approx(expected)
+
+
+def test_sessions_past_the_mean_leave_the_flow_estimate() -> None:
+    """Held sessions all older than the mean are expected to end at any moment: what is
+    left is the flow of slots, p x mean / slots, never less."""
+    grants = _grants(50.0, 40.0, 30.0, 20.0)
+    assert [estimate_wait_s(p, 10.0, 4, grants, now=100.0) for p in (1, 2, 5)] == [
+        pytest.approx(2.5),
+        pytest.approx(5.0),
+        pytest.approx(12.5),
+    ]
