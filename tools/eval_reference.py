@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -393,19 +393,32 @@ def _unit_rtts(rtts: list[float]) -> str:
     return f"{percentile(rtts, 50):.0f} / {percentile(rtts, 99):.0f}"
 
 
-def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """`omnifabric serve` on free ports; (process, ws url) once it is ready."""
+def start_stack(extra: list[str], log: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`omnifabric serve` on free ports; (process, ws url) once it is ready. Its output goes
+    to ``log`` when given (the worker's warm-up says there what it measured and how many
+    sessions it admits at once), else nowhere."""
     proc = start_serve(*extra)
     out = proc.stdout
     assert out is not None
+    sink = open(log, "w", encoding="utf-8") if log else None  # noqa: SIM115 - kept open
     for line in out:
+        if sink:
+            sink.write(line)
         match = re.match(r"omnifabric ready: (\S+)", line)
         if match:
             import threading
 
-            threading.Thread(target=lambda: [None for _ in out], daemon=True).start()
+            threading.Thread(target=_drain, args=(out, sink), daemon=True).start()
             return proc, match.group(1)
     raise SystemExit(f"omnifabric serve exited ({proc.wait()}) before it was ready")
+
+
+def _drain(out: Any, sink: Any) -> None:
+    """Read the server's output to its end (into ``sink`` when there is one)."""
+    for line in out:
+        if sink:
+            sink.write(line)
+            sink.flush()
 
 
 async def run_all(
@@ -489,7 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     if not args.url:
         print("starting omnifabric serve ...", file=sys.stderr)
-        proc, args.url = start_stack(args.serve_args)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+        proc, args.url = start_stack(args.serve_args, args.out / "serve.log" if args.out else None)
     try:
         outcomes = asyncio.run(run_all(args, runs, hearer))
     finally:
