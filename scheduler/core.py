@@ -371,7 +371,7 @@ class Scheduler:
         lease.announced.set()
         if held.detached and held.resume_key:
             left = max(0.0, min(held.resume_left_s, held.resume_grace_s))
-            lease.state = LeaseState.DETACHED
+            self.leases.set_state(lease, LeaseState.DETACHED)
             lease.detached_at = time.monotonic() - (held.resume_grace_s - left)
             lease.release_timer = asyncio.get_running_loop().call_later(
                 left + self.config.release_timeout_s, self._detach_overdue, lease_id
@@ -616,7 +616,7 @@ class Scheduler:
             if lease.release_timer is not None:
                 lease.release_timer.cancel()
                 lease.release_timer = None
-            lease.state = LeaseState.ACTIVE
+            self.leases.set_state(lease, LeaseState.ACTIVE)
             log.info("lease %s reattached (session %s)", lease.lease_id, lease.session_id)
         else:  # held: the present holder is superseded
             previous, lease.moved = lease.moved, Signal()
@@ -908,7 +908,7 @@ class Scheduler:
         if lease.resume_grace_s > 0 and worker is not None:
             # The worker keeps the session detached for the grace and releases the lease
             # when it passes; past grace + release timeout the slot is taken back anyway.
-            lease.state = LeaseState.DETACHED
+            self.leases.set_state(lease, LeaseState.DETACHED)
             lease.detached_at = time.monotonic()
             lease.release_timer = asyncio.get_running_loop().call_later(
                 lease.resume_grace_s + self.config.release_timeout_s,
@@ -927,7 +927,7 @@ class Scheduler:
                 lease.session_id,
             )
             return
-        lease.state = LeaseState.RETURNING
+        self.leases.set_state(lease, LeaseState.RETURNING)
         if worker is None:
             self._free(lease)
             return
@@ -948,7 +948,7 @@ class Scheduler:
         if lease is None or lease.state is not LeaseState.DETACHED:
             return
         lease.release_timer = None
-        lease.state = LeaseState.RETURNING
+        self.leases.set_state(lease, LeaseState.RETURNING)
         worker = self.registry.get(lease.worker_id)
         if worker is None:
             self._free(lease)

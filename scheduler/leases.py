@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import bisect
 import enum
+import heapq
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -134,14 +136,20 @@ class LeaseTable:
     resume key, so that a registration, an Acquire with a key limit or a Reattach looks
     at the leases concerned, not at the whole fleet's (a lease's worker, key, resume key,
     mode and grant time are fixed at its creation). Per mode, the grant times in order
-    (`grants`): what the queue's wait estimate reads, once per update, without a walk."""
+    (`grants`): what the queue's wait estimate reads, once per update, and a status its
+    longest-running leases from, without a walk. The leases per state are counted: a
+    lease in the table changes state through `set_state` only."""
 
     def __init__(self) -> None:
         self._leases: dict[str, Lease] = {}
         self._by_worker: dict[str, dict[str, Lease]] = {}
         self._by_key: dict[str, dict[str, Lease]] = {}
         self._by_resume_key: dict[str, dict[str, Lease]] = {}
-        self._grants: dict[Mode, list[tuple[float, str]]] = {}
+        self._grants: dict[Mode | None, list[tuple[float, str]]] = {}
+        self._states: Counter[LeaseState] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._leases)
 
     def __iter__(self) -> Iterator[Lease]:
         return iter(list(self._leases.values()))
@@ -158,11 +166,9 @@ class LeaseTable:
         self._by_key.setdefault(lease.key, {})[lease.lease_id] = lease
         if lease.resume_key:
             self._by_resume_key.setdefault(lease.resume_key, {})[lease.lease_id] = lease
-        if lease.mode is not None:
-            # Grants come in time order: the append at the end is the usual case.
-            bisect.insort(
-                self._grants.setdefault(lease.mode, []), (lease.granted_at, lease.lease_id)
-            )
+        # Grants come in time order: the append at the end is the usual case.
+        bisect.insort(self._grants.setdefault(lease.mode, []), (lease.granted_at, lease.lease_id))
+        self._states[lease.state] += 1
 
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
@@ -195,26 +201,43 @@ class LeaseTable:
                 leases.pop(lease.lease_id, None)
                 if not leases:
                     del index[name]
-        grants = self._grants.get(lease.mode) if lease.mode is not None else None
+        self._states[lease.state] -= 1
+        grants = self._grants.get(lease.mode)
         if grants:
             entry = (lease.granted_at, lease.lease_id)
             at = bisect.bisect_left(grants, entry)
             if at < len(grants) and grants[at] == entry:
                 del grants[at]
 
-    def grants(self, mode: Mode) -> list[tuple[float, str]]:
+    def grants(self, mode: Mode | None) -> list[tuple[float, str]]:
         """(time.monotonic() at grant, lease id) of every lease of `mode` that occupies a
         slot, oldest first: the table's own list, to read, not to change."""
         return self._grants.get(mode, [])
+
+    def set_state(self, lease: Lease, state: LeaseState) -> None:
+        """Move `lease` to `state`, counted (a lease not in the table: just set)."""
+        if self._leases.get(lease.lease_id) is lease:
+            self._states[lease.state] -= 1
+            self._states[state] += 1
+        lease.state = state
 
     def on_worker(self, worker_id: str) -> list[Lease]:
         """Every lease on the worker registered as `worker_id`."""
         return list(self._by_worker.get(worker_id, {}).values())
 
-    def active(self) -> list[Lease]:
-        """The leases being served, oldest first."""
-        leases = [lease for lease in self._leases.values() if lease.state is LeaseState.ACTIVE]
-        return sorted(leases, key=lambda lease: lease.granted_at)
+    def active(self, limit: int | None = None) -> list[Lease]:
+        """The leases being served, oldest first; the `limit` oldest (None: all), found by
+        walking the grants in order, not the whole table."""
+        out: list[Lease] = []
+        if limit is not None and limit <= 0:
+            return out
+        for _, lease_id in heapq.merge(*self._grants.values()):
+            lease = self._leases[lease_id]
+            if lease.state is LeaseState.ACTIVE:
+                out.append(lease)
+                if len(out) == limit:
+                    break
+        return out
 
     def held_by(self, key: str) -> int:
         """Leases of the sessions of this API key: active, detached and resumable, or
@@ -223,5 +246,5 @@ class LeaseTable:
         return sum(1 for lease in self._by_key.get(key, {}).values() if lease.state in held)
 
     def count(self, state: LeaseState) -> int:
-        """How many leases are in `state`."""
-        return sum(1 for lease in self._leases.values() if lease.state is state)
+        """How many leases are in `state` (counted as they change, not walked)."""
+        return self._states[state]

@@ -26,7 +26,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from omnifabric.scheduler.leadership import Leadership
-from omnifabric.scheduler.leases import LeaseTable
+from omnifabric.scheduler.leases import LeaseState, LeaseTable
 from omnifabric.scheduler.liveness import LoopClock
 from omnifabric.scheduler.queue import WaitQueue
 from omnifabric.scheduler.registry import Registry
@@ -247,17 +247,16 @@ class _StateCollector(Collector):
 
     def _leases(self) -> Iterator[Any]:
         """Leases by state."""
-        s = self._scheduler
-        leases = list(s.leases)
+        leases = self._scheduler.leases
         yield _gauge(
             "omni_scheduler_leases_active",
             "Leases whose holder still holds them.",
-            sum(1 for lease in leases if lease.state.value == "active"),
+            leases.count(LeaseState.ACTIVE),
         )
         yield _gauge(
             "omni_scheduler_leases_detached",
             "Resumable sessions whose holder is gone, waiting for a resume.",
-            sum(1 for lease in leases if lease.state.value == "detached"),
+            leases.count(LeaseState.DETACHED),
         )
         yield _gauge(
             "omni_scheduler_leases_occupying",

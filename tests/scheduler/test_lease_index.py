@@ -1,6 +1,6 @@
-"""LeaseTable's indexes (by worker, API key, resume key and, per mode, grant time) and the
-queue's count per key answer as a walk over every lease and ticket would, on random
-histories (issue 55)."""
+"""LeaseTable's indexes (by worker, API key, resume key and, per mode, grant time), its
+counts per state and its longest-running leases, and the queue's count per key, answer as
+a walk over every lease and ticket would, on random histories (issue 55)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,17 @@ def _check(table: LeaseTable, workers: list[str], keys: list[str]) -> None:
         assert table.held_by(key) == sum(1 for x in every if x.key == key and x.state in HELD)
         first = next((x for x in every if x.resume_key == key), None)
         assert table.by_resume_key(key) is (first if key else None)
-    for mode in Mode:
+    for mode in (*Mode, None):
         walk = sorted((x.granted_at, x.lease_id) for x in every if x.mode is mode)
         assert table.grants(mode) == walk
+    for state in LeaseState:
+        assert table.count(state) == sum(1 for x in every if x.state is state)
+    active = sorted(
+        (x for x in every if x.state is LeaseState.ACTIVE), key=lambda x: (x.granted_at, x.lease_id)
+    )
+    assert table.active() == active
+    assert table.active(3) == active[:3] and table.active(0) == []
+    assert len(table) == len(every)
 
 
 def test_the_lease_indexes_match_a_walk():
@@ -35,7 +43,9 @@ def test_the_lease_indexes_match_a_walk():
         if ids and rng.random() < 0.4:
             table.pop(ids.pop(rng.randrange(len(ids))))
         elif ids and rng.random() < 0.2:
-            table.get(rng.choice(ids)).state = rng.choice(list(LeaseState))  # type: ignore[union-attr]
+            lease = table.get(rng.choice(ids))
+            assert lease is not None
+            table.set_state(lease, rng.choice(list(LeaseState)))
         else:
             lease = Lease(
                 worker_id=rng.choice(workers),
@@ -52,7 +62,8 @@ def test_the_lease_indexes_match_a_walk():
     for lease_id in ids:
         table.pop(lease_id)
     assert (table._by_worker, table._by_key, table._by_resume_key) == ({}, {}, {})
-    assert not any(table.grants(mode) for mode in Mode)
+    assert not any(table.grants(mode) for mode in (*Mode, None))
+    assert not any(table.count(state) for state in LeaseState)
 
 
 def test_the_queue_counts_waiting_tickets_per_key():
