@@ -96,6 +96,8 @@ class Worker:
     headroom: Headroom | None
     limits: EngineLimits | None
     """None: the worker declared none (older workers)."""
+    lease_modes: tuple[str, ...] = ()
+    """The mode of each of `lease_ids` ("unspecified": not known)."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,7 @@ def worker_from(w: scheduler_pb.WorkerStatus) -> Worker:
         admits=tuple(modes.label(m) for m in w.admits),
         headroom=headroom_from(w.headroom) if w.HasField("headroom") else None,
         limits=limits_from(w.limits) if w.HasField("limits") else None,
+        lease_modes=tuple(modes.label(m) for m in w.lease_modes),
     )
 
 
@@ -262,16 +265,21 @@ def set_eta_request(change: EtaChange) -> scheduler_pb.SetEtaRequest:
 # ---- the RPCs ------------------------------------------------------------------------------
 
 
-async def get_status(stub: Any, timeout_s: float = TIMEOUT_S) -> Snapshot:
-    """The scheduler's snapshot (its AioRpcError when it does not answer in time)."""
-    reply = await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=timeout_s)
+async def get_status(stub: Any, timeout_s: float = TIMEOUT_S, ticket_id: str = "") -> Snapshot:
+    """The scheduler's snapshot (its AioRpcError when it does not answer in time): the
+    queue and the running leases as far as the scheduler's --status-entries bound, the
+    counts whole; with `ticket_id`, that waiting request alone and no running lease."""
+    request = scheduler_pb.GetStatusRequest(ticket_id=ticket_id)
+    reply = await stub.GetStatus(request, timeout=timeout_s)
     return snapshot_from(reply)
 
 
 async def find_ticket(stub: Any, ticket_id: str) -> QueueEntry | None:
     """The queue entry of `ticket_id`; None when it is not waiting (served, gone, cancelled
-    or unknown)."""
-    snap = await get_status(stub)
+    or unknown). Asks for that ticket alone: the answer does not grow with the fleet."""
+    if not ticket_id:
+        return None
+    snap = await get_status(stub, ticket_id=ticket_id)
     return next((q for q in snap.queue if q.ticket_id == ticket_id), None)
 
 

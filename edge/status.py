@@ -53,7 +53,10 @@ def reference_workers(snap: sc.Snapshot) -> list[dict[str, Any]]:
     """Workers as the reference server's GET /workers lists them (its WorkerInfo). A worker
     here serves several sessions: `status` is `duplex_active` when one of them is a duplex
     session, `busy_chat` when they are chats, `idle` with none, `loading` while it does not
-    take sessions; `current_session_id` is the first; `gpu_id` the CUDA index (-1: CPU)."""
+    take sessions; `current_session_id` is the first; `gpu_id` the CUDA index (-1: CPU).
+    The status and `sessions` come from the worker's own leases (every one its slots hold);
+    the current session from the scheduler's running list, which a fleet larger than its
+    --status-entries lists in part (the longest-running): None for a worker not in it."""
     running: dict[str, list[sc.RunningLease]] = {}
     for lease in snap.running:
         running.setdefault(lease.worker_id, []).append(lease)
@@ -61,7 +64,7 @@ def reference_workers(snap: sc.Snapshot) -> list[dict[str, Any]]:
     for w in snap.workers:
         host, _, port = w.address.rpartition(":")
         leases = running.get(w.worker_id, [])
-        names = {r.mode for r in leases}
+        names = set(w.lease_modes) - {"unspecified"}
         if w.health != sc.SERVING:
             status = "loading"
         elif names - {"chat"}:
@@ -87,7 +90,7 @@ def reference_workers(snap: sc.Snapshot) -> list[dict[str, Any]]:
                 "task_started_at": (
                     queue_api.started_at(first.elapsed_s) if first is not None else None
                 ),
-                "sessions": len(leases),
+                "sessions": len(w.lease_ids),
                 "slots": w.slots,
             }
         )

@@ -157,6 +157,8 @@ class WorkerSnapshot:
     headroom: Headroom | None = None
     admits: tuple[Mode, ...] = ()
     """The modes it would take one more session of now."""
+    lease_modes: tuple[Mode | None, ...] = ()
+    """The mode of each of `lease_ids` (None: not known)."""
 
 
 @dataclass(frozen=True)
@@ -769,8 +771,22 @@ class Scheduler:
 
     # --- status ----------------------------------------------------------------------
 
-    def status(self) -> StatusSnapshot:
-        """A consistent snapshot of workers, queue and leases."""
+    def _queue_entry(self, ticket: Ticket, now: float) -> QueueEntry:
+        position = self.queue.position(ticket)
+        return QueueEntry(
+            ticket_id=ticket.ticket_id,
+            mode=ticket.mode,
+            session_id=ticket.session_id,
+            position=position,
+            estimated_wait_s=self._queue_update(ticket, position).estimated_wait_s,
+            waited_s=now - ticket.enqueued_at,
+        )
+
+    def status(self, max_entries: int | None = None, ticket_id: str = "") -> StatusSnapshot:
+        """A consistent snapshot of workers, queue and leases: the first `max_entries` of
+        the queue and of the running leases (longest-running first; None: all), or with
+        `ticket_id` that waiting request's entry alone (none if it does not wait) and no
+        lease. The counts are always the whole fleet's."""
         workers = tuple(
             WorkerSnapshot(
                 worker_id=w.worker_id,
@@ -781,7 +797,8 @@ class Scheduler:
                 modes=tuple(m for m in Mode if m in w.modes),
                 health=w.health,
                 detail=w.detail,
-                lease_ids=tuple(sorted(w.lease_slots, key=w.lease_slots.__getitem__)),
+                lease_ids=(ids := tuple(sorted(w.lease_slots, key=w.lease_slots.__getitem__))),
+                lease_modes=tuple(w.lease_modes.get(lease_id) for lease_id in ids),
                 memory=w.memory,
                 limits=w.limits,
                 headroom=w.headroom,
@@ -792,18 +809,12 @@ class Scheduler:
             for w in self.registry
         )
         now = time.monotonic()
-        positions = self.queue.positions()
-        queue = tuple(
-            QueueEntry(
-                ticket_id=t.ticket_id,
-                mode=t.mode,
-                session_id=t.session_id,
-                position=positions[t.ticket_id],
-                estimated_wait_s=self._queue_update(t, positions[t.ticket_id]).estimated_wait_s,
-                waited_s=now - t.enqueued_at,
-            )
-            for t in self.queue
-        )
+        if ticket_id:
+            found = self.queue.get(ticket_id)
+            tickets: list[Ticket] = [found] if found is not None else []
+        else:
+            tickets = list(itertools.islice(self.queue.ordered(), max_entries))
+        queue = tuple(self._queue_entry(t, now) for t in tickets)
         running = tuple(
             RunningLease(
                 lease_id=lease.lease_id,
@@ -817,7 +828,7 @@ class Scheduler:
                     - (now - lease.granted_at),
                 ),
             )
-            for lease in self.leases.active()
+            for lease in ([] if ticket_id else self.leases.active(max_entries))
         )
         return StatusSnapshot(
             workers=workers,

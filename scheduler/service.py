@@ -238,8 +238,9 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
     async def GetStatus(
         self, request: scheduler_pb.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb.GetStatusResponse:
+        bound = request.max_entries or self._scheduler.config.status_entries
         try:
-            status = self._scheduler.status()
+            status = self._scheduler.status(bound, request.ticket_id)
         except Exception as exc:
             await _abort(context, exc)
         epoch = self._scheduler.leadership.epoch
@@ -335,6 +336,10 @@ def _status_to_pb(status: StatusSnapshot, epoch: int) -> scheduler_pb.GetStatusR
                 limits=_limits_to_pb(w.limits),
                 headroom=_headroom_to_pb(w.headroom),
                 admits=[modes.to_pb(m) for m in w.admits],
+                lease_modes=[
+                    common_pb2.MODE_UNSPECIFIED if m is None else modes.to_pb(m)
+                    for m in w.lease_modes
+                ],
             )
             for w in status.workers
         ],

@@ -85,8 +85,14 @@ async def start_callers(fabric: Fabric, rig: Rig, prefix: str, count: int) -> No
         rig.tasks.append(asyncio.ensure_future(hold(fabric, f"{prefix}{n:05d}", rig, answered)))
 
 
+#: GetStatus's bound here: the whole queue, whose order the failover must keep (the
+#: scheduler lists --status-entries entries unless asked for more).
+WHOLE_QUEUE = 1_000_000
+
+
 async def status(stub: scheduler_grpc.SchedulerServiceStub) -> scheduler_pb.GetStatusResponse:
-    return await stub.GetStatus(scheduler_pb.GetStatusRequest(), timeout=30)
+    request = scheduler_pb.GetStatusRequest(max_entries=WHOLE_QUEUE)
+    return await stub.GetStatus(request, timeout=30)
 
 
 async def until(predicate, timeout_s: float, what: str, every_s: float = 0.02) -> float:  # type: ignore[no-untyped-def]

@@ -31,3 +31,54 @@ def test_kv_slots_are_listed_under_memory_when_the_worker_has_them():
         )
     )
     assert "kv" not in plain["memory"]
+
+
+def test_reference_workers_tell_a_busy_worker_from_its_own_leases_when_the_list_is_cut():
+    """Issue 55: GetStatus lists the longest-running leases only (--status-entries); a
+    worker none of whose sessions made the list is still duplex_active or busy_chat, with
+    its sessions counted, from the modes of its own leases."""
+    reply = scheduler_pb.GetStatusResponse(
+        workers=[
+            scheduler_pb.WorkerStatus(
+                worker_id="listed",
+                address="10.0.0.1:7000",
+                health=common_pb2.WORKER_HEALTH_SERVING,
+                lease_ids=["a"],
+                lease_modes=[common_pb2.MODE_AUDIO],
+            ),
+            scheduler_pb.WorkerStatus(
+                worker_id="duplex",
+                address="10.0.0.2:7000",
+                health=common_pb2.WORKER_HEALTH_SERVING,
+                lease_ids=["b", "c"],
+                lease_modes=[common_pb2.MODE_CHAT, common_pb2.MODE_VIDEO],
+            ),
+            scheduler_pb.WorkerStatus(
+                worker_id="chats",
+                address="10.0.0.3:7000",
+                health=common_pb2.WORKER_HEALTH_SERVING,
+                lease_ids=["d"],
+                lease_modes=[common_pb2.MODE_CHAT],
+            ),
+            scheduler_pb.WorkerStatus(
+                worker_id="idle", address="10.0.0.4:7000", health=common_pb2.WORKER_HEALTH_SERVING
+            ),
+        ],
+        leases_active=4,
+        running=[
+            scheduler_pb.RunningLease(
+                lease_id="a", worker_id="listed", mode=common_pb2.MODE_AUDIO, session_id="s-a"
+            )
+        ],
+    )
+    workers = {
+        w["worker_id"]: w for w in status.reference_workers(scheduler_client.snapshot_from(reply))
+    }
+    assert {k: (w["status"], w["sessions"]) for k, w in workers.items()} == {
+        "listed": ("duplex_active", 1),
+        "duplex": ("duplex_active", 2),
+        "chats": ("busy_chat", 1),
+        "idle": ("idle", 0),
+    }
+    assert workers["listed"]["current_session_id"] == "s-a"
+    assert workers["duplex"]["current_session_id"] is None  # not among the listed
