@@ -14,19 +14,15 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import io
-import json
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from omnifabric.common.tools import FUNCTION, REQUIRED
 from omnifabric.worker.engine import (
     ChatChunk,
     ChatMessage,
@@ -39,10 +35,17 @@ from omnifabric.worker.engine import (
     StepOutcome,
     Stepper,
     StepRow,
-    ToolCall,
+    ToolChoice,
+    ToolSpec,
 )
-from omnifabric.worker.engines import tool_text
 from omnifabric.worker.engines.minicpmo import layouts, voice
+from omnifabric.worker.engines.minicpmo.calls import (
+    NO_TEMPLATE,
+    CallWatch,
+    calls_from,
+    tool_turn,
+    tools_text,
+)
 from omnifabric.worker.engines.minicpmo.code import import_module
 from omnifabric.worker.engines.minicpmo.state import SharedState
 from omnifabric.worker.errors import EngineUnavailable
@@ -233,6 +236,11 @@ class MiniCPMOSession(EngineSession):
         self.mel_cache: Any = None
         """Batched: the raw log-mel frames of its audio window that later audio cannot
         change (mel.MelCache), for its next unit."""
+        self.watch: CallWatch | None = None
+        """Its function calls, when functions were offered (offer_tools)."""
+        self._prompt: tuple[str, np.ndarray | None] = ("", None)
+        """The system prompt and LLM reference audio prepare put in (offer_tools puts them
+        in again with the functions)."""
 
     def unit_samples(self) -> tuple[int, int]:
         return self.engine.first_unit_samples, self.engine.unit_samples
@@ -260,23 +268,80 @@ class MiniCPMOSession(EngineSession):
             # batched path seeds its generator the same.
             with engine.using(self):
                 torch.manual_seed(config.seed)
+        self._unwatch()
         if config.half_duplex:
             return self._prepare_call(prompt, ref, voice_pcm)
         self.notes = config.vad_note()
+        self._prompt = (prompt, ref)
         with engine.using(self):
-            self.handle.reset()
-            # The model's own sliding window, set before the prompt goes in (its context
-            # mode marks where the prompt's prefix ends while prepare feeds it).
-            if not self.handle.set_window(config.window()):
-                self.notes = (*self.notes, WINDOW_UNAVAILABLE)
             speech = engine.audio_on and config.tts_enabled is not False
-            self.handle.duplex.generate_audio = speech
             if speech and voice_pcm is not None:
                 self.voice_path, self._own_voice = voice.write_wav(voice_pcm), True
             elif speech:
                 self.voice_path = str(engine.default_voice)
-            self.handle.prepare(prompt, ref, self.voice_path)
+            if not self._put_prompt(prompt, ref):
+                self.notes = (*self.notes, WINDOW_UNAVAILABLE)
             return self.handle.kv_length()
+
+    def _put_prompt(self, prompt: str, ref: np.ndarray | None) -> bool:
+        """A fresh context of the system prompt, the reference audio and the voice (under
+        the engine); False when the layout's code cannot slide the session's window."""
+        self.handle.reset()
+        # The model's own sliding window, set before the prompt goes in (its context mode
+        # marks where the prompt's prefix ends while prepare feeds it).
+        window = self.handle.set_window(self.settings.window())
+        speech = self.engine.audio_on and self.settings.tts_enabled is not False
+        self.handle.duplex.generate_audio = speech
+        self.handle.prepare(prompt, ref, self.voice_path)
+        return window
+
+    # ---- functions ---------------------------------------------------------------------
+
+    def offer_tools(self, tools: tuple[ToolSpec, ...], choice: ToolChoice) -> tuple[str, ...]:
+        """The functions in the duplex system prompt as the checkpoint's chat template
+        writes them (its tools block after the client's prompt; the context is begun again
+        with it, before the first unit), and the model's calls read from what it says
+        (calls.CallWatch). With the choice none nothing is offered."""
+        if not tools or not choice.allows_calls():
+            return ()
+        if self.call is not None:
+            return ("tools: a half-duplex call does not call functions",)
+        if self.units:
+            return ("tools: offered after the session's first unit: not taken",)
+        block = tools_text(self.engine.tokenizer, tools, choice)
+        if not block:
+            return (NO_TEMPLATE,)
+        self._unslot()
+        prompt, ref = self._prompt
+        with self.engine.using(self):
+            self._put_prompt(f"{prompt}\n\n{block}", ref)
+            self.watch = CallWatch(tools, choice, self.engine.tokenizer)
+            self.watch.session_id = self.session_id
+            d = self.handle.duplex
+            d._convert_results_to_tts_input = self.watch.tts_input(d._convert_results_to_tts_input)
+        return ()
+
+    def tool_output(self, call_id: str, output: str) -> None:
+        """A call's output: with the others of its calls it goes into the context before
+        the next unit (CallWatch.output)."""
+        if self.watch is not None:
+            self.watch.output(call_id, output)
+
+    def _unwatch(self) -> None:
+        """No more calls: the duplex's TTS condition as the model's code makes it."""
+        if self.watch is not None:
+            self.watch = None
+            vars(self.handle.duplex).pop("_convert_results_to_tts_input", None)
+
+    def feed_results(self) -> int:
+        """Serial path, before the unit's prefill: the outputs of the session's calls fed
+        (as the batched step feeds them: after the last unit's end, before ``<unit>``);
+        how many tokens."""
+        ids = self.watch.take_results() if self.watch is not None else []
+        if ids:
+            decoder = self.handle.duplex.decoder
+            decoder.feed(decoder.embed_tokens(ids))
+        return len(ids)
 
     def _prepare_call(
         self, prompt: str, ref_audio: np.ndarray | None, voice_pcm: np.ndarray | None
@@ -306,11 +371,15 @@ class MiniCPMOSession(EngineSession):
             images = _images(frames) if frames else []
             slices = max(1, max_slice_nums)
             self.vision_tokens = self.engine.vision_tokens(images, slices)
+            fed = self.feed_results()
             before = self.handle.kv_length()
             out = self.handle.prefill(pcm.astype(np.float32, copy=False), images, slices)
             if isinstance(out, dict) and out.get("success") is False:
                 raise RuntimeError(f"prefill failed: {out.get('reason') or 'no reason given'}")
             self.input_tokens = self.handle.kv_length() - before
+            decoder = self.handle.duplex.decoder
+            if fed and getattr(decoder, "_pending_unit_id", None) is not None:
+                decoder._pending_unit_start_cache_len -= fed  # the outputs are the unit's
             return _ms(out, rename_all="prefill_all") if isinstance(out, dict) else {}
 
     def generate(self, force_listen: bool) -> GenerateResult:
@@ -328,10 +397,12 @@ class MiniCPMOSession(EngineSession):
                 s.force_listen_count if s.force_listen_count is not None else FORCE_LISTEN_COUNT
             )
             capped = s.max_tokens is not None and 0 < s.max_tokens <= self.output_tokens
-            force = force_listen or self.units <= startup or capped
+            called = self.watch is not None and self.watch.take_force()
+            force = force_listen or self.units <= startup or capped or called
             if force and self.handle.speaking:
                 self.handle.end_turn()  # the turn closes in the context; speech stops
-            out = self.handle.generate(self.sampling(), force)
+            with self.quiet():
+                out = self.handle.generate(self.sampling(), force)
             is_listen = bool(out.get("is_listen", True))
             audio = out.get("audio_waveform")
             if is_listen or audio is None or not self.handle.duplex.generate_audio:
@@ -340,7 +411,7 @@ class MiniCPMOSession(EngineSession):
                 wave_out = np.asarray(audio, dtype=np.float32).reshape(-1)
             n_tokens = int(out.get("n_tokens", 0) or 0)
             self.output_tokens += n_tokens
-            return GenerateResult(
+            result = GenerateResult(
                 is_listen=is_listen,
                 text="" if is_listen else str(out.get("text", "") or ""),
                 audio=wave_out,
@@ -352,6 +423,25 @@ class MiniCPMOSession(EngineSession):
                 input_audio_tokens=max(0, self.input_tokens - self.vision_tokens),
                 input_vision_tokens=self.vision_tokens,
             )
+            return self.watched(result, force)
+
+    def watched(self, result: GenerateResult, forced: bool) -> GenerateResult:
+        """The unit's result with its calls taken out (CallWatch), as it is without them."""
+        return self.watch.unit_result(result, forced) if self.watch is not None else result
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """A unit that begins inside a function call runs without speech (its text is the
+        call's)."""
+        d = self.handle.duplex
+        if self.watch is None or not self.watch.silent:
+            yield
+            return
+        speech, d.generate_audio = d.generate_audio, False
+        try:
+            yield
+        finally:
+            d.generate_audio = speech
 
     def sampling(self) -> dict[str, Any]:
         """Every streaming_generate argument, explicit: session settings over the defaults;
@@ -410,6 +500,7 @@ class MiniCPMOSession(EngineSession):
             with self.engine.using(self):
                 if self.call is not None:
                     self.call.close()
+                self._unwatch()
                 self.handle.reset()
                 self.engine.state.clear()
                 self.engine.forget(self)
@@ -848,157 +939,3 @@ class MiniCPMOEngine(Engine):
             else:
                 content.append(part)  # text, or 16 kHz float32 audio as the model takes it
         return content
-
-
-# ---- chat with functions ---------------------------------------------------------------
-
-#: Where a ChatML system turn begins and a turn ends, in the template's text.
-_SYSTEM_HEAD, _TURN_END = "<|im_start|>system\n", "<|im_end|>"
-_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
-
-
-def tools_text(tokenizer: Any, turn: ChatTurn) -> str:
-    """The functions as the checkpoint's chat template writes them into the system turn
-    (its tools block), and what the tool choice asks ("" when the template takes none)."""
-    specs = [{"type": "function", "function": s.json()} for s in turn.tools]
-    probe = [{"role": "user", "content": "."}]
-    rendered = tokenizer.apply_chat_template(probe, tools=specs, tokenize=False)
-    if not rendered.startswith(_SYSTEM_HEAD) or _TURN_END not in rendered:
-        return ""
-    text = rendered[len(_SYSTEM_HEAD) : rendered.index(_TURN_END)].strip("\n")
-    if turn.tool_choice.kind == REQUIRED:
-        text += "\nCall at least one of these functions."
-    elif turn.tool_choice.kind == FUNCTION:
-        text += f"\nCall the function {turn.tool_choice.name}."
-    return text
-
-
-def tool_turn(tokenizer: Any, turn: ChatTurn) -> tuple[ChatTurn, tuple[str, ...]]:
-    """The turn as the model's streaming path takes it (system, user and assistant
-    messages): the tools block in the system message (unless the choice is none), an
-    assistant's calls and a run of function outputs written as the template writes them;
-    and what could not be done (a template without tools)."""
-    notes: tuple[str, ...] = ()
-    messages: list[ChatMessage] = []
-    outputs: list[str] = []
-    for message in turn.messages:
-        if message.role == "tool":
-            outputs.append(" ".join(p for p in message.parts if isinstance(p, str)))
-            continue
-        if outputs:
-            messages.append(ChatMessage("user", (tool_text.results_text(outputs),)))
-            outputs = []
-        calls = tuple(tool_text.call_text(c) for c in message.tool_calls)
-        messages.append(ChatMessage(message.role, (*message.parts, *calls)))
-    if outputs:
-        messages.append(ChatMessage("user", (tool_text.results_text(outputs),)))
-    block = tools_text(tokenizer, turn) if turn.tools and turn.tool_choice.allows_calls() else ""
-    if turn.tools and turn.tool_choice.allows_calls() and not block:
-        notes = ("tools: this checkpoint's chat template writes no functions",)
-    elif block and messages[0].role == "system":
-        messages[0] = ChatMessage("system", (*messages[0].parts, f"\n{block}"))
-    elif block:
-        messages.insert(0, ChatMessage("system", (block,)))
-    return replace(turn, messages=tuple(messages)), notes
-
-
-def calls_from(
-    chunks: Iterator[ChatChunk], turn: ChatTurn, notes: tuple[str, ...]
-) -> Iterator[ChatChunk]:
-    """The model's reply with its calls taken out of its text: what it says before
-    "<tool_call>" streams as usual, the rest is held back and read as calls when it ends
-    (each checked: its function offered, its arguments fitting the schema; one that is
-    not is left out and named in ``ignored``; none made: it says it could not)."""
-    said, held, body = "", "", None
-    try:
-        for chunk in chunks:
-            if chunk.done:
-                yield from _ending(chunk, turn, said, body, notes, held)
-                return
-            if chunk.prefilled:
-                yield chunk
-                continue
-            if body is not None:
-                body += chunk.text  # a call's text (and speech) is not the reply's
-                continue
-            text = held + chunk.text
-            at = text.find(_CALL_OPEN)
-            if at >= 0:
-                body, text, held = text[at:], text[:at], ""
-            else:
-                keep = _partial_open(text)
-                text, held = text[: len(text) - keep], text[len(text) - keep :]
-            said += text
-            if text or chunk.audio.size:
-                yield replace(chunk, text=text)
-    finally:
-        close = getattr(chunks, "close", None)
-        if close is not None:
-            close()
-
-
-def _partial_open(text: str) -> int:
-    """How many characters at the end of ``text`` may begin "<tool_call>"."""
-    for n in range(min(len(text), len(_CALL_OPEN) - 1), 0, -1):
-        if _CALL_OPEN.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def _ending(
-    done: ChatChunk,
-    turn: ChatTurn,
-    said: str,
-    body: str | None,
-    notes: tuple[str, ...],
-    held: str,
-) -> Iterator[ChatChunk]:
-    """The calls read from ``body`` (the reply from its first "<tool_call>"), then the done
-    chunk with what was left out."""
-    if held:
-        yield ChatChunk(text=held)
-    calls, problems = read_calls(body or "", turn)
-    if calls:
-        yield ChatChunk(tool_calls=tuple(calls))
-    elif problems and not (said + held).strip():
-        yield ChatChunk(text=tool_text.CANNOT)
-    elif not calls and turn.tool_choice.kind in (REQUIRED, FUNCTION) and body is None:
-        problems.append(f"tool_choice {turn.tool_choice.kind}: the model called no function")
-    yield replace(done, ignored=done.ignored + notes + tuple(problems))
-
-
-def read_calls(body: str, turn: ChatTurn) -> tuple[list[ToolCall], list[str]]:
-    """The calls written in ``body`` ("<tool_call>{"name": ..., "arguments": ...}
-    </tool_call>" each, the last maybe unclosed), and what is wrong with those left out."""
-    offered = {s.name: s for s in turn.tools}
-    if turn.tool_choice.kind == FUNCTION:
-        offered = {turn.tool_choice.name: offered[turn.tool_choice.name]}
-    calls: list[ToolCall] = []
-    problems: list[str] = []
-    for block in body.split(_CALL_OPEN)[1:]:
-        text = block.split(_CALL_CLOSE)[0].strip()
-        try:
-            call, _ = json.JSONDecoder().raw_decode(text)
-        except ValueError:
-            problems.append(f"a call is not JSON: {text[:80]!r}")
-            continue
-        name = call.get("name") if isinstance(call, dict) else None
-        if name not in offered:
-            problems.append(f"a call of {name!r}, not a function offered")
-            continue
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):
-            arguments = _loads(arguments)
-        fitted, wrong = tool_text.parse_arguments(json.dumps(arguments), offered[name])
-        if wrong:
-            problems += [f"tool {name}: {p}" for p in wrong]
-        else:
-            calls.append(ToolCall(f"call_{secrets.token_hex(8)}", name, fitted))
-    return calls, problems
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text

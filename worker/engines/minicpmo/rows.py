@@ -41,6 +41,11 @@ class Row:
     close_turn: bool
     deferred: list[int]
     """KV tokens of the previous unit not fed yet ([terminator, </unit>])."""
+    results: list[int] = field(default_factory=list)
+    """Tokens of function outputs fed after `deferred`, before `<unit>` (calls.CallWatch)."""
+    speech: bool | None = None
+    """The duplex's generate_audio to put back after a unit run without speech (a unit
+    inside a function call); None: untouched."""
     images: list[Any] = field(default_factory=list)
     frames: Any = None
     slice_counts: list[int] = field(default_factory=list)

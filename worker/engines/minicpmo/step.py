@@ -386,8 +386,13 @@ class MiniCPMOStepper(Stepper):
                     out[i] = exc
             for i in serial:
                 out[i] = self._serial(rows[i], phases)
-            if batch:
-                self._batched(batch, out, phases)
+            try:
+                if batch:
+                    self._batched(batch, out, phases)
+            finally:
+                for row in batch:
+                    if row.speech is not None:
+                        row.duplex.generate_audio = row.speech
         wall = time.perf_counter() - started
         self._observe(len(rows), wall)
         phases["prefill"] = sum(
@@ -438,8 +443,10 @@ class MiniCPMOStepper(Stepper):
         images = _images(step_row.frames) if step_row.frames else []
         slices = max(1, step_row.max_slice_nums)
         vision_tokens = self.engine.vision_tokens(images, slices)
+        watch = session.watch
+        extra = vision_tokens + (len(watch.results) if watch is not None else 0)
         # A context that would outgrow its slot goes on in the decoder's own cache.
-        if self.kv_length(session) + vision_tokens + UNIT_HEADROOM > self.cache.max_len:
+        if self.kv_length(session) + extra + UNIT_HEADROOM > self.cache.max_len:
             self._unslot(session)
             return None
         if session.kv_slot is None:
@@ -457,13 +464,14 @@ class MiniCPMOStepper(Stepper):
         s = session.settings
         startup = s.force_listen_count if s.force_listen_count is not None else FORCE_LISTEN_COUNT
         capped = s.max_tokens is not None and 0 < s.max_tokens <= session.output_tokens
-        force = step_row.force_listen or session.units + 1 <= startup or capped
+        called = watch is not None and watch.take_force()
+        force = step_row.force_listen or session.units + 1 <= startup or capped or called
         if session.handle.layout == layouts.UNIFIED:
             self._take_finalize(session)  # a finalize not asked for: the unit closes here
             self._slide([session])
         deferred = list(self._deferred.get(id(session), []))
         session.vision_tokens = vision_tokens
-        return Row(
+        row = Row(
             index=index,
             session=session,
             step_row=step_row,
@@ -474,6 +482,11 @@ class MiniCPMOStepper(Stepper):
             deferred=deferred,
             images=images,
         )
+        if watch is not None:
+            row.results = watch.take_results()
+            if watch.silent:  # the unit begins inside a call: no speech (as serial)
+                row.speech, d.generate_audio = d.generate_audio, False
+        return row
 
     def _batched(
         self,
@@ -735,7 +748,7 @@ class MiniCPMOStepper(Stepper):
         for row in rows:
             d = row.duplex
             dec = d.decoder
-            parts = [dec.embed_tokens([*row.deferred, d.unit_token_id])]
+            parts = [dec.embed_tokens([*row.deferred, *row.results, d.unit_token_id])]
             schema: list[Any] = [d.unit_token_id]
             if row.vision is not None:
                 k = 0
@@ -795,7 +808,7 @@ class MiniCPMOStepper(Stepper):
         if mode == "VISION":
             d.audio_chunk_idx += 1
         d.prefill_schema_tokens.append(d._current_unit_prefill_tokens)
-        session.input_tokens = row.n_pending - len(row.deferred)
+        session.input_tokens = row.n_pending - len(row.deferred) - len(row.results)
         row.logits = logits
         self.prefill_logits[session.session_id] = logits
 
@@ -832,7 +845,7 @@ class MiniCPMOStepper(Stepper):
             "generate_all": share["decode"] + share["tts"] + share["vocoder"],
         }
         text = "" if row.is_listen else row.text
-        return prefill_costs, GenerateResult(
+        result = GenerateResult(
             is_listen=row.is_listen,
             text=text,
             audio=wave,
@@ -844,6 +857,7 @@ class MiniCPMOStepper(Stepper):
             input_audio_tokens=max(0, session.input_tokens - session.vision_tokens),
             input_vision_tokens=session.vision_tokens,
         )
+        return prefill_costs, session.watched(result, row.force)  # its calls taken out
 
 
 def _ms(t0: float) -> float:
