@@ -170,6 +170,34 @@ def test_without_look_ahead_only_the_tokens_said_are_chosen() -> None:
     assert len(model.requests) == asked + 3
 
 
+def test_tokens_chosen_ahead_come_one_by_one_and_are_dropped_at_the_turns_end() -> None:
+    model = _Scripted([(9, b"")])  # the system prompt's prefill takes one
+    conv = Conversation(model, "sys")  # type: ignore[arg-type]
+    script = [(50, b"The"), (51, b" capital"), (52, b" of"), (53, b" France"), (54, b" is")]
+    model.script = list(script)
+    conv.add_user_turn("hi")  # chooses the first token with the prefill
+    asked = len(model.requests)
+    assert conv.next_tokens(1, ahead=4) == ("The", False)
+    # The token after it was needed: four were asked for in one request ...
+    assert model.requests[asked:] == [(conv.context_tokens, 4, 1 + 3)]
+    # ... and come out one call at a time with no request more.
+    assert conv.next_tokens(1, ahead=4) == (" capital", False)
+    assert conv.next_tokens(1, ahead=4) == (" of", False)
+    assert len(model.requests) == asked + 1
+    # Ending the turn drops what was chosen but not said: the context holds the said only.
+    before = conv.context_tokens
+    conv.end_turn()
+    assert conv.context_tokens == before + 2 and conv.reply_text == "The capital of"
+
+
+def test_the_penalty_window_of_a_request_covers_the_whole_reply_for_each_token() -> None:
+    # One token a request: the reply so far. n tokens: n - 1 more, so the k-th token of the
+    # request still reaches the reply's first token; never beyond the assistant header.
+    assert llm_gguf.penalty_window(0, 1) == 0 and llm_gguf.penalty_window(5, 1) == 5
+    assert llm_gguf.penalty_window(5, 4) == 5 + 3
+    assert llm_gguf.penalty_window(5, 16) == 5 + llm_gguf.PENALTY_REACH
+
+
 def test_context_counts_and_turn_closing() -> None:
     model = _Scripted([])
     conv = Conversation(model, "sys")  # type: ignore[arg-type]

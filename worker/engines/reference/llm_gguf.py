@@ -285,6 +285,23 @@ def _save_tokenizer(gguf: Path, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
+#: How far the repetition penalty of a request of several tokens may reach back before the
+#: reply: the assistant header's tokens after the user's turn (``<|im_start|>``,
+#: ``assistant``, a newline), never the user's words or their ``<|im_end|>``.
+PENALTY_REACH = 3
+
+
+def penalty_window(reply_tokens: int, n: int) -> int:
+    """llama.cpp's repeat_last_n for a request of ``n`` tokens made after ``reply_tokens``
+    tokens of the reply. Its window is a fixed count of the latest tokens, so for the k-th
+    token of the request (k from 0) it must reach back ``reply_tokens + k``: with the
+    count ``reply_tokens + n - 1`` every token of the request is penalised for the whole
+    reply before it, as a request of one token at a time is, plus up to ``n - 1 - k``
+    tokens before the reply (the assistant header, PENALTY_REACH at most: ``n`` is capped
+    there by the callers' ``ahead``)."""
+    return reply_tokens + max(0, min(n, PENALTY_REACH + 1) - 1)
+
+
 #: Conversation.forget: the shortest run of the slot's cached tokens llama.cpp shifts into
 #: the shortened context (its request's n_cache_reuse) instead of computing it again.
 SHIFT_MIN_TOKENS = 8
@@ -645,13 +662,20 @@ class Conversation:
             self._turns = [list(t) for t in state.turns]
             self.note = state.note
 
-    def next_tokens(self, max_tokens: int, look_ahead: bool = True) -> tuple[str, bool]:
+    def next_tokens(
+        self, max_tokens: int, look_ahead: bool = True, ahead: int = 1
+    ) -> tuple[str, bool]:
         """Greedy-decode up to ``max_tokens`` more reply tokens: (new text, reply finished).
 
         The text is the exact new suffix of the reply; an incomplete multi-byte character is
         held back until its last byte arrives. ``look_ahead``: also choose the token after
         them now, so a reply's end shows with its last text; without it that token is
-        chosen by the next call (a reply's first words go out one token's time sooner)."""
+        chosen by the next call (a reply's first words go out one token's time sooner).
+        ``ahead``: tokens chosen in one llama.cpp request when one is needed (at least what
+        is still to emit, at most PENALTY_REACH + 1); the ones not yet emitted wait for the
+        next calls, and are dropped when the turn ends before them. One request of several
+        tokens keeps the server's slot busy over consecutive decodes, so two conversations
+        decoding at once share llama.cpp's batches instead of taking turns."""
         with self._lock:
             if not self._open:
                 raise RuntimeError(
@@ -664,7 +688,7 @@ class Conversation:
                     if self._stopped:
                         self._finished = True
                         break
-                    self._fetch(max_tokens - emitted)
+                    self._fetch(max(max_tokens - emitted, ahead))
                     continue
                 token, raw = self._next.pop(0)
                 if token in self._model.stop_ids:
@@ -679,7 +703,7 @@ class Conversation:
                 if self._stopped:
                     self._finished = True
                 elif emitted and look_ahead:
-                    self._fetch(1)  # the next token now, so a reply's end shows at once
+                    self._fetch(ahead)  # the next token now, so a reply's end shows at once
             if self._next and self._next[0][0] in self._model.stop_ids:
                 self._finished = True
             delta = self._decoder.decode(data, final=self._finished)
@@ -771,12 +795,11 @@ class Conversation:
 
     def _request(self, n: int, shift: int = 0) -> Completion:
         self._slot = self._model.slot_for(self, self._slot)
+        window = penalty_window(len(self._reply_ids), n)
         if shift:
-            self.last = self._model.complete(
-                self._ids, n, len(self._reply_ids), self._slot, shift=shift
-            )
+            self.last = self._model.complete(self._ids, n, window, self._slot, shift=shift)
         else:
-            self.last = self._model.complete(self._ids, n, len(self._reply_ids), self._slot)
+            self.last = self._model.complete(self._ids, n, window, self._slot)
         return self.last
 
 
