@@ -1,7 +1,8 @@
 """Ask a running stack requests that need a function and requests that need none, through
 the OpenAI Realtime dialect, typed and spoken, and score the calls.
 
-    omnifabric eval-tools [--url ws://HOST:PORT/v1/realtime] [--modes typed,spoken] [--out DIR]
+    omnifabric eval-tools [--url ws://HOST:PORT/v1/realtime] [--modes typed,spoken]
+                          [--sets main,held-out] [--only calls|none] [--heard] [--out DIR]
 
 Three functions are offered (get_weather, book_table, order_status). Each request is one
 response on request (turn detection null) in its own connection: a typed request is an
@@ -9,9 +10,17 @@ response on request (turn detection null) in its own connection: a typed request
 `input_audio` item (24 kHz PCM16). A request that needs a function is right when the reply
 calls that function, and only it, with the expected arguments (strings compared
 case-insensitively and ignoring punctuation, numbers by value); one that needs none is right
-when the reply calls nothing. Printed: a line per request, then a table per mode with the
-counts and the time to the response's end (p50/p90). Without `--url` it starts
+when the reply calls nothing. Printed: a line per request, then a table per set and mode
+with the counts and the time to the response's end (p50/p90). Without `--url` it starts
 `omnifabric serve` on free ports (the reference engine) and stops it afterwards.
+
+Two sets: `main` (CASES: 20 requests that need a call, 20 that need none, Piper's voice at
+its own rate), the figures issue 53 asks for; `held-out` (HELD_OUT: other cities,
+restaurants, order numbers and phrasings, 15 and 10, spoken in turn by Piper slower,
+Piper faster and espeak-ng), never looked at while the hearing was tuned, so that a change
+fitted to the main set's words shows as a gap between the two. `--heard` hears each spoken
+request that missed with the engine's own recognizers here, as the engine hears a whole
+item (hearing.hear_item), and prints what they heard.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import base64
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,6 +142,55 @@ CASES = (
     Case("Thanks, that's all for today."),
 )
 
+#: Held out: never looked at while the engine's hearing was worked on (module docstring).
+HELD_OUT = (
+    _weather("What's the weather like in Chicago?", "Chicago"),
+    _weather("Will it snow in Oslo tomorrow?", "Oslo"),
+    _weather("How hot is it in Cairo right now?", "Cairo"),
+    _weather("Give me the forecast for Dublin.", "Dublin"),
+    _weather("Is it windy in Lisbon today?", "Lisbon"),
+    _book("Book a table for two at Olive Garden at 6pm.", "Olive Garden", 2, "6pm"),
+    _book("Reserve a table for four at Hakata at 7pm.", "Hakata", 4, "7pm"),
+    _book(
+        "Can I get a table for three at the Golden Dragon at 8pm?", "the Golden Dragon", 3, "8pm"
+    ),
+    _book("Get me a table at Casa Lola for six people at 9pm.", "Casa Lola", 6, "9pm"),
+    _book("I want to book Bistro Max for two at 1pm.", "Bistro Max", 2, "1pm"),
+    _order("Where is order 80412?", "80412"),
+    _order("Check the status of order 6150 please.", "6150"),
+    _order("Has order 33019 arrived yet?", "33019"),
+    _order("What's happening with my order 72?", "72"),
+    _order("Look up my order 90210.", "90210"),
+    Case("What is the boiling point of water?"),
+    Case("Tell me a fun fact about octopuses."),
+    Case("How many minutes are in an hour?"),
+    Case("Who painted the Mona Lisa?"),
+    Case("What rhymes with moon?"),
+    Case("Good morning!"),
+    Case("Can you help me write a short poem?"),
+    Case("What's five times six?"),
+    Case("Which is bigger, a cat or a horse?"),
+    Case("What do cows drink?"),
+)
+SETS = {"main": CASES, "held-out": HELD_OUT}
+
+#: A voice: (kind, voice, rate) as eval_reference.render takes them.
+Voice = tuple[str, str, float]
+MAIN_VOICE: Voice = ("piper", "joe", 1.0)
+#: The held-out set's voices, one request each in turn: Piper slower and faster, espeak-ng.
+HELD_OUT_VOICES: tuple[Voice, ...] = (
+    ("piper", "joe", 1.2),
+    ("piper", "joe", 0.85),
+    ("espeak", "en-us", 165),
+)
+
+
+def voice_for(set_name: str, index: int) -> Voice:
+    """The voice the ``index``-th request of a set is spoken in."""
+    if set_name == "main":
+        return MAIN_VOICE
+    return HELD_OUT_VOICES[index % len(HELD_OUT_VOICES)]
+
 
 @dataclass
 class Outcome:
@@ -143,6 +202,10 @@ class Outcome:
     seconds: float
     reply: str = ""
     error: str = ""
+    set: str = "main"
+    voice: str = ""
+    heard: str = ""
+    """What the engine's recognizers hear in a spoken miss (``--heard``), else ""."""
 
 
 def _norm(value: Any) -> Any:
@@ -171,13 +234,13 @@ def scored(case: Case, calls: list[dict[str, Any]]) -> bool:
     )
 
 
-def spoken_item(text: str) -> dict[str, Any]:
-    """`text` in Piper's voice as an input_audio item (24 kHz PCM16)."""
+def spoken_item(text: str, voice: Voice = MAIN_VOICE) -> dict[str, Any]:
+    """`text` in ``voice`` (Piper's by default) as an input_audio item (24 kHz PCM16)."""
     from scipy.signal import resample_poly
 
     from omnifabric.tools.eval_reference import render
 
-    audio = render("piper", "joe", 1.0, text)
+    audio = render(*voice, text)
     pcm24 = resample_poly(audio, 3, 2)
     pcm16 = (np.clip(pcm24, -1, 1) * 32767).astype("<i2").tobytes()
     part = {"type": "input_audio", "audio": base64.b64encode(pcm16).decode()}
@@ -188,11 +251,15 @@ def typed_item(text: str) -> dict[str, Any]:
     return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
 
 
-async def ask(url: str, case: Case, mode: str, timeout_s: float) -> Outcome:
-    """One request in its own connection; its calls scored."""
+async def ask(
+    url: str, case: Case, mode: str, timeout_s: float, item: dict[str, Any] | None = None
+) -> Outcome:
+    """One request in its own connection (``item``: the request as sent, by default typed
+    or in the main voice as ``mode`` says); its calls scored."""
     from websockets.asyncio.client import connect
 
-    item = spoken_item(case.text) if mode == "spoken" else typed_item(case.text)
+    if item is None:
+        item = spoken_item(case.text) if mode == "spoken" else typed_item(case.text)
     session = {
         "type": "realtime",
         "tools": TOOLS,
@@ -224,38 +291,118 @@ async def ask(url: str, case: Case, mode: str, timeout_s: float) -> Outcome:
 
 
 def table(outcomes: list[Outcome]) -> str:
+    """A row per set and mode (the main set first): the counts and the times."""
     from omnifabric.tools.client import percentile
 
     rows = [
-        "| mode | needs a call: right | needs none: right | errors | response end p50 / p90 s |",
-        "|---|---|---|---|---|",
+        "| set | mode | needs a call: right | needs none: right | errors "
+        "| response end p50 / p90 s |",
+        "|---|---|---|---|---|---|",
     ]
-    for mode in sorted({o.mode for o in outcomes}):
-        group = [o for o in outcomes if o.mode == mode]
+    groups = sorted({(o.set, o.mode) for o in outcomes}, key=lambda g: (g[0] != "main", g))
+    for set_name, mode in groups:
+        group = [o for o in outcomes if (o.set, o.mode) == (set_name, mode)]
         need = [o for o in group if o.expected]
         none = [o for o in group if not o.expected]
         seconds = [o.seconds for o in group]
         rows.append(
-            f"| {mode} | {sum(o.right for o in need)}/{len(need)} "
+            f"| {set_name} | {mode} | {sum(o.right for o in need)}/{len(need)} "
             f"| {sum(o.right for o in none)}/{len(none)} | {sum(bool(o.error) for o in group)} "
             f"| {percentile(seconds, 50):.2f} / {percentile(seconds, 90):.2f} |"
         )
     return "\n".join(rows)
 
 
-async def run_all(url: str, modes: list[str], timeout_s: float) -> list[Outcome]:
+@dataclass(frozen=True)
+class Request:
+    """One request of a run: its case, set, mode and the voice it is spoken in ("" typed)."""
+
+    case: Case
+    set: str
+    mode: str
+    voice: Voice | None = None
+
+    def item(self) -> dict[str, Any]:
+        if self.voice is None:
+            return typed_item(self.case.text)
+        return spoken_item(self.case.text, self.voice)
+
+
+def plan(sets: list[str], modes: list[str], only: str = "all") -> list[Request]:
+    """The run's requests: each set's cases (``only``: those that need a call, ``calls``,
+    or none, ``none``) in each mode, set by set."""
+    requests = []
+    for set_name in sets:
+        for mode in modes:
+            for i, case in enumerate(SETS[set_name]):
+                if only == "calls" and case.tool is None or only == "none" and case.tool:
+                    continue
+                voice = voice_for(set_name, i) if mode == "spoken" else None
+                requests.append(Request(case, set_name, mode, voice))
+    return requests
+
+
+def voice_name(voice: Voice | None) -> str:
+    return "" if voice is None else f"{voice[0]}:{voice[1]}@{voice[2]:g}"
+
+
+async def run_all(
+    url: str, requests: list[Request], timeout_s: float, hear: Hearer | None = None
+) -> list[Outcome]:
+    """Each request in turn; with ``hear``, what a spoken miss was heard as."""
     outcomes = []
-    for mode in modes:
-        for case in CASES:
-            try:
-                outcome = await ask(url, case, mode, timeout_s)
-            except (TimeoutError, OSError) as exc:
-                outcome = Outcome(mode, case.text, case.tool, [], False, timeout_s, error=str(exc))
-            outcomes.append(outcome)
-            mark = "ok " if outcome.right else "MISS"
-            calls = ", ".join(f"{c['name']}{c['arguments']}" for c in outcome.calls) or "-"
-            print(f"{mark} [{mode}] {case.text!r} -> {calls} ({outcome.seconds:.2f} s)", flush=True)
+    for request in requests:
+        case, mode = request.case, request.mode
+        item = request.item()
+        try:
+            outcome = await ask(url, case, mode, timeout_s, item)
+        except (TimeoutError, OSError) as exc:
+            outcome = Outcome(mode, case.text, case.tool, [], False, timeout_s, error=str(exc))
+        outcome.set, outcome.voice = request.set, voice_name(request.voice)
+        if hear is not None and request.voice is not None and not outcome.right:
+            outcome.heard = hear(item)
+        outcomes.append(outcome)
+        print(line(outcome), flush=True)
     return outcomes
+
+
+def line(outcome: Outcome) -> str:
+    """A request's printed line: right or missed, its calls, time, and what was heard."""
+    mark = "ok " if outcome.right else "MISS"
+    calls = ", ".join(f"{c['name']}{c['arguments']}" for c in outcome.calls) or "-"
+    where = outcome.mode if outcome.set == "main" else f"{outcome.set} {outcome.mode}"
+    voice = f" {outcome.voice}" if outcome.voice and outcome.set != "main" else ""
+    heard = f" heard {outcome.heard!r}" if outcome.heard else ""
+    return f"{mark} [{where}{voice}] {outcome.text!r} -> {calls} ({outcome.seconds:.2f} s){heard}"
+
+
+#: What a spoken request's item was heard as (``engine_hearing``).
+Hearer = Callable[[dict[str, Any]], str]
+
+
+def engine_hearing() -> Hearer:
+    """The reference engine's recognizers, loaded here, hearing an input_audio item as the
+    engine hears one offered these functions (the edge's resampling, hearing.hear_item
+    with the names the functions hold, at the closer decoding)."""
+    import torch
+
+    from omnifabric.edge.dialects.openai.audio import heard
+    from omnifabric.worker.engine import ToolSpec
+    from omnifabric.worker.engines.reference import moonshine
+    from omnifabric.worker.engines.reference.asr import Transcriber
+    from omnifabric.worker.engines.reference.engine import hearing_names
+    from omnifabric.worker.engines.reference.hearing import Ears, hear_item
+
+    torch.set_num_threads(1)
+    ears = Ears(Transcriber(), moonshine.Moonshine())
+    specs = [ToolSpec(t["name"], t["description"], t["parameters"]) for t in TOOLS]
+    context = hearing_names("", specs) or None
+
+    def hear(item: dict[str, Any]) -> str:
+        audio = heard(base64.b64decode(item["content"][0]["audio"]), "audio/pcm")
+        return hear_item(ears, audio, context, True)[0]
+
+    return hear
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,6 +411,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--url", help="a running edge's /v1/realtime (default: start one here)")
     parser.add_argument("--modes", default="typed,spoken", help="typed, spoken")
+    parser.add_argument(
+        "--sets", default="main", help="main (issue 53's 20 + 20), held-out (15 + 10)"
+    )
+    parser.add_argument(
+        "--only", choices=("all", "calls", "none"), default="all",
+        help="the requests that need a call, or those that need none",
+    )  # fmt: skip
+    parser.add_argument(
+        "--heard", action="store_true",
+        help="hear each spoken miss with the engine's recognizers here, and print it",
+    )  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per request")
     parser.add_argument("--out", type=Path, help="folder for results.json and table.md")
     parser.add_argument("serve_args", nargs="*", help="extra `omnifabric serve` flags (after --)")
@@ -272,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         if mode not in ("typed", "spoken"):
             parser.error(f"unknown mode {mode!r}: typed or spoken")
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    for set_name in sets:
+        if set_name not in SETS:
+            parser.error(f"unknown set {set_name!r}: {', '.join(SETS)}")
+    requests = plan(sets, modes, args.only)
+    hear = engine_hearing() if args.heard and "spoken" in modes else None
     proc = None
     url = args.url
     if url is None:
@@ -279,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
 
         proc, url = start_stack(args.serve_args)
     try:
-        outcomes = asyncio.run(run_all(url, modes, args.timeout_s))
+        outcomes = asyncio.run(run_all(url, requests, args.timeout_s, hear))
     finally:
         if proc is not None:
             proc.terminate()

@@ -259,3 +259,37 @@ def test_the_torch_backend_answers_questions_too() -> None:
     assert answer.text.strip() and answer.prompt_tokens > 10 and 1 <= answer.output_tokens <= 2
     filled = model.ask([("user", 'Write {"a": 1} as JSON.')], 8, prefix="{")
     assert filled.text.startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("heard", "digits"),
+    [
+        ("Has my order 55,500 one shipped yet?", "Has my order 55501 shipped yet?"),
+        ("Look up order two thousand, twenty four, please.", "Look up order 2024, please."),
+        ("Where is my order seventy-two?", "Where is my order 72?"),
+        ("Order five five five oh one, please.", "Order 55501, please."),
+        ("one hundred and five", "105"),
+        ("nine thousand nine hundred ninety nine", "9999"),
+        ("Where's my order 12,345?", "Where's my order 12345?"),
+        ("A table for two at 7 pm.", "A table for 2 at 7 pm."),
+        ("Oh, my order 4242.", "Oh, my order 4242."),  # "oh" alone is no zero
+        ("Table for 2, 4pm.", "Table for 2, 4pm."),  # a comma splits two numbers
+        ("at eight thirty pm", "at eight thirty pm"),  # not one number: left as said
+    ],
+)
+def test_spoken_numbers_become_digits(heard, digits) -> None:
+    assert functions.spoken_numbers(heard) == digits
+
+
+def test_a_function_that_takes_a_number_or_an_id_is_asked_with_digits() -> None:
+    assert functions.takes_numbers(ORDERS) and functions.takes_numbers(BOOKING)
+    assert not functions.takes_numbers(WEATHER)
+    described = ToolSpec("track", "", {"properties": {"ref": {"description": "the parcel ID"}}})
+    assert functions.takes_numbers(described)
+    llm = Scripted('"order_number": "55501"}')
+    plan = functions.Plan()
+    functions.fill(llm, "Has my order 55,500 one shipped yet?", ORDERS, plan)
+    assert 'Request: "Has my order 55501 shipped yet?"' in llm.asked[0][-1][1]
+    llm = Scripted('"city": "Oslo"}')
+    functions.fill(llm, "Weather for one day in Oslo?", WEATHER, functions.Plan())
+    assert 'Request: "Weather for one day in Oslo?"' in llm.asked[0][-1][1]

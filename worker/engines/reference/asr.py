@@ -73,6 +73,9 @@ MAX_NEW_TOKENS = 64
 CONTEXT_TOKENS = 96
 """At most this many tokens of prompt text (Whisper was trained with up to 223)."""
 MIN_LOOP = 4  # shortest repeated token span treated as a decoding loop
+BEAMS = 4
+"""Hypotheses a closer hearing keeps at each step (``beam_search``): a whole clip on the
+tool path (``Ears.hear_closely``), never the duplex turn's first hearing."""
 # Whisper's silence rule (openai/whisper transcribe): drop when the no-speech probability
 # is high and the decoded text is not confident.
 NO_SPEECH_THRESHOLD = 0.6
@@ -547,6 +550,45 @@ def window_frames(n_samples: int) -> int:
     return min(FULL_FRAMES, frames)
 
 
+#: A decoder step for ``beam_search``: the rows of the hypotheses to go on from (their
+#: caches reordered to match) and each one's last token in; log-probabilities of the next
+#: token out, a row each.
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def beam_search(
+    first: torch.Tensor, step: Step, end: int, limit: int, beams: int = BEAMS
+) -> list[tuple[list[int], float]]:
+    """The ``beams`` likeliest token sequences a decoder ends, likeliest first, each with
+    its summed log-probability (the end token's included): ``first`` is the log-probability
+    row of the first token, ``step`` gives the next rows. Sequences that have not ended
+    after ``limit`` tokens are left out. Stops once ``beams`` have ended, or when the best
+    ended one is likelier than every one still going (log-probabilities only fall)."""
+    live: list[tuple[list[int], float]] = [([], 0.0)]
+    logprobs = first.reshape(1, -1)
+    ended: list[tuple[list[int], float]] = []
+    for _ in range(limit):
+        totals = torch.tensor([score for _, score in live])[:, None] + logprobs.float().cpu()
+        values, flat = totals.flatten().topk(min(2 * beams, totals.numel()))
+        going: list[tuple[list[int], float]] = []
+        rows: list[int] = []
+        for value, index in zip(values.tolist(), flat.tolist(), strict=True):
+            row, token = divmod(index, totals.shape[1])
+            if value == float("-inf"):  # a masked token: nothing likelier is left
+                break
+            if token == end:
+                ended.append((live[row][0], value))
+            elif len(going) < beams:
+                going.append(([*live[row][0], token], value))
+                rows.append(row)
+        best_ended = max((score for _, score in ended), default=float("-inf"))
+        if len(ended) >= beams or not going or best_ended > going[0][1]:
+            break
+        live = going
+        logprobs = step(torch.tensor(rows), torch.tensor([seq[-1] for seq, _ in going]))
+    return sorted(ended, key=lambda found: -found[1])[:beams]
+
+
 def _ends_in_loop(tokens: list[int]) -> bool:
     """Cut a decoding loop: the tail repeats the span right before it (>= 4 tokens).
 
@@ -637,6 +679,21 @@ class Transcriber:
         words the speaker may use (``prompt_for``)."""
         return self._transcribe(audio, False, context)
 
+    def hear_closely(self, audio: np.ndarray, context: str | None = None) -> tuple[str, float]:
+        """``hear`` at the best decoding the model allows, for a whole clip whose words
+        matter more than its time: the greedy transcript and a beam search's
+        (``candidates``), the likeliest taken, with its mean token log-probability."""
+        enc = self.encode(audio)
+        if enc is None:
+            return "", float("-inf")
+        found = self.hypothesis(enc, context)
+        if not found.text:
+            return "", found.mean
+        texts = [found.text, *self.candidates(enc, context)]
+        scores = self.score_many(enc, texts, found.cross, context)
+        best = max(range(len(texts)), key=lambda i: scores[i][0])
+        return texts[best], scores[best][0] / scores[best][1]
+
     def transcribe(self, audio: np.ndarray, *, full_window: bool = False) -> str:
         """Text of float32 mono 16 kHz ``audio`` (up to 30 s); "" for silence (a peak under
         ``SILENCE_PEAK``, or Whisper's no-speech rule).
@@ -712,6 +769,40 @@ class Transcriber:
             return Hypothesis("", total, count, cross)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
         return Hypothesis(text, total, count, cross)
+
+    def candidates(
+        self, enc: torch.Tensor, context: str | None = None, beams: int = BEAMS
+    ) -> list[str]:
+        """The transcripts of ``encode``'s states a beam search of ``beams`` ends, likeliest
+        first (``beam_search``; the prompt as ``hypothesis`` has it): other readings of the
+        same speech for a closer hearing to weigh, at about ``beams`` times the decoder's
+        cost of a greedy transcript."""
+        prompt = self.prompt_for(context)
+        with torch.inference_mode():
+            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+            ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+            out = self.decoder(
+                input_ids=ids, encoder_hidden_states=enc, past_key_values=cache, use_cache=True
+            )
+            hidden = out.last_hidden_state[0, -1]
+            first = (self.model.proj_out(hidden).float() + self._mask_begin).log_softmax(-1)
+            cross = cache.cross_attention_cache
+
+            def step(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+                cache.self_attention_cache.reorder_cache(rows.to(self.device))
+                cache.cross_attention_cache = widen(cross, len(rows))  # views, no copy
+                out = self.decoder(
+                    input_ids=tokens.to(self.device)[:, None],
+                    encoder_hidden_states=enc.expand(len(rows), -1, -1),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                logits = self.model.proj_out(out.last_hidden_state[:, -1]).float()
+                return (logits + self._mask).log_softmax(-1)
+
+            found = beam_search(first, step, self.tokens.eot, MAX_NEW_TOKENS, beams)
+        texts = (self.tokenizer.decode(t, skip_special_tokens=True).strip() for t, _ in found)
+        return [t for t in texts if t]
 
     def score(
         self, enc: torch.Tensor, text: str, cross: Cache | None = None, context: str | None = None

@@ -268,13 +268,14 @@ def fill(
 ) -> None:
     """The call of ``spec`` with the arguments the model writes for ``request`` (after the
     ``recent`` turns, as ``choose`` takes them), added to the plan; asked once more when
-    they do not fit, then the problem is the plan's."""
+    they do not fit, then the problem is the plan's. Where the function takes a number or
+    an id, the request's spoken numbers are given as digits (``spoken_numbers``)."""
     question = FILL_QUESTION.format(
         name=spec.name,
         description=spec.description or task(spec),
         schema=json.dumps(spec.parameters or {"type": "object"}),
         earlier=earlier_text(recent),
-        request=request,
+        request=spoken_numbers(request) if takes_numbers(spec) else request,
     )
     turns = [("system", FILL_SYSTEM), ("user", question)]
     for attempt in range(2):
@@ -287,6 +288,136 @@ def fill(
             retry = FILL_RETRY.format(problems="; ".join(problems))
             turns += [("assistant", answer.text), ("user", retry)]
     plan.problems += [f"tool {spec.name}: {p}" for p in problems]
+
+
+#: A parameter that holds a number or an id, by its name or its description's words.
+_NUMBER_PARAMETER = re.compile(r"(^|[\W_])(id|ids|number|no|code|zip|phone)($|[\W_])", re.I)
+_UNITS = {
+    w: i
+    for i, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen "
+        "fourteen fifteen sixteen seventeen eighteen nineteen".split()
+    )
+}
+_TENS = {
+    w: 10 * i
+    for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)
+}
+_SCALES = {"hundred": 100, "thousand": 1000, "million": 1_000_000}
+#: A number as recognizers write it (digits, thousands split by commas), or a number word.
+_NUMBER_TOKEN = re.compile(
+    r"\b(?:\d{1,3}(?:,\d{3})+|\d+|oh|" + "|".join([*_UNITS, *_TENS, *_SCALES]) + r")\b",
+    re.I,
+)
+#: What may come between two tokens of one spoken number.
+_JOINER = re.compile(r"[\s-]*|,?\s+and\s+|,\s*", re.I)
+
+
+def takes_numbers(spec: ToolSpec) -> bool:
+    """Whether a function takes a number or an id (a parameter typed integer or number, or
+    named or described as an id, a number, a code...): its arguments want digits."""
+    properties = (spec.parameters or {}).get("properties") or {}
+    for name, schema in properties.items():
+        schema = schema if isinstance(schema, dict) else {}
+        if schema.get("type") in ("integer", "number"):
+            return True
+        if _NUMBER_PARAMETER.search(f"{name} {schema.get('description', '')}"):
+            return True
+    return False
+
+
+def spoken_numbers(text: str) -> str:
+    """``text`` with each spoken number as digits: "five five five oh one" -> "55501",
+    "two thousand, twenty four" -> "2024", "seventy-two" -> "72", and a recognizer's
+    "55,500 one" (fifty-five thousand five hundred one) -> "55501". A run of number words
+    and digits is read left to right: a scale multiplies what is before it (or adds to
+    what it ends), a value fits into the zeros of what is before it when it can ("twenty"
+    "four"), else single digits follow one another ("five" "five"). "oh" counts only
+    after a digit; a comma splits two runs unless a scale word or "and" is beside it."""
+    out, at = [], 0
+    for start, end, value in _number_runs(text):
+        out += [text[at:start], str(value)]
+        at = end
+    return "".join([*out, text[at:]])
+
+
+def _number_runs(text: str) -> list[tuple[int, int, int]]:
+    """(start, end, value) of each spoken number in ``text`` that has a word in it or
+    thousands commas (plain digits are left as they are)."""
+    runs: list[tuple[int, int, int]] = []
+    tokens = list(_NUMBER_TOKEN.finditer(text))
+    i = 0
+    while i < len(tokens):
+        j = i
+        while j + 1 < len(tokens) and _joins(text, tokens[j], tokens[j + 1]):
+            j += 1
+        words = [t.group().lower() for t in tokens[i : j + 1]]
+        while words and words[0] == "oh":  # "oh" alone is a word, not a zero
+            words.pop(0)
+            i += 1
+        if words and not (len(words) == 1 and words[0].isdigit()):
+            value = _value(words)
+            if value is not None:
+                runs.append((tokens[i].start(), tokens[j].end(), value))
+        i = j + 1
+    return runs
+
+
+def _joins(text: str, left: re.Match[str], right: re.Match[str]) -> bool:
+    between = text[left.end() : right.start()]
+    if not _JOINER.fullmatch(between):
+        return False
+    if "," in between or "and" in between.lower():  # "two thousand, twenty four"
+        return left.group().lower() in _SCALES
+    return True
+
+
+def _value(words: list[str]) -> int | None:
+    """The number a run of number words and digits says (``spoken_numbers``), None when
+    its words do not make one."""
+    total, current, last = 0, None, ""
+    for word in words:
+        if word == "hundred":
+            current, last = (current or 1) * 100, "scale"
+            continue
+        if word in _SCALES:
+            total, current, last = total + (current or 1) * _SCALES[word], None, "scale"
+            continue
+        part, kind = _part(word)
+        if current is None:
+            current = part
+        elif last == "digit" and kind == "digit":
+            current = current * 10 + part  # "five" "five", "oh" "one"
+        elif (last == "tens" and kind == "digit" and part) or (last == "scale" and part < 100):
+            current += part  # "twenty" "four", "hundred" "ten"
+        elif last in ("tens", "teen") and kind in ("tens", "teen"):
+            current = current * 100 + part  # "twenty" "twenty", "nineteen" "eighty"
+        elif last == "digits" and 0 < part < 10 ** _zeros(current):
+            current += part  # a recognizer's "55,500" "one"
+        else:
+            return None
+        last = kind
+    return total + (current or 0)
+
+
+def _part(word: str) -> tuple[int, str]:
+    """A token's value and kind: digits, digit (0-9 said), teen (10-19) or tens."""
+    if word[0].isdigit():
+        return int(word.replace(",", "")), "digits"
+    if word == "oh":
+        return 0, "digit"
+    if word in _TENS:
+        return _TENS[word], "tens"
+    return _UNITS[word], "digit" if _UNITS[word] < 10 else "teen"
+
+
+def _zeros(value: int) -> int:
+    """How many zeros ``value`` ends in (0 for 0)."""
+    count = 0
+    while value and value % 10 == 0:
+        value //= 10
+        count += 1
+    return count
 
 
 def assistant_text(message: ChatMessage, said: str) -> str:

@@ -41,13 +41,47 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from omnifabric.worker.engines.reference.asr import is_silent
+from omnifabric.worker.engines.reference.asr import SAMPLE_RATE, is_silent
+from omnifabric.worker.engines.vad import UtteranceRules
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.reference.asr import Hypothesis, Transcriber
     from omnifabric.worker.engines.reference.moonshine import Moonshine
 
 _WORD = re.compile(r"[a-z0-9']+")
+#: Below this fraction of a clip's peak a sample counts as quiet (``with_margins``).
+QUIET = 0.02
+
+
+def with_margins(audio: np.ndarray, rules: UtteranceRules | None = None) -> np.ndarray:
+    """A whole clip with at least the quiet margins a duplex utterance has (the pre-roll
+    before its speech, the tail after: ``UtteranceRules``), silence added where it has
+    less. A client's input_audio item may be cut right at its speech; both recognizers
+    were trained on speech with some quiet around it, and Moonshine misreads a word that
+    begins the clip (the spoken function-calling evaluation's "Madrid", "the Ivy" heard
+    right only with margins)."""
+    rules = rules or UtteranceRules()
+    audio = np.asarray(audio, dtype=np.float32).reshape(-1)
+    if is_silent(audio):
+        return audio
+    loud = np.flatnonzero(np.abs(audio) > QUIET * float(np.abs(audio).max()))
+    lead = max(0, int(rules.pre_roll_s * SAMPLE_RATE) - int(loud[0]))
+    tail = max(0, int(rules.tail_s * SAMPLE_RATE) - (audio.size - 1 - int(loud[-1])))
+    if not lead and not tail:
+        return audio
+    return np.concatenate([np.zeros(lead, np.float32), audio, np.zeros(tail, np.float32)])
+
+
+def hear_item(
+    ears: Ears | Transcriber, audio: np.ndarray, context: str | None, closely: bool
+) -> tuple[str, float]:
+    """How the engine hears a request that came whole (an input_audio item, not streamed
+    units): with its margins (``with_margins``), the session's names as ``context``, and,
+    when ``closely`` (the turn may call functions), at the best decoding the models allow
+    (``hear_closely``). tools/eval_tools reports what its misses were heard as through
+    this same function."""
+    audio = with_margins(audio)
+    return (ears.hear_closely if closely else ears.hear)(audio, context)
 
 
 def _words(text: str) -> list[str]:
@@ -112,6 +146,53 @@ class Ears:
             return w.text, (w.mean + w_by_m / m_n) / 2
         self.picked["moonshine"] += 1
         return m.text, (m.mean + m_by_w / w_n) / 2
+
+    def _moonshine_closely(
+        self, audio: np.ndarray
+    ) -> tuple[torch.Tensor, Hypothesis, list[str], float]:
+        t0 = time.perf_counter()
+        enc = self.moonshine.encode(audio)
+        found = self.moonshine.hypothesis(enc)
+        others = self.moonshine.candidates(enc)
+        return enc, found, others, (time.perf_counter() - t0) * 1000.0
+
+    def hear_closely(self, audio: np.ndarray, context: str | None = None) -> tuple[str, float]:
+        """``hear`` at the best decoding the two models allow, for a whole clip whose words
+        matter more than its time (a request that arrives as one input_audio item): each
+        model's greedy transcript and its beam search's (``asr.BEAMS``) are all scored by
+        both models, and the likeliest by their summed log-probabilities is taken (the rule
+        ``hear`` applies to two). Costs ~2-3x ``hear``; the duplex turn's hearing does not
+        use it."""
+        audio = np.asarray(audio, dtype=np.float32).reshape(-1)
+        if is_silent(audio):
+            return "", float("-inf")
+        t0 = time.perf_counter()
+        moon = self._pool.submit(self._moonshine_closely, audio)
+        w_enc = self.whisper.encode(audio)
+        w = None if w_enc is None else self.whisper.hypothesis(w_enc, context)
+        if w_enc is None or w is None or not w.text:
+            moon.result()
+            return "", float("-inf") if w is None else w.mean  # Whisper: nothing was said
+        heard = [w.text, *self.whisper.candidates(w_enc, context)]
+        whisper_ms = (time.perf_counter() - t0) * 1000.0
+        m_enc, m, others, moonshine_ms = moon.result()
+        unique: dict[tuple[str, ...], str] = {}
+        for text in [*heard, m.text, *others]:
+            if _words(text):
+                unique.setdefault(tuple(_words(text)), text)
+        texts = list(unique.values())
+        t1 = time.perf_counter()
+        by_w = self.whisper.score_many(w_enc, texts, w.cross, context)
+        by_m = self.moonshine.score_many(m_enc, texts, m.cross)
+        best = max(range(len(texts)), key=lambda i: by_w[i][0] + by_m[i][0])
+        self.last_timings = {
+            "whisper": whisper_ms,
+            "moonshine": moonshine_ms,
+            "both": (t1 - t0) * 1000.0,
+            "scoring": (time.perf_counter() - t1) * 1000.0,
+        }
+        (w_total, w_n), (m_total, m_n) = by_w[best], by_m[best]
+        return texts[best], (w_total / w_n + m_total / m_n) / 2
 
     def transcribe(self, audio: np.ndarray, context: str | None = None) -> str:
         """``hear`` without the confidence."""

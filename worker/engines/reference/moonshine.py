@@ -41,7 +41,13 @@ from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.models.moonshine.configuration_moonshine import MoonshineConfig
 from transformers.models.moonshine.modeling_moonshine import MoonshineForConditionalGeneration
 
-from omnifabric.worker.engines.reference.asr import Hypothesis, summed_logprob, widen
+from omnifabric.worker.engines.reference.asr import (
+    BEAMS,
+    Hypothesis,
+    beam_search,
+    summed_logprob,
+    widen,
+)
 from omnifabric.worker.engines.reference.linears import use_onednn
 
 SAMPLE_RATE = 16000
@@ -472,6 +478,31 @@ class Moonshine:
                     break
         total = float(np.sum(logprobs)) if logprobs else float("-inf")
         return Hypothesis(self.text(out), total, len(logprobs), cache.cross_attention_cache)
+
+    def candidates(self, enc: torch.Tensor, beams: int = BEAMS) -> list[str]:
+        """The transcripts of ``encode``'s states a beam search of ``beams`` ends, likeliest
+        first (asr.beam_search, within ``hypothesis``'s token limit): other readings of the
+        same speech for a closer hearing to weigh."""
+        seconds = enc.shape[1] * ENCODER_STRIDE / SAMPLE_RATE
+        limit = int(seconds * TOKENS_PER_SECOND) + 4
+        with torch.inference_mode():
+            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+            first = self._logits([START], enc, cache)[-1].log_softmax(-1)
+            cross = cache.cross_attention_cache
+
+            def step(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+                cache.self_attention_cache.reorder_cache(rows.to(self.device))
+                cache.cross_attention_cache = widen(cross, len(rows))  # views, no copy
+                out = self.model.model.decoder(
+                    input_ids=tokens.to(self.device)[:, None],
+                    encoder_hidden_states=enc.expand(len(rows), -1, -1),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                return self.model.proj_out(out.last_hidden_state[:, -1]).float().log_softmax(-1)
+
+            found = beam_search(first, step, END, limit, beams)
+        return [text for text in (self.text(t) for t, _ in found) if text]
 
     def score(self, enc: torch.Tensor, text: str, cross: Cache | None = None) -> tuple[float, int]:
         """Summed log-probability of ``text``'s tokens and the end token given ``encode``'s
