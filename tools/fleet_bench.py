@@ -494,7 +494,7 @@ class Role:
         self._log.close()
 
 
-def _split(total: int, parts: int) -> list[int]:
+def split_evenly(total: int, parts: int) -> list[int]:
     """`total` in `parts` near-equal shares (none empty where total allows)."""
     parts = max(1, min(parts, total)) if total else 1
     return [total // parts + (1 if n < total % parts else 0) for n in range(parts)]
@@ -613,7 +613,7 @@ def _start_scheduler(args: argparse.Namespace, log_dir: Path) -> tuple[children.
 
 def _start_workers(plan: Plan, args: argparse.Namespace, address: str, log_dir: Path) -> list[Role]:
     roles, first = [], 0
-    for n, count in enumerate(_split(plan.level.workers, args.worker_procs)):
+    for n, count in enumerate(split_evenly(plan.level.workers, args.worker_procs)):
         argv = ["--role", "workers", "--scheduler", address, "--first", str(first)]
         argv += ["--count", str(count), "--slots", str(plan.level.slots)]
         roles.append(Role(f"workers{n}", argv, log_dir))
@@ -630,7 +630,7 @@ def _start_callers(
     and the seconds the slowest one's fill took."""
     roles = []
     procs = max(1, args.caller_procs)
-    for n, fill in enumerate(_split(plan.running, procs)):
+    for n, fill in enumerate(split_evenly(plan.running, procs)):
         argv = ["--role", "callers", "--scheduler", address, "--fill", str(fill)]
         argv += ["--rate", str(plan.rate / procs), "--seconds", str(args.seconds)]
         argv += ["--session-s", str(plan.session_s)]

@@ -38,7 +38,7 @@ from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 from omnifabric.tools import redis_local
-from omnifabric.tools.fleet_bench import FILL_CONCURRENCY, LoopProbe, Role, _split
+from omnifabric.tools.fleet_bench import FILL_CONCURRENCY, LoopProbe, Role, split_evenly
 from omnifabric.tools.perf.metrics import metric, scrape_metrics
 from omnifabric.tools.perf.procs import proc_sample
 
@@ -206,7 +206,7 @@ def _start_workers(args: argparse.Namespace, rig: Rig, log_dir: Path) -> None:
     """The simulated workers in `--worker-procs` processes (fleet-bench's workers role),
     each worker following whichever of the two schedulers leads."""
     first = 0
-    for n, count in enumerate(_split(args.workers, args.worker_procs)):
+    for n, count in enumerate(split_evenly(args.workers, args.worker_procs)):
         argv = ["--role", "workers", "--scheduler", ",".join(rig.addresses)]
         argv += ["--first", str(first), "--count", str(count), "--slots", str(args.slots)]
         rig.workers.append(Role(f"workers{n}", argv, log_dir))

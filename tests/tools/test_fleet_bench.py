@@ -33,8 +33,8 @@ def test_levels_percentiles_and_shares():
     assert fleet_bench.percentile([], 99) == 0.0
     assert fleet_bench.percentile([float(n) for n in range(1, 101)], 99) == 99.0
     assert fleet_bench.percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert fleet_bench._split(10, 3) == [4, 3, 3]
-    assert fleet_bench._split(1, 4) == [1]
+    assert fleet_bench.split_evenly(10, 3) == [4, 3, 3]
+    assert fleet_bench.split_evenly(1, 4) == [1]
 
 
 def test_a_plan_keeps_its_sessions_running():
