@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -432,11 +433,32 @@ async def run_callers(args: argparse.Namespace) -> None:
 # ---- the orchestrator -------------------------------------------------------------------
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit it)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task), cpus)
+
+
+def parse_cpus(text: str) -> set[int]:
+    """--scheduler-cpus: "0" or "0,1" (cores of this host); ValueError for others."""
+    cpus = {int(part) for part in text.split(",") if part.strip()}
+    host = os.sched_getaffinity(0)
+    if not cpus or not cpus < host:
+        raise ValueError(
+            f"--scheduler-cpus {text!r}: name some, not all, of this host's cores "
+            f"{sorted(host)} (the rest run the simulators)"
+        )
+    return cpus
+
+
 class Role:
     """A simulator process (this module with --role): commands on its stdin, "WORD {json}"
-    lines on its stdout, its stderr into a log."""
+    lines on its stdout, its stderr into a log; on `cpus` when given."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log_dir: Path, cpus: set[int] | None = None
+    ) -> None:
         self.name = name
         self._log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
@@ -445,6 +467,7 @@ class Role:
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )
         self._lines: Queue[str] = Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -608,7 +631,16 @@ def _start_scheduler(args: argparse.Namespace, log_dir: Path) -> tuple[children.
     log_path = log_dir / "scheduler.log"
     child = children.spawn("scheduler", "omnifabric.scheduler", flags, log_path, env=env)
     words = child.wait_ready(60).split()
+    if args.scheduler_cpus:
+        pin(child.proc.pid, args.scheduler_cpus)
     return child, words[0], words[1].removeprefix("metrics=")
+
+
+def simulator_cpus(args: argparse.Namespace) -> set[int] | None:
+    """The cores the simulators run on: those the scheduler was not given (None: any)."""
+    if not args.scheduler_cpus:
+        return None
+    return os.sched_getaffinity(0) - args.scheduler_cpus
 
 
 def _start_workers(plan: Plan, args: argparse.Namespace, address: str, log_dir: Path) -> list[Role]:
@@ -616,7 +648,7 @@ def _start_workers(plan: Plan, args: argparse.Namespace, address: str, log_dir: 
     for n, count in enumerate(split_evenly(plan.level.workers, args.worker_procs)):
         argv = ["--role", "workers", "--scheduler", address, "--first", str(first)]
         argv += ["--count", str(count), "--slots", str(plan.level.slots)]
-        roles.append(Role(f"workers{n}", argv, log_dir))
+        roles.append(Role(f"workers{n}", argv, log_dir, simulator_cpus(args)))
         first += count
     for role in roles:
         role.expect("ready", 120)
@@ -634,7 +666,7 @@ def _start_callers(
         argv = ["--role", "callers", "--scheduler", address, "--fill", str(fill)]
         argv += ["--rate", str(plan.rate / procs), "--seconds", str(args.seconds)]
         argv += ["--session-s", str(plan.session_s)]
-        roles.append(Role(f"callers{n}", argv, log_dir))
+        roles.append(Role(f"callers{n}", argv, log_dir, simulator_cpus(args)))
     fills = [role.expect("filled", 1800)["fill_s"] for role in roles]
     return roles, max(fills)
 
@@ -662,6 +694,7 @@ def run_level(plan: Plan, args: argparse.Namespace, log_dir: Path) -> dict[str, 
         sims = done + [role.expect("done", 60) for role in workers]
         figures = _figures(plan, before, after, done, sims, poller)
         figures.update(_fill_figures(plan, fill_s, empty, before), load_avg=load_avg)
+        figures.update(scheduler_cpus=sorted(args.scheduler_cpus or ()))
         figures["rss_peak_mib"] = vm_hwm_mib(pid)
         return figures
     finally:
@@ -809,6 +842,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="run the scheduler from this folder on PYTHONPATH (holding an `omnifabric` "
         "package: another checkout, for before/after figures)",
+    )
+    add(
+        "--scheduler-cpus",
+        type=parse_cpus,
+        default=None,
+        help="cores for the scheduler alone, e.g. 0 (the simulators get the rest): the "
+        "scheduler on one core of its own",
     )
     add("--json", type=Path, help="also write the figures here")
     add("--log-dir", type=Path, help="every process's log (default: a temporary folder)")

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -17,8 +20,12 @@ def test_a_tiny_fleet_runs_end_to_end(tmp_path, capsys):
     figures_path = tmp_path / "figures.json"
     args = ["--levels", "3x4", "--seconds", "3", "--session-s", "4", "--status-every", "1"]
     args += ["--worker-procs", "1", "--caller-procs", "1", "--log-dir", str(tmp_path)]
+    pinned = len(os.sched_getaffinity(0)) >= 2
+    if pinned:  # the scheduler on a core of its own, the simulators on the rest
+        args += ["--scheduler-cpus", str(min(os.sched_getaffinity(0)))]
     assert fleet_bench.main([*args, "--json", str(figures_path)]) == 0
     [row] = json.loads(figures_path.read_text())
+    assert row["scheduler_cpus"] == ([min(os.sched_getaffinity(0))] if pinned else [])
     print(fleet_bench.markdown([row]))
     assert row["level"] == "3x4" and row["running"] == 11
     assert row["arrivals"] > 0 and row["failed"] == 0
@@ -57,3 +64,28 @@ def test_the_loop_lag_quantile_reads_the_histogram_between_two_scrapes():
     assert fleet_bench.lag_quantile(before, after, 0.5) == 0.001
     assert fleet_bench.lag_quantile(before, after, 0.99) == 0.01
     assert fleet_bench.lag_quantile(before, after, 1.0) == 0.1
+
+
+def test_scheduler_cpus_name_some_cores_and_pin_every_thread():
+    host = sorted(os.sched_getaffinity(0))
+    for bad in (",".join(map(str, host)), "999", ""):
+        with pytest.raises(ValueError, match="some, not all"):
+            fleet_bench.parse_cpus(bad)
+    if len(host) < 2:
+        pytest.skip("one core: nothing to pin apart")
+    assert fleet_bench.parse_cpus(str(host[0])) == {host[0]}
+    code = (
+        "import threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "print(1, flush=True); time.sleep(30)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "1"
+        fleet_bench.pin(child.pid, {host[0]})
+        tasks = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tasks) >= 4
+        assert all(os.sched_getaffinity(int(t)) == {host[0]} for t in tasks)
+    finally:
+        child.kill()
+        child.wait()
