@@ -13,12 +13,15 @@ gives (token for token; see docs/design/minicpmo-batched-step.md, "the design do
   session's swapped state: `_audio_embeddings`, one place to put a batched encoder);
 - vision: every frame of the step in one `get_vision_embedding` call, split back by session;
 - one LLM forward for the prefill of all rows: each row's deferred `[terminator, </unit>]` of
-  its previous unit, `<unit>`, its vision ops, its audio embeddings (and `<|turn_eos|>` when a
+  its previous unit, the outputs of its function calls if they came (calls.CallWatch, as the
+  serial path feeds them), `<unit>`, its vision ops, its audio embeddings (and `<|turn_eos|>` when a
   forced listen closes an open turn), ragged, the row's pending logits from its last real
   prefill position;
 - the decode loop over the rows still speaking, one forward per step for all of them, every
   per-row rule of the public decoder (decode.py), one host sync per step;
-- TTS over the speakers and the vocoder per speaker (tts.py).
+- TTS over the speakers and the vocoder per speaker (tts.py); a session offered functions
+  speaks only what comes before a call (its duplex's TTS condition is cut there; a unit
+  inside a call has no speech), and its results carry the calls (MiniCPMOSession.watched).
 
 The per-session bookkeeping the public code keeps (total ids, turn flags, generate count,
 decoder history, pending finalize, TTS cache position...) is kept on each session's own
