@@ -40,7 +40,7 @@ import numpy as np
 
 from omnifabric.tools.eval_outcome import save_run
 
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "name": "get_weather",

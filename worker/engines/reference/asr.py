@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, cast
 
 import numpy as np
 import torch
@@ -789,7 +789,9 @@ class Transcriber:
             cross = cache.cross_attention_cache
 
             def step(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-                cache.self_attention_cache.reorder_cache(rows.to(self.device))
+                cache.self_attention_cache.reorder_cache(
+                    cast(torch.LongTensor, rows.to(self.device))
+                )
                 cache.cross_attention_cache = widen(cross, len(rows))  # views, no copy
                 out = self.decoder(
                     input_ids=tokens.to(self.device)[:, None],

@@ -33,7 +33,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -491,7 +491,9 @@ class Moonshine:
             cross = cache.cross_attention_cache
 
             def step(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-                cache.self_attention_cache.reorder_cache(rows.to(self.device))
+                cache.self_attention_cache.reorder_cache(
+                    cast(torch.LongTensor, rows.to(self.device))
+                )
                 cache.cross_attention_cache = widen(cross, len(rows))  # views, no copy
                 out = self.model.model.decoder(
                     input_ids=tokens.to(self.device)[:, None],
