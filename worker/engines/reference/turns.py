@@ -37,12 +37,15 @@ class TurnRules(UtteranceRules):
     start the reply sooner, but the next unit's audio must come before it has played
     (measured by `omnifabric eval`, 48 replies: 16 -> first audio p50 1.60 s, no gaps;
     12 -> 1.53 s, no gaps; 10 -> 1.50 s, 12 replies with gaps of 0.19 s on average)."""
-    tokens_per_request: int = 4
+    tokens_per_request: int = 1
     """Reply tokens the model chooses in one llama.cpp request while it speaks (after the
     first piece, whose tokens are chosen one by one so it goes out as soon as it is made;
-    at most ``llm_gguf.PENALTY_REACH + 1``): a session speaking beside another shares
-    llama.cpp's batches with it instead of taking turns. Tokens chosen beyond the reply's
-    end are dropped with it."""
+    at most ``llm_gguf.PENALTY_REACH + 1``; chosen beyond the reply's end, dropped with
+    it): more than one lets a session speaking beside another share llama.cpp's batches
+    instead of taking turns. One, since on the 2-core host that gained nothing: decoding
+    is bound by the cores, and two conversations of 24 tokens each decoding at once did
+    0.86 times one's work asking 1 token a request, 0.88 asking 4 (docs/performance.md,
+    "Two callers on two cores")."""
     max_tokens_per_unit: int = 16
     """LLM tokens generated at most per speaking unit."""
     max_reply_tokens: int = 80
