@@ -21,9 +21,21 @@ from pathlib import Path
 import pytest
 
 from omnifabric.tools import minicpmo_tiny
+from omnifabric.worker.engine import ToolSpec
 from omnifabric.worker.engines.minicpmo import layouts
 from tests.conftest import scaled
 from tests.stack import read_until_line, start_serve, stop_serve
+
+#: The function the tool tests offer (chat and duplex alike).
+WEATHER = ToolSpec(
+    "get_weather",
+    "Get the current weather in a city.",
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+)
 
 CODE_DIRS = [Path(p) for p in os.environ.get("OMNI_MINICPMO_CODE_DIR", "").split(os.pathsep) if p]
 SDK = os.environ.get("OMNI_MINICPMO_SDK") or None

@@ -21,23 +21,14 @@ import pytest
 import torch
 
 from omnifabric.common.tools import NONE
-from omnifabric.worker.engine import DuplexSettings, GenerateResult, StepRow, ToolChoice, ToolSpec
+from omnifabric.worker.engine import DuplexSettings, GenerateResult, StepRow, ToolChoice
 from omnifabric.worker.engines import tool_text
 from omnifabric.worker.engines.minicpmo import decode as decode_module
 from omnifabric.worker.engines.minicpmo.calls import CALL_OPEN, tools_text
-from tests.worker.minicpmo.conftest import LAYOUTS, ON, needs_code
+from tests.worker.minicpmo.conftest import LAYOUTS, ON, WEATHER, needs_code
 
 pytestmark = [needs_code, pytest.mark.timeout(900)]
 
-WEATHER = ToolSpec(
-    "get_weather",
-    "Get the current weather in a city.",
-    {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-)
 PROMPT = "Be brief."
 OUTPUT = "18 C"
 #: A unit the model listens in.

@@ -14,21 +14,12 @@ from collections.abc import Iterator
 import pytest
 
 from omnifabric.common.tools import FUNCTION, NONE, argument_errors
-from omnifabric.worker.engine import ChatMessage, ChatTurn, ToolCall, ToolChoice, ToolSpec
+from omnifabric.worker.engine import ChatMessage, ChatTurn, ToolCall, ToolChoice
 from omnifabric.worker.engines.reference import functions
-from tests.worker.minicpmo.conftest import needs_code
+from tests.worker.minicpmo.conftest import WEATHER, needs_code
 
 pytestmark = needs_code
 
-WEATHER = ToolSpec(
-    "get_weather",
-    "Get the current weather in a city.",
-    {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-)
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 #: What the scripts make the model say has no newline: the duplex layout's chat path
 #: forbids newline tokens (the tokenizer's bad_token_ids), so the model writes calls without.
