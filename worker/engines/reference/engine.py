@@ -806,7 +806,8 @@ class ReferenceSession(EngineSession):
                 self._cut_reply(cut_at_limit(reply))
                 break
             before = conversation.context_tokens
-            delta, finished = conversation.next_tokens(1, look_ahead=look_ahead)
+            ahead = rules.tokens_per_request if look_ahead else 1
+            delta, finished = conversation.next_tokens(1, look_ahead=look_ahead, ahead=ahead)
             step = conversation.context_tokens - before
             used += step
             self.reply_tokens += step
@@ -1095,6 +1096,13 @@ def _enum_values(schema: object) -> list[str]:
     return []
 
 
+def _timed(work: Callable[[], None]) -> float:
+    """Seconds ``work`` took."""
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
 def _averaged(old: float | None, new: float, weight: float) -> float:
     """An exponential moving average: ``new`` alone when there is nothing yet."""
     return new if old is None else (1 - weight) * old + weight * new
@@ -1343,7 +1351,7 @@ class ReferenceEngine(Engine):
                 if produced >= turn.max_new_tokens:
                     finished = cut = True
                     break
-                delta, finished = conversation.next_tokens(1)
+                delta, finished = conversation.next_tokens(1, ahead=self.rules.tokens_per_request)
                 produced += 1
                 pending += delta
             _, rest = split_for_speech(pending, self.rules.piece_chars) if pending else ("", "")
@@ -1507,9 +1515,16 @@ class ReferenceEngine(Engine):
 
     def _measure_parallel(self, turn: ChatTurn, heard: np.ndarray, alone_s: float) -> int:
         """Units the engine computes at once at full speed: `concurrency` copies of the
-        warm-up's reply and hearing, run together, against one alone (`alone_s`). Each part
-        runs several threads of its own (llama.cpp, the recognizers), so on a host of few
-        cores two engine threads may give little more than one."""
+        warm-up's reply and hearing, run together, against one alone. Each part runs several
+        threads of its own (llama.cpp, the recognizers), so on a host of few cores two
+        engine threads may give little more than one.
+
+        One alone is the quickest of `alone_s` (the warm-up's first reply) and a run just
+        before and just after the copies: the first reply alone may be slowed by what it
+        is the first to touch, or by other work on the host, and a slow "alone" against a
+        quick "together" counted a thread that was not there (2026-11-27, load 4-7 from
+        other processes: 16.11 s alone, cold, against 5.59 s for two warm copies gave 5.76
+        times one's work and 2 threads counted; the host's two cores did ~1.0 time)."""
         threads = self.concurrency
         if threads <= 1 or alone_s <= 0:
             return 1
@@ -1519,11 +1534,13 @@ class ReferenceEngine(Engine):
                 pass
             self.asr.hear(heard)
 
+        before = _timed(one)
         started = time.perf_counter()
         with ThreadPoolExecutor(threads, thread_name_prefix="warmup") as pool:
             for done in [pool.submit(one) for _ in range(threads)]:
                 done.result()
         together_s = time.perf_counter() - started
+        alone_s = min(alone_s, before, _timed(one))
         gain = threads * alone_s / together_s
         units = max(1, min(threads, 1 + math.floor((gain - 1) / self.PARALLEL_GAIN + 1e-9)))
         log.info(
