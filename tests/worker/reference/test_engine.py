@@ -278,6 +278,21 @@ def test_hearing_names_are_the_prompts_names_and_the_functions_enums():
     assert hearing_names("You are a helpful assistant.") == ""
 
 
+def test_hearing_names_include_those_the_functions_describe():
+    book = ToolSpec(
+        "book",
+        "Book a table at one of our places in Rome.",
+        {
+            "type": "object",
+            "properties": {
+                "place": {"type": "string", "description": "The restaurant, e.g. Nobu or Sakura."},
+                "people": {"type": "integer", "description": "How many people."},
+            },
+        },
+    )
+    assert hearing_names("", (book,)) == "Rome, Nobu, Sakura"
+
+
 def test_force_listen_closes_the_turn(engine):
     steps = drive(engine, "question", force_listen_at=frozenset({7}))
     assert timeline(steps) == "L L L L L S L* L L L L L L L L"
