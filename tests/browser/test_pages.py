@@ -20,7 +20,8 @@ from tests.conftest import scaled
 from tests.stack import Stack
 
 # Reference worker start-up is part of the first test's time.
-pytestmark = pytest.mark.timeout(scaled(180))
+# CI's long group: a browser driving each page through a full stack, ~70 s in all.
+pytestmark = [pytest.mark.timeout(scaled(180)), pytest.mark.ci_long]
 
 
 def assert_clean(bp) -> None:

@@ -19,6 +19,10 @@ from omnifabric.edge.recording import float32_wav, prune, read_float32_wav
 from tests.conftest import ROOT, scaled
 from tests.stack import Stack
 
+# CI's long group: a reference worker of its own (--turn-work finalize) and sessions on the
+# real models, ~30 s in all.
+pytestmark = pytest.mark.ci_long
+
 FIXTURE = ROOT / "tests" / "fixtures" / "speech" / "question.wav"
 
 
@@ -92,7 +96,6 @@ async def test_no_record_dir_writes_nothing(tmp_path):
     assert "recording" not in s.edge.log().lower()
 
 
-@pytest.mark.ci_long  # a recorded session replayed on the real models: ~10 s
 def test_record_then_replay(stack, record_dir, tmp_path):
     probe = _cli(
         *("probe", "--url", stack.url, "--mode", "audio", "--input", str(FIXTURE)),
