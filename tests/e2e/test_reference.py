@@ -130,6 +130,7 @@ async def test_chat_text_and_spoken_turns(stack):
     await client.until("session.closed")
 
 
+@pytest.mark.ci_long  # a benchmark tool's own run, end to end (tests/conftest.py)
 def test_eval_asks_a_spoken_question_and_scores_the_answer(stack, tmp_path):
     """`omnifabric eval` against the stack: one question in Piper's voice, scored right."""
     run = subprocess.run(

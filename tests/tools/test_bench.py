@@ -183,6 +183,7 @@ def test_against_a_running_edge(tmp_path):
     assert not (tmp_path / "out" / "logs" / "scheduler.log").exists()
 
 
+@pytest.mark.ci_long  # a benchmark tool's own run, end to end (tests/conftest.py)
 def test_several_edge_processes_measured_as_one_edge(tmp_path):
     out = tmp_path / "bench"
     result = run_bench(

@@ -3,6 +3,8 @@ silence after their input until then)."""
 
 from __future__ import annotations
 
+import pytest
+
 from omnifabric.tools.client import SessionReport, UnitRecord
 
 
@@ -38,6 +40,7 @@ def test_no_speech_is_no_reply():
     assert not report().reply_done(0)
 
 
+@pytest.mark.ci_long  # a benchmark tool's own run, end to end (tests/conftest.py)
 def test_waits_for_the_engine_are_engine_time_not_overhead(tmp_path):
     """A unit that waits in the worker for the session's earlier unit, for its compute
     (engine_busy_ms) or for its deferred finalize (finalize_wait_ms: the next second of

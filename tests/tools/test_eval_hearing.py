@@ -79,6 +79,7 @@ def test_table_has_a_row_per_voice_kind():
     assert "| all | 2 |" in text
 
 
+@pytest.mark.ci_long  # a benchmark tool's own run, end to end (tests/conftest.py)
 def test_the_tool_hears_with_the_engines_recognizers(tmp_path, capsys):
     from omnifabric.worker.engines.reference import moonshine
     from omnifabric.worker.engines.reference.asr import model_installed

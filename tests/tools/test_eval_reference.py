@@ -124,6 +124,7 @@ def test_openai_url_names_a_model():
     assert openai_url("ws://h:1/v1/realtime?model=m") == "ws://h:1/v1/realtime?model=m"
 
 
+@pytest.mark.ci_long  # a benchmark tool's own run, end to end (tests/conftest.py)
 def test_the_openai_dialect_asks_and_scores_like_the_current_one(tmp_path):
     """`ask(..., dialect="openai")` against a synthetic stack: the question streamed as
     24 kHz PCM16 in real time with server VAD, the reply (the synthetic engine's tone and

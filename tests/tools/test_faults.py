@@ -43,6 +43,7 @@ async def seconds_until(predicate, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.ci_long  # a benchmark tool's own run, end to end (tests/conftest.py)
 async def test_worker_through_proxy_cut_blackhole_restore(stack):
     """A worker registered THROUGH the proxy: cut() -> the scheduler drops it at once
     (reset stream); restore() -> it registers again by itself; blackhole() -> dropped by

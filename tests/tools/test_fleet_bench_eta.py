@@ -31,6 +31,7 @@ def test_eta_figures_size_and_sign():
     }
 
 
+@pytest.mark.ci_long  # a benchmark tool's own run, end to end (tests/conftest.py)
 def test_an_overloaded_tiny_fleet_queues_its_callers(tmp_path):
     figures_path = tmp_path / "figures.json"
     args = ["--levels", "2x2", "--seconds", "4", "--session-s", "1", "--load", "1"]

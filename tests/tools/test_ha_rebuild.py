@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.ci_long  # a benchmark tool's own run, end to end (tests/conftest.py)
 @pytest.mark.parametrize("signal", ["kill", "term"])
 def test_small_rebuild_keeps_the_order(signal, tmp_path, capsys):
     args = ["--workers", "3", "--slots", "2", "--callers", "12", "--signal", signal]

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.ci_long  # a benchmark tool's own run, end to end (tests/conftest.py)
 def test_reporting_workers_follow_the_leader(tmp_path, capsys):
     args = ["--workers", "4", "--slots", "3", "--callers", "5", "--worker-procs", "2"]
     assert ha_rebuild.main([*args, "--log-dir", str(tmp_path)]) == 0

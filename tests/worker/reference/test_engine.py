@@ -209,6 +209,10 @@ def test_a_turn_ended_by_its_next_unit_is_answered_on_a_guess(engine):
     assert plain_first.result.reply_start_ms["asr"] == 0 < plain_first.result.reply_start_ms["llm"]
     assert "".join(s.result.text for s in guessed) == "".join(s.result.text for s in plain)
     assert np.array_equal(spoken(guessed), spoken(plain))
+
+
+@pytest.mark.ci_long  # four more drives of the question: ~10 s (tests/conftest.py)
+def test_a_guess_speaks_a_unit_sooner_where_the_turns_work_waits_for_finalize(engine):
     # Where the turn's work waits for finalize, the guess speaks a whole unit sooner.
     with rules(engine, turn_work="finalize"):
         soon = drive(engine, "question")
