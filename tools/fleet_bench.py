@@ -22,6 +22,13 @@ reports handled per second, the scheduler's CPU (share of one core) and RSS from
 /proc/<pid>, its event-loop lag (its own probe, scheduler.liveness, from /metrics), the
 workers it declared lost and leases lost, GetStatus's time and size, and the simulators'
 own loop lag (large: the simulator, not the scheduler, was behind).
+
+The probe (`--probe-rate`, 10 a second by default) is one more edge process beside the
+callers, with short sessions of its own: its loop is idle, and the other simulators run at
+a lower priority (niceness SIMULATOR_NICE) on the cores it shares with them, so its Acquire
+p50/p99 is what a caller sees of the scheduler when the callers' processes are not the
+ones behind: on a host with too few cores for the fleet the callers play (their loop lag
+says so), the callers' own figures measure them, the probe's the scheduler.
 """
 
 from __future__ import annotations
@@ -69,6 +76,11 @@ REGISTER_BACKOFF_S = 0.2
 PROBE_S = 0.05
 #: After the last arrival, the longest wait for the steady phase's last grants, seconds.
 SETTLE_S = 10.0
+#: The probe's sessions: mean length, seconds (short, so that they add next to no load).
+PROBE_SESSION_S = 1.0
+#: The niceness of the other simulators while a probe runs beside them: the probe, asleep
+#: between its few Acquires, wakes ahead of them on the cores they share.
+SIMULATOR_NICE = 10
 
 
 @dataclass(frozen=True)
@@ -454,20 +466,32 @@ def parse_cpus(text: str) -> set[int]:
 
 class Role:
     """A simulator process (this module with --role): commands on its stdin, "WORD {json}"
-    lines on its stdout, its stderr into a log; on `cpus` when given."""
+    lines on its stdout, its stderr into a log; on `cpus` when given, at niceness `nice`."""
 
     def __init__(
-        self, name: str, argv: list[str], log_dir: Path, cpus: set[int] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        log_dir: Path,
+        cpus: set[int] | None = None,
+        nice: int = 0,
     ) -> None:
         self.name = name
         self._log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
+
+        def place() -> None:
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+            if nice:
+                os.nice(nice)
+
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omnifabric.tools.fleet_bench", *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+            preexec_fn=place,
         )
         self._lines: Queue[str] = Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -643,12 +667,17 @@ def simulator_cpus(args: argparse.Namespace) -> set[int] | None:
     return os.sched_getaffinity(0) - args.scheduler_cpus
 
 
+def simulator_nice(args: argparse.Namespace) -> int:
+    """The niceness of the workers' and callers' processes: raised while a probe runs."""
+    return SIMULATOR_NICE if args.probe_rate > 0 else 0
+
+
 def _start_workers(plan: Plan, args: argparse.Namespace, address: str, log_dir: Path) -> list[Role]:
     roles, first = [], 0
     for n, count in enumerate(split_evenly(plan.level.workers, args.worker_procs)):
         argv = ["--role", "workers", "--scheduler", address, "--first", str(first)]
         argv += ["--count", str(count), "--slots", str(plan.level.slots)]
-        roles.append(Role(f"workers{n}", argv, log_dir, simulator_cpus(args)))
+        roles.append(Role(f"workers{n}", argv, log_dir, simulator_cpus(args), simulator_nice(args)))
         first += count
     for role in roles:
         role.expect("ready", 120)
@@ -666,9 +695,25 @@ def _start_callers(
         argv = ["--role", "callers", "--scheduler", address, "--fill", str(fill)]
         argv += ["--rate", str(plan.rate / procs), "--seconds", str(args.seconds)]
         argv += ["--session-s", str(plan.session_s)]
-        roles.append(Role(f"callers{n}", argv, log_dir, simulator_cpus(args)))
+        roles.append(Role(f"callers{n}", argv, log_dir, simulator_cpus(args), simulator_nice(args)))
     fills = [role.expect("filled", 1800)["fill_s"] for role in roles]
     return roles, max(fills)
+
+
+def _start_probe(args: argparse.Namespace, address: str, log_dir: Path) -> list[Role]:
+    """The probe (none with --probe-rate 0): one more edge, with no sessions of its own at
+    the start, that asks `--probe-rate` short sessions a second and times their Acquires
+    with an idle event loop, at the normal niceness where the other simulators run at
+    SIMULATOR_NICE: the latency a caller sees when the callers' own processes are not the
+    ones behind (they are on a host with too few cores for the fleet they play)."""
+    if args.probe_rate <= 0:
+        return []
+    argv = ["--role", "callers", "--scheduler", address, "--fill", "0"]
+    argv += ["--rate", str(args.probe_rate), "--seconds", str(args.seconds)]
+    argv += ["--session-s", str(PROBE_SESSION_S)]
+    role = Role("probe", argv, log_dir, simulator_cpus(args))
+    role.expect("filled", 60)
+    return [role]
 
 
 def run_level(plan: Plan, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
@@ -682,6 +727,8 @@ def run_level(plan: Plan, args: argparse.Namespace, log_dir: Path) -> dict[str, 
         workers = _start_workers(plan, args, address, log_dir)
         empty = Snapshot.take(pid, metrics_address)
         callers, fill_s = _start_callers(plan, args, address, log_dir)
+        probes = _start_probe(args, address, log_dir)
+        callers += probes
         before = Snapshot.take(pid, metrics_address)
         poller = StatusPoller(address, args.status_every)
         for role in callers:
@@ -692,7 +739,9 @@ def run_level(plan: Plan, args: argparse.Namespace, log_dir: Path) -> dict[str, 
         for role in callers + workers:
             role.send("stop")
         sims = done + [role.expect("done", 60) for role in workers]
-        figures = _figures(plan, before, after, done, sims, poller)
+        edges, probed = done[: len(done) - len(probes)], done[len(done) - len(probes) :]
+        figures = _figures(plan, before, after, edges, sims, poller)
+        figures.update(_probe_figures(probed))
         figures.update(_fill_figures(plan, fill_s, empty, before), load_avg=load_avg)
         figures.update(scheduler_cpus=sorted(args.scheduler_cpus or ()))
         figures["rss_peak_mib"] = vm_hwm_mib(pid)
@@ -763,6 +812,25 @@ def _figures(
     }
 
 
+def _probe_figures(probed: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The probe's Acquire latency p50/p99, its own loop lag and its failed Acquires (None
+    and 0 without a probe)."""
+    if not probed:
+        return {
+            "probe_p50_ms": None,
+            "probe_p99_ms": None,
+            "probe_lag_max_ms": None,
+            "probe_failed": 0,
+        }
+    [probe] = probed
+    return {
+        "probe_p50_ms": percentile(probe["latencies"], 50) * 1000,
+        "probe_p99_ms": percentile(probe["latencies"], 99) * 1000,
+        "probe_lag_max_ms": probe["lag_max_ms"],
+        "probe_failed": probe["failed"],
+    }
+
+
 def _eta_figures(errors: list[float]) -> dict[str, float]:
     """The queue's estimate against the waits that followed it: median and p90 of the
     error's size, and its mean sign (> 0: waits were shorter than estimated), seconds."""
@@ -786,6 +854,8 @@ COLUMNS = (
     ("fill_cpu_pct", "fill CPU %", "{:.0f}"),
     ("acquire_p50_ms", "Acquire p50 ms", "{:.1f}"),
     ("acquire_p99_ms", "p99 ms", "{:.1f}"),
+    ("probe_p50_ms", "probe p50 ms", "{:.1f}"),
+    ("probe_p99_ms", "probe p99 ms", "{:.1f}"),
     ("queued", "queued", "{}"),
     ("eta_error_median_s", "ETA err p50 s", "{:.1f}"),
     ("eta_error_p90_s", "ETA err p90 s", "{:.1f}"),
@@ -812,7 +882,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "|" + "---|" * len(COLUMNS),
     ]
     for row in rows:
-        lines.append("| " + " | ".join(fmt.format(row[key]) for key, _, fmt in COLUMNS) + " |")
+        cells = ("-" if row.get(key) is None else fmt.format(row[key]) for key, _, fmt in COLUMNS)
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -836,6 +907,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--worker-procs", type=int, default=2, help="processes for the simulated workers")
     add("--caller-procs", type=int, default=2, help="processes for the callers (edges)")
     add("--status-every", type=float, default=2.0, help="GetStatus period, s (0: none)")
+    add(
+        "--probe-rate",
+        type=float,
+        default=10.0,
+        help="the probe's short sessions a second (0: no probe): one more edge that times "
+        "its Acquires with an idle event loop, ahead of the other simulators on their cores",
+    )
     add("--log-level", default="INFO", help="the scheduler's log level")
     add(
         "--scheduler-from",
@@ -899,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    lost = sum(r["workers_lost"] + r["leases_lost"] + r["failed"] for r in rows)
+    lost = sum(r["workers_lost"] + r["leases_lost"] + r["failed"] + r["probe_failed"] for r in rows)
     return 0 if lost == 0 else 1
 
 

@@ -16,6 +16,7 @@ from omnifabric.tools import fleet_bench
 from omnifabric.tools.fleet_bench import Level, Plan, Snapshot
 
 
+@pytest.mark.ci_long  # a benchmark tool's own run, end to end (tests/conftest.py)
 def test_a_tiny_fleet_runs_end_to_end(tmp_path, capsys):
     figures_path = tmp_path / "figures.json"
     args = ["--levels", "3x4", "--seconds", "3", "--session-s", "4", "--status-every", "1"]
@@ -32,7 +33,22 @@ def test_a_tiny_fleet_runs_end_to_end(tmp_path, capsys):
     assert row["workers_lost"] == row["leases_lost"] == 0
     assert 1.0 <= row["reports_per_s"] <= 6.0  # three workers, one report a second each
     assert row["cpu_pct"] > 0 and row["rss_mib"] > 0 and row["status_kib"] > 0
+    # The probe (10 short sessions a second by default) timed its own Acquires.
+    assert row["probe_failed"] == 0 and 0 < row["probe_p50_ms"] <= row["probe_p99_ms"]
+    assert (tmp_path / "3x4" / "probe.log").exists()
     assert "| 3x4 | 11 |" in capsys.readouterr().out
+
+
+def test_without_a_probe_its_columns_say_so_and_the_simulators_keep_their_priority():
+    args = argparse.Namespace(probe_rate=0.0)
+    assert fleet_bench.simulator_nice(args) == 0
+    assert fleet_bench.simulator_nice(argparse.Namespace(probe_rate=5.0)) > 0
+    row = {key: 1.0 for key, _, _ in fleet_bench.COLUMNS}
+    row.update(level="1x1", running=1, **fleet_bench._probe_figures([]))
+    cells = fleet_bench.markdown([row]).splitlines()[-1].split(" | ")
+    titles = [title for _, title, _ in fleet_bench.COLUMNS]
+    assert cells[titles.index("probe p99 ms")] == "-"
+    assert cells[titles.index("p99 ms")] == "1.0"
 
 
 def test_levels_percentiles_and_shares():
