@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -98,6 +98,19 @@ class Worker:
     """None: the worker declared none (older workers)."""
     lease_modes: tuple[str, ...] = ()
     """The mode of each of `lease_ids` ("unspecified": not known)."""
+    leases_by_mode: Mapping[str, int] = field(default_factory=dict)
+    """How many leases it holds of each mode, whole where the status's bound left
+    `lease_ids` out (empty from an older scheduler)."""
+
+    @property
+    def lease_count(self) -> int:
+        """The leases it holds (from their counts; an older scheduler's: the list)."""
+        return sum(self.leases_by_mode.values()) or len(self.lease_ids)
+
+    @property
+    def modes_held(self) -> set[str]:
+        """The modes of the sessions it serves ("unspecified": some not known)."""
+        return set(self.leases_by_mode) | set(self.lease_modes)
 
 
 @dataclass(frozen=True)
@@ -217,6 +230,7 @@ def worker_from(w: scheduler_pb.WorkerStatus) -> Worker:
         headroom=headroom_from(w.headroom) if w.HasField("headroom") else None,
         limits=limits_from(w.limits) if w.HasField("limits") else None,
         lease_modes=tuple(modes.label(m) for m in w.lease_modes),
+        leases_by_mode=dict(w.leases_by_mode),
     )
 
 

@@ -64,7 +64,7 @@ def reference_workers(snap: sc.Snapshot) -> list[dict[str, Any]]:
     for w in snap.workers:
         host, _, port = w.address.rpartition(":")
         leases = running.get(w.worker_id, [])
-        names = set(w.lease_modes) - {"unspecified"}
+        names = w.modes_held - {"unspecified"}
         if w.health != sc.SERVING:
             status = "loading"
         elif names - {"chat"}:
@@ -90,7 +90,7 @@ def reference_workers(snap: sc.Snapshot) -> list[dict[str, Any]]:
                 "task_started_at": (
                     queue_api.started_at(first.elapsed_s) if first is not None else None
                 ),
-                "sessions": len(w.lease_ids),
+                "sessions": w.lease_count,
                 "slots": w.slots,
             }
         )
@@ -160,7 +160,7 @@ def worker_entry(w: sc.Worker) -> dict[str, Any]:
         "modes": list(w.modes),
         "health": w.health,
         "detail": w.detail,
-        "leases": len(w.lease_ids),
+        "leases": w.lease_count,
     }
     if w.memory is not None:
         worker["memory"] = _memory(w.memory)

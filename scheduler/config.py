@@ -119,13 +119,14 @@ class SchedulerConfig(FabricTls):
         env="OMNI_SCHEDULER_STATUS_ENTRIES",
         flag="--status-entries",
         range=(1, 1_000_000),
-        help="GetStatus: queue entries and running leases listed at most, each, unless "
-        "the request asks another bound",
+        help="GetStatus: queue entries, running leases and workers' lease ids listed at "
+        "most, each, unless the request asks another bound",
     )
-    """GetStatus lists at most this many waiting requests and running leases each (the
-    first in line, the longest-running), unless the request names its own bound: a fleet
-    of 57,600 sessions made a 6.6 MB reply that took the scheduler ~1 s, and past ~70,000
-    the reply outgrows --max-message-bytes. The counts always cover the whole fleet."""
+    """GetStatus lists at most this many waiting requests, running leases and workers' lease
+    ids each (the first in line, the longest-running, whole workers' lists in worker order),
+    unless the request names its own bound: a fleet of 57,600 sessions made a 6.6 MB reply
+    that took the scheduler ~1 s, and past ~70,000 the reply outgrows --max-message-bytes.
+    The counts (workers' leases by mode included) always cover the whole fleet."""
 
     max_message_bytes: int = setting(
         8 * 1024 * 1024,

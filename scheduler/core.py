@@ -10,8 +10,10 @@ import asyncio
 import hmac
 import itertools
 import logging
+import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from omnifabric.scheduler.config import SchedulerConfig
@@ -159,6 +161,9 @@ class WorkerSnapshot:
     """The modes it would take one more session of now."""
     lease_modes: tuple[Mode | None, ...] = ()
     """The mode of each of `lease_ids` (None: not known)."""
+    leases_by_mode: Mapping[Mode | None, int] = field(default_factory=dict)
+    """How many leases it holds of each mode (None: not known), whole where `lease_ids`
+    was cut by the status's bound."""
 
 
 @dataclass(frozen=True)
@@ -782,32 +787,47 @@ class Scheduler:
             waited_s=now - ticket.enqueued_at,
         )
 
+    def _worker_snapshot(self, w: Worker, listed: bool) -> WorkerSnapshot:
+        """One worker as the status shows it; its lease ids (and their modes) only when
+        `listed`, their counts by mode always."""
+        ids = tuple(sorted(w.lease_slots, key=w.lease_slots.__getitem__)) if listed else ()
+        return WorkerSnapshot(
+            worker_id=w.worker_id,
+            address=w.address,
+            engine=w.engine,
+            slots=w.slots,
+            slots_free=w.slots_free,
+            modes=tuple(m for m in Mode if m in w.modes),
+            health=w.health,
+            detail=w.detail,
+            lease_ids=ids,
+            lease_modes=tuple(w.lease_modes.get(lease_id) for lease_id in ids),
+            leases_by_mode=Counter(w.lease_modes.get(lease_id) for lease_id in w.lease_slots),
+            memory=w.memory,
+            limits=w.limits,
+            headroom=w.headroom,
+            admits=tuple(
+                m for m in Mode if m in w.modes and w.can_take(m, self.config.realtime_margin)
+            ),
+        )
+
+    def _worker_snapshots(self, max_entries: int | None) -> tuple[WorkerSnapshot, ...]:
+        """Every worker; their lease lists whole, in registry order, until the next would
+        take the ids listed past `max_entries` (None: all), the rest without theirs."""
+        budget = math.inf if max_entries is None else max_entries
+        out = []
+        for w in self.registry:
+            listed = len(w.lease_slots) <= budget
+            budget = budget - len(w.lease_slots) if listed else 0
+            out.append(self._worker_snapshot(w, listed))
+        return tuple(out)
+
     def status(self, max_entries: int | None = None, ticket_id: str = "") -> StatusSnapshot:
         """A consistent snapshot of workers, queue and leases: the first `max_entries` of
-        the queue and of the running leases (longest-running first; None: all), or with
-        `ticket_id` that waiting request's entry alone (none if it does not wait) and no
-        lease. The counts are always the whole fleet's."""
-        workers = tuple(
-            WorkerSnapshot(
-                worker_id=w.worker_id,
-                address=w.address,
-                engine=w.engine,
-                slots=w.slots,
-                slots_free=w.slots_free,
-                modes=tuple(m for m in Mode if m in w.modes),
-                health=w.health,
-                detail=w.detail,
-                lease_ids=(ids := tuple(sorted(w.lease_slots, key=w.lease_slots.__getitem__))),
-                lease_modes=tuple(w.lease_modes.get(lease_id) for lease_id in ids),
-                memory=w.memory,
-                limits=w.limits,
-                headroom=w.headroom,
-                admits=tuple(
-                    m for m in Mode if m in w.modes and w.can_take(m, self.config.realtime_margin)
-                ),
-            )
-            for w in self.registry
-        )
+        the queue, of the running leases (longest-running first) and of the workers' lease
+        ids (None: all), or with `ticket_id` that waiting request's entry alone (none if it
+        does not wait), no lease and no lease id. The counts are always the whole fleet's."""
+        workers = self._worker_snapshots(0 if ticket_id else max_entries)
         now = time.monotonic()
         if ticket_id:
             found = self.queue.get(ticket_id)

@@ -67,6 +67,8 @@ _HEALTH_TO_PB = {
 #: A status snapshot of this many leases and workers or more is built into its reply off
 #: the event loop (GetStatus).
 STATUS_OFF_LOOP = 1000
+#: WorkerStatus.leases_by_mode's key for leases whose mode is not known.
+UNKNOWN_MODE = modes.label(common_pb2.MODE_UNSPECIFIED)
 
 #: Bounds of the fabric's app switches (ids are the edges' catalog: a handful, short).
 MAX_APP_ID_CHARS = 64
@@ -244,7 +246,8 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
         except Exception as exc:
             await _abort(context, exc)
         epoch = self._scheduler.leadership.epoch
-        if len(status.running) + len(status.workers) < STATUS_OFF_LOOP:
+        listed = sum(len(w.lease_ids) for w in status.workers)
+        if len(status.running) + len(status.workers) + listed < STATUS_OFF_LOOP:
             return _status_to_pb(status, epoch)
         # A large fleet's snapshot is taken on the loop (consistent), and its thousands of
         # messages built on a thread: the loop, which serves every grant and report, then
@@ -340,6 +343,9 @@ def _status_to_pb(status: StatusSnapshot, epoch: int) -> scheduler_pb.GetStatusR
                     common_pb2.MODE_UNSPECIFIED if m is None else modes.to_pb(m)
                     for m in w.lease_modes
                 ],
+                leases_by_mode={
+                    UNKNOWN_MODE if m is None else m.value: n for m, n in w.leases_by_mode.items()
+                },
             )
             for w in status.workers
         ],

@@ -82,3 +82,42 @@ def test_reference_workers_tell_a_busy_worker_from_its_own_leases_when_the_list_
     }
     assert workers["listed"]["current_session_id"] == "s-a"
     assert workers["duplex"]["current_session_id"] is None  # not among the listed
+
+
+def test_workers_whose_lease_lists_were_cut_are_told_by_their_counts():
+    """Issue 55: past the status's bound a worker's lease ids are not listed; its leases by
+    mode still say what it serves and how many (and /status's `leases` counts them)."""
+    serving = common_pb2.WORKER_HEALTH_SERVING
+    reply = scheduler_pb.GetStatusResponse(
+        workers=[
+            scheduler_pb.WorkerStatus(
+                worker_id="cut",
+                address="10.0.0.5:7000",
+                health=serving,
+                slots=64,
+                leases_by_mode={"audio": 40, "chat": 2},
+            ),
+            scheduler_pb.WorkerStatus(
+                worker_id="chats",
+                address="10.0.0.6:7000",
+                health=serving,
+                leases_by_mode={"chat": 3},
+            ),
+            scheduler_pb.WorkerStatus(  # an older scheduler: no counts, the list whole
+                worker_id="older",
+                address="10.0.0.7:7000",
+                health=serving,
+                lease_ids=["x", "y"],
+                lease_modes=[common_pb2.MODE_VIDEO, common_pb2.MODE_CHAT],
+            ),
+        ],
+        leases_active=47,
+    )
+    snap = scheduler_client.snapshot_from(reply)
+    workers = {w["worker_id"]: w for w in status.reference_workers(snap)}
+    assert {k: (w["status"], w["sessions"]) for k, w in workers.items()} == {
+        "cut": ("duplex_active", 42),
+        "chats": ("busy_chat", 3),
+        "older": ("duplex_active", 2),
+    }
+    assert [status.worker_entry(w)["leases"] for w in snap.workers] == [42, 3, 2]

@@ -519,9 +519,9 @@ async def test_status_lists_the_queue_and_the_running_leases(
 async def test_status_is_bounded_and_finds_one_ticket_alone(
     start_scheduler: StartScheduler,
 ) -> None:
-    """Issue 55: a large fleet's GetStatus lists the first entries of the queue and of the
-    running leases (--status-entries, or the request's own bound) with whole counts, and
-    one waiting request can be asked for alone."""
+    """Issue 55: a large fleet's GetStatus lists the first entries of the queue, of the
+    running leases and of the workers' lease ids (--status-entries, or the request's own
+    bound) with whole counts, and one waiting request can be asked for alone."""
     harness = await start_scheduler(status_entries=2)
     worker = await WorkerStream(harness.stub, "w1", slots=3, modes=(AUDIO, CHAT)).start()
     leases = []
@@ -536,19 +536,25 @@ async def test_status_is_bounded_and_finds_one_ticket_alone(
     assert [q.session_id for q in bounded.queue] == ["q1", "q2"]
     assert [r.session_id for r in bounded.running] == ["r1", "r2"]  # longest-running first
     assert (bounded.queue_length, bounded.leases_active) == (3, 3)
-    (w,) = bounded.workers
-    assert len(w.lease_ids) == 3 and sorted(w.lease_modes) == sorted([AUDIO, AUDIO, CHAT])
-    assert dict(zip(w.lease_ids, w.lease_modes, strict=True))[leases[1].lease_id] == (CHAT)
+    (w,) = bounded.workers  # its three leases would pass the bound: counted, not listed
+    assert not w.lease_ids and not w.lease_modes
+    assert dict(w.leases_by_mode) == {"audio": 2, "chat": 1}
 
     request = scheduler_pb.GetStatusRequest(max_entries=10)
     whole = await asyncio.wait_for(harness.stub.GetStatus(request), scaled(2))
     assert [q.session_id for q in whole.queue] == ["q1", "q2", "q3"]
     assert [r.session_id for r in whole.running] == ["r1", "r2", "r3"]
+    (w,) = whole.workers
+    assert len(w.lease_ids) == 3 and sorted(w.lease_modes) == sorted([AUDIO, AUDIO, CHAT])
+    assert dict(zip(w.lease_ids, w.lease_modes, strict=True))[leases[1].lease_id] == (CHAT)
+    assert dict(w.leases_by_mode) == {"audio": 2, "chat": 1}
 
     request = scheduler_pb.GetStatusRequest(ticket_id=tickets[2])
     alone = await asyncio.wait_for(harness.stub.GetStatus(request), scaled(2))
     assert [(q.session_id, q.position) for q in alone.queue] == [("q3", 3)]
     assert not alone.running and alone.queue_length == 3
+    (w,) = alone.workers
+    assert not w.lease_ids and sum(w.leases_by_mode.values()) == 3
     request = scheduler_pb.GetStatusRequest(ticket_id="no-such-ticket")
     assert not (await asyncio.wait_for(harness.stub.GetStatus(request), scaled(2))).queue
     await worker.close()

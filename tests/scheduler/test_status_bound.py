@@ -1,0 +1,62 @@
+"""The scheduler's status for a large fleet (issue 55): the workers' lease lists count
+against the status's bound like the queue and the running leases, and each worker's leases
+are counted by mode whatever is listed."""
+
+from __future__ import annotations
+
+import asyncio
+
+from omnifabric.scheduler.config import SchedulerConfig
+from omnifabric.scheduler.core import LeaseOffer, Scheduler, WorkerHello
+from omnifabric.scheduler.registry import Health, Mode
+from tests.scheduler.clients import announce
+
+
+def hello(worker_id: str, slots: int) -> WorkerHello:
+    return WorkerHello(
+        worker_id=worker_id,
+        address="127.0.0.1:1",
+        slots=slots,
+        modes=frozenset({Mode.AUDIO, Mode.CHAT}),
+        engine="synthetic",
+        health=Health.SERVING,
+    )
+
+
+async def test_lease_lists_are_whole_in_worker_order_until_the_bound_and_counted_always():
+    core = Scheduler(SchedulerConfig(realtime_margin=0.0))
+    workers = [core.register(hello(name, slots)) for name, slots in (("a", 2), ("b", 1), ("c", 2))]
+    announcers = [asyncio.ensure_future(announce(w)) for w in workers]
+    try:
+        calls = [core.acquire(Mode.CHAT if n == 0 else Mode.AUDIO, f"s{n}") for n in range(5)]
+        events = [await anext(call) for call in calls]
+        assert all(isinstance(event, LeaseOffer) for event in events)
+
+        def listed(max_entries: int | None, ticket_id: str = "") -> dict[str, int]:
+            status = core.status(max_entries, ticket_id)
+            for w in status.workers:  # the counts are whole, listed or not
+                assert sum(w.leases_by_mode.values()) == w.slots - w.slots_free
+                assert len(w.lease_modes) == len(w.lease_ids)
+            return {w.worker_id: len(w.lease_ids) for w in status.workers}
+
+        assert listed(None) == {"a": 2, "b": 1, "c": 2}
+        assert listed(5) == {"a": 2, "b": 1, "c": 2}
+        assert listed(3) == {"a": 2, "b": 1, "c": 0}  # c's two would pass the bound
+        assert listed(2) == {"a": 2, "b": 0, "c": 0}  # none listed past the first cut
+        assert listed(1) == {"a": 0, "b": 0, "c": 0}
+        assert listed(100, ticket_id="none") == {"a": 0, "b": 0, "c": 0}
+        by_mode: dict[Mode | None, int] = {}
+        for w in core.status(0).workers:
+            for mode, n in w.leases_by_mode.items():
+                by_mode[mode] = by_mode.get(mode, 0) + n
+        assert by_mode == {Mode.CHAT: 1, Mode.AUDIO: 4}
+        # What a listed worker says of its leases, its counts say too.
+        whole = {w.worker_id: w for w in core.status(None).workers}
+        for w in whole.values():
+            counted = {m: w.lease_modes.count(m) for m in set(w.lease_modes)}
+            assert counted == dict(w.leases_by_mode)
+        for call in calls:
+            await call.aclose()
+    finally:
+        for announcer in announcers:
+            announcer.cancel()
