@@ -108,6 +108,12 @@ class Worker:
         return sum(self.leases_by_mode.values()) or len(self.lease_ids)
 
     @property
+    def leases_listed(self) -> bool:
+        """Whether `lease_ids` (and the headroom's late units per lease) name every lease it
+        holds: not where the status's bound left them out."""
+        return len(self.lease_ids) >= self.lease_count
+
+    @property
     def modes_held(self) -> set[str]:
         """The modes of the sessions it serves ("unspecified": some not known)."""
         return set(self.leases_by_mode) | set(self.lease_modes)

@@ -206,13 +206,15 @@ def _memory(m: sc.Memory) -> dict[str, Any]:
 
 
 def _sessions(app: EdgeContext, snap: sc.Snapshot) -> list[dict[str, Any]]:
-    """This edge's sessions, with the late units their workers reported."""
+    """This edge's sessions, with the late units their workers reported (None: its worker's
+    leases were past the scheduler's --status-entries, not listed)."""
     late = {
         lease: n
         for w in snap.workers
         if w.headroom is not None
         for lease, n in w.headroom.late_units_by_lease.items()
     }
+    unlisted = {w.worker_id for w in snap.workers if not w.leases_listed}
     sessions = [
         {
             "session_id": core.session_id,
@@ -221,7 +223,7 @@ def _sessions(app: EdgeContext, snap: sc.Snapshot) -> list[dict[str, Any]]:
             "started": core.started,
             "units": core.units_sent,
             # Units its worker answered later than one unit length after they arrived.
-            "late_units": late.get(core.lease_id, 0),
+            "late_units": None if core.worker_id in unlisted else late.get(core.lease_id, 0),
         }
         for c in list(app.connections)
         if (core := c.core) is not None  # always: a connection is listed once it has one

@@ -7,6 +7,7 @@ event loop serializes them and no lock is needed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import logging
@@ -788,9 +789,12 @@ class Scheduler:
         )
 
     def _worker_snapshot(self, w: Worker, listed: bool) -> WorkerSnapshot:
-        """One worker as the status shows it; its lease ids (and their modes) only when
-        `listed`, their counts by mode always."""
+        """One worker as the status shows it; its lease ids (their modes, and its headroom's
+        late units per lease) only when `listed`, their counts by mode always."""
         ids = tuple(sorted(w.lease_slots, key=w.lease_slots.__getitem__)) if listed else ()
+        room = w.headroom
+        if room is not None and room.late_by_lease and not listed:
+            room = dataclasses.replace(room, late_by_lease={})
         return WorkerSnapshot(
             worker_id=w.worker_id,
             address=w.address,
@@ -805,7 +809,7 @@ class Scheduler:
             leases_by_mode=Counter(w.lease_modes.get(lease_id) for lease_id in w.lease_slots),
             memory=w.memory,
             limits=w.limits,
-            headroom=w.headroom,
+            headroom=room,
             admits=tuple(
                 m for m in Mode if m in w.modes and w.can_take(m, self.config.realtime_margin)
             ),

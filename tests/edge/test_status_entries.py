@@ -121,3 +121,4 @@ def test_workers_whose_lease_lists_were_cut_are_told_by_their_counts():
         "older": ("duplex_active", 2),
     }
     assert [status.worker_entry(w)["leases"] for w in snap.workers] == [42, 3, 2]
+    assert [w.leases_listed for w in snap.workers] == [False, False, True]

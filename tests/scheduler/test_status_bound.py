@@ -8,7 +8,7 @@ import asyncio
 
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.core import LeaseOffer, Scheduler, WorkerHello
-from omnifabric.scheduler.registry import Health, Mode
+from omnifabric.scheduler.registry import Headroom, Health, Mode
 from tests.scheduler.clients import announce
 
 
@@ -50,6 +50,14 @@ async def test_lease_lists_are_whole_in_worker_order_until_the_bound_and_counted
             for mode, n in w.leases_by_mode.items():
                 by_mode[mode] = by_mode.get(mode, 0) + n
         assert by_mode == {Mode.CHAT: 1, Mode.AUDIO: 4}
+        # The late units per lease in a worker's headroom follow its lease list.
+        late = {lease_id: 1 for lease_id in workers[2].lease_slots}
+        room = Headroom(1, {Mode.AUDIO: 0.1}, {Mode.AUDIO: 0.1}, late_recent=2, late_by_lease=late)
+        core.report(workers[2], Health.SERVING, "", headroom=room)
+        cut = core.status(3).workers[2].headroom
+        assert cut is not None and cut.late_by_lease == {} and cut.late_recent == 2
+        whole = core.status(5).workers[2].headroom
+        assert whole is not None and whole.late_by_lease == late
         # What a listed worker says of its leases, its counts say too.
         whole = {w.worker_id: w for w in core.status(None).workers}
         for w in whole.values():

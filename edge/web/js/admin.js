@@ -141,7 +141,7 @@ function render(s) {
           x.worker_id || '—',
           x.started ? 'yes' : 'queued',
           x.units,
-          x.late_units || 0,
+          x.late_units ?? '—', // null: its worker's leases were past the scheduler's status bound
         ]),
       ),
       chats,
