@@ -13,7 +13,6 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -806,7 +805,7 @@ class Scheduler:
             detail=w.detail,
             lease_ids=ids,
             lease_modes=tuple(w.lease_modes.get(lease_id) for lease_id in ids),
-            leases_by_mode=Counter(w.lease_modes.get(lease_id) for lease_id in w.lease_slots),
+            leases_by_mode=dict(w.mode_counts),
             memory=w.memory,
             limits=w.limits,
             headroom=room,
@@ -830,8 +829,8 @@ class Scheduler:
         """A consistent snapshot of workers, queue and leases: the first `max_entries` of
         the queue, of the running leases (longest-running first) and of the workers' lease
         ids (None: all), or with `ticket_id` that waiting request's entry alone (none if it
-        does not wait), no lease and no lease id. The counts are always the whole fleet's."""
-        workers = self._worker_snapshots(0 if ticket_id else max_entries)
+        does not wait), no lease and no worker. The counts are always the whole fleet's."""
+        workers = () if ticket_id else self._worker_snapshots(max_entries)
         now = time.monotonic()
         if ticket_id:
             found = self.queue.get(ticket_id)

@@ -103,6 +103,8 @@ class Worker:
     lease_slots: dict[str, int] = field(default_factory=dict)
     #: lease id -> the mode it was granted for (None: an orphan, mode unknown).
     lease_modes: dict[str, Mode | None] = field(default_factory=dict)
+    #: How many of its leases are of each mode (kept with lease_modes, for the status).
+    mode_counts: Counter[Mode | None] = field(default_factory=Counter)
     #: Messages for the worker's Register stream (lease notices; None ends the stream).
     outbox: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     #: Told when its slots are taken or freed (its registry's admission index).
@@ -150,18 +152,28 @@ class Worker:
         else:
             # Past `slots` only when a reconnecting worker reports more leases than slots.
             slot = next(n for n in itertools.count() if n not in used)
+        self._uncount(lease_id)
         self.lease_slots[lease_id] = slot
         self.lease_modes[lease_id] = mode
+        self.mode_counts[mode] += 1
         if self.on_change is not None:
             self.on_change(self)
         return slot
 
     def free_slot(self, lease_id: str) -> None:
         """Give back the slot `lease_id` occupied, if any."""
+        self._uncount(lease_id)
         self.lease_slots.pop(lease_id, None)
         self.lease_modes.pop(lease_id, None)
         if self.on_change is not None:
             self.on_change(self)
+
+    def _uncount(self, lease_id: str) -> None:
+        if lease_id in self.lease_modes:
+            mode = self.lease_modes[lease_id]
+            self.mode_counts[mode] -= 1
+            if not self.mode_counts[mode]:
+                del self.mode_counts[mode]
 
 
 class _FreeIndex:

@@ -966,13 +966,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "callers":
         asyncio.run(run_callers(args))
         return 0
+    # The orchestrator (its GetStatus poller parses every reply) stays off the scheduler's
+    # cores too, for the run (main may be called in a process that goes on).
+    host = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp:
         log_dir = args.log_dir or Path(tmp)
         try:
+            os.sched_setaffinity(0, simulator_cpus(args) or host)
             rows = _measure(args, log_dir, lambda line: print(line, flush=True))
         except RuntimeError as exc:
             print(f"fleet_bench: {exc} (logs: {log_dir})", file=sys.stderr)
             return 1
+        finally:
+            os.sched_setaffinity(0, host)
     print()
     print(markdown(rows))
     if args.json:

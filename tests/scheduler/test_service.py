@@ -553,8 +553,7 @@ async def test_status_is_bounded_and_finds_one_ticket_alone(
     alone = await asyncio.wait_for(harness.stub.GetStatus(request), scaled(2))
     assert [(q.session_id, q.position) for q in alone.queue] == [("q3", 3)]
     assert not alone.running and alone.queue_length == 3
-    (w,) = alone.workers
-    assert not w.lease_ids and sum(w.leases_by_mode.values()) == 3
+    assert not alone.workers  # nor the fleet: the answer does not grow with it
     request = scheduler_pb.GetStatusRequest(ticket_id="no-such-ticket")
     assert not (await asyncio.wait_for(harness.stub.GetStatus(request), scaled(2))).queue
     await worker.close()

@@ -8,7 +8,7 @@ import asyncio
 
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.core import LeaseOffer, Scheduler, WorkerHello
-from omnifabric.scheduler.registry import Headroom, Health, Mode
+from omnifabric.scheduler.registry import Headroom, Health, Mode, Worker
 from tests.scheduler.clients import announce
 
 
@@ -44,7 +44,7 @@ async def test_lease_lists_are_whole_in_worker_order_until_the_bound_and_counted
         assert listed(3) == {"a": 2, "b": 1, "c": 0}  # c's two would pass the bound
         assert listed(2) == {"a": 2, "b": 0, "c": 0}  # none listed past the first cut
         assert listed(1) == {"a": 0, "b": 0, "c": 0}
-        assert listed(100, ticket_id="none") == {"a": 0, "b": 0, "c": 0}
+        assert core.status(100, ticket_id="none").workers == ()
         by_mode: dict[Mode | None, int] = {}
         for w in core.status(0).workers:
             for mode, n in w.leases_by_mode.items():
@@ -68,3 +68,16 @@ async def test_lease_lists_are_whole_in_worker_order_until_the_bound_and_counted
     finally:
         for announcer in announcers:
             announcer.cancel()
+
+
+def test_a_workers_counts_by_mode_follow_its_slots():
+    worker = Worker("w", "127.0.0.1:1", 4, frozenset({Mode.AUDIO, Mode.CHAT}), "e", Health.SERVING)
+    worker.take_slot("a", mode=Mode.AUDIO)
+    worker.take_slot("b", mode=Mode.AUDIO)
+    worker.take_slot("c")  # an orphan: its mode not known
+    assert worker.mode_counts == {Mode.AUDIO: 2, None: 1}
+    worker.take_slot("b", mode=Mode.CHAT)  # taken again (a rebuild): counted once
+    assert worker.mode_counts == {Mode.AUDIO: 1, Mode.CHAT: 1, None: 1}
+    for lease_id in ("a", "a", "c", "unknown"):
+        worker.free_slot(lease_id)
+    assert worker.mode_counts == {Mode.CHAT: 1} and len(worker.lease_slots) == 1

@@ -24,7 +24,9 @@ def test_a_tiny_fleet_runs_end_to_end(tmp_path, capsys):
     pinned = len(os.sched_getaffinity(0)) >= 2
     if pinned:  # the scheduler on a core of its own, the simulators on the rest
         args += ["--scheduler-cpus", str(min(os.sched_getaffinity(0)))]
+    host = os.sched_getaffinity(0)
     assert fleet_bench.main([*args, "--json", str(figures_path)]) == 0
+    assert os.sched_getaffinity(0) == host  # the orchestrator's own pinning ends with it
     [row] = json.loads(figures_path.read_text())
     assert row["scheduler_cpus"] == ([min(os.sched_getaffinity(0))] if pinned else [])
     print(fleet_bench.markdown([row]))
