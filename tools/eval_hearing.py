@@ -1,17 +1,19 @@
 """Score the reference engine's recognizers alone on short spoken questions and requests.
 
-    python -m omnifabric.tools.eval_hearing [--asr both|whisper] [--voices piper,espeak]
-                                            [--context TEXT] [--limit N] [--out DIR]
+    python -m omnifabric.tools.eval_hearing [--asr both|closely|whisper]
+                                            [--voices piper,espeak] [--context TEXT]
+                                            [--limit N] [--out DIR]
 
 No server and no reply model: each utterance goes straight through the engine's hearing
 (``Ears``: Whisper base and Moonshine base-en; or Whisper base alone), as the engine would
-hand it over at the end of a turn. The utterances are ``PROBES`` (50 short questions and
-requests, with names, places, times and order numbers like the function-calling
-evaluation's) rendered by ``eval_reference``'s renderers with every voice of ``VOICES``
-(six espeak-ng voices and rates, Piper's voice at three rates), each after a lead-in and
-with low seeded noise by ``eval_reference.compose``'s rules, then cut as the engine's turn
-tracker cuts an utterance (its pre-roll before the speech, its tail after). ``--context``
-gives Whisper the same words with every utterance, as a session could (``Ears.hear``).
+hand it over at the end of a turn (``--asr closely``: as it hears a whole input_audio item
+when functions are offered, ``Ears.hear_closely``). The utterances are ``PROBES`` (50
+short questions and requests, with names, places, times and order numbers like the
+function-calling evaluation's) rendered by ``eval_reference``'s renderers with every voice
+of ``VOICES`` (six espeak-ng voices and rates, Piper's voice at three rates), each after a
+lead-in and with low seeded noise by ``eval_reference.compose``'s rules, then cut as the
+engine's turn tracker cuts an utterance (its pre-roll before the speech, its tail after).
+``--context`` gives Whisper the same words with every utterance, as a session could (``Ears.hear``).
 
 Printed: one row per voice kind with the utterances whose key words all survived, the key
 words that survived, the word error rate against the text, and the recognition time per
@@ -182,9 +184,10 @@ def cached_audio(spec: Utterance, cache: Path) -> np.ndarray:
 
 
 def load(asr: str, context: str | None = None) -> Callable[[np.ndarray], tuple[str, float]]:
-    """The engine's hearing: Whisper base and Moonshine base-en (``both``) or Whisper base
-    alone (``whisper``), one torch thread each as the engine runs them; ``context`` goes
-    with every utterance (the words a session would give Whisper's prompt)."""
+    """The engine's hearing: Whisper base and Moonshine base-en (``both``; ``closely``: with
+    their beam searches' readings, ``Ears.hear_closely``) or Whisper base alone
+    (``whisper``), one torch thread each as the engine runs them; ``context`` goes with
+    every utterance (the words a session would give Whisper's prompt)."""
     import torch
 
     from omnifabric.worker.engines.reference import moonshine
@@ -193,7 +196,10 @@ def load(asr: str, context: str | None = None) -> Callable[[np.ndarray], tuple[s
 
     torch.set_num_threads(1)
     whisper = Transcriber()
-    hear = whisper.hear if asr == "whisper" else Ears(whisper, moonshine.Moonshine()).hear
+    if asr == "whisper":
+        return lambda audio: whisper.hear(audio, context)
+    ears = Ears(whisper, moonshine.Moonshine())
+    hear = ears.hear_closely if asr == "closely" else ears.hear
     return lambda audio: hear(audio, context)
 
 
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m omnifabric.tools.eval_hearing", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--asr", choices=["both", "whisper"], default="both")
+    parser.add_argument("--asr", choices=["both", "closely", "whisper"], default="both")
     parser.add_argument("--voices", default="piper,espeak", help="voice kinds: piper, espeak")
     parser.add_argument("--limit", type=int, help="only the first N probes")
     parser.add_argument("--context", help="text given to Whisper's prompt with every utterance")
