@@ -182,9 +182,11 @@ _NUMBERS = (
 def words_of(text: str) -> list[str]:
     """Lower-case words, digits spelled out (0-20), punctuation dropped. Letters and digits
     run together are two words: a recognizer writes "has three" as "S3", "24 hours" as
-    "24hours"."""
+    "24hours"; digits grouped by thousands ("55,501") are one number, commas between
+    other digits ("7,10") part two."""
     out = []
-    for w in re.findall(r"[a-z']+|[0-9]+", text.lower()):
+    for w in re.findall(r"[a-z']+|[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+", text.lower()):
+        w = w.replace(",", "")
         out.append(_NUMBERS[int(w)] if w.isdigit() and int(w) < len(_NUMBERS) else w)
     return out
 

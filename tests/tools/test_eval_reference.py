@@ -21,6 +21,14 @@ def test_words_spell_digits_and_drop_punctuation():
     assert words_of("It's 7, not 10!") == ["it's", "seven", "not", "ten"]
     # How Whisper tiny.en wrote "A triangle has three sides." spoken by Piper.
     assert words_of("I triangle S3 sides.") == ["i", "triangle", "s", "three", "sides"]
+    assert words_of("Order 55,501 has 1,000,000 items") == [
+        "order",
+        "55501",
+        "has",
+        "1000000",
+        "items",
+    ]
+    assert words_of("7,10 and 1,2345") == ["seven", "ten", "and", "one", "2345"]
 
 
 def test_wer_counts_edits_per_reference_word():
