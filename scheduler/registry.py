@@ -7,7 +7,7 @@ import enum
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,11 +59,14 @@ class Headroom:
     unit_p95_ratio: float = 0.0
     late_by_lease: dict[str, int] = field(default_factory=dict)
 
-    def committed(self, modes: Iterable[Mode | None]) -> float:
-        """What sessions of these modes cost (a lease of unknown mode, a worker's own from
-        before a scheduler restart: the dearest mode)."""
+    def committed(self, counts: Mapping[Mode | None, int]) -> float:
+        """What sessions cost, `counts` of them of each mode (a lease of unknown mode, a
+        worker's own from before a scheduler restart: the dearest mode)."""
         dearest = max(self.session_cost.values(), default=0.0)
-        return sum(dearest if m is None else self.session_cost.get(m, dearest) for m in modes)
+        return sum(
+            n * (dearest if m is None else self.session_cost.get(m, dearest))
+            for m, n in counts.items()
+        )
 
     def sessions_within(self, mode: Mode, margin: float) -> int:
         """How many sessions of `mode` alone the worker holds in real time."""
@@ -138,7 +141,7 @@ class Worker:
         if room.late_recent:
             return False
         added = room.added_cost.get(mode, room.session_cost.get(mode, 0.0))
-        committed = room.committed(self.lease_modes.values())
+        committed = room.committed(self.mode_counts)
         return realtime.fits(room.engine_threads, committed, added, margin)
 
     def take_slot(
