@@ -23,6 +23,14 @@ def fits(threads: int, committed: float, added: float, margin: float) -> bool:
     return committed + added <= margin * max(1, threads) + 1e-9
 
 
+def peaks_fit(threads: int, held_peak: float, added_peak: float) -> bool:
+    """Whether the dearest unit of the sessions held (`held_peak`, engine seconds per second)
+    and one more session's dearest unit (what it adds: `added_peak`) can run at once within
+    `threads` engine threads, so that neither is late. No margin: peaks are already the
+    dear end of what units cost (worker.headroom.PEAK_QUANTILE)."""
+    return held_peak + added_peak <= max(1, threads) + 1e-9
+
+
 def sessions_within(threads: int, session_cost: float, added_cost: float, margin: float) -> int:
     """How many sessions of one cost a worker holds in real time: at least 1 (a worker with
     none always takes one), at most MOST_SESSIONS."""

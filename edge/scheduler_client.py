@@ -68,6 +68,8 @@ class Headroom:
     engine_threads: int
     session_cost: Mapping[str, float]
     """Mode name -> what each running session of the mode costs, in the worker's order."""
+    peak_cost: Mapping[str, float]
+    """Mode name -> what a session's dearest units cost (0: an older worker's report)."""
     late_units_recent: int
     late_units_total: int
     late_window_s: float
@@ -207,6 +209,7 @@ def headroom_from(h: scheduler_pb.Headroom) -> Headroom:
     return Headroom(
         engine_threads=h.engine_threads,
         session_cost={modes.label(c.mode): c.session_cost for c in h.costs},
+        peak_cost={modes.label(c.mode): c.peak_cost for c in h.costs},
         late_units_recent=h.late_units_recent,
         late_units_total=h.late_units_total,
         late_window_s=h.late_window_s,

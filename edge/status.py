@@ -170,6 +170,7 @@ def worker_entry(w: sc.Worker) -> dict[str, Any]:
         worker["headroom"] = {
             "engine_threads": h.engine_threads,
             "session_cost": {mode: round(cost, 3) for mode, cost in h.session_cost.items()},
+            "peak_cost": {mode: round(cost, 3) for mode, cost in h.peak_cost.items()},
             "late_units_recent": h.late_units_recent,
             "late_units_total": h.late_units_total,
             "late_window_s": h.late_window_s,

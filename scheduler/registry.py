@@ -58,6 +58,29 @@ class Headroom:
     late_window_s: float = 0.0
     unit_p95_ratio: float = 0.0
     late_by_lease: dict[str, int] = field(default_factory=dict)
+    peak_cost: dict[Mode, float] = field(default_factory=dict)
+    """Per mode, what a session's dearest units cost (an older worker reports none: 0)."""
+    added_peak: dict[Mode, float] = field(default_factory=dict)
+    """Per mode, what one more session's dearest unit adds at once with the others'."""
+
+    def held_peak(self, counts: Mapping[Mode | None, int]) -> float:
+        """The dearest peak among the modes of the sessions held, `counts` of each (a lease
+        of unknown mode: the dearest mode's)."""
+        dearest = max(self.peak_cost.values(), default=0.0)
+        return max(
+            (
+                dearest if m is None else self.peak_cost.get(m, dearest)
+                for m, n in counts.items()
+                if n
+            ),
+            default=0.0,
+        )
+
+    def peaks_fit(self, mode: Mode, counts: Mapping[Mode | None, int]) -> bool:
+        """Whether one more session of `mode` and the sessions held keep real time when
+        their dearest units come at once (common.realtime.peaks_fit)."""
+        added = self.added_peak.get(mode, self.peak_cost.get(mode, 0.0))
+        return realtime.peaks_fit(self.engine_threads, self.held_peak(counts), added)
 
     def committed(self, counts: Mapping[Mode | None, int]) -> float:
         """What sessions cost, `counts` of them of each mode (a lease of unknown mode, a
@@ -69,7 +92,10 @@ class Headroom:
         )
 
     def sessions_within(self, mode: Mode, margin: float) -> int:
-        """How many sessions of `mode` alone the worker holds in real time."""
+        """How many sessions of `mode` alone the worker holds in real time (one where two
+        of its dearest units at once would not keep it)."""
+        if not self.peaks_fit(mode, {mode: 1}):
+            return 1
         return realtime.sessions_within(
             self.engine_threads,
             self.session_cost.get(mode, 0.0),
@@ -134,7 +160,9 @@ class Worker:
         """Whether one more session of `mode` keeps real time here: a worker with no
         session always takes one; one with late units lately takes none (it is behind);
         else the sessions leased here and the new one must stay within `margin` of the
-        engine's threads (common.realtime). Always True without a margin or a report."""
+        engine's threads (common.realtime), and the dearest unit held and the new
+        session's must fit the threads at once (``Headroom.peaks_fit``). Always True
+        without a margin or a report."""
         room = self.headroom
         if margin <= 0 or room is None or not self.lease_slots:
             return True
@@ -142,7 +170,9 @@ class Worker:
             return False
         added = room.added_cost.get(mode, room.session_cost.get(mode, 0.0))
         committed = room.committed(self.mode_counts)
-        return realtime.fits(room.engine_threads, committed, added, margin)
+        return realtime.fits(room.engine_threads, committed, added, margin) and room.peaks_fit(
+            mode, self.mode_counts
+        )
 
     def take_slot(
         self, lease_id: str, preferred: int | None = None, mode: Mode | None = None

@@ -506,6 +506,8 @@ def _headroom_from_pb(msg: scheduler_pb.Headroom) -> Headroom:
         engine_threads=max(1, msg.engine_threads),
         session_cost={mode: max(0.0, c.session_cost) for c, mode in costs},
         added_cost={mode: max(0.0, c.added_cost) for c, mode in costs},
+        peak_cost={mode: max(0.0, c.peak_cost) for c, mode in costs},
+        added_peak={mode: max(0.0, c.added_peak) for c, mode in costs},
         late_recent=msg.late_units_recent,
         late_total=msg.late_units_total,
         late_window_s=msg.late_window_s,
@@ -521,7 +523,11 @@ def _headroom_to_pb(room: Headroom | None) -> scheduler_pb.Headroom | None:
         engine_threads=room.engine_threads,
         costs=[
             scheduler_pb.ModeCost(
-                mode=modes.to_pb(mode), session_cost=cost, added_cost=room.added_cost[mode]
+                mode=modes.to_pb(mode),
+                session_cost=cost,
+                added_cost=room.added_cost[mode],
+                peak_cost=room.peak_cost.get(mode, 0.0),
+                added_peak=room.added_peak.get(mode, 0.0),
             )
             for mode, cost in room.session_cost.items()
         ],

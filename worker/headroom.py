@@ -13,6 +13,18 @@ units), so a worker slowed for a while, by its host or its load, reads as dearer
 cheap again soon after. A unit is late when its result left later than one unit length after
 it arrived; a late unit within the window means the worker is behind. The scheduler reads
 these figures (WorkerReport's Headroom) and decides.
+
+A session's dearest units matter too: the unit that ends a user's turn on the reference
+engine (the turn's hearing, the reply's prefill and first piece) costs ~1 engine second where
+the reply's mean is ~0.4, and two such units at once on a host whose engine has one thread
+are both late, whatever the means say. So each mode also has a peak: the PEAK_QUANTILE-th
+percentile of its recent units' costs, and no less than that of its recent speaking units
+(the last MIN_RECENT of them when the window holds fewer: a reply's dear units are not
+forgotten while the session listens), nor than the estimate until MIN_MEASURED; and what
+one more session at its peak would add (the engine's `added` of the peak: the whole peak on
+a time-sliced engine, a fraction on a batched one, whose step serves every row at once).
+The scheduler admits one more session only where the dearest peak held and the new one's
+added peak fit the engine's threads together (common.realtime.peaks_fit).
 """
 
 from __future__ import annotations
@@ -34,6 +46,9 @@ MIN_MEASURED = 20
 WINDOW_S = 15.0
 #: A chat turn holds one engine thread while it generates.
 CHAT_COST = 1.0
+#: The percentile of recent units' costs taken as a mode's peak (over a window of a few
+#: replies this is their dearest unit but for one).
+PEAK_QUANTILE = 95.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,10 @@ class ModeCost:
 
     session_cost: float
     added_cost: float
+    peak_cost: float = 0.0
+    """A session's dearest units (PEAK_QUANTILE of its recent units' costs)."""
+    added_peak: float = 0.0
+    """What one more session's dearest unit adds, at once with the others'."""
 
 
 @dataclass(frozen=True)
@@ -159,11 +178,24 @@ class Headroom:
             cost = max(cost, self.estimates[mode])
         return cost
 
+    def peak_cost(self, mode: str) -> float:
+        """Engine seconds per second of input of a session's dearest units of `mode` (see
+        the module)."""
+        if mode not in self._costs:
+            return 0.0
+        peak = max(
+            _percentile(self._recent(self._costs[mode]), PEAK_QUANTILE),
+            _percentile(self._recent(self._speaking[mode]), PEAK_QUANTILE),
+        )
+        if self._measured[mode] < MIN_MEASURED:
+            peak = max(peak, self.estimates[mode])
+        return peak
+
     def figures(self) -> HeadroomFigures:
         costs = {}
         for mode in self._costs:
-            cost = self.session_cost(mode)
-            costs[mode] = ModeCost(cost, self._added(cost))
+            cost, peak = self.session_cost(mode), self.peak_cost(mode)
+            costs[mode] = ModeCost(cost, self._added(cost), peak, self._added(peak))
         return HeadroomFigures(
             engine_threads=self.engine_threads,
             costs=costs,

@@ -286,9 +286,18 @@ class _RuntimeCollector(Collector):
             "an engine thread a turn holds), by mode.",
             labels=["mode"],
         )
+        peak = GaugeMetricFamily(
+            "omni_worker_session_peak_cost",
+            "Engine seconds per second of input of a session's dearest units (the 95th "
+            "percentile of recent units: on the reference engine, the unit that ends a turn), "
+            "by mode.",
+            labels=["mode"],
+        )
         for mode, mode_cost in sorted(figures.costs.items()):
             cost.add_metric([mode], mode_cost.session_cost)
+            peak.add_metric([mode], mode_cost.peak_cost)
         yield cost
+        yield peak
         yield GaugeMetricFamily(
             "omni_worker_engine_threads", "Engine threads.", value=figures.engine_threads
         )

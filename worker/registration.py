@@ -65,6 +65,8 @@ def headroom_pb(figures: HeadroomFigures | None) -> scheduler_pb.Headroom | None
                 mode=modes.to_pb(mode),
                 session_cost=cost.session_cost,
                 added_cost=cost.added_cost,
+                peak_cost=cost.peak_cost,
+                added_peak=cost.added_peak,
             )
             for mode, cost in sorted(figures.costs.items())
             if mode in modes.NAMES

@@ -41,7 +41,9 @@ def full_worker() -> scheduler_pb.WorkerStatus:
         headroom=scheduler_pb.Headroom(
             engine_threads=2,
             costs=[
-                scheduler_pb.ModeCost(mode=common_pb2.MODE_AUDIO, session_cost=0.25),
+                scheduler_pb.ModeCost(
+                    mode=common_pb2.MODE_AUDIO, session_cost=0.25, peak_cost=0.9
+                ),
                 scheduler_pb.ModeCost(mode=common_pb2.MODE_CHAT, session_cost=0.5),
             ],
             late_units_recent=3,
@@ -77,6 +79,7 @@ def test_a_worker_with_every_report():
     assert w.headroom is not None
     assert dict(w.headroom.session_cost) == {"audio": 0.25, "chat": 0.5}
     assert list(w.headroom.session_cost) == ["audio", "chat"]  # the worker's order
+    assert dict(w.headroom.peak_cost) == {"audio": 0.9, "chat": 0.0}
     assert w.headroom.late_units_by_lease == {"l1": 2}
     assert (w.headroom.engine_threads, w.headroom.unit_p95_ratio) == (2, 0.875)
 

@@ -113,3 +113,43 @@ def test_a_report_changes_the_slots():
     assert core.status().workers[0].slots == 2
     core.report(worker, Health.SERVING, "")  # 0: as before
     assert core.status().workers[0].slots == 2
+
+
+async def test_two_dear_units_at_once_must_fit_the_threads_too():
+    """A reference-like worker: replies cost 0.35 a second on average (two fit 0.8 of its
+    one thread) but the unit that ends a turn costs 0.95, so two such units at once would
+    both be late: it takes one session. A batched worker with the same figures adds only
+    0.05 at a peak (its step serves every row at once): it takes two. An older worker
+    that reports no peaks is read by its means alone."""
+    peaky = Headroom(1, {Mode.AUDIO: 0.35}, {Mode.AUDIO: 0.35})
+    peaky.peak_cost[Mode.AUDIO] = 0.95
+    batched = Headroom(1, {Mode.AUDIO: 0.35}, {Mode.AUDIO: 0.35})
+    batched.peak_cost[Mode.AUDIO], batched.added_peak[Mode.AUDIO] = 0.95, 0.05
+    older = Headroom(1, {Mode.AUDIO: 0.35}, {Mode.AUDIO: 0.35})
+    for room, admitted in ((peaky, 1), (batched, 2), (older, 2)):
+        assert room.sessions_within(Mode.AUDIO, 0.8) == admitted
+        core = Scheduler(SchedulerConfig(release_timeout_s=0.05))
+        worker = core.register(hello(room))
+        announcer = asyncio.ensure_future(announce(worker))
+        try:
+            calls = [core.acquire(Mode.AUDIO, f"s{n}") for n in range(3)]
+            events = [await anext(call) for call in calls]
+            offers = [type(e) for e in events]
+            assert offers == [LeaseOffer] * admitted + [QueueUpdate] * (3 - admitted), room
+            for call in calls:
+                await call.aclose()
+        finally:
+            announcer.cancel()
+
+
+def test_peaks_travel_from_the_worker_report_to_the_scheduler_and_its_status():
+    from omnifabric.scheduler.service import _headroom_from_pb, _headroom_to_pb
+    from omnifabric.worker.headroom import HeadroomFigures, ModeCost
+    from omnifabric.worker.registration import headroom_pb
+
+    figures = HeadroomFigures(1, {"audio": ModeCost(0.35, 0.35, 0.95, 0.05)}, 0, 0, 15.0, 0.4, {})
+    room = _headroom_from_pb(headroom_pb(figures))
+    assert room.peak_cost == {Mode.AUDIO: pytest.approx(0.95)}
+    assert room.added_peak == {Mode.AUDIO: pytest.approx(0.05)}
+    again = _headroom_from_pb(_headroom_to_pb(room))
+    assert (again.peak_cost, again.added_peak) == (room.peak_cost, room.added_peak)

@@ -110,3 +110,25 @@ def test_the_headroom_counts_the_engine_threads_that_run_at_full_speed():
         assert runtime.headroom is not None and runtime.headroom.figures().engine_threads == 1
     finally:
         runtime.executor.shutdown()
+
+
+def test_a_session_peaks_at_its_dearest_unit_and_keeps_it_while_it_listens():
+    """The unit that ends a turn costs 0.95, the reply's others 0.3 and 0.02, listening
+    0.05: the peak is the dear unit (the mean stays the reply's), what one more adds at its
+    peak is the engine's `added` of it, and the peak outlives the window while the session
+    listens (its last speaking units)."""
+    clock = Clock()
+    room = Headroom(1, {"audio": 0.2}, lambda c: c / 4, window_s=10.0, clock=clock)
+    assert room.peak_cost("audio") == pytest.approx(0.2)  # the estimate, nothing measured
+    for cost in (0.05,) * 20 + (0.95, 0.3, 0.02):
+        clock.now += 1.0
+        room.unit("audio", "L1", 1.0, cost, 0.99, speaking=cost != 0.05)
+    assert room.peak_cost("audio") == pytest.approx(0.95)
+    assert room.session_cost("audio") == pytest.approx((0.95 + 0.3 + 0.02) / 3)
+    cost = room.figures().costs["audio"]
+    assert (cost.peak_cost, cost.added_peak) == pytest.approx((0.95, 0.95 / 4))
+    for _ in range(30):  # half a minute of listening: the window holds no reply
+        clock.now += 1.0
+        room.unit("audio", "L1", 1.0, 0.05, 0.1)
+    assert room.peak_cost("audio") == pytest.approx(0.95)
+    assert room.peak_cost("video") == 0.0
