@@ -41,9 +41,7 @@ def full_worker() -> scheduler_pb.WorkerStatus:
         headroom=scheduler_pb.Headroom(
             engine_threads=2,
             costs=[
-                scheduler_pb.ModeCost(
-                    mode=common_pb2.MODE_AUDIO, session_cost=0.25, peak_cost=0.9
-                ),
+                scheduler_pb.ModeCost(mode=common_pb2.MODE_AUDIO, session_cost=0.25, peak_cost=0.9),
                 scheduler_pb.ModeCost(mode=common_pb2.MODE_CHAT, session_cost=0.5),
             ],
             late_units_recent=3,

@@ -10,7 +10,7 @@ import numpy as np
 
 from omnifabric.worker.engine import GenerateResult, ToolChoice, ToolSpec
 from omnifabric.worker.engines import tool_text
-from omnifabric.worker.engines.minicpmo.calls import MAX_CALL_UNITS, CallWatch
+from omnifabric.worker.engines.minicpmo.calls import MAX_AWAIT_UNITS, MAX_CALL_UNITS, CallWatch
 
 WEATHER = ToolSpec(
     "get_weather",
@@ -60,12 +60,45 @@ def test_a_call_over_units_is_read_when_closed_and_the_next_unit_listens() -> No
         False,
         (),
     )
-    last = w.unit_result(unit('{"city": "Paris"}}</tool_call>'), forced=False)
+    last = w.unit_result(unit('{"city": "Paris"}}</tool_call>', eot=True), forced=False)
     (call,) = last.tool_calls
     assert json.loads(call.arguments) == {"city": "Paris"} and last.end_of_turn
     assert last.is_listen and last.text == "" and not last.audio.size
-    assert w.take_force() and not w.take_force()
+    assert w.take_force()  # the turn closes
+    w.output(call.call_id, "18 C")
+    assert not w.take_force()  # the output came: the model answers
     assert w.unit_result(unit("Hello."), forced=False).text == "Hello."
+
+
+def test_calls_closed_at_a_units_end_wait_one_unit_for_more() -> None:
+    """Parallel calls split exactly at a unit boundary: the first closes the unit with the
+    turn open, the next unit (without speech) begins the second; both are made together."""
+    w = watch()
+    first = w.unit_result(unit(CALL % "Rome"), forced=False)
+    assert first.tool_calls == () and w.silent and not w.take_force()
+    both = w.unit_result(unit("\n" + CALL % "Oslo", eot=True), forced=False)
+    assert [json.loads(c.arguments)["city"] for c in both.tool_calls] == ["Rome", "Oslo"]
+    assert both.is_listen and both.end_of_turn and not both.audio.size and w.take_force()
+    # One call closed at the boundary, then words: the call stands, the words are not said.
+    w = watch()
+    assert w.unit_result(unit("Ok. " + CALL % "Rome"), forced=False).text == "Ok. "
+    (call,) = (got := w.unit_result(unit("It is sunny."), forced=False)).tool_calls
+    assert json.loads(call.arguments)["city"] == "Rome"
+    assert (got.text, got.audio.size, got.is_listen) == ("", 0, True)
+    # A barge-in at the boundary: the closed call is made, not dropped.
+    w = watch()
+    w.unit_result(unit(CALL % "Rome"), forced=False)
+    assert len(w.unit_result(unit(listen=True), forced=True).tool_calls) == 1
+
+
+def test_the_session_listens_while_outputs_are_awaited_for_a_while() -> None:
+    w = watch()
+    (call,) = w.unit_result(unit(CALL % "Rome", eot=True), forced=False).tool_calls
+    assert [w.take_force() for _ in range(MAX_AWAIT_UNITS + 2)] == [True] * (
+        MAX_AWAIT_UNITS + 1
+    ) + [False]  # the turn's close, then MAX_AWAIT_UNITS units waiting, then free
+    w.output(call.call_id, "18 C")  # late: still fed to the model
+    assert w.take_results() and not w.take_force()
 
 
 def test_parallel_calls_in_one_unit_and_words_in_the_same_unit() -> None:
@@ -102,3 +135,17 @@ def test_outputs_are_fed_once_all_came_others_ignored() -> None:
     w.output(second, "9 C")
     text = tool_text.results_text(["18 C", "9 C"])
     assert w.take_results() == [ord(c) for c in text] and w.take_results() == []
+
+
+def test_a_call_that_cannot_be_made_is_answered_as_an_error_once_in_a_row() -> None:
+    w = watch()
+    bad = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert w.unit_result(unit(bad, eot=True), forced=False).tool_calls == ()
+    told = "".join(map(chr, w.take_results()))
+    assert "get_time" in told and told.startswith(tool_text.RESULT_OPEN)
+    assert w.take_force() and not w.take_force()  # the turn closes; nothing is awaited
+    w.unit_result(unit(bad, eot=True), forced=False)  # wrong again: only logged
+    assert w.take_results() == []
+    w.unit_result(unit("Sorry, I cannot."), forced=False)  # it spoke: a new run of tries
+    w.unit_result(unit(bad, eot=True), forced=False)
+    assert w.take_results()

@@ -40,6 +40,15 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 #: model's turn is then ended): the model writes at most 20 tokens a unit (28 characters
 #: in the unified layout), so a call of a few arguments takes 3 to 5.
 MAX_CALL_UNITS = 12
+#: Units a duplex session is made to listen while the outputs of its calls have not all come
+#: (the reference engine's rule: no answer before the outputs it needs); past that the
+#: model is free again (a slow function, or a user who moved on) and the outputs, when they
+#: come, still go into the context.
+MAX_AWAIT_UNITS = 10
+#: Calls that could not be made (not JSON, a function not offered, arguments that do not fit
+#: its schema) are answered to the model as the function's response, an error it may correct
+#: by calling again, this many times in a row at most (then they are only logged).
+MAX_CALL_RETRIES = 1
 
 
 def tools_text(tokenizer: Any, tools: Sequence[ToolSpec], choice: ToolChoice) -> str:
@@ -199,6 +208,11 @@ def _loads(text: str) -> Any:
 # ---- duplex ------------------------------------------------------------------------------
 
 
+def error_text(problems: Sequence[str]) -> str:
+    """What the model is told, as a function's response, of calls that could not be made."""
+    return "error: the call was not made: " + "; ".join(problems)
+
+
 def _closed(body: str) -> bool:
     """Every call begun in ``body`` is closed, and nothing but space follows the last."""
     return body.rstrip().endswith(CALL_CLOSE) and body.count(CALL_OPEN) == body.count(CALL_CLOSE)
@@ -215,10 +229,17 @@ class CallWatch:
     when every call begun is closed at a unit's end, or after MAX_CALL_UNITS; the next unit
     is then made to listen (``force_next``: a turn still open is closed); the unit that
     reads them carries them (``GenerateResult.tool_calls``, its turn ended, listening unless it
-    also spoke), as the reference engine's duplex calls are carried. A unit made to listen
-    meanwhile (a barge-in) drops the call. The outputs of the calls (``output``), once all
-    came, go into the context before the next unit's ``<unit>`` as the chat path writes
-    them (``results``)."""
+    also spoke), as the reference engine's duplex calls are carried. Calls closed right at a
+    unit's end with the turn still open are read one unit later (``closed``): that unit
+    runs without speech and may begin another call (parallel calls split at the boundary);
+    if it does not, the calls stand and what it wrote is not said. A unit made to listen
+    meanwhile (a barge-in) drops a call still being written, and makes calls already closed.
+    Until the outputs of the calls (``output``) all came, the session listens (at most
+    MAX_AWAIT_UNITS units); once they came they go into the context before the next unit's
+    ``<unit>`` as the chat path writes them (``results``). Calls that could not be made,
+    with none that could, go back the same way as an error response naming what was wrong
+    (``error_text``; MAX_CALL_RETRIES in a row): the model may call again or say so, where
+    before it heard nothing and the caller got silence."""
 
     def __init__(self, tools: Sequence[ToolSpec], choice: ToolChoice, tokenizer: Any) -> None:
         self.tools = tuple(tools)
@@ -230,6 +251,13 @@ class CallWatch:
         """Units the call's text took so far."""
         self.force_next = False
         """The calls were read: the next unit listens."""
+        self.closed = False
+        """Every call of ``body`` closed at the last unit's end, the turn still open: the
+        next unit tells whether another call follows."""
+        self.await_units = 0
+        """Units made to listen so far while outputs are awaited."""
+        self.retries = 0
+        """Error responses fed in a row (reset once the model speaks without a call)."""
         self.awaiting: dict[str, str | None] = {}
         """call id -> its output (None until it comes) of the last calls made."""
         self.results: list[int] = []
@@ -242,9 +270,18 @@ class CallWatch:
         return self.body is not None
 
     def take_force(self) -> bool:
-        """Whether this unit must listen (the calls were read in an open turn); once."""
+        """Whether this unit must listen: once after the calls were read in an open turn,
+        then while their outputs are awaited (at most MAX_AWAIT_UNITS units)."""
         force, self.force_next = self.force_next, False
+        if not force and self.waiting and self.await_units < MAX_AWAIT_UNITS:
+            self.await_units += 1
+            force = True
         return force
+
+    @property
+    def waiting(self) -> bool:
+        """Outputs of the last calls made have not all come."""
+        return any(o is None for o in self.awaiting.values())
 
     def take_results(self) -> list[int]:
         """The outputs' tokens to feed with this unit's prefill (then none)."""
@@ -271,23 +308,39 @@ class CallWatch:
 
     def unit_result(self, result: GenerateResult, forced: bool) -> GenerateResult:
         """The unit's result with the call's text held back, and the calls once read."""
-        if forced and self.body is not None:
+        silent = np.zeros(0, np.float32)
+        if self.closed:  # the calls so far closed at the last unit's end
+            self.closed = False
+            more = "" if forced or result.is_listen else result.text
+            if not more.lstrip().startswith(CALL_OPEN):
+                if more.strip():
+                    log.info("session %s: words after its calls not said", self.session_id)
+                return self._made(result, "", silent)
+            self.body = (self.body or "") + more
+            said = ""
+        elif forced and self.body is not None:
             log.info("session %s: a call cut before it ended (a forced listen)", self.session_id)
             self.body, self.units = None, 0
             return result
-        if self.body is None:
+        elif self.body is None:
             at = -1 if result.is_listen else result.text.find(CALL_OPEN)
             if at < 0:
+                self.retries = 0 if result.text.strip() else self.retries
                 return result
             said, self.body = result.text[:at], result.text[at:]
         else:
             said = ""
             self.body += "" if result.is_listen else result.text
         self.units += 1
-        audio = result.audio if said else np.zeros(0, np.float32)
+        audio = result.audio if said else silent
         turn_over = result.is_listen or result.end_of_turn
-        if not (turn_over or _closed(self.body) or self.units >= MAX_CALL_UNITS):
+        if not (turn_over or self.units >= MAX_CALL_UNITS):
+            self.closed = _closed(self.body)
             return replace(result, is_listen=False, text=said, audio=audio)
+        return self._made(result, said, audio)
+
+    def _made(self, result: GenerateResult, said: str, audio: np.ndarray) -> GenerateResult:
+        """The unit's result carrying the calls of ``body``, read now; the next unit listens."""
         calls = self._read()
         # The next unit listens: it closes the turn if still open (the public code reopens
         # it when a token after <|turn_eos|> is dropped at the unit's character limit).
@@ -309,7 +362,12 @@ class CallWatch:
             log.warning("session %s: calls not made: %s", self.session_id, "; ".join(problems))
         if calls:
             self.awaiting = {c.call_id: None for c in calls}
-            self.results = []
+            self.results, self.await_units = [], 0
+        elif problems and self.retries < MAX_CALL_RETRIES:
+            self.retries += 1
+            self.awaiting = {}
+            text = tool_text.results_text([error_text(problems)])
+            self.results = list(self.tokenizer.encode(text, add_special_tokens=False))
         return calls
 
     def output(self, call_id: str, output: str) -> None:
