@@ -105,6 +105,14 @@ class Ears:
         """How often the two agreed, or which one's transcript was taken (for logs/tests)."""
         self.last_timings: dict[str, float] = {}
 
+    def _whisper(
+        self, audio: np.ndarray, context: str | None
+    ) -> tuple[torch.Tensor | None, Hypothesis | None]:
+        """Whisper's encoding of ``audio`` and its greedy hypothesis (None, None where its
+        gate finds no speech)."""
+        enc = self.whisper.encode(audio)
+        return enc, None if enc is None else self.whisper.hypothesis(enc, context)
+
     def _moonshine(self, audio: np.ndarray) -> tuple[torch.Tensor, Hypothesis, float]:
         t0 = time.perf_counter()
         enc = self.moonshine.encode(audio)
@@ -121,8 +129,7 @@ class Ears:
             return "", float("-inf")
         t0 = time.perf_counter()
         moon = self._pool.submit(self._moonshine, audio)
-        w_enc = self.whisper.encode(audio)
-        w = None if w_enc is None else self.whisper.hypothesis(w_enc, context)
+        w_enc, w = self._whisper(audio, context)
         whisper_ms = (time.perf_counter() - t0) * 1000.0
         m_enc, m, moonshine_ms = moon.result()
         t1 = time.perf_counter()
@@ -168,8 +175,7 @@ class Ears:
             return "", float("-inf")
         t0 = time.perf_counter()
         moon = self._pool.submit(self._moonshine_closely, audio)
-        w_enc = self.whisper.encode(audio)
-        w = None if w_enc is None else self.whisper.hypothesis(w_enc, context)
+        w_enc, w = self._whisper(audio, context)
         if w_enc is None or w is None or not w.text:
             moon.result()
             return "", float("-inf") if w is None else w.mean  # Whisper: nothing was said
