@@ -554,6 +554,35 @@ def test_function_tools_reach_the_turn_and_a_call_streams_as_the_api_does():
     assert turn.chat.messages[2].tool_call_id == "call_1"
 
 
+def test_parallel_calls_stream_as_two_items_and_both_outputs_reach_the_next_turn():
+    from omnifabric.common.tools import ToolCall
+    from omnifabric.edge.chat import TurnToolCall
+
+    d = _with_tools()
+    _ask(d, "What's the weather in Paris and in London?")
+    d.encode_turn(TurnStarted(True, True))
+    made = [
+        ToolCall("call_1", "get_weather", '{"city": "Paris"}'),
+        ToolCall("call_2", "get_weather", '{"city": "London"}'),
+    ]
+    items = [d.encode_turn(TurnToolCall(call))[0]["item"] for call in made]
+    assert [i["call_id"] for i in items] == ["call_1", "call_2"]
+    assert items[0]["id"] != items[1]["id"]
+    done = d.encode_turn(TurnDone(ChatResult(reason="tool_calls")))[-1]["response"]
+    assert [(o["type"], o["call_id"]) for o in done["output"]] == [
+        ("function_call", "call_1"),
+        ("function_call", "call_2"),
+    ]
+    for call_id, output in (("call_1", "21 C"), ("call_2", "14 C")):
+        item = {"type": "function_call_output", "call_id": call_id, "output": output}
+        send(d, type="conversation.item.create", item=item)
+    (turn,) = send(d, type="response.create")
+    messages = turn.chat.messages
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "tool"]
+    assert [c for m in messages for c in m.tool_calls] == made
+    assert [m.tool_call_id for m in messages if m.role == "tool"] == ["call_1", "call_2"]
+
+
 def test_tool_choice_none_and_a_named_function_reach_the_turn():
     d = _with_tools(tool_choice="none")
     assert _ask(d, "Weather in Paris?").chat.tool_choice.kind == "none"

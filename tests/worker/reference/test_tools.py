@@ -235,6 +235,57 @@ def test_the_retry_tells_the_model_what_was_wrong() -> None:
     assert (plan.prompt_tokens, plan.output_tokens) == (20, 4)
 
 
+def args(plan: functions.Plan) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in plan.calls]
+
+
+def test_a_request_of_several_parts_may_call_one_function_several_times() -> None:
+    """Joined parts ("and", commas) get an array of calls: each fitting, new and (past the
+    first) with values the request holds, four at most; a cut-off array keeps its whole
+    objects; a request of one part, or an array with nothing that fits, is asked for one
+    object as before."""
+    plan = functions.Plan()
+    llm = Scripted(' "city": "Paris" }, { "city": "London" }, { "city": "Paris" }]')
+    functions.fill_all(llm, "Weather in Paris and in London?", [WEATHER], plan)
+    assert args(plan) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "London"})]
+    assert llm.asked[0][0] == ("system", functions.SEVERAL_SYSTEM)
+    plan = functions.Plan()  # invented (Rome), unfit (town), cut off (Oslo)
+    llm = Scripted(' "city": "Paris" }, { "city": "Rome" }, { "town": "Lima" }, { "city": "Os')
+    functions.fill_all(llm, "Weather in Paris, Lima and Oslo?", [WEATHER], plan)
+    assert args(plan) == [("get_weather", {"city": "Paris"})]
+    many = ", ".join(f'{{"city": "C{i}"}}' for i in range(6))
+    plan = functions.Plan()
+    functions.fill_all(Scripted(many[1:] + "]"), "C0, C1, C2, C3, C4 and C5", [WEATHER], plan)
+    assert len(plan.calls) == functions.MOST_CALLS
+    plan = functions.Plan()  # nothing fits: one object, with its retry
+    llm = Scripted(' "town": "Oslo" }]', '"city": "Oslo"}')
+    functions.fill_all(llm, "Weather in Oslo and more", [WEATHER], plan)
+    assert args(plan) == [("get_weather", {"city": "Oslo"})]
+    plan = functions.Plan()  # one part: one object
+    functions.fill_all(Scripted('"city": "Oslo"}'), "Weather in Oslo?", [WEATHER], plan)
+    assert args(plan) == [("get_weather", {"city": "Oslo"})]
+
+
+def test_a_further_call_made_of_another_calls_values_is_dropped() -> None:
+    plan = functions.Plan()
+    llm = Scripted(' "city": "Berlin" }, { "city": "2024" }]', ' "order_number": "2024" }]')
+    request = "The weather for Berlin and whether my order 2024 shipped."
+    functions.fill_all(llm, request, [WEATHER, ORDERS], plan)
+    assert args(plan) == [
+        ("get_weather", {"city": "Berlin"}),
+        ("order_status", {"order_number": "2024"}),
+    ]
+
+
+@pytest.mark.ci_long  # the real reply model: ~5 s
+def test_two_cities_get_a_call_each(inline_engine) -> None:
+    found = calls(chat(inline_engine, user("Is it sunny in Rome and in Madrid today?")))
+    assert [(c.name, json.loads(c.arguments)) for c in found] == [
+        ("get_weather", {"city": "Rome"}),
+        ("get_weather", {"city": "Madrid"}),
+    ]
+
+
 def test_auto_calls_each_function_that_gets_a_yes_once_and_required_picks_one() -> None:
     turn = ChatTurn(messages=(user("x"),), tools=TOOLS)
     assert functions.choose(Scripted("Yes", "no", "yes"), turn, "x", functions.Plan()) == [

@@ -9,7 +9,9 @@ are asked separately, as short questions the model answers well:
   those, else the one the model picks from a numbered list; a named function: that one);
 - the arguments: a JSON object for the function's schema and the user's words, greedy, its
   answer begun with "{"; parsed and checked against the schema (common.tools), asked once
-  more with what was wrong, and never passed on when it still does not fit.
+  more with what was wrong, and never passed on when it still does not fit. A request of
+  joined parts ("Paris and London") is asked for a JSON array of them first: one call of
+  the function per fitting object (``fill_several``: parallel calls).
 
 A function's output goes back into the conversation as the model's template writes it: the
 call as an assistant turn "<tool_call>{json}</tool_call>", the outputs as a user turn of
@@ -60,6 +62,19 @@ FILL_QUESTION = (
 )
 FILL_RETRY = "That does not fit the schema: {problems}. Write the corrected JSON object only."
 ARGUMENT_TOKENS = 160
+#: A request that may ask for one function several times ("the weather in Paris and in
+#: London", "orders 4242 and 31337") joins its parts with one of these; only such a request
+#: is asked for a JSON array of calls (``fill_several``), any other for one object as before.
+SEVERAL_WORDS = re.compile(r"\b(?:and|or|both|each|also)\b|[,&+]", re.I)
+SEVERAL_SYSTEM = (
+    "You fill in a function's arguments. Write a JSON array of argument objects that fit "
+    "the function's schema, with values taken from the request: one object for each "
+    "separate call the request asks for (most requests ask for one), and nothing else."
+)
+#: The array's tokens at most (four calls of a few arguments; a model that repeats itself
+#: is cut there), and the calls of one function one request makes at most.
+SEVERAL_TOKENS = 64
+MOST_CALLS = 4
 #: How the model is told of function outputs (added to the system prompt when the
 #: conversation holds some), and what follows the outputs that end the turn.
 RESULT_NOTE = (
@@ -258,9 +273,102 @@ def fill_all(
     plan: Plan,
     recent: Sequence[Earlier] = (),
 ) -> None:
-    """The calls of the ``chosen`` functions (``fill`` each), added to the plan."""
+    """The calls of the ``chosen`` functions, added to the plan: ``fill`` each, or, where
+    the request joins several parts (SEVERAL_WORDS), ``fill_several`` first; a further call
+    of one function (past its first) is dropped when its arguments are all those of another
+    function's call ("the weather for Berlin and my order 2024" is no weather for "2024")."""
+    further: list[ToolCall] = []
     for spec in chosen:
-        fill(llm, request, spec, plan, recent)
+        if not (
+            SEVERAL_WORDS.search(request)
+            and fill_several(llm, request, spec, plan, recent, further)
+        ):
+            fill(llm, request, spec, plan, recent)
+    others = {c.call_id: _values(c) for c in plan.calls}
+    for call in further:
+        mine = others[call.call_id]
+        if any(
+            mine <= theirs
+            for c, theirs in zip(plan.calls, others.values(), strict=True)
+            if c.name != call.name
+        ):
+            plan.calls.remove(call)
+
+
+def fill_several(
+    llm: Asker,
+    request: str,
+    spec: ToolSpec,
+    plan: Plan,
+    recent: Sequence[Earlier],
+    further: list[ToolCall],
+) -> bool:
+    """The calls of ``spec`` for a request that may ask for it more than once: the model
+    writes a JSON array of argument objects; each that fits the schema, differs from those
+    before it and takes its values from the request (past the first: a value the request
+    does not hold is the model's invention) is a call, MOST_CALLS at most; those past the
+    first also go to ``further``. False (nothing added) when no object fits: ``fill`` then
+    asks for one, with its retry."""
+    answer = plan.count(
+        llm.ask(
+            [("system", SEVERAL_SYSTEM), ("user", _fill_question(request, spec, recent))],
+            SEVERAL_TOKENS,
+            prefix="[{",
+        )
+    )
+    said = (spoken_numbers(request) if takes_numbers(spec) else request).lower()
+    made: list[ToolCall] = []
+    for found in _objects(answer.text):
+        arguments, problems = parse_arguments(json.dumps(found), spec)
+        if problems or any(c.arguments == arguments for c in made):
+            continue
+        call = ToolCall(f"call_{secrets.token_hex(8)}", spec.name, arguments)
+        if made and not all(v.lower() in said for v in _values(call)):
+            continue
+        made.append(call)
+        if len(made) == MOST_CALLS:
+            break
+    plan.calls += made
+    further += made[1:]
+    return bool(made)
+
+
+def _objects(text: str) -> list[object]:
+    """The JSON objects of an array as the model wrote it (maybe cut off, or followed by
+    other text): each whole one in order, up to the first that is not."""
+    decoder, found, at = json.JSONDecoder(), [], text.find("[") + 1
+    while at > 0:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at >= len(text) or text[at] != "{":
+            break
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        found.append(value)
+    return found
+
+
+def _values(call: ToolCall) -> frozenset[str]:
+    """A call's argument values as text (the scalars of its object)."""
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        return frozenset()
+    items = arguments.values() if isinstance(arguments, dict) else ()
+    return frozenset(str(v) for v in items if isinstance(v, str | int | float) and str(v))
+
+
+def _fill_question(request: str, spec: ToolSpec, recent: Sequence[Earlier]) -> str:
+    """The question that asks for ``spec``'s arguments for ``request``."""
+    return FILL_QUESTION.format(
+        name=spec.name,
+        description=spec.description or task(spec),
+        schema=json.dumps(spec.parameters or {"type": "object"}),
+        earlier=earlier_text(recent),
+        request=spoken_numbers(request) if takes_numbers(spec) else request,
+    )
 
 
 def fill(
@@ -270,14 +378,7 @@ def fill(
     ``recent`` turns, as ``choose`` takes them), added to the plan; asked once more when
     they do not fit, then the problem is the plan's. Where the function takes a number or
     an id, the request's spoken numbers are given as digits (``spoken_numbers``)."""
-    question = FILL_QUESTION.format(
-        name=spec.name,
-        description=spec.description or task(spec),
-        schema=json.dumps(spec.parameters or {"type": "object"}),
-        earlier=earlier_text(recent),
-        request=spoken_numbers(request) if takes_numbers(spec) else request,
-    )
-    turns = [("system", FILL_SYSTEM), ("user", question)]
+    turns = [("system", FILL_SYSTEM), ("user", _fill_question(request, spec, recent))]
     for attempt in range(2):
         answer = plan.count(llm.ask(turns, ARGUMENT_TOKENS, prefix="{"))
         arguments, problems = parse_arguments(answer.text, spec)
