@@ -65,7 +65,7 @@ ARGUMENT_TOKENS = 160
 #: A request that may ask for one function several times ("the weather in Paris and in
 #: London", "orders 4242 and 31337") joins its parts with one of these; only such a request
 #: is asked for a JSON array of calls (``fill_several``), any other for one object as before.
-SEVERAL_WORDS = re.compile(r"\b(?:and|or|both|each|also)\b|[,&+]", re.I)
+SEVERAL_WORDS = re.compile(r"\b(?:and|or|both|each|also)\b|[&+]", re.I)
 SEVERAL_SYSTEM = (
     "You fill in a function's arguments. Write a JSON array of argument objects that fit "
     "the function's schema, with values taken from the request: one object for each "
