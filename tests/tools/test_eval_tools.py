@@ -85,3 +85,21 @@ def test_the_table_reports_each_set_apart_and_a_miss_says_what_was_heard():
         "heard 'Weather in a slow?'"
     )
     assert line(outcomes[1]) == "ok  [spoken] 'Hi!' -> - (1.00 s)"
+
+
+def test_a_request_of_several_parts_is_right_only_with_every_call_and_no_more():
+    import json
+
+    from omnifabric.tools.eval_tools import SEVERAL
+
+    case = SEVERAL[0]  # Paris and London
+    paris = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    london = {"name": "get_weather", "arguments": '{"city": "london"}'}
+    assert scored(case, [london, paris]) and scored(case, [paris, london])
+    assert not scored(case, [paris]) and not scored(case, [paris, paris])
+    assert not scored(case, [paris, london, london])
+    specs = {t["name"]: ToolSpec(t["name"], t["description"], t["parameters"]) for t in TOOLS}
+    assert sum(len(c.expected()) > 1 for c in SEVERAL) == 8
+    for case in SEVERAL:  # every expected call is one the offered schema takes
+        for name, arguments in case.expected():
+            assert argument_errors(specs[name], json.dumps(arguments)) == []
