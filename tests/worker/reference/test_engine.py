@@ -417,6 +417,39 @@ def test_chat_with_text_and_audio_parts(engine):
         list(engine.chat(ChatTurn((ChatMessage("assistant", ("hi",)),))))
 
 
+def test_a_spoken_chat_turn_without_instructions_is_asked_for_a_brief_plain_answer(
+    engine, monkeypatch
+):
+    """Heard, not read: the default instructions of a spoken turn ask for a few plain
+    sentences (a text turn keeps the plain default; a client's own instructions win), and
+    markdown's marks in a reply are not spoken."""
+    from omnifabric.worker.engine import ChatMessage, ChatTurn
+    from omnifabric.worker.engines.reference.engine import unformatted
+
+    prompts: list[str] = []
+    opened = engine.llm.conversation
+
+    def conversation(prompt):
+        prompts.append(prompt)
+        return opened(prompt)
+
+    monkeypatch.setattr(engine.llm, "conversation", conversation)
+    ask = (ChatMessage("user", ("Hi.",)),)
+    for turn in (
+        ChatTurn(ask, speech=True, max_new_tokens=2),
+        ChatTurn(ask, max_new_tokens=2),
+        ChatTurn((ChatMessage("system", ("Be terse.",)), *ask), speech=True, max_new_tokens=2),
+    ):
+        list(engine.chat(turn))
+    assert prompts == [engine.spoken_prompt, engine.default_prompt, "Be terse."]
+    spoken: list[str] = []
+    monkeypatch.setattr(engine.tts, "synthesize", lambda text: spoken.append(text) or np.ones(4))
+    chunk = engine._said("1. **Density**: ", True)
+    assert chunk.text == "1. **Density**: " and spoken == ["1. Density:"]
+    assert unformatted("## Rain\n- falls as `water`") == "Rain\nfalls as water"
+    assert engine._said("**", True).audio.size == 0 and spoken == ["1. Density:"]
+
+
 def test_chat_reports_every_unusable_field(engine):
     from omnifabric.worker.engine import ChatMessage, ChatTurn
 

@@ -268,8 +268,8 @@ def test_a_request_of_several_parts_may_call_one_function_several_times() -> Non
 
 def test_a_further_call_made_of_another_calls_values_is_dropped() -> None:
     plan = functions.Plan()
-    llm = Scripted(' "city": "Berlin" }, { "city": "2024" }]', ' "order_number": "2024" }]')
-    request = "The weather for Berlin and whether my order 2024 shipped."
+    llm = Scripted(' "city": "Berlin" }, { "city": "2,024" }]', ' "order_number": "2024" }]')
+    request = "The weather for Berlin and whether my order 2,024 shipped."
     functions.fill_all(llm, request, [WEATHER, ORDERS], plan)
     assert args(plan) == [
         ("get_weather", {"city": "Berlin"}),

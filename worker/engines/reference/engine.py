@@ -1056,6 +1056,17 @@ _NOT_NAMES = frozenset({"I", "I'm", "I'll", "I've", "I'd", "OK"})
 MOST_NAMES = 24
 
 
+#: Markdown a text reply may hold that a voice should not read out: emphasis and code marks,
+#: heading marks, and list bullets at a line's start.
+_FORMATTING = re.compile(r"[*`]+|^\s*#+\s*|^\s*[-+]\s+", re.M)
+
+
+def unformatted(text: str) -> str:
+    """``text`` as it is spoken: without markdown's marks ("**Density**: ..." is said
+    "Density: ...")."""
+    return _FORMATTING.sub("", text)
+
+
 def hearing_names(system_prompt: str, tools: Sequence[ToolSpec] = ()) -> str:
     """The names a session's words already hold, for the recognizer's prompt (Ears.hear's
     ``context``): the capitalized words of the client's system prompt that do not begin a
@@ -1156,6 +1167,12 @@ class ReferenceEngine(Engine):
     name = "reference"
     modes = frozenset({"audio", "video", "chat"})
     default_prompt = "You are a helpful voice assistant. Answer in English."
+    spoken_prompt = (
+        "You are a helpful voice assistant. Answer in English, briefly: one to three plain "
+        "spoken sentences, without lists, headings or formatting."
+    )
+    """A chat turn that is spoken and brings no system message of its own: its answer is
+    heard, not read (the duplex path's replies keep to two sentences by its rules)."""
     repair_below = -1.0
     """A transcript whose mean token log-probability (over both recognizers, or Whisper's
     alone) is below this is too unsure to answer: the engine asks the user to say it again
@@ -1387,8 +1404,9 @@ class ReferenceEngine(Engine):
     def _said(self, text: str, speech: bool) -> ChatChunk:
         """A piece of a reply, with its speech when asked."""
         audio = np.zeros(0, np.float32)
-        if speech and text.strip():
-            audio = self.tts.synthesize(text.strip())
+        words = unformatted(text).strip() if speech else ""
+        if words:
+            audio = self.tts.synthesize(words)
         return ChatChunk(text=text, audio=audio)
 
     def _call(
@@ -1421,7 +1439,8 @@ class ReferenceEngine(Engine):
         and outputs are written as the model's template does (``functions``)."""
         messages = turn.messages
         system = [m for m in messages if m.role == "system"]
-        prompt = " ".join(self._text_of(m) for m in system) or self.default_prompt
+        default = self.spoken_prompt if turn.speech else self.default_prompt
+        prompt = " ".join(self._text_of(m) for m in system) or default
         if functions.has_results(messages):
             prompt = f"{prompt}\n{functions.RESULT_NOTE}"
         conversation = self.llm.conversation(prompt)

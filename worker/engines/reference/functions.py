@@ -351,13 +351,17 @@ def _objects(text: str) -> list[object]:
 
 
 def _values(call: ToolCall) -> frozenset[str]:
-    """A call's argument values as text (the scalars of its object)."""
+    """A call's argument values as compared (the scalars of its object, lowercase letters
+    and digits only: "80,412" is 80412)."""
     try:
         arguments = json.loads(call.arguments)
     except ValueError:
         return frozenset()
     items = arguments.values() if isinstance(arguments, dict) else ()
-    return frozenset(str(v) for v in items if isinstance(v, str | int | float) and str(v))
+    found = (
+        re.sub(r"[^a-z0-9]", "", str(v).lower()) for v in items if isinstance(v, str | int | float)
+    )
+    return frozenset(v for v in found if v)
 
 
 def _fill_question(request: str, spec: ToolSpec, recent: Sequence[Earlier]) -> str:
