@@ -22,7 +22,8 @@ percentile of its recent units' costs, and no less than that of its recent speak
 (the last MIN_RECENT of them when the window holds fewer: a reply's dear units are not
 forgotten while the session listens), nor than the estimate until MIN_MEASURED; and what
 one more session at its peak would add (the engine's `added` of the peak: the whole peak on
-a time-sliced engine, a fraction on a batched one, whose step serves every row at once).
+a time-sliced engine; a batched step serves every row at once, so its rows' dear units do
+not wait for each other and the worker says 0 there: `added_peak`).
 The scheduler admits one more session only where the dearest peak held and the new one's
 added peak fit the engine's threads together (common.realtime.peaks_fit).
 """
@@ -96,6 +97,7 @@ class Headroom:
         added: Callable[[float], float],
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
+        added_peak: Callable[[float], float] | None = None,
     ) -> None:
         """`estimates`: engine seconds a session of each mode served costs per second of
         input before any unit was measured; `added`: what one more session adds, given what
@@ -104,6 +106,7 @@ class Headroom:
         self.estimates = dict(estimates)
         self.window_s = window_s
         self._added = added
+        self._added_peak = added if added_peak is None else added_peak
         self._clock = clock
         # (when, engine seconds per second of input) of recent units, per mode.
         self._costs = {mode: deque[tuple[float, float]](maxlen=RECENT_UNITS) for mode in estimates}
@@ -195,7 +198,7 @@ class Headroom:
         costs = {}
         for mode in self._costs:
             cost, peak = self.session_cost(mode), self.peak_cost(mode)
-            costs[mode] = ModeCost(cost, self._added(cost), peak, self._added(peak))
+            costs[mode] = ModeCost(cost, self._added(cost), peak, self._added_peak(peak))
         return HeadroomFigures(
             engine_threads=self.engine_threads,
             costs=costs,

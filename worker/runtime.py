@@ -150,8 +150,14 @@ class WorkerRuntime:
             self.engine_threads = max(1, min(engine.concurrency, engine.parallel_units))
         estimates = {mode: engine.cost_estimate(mode, warmup_s) for mode in engine.modes}
         added_cost = engine.added_cost if self.stepper is None else self.stepper.added_cost
+        # A batched step serves its rows together: their dearest units do not queue behind
+        # each other (the means, by the step's fitted slope, govern there).
         self.headroom = Headroom(
-            self.engine_threads, estimates, added_cost, self.config.headroom_window_s
+            self.engine_threads,
+            estimates,
+            added_cost,
+            self.config.headroom_window_s,
+            added_peak=None if self.stepper is None else (lambda _peak: 0.0),
         )
         costs = self.headroom.figures().costs
         log.info(

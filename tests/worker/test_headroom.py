@@ -112,6 +112,24 @@ def test_the_headroom_counts_the_engine_threads_that_run_at_full_speed():
         runtime.executor.shutdown()
 
 
+@pytest.mark.parametrize("batching", ["off", "on"])
+def test_a_time_sliced_worker_adds_a_whole_peak_a_batched_one_none(batching):
+    from omnifabric.worker.config import WorkerConfig
+    from omnifabric.worker.engines.synthetic import SyntheticEngine
+    from omnifabric.worker.runtime import WorkerRuntime
+
+    engine = SyntheticEngine(compute_ms=100, slots=4, batch_share=0.1)
+    runtime = WorkerRuntime(WorkerConfig(engine="synthetic", batching=batching), engine)
+    try:
+        runtime._measure_headroom(0.5)
+        assert runtime.headroom is not None and (runtime.stepper is None) == (batching == "off")
+        cost = runtime.headroom.figures().costs["audio"]
+        assert cost.peak_cost > 0
+        assert cost.added_peak == (cost.peak_cost if batching == "off" else 0.0)
+    finally:
+        runtime.executor.shutdown()
+
+
 def test_a_session_peaks_at_its_dearest_unit_and_keeps_it_while_it_listens():
     """The unit that ends a turn costs 0.95, the reply's others 0.3 and 0.02, listening
     0.05: the peak is the dear unit (the mean stays the reply's), what one more adds at its
@@ -132,3 +150,6 @@ def test_a_session_peaks_at_its_dearest_unit_and_keeps_it_while_it_listens():
         room.unit("audio", "L1", 1.0, 0.05, 0.1)
     assert room.peak_cost("audio") == pytest.approx(0.95)
     assert room.peak_cost("video") == 0.0
+    # A batched step's rows do not wait for each other's dear units: it adds no peak.
+    rows = Headroom(1, {"audio": 0.2}, lambda c: c / 4, added_peak=lambda _peak: 0.0)
+    assert rows.figures().costs["audio"].added_peak == 0.0
