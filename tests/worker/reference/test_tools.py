@@ -261,6 +261,12 @@ def test_a_request_of_several_parts_may_call_one_function_several_times() -> Non
     llm = Scripted(' "town": "Oslo" }]', '"city": "Oslo"}')
     functions.fill_all(llm, "Weather in Oslo and more", [WEATHER], plan)
     assert args(plan) == [("get_weather", {"city": "Oslo"})]
+    plan = functions.Plan()  # values as the request writes them, punctuation aside
+    llm = Scripted(
+        ' "restaurant": "Nobu", "people": 2 }, { "restaurant": "Luigi\'s", "people": 4 }]'
+    )
+    functions.fill_all(llm, "Book Nobu for two and Luigis for four.", [BOOKING], plan)
+    assert [a["restaurant"] for _, a in args(plan)] == ["Nobu", "Luigi's"]
     plan = functions.Plan()  # one part: one object
     functions.fill_all(Scripted('"city": "Oslo"}'), "Weather in Oslo?", [WEATHER], plan)
     assert args(plan) == [("get_weather", {"city": "Oslo"})]

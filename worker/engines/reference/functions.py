@@ -316,14 +316,14 @@ def fill_several(
             prefix="[{",
         )
     )
-    said = (spoken_numbers(request) if takes_numbers(spec) else request).lower()
+    said = _plain(spoken_numbers(request) if takes_numbers(spec) else request)
     made: list[ToolCall] = []
     for found in _objects(answer.text):
         arguments, problems = parse_arguments(json.dumps(found), spec)
         if problems or any(c.arguments == arguments for c in made):
             continue
         call = ToolCall(f"call_{secrets.token_hex(8)}", spec.name, arguments)
-        if made and not all(v.lower() in said for v in _values(call)):
+        if made and not all(v in said for v in _values(call, keep_spaces=True)):
             continue
         made.append(call)
         if len(made) == MOST_CALLS:
@@ -350,17 +350,21 @@ def _objects(text: str) -> list[object]:
     return found
 
 
-def _values(call: ToolCall) -> frozenset[str]:
-    """A call's argument values as compared (the scalars of its object, lowercase letters
-    and digits only: "80,412" is 80412)."""
+def _plain(text: str, keep_spaces: bool = True) -> str:
+    """``text`` as values are compared: lowercase letters and digits ("80,412" is 80412,
+    "Luigi's" is luigis), with single spaces between words when ``keep_spaces``."""
+    words = re.sub(r"[^a-z0-9\s]", "", text.lower()).split()
+    return (" " if keep_spaces else "").join(words)
+
+
+def _values(call: ToolCall, keep_spaces: bool = False) -> frozenset[str]:
+    """A call's argument values (the scalars of its object), each ``_plain``."""
     try:
         arguments = json.loads(call.arguments)
     except ValueError:
         return frozenset()
     items = arguments.values() if isinstance(arguments, dict) else ()
-    found = (
-        re.sub(r"[^a-z0-9]", "", str(v).lower()) for v in items if isinstance(v, str | int | float)
-    )
+    found = (_plain(str(v), keep_spaces) for v in items if isinstance(v, str | int | float))
     return frozenset(v for v in found if v)
 
 
