@@ -284,14 +284,9 @@ def fill_all(
             and fill_several(llm, request, spec, plan, recent, further)
         ):
             fill(llm, request, spec, plan, recent)
-    others = {c.call_id: _values(c) for c in plan.calls}
     for call in further:
-        mine = others[call.call_id]
-        if any(
-            mine <= theirs
-            for c, theirs in zip(plan.calls, others.values(), strict=True)
-            if c.name != call.name
-        ):
+        mine = _values(call)
+        if any(c.name != call.name and mine <= _values(c) for c in plan.calls):
             plan.calls.remove(call)
 
 
@@ -316,7 +311,7 @@ def fill_several(
             prefix="[{",
         )
     )
-    said = _plain(spoken_numbers(request) if takes_numbers(spec) else request)
+    said = _plain(_as_asked(request, spec))
     made: list[ToolCall] = []
     for found in _objects(answer.text):
         arguments, problems = parse_arguments(json.dumps(found), spec)
@@ -375,8 +370,14 @@ def _fill_question(request: str, spec: ToolSpec, recent: Sequence[Earlier]) -> s
         description=spec.description or task(spec),
         schema=json.dumps(spec.parameters or {"type": "object"}),
         earlier=earlier_text(recent),
-        request=spoken_numbers(request) if takes_numbers(spec) else request,
+        request=_as_asked(request, spec),
     )
+
+
+def _as_asked(request: str, spec: ToolSpec) -> str:
+    """The request as ``spec``'s arguments are asked for: its spoken numbers as digits where
+    the function takes a number or an id (``spoken_numbers``)."""
+    return spoken_numbers(request) if takes_numbers(spec) else request
 
 
 def fill(
