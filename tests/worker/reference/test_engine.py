@@ -256,9 +256,9 @@ def test_names_the_session_holds_go_to_the_recognizer(engine, monkeypatch):
     heard_with = []
     hear = engine.asr.hear
 
-    def spy(audio, context=None):
+    def spy(audio, context=None, draft=""):
         heard_with.append(context)
-        return hear(audio, context)
+        return hear(audio, context, draft)
 
     monkeypatch.setattr(engine.asr, "hear", spy)
     steps = drive(engine, "question", prompt="You are the host of Chez Marie. Paris is home.")

@@ -106,30 +106,36 @@ class Ears:
         self.last_timings: dict[str, float] = {}
 
     def _whisper(
-        self, audio: np.ndarray, context: str | None
+        self, audio: np.ndarray, context: str | None, draft: str = ""
     ) -> tuple[torch.Tensor | None, Hypothesis | None]:
         """Whisper's encoding of ``audio`` and its greedy hypothesis (None, None where its
         gate finds no speech)."""
         enc = self.whisper.encode(audio)
-        return enc, None if enc is None else self.whisper.hypothesis(enc, context)
+        return enc, None if enc is None else self.whisper.hypothesis(enc, context, draft)
 
-    def _moonshine(self, audio: np.ndarray) -> tuple[torch.Tensor, Hypothesis, float]:
+    def _moonshine(
+        self, audio: np.ndarray, draft: str = ""
+    ) -> tuple[torch.Tensor, Hypothesis, float]:
         t0 = time.perf_counter()
         enc = self.moonshine.encode(audio)
-        found = self.moonshine.hypothesis(enc)
+        found = self.moonshine.hypothesis(enc, draft)
         return enc, found, (time.perf_counter() - t0) * 1000.0
 
-    def hear(self, audio: np.ndarray, context: str | None = None) -> tuple[str, float]:
+    def hear(
+        self, audio: np.ndarray, context: str | None = None, draft: str = ""
+    ) -> tuple[str, float]:
         """The transcript of float32 mono 16 kHz ``audio`` and its confidence (mean token
         log-probability over both models); ("", -inf) for silence. ``context``: words the
         speaker may use, for Whisper's prompt (``Transcriber.prompt_for``), in its decoding
-        and its scoring; Moonshine takes none."""
+        and its scoring; Moonshine takes none. ``draft``: what the same speech was heard as
+        before it went on; each model checks it against its own greedy reading and keeps
+        what agrees, so the transcript is the same in fewer decoding passes."""
         audio = np.asarray(audio, dtype=np.float32).reshape(-1)
         if is_silent(audio):
             return "", float("-inf")
         t0 = time.perf_counter()
-        moon = self._pool.submit(self._moonshine, audio)
-        w_enc, w = self._whisper(audio, context)
+        moon = self._pool.submit(self._moonshine, audio, draft)
+        w_enc, w = self._whisper(audio, context, draft)
         whisper_ms = (time.perf_counter() - t0) * 1000.0
         m_enc, m, moonshine_ms = moon.result()
         t1 = time.perf_counter()

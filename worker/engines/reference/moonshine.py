@@ -45,6 +45,7 @@ from omnifabric.worker.engines.reference.asr import (
     BEAMS,
     Hypothesis,
     beam_search,
+    read_draft,
     summed_logprob,
     widen,
 )
@@ -457,25 +458,41 @@ class Moonshine:
         found = self.hypothesis(enc)
         return found.text, found.mean
 
-    def hypothesis(self, enc: torch.Tensor) -> Hypothesis:
+    def hypothesis(self, enc: torch.Tensor, draft: str = "") -> Hypothesis:
         """``decode`` with its token count and the cross-attention keys and values it
-        computed from ``enc``, which ``score`` can reuse instead of computing them again."""
+        computed from ``enc``, which ``score`` can reuse instead of computing them again.
+        ``draft``: text the transcript likely begins with, checked in the first decoder pass
+        and kept as far as greedy decoding agrees (``asr.read_draft``): the same transcript
+        in fewer passes."""
         seconds = enc.shape[1] * ENCODER_STRIDE / SAMPLE_RATE
         limit = int(seconds * TOKENS_PER_SECOND) + 4
-        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        token, out, logprobs = START, [], []
+        own = DynamicCache()
+        cache = EncoderDecoderCache(own, DynamicCache())
+        guess = self.ids(draft)[: limit - 1] if draft.strip() else []
+        ids = [START, *guess]
+        out: list[int] = []
+        logprobs: list[float] = []
         with torch.inference_mode():
-            for _ in range(limit):
-                logits = self._logits([token], enc, cache)[-1]
-                token = int(logits.argmax())
-                logprobs.append(float(logits.log_softmax(-1)[token]))
-                if token == END:
-                    break
-                out.append(token)
-                keep = _loop_end(out)
-                if keep is not None:
-                    del out[keep:], logprobs[keep:]
-                    break
+            while len(logprobs) < limit:
+                first = not logprobs
+                rows = self._logits(ids, enc, cache)
+                read = read_draft(rows.log_softmax(-1), guess if first else [])
+                if first and guess:
+                    # The cache holds every draft token; keep those decoding agreed to.
+                    own.crop(len(read))
+                for token, logprob in read:
+                    logprobs.append(logprob)
+                    if token == END:
+                        break
+                    out.append(token)
+                    keep = _loop_end(out)
+                    if keep is not None:
+                        del out[keep:], logprobs[keep:]
+                        break
+                else:
+                    ids = [out[-1]]
+                    continue
+                break
         total = float(np.sum(logprobs)) if logprobs else float("-inf")
         return Hypothesis(self.text(out), total, len(logprobs), cache.cross_attention_cache)
 

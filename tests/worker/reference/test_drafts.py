@@ -1,0 +1,124 @@
+"""Decoding with a draft (asr.read_draft): the transcript of the same speech heard before it
+went on is checked in the first decoder pass and kept as far as greedy decoding agrees. It
+saves passes and changes nothing else: the same text, token count and summed
+log-probability as decoding without it, whatever the draft says. Real weights: Whisper base
+and Moonshine base-en; speech from espeak-ng."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omnifabric.worker.engines.reference import moonshine
+from omnifabric.worker.engines.reference.asr import Transcriber, model_installed, read_draft
+
+needs_models = pytest.mark.skipif(
+    not moonshine.model_installed() or not model_installed("base"),
+    reason="Moonshine (moonshine-cpp) or Whisper base weights not installed",
+)
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "What is the largest planet in our solar system?",
+)
+
+
+def test_a_draft_is_read_while_each_token_is_the_likeliest() -> None:
+    rows = torch.full((4, 6), -9.0)
+    rows[0, 2] = rows[1, 3] = rows[2, 1] = rows[3, 5] = -0.1
+    # draft [2, 3, 4]: the first two are the likeliest, the third is not: row 2's pick ends it
+    assert [t for t, _ in read_draft(rows, [2, 3, 4])] == [2, 3, 1]
+    assert [t for t, _ in read_draft(rows, [2, 3, 1])] == [2, 3, 1, 5]  # all kept, one more
+    assert [t for t, _ in read_draft(rows[:1], [])] == [2]  # no draft: one pass, one token
+    assert read_draft(rows, [0, 3, 1])[0] == (2, pytest.approx(-0.1))  # wrong from the start
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, object]:
+    return {"whisper": Transcriber(model="base"), "moonshine": moonshine.Moonshine()}
+
+
+def _utterance(text: str) -> np.ndarray:
+    from omnifabric.tools.make_fixtures import espeak
+
+    audio = espeak(text, "en-us", 165)
+    quiet = np.zeros(4000, np.float32)
+    noisy = np.concatenate([quiet, audio, quiet]) + np.random.default_rng(1).normal(
+        0, 0.002, audio.size + 2 * quiet.size
+    )
+    return noisy.astype(np.float32)
+
+
+def _decoder(model: object) -> torch.nn.Module:
+    if isinstance(model, Transcriber):
+        return model.decoder
+    assert isinstance(model, moonshine.Moonshine)
+    return model.model.model.decoder
+
+
+def _heard(model: object, audio: np.ndarray, draft: str) -> tuple[object, int]:
+    """The model's hypothesis of ``audio`` with ``draft``, and the decoder passes it took."""
+    passes = []
+    hook = _decoder(model).register_forward_pre_hook(lambda *_: passes.append(1))
+    try:
+        found = model.hypothesis(model.encode(audio), draft=draft)  # type: ignore[attr-defined]
+    finally:
+        hook.remove()
+    return found, len(passes)
+
+
+@needs_models
+@pytest.mark.parametrize("name", ["whisper", "moonshine"])
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_a_draft_changes_nothing_but_the_passes(models, name, question) -> None:
+    model = models[name]
+    audio = _utterance(question)
+    plain, plain_passes = _heard(model, audio, "")
+    earlier, _ = _heard(model, audio[: int(audio.size * 0.65)], "")
+    assert earlier.text and earlier.text != plain.text  # the speech went on since
+    drafts = {
+        "earlier": earlier.text,
+        "wrong": "Tell me a joke about cats, please.",
+        "longer": plain.text + " And what about the moon and the stars tonight?",
+        "whole": plain.text,
+    }
+    for kind, draft in drafts.items():
+        found, passes = _heard(model, audio, draft)
+        assert (found.text, found.count) == (plain.text, plain.count), kind
+        assert found.total == pytest.approx(plain.total, abs=1e-3), kind
+        if kind == "earlier":
+            assert passes < plain_passes, (passes, plain_passes)
+        if kind == "whole":
+            assert passes == 1  # every token and the end read off the first pass
+        if kind == "wrong":
+            assert passes <= plain_passes  # the draft costs no pass of its own
+
+
+class _Recorded:
+    """A recognizer that says what it was asked to hear with."""
+
+    def __init__(self) -> None:
+        self.drafts: list[str] = []
+
+    def hear(self, audio, context=None, draft=""):
+        self.drafts.append(draft)
+        return f"heard {len(self.drafts)}", -0.1
+
+
+def test_the_turn_is_heard_with_what_its_utterance_was_heard_as_before() -> None:
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine
+
+    engine = ReferenceEngine()  # not loaded: its recognizer is the stand-in
+    ears = _Recorded()
+    engine._asr = ears  # type: ignore[assignment]
+    session = engine.open_session("drafts", "audio")
+    audio = np.full(16000, 0.2, np.float32)
+    costs: dict[str, float] = {}
+    assert session._transcribe(audio, (1, 8000), costs) == ("heard 1", -0.1)
+    assert session._transcribe(audio, (1, 8000), costs) == ("heard 1", -0.1)  # only silence
+    session._transcribe(audio, (1, 16000), costs)  # the same utterance went on
+    session._transcribe(audio, (2, 4000), costs)  # a new one
+    assert ears.drafts == ["", "heard 1", ""]
+    session.close()
