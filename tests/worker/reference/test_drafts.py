@@ -6,6 +6,8 @@ and Moonshine base-en; speech from espeak-ng."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -121,4 +123,39 @@ def test_the_turn_is_heard_with_what_its_utterance_was_heard_as_before() -> None
     session._transcribe(audio, (1, 16000), costs)  # the same utterance went on
     session._transcribe(audio, (2, 4000), costs)  # a new one
     assert ears.drafts == ["", "heard 1", ""]
+    session.close()
+
+
+def test_hearing_is_learned_per_second_of_window_and_apart_with_a_draft() -> None:
+    from omnifabric.worker.engines.reference.asr import window_seconds
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine
+
+    assert (window_seconds(0.0), window_seconds(1.0), window_seconds(2.0)) == (0.0, 4.0, 5.0)
+    engine = ReferenceEngine()  # not loaded: the estimate is arithmetic on what it learned
+    engine.learn_hearing(0.4, 2.0)  # a first hearing: 0.08 s a second of its 5 s window
+    engine.reply_start_s = 0.5
+    assert engine.turn_estimate(2.0) == pytest.approx(0.9)
+    assert engine.turn_estimate(2.0, drafted=True) == pytest.approx(0.9)  # none drafted yet
+    engine.learn_hearing(0.25, 2.0, drafted=True)  # 0.05 a window second
+    assert engine.drafted_hearing_cost == pytest.approx(0.05)
+    assert engine.turn_estimate(2.0, drafted=True) == pytest.approx(0.75)
+    assert engine.turn_estimate(2.0) == pytest.approx(0.9)  # the first hearing's is kept
+    assert engine.turn_estimate(0.0, drafted=True) == pytest.approx(0.5)  # heard already
+
+
+def test_the_unit_that_ends_the_turn_counts_on_the_draft_it_has() -> None:
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine
+    from omnifabric.worker.engines.reference.turns import TurnRules
+
+    engine = ReferenceEngine(rules=TurnRules(turn_work="auto", inline_share=0.9))
+    engine._asr = _Recorded()  # type: ignore[assignment]
+    engine.hearing_cost, engine.drafted_hearing_cost, engine.reply_start_s = 0.2, 0.05, 0.5
+    session = engine.open_session("estimate", "audio")
+    audio = np.full(32000, 0.2, np.float32)  # 2 s: a 5 s window
+    session.unit_started = time.perf_counter()
+    assert not session._fits_in_unit((audio, (1, 32000), False))  # 0.2 x 5 + 0.5 > 0.9
+    session._transcribe(audio[:16000], (1, 16000), {})  # heard before it went on
+    session.unit_started = time.perf_counter()
+    assert session._fits_in_unit((audio, (1, 32000), False))  # 0.05 x 5 + 0.5 < 0.9
+    assert not session._fits_in_unit((audio, (2, 32000), False))  # another utterance
     session.close()

@@ -151,9 +151,9 @@ def test_in_finalize_the_checks_and_the_arguments_run_after_units(inline_engine,
 
 def test_the_turn_estimate_counts_the_checks_once_measured() -> None:
     engine = ReferenceEngine()  # not loaded: the estimate is arithmetic on what it learned
-    engine.hearing_cost, engine.reply_start_s = 0.5, 0.3
-    assert engine.turn_estimate(2.0) == pytest.approx(1.3)
+    engine.hearing_cost, engine.reply_start_s = 0.1, 0.3  # 2 s of audio: a 5 s window
+    assert engine.turn_estimate(2.0) == pytest.approx(0.8)
     assert engine.turn_estimate(2.0, choosing=True) is None  # unknown: not in the unit
     engine.learn_checks(0.2)
-    assert engine.turn_estimate(2.0, choosing=True) == pytest.approx(1.5)
-    assert engine.turn_estimate(2.0) == pytest.approx(1.3)
+    assert engine.turn_estimate(2.0, choosing=True) == pytest.approx(1.0)
+    assert engine.turn_estimate(2.0) == pytest.approx(0.8)

@@ -172,17 +172,19 @@ def test_turn_work_in_finalize_keeps_every_unit_short(engine):
 
 
 def test_turn_work_auto_follows_the_measured_cost(engine):
-    measured = engine.hearing_cost, engine.reply_start_s
-    assert all(m is not None and m > 0 for m in measured)  # from warm-up
+    measured = engine.hearing_cost, engine.drafted_hearing_cost, engine.reply_start_s
+    assert engine.hearing_cost and engine.reply_start_s  # from warm-up
     try:
         with turn_work(engine, "auto"):
-            engine.hearing_cost, engine.reply_start_s = 0.0, 0.0  # fits in any unit
+            engine.hearing_cost, engine.drafted_hearing_cost = 0.0, None
+            engine.reply_start_s = 0.0  # fits in any unit
             cheap = drive(engine, "question")
             learned = engine.reply_start_s  # the reply's start, measured into the average
-            engine.hearing_cost, engine.reply_start_s = 0.0, 10.0  # fits in none
+            engine.hearing_cost, engine.drafted_hearing_cost = 0.0, None
+            engine.reply_start_s = 10.0  # fits in none
             dear = drive(engine, "question")
     finally:
-        engine.hearing_cost, engine.reply_start_s = measured
+        engine.hearing_cost, engine.drafted_hearing_cost, engine.reply_start_s = measured
     assert timeline(cheap) == "L L L L L S S S* L L L L L L L"
     assert timeline(dear) == "L L L L L L S S S* L L L L L L"
     assert learned is not None and learned > 0.0

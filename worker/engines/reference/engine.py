@@ -389,7 +389,8 @@ class ReferenceSession(EngineSession):
         audio, key, _ = due
         heard = self.heard is not None and self.heard[0] == key
         hear_s = 0.0 if heard else audio.size / INPUT_RATE
-        return self._fits(lambda: self.engine.turn_estimate(hear_s, self.offer.calls()))
+        drafted = bool(self._draft_for(key))
+        return self._fits(lambda: self.engine.turn_estimate(hear_s, self.offer.calls(), drafted))
 
     def _fits(self, estimate: Callable[[], float | None]) -> bool:
         """Whether work of the ``estimate``d seconds (None: not yet measured) fits in this
@@ -540,15 +541,21 @@ class ReferenceSession(EngineSession):
         transcript is the recognizers' draft (the same words, fewer decoding passes)."""
         if self.heard is not None and self.heard[0] == key:
             return self.heard[1], self.heard[2]
-        same = self.heard is not None and self.heard[0][0] == key[0]
-        draft = self.heard[1] if self.heard is not None and same else ""
+        draft = self._draft_for(key)
         t0 = time.perf_counter()
         text, logprob = self.engine.asr.hear(audio, self.names or None, draft)
         took = time.perf_counter() - t0
         costs["asr"] = costs.get("asr", 0.0) + took * 1000.0
-        self.engine.learn_hearing(took, audio.size / INPUT_RATE)
+        self.engine.learn_hearing(took, audio.size / INPUT_RATE, bool(draft))
         self.heard = (key, text, logprob)
         return text, logprob
+
+    def _draft_for(self, key: tuple[int, int]) -> str:
+        """What the utterance of TurnTracker ``key`` was heard as before it went on (the
+        recognizers' draft), or "" where it was not."""
+        if self.heard is None or self.heard[0][0] != key[0] or self.heard[0] == key:
+            return ""
+        return self.heard[1]
 
     def _respond(self, text: str, logprob: float, costs: dict[str, float]) -> bool:
         """What the user's finished turn gets: calls of the functions the model chooses for
@@ -1219,7 +1226,11 @@ class ReferenceEngine(Engine):
         self.reply_cost: float | None = None
         """A spoken reply's compute per second of its speech, measured at warm-up."""
         self.hearing_cost: float | None = None
-        """Seconds the recognizers take per second of audio (a moving average, from warm-up)."""
+        """Seconds the recognizers take per second of their window (``asr.window_seconds``),
+        hearing an utterance for the first time (a moving average, from warm-up)."""
+        self.drafted_hearing_cost: float | None = None
+        """The same for an utterance heard before it went on (``hear``'s draft: fewer
+        decoding passes); from the first such hearing, until then ``hearing_cost``."""
         self.reply_start_s: float | None = None
         """Seconds from a transcript to its reply's first piece, with speech (likewise)."""
         self.checks_s: float | None = None
@@ -1309,10 +1320,18 @@ class ReferenceEngine(Engine):
     #: The weight of a new measurement in the moving averages of hearing and reply start.
     LEARN_WEIGHT = 0.3
 
-    def learn_hearing(self, seconds: float, audio_s: float) -> None:
-        """The recognizers took ``seconds`` for ``audio_s`` of audio."""
-        if audio_s > 0:
-            self.hearing_cost = _averaged(self.hearing_cost, seconds / audio_s, self.LEARN_WEIGHT)
+    def learn_hearing(self, seconds: float, audio_s: float, drafted: bool = False) -> None:
+        """The recognizers took ``seconds`` for ``audio_s`` of audio, with a draft or not."""
+        from omnifabric.worker.engines.reference.asr import window_seconds
+
+        window = window_seconds(audio_s)
+        if window <= 0:
+            return
+        if drafted:
+            cost = _averaged(self.drafted_hearing_cost, seconds / window, self.LEARN_WEIGHT)
+            self.drafted_hearing_cost = cost
+        else:
+            self.hearing_cost = _averaged(self.hearing_cost, seconds / window, self.LEARN_WEIGHT)
 
     def learn_reply_start(self, seconds: float) -> None:
         """A reply's start (prefill, first piece, its speech) took ``seconds``."""
@@ -1326,16 +1345,22 @@ class ReferenceEngine(Engine):
         """Writing a duplex turn's calls (``functions.fill``) took ``seconds``."""
         self.arguments_s = _averaged(self.arguments_s, seconds, self.LEARN_WEIGHT)
 
-    def turn_estimate(self, hear_s: float, choosing: bool = False) -> float | None:
-        """Seconds the end of a user's turn takes: transcribing ``hear_s`` of audio, the
-        function checks when ``choosing``, then starting the reply; None before all of that
-        was measured (the checks are measured at a session's first turn with functions)."""
+    def turn_estimate(
+        self, hear_s: float, choosing: bool = False, drafted: bool = False
+    ) -> float | None:
+        """Seconds the end of a user's turn takes: transcribing ``hear_s`` of audio (with a
+        draft, when ``drafted``), the function checks when ``choosing``, then starting the
+        reply; None before all of that was measured (the checks are measured at a session's
+        first turn with functions)."""
+        from omnifabric.worker.engines.reference.asr import window_seconds
+
         if self.hearing_cost is None or self.reply_start_s is None:
             return None
         if choosing and self.checks_s is None:
             return None
         checks = (self.checks_s or 0.0) if choosing else 0.0
-        return self.hearing_cost * hear_s + checks + self.reply_start_s
+        cost = (self.drafted_hearing_cost if drafted else None) or self.hearing_cost
+        return cost * window_seconds(hear_s) + checks + self.reply_start_s
 
     def busy(self) -> bool:
         """More than one unit is being generated now: work that only saves time later (the
@@ -1566,8 +1591,9 @@ class ReferenceEngine(Engine):
             heard_s = time.perf_counter() - t0
             self.learn_hearing(heard_s, heard.size / INPUT_RATE)
             log.info(
-                "reference engine: a turn's end costs %.2f s per s of speech to hear and "
-                "%.2f s to start the reply (warm-up); a unit does it when it fits in %.0f%% "
+                "reference engine: a turn's end costs %.3f s per s of the recognizers' "
+                "window to hear and %.2f s to start the reply (warm-up); a unit does it "
+                "when it fits in %.0f%% "
                 "of the unit, else the unit's finalize does and the next unit speaks",
                 self.hearing_cost or 0.0,
                 self.reply_start_s or 0.0,
