@@ -149,13 +149,23 @@ def test_the_unit_that_ends_the_turn_counts_on_the_draft_it_has() -> None:
 
     engine = ReferenceEngine(rules=TurnRules(turn_work="auto", inline_share=0.9))
     engine._asr = _Recorded()  # type: ignore[assignment]
-    engine.hearing_cost, engine.drafted_hearing_cost, engine.reply_start_s = 0.2, 0.05, 0.5
     session = engine.open_session("estimate", "audio")
     audio = np.full(32000, 0.2, np.float32)  # 2 s: a 5 s window
-    session.unit_started = time.perf_counter()
-    assert not session._fits_in_unit((audio, (1, 32000), False))  # 0.2 x 5 + 0.5 > 0.9
     session._transcribe(audio[:16000], (1, 16000), {})  # heard before it went on
+    engine.hearing_cost, engine.drafted_hearing_cost, engine.reply_start_s = 0.2, 0.05, 0.5
     session.unit_started = time.perf_counter()
+    assert not session._fits_in_unit((audio, (2, 32000), False))  # 0.2 x 5 + 0.5 > 0.9
     assert session._fits_in_unit((audio, (1, 32000), False))  # 0.05 x 5 + 0.5 < 0.9
-    assert not session._fits_in_unit((audio, (2, 32000), False))  # another utterance
     session.close()
+
+
+def test_a_turns_end_is_estimated_from_the_slow_end_of_recent_measurements() -> None:
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine
+
+    engine = ReferenceEngine()
+    for seconds in (0.5, 0.9, 0.5, 0.5, 0.5, 0.9, 0.5, 0.5, 0.5, 0.5):
+        engine.learn_reply_start(seconds)
+    assert engine.reply_start_s == pytest.approx(0.9)  # 2 of 10 slow: the mean would be 0.58
+    for _ in range(engine.RECENT):
+        engine.learn_reply_start(0.5)
+    assert engine.reply_start_s == pytest.approx(0.5)  # the slow ones are no longer recent
