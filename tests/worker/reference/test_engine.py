@@ -171,6 +171,30 @@ def test_turn_work_in_finalize_keeps_every_unit_short(engine):
     assert "capital" in barged[6].result.input_transcript.lower()
 
 
+def test_a_reply_begun_in_a_finalize_sends_a_whole_first_piece(engine):
+    # The unit that ends the turn sends a short first piece as soon as it is made; a
+    # finalize's piece waits for the next unit anyway, so it is a whole one and plays
+    # longer (the top-up, which could lengthen it too, is off: no reply cost known).
+    measured = engine.reply_cost
+    engine.reply_cost = None
+    try:
+        with turn_work(engine, "finalize"):
+            ahead = drive(engine, "question")
+        with turn_work(engine, "inline"):
+            inline = drive(engine, "question")
+    finally:
+        engine.reply_cost = measured
+    first_ahead = next(s.result for s in ahead if not s.result.is_listen)
+    first_inline = next(s.result for s in inline if not s.result.is_listen)
+    assert (first_ahead.reply_start_how, first_inline.reply_start_how) == ("finalize", "inline")
+    assert len(first_inline.text) <= engine.rules.first_piece_chars < len(first_ahead.text)
+    assert len(first_ahead.text) <= engine.rules.piece_chars
+    assert first_ahead.audio.size > first_inline.audio.size
+    reply = "".join(s.result.text for s in ahead)
+    assert reply == "".join(s.result.text for s in inline)
+    assert reply.startswith(first_ahead.text) and reply.startswith(first_inline.text)
+
+
 def test_turn_work_auto_follows_the_measured_cost(engine):
     measured = engine.hearing_cost, engine.drafted_hearing_cost, engine.reply_start_s
     assert engine.hearing_cost and engine.reply_start_s  # from warm-up

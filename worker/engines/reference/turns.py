@@ -33,7 +33,8 @@ class TurnRules(UtteranceRules):
     piece_chars: int = 16
     """Characters spoken per piece (~1 s of speech)."""
     first_piece_chars: int = 12
-    """Characters of the first piece, spoken by the unit that ends the user's turn: fewer
+    """Characters of the first piece, spoken by the unit that ends the user's turn (a
+    finalize makes a whole ``piece_chars`` one: ``ReferenceSession._first_chars``): fewer
     start the reply sooner, but the next unit's audio must come before it has played
     (measured by `omnifabric eval`, 48 replies: 16 -> first audio p50 1.60 s, no gaps;
     12 -> 1.53 s, no gaps; 10 -> 1.50 s, 12 replies with gaps of 0.19 s on average)."""
