@@ -171,6 +171,7 @@ def test_turn_work_in_finalize_keeps_every_unit_short(engine):
     assert "capital" in barged[6].result.input_transcript.lower()
 
 
+@pytest.mark.ci_long  # two more drives of the question: ~10-20 s (tests/conftest.py)
 def test_a_reply_begun_in_a_finalize_sends_a_whole_first_piece(engine):
     # The unit that ends the turn sends a short first piece as soon as it is made; a
     # finalize's piece waits for the next unit anyway, so it is a whole one and plays
