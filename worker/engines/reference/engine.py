@@ -683,9 +683,8 @@ class ReferenceSession(EngineSession):
         that ends the turn, which sends it as soon as it is made (and on a guess: the same
         reply either way); a whole piece (``piece_chars``) in the finalize of that unit,
         whose piece waits for the next unit anyway and plays until the unit after it
-        brings more (turn_starts, 24 questions: 19 replies
-        with gaps, 4.33 s in all, at 12 characters there; 12 replies, 1.23 s, at 16, for
-        first audio p50 1.70 -> 1.75 s)."""
+        brings more (turn_starts, 24 questions: 19 replies with gaps, 4.33 s in all, at 12
+        characters there; 12 replies, 1.23 s, at 16, for first audio p50 1.70 -> 1.75 s)."""
         return self.rules.piece_chars if self.in_finalize else self.rules.first_piece_chars
 
     def _first_piece(self, costs: dict[str, float], t0: float) -> None:
@@ -1624,8 +1623,8 @@ class ReferenceEngine(Engine):
             log.info(
                 "reference engine: a turn's end costs %.3f s per s of the recognizers' "
                 "window to hear and %.2f s to start the reply (warm-up); a unit does it "
-                "when it fits in %.0f%% "
-                "of the unit, else the unit's finalize does and the next unit speaks",
+                "when it fits in %.0f%% of the unit, else the unit's finalize does and the "
+                "next unit speaks",
                 self.hearing_cost or 0.0,
                 self.reply_start_s or 0.0,
                 self.rules.inline_share * 100,

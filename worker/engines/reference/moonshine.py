@@ -473,7 +473,8 @@ class Moonshine:
         out: list[int] = []
         logprobs: list[float] = []
         with torch.inference_mode():
-            while len(logprobs) < limit:
+            ended = False
+            while not ended and len(logprobs) < limit:
                 first = not logprobs
                 rows = self._logits(ids, enc, cache)
                 read = read_draft(rows.log_softmax(-1), guess if first else [])
@@ -482,17 +483,16 @@ class Moonshine:
                     own.crop(len(read))
                 for token, logprob in read:
                     logprobs.append(logprob)
-                    if token == END:
+                    ended = token == END
+                    if ended:
                         break
                     out.append(token)
                     keep = _loop_end(out)
-                    if keep is not None:
+                    ended = keep is not None
+                    if ended:
                         del out[keep:], logprobs[keep:]
                         break
-                else:
-                    ids = [out[-1]]
-                    continue
-                break
+                ids = out[-1:]
         total = float(np.sum(logprobs)) if logprobs else float("-inf")
         return Hypothesis(self.text(out), total, len(logprobs), cache.cross_attention_cache)
 
