@@ -53,6 +53,36 @@ export function microphoneProblem() {
   return null;
 }
 
+/** The tries, and the pause before each retry in ms, for a microphone that would not start. */
+const OPEN_RETRIES_MS = [300, 1000];
+
+/**
+ * getUserMedia for the microphone. A device that is busy or slow to start (NotReadableError,
+ * AbortError: another tab or program releasing it, the audio service starting) often opens
+ * a moment later, so those are tried again after a pause; any other error, or the last
+ * try's, is thrown as it came. `cancelled()` ends the waiting early (the caller checks it).
+ */
+async function openMicrophone(cancelled) {
+  const constraints = {
+    audio: {
+      echoCancellation: true,
+      noiseSuppression: true,
+      autoGainControl: true,
+      channelCount: 1,
+    },
+  };
+  for (let attempt = 0; ; attempt += 1) {
+    try {
+      return await navigator.mediaDevices.getUserMedia(constraints);
+    } catch (err) {
+      const transient = err && (err.name === 'NotReadableError' || err.name === 'AbortError');
+      if (!transient || attempt >= OPEN_RETRIES_MS.length || cancelled()) throw err;
+      console.warn(`microphone did not start (${err.name}: ${err.message}); trying again`);
+      await new Promise((resolve) => setTimeout(resolve, OPEN_RETRIES_MS[attempt]));
+    }
+  }
+}
+
 /**
  * The microphone, resampled to 16 kHz in an AudioWorklet.
  *
@@ -82,14 +112,7 @@ export class MicCapture {
     this.context = context;
     const cancelled = () => this.context !== context;
     try {
-      const stream = await navigator.mediaDevices.getUserMedia({
-        audio: {
-          echoCancellation: true,
-          noiseSuppression: true,
-          autoGainControl: true,
-          channelCount: 1,
-        },
-      });
+      const stream = await openMicrophone(cancelled);
       if (cancelled()) {
         for (const track of stream.getTracks()) track.stop();
         return false;
