@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from omnifabric.tools.client import percentile
+from omnifabric.common.stats import percentile
 from omnifabric.worker.engine import DuplexSettings, Engine, EngineSession, Stepper, StepRow
 
 #: The modes compared: one batched step per round, the same with the vocoder run per speaker

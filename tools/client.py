@@ -519,10 +519,3 @@ def _record(event: dict[str, Any], report: SessionReport, dialect: str) -> None:
         pcm = np.frombuffer(base64.b64decode(audio), dtype="<f4")
         unit.audio_samples += pcm.size
         report.audio.append(pcm)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100), nearest-rank; nan for no values."""
-    if not values:
-        return float("nan")
-    return float(np.percentile(np.asarray(values), q, method="nearest"))

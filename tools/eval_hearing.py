@@ -224,7 +224,7 @@ def run(
 
 def table(results: list[Heard]) -> str:
     """One row per voice kind and one for all."""
-    from omnifabric.tools.client import percentile
+    from omnifabric.common.stats import percentile
 
     groups: dict[str, list[Heard]] = {}
     for r in results:

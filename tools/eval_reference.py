@@ -338,7 +338,7 @@ def progress(done: int, total: int, last: Outcome, started: float) -> None:
 
 def table(outcomes: list[Outcome]) -> str:
     """The summary, one row per voice kind and one for all."""
-    from omnifabric.tools.client import percentile
+    from omnifabric.common.stats import percentile
 
     groups: dict[str, list[Outcome]] = {}
     for o in outcomes:
@@ -388,7 +388,7 @@ def _queued(group: list[Outcome]) -> str:
 
 def _unit_rtts(rtts: list[float]) -> str:
     """The unit round trips' cell: p50 / p99 ms (n/a in a dialect without units)."""
-    from omnifabric.tools.client import percentile
+    from omnifabric.common.stats import percentile
 
     if not rtts:
         return "n/a"

@@ -370,7 +370,7 @@ async def ask(
 
 def table(outcomes: list[Outcome]) -> str:
     """A row per set and mode (the main set first): the counts and the times."""
-    from omnifabric.tools.client import percentile
+    from omnifabric.common.stats import percentile
 
     rows = [
         "| set | mode | needs a call: right | needs none: right | errors "

@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import random
 import subprocess
@@ -53,7 +52,7 @@ from typing import Any
 
 import grpc
 
-from omnifabric.common import children, grpc_io, schedulers
+from omnifabric.common import children, grpc_io, schedulers, stats
 from omnifabric.edge import events as ev
 from omnifabric.edge.fabric import Fabric, wait_for_lease
 from omnifabric.edge.worker_client import acquire_request
@@ -103,11 +102,8 @@ def parse_levels(text: str) -> list[Level]:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) by nearest rank; 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+    """``common.stats.percentile`` with 0 for no values (the report's JSON has no NaN)."""
+    return stats.percentile(values, q, empty=0.0)
 
 
 class LoopProbe:

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from omnifabric.common.stats import percentile
 from omnifabric.tools import batched, step_profile
-from omnifabric.tools.client import percentile
 from omnifabric.tools.probe import read_wav_16k, split_units
 from omnifabric.worker.config import WorkerConfig
 from omnifabric.worker.engine import DuplexSettings, Engine

@@ -14,7 +14,8 @@ import sys
 
 import numpy as np
 
-from omnifabric.tools.client import SILENCE_UNIT, SessionReport, percentile, run_session
+from omnifabric.common.stats import percentile
+from omnifabric.tools.client import SILENCE_UNIT, SessionReport, run_session
 from omnifabric.tools.perf.console import run_loop
 
 SPEECH_UNIT = (0.2 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.float32)

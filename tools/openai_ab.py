@@ -27,13 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
+from omnifabric.common.stats import percentile
 from omnifabric.edge import events as ev
 from omnifabric.edge import g711, pcm
 from omnifabric.edge.cadence import PacedCadence
 from omnifabric.edge.dialects.base import SessionFacts
 from omnifabric.edge.dialects.openai import OpenAIRealtime
 from omnifabric.edge.dialects.realtime import RealtimeDuplex
-from omnifabric.tools.client import SILENCE_UNIT, percentile, run_session
+from omnifabric.tools.client import SILENCE_UNIT, run_session
 
 SPEECH_UNIT = (0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.float32)
 UNITS = [SILENCE_UNIT] * 3 + [SPEECH_UNIT] * 2

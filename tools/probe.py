@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from omnifabric.tools.client import SILENCE_UNIT, SessionReport, percentile, run_session
+from omnifabric.common.stats import percentile
+from omnifabric.tools.client import SILENCE_UNIT, SessionReport, run_session
 
 
 def read_wav_16k(path: Path) -> np.ndarray:

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import numpy as np
+from omnifabric.common.stats import percentile
 
 #: Units per mode kept at most.
 RECENT_UNITS = 200
@@ -80,11 +80,6 @@ class HeadroomFigures:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100, nearest rank) of values; 0.0 when there are none."""
-    return float(np.percentile(values, q, method="nearest")) if values else 0.0
 
 
 class Headroom:
@@ -187,8 +182,8 @@ class Headroom:
         if mode not in self._costs:
             return 0.0
         peak = max(
-            percentile(self._recent(self._costs[mode]), PEAK_QUANTILE),
-            percentile(self._recent(self._speaking[mode]), PEAK_QUANTILE),
+            percentile(self._recent(self._costs[mode]), PEAK_QUANTILE, empty=0.0),
+            percentile(self._recent(self._speaking[mode]), PEAK_QUANTILE, empty=0.0),
         )
         if self._measured[mode] < MIN_MEASURED:
             peak = max(peak, self.estimates[mode])
@@ -205,6 +200,6 @@ class Headroom:
             late_recent=self.late_recent(),
             late_total=self.late_total,
             late_window_s=self.window_s,
-            unit_p95_ratio=percentile(self._recent(self._ratios), 95.0),
+            unit_p95_ratio=percentile(self._recent(self._ratios), 95.0, empty=0.0),
             late_by_lease=dict(self._late_by_lease),
         )

@@ -16,8 +16,9 @@ import sys
 
 import pytest
 
+from omnifabric.common.stats import percentile
 from omnifabric.omni.realtime.v1 import common_pb2
-from omnifabric.tools.client import SessionReport, percentile, run_session
+from omnifabric.tools.client import SessionReport, run_session
 from tests.conftest import scaled
 from tests.e2e.test_fabric import scheduler_status
 from tests.e2e.wsclient import SILENCE, SPEECH, WsClient, wait_for

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from omnifabric.tools.client import percentile, run_session
+from omnifabric.common.stats import percentile
+from omnifabric.tools.client import run_session
 from tests.conftest import scaled
 from tests.e2e.wsclient import SILENCE, SPEECH, scrape_metrics
 from tests.stack import Stack

@@ -17,6 +17,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from omnifabric.common.close_reasons import SERVER_SHUTDOWN, close_message
+from omnifabric.common.stats import percentile
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
 from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
@@ -41,11 +42,6 @@ def edge_address(stack: Stack) -> str:
 
 async def edge_metrics(stack: Stack) -> dict:
     return await asyncio.to_thread(scrape_metrics, edge_address(stack))
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 # ---- E1 -------------------------------------------------------------------------------
@@ -148,7 +144,7 @@ async def test_e7_half_open_handshakes_dropped_at_open_timeout(stack):
             writer.close()
     lived = [c - o for c, o in zip(closed, opened, strict=True) if c is not None]
     assert len(connects) >= MIN_CONNECTS, f"only {len(connects)} connects while all were open"
-    p50, p95, p99 = (percentile(connects, q) for q in (0.5, 0.95, 0.99))
+    p50, p95, p99 = (percentile(connects, q) for q in (50, 95, 99))
     print(
         f"E7: {HALF_OPEN} half-open sockets (opened in {opened[-1] - opened[0]:.2f} s) "
         f"closed after {min(lived):.2f}-{max(lived):.2f} s (open timeout {OPEN_TIMEOUT_S} s); "

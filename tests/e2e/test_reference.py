@@ -207,7 +207,8 @@ async def test_callers_beyond_real_time_wait_and_every_one_is_answered(stack):
     The admitted keep unit p95 under the unit length."""
     import asyncio
 
-    from omnifabric.tools.client import percentile, run_session
+    from omnifabric.common.stats import percentile
+    from omnifabric.tools.client import run_session
     from omnifabric.tools.probe import read_wav_16k, split_units
 
     # The whole fixture: 3 s lead-in, the question, 9 s of silence the reply plays in (14

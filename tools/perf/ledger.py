@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnifabric.tools.client import percentile
+from omnifabric.common.stats import percentile
 
 PATHS = (
     "fabric",

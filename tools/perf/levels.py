@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omnifabric.tools.client import percentile
+from omnifabric.common.stats import percentile
 from omnifabric.tools.perf import console
 from omnifabric.tools.perf.baselines import echo_session
 from omnifabric.tools.perf.bench_stack import BASELINE_SERVERS, ECHOES, BenchStack, edge_idle

@@ -235,7 +235,7 @@ async def _kill_victim(worker: Service, victim: DrivenSession, tally: F1Tally) -
 
 def _f1_result(tally: F1Tally, limit: float, target: str) -> RowResult:
     """F1's checks and figures from its repetitions."""
-    from omnifabric.tools.client import percentile
+    from omnifabric.common.stats import percentile
 
     closes, reasons, leaked, disturbed = tally.closes, tally.reasons, tally.leaked, tally.disturbed
     checks = {

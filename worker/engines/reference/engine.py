@@ -54,6 +54,7 @@ import torch
 
 from omnifabric.common.resample import resample
 from omnifabric.common.session_types import WINDOW_MARGIN_TOKENS, ContextWindow
+from omnifabric.common.stats import percentile
 from omnifabric.worker.config import ASR_CHOICES
 from omnifabric.worker.engine import (
     INPUT_RATE,
@@ -78,7 +79,6 @@ from omnifabric.worker.engines.reference.turns import (
     reply_cut,
 )
 from omnifabric.worker.engines.vad import WINDOW, WINDOW_S, TurnTracker, VoiceActivity
-from omnifabric.worker.headroom import percentile
 
 if TYPE_CHECKING:  # loaded by ReferenceEngine.load (they import torch models)
     from omnifabric.worker.engines.reference.asr import Transcriber
