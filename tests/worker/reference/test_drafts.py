@@ -169,3 +169,18 @@ def test_a_turns_end_is_estimated_from_the_slow_end_of_recent_measurements() -> 
     for _ in range(engine.RECENT):
         engine.learn_reply_start(0.5)
     assert engine.reply_start_s == pytest.approx(0.5)  # the slow ones are no longer recent
+
+
+def test_the_checks_and_the_arguments_are_estimated_by_the_same_slow_end() -> None:
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine
+
+    engine = ReferenceEngine()
+    for seconds in (0.2, 0.6, 0.2, 0.2, 0.2, 0.6, 0.2, 0.2, 0.2, 0.2):
+        engine.learn_checks(seconds)
+        engine.learn_arguments(seconds / 2)
+    assert engine.checks_s == pytest.approx(0.6)  # a moving average would say ~0.26
+    assert engine.arguments_s == pytest.approx(0.3)
+    for _ in range(engine.RECENT):
+        engine.learn_checks(0.2)
+    assert engine.checks_s == pytest.approx(0.2)
+    assert engine.arguments_s == pytest.approx(0.3)  # each kind keeps its own measurements

@@ -1159,11 +1159,6 @@ def _timed(work: Callable[[], None]) -> float:
     return time.perf_counter() - started
 
 
-def _averaged(old: float | None, new: float, weight: float) -> float:
-    """An exponential moving average: ``new`` alone when there is nothing yet."""
-    return new if old is None else (1 - weight) * old + weight * new
-
-
 def check_device(device: str) -> torch.device:
     """``device`` as a torch.device; ValueError when it is malformed, not cpu/cuda, or CUDA
     (or that CUDA index) is not available here."""
@@ -1239,7 +1234,8 @@ class ReferenceEngine(Engine):
         self.reply_cost: float | None = None
         """A spoken reply's compute per second of its speech, measured at warm-up."""
         self._recent: dict[str, deque[float]] = {
-            kind: deque(maxlen=self.RECENT) for kind in ("hearing", "drafted", "start")
+            kind: deque(maxlen=self.RECENT)
+            for kind in ("hearing", "drafted", "start", "checks", "arguments")
         }
         self.hearing_cost: float | None = None
         """Seconds the recognizers take per second of their window (``asr.window_seconds``),
@@ -1334,14 +1330,12 @@ class ReferenceEngine(Engine):
             with self._running_lock:
                 self._running -= 1
 
-    #: The weight of a new measurement in the moving averages of the function checks and
-    #: the calls' arguments.
-    LEARN_WEIGHT = 0.3
     #: A turn's end is estimated from the slow end (this percentile) of the last ``RECENT``
-    #: hearings and reply starts, not their mean: it decides whether that work is done in
-    #: its unit, and a unit must end in time whichever of them comes. Measured with the
-    #: means (`omnifabric eval`, 24 questions, 2-core host): 6 units that ended a turn took
-    #: 0.82-1.19 s, one past its second, for first audio p50 1.72 s against 1.75 s.
+    #: hearings, function checks, calls' arguments and reply starts, not their mean: it
+    #: decides whether that work is done in its unit, and a unit must end in time whichever
+    #: of them comes. Measured with the means (`omnifabric eval`, 24 questions, 2-core
+    #: host): 6 units that ended a turn took 0.82-1.19 s, one past its second, for first
+    #: audio p50 1.72 s against 1.75 s.
     SLOW_END = 90.0
     RECENT = 20
 
@@ -1369,11 +1363,11 @@ class ReferenceEngine(Engine):
 
     def learn_checks(self, seconds: float) -> None:
         """A duplex turn's function checks (``functions.choose``) took ``seconds``."""
-        self.checks_s = _averaged(self.checks_s, seconds, self.LEARN_WEIGHT)
+        self.checks_s = self._learn("checks", seconds)
 
     def learn_arguments(self, seconds: float) -> None:
         """Writing a duplex turn's calls (``functions.fill``) took ``seconds``."""
-        self.arguments_s = _averaged(self.arguments_s, seconds, self.LEARN_WEIGHT)
+        self.arguments_s = self._learn("arguments", seconds)
 
     def turn_estimate(
         self, hear_s: float, choosing: bool = False, drafted: bool = False
