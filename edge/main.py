@@ -8,7 +8,7 @@ import logging
 import sys
 
 from omnifabric.common import config as settings
-from omnifabric.common import logs, process
+from omnifabric.common import listen, logs, process
 from omnifabric.edge.access import warn_if_open
 from omnifabric.edge.config import EdgeConfig, read_key_file
 
@@ -63,7 +63,10 @@ async def _run(config: EdgeConfig, grace_s: float) -> None:
     from omnifabric.edge.server import start_edge
 
     provider = telemetry.setup("edge", f"{socket.gethostname()}-{os.getpid()}")
-    edge = await start_edge(config)
+    try:
+        edge = await start_edge(config)
+    except OSError as exc:  # a port in use, or an address that is not this host's
+        raise SystemExit(f"omnifabric edge: {exc}") from None
     # Modules and servers live as long as the process: keep them out of full collections,
     # which otherwise walk the whole heap (~0.2 s) while sessions wait for their units.
     gc.collect()
@@ -71,7 +74,10 @@ async def _run(config: EdgeConfig, grace_s: float) -> None:
     METRICS.time_gc()
     METRICS.identify(config.process_index)
     stop = process.stop_on_signals()
-    print(f"omnifabric edge ready: {edge.url} grpc={config.host}:{edge.grpc_port}", flush=True)
+    print(
+        f"omnifabric edge ready: {edge.url} grpc={listen.target(config.host, edge.grpc_port)}",
+        flush=True,
+    )
     await stop.wait()
     logging.getLogger("omnifabric.edge").info("draining")
     await edge.drain_and_stop(grace_s)

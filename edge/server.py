@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from websockets.asyncio.server import Server
 
+from omnifabric.common import listen
 from omnifabric.common.tls import server_credentials
 from omnifabric.edge.app import EdgeApp
 from omnifabric.edge.apps import follow
@@ -43,7 +44,7 @@ class RunningEdge:
     @property
     def url(self) -> str:
         scheme = "wss" if self.config.tls_cert else "ws"
-        return f"{scheme}://{self.config.host}:{self.port}/v1/realtime"
+        return f"{scheme}://{listen.target(self.config.host, self.port)}/v1/realtime"
 
     async def drain_and_stop(self, grace_s: float | None = None) -> None:
         """Refuse new sessions, end open ones with server_shutdown within the grace
@@ -121,14 +122,17 @@ async def start_edge(config: EdgeConfig, metrics: EdgeMetrics = METRICS) -> Runn
         rt_grpc.add_RealtimeServiceServicer_to_server(servicer, grpc_server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-        address = f"{config.host}:{config.grpc_port}"
+        credentials = None
         if tls is not None:
             # The public port's certificate (config.tls() checked the pair); no client certs.
             credentials = server_credentials(None, config.tls_cert, config.tls_key)
             assert credentials is not None
-            grpc_port = grpc_server.add_secure_port(address, credentials)
-        else:
-            grpc_port = grpc_server.add_insecure_port(address)
+        try:
+            grpc_port = listen.add_port(grpc_server, config.host, config.grpc_port, credentials)
+        except OSError:
+            ws_server.close()  # the WebSocket port is already bound: give it back
+            await ws_server.wait_closed()
+            raise
         await grpc_server.start()
         for name in ("", "omni.realtime.v1.RealtimeService"):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

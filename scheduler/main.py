@@ -8,7 +8,7 @@ import asyncio
 import logging
 
 from omnifabric.common import config as settings
-from omnifabric.common import logs, process
+from omnifabric.common import listen, logs, process
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.heap import HeapKeeper
 from omnifabric.scheduler.metrics import serve_http
@@ -74,8 +74,9 @@ async def _serve(config: SchedulerConfig) -> None:
             raise SystemExit(
                 f"omnifabric scheduler: cannot serve metrics on port {config.metrics_port}: {exc}"
             ) from None
-        metrics_word = f" metrics={config.host}:{metrics_port}"
-    print(f"omnifabric scheduler ready: {config.host}:{running.port}{metrics_word}", flush=True)
+        metrics_word = f" metrics={listen.target(config.host, metrics_port)}"
+    address = listen.target(config.host, running.port)
+    print(f"omnifabric scheduler ready: {address}{metrics_word}", flush=True)
     await stop.wait()
     log.info("draining (grace %.1f s)", config.drain_grace_s)
     await running.drain(config.drain_grace_s)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from omnifabric.common import listen
 from omnifabric.common.interceptors import ErrorInterceptor
 from omnifabric.common.tls import server_credentials
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
@@ -139,16 +140,7 @@ async def start_server(config: SchedulerConfig) -> RunningScheduler:
     scheduler_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(scheduler), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    target = f"{_host_for_bind(config.host)}:{config.port}"
-    try:
-        if credentials is None:
-            port = server.add_insecure_port(target)
-        else:
-            port = server.add_secure_port(target, credentials)
-    except RuntimeError:
-        port = 0  # grpc raises instead of returning 0 when the port is taken
-    if port == 0:
-        raise OSError(f"could not bind {config.host}:{config.port}")
+    port = listen.add_port(server, config.host, config.port, credentials)
     await server.start()
     running = RunningScheduler(server, scheduler, health_servicer, config.host, port)
     running.watch = asyncio.ensure_future(scheduler.watch())
@@ -181,8 +173,3 @@ async def start_server(config: SchedulerConfig) -> RunningScheduler:
         else "TLS" + (", client certificates required" if config.fabric_tls_ca else ""),
     )
     return running
-
-
-def _host_for_bind(host: str) -> str:
-    # IPv6 literals need brackets in a target string.
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

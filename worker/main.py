@@ -9,7 +9,7 @@ import os
 import sys
 
 from omnifabric.common import config as settings
-from omnifabric.common import logs, process
+from omnifabric.common import listen, logs, process
 from omnifabric.worker.config import WorkerConfig
 from omnifabric.worker.errors import ConfigError, WorkerError
 from omnifabric.worker.metrics import serve_http
@@ -51,7 +51,7 @@ async def serve(config: WorkerConfig) -> int:
             _, metrics_port = serve_http(
                 worker.runtime.metrics.registry, config.host, config.metrics_port
             )
-            metrics_word = f" metrics={config.host}:{metrics_port}"
+            metrics_word = f" metrics={listen.target(config.host, metrics_port)}"
         ready = asyncio.ensure_future(worker.wait_ready())
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -12,6 +12,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from omnifabric.common import listen
 from omnifabric.common.interceptors import ErrorInterceptor
 from omnifabric.common.tls import channel_credentials, server_credentials
 from omnifabric.omni.realtime.v1 import worker_service_pb2_grpc as worker_grpc
@@ -141,18 +142,9 @@ async def start_worker(config: WorkerConfig, engine: Engine | None = None) -> Ru
         WorkerServicer(runtime, config.worker_id), server
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    target = f"{config.host}:{config.port}"
-    try:
-        if credentials is None:
-            port = server.add_insecure_port(target)
-        else:
-            port = server.add_secure_port(target, credentials)
-    except RuntimeError:
-        port = 0  # grpc raises instead of returning 0 when the port is taken
-    if port == 0:
-        raise OSError(f"cannot listen on {config.host}:{config.port}")
+    port = listen.add_port(server, config.host, config.port, credentials)
     await server.start()
-    address = config.advertise_address or f"{_host_for_address(config.host)}:{port}"
+    address = config.advertise_address or listen.target(listen.dial_host(config.host), port)
 
     registration = Registration(
         runtime,
@@ -166,10 +158,9 @@ async def start_worker(config: WorkerConfig, engine: Engine | None = None) -> Ru
     worker = RunningWorker(config, runtime, server, health_servicer, registration, port, address)
     worker._warmup = asyncio.ensure_future(_warm(runtime))
     log.info(
-        "worker %s listening on %s:%d (engine %s, %d slots, %s), advertised as %s",
+        "worker %s listening on %s (engine %s, %d slots, %s), advertised as %s",
         config.worker_id,
-        config.host,
-        port,
+        listen.target(config.host, port),
         engine.name,
         runtime.slots,
         "plaintext"
@@ -189,12 +180,3 @@ async def _warm(runtime: WorkerRuntime) -> None:
         log.exception("engine warm-up failed")
         runtime.set_health(False, "warm-up failed")
         raise
-
-
-def _host_for_address(host: str) -> str:
-    """A host edges can dial: wildcard binds advertise loopback; IPv6 gets brackets."""
-    if host in ("0.0.0.0", "", "::", "[::]"):
-        return "127.0.0.1"
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]"
-    return host

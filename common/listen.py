@@ -1,0 +1,49 @@
+"""Where the fabric's gRPC servers listen: one rule for the edge, the scheduler and workers.
+
+gRPC takes a listening address as one "host:port" string, so an IPv6 literal needs brackets
+("[::1]:50051"; "::1:0" is not an address), and it reports a port it cannot bind by raising
+RuntimeError in some versions and returning 0 in others. ``add_port`` turns both into an
+OSError that names the address, which each service's entry point prints as one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Hosts that mean "every interface": a client cannot dial them.
+WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def bracketed(host: str) -> str:
+    """``host`` as it goes before ":port": IPv6 literals in brackets, others as they are."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def target(host: str, port: int) -> str:
+    """The "host:port" string gRPC listens on or dials."""
+    return f"{bracketed(host)}:{port}"
+
+
+def dial_host(host: str) -> str:
+    """A host a client on this machine can dial for a server bound to ``host``: loopback
+    for a wildcard bind, IPv6 in brackets."""
+    return "127.0.0.1" if host in WILDCARDS else bracketed(host)
+
+
+def add_port(server: Any, host: str, port: int, credentials: Any = None) -> int:
+    """Have grpc ``server`` (sync or aio, not started) listen on ``host``:``port``, with TLS
+    when ``credentials`` are given; returns the bound port (the chosen one for port 0).
+    Raises OSError naming the address when it cannot be bound (taken, or not this host's)."""
+    address = target(host, port)
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise OSError(
+            f"cannot listen on {address}: the port is in use or the address is not this host's"
+        )
+    return int(bound)

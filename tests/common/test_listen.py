@@ -1,0 +1,63 @@
+"""Where the gRPC servers listen (common.listen): IPv6 literals, ports in use, dialable hosts."""
+
+from __future__ import annotations
+
+import socket
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from omnifabric.common import listen
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_targets_bracket_ipv6_literals_and_dial_hosts_replace_wildcards():
+    assert listen.target("127.0.0.1", 50051) == "127.0.0.1:50051"
+    assert listen.target("::1", 0) == "[::1]:0"
+    assert listen.target("[::1]", 7) == "[::1]:7"
+    assert listen.target("localhost", 7) == "localhost:7"
+    assert listen.dial_host("0.0.0.0") == "127.0.0.1"
+    assert listen.dial_host("::") == "127.0.0.1"
+    assert listen.dial_host("") == "127.0.0.1"
+    assert listen.dial_host("fd00::2") == "[fd00::2]"
+    assert listen.dial_host("10.1.2.3") == "10.1.2.3"
+
+
+def test_a_port_in_use_is_an_oserror_that_names_the_address():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+        with pytest.raises(
+            OSError, match=rf"cannot listen on 127\.0\.0\.1:{port}: the port is in use"
+        ):
+            listen.add_port(server, "127.0.0.1", port)
+        server.stop(None)
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_a_server_on_an_ipv6_literal_is_bound_and_answers():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = listen.add_port(server, "::1", 0)  # "::1:0" alone is no address to gRPC
+    assert port > 0
+    server.start()
+    try:
+        with grpc.insecure_channel(listen.target(listen.dial_host("::1"), port)) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(None)

@@ -1,0 +1,55 @@
+"""The fabric's servers on an IPv6 address, and a port in use said in one line (common.listen)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, scaled
+from tests.e2e.wsclient import SILENCE, WsClient
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+async def test_a_fabric_on_ipv6_loopback_serves_a_session(stack):
+    # Each server listens on ::1 and says where in a dialable form ("[::1]:port").
+    stack.start_scheduler("--host", "::1")
+    assert stack.scheduler_address.startswith("[::1]:")
+    worker = stack.start_worker("--host", "::1", "--slots", "1", "--compute-ms", "5")
+    assert worker.ready_words[1].startswith("[::1]:")  # its advertised address
+    stack.start_edge("--host", "::1")
+    assert stack.url.startswith("ws://[::1]:") and stack.grpc_address.startswith("[::1]:")
+    client = await WsClient.open(f"{stack.url}?mode=audio")
+    await client.start()
+    await client.append(SILENCE)
+    assert (await client.until("delta.listen"))["metrics"]["seq"] == 1
+    await client.close()
+
+
+def test_an_edge_whose_port_is_in_use_says_so_in_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "omnifabric.edge", "--port", "0", "--grpc-port", str(port)]
+            + ["--scheduler", "127.0.0.1:1"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=scaled(60),
+        )
+    assert done.returncode != 0
+    assert f"omnifabric edge: cannot listen on 127.0.0.1:{port}: the port is in use" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
