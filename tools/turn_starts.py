@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from omnifabric.common.stats import percentile
 from omnifabric.tools.eval_outcome import playback_gaps
 from omnifabric.tools.eval_reference import ITEMS, LEAD_INS_S, RATE, VOICES, Item, compose
 from omnifabric.worker.engine import OUTPUT_RATE, DuplexSettings
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             starts.append(start)
     firsts = sorted(s.first_audio_s for s in starts if s.first_audio_s is not None)
     if firsts:
-        p50, p90 = firsts[len(firsts) // 2], firsts[min(len(firsts) - 1, int(len(firsts) * 0.9))]
+        p50, p90 = percentile(firsts, 50), percentile(firsts, 90)
         hows = {h: sum(s.how == h for s in starts) for h in sorted({s.how for s in starts})}
         gapped = [s.gap_s for s in starts if s.gap_s > 0]
         print(
