@@ -48,6 +48,21 @@ def scaled(seconds: float) -> float:
     return seconds * TIME_FACTOR
 
 
+def _binds_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+#: Skips a test that listens on ::1 where the host has no IPv6 loopback.
+needs_ipv6 = pytest.mark.skipif(not _binds_ipv6_loopback(), reason="no IPv6 loopback here")
+
+
 #: Long runs (a soak, the whole bench, load through every tool) are opt-in, to keep the
 #: default suite within ~10 minutes on a 2-core machine: `bash tools/dev test -m long` runs
 #: them alone, OMNI_LONG_TESTS=1 with the rest.

@@ -10,15 +10,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from omnifabric.common import listen
-
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
+from tests.conftest import needs_ipv6
 
 
 def test_targets_bracket_ipv6_literals_and_dial_hosts_replace_wildcards():
@@ -46,7 +38,7 @@ def test_a_port_in_use_is_an_oserror_that_names_the_address():
         server.stop(None)
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+@needs_ipv6
 def test_a_server_on_an_ipv6_literal_is_bound_and_answers():
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
     health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)

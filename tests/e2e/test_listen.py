@@ -6,22 +6,11 @@ import socket
 import subprocess
 import sys
 
-import pytest
-
-from tests.conftest import ROOT, scaled
+from tests.conftest import ROOT, needs_ipv6, scaled
 from tests.e2e.wsclient import SILENCE, WsClient
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+@needs_ipv6
 async def test_a_fabric_on_ipv6_loopback_serves_a_session(stack):
     # Each server listens on ::1 and says where in a dialable form ("[::1]:port").
     stack.start_scheduler("--host", "::1")
