@@ -9,9 +9,9 @@ import logging
 
 from omnifabric.common import config as settings
 from omnifabric.common import listen, logs, process
+from omnifabric.common.metrics import serve_http
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.heap import HeapKeeper
-from omnifabric.scheduler.metrics import serve_http
 from omnifabric.scheduler.server import start_server
 
 log = logging.getLogger("omnifabric.scheduler")
@@ -71,9 +71,7 @@ async def _serve(config: SchedulerConfig) -> None:
             )
         except OSError as exc:
             await running.stop(0)
-            raise SystemExit(
-                f"omnifabric scheduler: cannot serve metrics on port {config.metrics_port}: {exc}"
-            ) from None
+            raise SystemExit(f"omnifabric scheduler: {exc}") from None
         metrics_word = f" metrics={listen.target(config.host, metrics_port)}"
     address = listen.target(config.host, running.port)
     print(f"omnifabric scheduler ready: {address}{metrics_word}", flush=True)

@@ -2,8 +2,8 @@
 
 Queue, leases and workers are read from the Scheduler's state at scrape time (a custom
 collector, so nothing can drift); only the queue-wait histogram is fed by a hook in the
-core (`observe_queue_wait`, at every grant). Served by `serve_http` on `--metrics-port`
-(a prometheus_client HTTP server on its own thread). Process figures
+core (`observe_queue_wait`, at every grant). Served by `common.metrics.serve_http` on
+`--metrics-port` (a prometheus_client HTTP server on its own thread). Process figures
 (process_resident_memory_bytes, process_open_fds, ...) and the live asyncio tasks
 (omni_scheduler_asyncio_tasks) show leaks in long runs.
 
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import Gauge
 from prometheus_client.process_collector import ProcessCollector
@@ -298,13 +298,3 @@ class _StateCollector(Collector):
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, help_text, value=value)
-
-
-def serve_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
-    """Serve `registry` over HTTP on host:port (0: any free port) from a daemon thread.
-
-    Every GET path answers with the metrics (/metrics; /healthz too, as a liveness
-    probe). Returns the server and its bound port. Raises OSError when it cannot bind.
-    """
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server, int(server.server_address[1])

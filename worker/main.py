@@ -10,9 +10,9 @@ import sys
 
 from omnifabric.common import config as settings
 from omnifabric.common import listen, logs, process
+from omnifabric.common.metrics import serve_http
 from omnifabric.worker.config import WorkerConfig
 from omnifabric.worker.errors import ConfigError, WorkerError
-from omnifabric.worker.metrics import serve_http
 from omnifabric.worker.server import start_worker
 
 log = logging.getLogger("omnifabric.worker")

@@ -3,7 +3,8 @@
 Per-unit figures are fed by `observe_unit` (one call where a UnitOutput goes out) and
 session ends by `observe_end` (when the runtime frees a session); sessions, slots,
 health and memory are read from the WorkerRuntime at scrape time. Served by
-`serve_http` on `--metrics-port` (a prometheus_client HTTP server on its own thread).
+`common.metrics.serve_http` on `--metrics-port` (a prometheus_client HTTP server on its
+own thread).
 Process figures (process_resident_memory_bytes, process_open_fds, ...) and the live
 asyncio tasks (omni_worker_asyncio_tasks) show leaks in long runs.
 
@@ -18,7 +19,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import Gauge
 from prometheus_client.process_collector import ProcessCollector
@@ -354,13 +355,3 @@ class _RuntimeCollector(Collector):
         yield CounterMetricFamily(
             "omni_worker_memory_cleanups", "Memory cleanups after sessions.", value=rt.cleanups
         )
-
-
-def serve_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
-    """Serve `registry` over HTTP on host:port (0: any free port) from a daemon thread.
-
-    Every GET path answers with the metrics (/metrics; /healthz too, as a liveness
-    probe). Returns the server and its bound port. Raises OSError when it cannot bind.
-    """
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server, int(server.server_address[1])

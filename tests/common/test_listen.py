@@ -53,3 +53,16 @@ def test_a_server_on_an_ipv6_literal_is_bound_and_answers():
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop(None)
+
+
+def test_a_metrics_port_in_use_is_an_oserror_that_names_the_address():
+    from prometheus_client import CollectorRegistry
+
+    from omnifabric.common.metrics import serve_http
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}: "):
+            serve_http(CollectorRegistry(), "127.0.0.1", port)

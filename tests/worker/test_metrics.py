@@ -10,9 +10,10 @@ import logging
 import urllib.request
 
 from omnifabric.common import logs
+from omnifabric.common.metrics import serve_http
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.worker.engine import GenerateResult, KvFigures
-from omnifabric.worker.metrics import WorkerMetrics, serve_http
+from omnifabric.worker.metrics import WorkerMetrics
 from omnifabric.worker.session_types import CloseReason, SessionEnd, UnitOutput, UnitTimings, Usage
 from tests.conftest import scaled
 from tests.worker.conftest import SessionClient
