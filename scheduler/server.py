@@ -148,7 +148,7 @@ async def start_server(config: SchedulerConfig) -> RunningScheduler:
         await running.set_serving(True)
     else:
         # A standby until the election says otherwise.
-        holder = f"{config.host}:{port}#{secrets.token_hex(4)}"
+        holder = f"{listen.target(config.host, port)}#{secrets.token_hex(4)}"
         elector = RedisElector(parse_store_url(config.ha), holder, config.ha_ttl_s)
         leadership = scheduler.leadership
         leadership.standby = True
