@@ -21,6 +21,7 @@ import socket
 import sys
 import time
 
+from omnifabric.common import listen
 from omnifabric.common.children import Child, StopRequest, spawn, stop
 from omnifabric.edge.config import EdgeConfig
 
@@ -41,9 +42,10 @@ def reserve(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(address)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        where = listen.target(host, port)
+        raise OSError(f"cannot listen on {where}: {exc.strerror or exc}") from None
     return sock
 
 
@@ -94,7 +96,7 @@ class Supervisor:
                 self.reserved.append(grpc)
                 self.grpc_port = grpc.getsockname()[1]
         except OSError as exc:
-            print(f"omnifabric edge: cannot bind {self.config.host}: {exc}", file=sys.stderr)
+            print(f"omnifabric edge: {exc}", file=sys.stderr)
             return 2
         self.stopping.install()
         try:

@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, needs_ipv6, scaled
 from tests.e2e.wsclient import SILENCE, WsClient
 
@@ -26,19 +28,24 @@ async def test_a_fabric_on_ipv6_loopback_serves_a_session(stack):
     await client.close()
 
 
-def test_an_edge_whose_port_is_in_use_says_so_in_one_line(tmp_path):
+@pytest.mark.parametrize("processes", ["1", "2"])  # 2: the supervisor reserves the ports
+def test_an_edge_whose_port_is_in_use_says_so_in_one_line(processes):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         done = subprocess.run(
             [sys.executable, "-m", "omnifabric.edge", "--port", "0", "--grpc-port", str(port)]
-            + ["--scheduler", "127.0.0.1:1"],
+            + ["--scheduler", "127.0.0.1:1", "--processes", processes],
             cwd=ROOT,
             capture_output=True,
             text=True,
             timeout=scaled(60),
         )
     assert done.returncode != 0
-    assert f"omnifabric edge: cannot listen on 127.0.0.1:{port}: the port is in use" in done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("omnifabric edge:")]
+    assert len(said) == 1 and said[0].startswith(
+        f"omnifabric edge: cannot listen on 127.0.0.1:{port}: "
+    )
+    assert "in use" in said[0]
     assert "Traceback" not in done.stderr + done.stdout
