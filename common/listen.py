@@ -8,6 +8,7 @@ OSError that names the address, which each service's entry point prints as one l
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 #: Hosts that mean "every interface": a client cannot dial them.
@@ -28,6 +29,16 @@ def dial_host(host: str) -> str:
     """A host a client on this machine can dial for a server bound to ``host``: loopback
     for a wildcard bind, IPv6 in brackets."""
     return "127.0.0.1" if host in WILDCARDS else bracketed(host)
+
+
+def cannot_listen(host: str, port: int, exc: OSError, what: str = "listen on") -> OSError:
+    """The OSError a service stops with when it cannot listen on ``host``:``port``: the
+    address and the system's reason in one line ("cannot listen on [::1]:8006: Address
+    already in use")."""
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    error = OSError(f"cannot {what} {target(host, port)}: {reason}")
+    error.errno = exc.errno
+    return error
 
 
 def add_port(server: Any, host: str, port: int, credentials: Any = None) -> int:

@@ -34,7 +34,5 @@ def serve_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, 
     try:
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
-        raise OSError(
-            f"cannot serve metrics on {listen.target(host, port)}: {exc.strerror or exc}"
-        ) from None
+        raise listen.cannot_listen(host, port, exc, "serve metrics on") from None
     return server, int(server.server_address[1])

@@ -44,8 +44,7 @@ def reserve(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        where = listen.target(host, port)
-        raise OSError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+        raise listen.cannot_listen(host, port, exc) from None
     return sock
 
 

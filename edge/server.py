@@ -107,7 +107,10 @@ async def start_edge(config: EdgeConfig, metrics: EdgeMetrics = METRICS) -> Runn
 
         start_retention(config)
     # WebSocket upgrades and POST /api/chat share the port (edge.transports.http).
-    ws_server = await serve_port(app, app, config, tls)
+    try:
+        ws_server = await serve_port(app, app, config, tls)
+    except OSError as exc:
+        raise listen.cannot_listen(config.host, config.port, exc) from None
     port = ws_server.sockets[0].getsockname()[1]
     grpc_server = None
     health_servicer = None

@@ -28,14 +28,18 @@ async def test_a_fabric_on_ipv6_loopback_serves_a_session(stack):
     await client.close()
 
 
-@pytest.mark.parametrize("processes", ["1", "2"])  # 2: the supervisor reserves the ports
-def test_an_edge_whose_port_is_in_use_says_so_in_one_line(processes):
+@pytest.mark.parametrize(
+    ("processes", "taken_flag"),
+    [("1", "--port"), ("1", "--grpc-port"), ("2", "--grpc-port")],  # 2: a supervisor reserves
+)
+def test_an_edge_whose_port_is_in_use_says_so_in_one_line(processes, taken_flag):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        ports = {"--port": "0", "--grpc-port": "0", taken_flag: str(port)}
         done = subprocess.run(
-            [sys.executable, "-m", "omnifabric.edge", "--port", "0", "--grpc-port", str(port)]
+            [sys.executable, "-m", "omnifabric.edge", *(w for kv in ports.items() for w in kv)]
             + ["--scheduler", "127.0.0.1:1", "--processes", processes],
             cwd=ROOT,
             capture_output=True,

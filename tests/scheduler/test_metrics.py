@@ -12,10 +12,10 @@ import urllib.request
 import pytest
 
 from omnifabric.common import logs
+from omnifabric.common.metrics import serve_http
 from omnifabric.scheduler.config import SchedulerConfig
 from omnifabric.scheduler.core import LeaseOffer, QueueUpdate, Scheduler, WorkerHello
 from omnifabric.scheduler.errors import QueueFull
-from omnifabric.scheduler.metrics import serve_http
 from omnifabric.scheduler.registry import Health, Mode
 from tests.conftest import scaled
 from tests.scheduler.clients import announce
