@@ -22,8 +22,10 @@ import os
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from omnifabric.common import config as settings
+from omnifabric.common import listen
 from omnifabric.common.children import Child, StopRequest, spawn, stop
 from omnifabric.scheduler import election
 from omnifabric.scheduler.config import SchedulerConfig
@@ -208,8 +210,7 @@ def _start(
     children.append(edge)
     url = edge.wait_ready(args.ready_timeout).split()[0]
     print(f"omnifabric ready: {url}", flush=True)
-    web = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1)
-    print(f"omnifabric web client: {web.removesuffix('/v1/realtime')}/", flush=True)
+    print(f"omnifabric web client: {web_client_url(url)}", flush=True)
     print(f"omnifabric metrics: {_metrics_urls(scheds, workers, url)}", flush=True)
     return scheds, workers, edge
 
@@ -399,6 +400,16 @@ def wait_for_leader(addresses: list[str], scheds: list[Child], timeout_s: float)
                 await channel.close()
 
     return asyncio.run(poll())
+
+
+def web_client_url(edge_url: str) -> str:
+    """The pages' address for a browser on this host, from the edge's WebSocket URL. A
+    wildcard bind (--host 0.0.0.0 or ::) becomes 127.0.0.1: browsers do not take 0.0.0.0 as
+    a secure context, and the pages need one for the microphone and camera."""
+    parts = urlsplit(edge_url)
+    scheme = "https" if parts.scheme == "wss" else "http"
+    host = listen.dial_host(parts.hostname or "")
+    return f"{scheme}://{listen.target(host, parts.port or 0)}/"
 
 
 def _metrics_urls(scheds: list[Child], workers: list[Child], edge_url: str) -> str:

@@ -27,3 +27,14 @@ def test_port_zero_stays_zero_and_the_edge_gets_its_flags():
     assert argv[argv.index("--port") + 1] == "0" and "--default-voice" not in argv
     edge = serve.edge_args(args, "h:1", None)
     assert edge[edge.index("--processes") + 1] == "2" and "--record-dir" not in edge
+
+
+def test_the_web_client_address_is_one_a_browser_here_can_use():
+    assert serve.web_client_url("ws://127.0.0.1:8006/v1/realtime") == "http://127.0.0.1:8006/"
+    # A wildcard bind: 0.0.0.0 is no secure context, so the microphone would be refused.
+    assert serve.web_client_url("ws://0.0.0.0:8006/v1/realtime") == "http://127.0.0.1:8006/"
+    assert serve.web_client_url("wss://[::]:8443/v1/realtime") == "https://127.0.0.1:8443/"
+    assert serve.web_client_url("ws://[::1]:9000/v1/realtime") == "http://[::1]:9000/"
+    assert (
+        serve.web_client_url("wss://voice.example:443/v1/realtime") == "https://voice.example:443/"
+    )
