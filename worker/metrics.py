@@ -320,38 +320,40 @@ class _RuntimeCollector(Collector):
         rt = self._runtime
         base, last = rt.baseline, rt.last_cleanup
         in_use, device = memory.measure()
-        labels = ["device"]
-        now = GaugeMetricFamily(
+        yield _device_gauge(
             "omni_worker_memory_allocated_bytes",
             "Memory in use now: CUDA allocated bytes, or RSS on CPU.",
-            labels=labels,
+            device,
+            in_use,
         )
-        now.add_metric([device], in_use)
-        yield now
         if base is not None:
-            baseline = GaugeMetricFamily(
+            yield _device_gauge(
                 "omni_worker_memory_baseline_bytes",
                 "Memory in use after the warm-up unit (what cleanups return to).",
-                labels=labels,
+                base.device,
+                base.after_bytes,
             )
-            baseline.add_metric([base.device], base.after_bytes)
-            yield baseline
         report = last or base
         if report is not None:
-            after = GaugeMetricFamily(
+            yield _device_gauge(
                 "omni_worker_memory_after_cleanup_bytes",
                 "Memory in use after the last cleanup (session end, or warm-up before any).",
-                labels=labels,
+                report.device,
+                report.after_bytes,
             )
-            after.add_metric([report.device], report.after_bytes)
-            yield after
-            before = GaugeMetricFamily(
+            yield _device_gauge(
                 "omni_worker_memory_before_cleanup_bytes",
                 "Memory in use just before the last cleanup.",
-                labels=labels,
+                report.device,
+                report.before_bytes,
             )
-            before.add_metric([report.device], report.before_bytes)
-            yield before
         yield CounterMetricFamily(
             "omni_worker_memory_cleanups", "Memory cleanups after sessions.", value=rt.cleanups
         )
+
+
+def _device_gauge(name: str, help_text: str, device: str, value: float) -> GaugeMetricFamily:
+    """A gauge of one sample labelled with the memory's device ("cuda" or "cpu")."""
+    gauge = GaugeMetricFamily(name, help_text, labels=["device"])
+    gauge.add_metric([device], value)
+    return gauge
