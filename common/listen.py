@@ -31,6 +31,20 @@ def dial_host(host: str) -> str:
     return "127.0.0.1" if host in WILDCARDS else bracketed(host)
 
 
+def check_address(address: str) -> str:
+    """``address`` when it is a "host:port" another process can dial; ValueError saying
+    what is wrong otherwise (no port, a port that is no number or out of range, an IPv6
+    literal without brackets: "::1:5000" could be port 5000 of ::1 or the address ::1:5000)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not host:port")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r}: port {port} is out of range (1-65535)")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"{address!r}: put an IPv6 address in brackets, e.g. [{host}]:{port}")
+    return address
+
+
 def cannot_listen(host: str, port: int, exc: OSError, what: str = "listen on") -> OSError:
     """The OSError a service stops with when it cannot listen on ``host``:``port``: the
     address and the system's reason in one line ("cannot listen on [::1]:8006: Address

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from omnifabric.common import listen
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
 
@@ -35,9 +36,7 @@ def addresses(value: str) -> tuple[str, ...]:
     if not found:
         raise ValueError("names no scheduler address (host:port[,host:port...])")
     for address in found:
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"{address!r} is not host:port")
+        listen.check_address(address)
     return found
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from omnifabric.common import config as settings
-from omnifabric.common import schedulers
+from omnifabric.common import listen, schedulers
 from omnifabric.common.config import ConfigError, setting
 from omnifabric.common.session_types import WINDOW_MODES, ContextWindow
 from omnifabric.common.tls import FabricTls
@@ -437,6 +437,11 @@ class WorkerConfig(FabricTls):
             schedulers.addresses(self.scheduler_address)
         except ValueError as exc:
             raise ConfigError("OMNI_WORKER_SCHEDULER", str(exc)) from None
+        if self.advertise_address is not None:
+            try:
+                listen.check_address(self.advertise_address)
+            except ValueError as exc:
+                raise ConfigError("OMNI_WORKER_ADVERTISE", str(exc)) from None
         self.check_fabric_tls()
         device = self.device
         if device is not None and not (device in ("cpu", "cuda") or device.startswith("cuda:")):

@@ -66,3 +66,28 @@ def test_a_metrics_port_in_use_is_an_oserror_that_names_the_address():
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}: "):
             serve_http(CollectorRegistry(), "127.0.0.1", port)
+
+
+def test_dial_addresses_are_checked_before_anything_dials_them():
+    assert listen.check_address("sched-host:50051") == "sched-host:50051"
+    assert listen.check_address("[fd00::1]:50051") == "[fd00::1]:50051"
+    for bad, why in [
+        ("sched-host", "is not host:port"),
+        ("sched-host:http", "is not host:port"),
+        ("sched-host:0", "out of range"),
+        ("sched-host:70000", "out of range"),
+        ("::1:50051", r"put an IPv6 address in brackets, e\.g\. \[::1\]:50051"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            listen.check_address(bad)
+
+
+def test_a_worker_is_told_at_start_about_an_address_it_could_not_be_dialled_at():
+    from omnifabric.common.config import ConfigError
+    from omnifabric.worker.config import WorkerConfig
+
+    with pytest.raises(ConfigError, match="OMNI_WORKER_ADVERTISE.*brackets"):
+        WorkerConfig(advertise_address="fd00::2:22400")
+    with pytest.raises(ConfigError, match="OMNI_WORKER_SCHEDULER.*brackets"):
+        WorkerConfig(scheduler_address="127.0.0.1:50051,::1:50052")
+    assert WorkerConfig(advertise_address="[fd00::2]:22400").advertise_address
