@@ -163,8 +163,12 @@ def open_page(request, playwright_chromium) -> Iterator[Callable[[str], BrowserP
     (it failed before) gets one, then the context closes."""
     opened: list[tuple[Any, BrowserPage]] = []
 
-    def opener(url: str, name: str | None = None) -> BrowserPage:
+    def opener(url: str, name: str | None = None, init_script: str = "") -> BrowserPage:
+        """``init_script``: JavaScript run in the page before its own (to stand in for a
+        browser API)."""
         context = playwright_chromium.new_context(viewport={"width": 1280, "height": 900})
+        if init_script:
+            context.add_init_script(init_script)
         page = context.new_page()
         page.set_default_timeout(scaled(30) * 1000)
         bp = BrowserPage(page, name or request.node.name.removeprefix("test_"))

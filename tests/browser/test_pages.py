@@ -101,6 +101,46 @@ def test_voice_call_page_answers_each_turn_aloud(stack, open_page):
     assert_clean(bp)
 
 
+#: getUserMedia failing its first `window.__micFailures` calls as a busy device does
+#: (NotReadableError), then the browser's own; `window.__micCalls` counts the calls.
+BUSY_MICROPHONE = """
+window.__micCalls = 0;
+const realGetUserMedia = navigator.mediaDevices.getUserMedia.bind(navigator.mediaDevices);
+navigator.mediaDevices.getUserMedia = async (constraints) => {
+  window.__micCalls += 1;
+  if (window.__micCalls <= FAILURES) {
+    throw new DOMException('Could not start audio source', 'NotReadableError');
+  }
+  return realGetUserMedia(constraints);
+};
+"""
+
+
+@pytest.mark.parametrize("failures", [1, 3])
+def test_a_busy_microphone_is_asked_again_then_reported(stack, open_page, failures):
+    """A microphone that will not start at once (another program releasing it) is asked
+    again twice; one that stays busy is reported with the page's sentence for it."""
+    bp = open_page(
+        f"{http_base(stack.url)}/half_duplex",
+        init_script=BUSY_MICROPHONE.replace("FAILURES", str(failures)),
+    )
+    bp.wait("omni => omni.state === 'idle'", "idle on load", 10)
+    bp.page.click("#start")
+    if failures < 3:
+        bp.wait("omni => omni.chunksSent > 0", "sending the microphone after a retry", 30)
+        assert bp.page.evaluate("() => window.__micCalls") == failures + 1
+        assert_clean(bp)
+        bp.page.click("#stop")
+        bp.wait("omni => omni.state === 'closed'", "closed after Stop", 15)
+    else:
+        bp.wait("omni => omni.errors.length > 0", "reporting the microphone", 30)
+        assert bp.page.evaluate("() => window.__micCalls") == 3
+        assert bp.omni()["errors"] == [
+            "The microphone is in use by another program or could not be opened."
+        ]
+    bp.shot()
+
+
 def test_chat_page_answers_a_typed_question(stack, open_page):
     bp = open_page(f"{http_base(stack.url)}/chat")
     bp.page.fill("#text", QUESTION)
