@@ -13,7 +13,9 @@ function-calling evaluation's) rendered by ``eval_reference``'s renderers with e
 of ``VOICES`` (six espeak-ng voices and rates, Piper's voice at three rates), each after a
 lead-in and with low seeded noise by ``eval_reference.compose``'s rules, then cut as the
 engine's turn tracker cuts an utterance (its pre-roll before the speech, its tail after).
-``--context`` gives Whisper the same words with every utterance, as a session could (``Ears.hear``).
+``--context`` gives Whisper the same words with every utterance, as a session's names do
+(``Ears.hear``); by default the engine's prompt for a session that names nothing
+(``engine.HEARING_PRIMER``), and ``--context ""`` none.
 
 Printed: one row per voice kind with the utterances whose key words all survived, the key
 words that survived, the word error rate against the text, and the recognition time per
@@ -255,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--asr", choices=["both", "closely", "whisper"], default="both")
     parser.add_argument("--voices", default="piper,espeak", help="voice kinds: piper, espeak")
     parser.add_argument("--limit", type=int, help="only the first N probes")
-    parser.add_argument("--context", help="text given to Whisper's prompt with every utterance")
+    parser.add_argument(
+        "--context",
+        help="text given to Whisper's prompt with every utterance (default: the engine's "
+        'HEARING_PRIMER; "" for none)',
+    )
     parser.add_argument("--cache", type=Path, help="folder for rendered speech")
     parser.add_argument("--out", type=Path, help="folder for results.json and table.md")
     parser.add_argument("--label", default="", help="name of this run in the output")
@@ -268,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
     runs = plan(kinds, PROBES[: args.limit] if args.limit else PROBES)
     t0 = time.perf_counter()
-    hear = load(args.asr, args.context)
+    if args.context is None:
+        from omnifabric.worker.engines.reference.engine import HEARING_PRIMER
+
+        args.context = HEARING_PRIMER
+    hear = load(args.asr, args.context or None)
     print(f"recognizers loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     results = run(runs, hear, cache)
     summary = table(results)

@@ -468,13 +468,13 @@ def engine_hearing() -> Hearer:
     from omnifabric.worker.engine import ToolSpec
     from omnifabric.worker.engines.reference import moonshine
     from omnifabric.worker.engines.reference.asr import Transcriber
-    from omnifabric.worker.engines.reference.engine import hearing_names
+    from omnifabric.worker.engines.reference.engine import hearing_context
     from omnifabric.worker.engines.reference.hearing import Ears, hear_item
 
     torch.set_num_threads(1)
     ears = Ears(Transcriber(), moonshine.Moonshine())
     specs = [ToolSpec(t["name"], t["description"], t["parameters"]) for t in TOOLS]
-    context = hearing_names("", specs) or None
+    context = hearing_context("", specs)
 
     def hear(item: dict[str, Any]) -> str:
         audio = heard(base64.b64decode(item["content"][0]["audio"]), "audio/pcm")

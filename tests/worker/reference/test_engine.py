@@ -18,7 +18,12 @@ from omnifabric.worker.engine import (
     DuplexSettings,
     ToolSpec,
 )
-from omnifabric.worker.engines.reference.engine import UNIT_TOKENS, ReferenceEngine, hearing_names
+from omnifabric.worker.engines.reference.engine import (
+    HEARING_PRIMER,
+    UNIT_TOKENS,
+    ReferenceEngine,
+    hearing_names,
+)
 from tests.worker.reference.drive import Step, drive, drive_audio, load_fixture, timeline
 
 
@@ -292,8 +297,8 @@ def test_names_the_session_holds_go_to_the_recognizer(engine, monkeypatch):
     assert heard_with and set(heard_with) == {"Chez Marie"}  # "Paris" begins a sentence
     assert "".join(s.result.text for s in steps).startswith("The capital of France is Paris")
     heard_with.clear()
-    drive(engine, "question")  # no names: no context
-    assert heard_with and set(heard_with) == {None}
+    drive(engine, "question")  # no names: the plain primer
+    assert heard_with and set(heard_with) == {HEARING_PRIMER}
 
 
 def test_hearing_names_are_the_prompts_names_and_the_functions_enums():
