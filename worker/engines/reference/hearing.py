@@ -20,7 +20,9 @@ or a function's parameters hold) as its prompt, for its decoding and its scoring
 has no prompt. On ``python -m omnifabric.tools.eval_hearing`` (docs/engines.md, "Hearing")
 a list of the restaurants' and cities' names kept every key word in 140 of 150 Piper
 utterances against 132 without, and in 216 of 300 espeak-ng ones against 207; the
-functions' descriptions as context did no better than none (130, 204). Tried and dropped:
+functions' descriptions as context did no better than none (130, 204). A session that
+names nothing is heard with a plain line instead (``engine.HEARING_PRIMER``: 215 espeak-ng
+utterances against 207 with no prompt, 133 Piper against 132). Tried and dropped:
 scoring blends of the two transcripts too (one side's words where they differ in two or
 three places, the other's elsewhere: 134 and 207 without context, 140 and 213 with the
 names), and beam search on Whisper where the two disagree (~150-180 ms more on a quiet core).
