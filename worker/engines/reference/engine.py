@@ -234,7 +234,7 @@ class ReferenceSession(EngineSession):
         """What the session keeps of the user's words beyond the dialogue (__init__'s part
         for it): the names its recognizer hears with, the turns its function checks quote."""
         self.client_prompt = ""
-        """The client's system prompt (prepare), for ``names``."""
+        """The client's system prompt (prepare), for ``heard_with``."""
         self.heard_with = HEARING_PRIMER
         """What the recognizer hears this session with (``hearing_context``)."""
         self.recent: tuple[functions.Earlier, ...] = ()
