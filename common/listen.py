@@ -9,10 +9,13 @@ OSError that names the address, which each service's entry point prints as one l
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 #: Hosts that mean "every interface": a client cannot dial them.
 WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
+#: The IPv6 ones: every interface of both families where this module binds (``bound_socket``).
+IPV6_WILDCARDS = frozenset({"::", "[::]"})
 
 
 def bracketed(host: str) -> str:
@@ -27,8 +30,37 @@ def target(host: str, port: int) -> str:
 
 def dial_host(host: str) -> str:
     """A host a client on this machine can dial for a server bound to ``host``: loopback
-    for a wildcard bind, IPv6 in brackets."""
+    for a wildcard bind (IPv6's for "::", which answers there whether or not the system
+    lets an IPv6 socket take IPv4 too), IPv6 in brackets."""
+    if host in IPV6_WILDCARDS:
+        return "[::1]"
     return "127.0.0.1" if host in WILDCARDS else bracketed(host)
+
+
+def bound_socket(
+    host: str, port: int, *, reuse_port: bool = False, reuse_address: bool = False
+) -> socket.socket:
+    """A TCP socket bound (not listening) to ``host``:``port`` (0: a free port), for a server
+    to listen on. An IPv6 wildcard ("::") takes IPv4 clients too, as gRPC's ports do: asyncio
+    would bind it IPv6 only (it sets IPV6_V6ONLY), and a system may default to that.
+    Raises the OSError of the bind."""
+    host = host[1:-1] if host.startswith("[") else host
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_address:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def check_address(address: str) -> str:

@@ -35,17 +35,10 @@ HEALTHY_AFTER_S = 60.0
 
 def reserve(host: str, port: int) -> socket.socket:
     """A bound, non-listening SO_REUSEPORT socket on host:port (port 0: a free one)."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
-        sock.bind(address)
+        return listen.bound_socket(host, port, reuse_port=True)
     except OSError as exc:
-        sock.close()
         raise listen.cannot_listen(host, port, exc) from None
-    return sock
 
 
 class Supervisor:

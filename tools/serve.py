@@ -404,8 +404,9 @@ def wait_for_leader(addresses: list[str], scheds: list[Child], timeout_s: float)
 
 def web_client_url(edge_url: str) -> str:
     """The pages' address for a browser on this host, from the edge's WebSocket URL. A
-    wildcard bind (--host 0.0.0.0 or ::) becomes 127.0.0.1: browsers do not take 0.0.0.0 as
-    a secure context, and the pages need one for the microphone and camera."""
+    wildcard bind becomes loopback (--host 0.0.0.0: 127.0.0.1, --host ::: [::1],
+    ``listen.dial_host``): browsers do not take 0.0.0.0 as a secure context, and the pages
+    need one for the microphone and camera."""
     parts = urlsplit(edge_url)
     scheme = "https" if parts.scheme == "wss" else "http"
     host = listen.dial_host(parts.hostname or "")

@@ -24,6 +24,7 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 from websockets.typing import Origin, Subprotocol
 
+from omnifabric.common import listen
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.errors import EdgeError
 from omnifabric.edge.outbox import Outbox
@@ -154,8 +155,17 @@ class PortServer:
                 ssl_handshake_timeout=config.open_timeout_s,
                 ssl_shutdown_timeout=config.ws_close_timeout_s,
             )
+
+        def factory() -> FrontProtocol:
+            return FrontProtocol(self.context, self.open_websocket)
+
+        if config.host in listen.IPV6_WILDCARDS:  # both families, as the gRPC port
+            sock = listen.bound_socket(
+                config.host, config.port, reuse_port=config.reuse_port, reuse_address=True
+            )
+            return await loop.create_server(factory, sock=sock, backlog=LISTEN_BACKLOG, **kwargs)
         return await loop.create_server(
-            lambda: FrontProtocol(self.context, self.open_websocket),
+            factory,
             config.host,
             config.port,
             backlog=LISTEN_BACKLOG,

@@ -19,7 +19,7 @@ def test_targets_bracket_ipv6_literals_and_dial_hosts_replace_wildcards():
     assert listen.target("[::1]", 7) == "[::1]:7"
     assert listen.target("localhost", 7) == "localhost:7"
     assert listen.dial_host("0.0.0.0") == "127.0.0.1"
-    assert listen.dial_host("::") == "127.0.0.1"
+    assert listen.dial_host("::") == listen.dial_host("[::]") == "[::1]"
     assert listen.dial_host("") == "127.0.0.1"
     assert listen.dial_host("fd00::2") == "[fd00::2]"
     assert listen.dial_host("10.1.2.3") == "10.1.2.3"

@@ -5,11 +5,14 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import urllib.request
+from urllib.parse import urlsplit
 
 import pytest
 
 from tests.conftest import ROOT, needs_ipv6, scaled
 from tests.e2e.wsclient import SILENCE, WsClient
+from tests.stack import read_until_line, start_serve, stop_serve
 
 
 @needs_ipv6
@@ -26,6 +29,29 @@ async def test_a_fabric_on_ipv6_loopback_serves_a_session(stack):
     await client.append(SILENCE)
     assert (await client.until("delta.listen"))["metrics"]["seq"] == 1
     await client.close()
+
+
+@needs_ipv6
+@pytest.mark.parametrize("edge_processes", ["1", "2"])
+async def test_serve_on_the_ipv6_wildcard_answers_both_families_where_it_says(edge_processes):
+    # "::" is every interface, IPv4 too, on the edge's WebSocket port as on gRPC's (asyncio
+    # alone binds it IPv6 only), and the web client's line names a loopback that answers.
+    serve = start_serve("--engine", "synthetic", "--host", "::", "--edge-processes", edge_processes)
+    try:
+        url = read_until_line(serve, "omnifabric ready: ").split()[-1]
+        web = serve.stdout.readline().split()[-1]
+        port = urlsplit(url).port
+        assert web == f"http://[::1]:{port}/"
+        for page in (web, f"http://127.0.0.1:{port}/"):
+            with urllib.request.urlopen(page, timeout=scaled(10)) as answer:
+                assert answer.status == 200 and b"/audio" in answer.read()
+        client = await WsClient.open(f"ws://127.0.0.1:{port}/v1/realtime?mode=audio")
+        await client.start()
+        await client.append(SILENCE)
+        assert (await client.until("delta.listen"))["metrics"]["seq"] == 1
+        await client.close()
+    finally:
+        stop_serve(serve, scaled(60))
 
 
 @pytest.mark.parametrize(

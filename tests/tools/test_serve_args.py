@@ -33,7 +33,7 @@ def test_the_web_client_address_is_one_a_browser_here_can_use():
     assert serve.web_client_url("ws://127.0.0.1:8006/v1/realtime") == "http://127.0.0.1:8006/"
     # A wildcard bind: 0.0.0.0 is no secure context, so the microphone would be refused.
     assert serve.web_client_url("ws://0.0.0.0:8006/v1/realtime") == "http://127.0.0.1:8006/"
-    assert serve.web_client_url("wss://[::]:8443/v1/realtime") == "https://127.0.0.1:8443/"
+    assert serve.web_client_url("wss://[::]:8443/v1/realtime") == "https://[::1]:8443/"
     assert serve.web_client_url("ws://[::1]:9000/v1/realtime") == "http://[::1]:9000/"
     assert (
         serve.web_client_url("wss://voice.example:443/v1/realtime") == "https://voice.example:443/"
