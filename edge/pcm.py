@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 MIN_WAV_RATE, MAX_WAV_RATE = 4000, 384000
 #: Channels a WAV may have (7.1 at most); they are mixed down to mono.
 MAX_WAV_CHANNELS = 8
+#: The most pixels an image a client sends may have (64 MP, e.g. 8192 x 8192; a 48 MP phone
+#: photo fits). A picture at the limit decodes to 192 MB of RGB in a worker.
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 #: FFmpeg's decoders of the WAV encodings taken: unsigned 8-bit, signed 16/24/32-bit and
 #: float PCM (little-endian, as WAV stores them), and G.711 A-law and mu-law.
 WAV_CODECS = frozenset(
@@ -187,20 +190,43 @@ def jpeg_frame(value: object, what: str) -> bytes:
 
 
 def check_jpeg(raw: bytes, what: str) -> bytes:
-    """Raw JPEG bytes, verified; InvalidPayload when broken or not a JPEG."""
-    from PIL import Image, UnidentifiedImageError
-
+    """Raw JPEG bytes, verified (``check_image``); InvalidPayload when broken or not a JPEG."""
     if raw[:3] != b"\xff\xd8\xff":
         raise InvalidPayload(f"{what} is not a JPEG image")
+    return check_image(raw, what, "JPEG")
+
+
+def check_image(raw: bytes, what: str, only: str | None = None) -> bytes:
+    """Raw image file bytes (JPEG, PNG, ...; only the format ``only`` where given), verified
+    by the image parser without decoding the pixels, and at most ``MAX_IMAGE_PIXELS``
+    pixels; InvalidPayload saying which otherwise. The one check of every image a client
+    sends: chat parts, OpenAI input_image items, video frames (``check_jpeg``)."""
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    kind = f"{only} image" if only else "image"
     try:
-        with Image.open(io.BytesIO(raw)) as image:
-            if image.format != "JPEG":
-                raise InvalidPayload(f"{what} is not a JPEG image")
-            image.verify()
+        with warnings.catch_warnings():
+            # The size is checked here, against our limit, instead of PIL's warning.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(raw)) as image:
+                if only is not None and image.format != only:
+                    raise InvalidPayload(f"{what} is not a {kind}")
+                width, height = image.size
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise InvalidPayload(
+                        f"{what}: a {width} x {height} {kind} is over the limit of "
+                        f"{MAX_IMAGE_PIXELS:,} pixels"
+                    )
+                image.verify()
     except Image.DecompressionBombError:
-        raise InvalidPayload(f"{what}: JPEG dimensions too large") from None
+        raise InvalidPayload(
+            f"{what}: the {kind}'s dimensions are over the limit of {MAX_IMAGE_PIXELS:,} pixels"
+        ) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
-        raise InvalidPayload(f"{what} is a broken JPEG image") from None
+        broken = f"a broken {kind}" if only else "not a readable image"
+        raise InvalidPayload(f"{what} is {broken}") from None
     return raw
 
 

@@ -63,6 +63,25 @@ def _binds_ipv6_loopback() -> bool:
 needs_ipv6 = pytest.mark.skipif(not _binds_ipv6_loopback(), reason="no IPv6 loopback here")
 
 
+def claimed_png(width: int, height: int) -> bytes:
+    """A PNG file whose header claims ``width`` x ``height`` grey pixels and holds none: an
+    image parser opens it without decoding, as it would a decompression bomb."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b""))
+        + chunk(b"IEND", b"")
+    )
+
+
 #: Long runs (a soak, the whole bench, load through every tool) are opt-in, to keep the
 #: default suite within ~10 minutes on a 2-core machine: `bash tools/dev test -m long` runs
 #: them alone, OMNI_LONG_TESTS=1 with the rest.

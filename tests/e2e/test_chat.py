@@ -15,10 +15,13 @@ from websockets.asyncio.client import connect
 
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
 from omnifabric.omni.realtime.v1 import scheduler_service_pb2_grpc as scheduler_grpc
-from tests.conftest import scaled
+from tests.conftest import claimed_png, scaled
 from tests.e2e.wsclient import WsClient
 from tests.e2e.wsclient import post_json as _post
 from tests.stack import Stack
+
+#: An image whose header claims 20000 x 20000 pixels (base64).
+BOMB = base64.b64encode(claimed_png(20000, 20000)).decode()
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +149,11 @@ async def test_chat_content_parts_and_errors(stack):
         ({"messages": [{"role": "assistant", "content": "x"}]}, "invalid_payload"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "data": "aGk="}]}]},
+            "invalid_payload",
+        ),
+        # A header claiming 20000 x 20000 pixels (PIL's DecompressionBombError escaped).
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "data": BOMB}]}]},
             "invalid_payload",
         ),
         (

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from omnifabric.edge import pcm
 from omnifabric.edge.errors import InvalidPayload
+from tests.conftest import claimed_png
 
 
 def f32(*values: float) -> bytes:
@@ -58,3 +59,40 @@ def test_resampling_keeps_the_length_and_a_band_limited_signal(rate, target):
     expected = np.sin(2 * np.pi * 1000 * np.arange(target) / target)
     edge = target // 100  # 10 ms
     np.testing.assert_allclose(got[edge:-edge], expected[edge:-edge], atol=1e-4)
+
+
+def _jpeg(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 200, 30)).save(out, "JPEG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "width, height",
+    [
+        (8193, 8192),  # just over the limit, under PIL's own warning (89.5 MP)
+        (9000, 9000),  # PIL only warns (81 MP) and a worker would decode it
+        (20000, 20000),  # PIL raises its DecompressionBombError
+        (65535, 65535),
+    ],
+)
+def test_an_image_over_the_pixel_limit_is_refused_before_any_decoding(width, height):
+    png = claimed_png(width, height)
+    with pytest.raises(InvalidPayload, match="over the limit of 67,108,864 pixels"):
+        pcm.check_image(png, "content[0].data")
+
+
+def test_images_within_the_limit_pass_and_broken_or_foreign_ones_are_named():
+    assert pcm.check_image(claimed_png(8192, 8192), "x") == claimed_png(8192, 8192)
+    jpeg = _jpeg(32, 24)
+    assert pcm.check_image(jpeg, "x") == jpeg and pcm.check_jpeg(jpeg, "f") == jpeg
+    with pytest.raises(InvalidPayload, match="^f is not a JPEG image$"):
+        pcm.check_jpeg(claimed_png(8, 8), "f")
+    with pytest.raises(InvalidPayload, match="^x is not a readable image$"):
+        pcm.check_image(b"hi", "x")
+    with pytest.raises(InvalidPayload, match="^f is a broken JPEG image$"):
+        pcm.check_jpeg(jpeg[:40], "f")
