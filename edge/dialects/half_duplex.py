@@ -189,8 +189,6 @@ class HalfDuplex(DuplexDialect):
         timeout = fields.number_field(
             fields.obj(cfg, "session"), "timeout_s", 1.0, MAX_TIMEOUT_S, "config.session"
         )
-        if timeout is not None:
-            self._timeout_s = timeout
         settings = self._settings(cfg)
         init = ev.InitCommand(
             dialect=ev.Dialect.CURRENT,
@@ -199,6 +197,9 @@ class HalfDuplex(DuplexDialect):
             ref_audio=ref_audio,
             ref_audio_id=fields.voice_id((event,), "ref_audio_id", "ref_audio_base64"),
         )
+        # Only a prepare taken whole changes the call: a refused one leaves it as it was.
+        if timeout is not None:
+            self._timeout_s = timeout
         self._prepared = True
         return init
 

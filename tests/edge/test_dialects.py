@@ -592,6 +592,20 @@ def test_half_duplex_config_errors_name_the_field(config, error):
         HalfDuplex("hd_1").decode(_frame({"type": "prepare", "config": config}))
 
 
+def test_a_refused_half_duplex_prepare_changes_nothing():
+    # Its timeout_s was kept although the prepare was refused: the call later ended after
+    # 1 s of silence instead of the default 180 s (the fuzzer's find).
+    from omnifabric.edge.dialects.half_duplex import TIMEOUT_S, HalfDuplex
+
+    d = HalfDuplex("hd_1")
+    refused = {"session": {"timeout_s": 1}, "vad": {"threshold": 5}}
+    with pytest.raises(errors.InvalidPayload, match="config.vad.threshold"):
+        d.decode(_frame({"type": "prepare", "config": refused}))
+    d.decode(_frame({"type": "prepare"}))
+    [_, pause] = d.decode(_frame({"type": "audio_chunk", "audio_base64": ""}))
+    assert isinstance(pause, ev.PauseCommand) and pause.timeout_s == TIMEOUT_S
+
+
 def test_half_duplex_takes_the_reference_pages_system_content():
     """The reference page's prepare: system_content parts (text, a voice not loaded yet,
     text), then the same with the voice; bad parts are refused by position."""
