@@ -128,6 +128,8 @@ class HalfDuplex(DuplexDialect):
         self._turn_text = ""
         self._speech_seqs: set[int] = set()
         self._timeout_s = TIMEOUT_S
+        self._asked_timeout_s = TIMEOUT_S
+        """What the last prepare taken by this dialect asked (the call's once created)."""
         self._last_chunk = 0.0
         self._prepared = False
         self._answer_began = False
@@ -197,10 +199,9 @@ class HalfDuplex(DuplexDialect):
             ref_audio=ref_audio,
             ref_audio_id=fields.voice_id((event,), "ref_audio_id", "ref_audio_base64"),
         )
-        # Only a prepare taken whole changes the call: a refused one leaves it as it was.
-        if timeout is not None:
-            self._timeout_s = timeout
-        self._prepared = True
+        # The call's timeout changes when the session is created (``encode``): a prepare
+        # refused here or by the session (a second one) leaves the call as it was.
+        self._asked_timeout_s = self._timeout_s if timeout is None else timeout
         return init
 
     def _settings(self, cfg: dict[str, Any]) -> ev.DuplexSettings:
@@ -255,6 +256,7 @@ class HalfDuplex(DuplexDialect):
         if isinstance(event, ev.Queued | ev.QueueDone):
             return [queue_json(event)]
         if isinstance(event, ev.Created):
+            self._timeout_s, self._prepared = self._asked_timeout_s, True
             prepared: dict[str, Any] = {
                 "type": "prepared",
                 "session_id": self.session_id,

@@ -597,13 +597,21 @@ def test_a_refused_half_duplex_prepare_changes_nothing():
     # 1 s of silence instead of the default 180 s (the fuzzer's find).
     from omnifabric.edge.dialects.half_duplex import TIMEOUT_S, HalfDuplex
 
+    def idle_timeout() -> float:
+        [_, pause] = d.decode(_frame({"type": "audio_chunk", "audio_base64": ""}))
+        assert isinstance(pause, ev.PauseCommand)
+        return pause.timeout_s
+
     d = HalfDuplex("hd_1")
     refused = {"session": {"timeout_s": 1}, "vad": {"threshold": 5}}
     with pytest.raises(errors.InvalidPayload, match="config.vad.threshold"):
         d.decode(_frame({"type": "prepare", "config": refused}))
     d.decode(_frame({"type": "prepare"}))
-    [_, pause] = d.decode(_frame({"type": "audio_chunk", "audio_base64": ""}))
-    assert isinstance(pause, ev.PauseCommand) and pause.timeout_s == TIMEOUT_S
+    assert d.encode(ev.Created("hd_1", 10))[0]["timeout_s"] == TIMEOUT_S
+    assert idle_timeout() == TIMEOUT_S
+    # A second prepare is refused by the session ("already prepared"): no Created follows.
+    d.decode(_frame({"type": "prepare", "config": {"session": {"timeout_s": 1}}}))
+    assert idle_timeout() == TIMEOUT_S
 
 
 def test_half_duplex_takes_the_reference_pages_system_content():
