@@ -178,7 +178,15 @@ def test_settings_a_running_duplex_session_cannot_take_keep_their_running_value(
             },
             "session.audio.input.turn_detection.silence_duration_ms",
         ),
-        ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, None),
+        (
+            {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+            "session.audio.input.format.rate",
+        ),
+        # A list or an object as the type raised TypeError (unhashable) and closed the
+        # connection with 1011 (the fuzzer's find); a string as the format had no param.
+        ({"audio": {"input": {"format": {"type": []}}}}, "session.audio.input.format.type"),
+        ({"audio": {"output": {"format": {"type": {}}}}}, "session.audio.output.format.type"),
+        ({"audio": {"input": {"format": "pcm16"}}}, "session.audio.input.format"),
     ],
 )
 def test_a_bad_update_is_refused_whole_with_openais_error_shape(session, param):
@@ -191,6 +199,15 @@ def test_a_bad_update_is_refused_whole_with_openais_error_shape(session, param):
     if param:
         assert error["error"]["param"] == param
     assert d.settings.output_modalities == ("audio",)  # nothing applied
+
+
+def test_a_response_asking_an_unhashable_format_is_an_error_naming_it():
+    d = OpenAIRealtime("m")
+    send(d, type="session.update", session={"audio": {"input": {"turn_detection": None}}})
+    response = {"audio": {"output": {"format": {"type": ["audio/pcm"]}}}}
+    with pytest.raises(EdgeError) as caught:
+        send(d, type="response.create", response=response)
+    assert d.error(caught.value)["error"]["param"] == "response.audio.output.format.type"
 
 
 def test_malformed_and_unknown_events_get_an_error_and_the_session_goes_on():

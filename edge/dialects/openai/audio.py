@@ -25,13 +25,16 @@ def rate(kind: str) -> int:
 
 
 def parse_format(value: Any, where: str) -> str:
-    """An audio format object ({type, rate}) -> its type; InvalidPayload otherwise."""
-    if not isinstance(value, dict) or value.get("type") not in FORMATS:
-        raise InvalidPayload(f"{where}.type must be one of {', '.join(FORMATS)}")
+    """An audio format object ({type, rate}) -> its type; BadParam naming the field
+    otherwise (any JSON value: a list as the type is no format, not a crash)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(kind, str) or kind not in FORMATS:
+        param = f"{where}.type" if isinstance(value, dict) else where
+        raise BadParam(param, f"{where}.type must be one of {', '.join(FORMATS)}")
     given = value.get("rate")
-    if given is not None and given != rate(value["type"]):
-        raise InvalidPayload(f"{where}.rate: {value['type']} is {rate(value['type'])} Hz")
-    return str(value["type"])
+    if given is not None and given != rate(kind):
+        raise BadParam(f"{where}.rate", f"{where}.rate: {kind} is {rate(kind)} Hz")
+    return kind
 
 
 def format_json(kind: str) -> dict[str, Any]:
