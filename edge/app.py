@@ -28,6 +28,7 @@ from omnifabric.edge.access import KeySessions, key_digest, peer_host, subprotoc
 from omnifabric.edge.apps import Apps
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.connection import ChatConnection, DuplexConnection, connection_for
+from omnifabric.edge.dialects.http_chat import use_post
 from omnifabric.edge.errors import InvalidPayload
 from omnifabric.edge.fabric import Fabric
 from omnifabric.edge.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -214,6 +215,8 @@ class EdgeApp:
             # The web client's pages hold no data: no key. What they open or fetch needs one.
             return static.static_response(request, path)
         if dialects.find(dialects.WEBSOCKET, path) is None:
+            if dialects.find(dialects.HTTP, path) is not None:  # POST /api/chat
+                return _api_response(use_post())
             return _plain(HTTPStatus.NOT_FOUND, f"no such endpoint: {path}\n")
         if self.draining:
             return _plain(HTTPStatus.SERVICE_UNAVAILABLE, "the server is draining\n")

@@ -41,6 +41,11 @@ def failure(status: HTTPStatus, code: str, message: str) -> HttpResponse:
     return HttpResponse(status, {"success": False, "error": code, "message": message})
 
 
+def use_post() -> HttpResponse:
+    """The answer to a chat route asked with another method than POST (GET included)."""
+    return failure(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use POST")
+
+
 class HttpChat(ChatDialect):
     """POST /api/chat."""
 

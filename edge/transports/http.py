@@ -36,7 +36,7 @@ from omnifabric.edge import api, dialects, sessions_api
 from omnifabric.edge.access import key_digest, peer_host
 from omnifabric.edge.connection import ChatConnection, EdgeContext
 from omnifabric.edge.dialects.base import ChatDialect
-from omnifabric.edge.dialects.http_chat import HttpResponse, failure
+from omnifabric.edge.dialects.http_chat import HttpResponse, failure, use_post
 from omnifabric.edge.errors import EdgeError
 
 log = logging.getLogger("omnifabric.edge.http")
@@ -52,6 +52,10 @@ _REFUSALS = {
 #: Requests this reader serves (with a body, or DELETE); anything else goes to the WebSocket
 #: server (GET: upgrades, pages, health, the GET API).
 HTTP_METHODS = (b"POST ", b"PUT ", b"DELETE ")
+#: What the WebSocket server takes (it answers every method as GET, so no other goes there).
+WEBSOCKET_METHODS = (b"GET ", b"HEAD ")
+#: A request line's method: a token and a space (RFC 9112 3).
+_METHOD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}) ")
 
 
 #: What a reader does with a request's body, decided once its head is read: None keeps it
@@ -334,6 +338,10 @@ class FrontProtocol(asyncio.Protocol):
             self._timer.cancel()
         first, self._sniffed = self._sniffed, b""
         assert self.transport is not None
+        method = _METHOD.match(first)
+        if method is not None and not first.startswith(HTTP_METHODS + WEBSOCKET_METHODS):
+            self._not_served(method.group(1).decode("ascii"))
+            return
         if not first.startswith(HTTP_METHODS):
             self._handed_over = True
             self.open_websocket(self.transport, first)
@@ -343,6 +351,14 @@ class FrontProtocol(asyncio.Protocol):
         task = asyncio.ensure_future(self._serve(self._http, self.transport))
         self.app.http_tasks.add(task)
         task.add_done_callback(self.app.http_tasks.discard)
+
+    def _not_served(self, method: str) -> None:
+        """405 for a method no route takes (PATCH, OPTIONS, TRACE, ...): the WebSocket
+        server would have answered it as a GET."""
+        assert self.transport is not None
+        text = f"{method} is not served: GET (pages, status, the API) and POST, PUT, DELETE"
+        self.transport.write(response_bytes(failure(HTTPStatus.METHOD_NOT_ALLOWED, "method", text)))
+        self.transport.close()
 
     def _plan(self, method: str, target: str, headers: Headers) -> BodyPlan:
         """Uploads (POST /api/sessions/{id}/upload-recording) are spooled to a file, once
@@ -401,7 +417,7 @@ class FrontProtocol(asyncio.Protocol):
                 answer = failure(HTTPStatus.NOT_FOUND, "not_found", f"no {path}")
             transport.answer(HttpResponse(answer.status, answer.body))  # JSON: not a GET
         elif reader.method != "POST":
-            transport.answer(failure(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use POST"))
+            transport.answer(use_post())
         else:
             route, rest = found
             query = parse_qs(urlsplit(reader.target).query)

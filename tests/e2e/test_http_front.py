@@ -64,6 +64,11 @@ CASES = [
     ("control character in a value", head("Content-Length: 0", "X-A: a\x01b"), 400),
     ("continuation line", head("Content-Length: 0", "X-A: a", " folded"), 400),
     ("two Authorization headers", head("Authorization: a", "Authorization: b"), 400),
+    # Methods no route takes: the WebSocket server answered each as a GET (200 and the page).
+    ("PATCH on a GET route", head(line="PATCH /status HTTP/1.1"), 405),
+    ("OPTIONS", head("Origin: http://x", line="OPTIONS /api/chat HTTP/1.1"), 405),
+    ("TRACE", head(line="TRACE / HTTP/1.1"), 405),
+    ("an unknown method", head(line="FOO /healthz HTTP/1.1"), 405),
 ]
 
 
@@ -105,3 +110,17 @@ def test_the_edge_answered_them_all_without_an_error_and_still_chats(stack):
 
 def base(stack: Stack) -> str:
     return stack.url.replace("ws://", "http://").replace("/v1/realtime", "")
+
+
+def test_a_get_of_the_chat_route_is_told_to_post(stack):
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{base(stack)}/api/chat", timeout=scaled(10))
+    assert refused.value.code == 405
+    assert json.loads(refused.value.read()) == {
+        "success": False,
+        "error": "method",
+        "message": "use POST",
+    }
