@@ -54,8 +54,6 @@ _REFUSALS = {
 HTTP_METHODS = (b"POST ", b"PUT ", b"DELETE ")
 #: What the WebSocket server takes (it answers every method as GET, so no other goes there).
 WEBSOCKET_METHODS = (b"GET ", b"HEAD ")
-#: A request line's method: a token and a space (RFC 9112 3).
-_METHOD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}) ")
 
 
 #: What a reader does with a request's body, decided once its head is read: None keeps it
@@ -77,6 +75,11 @@ class Malformed(Exception):
 _REQUEST_LINE = re.compile(rb"(POST|PUT|DELETE) (/[\x21-\x7e]*) HTTP/1\.[01]")
 #: A header's name: a token (RFC 9110 5.1), with no space before its colon.
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: A request line's method: a token and a space (RFC 9112 3), read once a space or a line's
+#: end came, or more bytes than a method of ``_METHOD_MAX`` characters.
+_METHOD = re.compile(b"(" + _TOKEN.pattern + b") ")
+_METHOD_END = re.compile(rb"[ \r\n]")
+_METHOD_MAX = 32
 #: What a header's value may not hold: control characters other than tab (RFC 9110 5.5).
 _VALUE_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 #: Headers read as one value: a second copy is refused rather than guessed between (two
@@ -332,8 +335,8 @@ class FrontProtocol(asyncio.Protocol):
             self._http.feed(data)
             return
         self._sniffed += data
-        if len(self._sniffed) < 7 and b"\r\n" not in self._sniffed:
-            return
+        if len(self._sniffed) <= _METHOD_MAX and not _METHOD_END.search(self._sniffed):
+            return  # the method is not whole yet
         if self._timer is not None:
             self._timer.cancel()
         first, self._sniffed = self._sniffed, b""

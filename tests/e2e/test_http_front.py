@@ -72,13 +72,18 @@ CASES = [
 ]
 
 
-async def exchange(stack: Stack, data: bytes) -> tuple[int, bytes, bytes]:
-    """Send `data`, read until the edge closes: (status, head, what came after the answer
-    body; b"" when the connection was closed right after it)."""
+async def exchange(stack: Stack, data: bytes, split_at: int = 0) -> tuple[int, bytes, bytes]:
+    """Send `data` (in two writes apart, split at `split_at`, when given), read until the
+    edge closes: (status, head, what came after the answer body; b"" when the connection
+    was closed right after it)."""
     host, port = stack.url.split("//")[1].split("/")[0].split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
-        writer.write(data)
+        if split_at:
+            writer.write(data[:split_at])
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        writer.write(data[split_at:])
         await writer.drain()
         raw = await asyncio.wait_for(reader.read(), scaled(10))  # to EOF: the edge closed
     finally:
@@ -124,3 +129,18 @@ def test_a_get_of_the_chat_route_is_told_to_post(stack):
         "error": "method",
         "message": "use POST",
     }
+
+
+@pytest.mark.parametrize(
+    "data, status",
+    [
+        (head(line="OPTIONS /status HTTP/1.1"), 405),
+        (head("Content-Length: 2", line="DELETE /api/nope HTTP/1.1") + b"{}", 404),
+    ],
+)
+async def test_a_method_that_arrives_in_pieces_is_read_whole(stack, data, status):
+    # The first 7 bytes ("OPTIONS", "DELETE ") decided where a request went.
+    got, _, _ = await exchange(stack, data, split_at=3)
+    assert got == status
+    got, _, _ = await exchange(stack, data, split_at=7)
+    assert got == status
