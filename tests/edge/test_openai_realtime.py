@@ -422,10 +422,22 @@ def test_truncate_cuts_the_heard_transcript_and_items_are_retrieved_and_deleted(
     d.encode_turn(TurnDelta("Hello there", np.zeros(24000, "<f4").tobytes()))
     d.encode_turn(TurnDone(ChatResult(text="Hello there")))
     answer = d.items[-1]
+    # A content_index that names no part of the item was echoed as it came (the fuzzer's).
+    for bad in ({"not": "an int"}, 1, -1, True):
+        with pytest.raises(EdgeError) as caught:
+            send(
+                d,
+                type="conversation.item.truncate",
+                item_id=answer.id,
+                content_index=bad,
+                audio_end_ms=500,
+            )
+        assert d.error(caught.value)["error"]["param"] == "content_index"
     (cut,) = sent_messages(
         send(d, type="conversation.item.truncate", item_id=answer.id, audio_end_ms=500)
     )
     assert cut["type"] == "conversation.item.truncated" and cut["audio_end_ms"] == 500
+    assert cut["content_index"] == 0
     (got,) = sent_messages(send(d, type="conversation.item.retrieve", item_id=answer.id))
     assert got["item"]["content"] == [{"type": "output_audio", "transcript": "Hello"}]
     (gone,) = sent_messages(send(d, type="conversation.item.delete", item_id=answer.id))

@@ -202,12 +202,13 @@ class OpenAIRealtime(DuplexDialect):
             raise BadParam("audio_end_ms", "audio_end_ms must be an integer >= 0")
         if item.role != "assistant":
             raise BadParam("item_id", "only an assistant item's audio can be truncated")
+        part = event.get("content_index", 0)
+        last = max(0, len(item.parts) - 1)
+        if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part <= last:
+            raise BadParam("content_index", f"content_index must be an integer in [0, {last}]")
         item.truncate(end_ms)
         truncated = self.wire.event(
-            "conversation.item.truncated",
-            item_id=item.id,
-            content_index=event.get("content_index", 0),
-            audio_end_ms=end_ms,
+            "conversation.item.truncated", item_id=item.id, content_index=part, audio_end_ms=end_ms
         )
         return self._send(truncated)
 
