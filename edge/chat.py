@@ -152,9 +152,7 @@ def _audio(item: dict[str, Any], where: str) -> bytes:
     if len(raw) % 4:
         raise InvalidPayload(f"{where}.data is not a whole number of float32 samples")
     rate = integer_field(item, "sample_rate", 4000, 192000, where) or 16000
-    audio = np.frombuffer(raw, dtype="<f4")
-    if not np.isfinite(audio).all():
-        raise InvalidPayload(f"{where}.data: samples must be finite numbers")
+    audio = np.frombuffer(pcm.check_finite(raw, f"{where}.data"), dtype="<f4")
     check_audio_seconds(audio.size / rate, where)
     return pcm.resample(audio, rate, 16000).astype("<f4").tobytes()
 

@@ -60,6 +60,12 @@ def check_unit_pcm(raw: bytes, what: str = "audio") -> bytes:
     edge.session.SessionCore.append); the frame size limit bounds it before."""
     if len(raw) % 4:
         raise InvalidPayload(f"{what}: {len(raw)} bytes is not a whole number of float32 samples")
+    return check_finite(raw, what)
+
+
+def check_finite(raw: bytes, what: str) -> bytes:
+    """Float32 PCM bytes, returned unchanged when every sample is a finite number (units,
+    reference voices, chat audio, float WAV files); InvalidPayload otherwise."""
     if not all_finite(raw):
         raise InvalidPayload(f"{what}: samples must be finite numbers")
     return raw
@@ -86,7 +92,7 @@ def reference_audio(value: object, what: str) -> bytes:
         return wav_to_pcm16k(raw, what)
     if len(raw) % 4:
         raise InvalidPayload(f"{what}: not a WAV file and not float32 PCM")
-    return raw
+    return check_finite(raw, what)
 
 
 def wav_to_pcm16k(data: bytes, what: str) -> bytes:
@@ -111,7 +117,7 @@ def wav_to_pcm16k(data: bytes, what: str) -> bytes:
     except (av.error.FFmpegError, ValueError, OSError, EOFError) as exc:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         raise InvalidPayload(f"{what}: unreadable WAV ({why})") from None
-    return resample(audio, rate, 16000).astype("<f4").tobytes()
+    return check_finite(resample(audio, rate, 16000).astype("<f4").tobytes(), what)
 
 
 def _check_wav_stream(stream: av.audio.stream.AudioStream, what: str) -> None:

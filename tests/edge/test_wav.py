@@ -129,6 +129,23 @@ def test_what_cannot_be_taken_is_named(data, message):
         decoded(data)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_voice_or_a_float_wav_of_non_finite_samples_is_refused_as_units_are(bad):
+    # Reference voices of NaN were taken (session.created) where a unit of them is refused.
+    samples = tone(16000)
+    samples[100] = bad
+    raw = samples.astype("<f4").tobytes()
+    wav = riff(FLOAT, 1, 16000, 32, raw)
+    for data in (raw, wav):
+        with pytest.raises(InvalidPayload, match="^r: samples must be finite numbers$"):
+            pcm.reference_audio(base64.b64encode(data).decode(), "r")
+    body = {"messages": [{"role": "user", "content": [{"type": "audio", "data": ""}]}]}
+    for data in (raw, wav):
+        body["messages"][0]["content"][0]["data"] = base64.b64encode(data).decode()
+        with pytest.raises(InvalidPayload, match="samples must be finite numbers"):
+            parse_chat(body)
+
+
 def test_reference_audio_and_chat_audio_parts_take_wavs_and_raw_pcm():
     wav = riff(FLOAT, 1, 24000, 32, encode(tone(24000), 32, True))
     assert_tone(np.frombuffer(pcm.reference_audio(base64.b64encode(wav).decode(), "r"), "<f4"))
