@@ -279,9 +279,10 @@ def parse_chat(body: dict[str, Any]) -> ChatInput:
         raise InvalidPayload(f"tts.mode must be one of {', '.join(TTS_MODES)}")
     notes = []
     ref_audio = b""
-    if tts.get("ref_audio_data"):
+    # Absent or "": no voice. Any other value is checked ([] or 0 is no voice either).
+    if tts.get("ref_audio_data") not in (None, ""):
         ref_audio = pcm.reference_audio(tts["ref_audio_data"], "tts.ref_audio_data")
-    elif tts.get("ref_audio_path"):
+    elif tts.get("ref_audio_path") not in (None, ""):
         if not isinstance(tts["ref_audio_path"], str):
             raise InvalidPayload("tts.ref_audio_path must be a string")
         notes.append("tts.ref_audio_path: server-side paths are not read (send ref_audio_data)")

@@ -164,6 +164,19 @@ async def test_chat_content_parts_and_errors(stack):
             {"messages": [{"role": "user", "content": "x"}], "tts": {"mode": "karaoke"}},
             "invalid_payload",
         ),
+        # A voice of the wrong type, if falsy, was taken as none.
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tts": {"ref_audio_data": []}},
+            "invalid_payload",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tts": {"ref_audio_data": 0}},
+            "invalid_payload",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tts": {"ref_audio_path": {}}},
+            "invalid_payload",
+        ),
         # An integer beyond float range is a bad number, not a crash (it closed with 1011).
         (
             {"messages": [{"role": "user", "content": "x"}], "generation": {"top_p": 10**400}},
