@@ -101,6 +101,8 @@ def argument_errors(spec: ToolSpec, arguments: str) -> list[str]:
         value = json.loads(arguments)
     except ValueError as exc:
         return [f"the arguments are not JSON ({exc})"]
+    except RecursionError:
+        return ["the arguments nest too deep"]
     return _errors(value, spec.parameters or {"type": "object"}, "arguments")
 
 

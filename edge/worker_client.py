@@ -506,7 +506,12 @@ def retry_on_new_channel(err: grpc.aio.AioRpcError) -> bool:
 
 
 def start_error(err: grpc.aio.AioRpcError) -> EdgeError:
-    """A worker's refusal (or loss) of a session's start."""
+    """A worker's refusal (or loss) of a session's start. A refusal of the client's
+    settings (INVALID_ARGUMENT: watermarks past the worker's context, which only it knows)
+    is the client's error, not the server's: it ends the session (1008), and retrying the
+    same settings cannot help, as WorkerConnectFailed's 1013 would say."""
+    if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidPayload(err.details() or "the worker refused the settings", close_code=1008)
     return WorkerConnectFailed(f"the worker did not start the session: {err.details()}")
 
 

@@ -9,6 +9,7 @@ import json
 
 import grpc
 import pytest
+from websockets.exceptions import ConnectionClosed
 
 from omnifabric.omni.realtime.v1 import common_pb2
 from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
@@ -100,6 +101,13 @@ async def test_a_window_that_cannot_fit_the_context_is_refused_by_name(stack):
     )
     error = await client.until("error", "session.created")
     assert error["type"] == "error" and "window_high_tokens" in error["error"]["message"]
+    # The client's mistake, not the server's: it was worker_connect_failed and close 1013
+    # ("try again later"), which the SDK and the browsers retry.
+    assert (error["error"]["code"], error["error"]["type"]) == ("invalid_payload", "client_error")
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            await client.recv()
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
 
 
 @pytest.fixture(scope="module")
