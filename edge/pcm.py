@@ -86,8 +86,13 @@ def all_finite(raw: bytes) -> bool:
 
 
 def reference_audio(value: object, what: str) -> bytes:
-    """Reference voice as float32 16 kHz PCM bytes; accepts raw PCM or a WAV file."""
-    raw = b64decode(value, what)
+    """Reference voice (base64) as float32 16 kHz PCM bytes (``reference_pcm``)."""
+    return reference_pcm(b64decode(value, what), what)
+
+
+def reference_pcm(raw: bytes, what: str) -> bytes:
+    """Reference voice bytes, raw float32 PCM or a WAV file, as float32 16 kHz PCM bytes;
+    InvalidPayload naming ``what`` for anything else or a sample that is not finite."""
     if raw[:4] == b"RIFF":
         return wav_to_pcm16k(raw, what)
     if len(raw) % 4:

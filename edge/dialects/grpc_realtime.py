@@ -12,6 +12,7 @@ client mistakes during a session arrive as `error` responses and the stream stay
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from omnifabric.common import modes, tool_wire
@@ -52,24 +53,19 @@ _STATUS = {
 _BAD_START = 1008
 
 
-def settings_from(msg: common_pb2.DuplexConfig) -> ev.DuplexSettings:
-    """Protobuf duplex config -> domain settings (unset fields stay None)."""
-    return ev.DuplexSettings(
-        **{f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields if msg.HasField(f.name)}
-    )
+def settings_from(msg: common_pb2.DuplexConfig, where: str = "init.config") -> ev.DuplexSettings:
+    """Protobuf duplex config -> domain settings (unset fields stay None), checked by the
+    JSON dialects' rules (``fields.duplex_settings``: ranges, finite numbers), so a NaN
+    temperature or a top_p of 5 is refused here as it is there."""
+    given = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields if msg.HasField(f.name)}
+    half_duplex = given.pop("half_duplex", None)
+    settings = fields.duplex_settings(given, where)
+    return dataclasses.replace(settings, half_duplex=half_duplex)
 
 
 def usage_to(usage: ev.Usage) -> common_pb2.Usage:
     """Domain usage -> protobuf usage."""
     return common_pb2.Usage(**usage.__dict__)
-
-
-def _voice(raw: bytes, what: str) -> bytes:
-    if raw[:4] == b"RIFF":
-        return pcm.wav_to_pcm16k(raw, what)
-    if len(raw) % 4:
-        raise InvalidPayload(f"{what}: not a WAV file and not float32 PCM")
-    return raw
 
 
 def init_command(msg: rt_pb.SessionInit) -> ev.InitCommand:
@@ -82,8 +78,10 @@ def init_command(msg: rt_pb.SessionInit) -> ev.InitCommand:
         dialect=ev.Dialect.CURRENT,
         system_prompt=msg.system_prompt,
         config=settings_from(msg.config),
-        ref_audio=_voice(msg.ref_audio, "ref_audio") if msg.ref_audio else b"",
-        tts_ref_audio=_voice(msg.tts_ref_audio, "tts_ref_audio") if msg.tts_ref_audio else b"",
+        ref_audio=pcm.reference_pcm(msg.ref_audio, "ref_audio") if msg.ref_audio else b"",
+        tts_ref_audio=(
+            pcm.reference_pcm(msg.tts_ref_audio, "tts_ref_audio") if msg.tts_ref_audio else b""
+        ),
         max_slice_nums=msg.max_slice_nums or 1,
         tools=tools,
         tool_choice=choice,

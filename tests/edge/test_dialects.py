@@ -329,6 +329,46 @@ def test_grpc_dialect_first_request_costs_and_refusals():
     assert d.error(refused).status == "INVALID_ARGUMENT"
 
 
+def test_grpc_settings_are_checked_by_the_json_dialects_rules_and_all_arrive():
+    """The gRPC init's config went to the worker unchecked (a NaN temperature, a top_p of
+    5, a 64-bit seed torch cannot take) where the JSON dialects refuse it; its voice was
+    not checked for finite samples, and deep JSON in a tool's schema ended the call with
+    INTERNAL (RecursionError). Every field of DuplexConfig still arrives."""
+    from omnifabric.edge.dialects.grpc_realtime import init_command, settings_from
+    from omnifabric.omni.realtime.v1 import common_pb2
+    from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+
+    given = dict(
+        length_penalty=1.1, temperature=0.5, top_k=20, top_p=0.75, listen_prob_scale=1.5,
+        force_listen_count=2, max_new_speak_tokens_per_chunk=20, max_kv_tokens=4096,
+        tts_enabled=False, max_tokens=300, vad_threshold=0.5, min_speech_ms=250,
+        end_of_turn_silence_ms=600, half_duplex=True, seed=7, context_window="basic",
+        window_high_tokens=3000, window_low_tokens=2000, window_units=10,
+        window_previous_tokens=100,
+    )  # fmt: skip
+    names = {f.name for f in common_pb2.DuplexConfig.DESCRIPTOR.fields}
+    assert set(given) == names  # a new field is added here, and so checked to arrive
+    settings = settings_from(common_pb2.DuplexConfig(**given))
+    assert {k: getattr(settings, k) for k in given} == pytest.approx(given)
+    assert settings_from(common_pb2.DuplexConfig()) == ev.DuplexSettings()
+    for bad, message in [
+        (dict(temperature=float("nan")), "init.config.temperature must be a number"),
+        (dict(top_p=5.0), r"init.config.top_p must be in \[0.0, 1.0\]"),
+        (dict(top_k=0), "init.config.top_k must be in"),
+        (dict(seed=2**64 - 1), "init.config.seed must be in"),
+        (dict(max_kv_tokens=2**32 - 1), "init.config.max_kv_tokens must be in"),
+        (dict(context_window="bogus"), "init.config.context_window must be one of"),
+    ]:
+        with pytest.raises(errors.InvalidPayload, match=message):
+            settings_from(common_pb2.DuplexConfig(**bad))
+    nan_voice = np.full(1600, np.nan, "<f4").tobytes()
+    with pytest.raises(errors.InvalidPayload, match="^ref_audio: samples must be finite"):
+        init_command(rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, ref_audio=nan_voice))
+    deep = common_pb2.ToolSpec(name="f", parameters_json="[" * 100_000 + "]" * 100_000)
+    with pytest.raises(errors.InvalidPayload, match=r"init.tools\[0\].parameters_json"):
+        init_command(rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, tools=[deep]))
+
+
 def test_grpc_dialect_carries_tools_calls_and_outputs():
     """Issue 53: the RealtimeService's own function calling: tools in the init, the model's
     calls on the output, the client's outputs as requests (checked like the JSON ones)."""
