@@ -183,6 +183,8 @@ class GrpcRealtime(DuplexDialect):
             return [ev.ToolOutputCommand(output.call_id, output.output)]
         if kind == "init":
             raise InvalidPayload(self.traits.already_initialized)
+        if kind == "resume":
+            raise InvalidPayload("resume may only be the first request of a call")
         raise InvalidPayload("an empty request")
 
     def _numbered(self, responses: list[Any]) -> list[Any]:

@@ -312,6 +312,9 @@ def test_grpc_dialect_first_request_costs_and_refusals():
     assert isinstance(unit, ev.AppendCommand)
     with pytest.raises(errors.InvalidPayload, match="only once"):
         d.decode(init)
+    resume = rt_pb.ConnectRequest(resume=rt_pb.SessionResumeRequest(resume_token="t"))
+    with pytest.raises(errors.InvalidPayload, match="^resume may only be the first request"):
+        d.decode(resume)  # it was called "an empty request"
     d.bind(SessionFacts("rt_5"))
     timings = {"prefill_ms": 1.0, "cost_llm_ms": 7.5, "cost_tts_ms": 2.0, "queue_ms": 0.5}
     [out] = d.encode(_out(timings_ms=timings, n_tokens=3, n_tts_tokens=9))
