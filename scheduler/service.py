@@ -195,8 +195,11 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
             context=telemetry.extract(context.invocation_metadata()),
             attributes={"session.id": request.session_id},
         )
-        # Current for this RPC's task, so its log lines carry the session's trace id.
-        token = otel_context.attach(trace.set_span_in_context(span))
+        # Current for this RPC's task, so its log lines carry the session's trace id. The
+        # task ends with the RPC, so nothing is detached: grpc closes a cancelled call's
+        # generator from another task, whose context never held the token (detaching
+        # there failed, logged as an error with a traceback).
+        otel_context.attach(trace.set_span_in_context(span))
         try:
             mode = _mode_from_pb(request.mode)
             events = self._scheduler.acquire(
@@ -222,7 +225,6 @@ class SchedulerServicer(scheduler_grpc.SchedulerServiceServicer):
         finally:
             if span.is_recording():
                 span.end()
-            otel_context.detach(token)
 
     async def Reattach(
         self, request: scheduler_pb.ReattachRequest, context: grpc.aio.ServicerContext

@@ -632,3 +632,31 @@ async def test_app_switches_are_kept_for_the_fabric(start_scheduler: StartSchedu
         await harness.stub.SetApp(scheduler_pb.SetAppRequest(app_id="one-more", enabled=False))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (await harness.stub.GetApps(scheduler_pb.GetAppsRequest())).switches.generation == 66
+
+
+class _Context:
+    """What Acquire asks of its gRPC context, for driving the servicer's generator here."""
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+
+async def test_a_queued_acquire_closed_from_another_task_logs_no_error(
+    start_scheduler: StartScheduler, caplog: pytest.LogCaptureFixture
+) -> None:
+    """grpc closes a cancelled call's generator from a task of its own: the trace context
+    Acquire made current in the RPC's task was detached there, which OpenTelemetry logged
+    as an ERROR with a traceback ("Failed to detach context"; 1 cancel in 10 at a queue)."""
+    from omnifabric.scheduler.service import SchedulerServicer
+
+    harness = await start_scheduler()
+    worker = await WorkerStream(harness.stub, "w1", slots=1).start()
+    holder = Holder(harness.stub, AUDIO, session_id="holds")
+    await holder.expect_lease()
+    await worker.expect("lease_granted")
+    request = scheduler_pb.AcquireRequest(mode=AUDIO, session_id="waits")
+    acquire = SchedulerServicer(harness.core).Acquire(request, _Context())
+    assert (await anext(acquire)).WhichOneof("kind") == "queued"
+    caplog.set_level("ERROR")
+    await asyncio.create_task(acquire.aclose())  # another task: a copy of the context
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
