@@ -208,10 +208,14 @@ def _start(
         w.wait_ready(args.ready_timeout)
     edge = spawn("edge", "omnifabric.edge", edge_args(args, sched_addr, voice))
     children.append(edge)
-    url = edge.wait_ready(args.ready_timeout).split()[0]
+    ready = edge.wait_ready(args.ready_timeout)
+    url = ready.split()[0]
     print(f"omnifabric ready: {url}", flush=True)
     print(f"omnifabric web client: {web_client_url(url)}", flush=True)
     print(f"omnifabric metrics: {_metrics_urls(scheds, workers, url)}", flush=True)
+    grpc = edge_grpc_address(ready)
+    if grpc:
+        print(f"omnifabric grpc: {grpc}", flush=True)
     return scheds, workers, edge
 
 
@@ -411,6 +415,19 @@ def web_client_url(edge_url: str) -> str:
     scheme = "https" if parts.scheme == "wss" else "http"
     host = listen.dial_host(parts.hostname or "")
     return f"{scheme}://{listen.target(host, parts.port or 0)}/"
+
+
+def edge_grpc_address(ready_text: str) -> str | None:
+    """Where a gRPC client on this host dials the edge's RealtimeService, from the edge's
+    ready line (its `grpc=HOST:PORT` word; a wildcard bind as loopback); None when the
+    edge serves no gRPC (`--grpc-port -1`)."""
+    for word in ready_text.split():
+        if word.startswith("grpc="):
+            host, _, port = word.removeprefix("grpc=").rpartition(":")
+            if not port.isdigit():  # -1: no gRPC port
+                return None
+            return listen.target(listen.dial_host(host.strip("[]")), int(port))
+    return None
 
 
 def _metrics_urls(scheds: list[Child], workers: list[Child], edge_url: str) -> str:

@@ -8,6 +8,7 @@ import sys
 import urllib.request
 from urllib.parse import urlsplit
 
+import grpc
 import pytest
 
 from tests.conftest import ROOT, needs_ipv6, scaled
@@ -50,6 +51,11 @@ async def test_serve_on_the_ipv6_wildcard_answers_both_families_where_it_says(ed
         await client.append(SILENCE)
         assert (await client.until("delta.listen"))["metrics"]["seq"] == 1
         await client.close()
+        # The RealtimeService's address, said once the stack is up, answers.
+        grpc_address = read_until_line(serve, "omnifabric grpc: ").split()[-1]
+        assert grpc_address.startswith("[::1]:")
+        with grpc.insecure_channel(grpc_address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=scaled(10))
     finally:
         stop_serve(serve, scaled(60))
 

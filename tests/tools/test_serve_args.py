@@ -38,3 +38,14 @@ def test_the_web_client_address_is_one_a_browser_here_can_use():
     assert (
         serve.web_client_url("wss://voice.example:443/v1/realtime") == "https://voice.example:443/"
     )
+
+
+def test_the_edges_grpc_address_is_one_a_client_here_can_dial():
+    # serve printed no gRPC address: clients of the RealtimeService had to find the port.
+    ready = "ws://0.0.0.0:8006/v1/realtime grpc={}"
+    assert serve.edge_grpc_address(ready.format("0.0.0.0:8007")) == "127.0.0.1:8007"
+    assert serve.edge_grpc_address(ready.format("[::]:8007")) == "[::1]:8007"
+    assert serve.edge_grpc_address(ready.format("[fd00::2]:8007")) == "[fd00::2]:8007"
+    assert serve.edge_grpc_address(ready.format("10.0.0.5:9")) == "10.0.0.5:9"
+    assert serve.edge_grpc_address(ready.format("127.0.0.1:-1")) is None
+    assert serve.edge_grpc_address("ws://127.0.0.1:8006/v1/realtime") is None
