@@ -300,6 +300,31 @@ class HttpTransport:
         self._raw.close()
 
 
+#: A head's Upgrade header asking for a WebSocket (RFC 6455 4.1).
+_UPGRADE = re.compile(rb"(?im)^upgrade:[ \t]*websocket[ \t]*\r?$")
+
+
+#: A head's headers that announce a body (websockets drops a GET with one unanswered).
+_BODY = re.compile(rb"(?im)^(content-length:[ \t]*0*[1-9]|transfer-encoding:)")
+
+
+def _whole_head(first: bytes) -> bytes:
+    """The request head in a connection's first bytes, when they hold all of it."""
+    end = first.find(b"\r\n\r\n")
+    return b"" if end < 0 else first[:end]
+
+
+def _head_of_plain_get(first: bytes) -> bytes:
+    """What the WebSocket server gets of a connection's first bytes: a GET that is no
+    upgrade (a page, status, the API) loses what follows its head (a pipelined request, a
+    stray line end), which websockets would read as frames and drop the connection
+    unanswered; the answer closes the connection anyway."""
+    head = _whole_head(first)
+    if not head or len(first) == len(head) + 4 or _UPGRADE.search(head):
+        return first
+    return first[: len(head) + 4]
+
+
 class FrontProtocol(asyncio.Protocol):
     """Every TCP connection on the edge's port starts here: the first bytes tell an HTTP
     request with a body (`POST`, served here) from a WebSocket upgrade, which goes to
@@ -346,8 +371,11 @@ class FrontProtocol(asyncio.Protocol):
             self._not_served(method.group(1).decode("ascii"))
             return
         if not first.startswith(HTTP_METHODS):
+            if _BODY.search(_whole_head(first)):
+                self._refuse(HTTPStatus.BAD_REQUEST, "invalid_request", "a GET takes no body")
+                return
             self._handed_over = True
-            self.open_websocket(self.transport, first)
+            self.open_websocket(self.transport, _head_of_plain_get(first))
             return
         self._http = HttpRequestReader(self.app.config.max_frame_bytes, self._plan)
         self._http.feed(first)
@@ -358,9 +386,13 @@ class FrontProtocol(asyncio.Protocol):
     def _not_served(self, method: str) -> None:
         """405 for a method no route takes (PATCH, OPTIONS, TRACE, ...): the WebSocket
         server would have answered it as a GET."""
-        assert self.transport is not None
         text = f"{method} is not served: GET (pages, status, the API) and POST, PUT, DELETE"
-        self.transport.write(response_bytes(failure(HTTPStatus.METHOD_NOT_ALLOWED, "method", text)))
+        self._refuse(HTTPStatus.METHOD_NOT_ALLOWED, "method", text)
+
+    def _refuse(self, status: HTTPStatus, code: str, text: str) -> None:
+        """Answer a request this front does not pass on, and close."""
+        assert self.transport is not None
+        self.transport.write(response_bytes(failure(status, code, text)))
         self.transport.close()
 
     def _plan(self, method: str, target: str, headers: Headers) -> BodyPlan:

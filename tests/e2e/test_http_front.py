@@ -144,3 +144,30 @@ async def test_a_method_that_arrives_in_pieces_is_read_whole(stack, data, status
     assert got == status
     got, _, _ = await exchange(stack, data, split_at=7)
     assert got == status
+
+
+@pytest.mark.parametrize(
+    "data, answer",
+    [
+        (head(line="GET /healthz HTTP/1.1") + b"\r\n", b"200 OK"),
+        (head(line="GET /healthz HTTP/1.1") * 2, b"200 OK"),
+        (head("Content-Length: 2", line="GET /healthz HTTP/1.1") + b"{}", b"400 Bad Request"),
+    ],
+    ids=["a stray line end", "a pipelined request", "a body"],
+)
+async def test_a_get_with_bytes_after_its_head_is_answered(stack, data, answer):
+    # websockets read them as frames (or refused the body) and dropped the connection with
+    # no answer at all.
+    host, port = stack.url.split("//")[1].split("/")[0].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), scaled(10))
+    finally:
+        writer.close()
+    assert raw.startswith(b"HTTP/1.1 " + answer + b"\r\n"), raw
+    if answer == b"200 OK":
+        assert raw.endswith(b'{"status":"ok"}'), raw
+    else:
+        assert b'"message":"a GET takes no body"' in raw, raw
