@@ -2,9 +2,11 @@
 POST/PUT/DELETE routes (edge/api.py).
 
 Every connection on the edge's port starts in `FrontProtocol`, which reads the first
-bytes: a `POST`, `PUT` or `DELETE` is served here (`HttpRequestReader` reads one request,
-answered once with `Connection: close`); anything else is handed to the WebSocket server
-(edge.transports.websocket) with the bytes read so far. The request is read in full
+bytes up to the request's method: a `POST`, `PUT` or `DELETE` is served here
+(`HttpRequestReader` reads one request, answered once with `Connection: close`); another
+method than those and `GET`/`HEAD` is answered 405, a GET with a body 400; anything else is
+handed to the WebSocket server (edge.transports.websocket) with the bytes read so far (a
+GET that is no upgrade without what follows its head). The request is read in full
 before it is served, within limits: its head within the open timeout and 16 KiB (431), a
 Content-Length (411, no chunked bodies) of at most the frame limit (413), the body within
 6 times the open timeout (408). The head is parsed strictly (`parse_head`, fuzzed in
