@@ -32,7 +32,9 @@ def specs_from_pb(
         try:
             schema = json.loads(msg.parameters_json) if msg.parameters_json else {}
         except (ValueError, RecursionError):  # RecursionError: nested past Python's stack
-            raise ValueError(f"{where}[{i}].parameters_json is not JSON, or nests too deep") from None
+            raise ValueError(
+                f"{where}[{i}].parameters_json is not JSON, or nests too deep"
+            ) from None
         schema = tools.check_schema(schema, f"{where}[{i}].parameters")
         if any(s.name == name for s in specs):
             raise ValueError(f"{where}[{i}].name: a second function {name!r}")
