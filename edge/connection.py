@@ -272,6 +272,7 @@ class DuplexConnection:
             resume_window_s=config.resume_window_s if traits.resumable else 0.0,
             owner=owner,
             key_limit=self.app.key_sessions.limit(owner) if owner else 0,
+            early_results=traits.early_results,
         )
         self.dialect.bind(SessionFacts(core.session_id, self.app.voices.pcm))
         if traits.recorded and not self.dialect.resume_token:

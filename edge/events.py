@@ -209,6 +209,9 @@ class Output:
     numbers), never sent again."""
     tool_calls: tuple[ToolCall, ...] = ()
     """Functions the model calls with this unit (answered by ToolOutputCommands)."""
+    early: bool = False
+    """Made by the finalize of unit `seq` after its result (a reply's first piece, sent as
+    soon as it was made): it answers no unit (SessionStart.early_results)."""
 
 
 @dataclass(frozen=True)

@@ -394,6 +394,8 @@ class SessionRecorder:
             "edge_ms": None if received is None else round((now - received) * 1000.0, 2),
             "audio_samples": len(out.pcm) // 4,
         }
+        if out.early:  # a reply's start sent between units: unit `seq` had listened
+            unit["early"] = True
         self._units.write(json.dumps(unit, ensure_ascii=False) + "\n")
         if self._turn_based():
             self._turn_step(out)
@@ -539,6 +541,8 @@ class SessionRecorder:
         }
         timing["kv_cache_length"] = out.kv_cache_length
         result: dict[str, Any] = {"mode": "LISTEN" if out.is_listen else "SPEAK", "timing": timing}
+        if out.early:  # sent after this unit's own entry, before the next unit's
+            result["early"] = True
         if not out.is_listen:
             if out.text:
                 result["text"] = out.text

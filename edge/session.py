@@ -113,6 +113,7 @@ class SessionCore:
         resume_window_s: float = 0.0,
         owner: str = "",
         key_limit: int = 0,
+        early_results: bool = False,
     ) -> None:
         if mode not in DUPLEX_MODES:
             raise ValueError(f"mode must be one of {sorted(DUPLEX_MODES)}")
@@ -125,6 +126,8 @@ class SessionCore:
         self._unit_timeout_s = unit_timeout_s
         self.unit_samples: tuple[int, int] | None = None
         """(fewest, most) samples per unit the worker serves, from its SessionStarted."""
+        self._early_results = early_results
+        """The client takes output between units (SessionStart.early_results)."""
         self._waiting: dict[int, float] = {}
         """Units sent and not yet answered (nor reported dropped): seq -> send time."""
         self._acquire_call: grpc.aio.UnaryStreamCall | None = None
@@ -322,6 +325,7 @@ class SessionCore:
             init,
             self.resume_window_s if self.resume_token else 0.0,
             client_state,
+            self._early_results,
         )
         for attempt in (1, 2):
             call = self._fabric.worker(address).Session(metadata=telemetry.inject(self._trace))

@@ -134,9 +134,11 @@ def start_request(
     init: ev.InitCommand,
     resume_grace_s: float = 0.0,
     client_state: bytes = b"",
+    early_results: bool = False,
 ) -> worker_pb.SessionRequest:
     """The worker Session stream's first message: start `session_id` on the lease; a
-    resumable session (`resume_grace_s` > 0) also hands over the client's state."""
+    resumable session (`resume_grace_s` > 0) also hands over the client's state;
+    `early_results`: the client takes output between units (Traits.early_results)."""
     start = worker_pb.SessionStart(
         lease_id=lease.lease_id,
         epoch=lease.epoch,
@@ -155,6 +157,8 @@ def start_request(
     if resume_grace_s > 0:
         start.resume_grace_s = resume_grace_s
         start.client_state = client_state
+    if early_results:
+        start.early_results = True
     return worker_pb.SessionRequest(start=start)
 
 
@@ -304,6 +308,7 @@ def output_from(result: worker_pb.UnitResult) -> ev.Output:
         audio_dropped=result.audio_dropped,
         pruned=result.pruned,
         tool_calls=tuple(tool_wire.call_from_pb(c) for c in result.tool_calls),
+        early=result.early,
     )
 
 

@@ -51,6 +51,10 @@ class UnitRecord:
     kind: str = ""  # listen | speak | dropped
     text: str = ""
     audio_samples: int = 0
+    audio_at: float | None = None
+    """When its first audio arrived: with its result, or later where the worker sent the
+    start of a reply its finalize began after the unit listened (an early output, which
+    carries the unit's seq)."""
     end_of_turn: bool = False
     kv_cache_length: int = 0
     prefill_ms: float = 0.0
@@ -517,5 +521,7 @@ def _record(event: dict[str, Any], report: SessionReport, dialect: str) -> None:
         unit.end_of_turn = bool(event.get("end_of_turn"))
     if audio:
         pcm = np.frombuffer(base64.b64decode(audio), dtype="<f4")
+        if unit.audio_at is None:
+            unit.audio_at = time.monotonic()
         unit.audio_samples += pcm.size
         report.audio.append(pcm)

@@ -269,7 +269,7 @@ async def current_session(
     # The reply scored is the one to the last turn (earlier turns get replies of their own).
     replies = [u for u in records if u.kind == "speak" and u.sent_at - origin > start_s]
     out.reply_text = "".join(u.text for u in replies).strip()
-    chunks = [(u.received_at, u.audio_samples / OUTPUT_RATE) for u in replies if u.received_at]
+    chunks = [(u.audio_at, u.audio_samples / OUTPUT_RATE) for u in replies if u.audio_at]
     time_reply(out, chunks, origin + end_s)
     return np.concatenate([np.zeros(0, np.float32), *_reply_audio(report, replies)])
 

@@ -101,11 +101,7 @@ def micro(units: int = 300) -> dict[str, float]:
 async def _minicpmo_session(url: str) -> float | None:
     report = await run_session(url + "?mode=audio", UNITS, pace_s=1.0, reply_tail_s=8)
     speech_end = report.units[len(UNITS)].sent_at
-    replies = [
-        u.received_at
-        for u in report.units.values()
-        if u.kind == "speak" and u.received_at is not None
-    ]
+    replies = [u.audio_at for u in report.units.values() if u.audio_at is not None]
     return min(replies) - speech_end if replies else None
 
 

@@ -73,7 +73,14 @@ def load(folder: Path) -> Recording:
     for line in (folder / "units.jsonl").read_text().splitlines():
         if line.strip():
             unit = json.loads(line)
-            expected.setdefault(int(unit["seq"]), unit)
+            seq = int(unit["seq"])
+            if unit.get("early") and seq in expected:
+                # A reply's start sent after unit `seq` listened: a client sees that unit
+                # speak (its text first), as the next unit's result would have.
+                unit = {**unit, "text": (expected[seq].get("text") or "") + unit["text"]}
+                expected[seq] = unit
+            else:
+                expected.setdefault(seq, unit)
     return Recording(folder, meta, units, extra, expected)
 
 

@@ -2,6 +2,7 @@
 engine session in this process, no fabric, unit by unit as a real-time client sends them.
 
     python -m omnifabric.tools.turn_starts [--voices piper,espeak] [--limit N] [--turn-work auto]
+                                           [--early]
 
 For each question it prints the unit that began the reply, how it began (inline, finalize,
 guess: GenerateResult.reply_start_how) and where the time went (reply_start_ms: the silence
@@ -10,7 +11,8 @@ and the gaps a client playing the chunks as they come would hear. First audio is
 `omnifabric eval` counts it, from the end of the question: unit n carries stream seconds
 [n, n+1) and is complete at n+1; it starts then, or when the finalize before it ended if
 that is later (the worker's barrier), and its result leaves when its generate returns
-(the fabric's own ~10 ms are not in it). A minute's run where `omnifabric eval` takes
+(the fabric's own ~10 ms are not in it); with ``--early``, a result a finalize sends at once
+leaves when the engine hands it over. A minute's run where `omnifabric eval` takes
 several, for trying a turn-taking change; the eval through the stack is the figure of
 record.
 """
@@ -27,7 +29,7 @@ import numpy as np
 from omnifabric.common.stats import percentile
 from omnifabric.tools.eval_outcome import playback_gaps
 from omnifabric.tools.eval_reference import ITEMS, LEAD_INS_S, RATE, VOICES, Item, compose
-from omnifabric.worker.engine import OUTPUT_RATE, DuplexSettings
+from omnifabric.worker.engine import OUTPUT_RATE, DuplexSettings, GenerateResult
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.reference.engine import ReferenceEngine
@@ -48,8 +50,9 @@ class Start:
     gap_s: float = 0.0
 
 
-def drive(engine: ReferenceEngine, item: Item, kind: str, index: int) -> Start:
-    """One question through a fresh session of ``engine``; its reply's start."""
+def drive(engine: ReferenceEngine, item: Item, kind: str, index: int, early: bool = False) -> Start:
+    """One question through a fresh session of ``engine``; its reply's start. ``early``:
+    the session sends what a finalize makes at once (EngineSession.early_sink)."""
     voice, rate = VOICES[kind][index % len(VOICES[kind])]
     lead_in = LEAD_INS_S[index % len(LEAD_INS_S)]
     units, _, end_s = compose(item, kind, voice, rate, lead_in, index)
@@ -57,6 +60,19 @@ def drive(engine: ReferenceEngine, item: Item, kind: str, index: int) -> Start:
     out = Start(" / ".join(item.turns))
     session = engine.open_session(f"turn-starts-{index}", "audio")
     chunks: list[tuple[float, float]] = []
+    made: list[tuple[float, GenerateResult]] = []  # a finalize's early results, when made
+    if early:
+        session.early_sink = lambda result: made.append((time.perf_counter(), result))
+
+    def seen(n: int, result: GenerateResult, left_at: float) -> bool:
+        """A result that left at stream time ``left_at``; True once the reply ended."""
+        if result.reply_start_how and n + 1 > end_s:  # the last turn's reply
+            out.unit, out.how, out.parts_ms = n, result.reply_start_how, result.reply_start_ms
+            out.first_audio_s = left_at - end_s
+        if out.unit >= 0 and result.audio.size:
+            chunks.append((left_at, result.audio.size / OUTPUT_RATE))
+        return out.unit >= 0 and result.end_of_turn
+
     try:
         session.prepare("", None, None, DuplexSettings())
         busy_until = 0.0  # stream time the previous unit's finalize ended
@@ -68,14 +84,13 @@ def drive(engine: ReferenceEngine, item: Item, kind: str, index: int) -> Start:
             # A unit arrives when its second has passed, and starts once the finalize
             # before it is done (the worker's barrier).
             left_at = max(n + 1.0, busy_until) + t1 - t0
+            if seen(n, result, left_at):
+                break
             session.finalize()
             busy_until = left_at + time.perf_counter() - t1
-            if result.reply_start_how and n + 1 > end_s:  # the last turn's reply
-                out.unit, out.how, out.parts_ms = n, result.reply_start_how, result.reply_start_ms
-                out.first_audio_s = left_at - end_s
-            if out.unit >= 0 and result.audio.size:
-                chunks.append((left_at, result.audio.size / OUTPUT_RATE))
-            if out.unit >= 0 and result.end_of_turn:
+            ended = any([seen(n, r, left_at + at - t1) for at, r in made])
+            made.clear()
+            if ended:
                 break
     finally:
         session.stop()
@@ -99,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="only the first N questions")
     parser.add_argument("--turn-work", default="auto", help="auto, inline or finalize")
     parser.add_argument("--no-guess", action="store_true", help="turn guessing off")
+    parser.add_argument(
+        "--early",
+        action="store_true",
+        help="send what a finalize makes at once (a sender that takes results between units)",
+    )
     args = parser.parse_args(argv)
     from omnifabric.worker.engines.reference.engine import ReferenceEngine
     from omnifabric.worker.engines.reference.turns import TurnRules
@@ -110,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     starts = []
     for kind in args.voices.split(","):
         for index, item in enumerate(ITEMS[: args.limit]):
-            start = drive(engine, item, kind, index)
+            start = drive(engine, item, kind, index, args.early)
             print(_line(kind, start), flush=True)
             starts.append(start)
     firsts = sorted(s.first_audio_s for s in starts if s.first_audio_s is not None)

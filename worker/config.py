@@ -335,8 +335,10 @@ class WorkerConfig(FabricTls):
         flag="--turn-work",
         choices=TURN_WORK,
         help="reference: where a user turn's end is worked out: auto (inline when its measured "
-        "cost fits half a unit, else in that unit's finalize), inline or finalize (the same "
-        "unit speaks for the same audio whatever the machine's speed: replays match)",
+        "cost fits 0.9 of a unit, else in that unit's finalize; always in the finalize for a "
+        "client that takes results between units, which sends the reply's start as soon as it "
+        "is made), inline or finalize (the same unit speaks for the same audio whatever the "
+        "machine's speed: replays match)",
     )
     """Reference engine: ``TurnRules.turn_work``. ``auto`` decides by the engine's measured
     costs, which it learns as it runs, so a replay on a warmer or faster engine may start a

@@ -12,7 +12,7 @@ in one call offers a Stepper (Engine.stepper), which worker.batcher.StepBatcher 
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -139,6 +139,13 @@ class EngineSession(abc.ABC):
     notes: tuple[str, ...] = ()
     """Set by prepare: what the engine could not do as the session asked (said once in
     session.created), for example a reference voice it cannot clone."""
+
+    early_sink: Callable[[GenerateResult], None] | None = None
+    """Set by the unit loop before prepare when the sender takes results between units
+    (SessionSpec.early_results). An engine whose finalize begins a reply may hand the
+    reply's first piece here, from the finalize's thread, as soon as it is made: it goes
+    out at once as a result of its own instead of with the next unit's, which goes on
+    from it. None: everything goes out with a unit's result."""
 
     def unit_samples(self) -> tuple[int, int] | None:
         """(first, every later) unit length in 16 kHz samples the engine needs exactly, or

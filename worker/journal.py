@@ -3,7 +3,7 @@ carry it (a resumed stream replays from the start), and which stream that is.
 
 Its memory is bounded whatever the session's length: the newest JOURNAL_AUDIO_RESULTS
 results keep their speech, the newest JOURNAL_RESULTS everything, and older ones only their
-shape (seq and five flags, 9 bytes: ~32 KB an hour of 1 s units), which is what a resumed
+shape (seq and six flags, 9 bytes: ~32 KB an hour of 1 s units), which is what a resumed
 stream's edge needs to number the events it already sent. A pruned result is replayed as a
 UnitOutput with `pruned` set (its text and speech stand-ins, its figures zero): an edge that
 would have to send it again refuses the resume (resume_expired) instead of sending it wrong."""
@@ -30,7 +30,7 @@ JOURNAL_AUDIO_RESULTS = 120
 JOURNAL_RESULTS = 600
 
 # A pruned result's shape: its flags.
-_LISTEN, _TEXT, _AUDIO, _END_OF_TURN, _BUFFERED = 1, 2, 4, 8, 16
+_LISTEN, _TEXT, _AUDIO, _END_OF_TURN, _BUFFERED, _EARLY = 1, 2, 4, 8, 16, 32
 #: A pruned result's text stand-in (it had text; what it was is gone).
 PRUNED_TEXT = "\u2026"
 
@@ -43,6 +43,7 @@ def _shape(out: UnitOutput) -> int:
         | (_AUDIO if r.audio.size or out.audio_dropped else 0)
         | (_END_OF_TURN if r.end_of_turn else 0)
         | (_BUFFERED if out.buffered else 0)
+        | (_EARLY if out.early else 0)
     )
 
 
@@ -121,6 +122,7 @@ class Journal:
             buffered=bool(flags & _BUFFERED),
             audio_dropped=bool(flags & _AUDIO),
             pruned=True,
+            early=bool(flags & _EARLY),
         )
 
     async def events(self, attachment: int = 0) -> AsyncIterator[UnitOutput | SessionEnd]:

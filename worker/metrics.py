@@ -188,22 +188,25 @@ class WorkerMetrics:
         self.reply_starts = Counter(
             "omni_worker_reply_starts",
             "Replies begun, by how: inline (in the unit that ended the user's turn), "
-            "finalize (in its finalize, the next unit speaking), guess (begun before the "
+            "finalize (in its finalize: sent at once where the sender takes results between "
+            "units, else with the next unit), guess (begun before the "
             "turn ended, on the words heard so far).",
             ["how"],
             registry=r,
         )
 
     def observe_unit(self, output: UnitOutput, mode: str = "") -> None:
-        """One served unit: its stage times, kind, context length, deadline."""
-        timings = output.timings
-        for field, child in self._stages:
-            child.observe(max(0.0, getattr(timings, field)) / 1000.0)
-        if output.late:
-            self.deadline_misses.inc()
+        """One served unit: its stage times, kind, context length, deadline; of a
+        finalize's output between units (UnitOutput.early), how its reply started."""
         result = output.result
-        self._child(self.units, mode, "listen" if result.is_listen else "speak").inc()
-        self.context_tokens.observe(result.kv_cache_length)
+        if not output.early:
+            timings = output.timings
+            for field, child in self._stages:
+                child.observe(max(0.0, getattr(timings, field)) / 1000.0)
+            if output.late:
+                self.deadline_misses.inc()
+            self._child(self.units, mode, "listen" if result.is_listen else "speak").inc()
+            self.context_tokens.observe(result.kv_cache_length)
         if result.reply_start_how:
             self._child(self.reply_starts, result.reply_start_how).inc()
             for part, ms in result.reply_start_ms.items():

@@ -139,6 +139,7 @@ def decode_start(start: worker_pb.SessionStart, limits: EngineLimits) -> Session
         client_state=start.client_state[:MAX_CLIENT_STATE_BYTES],
         tools=specs,
         tool_choice=choice,
+        early_results=start.early_results,
     )
 
 
@@ -306,6 +307,8 @@ def encode_event(event: UnitOutput | SessionEnd) -> worker_pb.SessionResponse:
         fields["audio_dropped"] = True
     if event.pruned:
         fields["pruned"] = True
+    if event.early:
+        fields["early"] = True
     if result.tool_calls:
         fields["tool_calls"] = [
             {"call_id": c.call_id, "name": c.name, "arguments_json": c.arguments}

@@ -125,6 +125,8 @@ class DuplexSession:
         self._finalize_task: asyncio.Task[None] | None = None
         self._finalize_error: BaseException | None = None
         self._computed_at = 0.0
+        self._finalizing_seq = 0
+        """The seq of the unit whose finalize runs (an early result carries it)."""
         """perf_counter() when the engine returned the latest unit's prefill and generate."""
         self._close_request: tuple[CloseReason, str] | None = None
         self.journal = (
@@ -197,6 +199,10 @@ class DuplexSession:
         """open_session + prepare on an engine thread; keeps the engine session for _free."""
         spec = self.spec
         self.engine_session = self.engine.open_session(spec.session_id, spec.mode)
+        if spec.early_results and spec.settings.half_duplex is not True:
+            # A half-duplex answer's units come back to back (the loop feeds them): there
+            # is no wait for a finalize's output to save.
+            self.engine_session.early_sink = self._early_sink
         self._intake.configure(
             self.engine_session.unit_samples(), spec.settings.half_duplex is True
         )
@@ -208,6 +214,28 @@ class DuplexSession:
         offered = self.engine_session.offer_tools(spec.tools, spec.tool_choice)
         self.notes = (*self.engine_session.notes, *offered)
         return length
+
+    def _early_sink(self, result: GenerateResult) -> None:
+        """EngineSession.early_sink: called on the finalize's engine thread; the result goes
+        out from the loop, before the finalize's end is seen there (both are queued to the
+        loop in the order they happen)."""
+        self._loop.call_soon_threadsafe(self._emit_early, result, self._finalizing_seq)
+
+    def _emit_early(self, result: GenerateResult, seq: int) -> None:
+        """A finalize's output (UnitOutput.early), sent at once: it answers no unit."""
+        if self.ended is not None:
+            return
+        self._add_usage(result)
+        self.journal.emit(
+            UnitOutput(
+                seq=seq,
+                result=result,
+                timings=UnitTimings(engine_costs_ms=dict(result.costs_ms)),
+                usage=replace(self.usage),
+                dropped_seqs=[],
+                early=True,
+            )
+        )
 
     def tool_output(self, call_id: str, output: str) -> None:
         """A function's output from the sender: the engine takes it before the next unit."""
@@ -451,6 +479,7 @@ class DuplexSession:
     async def _finalize(self, unit: UnitTrace) -> None:
         f0 = time.perf_counter()
         spent_s: float | None = None
+        self._finalizing_seq = unit.output.seq
         try:
             spent_s = await self.runner.finalize(self, unit.output.seq)
         except EngineStuck as exc:

@@ -34,6 +34,9 @@ class SessionSpec:
     tools: tuple[ToolSpec, ...] = ()
     """Functions the model may call (EngineSession.offer_tools)."""
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    early_results: bool = False
+    """The sender takes results between units (SessionStart.early_results): what a
+    finalize makes goes out as soon as it is made (UnitOutput.early)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class UnitOutput:
     pruned: bool = False
     """Replayed from its shape alone (beyond worker.journal.JOURNAL_RESULTS): its text and
     speech are stand-ins, its figures zero."""
+    early: bool = False
+    """Made by the finalize of unit `seq` after that unit's result went out (a reply's
+    first piece begun there): it answers no unit (EngineSession.early_sink)."""
 
 
 @dataclass

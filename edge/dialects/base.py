@@ -53,6 +53,11 @@ class Traits:
     cadence: str | None = None
     """How its client's audio becomes units (edge.cadence: CUT, PACED), or None: the client
     sends whole units (AppendCommand)."""
+    early_results: bool = False
+    """Its clients take the model's output between units: a reply the worker begins after
+    a unit's result goes out as soon as its first piece is made, not with the next unit's
+    result (SessionStart.early_results). Off where a client is promised one result per
+    unit (the legacy page), or the worker feeds the units itself (half-duplex)."""
 
 
 @dataclass(frozen=True)

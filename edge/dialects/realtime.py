@@ -181,6 +181,8 @@ def metrics_json(out: ev.Output) -> dict[str, Any]:
     }
     if out.dropped_seqs:
         metrics["dropped_seqs"] = list(out.dropped_seqs)
+    if out.early:  # the reply's start, sent once made: it answers no unit (`seq` listened)
+        metrics["early"] = True
     return metrics
 
 
@@ -287,7 +289,7 @@ class RealtimeDuplex(DuplexDialect):
     """/v1/realtime?mode=audio|video, both dialects."""
 
     name = "realtime"
-    traits = Traits(recorded=True, resumable=True)
+    traits = Traits(recorded=True, resumable=True, early_results=True)
     #: The URL's ?mode=, known before any message (never None here, unlike the gRPC dialect).
     mode: str
 

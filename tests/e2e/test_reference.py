@@ -267,6 +267,39 @@ async def test_a_dropped_session_resumes_with_its_context(stack):
     assert "anna" in after.lower()
 
 
+async def test_a_replys_start_goes_out_as_soon_as_it_is_made(stack):
+    """The unit that ends the question listens (the turn's work does not hold it up); the
+    reply its finalize begins goes out at once, marked early with that unit's seq, not
+    with the next unit's result; the next units go on with the same reply."""
+    from omnifabric.tools.client import SILENCE_UNIT, run_session
+    from omnifabric.tools.probe import split_units
+
+    with wave.open(str(FIXTURE)) as w:
+        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
+    # Half a second later than the fixture has it, the question ends with silence enough
+    # in its unit to end the turn there (not on a guess the unit after it takes up).
+    lead = np.zeros(8000, np.float32)
+    units = split_units(np.concatenate([lead, pcm]), 0) + [SILENCE_UNIT] * 2
+    report = await run_session(f"{stack.url}?mode=audio", units, pace_s=0, reply_tail_s=10)
+    assert report.error is None and report.lost_units() == [], report.error
+    deltas = [
+        (
+            e["kind"],
+            (e.get("metrics") or {}).get("seq"),
+            bool((e.get("metrics") or {}).get("early")),
+        )
+        for e in report.events
+        if e.get("type") == "response.output.delta"
+    ]
+    first_audio = next(i for i, d in enumerate(deltas) if d[0] == "audio")
+    kind, seq, early = deltas[first_audio]
+    assert early, deltas
+    assert ("listen", seq, False) in deltas[:first_audio]  # its unit had answered, listening
+    assert not any(d[2] for d in deltas[first_audio + 1 :] if d[0] == "audio")
+    reply = "".join(u.text for u in report.units.values())
+    assert "paris" in reply.lower(), reply
+
+
 async def test_openai_sdk_spoken_question_is_answered_in_speech(stack):
     """The OpenAI Realtime API through the real `openai` SDK, server VAD: the question as a
     client streams it (24 kHz PCM16, 0.2 s appends), then nothing (the edge's clock hears

@@ -181,6 +181,28 @@ def test_render_current_dialect_splits_and_closes_turn():
     assert listen["kind"] == "listen" and listen["text"] == ""
 
 
+def test_early_output_is_marked_and_only_asked_for_where_clients_take_it():
+    """A reply's start sent between units carries its unit's seq and `early` in metrics;
+    the dialects whose clients take output between units ask the worker for it, the
+    legacy page (one result per chunk), half-duplex calls and gRPC clients do not."""
+    from omnifabric.edge.dialects.grpc_realtime import GrpcRealtime
+    from omnifabric.edge.dialects.half_duplex import HalfDuplex
+    from omnifabric.edge.dialects.legacy_duplex import LegacyDuplex
+    from omnifabric.edge.dialects.openai.translator import OpenAIRealtime
+
+    for dialect in (ev.Dialect.FIRST, ev.Dialect.CURRENT):
+        r = realtime.OutputRenderer(dialect, "rt_1")
+        [listen] = r.render(_out(is_listen=True, text="", pcm=b""))
+        events = r.render(replace(_out(), early=True))
+        assert {e["metrics"]["seq"] for e in (listen, *events)} == {4}
+        assert all(e["metrics"].get("early") is True for e in events)
+        assert "early" not in listen["metrics"]
+    assert realtime.RealtimeDuplex.traits.early_results
+    assert OpenAIRealtime.traits.early_results
+    for name, cls in (("legacy", LegacyDuplex), ("half", HalfDuplex), ("grpc", GrpcRealtime)):
+        assert not cls.traits.early_results, name
+
+
 def test_closed_reasons_per_dialect():
     closed = ev.Closed(ev.USER_STOP, ev.Usage(), client_reason="bye")
     assert realtime.closed_json(closed, ev.Dialect.FIRST, "s")["reason"] == "stopped"

@@ -20,7 +20,7 @@ from omnifabric.worker.session_types import (
 
 def unit(seq: int) -> UnitOutput:
     """Unit `seq`: every 5th listens, the rest speak (text on odd seqs, speech on even),
-    every 7th ends a turn, every 11th is buffered."""
+    every 7th ends a turn, every 11th is buffered, every 17th is a finalize's early output."""
     listen = seq % 5 == 0
     text = "" if listen or seq % 2 == 0 else f"word{seq}"
     audio = np.ones(2400 if not listen and seq % 2 == 0 else 0, dtype=np.float32)
@@ -34,6 +34,7 @@ def unit(seq: int) -> UnitOutput:
         usage=Usage(),
         dropped_seqs=[seq - 1] if seq % 13 == 0 else [],
         buffered=seq % 11 == 0,
+        early=seq % 17 == 0,
     )
 
 
@@ -59,6 +60,7 @@ def test_old_results_keep_their_shape_and_memory_stays_flat():
         for seq, event in enumerate(events[:-1], start=1):
             want = unit(seq)
             assert event.seq == seq and event.buffered == want.buffered
+            assert event.early == want.early
             r = event.result
             assert r.is_listen == want.result.is_listen
             assert r.end_of_turn == want.result.end_of_turn

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from omnifabric.worker import mailbox as mailbox_module
-from omnifabric.worker.engine import DuplexSettings
+from omnifabric.worker.engine import DuplexSettings, GenerateResult
 from omnifabric.worker.engines.synthetic import SyntheticEngine, SyntheticSession
 from omnifabric.worker.errors import LeaseInUse, LeaseNotFound, ModeMismatch
 from omnifabric.worker.leases import LeaseBook, LeaseGrant
@@ -305,6 +305,93 @@ async def test_a_unit_whose_finalize_starts_a_reply_counts_as_speaking():
     await asyncio.wait_for(serving, scaled(2))
     executor.shutdown()
     assert served == [False, True, False]
+
+
+class EarlyInFinalize(SyntheticEngine):
+    """Every unit listens; the second one's finalize begins a reply and hands its first
+    piece to the session's early_sink when it has one (the reference engine's way), else
+    keeps it for the next unit's result."""
+
+    def open_session(self, session_id, mode):
+        session = super().open_session(session_id, mode)
+        engine = self
+
+        class Session(type(session)):
+            finalized = 0
+            held_piece: GenerateResult | None = None
+
+            def finalize(self):
+                super().finalize()
+                self.finalized += 1
+                if self.finalized != 2:
+                    return
+                piece = GenerateResult(
+                    is_listen=False, text="Hello", audio=np.ones(2400, np.float32), n_tokens=2
+                )
+                engine.sinks.append(self.early_sink)
+                if self.early_sink is not None:
+                    self.early_sink(piece)
+                else:
+                    self.held_piece = piece
+
+            def generate(self, force_listen):
+                kept, self.held_piece = self.held_piece, None
+                return kept if kept is not None else super().generate(force_listen)
+
+        session.__class__ = Session
+        return session
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.sinks = []
+
+
+async def early_session(**spec) -> tuple[list, list]:
+    """Units 1-3 one after another on EarlyInFinalize: the session's events (the end
+    left out) and the sinks its engine session had."""
+    executor = ThreadPoolExecutor(2)
+    engine = EarlyInFinalize(compute_ms=0)
+    session = DuplexSession(
+        SessionSpec(session_id="s", lease_id="l", mode="audio", **spec),
+        engine,
+        executor,
+        SessionLimits(60, 8192),
+    )
+    serving = await serve_one_by_one(session, (1, 2, 3))
+    await asyncio.wait_for(serving, scaled(2))
+    executor.shutdown()
+    events = [e async for e in session.journal.events()]
+    return [e for e in events if not isinstance(e, SessionEnd)], engine.sinks
+
+
+async def test_a_finalize_output_goes_out_between_units_when_the_sender_takes_it():
+    """SessionStart.early_results: what unit 2's finalize made is sent at once, as an early
+    result carrying seq 2, before unit 3's result; its tokens are counted once."""
+    events, sinks = await early_session(early_results=True)
+    assert [(e.seq, e.early, e.result.is_listen) for e in events] == [
+        (1, False, True),
+        (2, False, True),
+        (2, True, False),
+        (3, False, True),
+    ]
+    early = events[2]
+    assert early.result.text == "Hello" and early.usage.output_text_tokens == 2
+    assert events[3].usage.output_text_tokens == 2
+    assert sinks[0] is not None
+
+
+@pytest.mark.parametrize(
+    "spec", [{}, {"early_results": True, "settings": DuplexSettings(half_duplex=True)}]
+)
+async def test_without_early_results_every_output_rides_with_a_unit(spec):
+    """A sender that did not ask (or a half-duplex call, whose units the worker feeds
+    itself) gets the finalize's output with the next unit's result: the engine session has
+    no early_sink."""
+    events, sinks = await early_session(**spec)
+    assert sinks == [None]
+    assert not any(e.early for e in events)
+    spoke = [e for e in events if not e.result.is_listen]
+    assert (spoke[0].seq, spoke[0].result.text) == (3, "Hello")
 
 
 # ---- a half-duplex answer goes on by itself ----------------------------------------------

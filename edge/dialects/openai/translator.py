@@ -58,7 +58,7 @@ class OpenAIRealtime(DuplexDialect):
     """/v1/realtime?model=... (no mode=)."""
 
     name = "openai_realtime"
-    traits = Traits(recorded=True, lease_on_init=True, cadence=PACED)
+    traits = Traits(recorded=True, lease_on_init=True, cadence=PACED, early_results=True)
     mode = "audio"
 
     def __init__(self, model: str = "") -> None:

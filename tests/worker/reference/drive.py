@@ -37,12 +37,17 @@ class Step:
     compute_ms: float
     finalized: dict[str, float]
     """What the unit's finalize spent, by part (ms)."""
+    early: bool = False
+    """A result unit ``seq``'s finalize handed to the session's early_sink (after that
+    unit's own result)."""
 
     @property
     def kind(self) -> str:
         if self.result.is_listen:
-            return "L*" if self.result.end_of_turn else "L"
-        return "S*" if self.result.end_of_turn else "S"
+            kind = "L*" if self.result.end_of_turn else "L"
+        else:
+            kind = "S*" if self.result.end_of_turn else "S"
+        return "+" + kind if self.early else kind
 
 
 def drive(
@@ -51,9 +56,10 @@ def drive(
     force_listen_at: frozenset[int] = frozenset(),
     prompt: str = "",
     settings: DuplexSettings | None = None,
+    early: bool = False,
 ) -> list[Step]:
     """Run a whole fixture through one session; returns one Step per unit."""
-    return drive_audio(engine, load_fixture(name), name, force_listen_at, prompt, settings)
+    return drive_audio(engine, load_fixture(name), name, force_listen_at, prompt, settings, early)
 
 
 def drive_audio(
@@ -63,10 +69,16 @@ def drive_audio(
     force_listen_at: frozenset[int] = frozenset(),
     prompt: str = "",
     settings: DuplexSettings | None = None,
+    early: bool = False,
 ) -> list[Step]:
-    """Run 16 kHz ``audio`` through one session in 1 s units; returns one Step per unit."""
+    """Run 16 kHz ``audio`` through one session in 1 s units; returns one Step per unit,
+    and with ``early`` (the session takes results between units: EngineSession.early_sink)
+    one more after a unit for each result its finalize sent."""
     session = engine.open_session(f"test-{name}", "audio")
     steps = []
+    sent: list[GenerateResult] = []
+    if early:
+        session.early_sink = sent.append
     try:
         session.prepare(prompt, None, None, settings or DuplexSettings())
         for seq, unit in enumerate(units_of(audio), start=1):
@@ -76,6 +88,8 @@ def drive_audio(
             session.finalize()
             took = (time.perf_counter() - t0) * 1000.0
             steps.append(Step(seq, result, took, dict(session.finalize_costs)))
+            steps += [Step(seq, r, 0.0, {}, early=True) for r in sent]
+            sent.clear()
     finally:
         session.stop()
         session.close()

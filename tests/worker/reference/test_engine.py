@@ -201,6 +201,34 @@ def test_a_reply_begun_in_a_finalize_sends_a_whole_first_piece(engine):
     assert reply.startswith(first_ahead.text) and reply.startswith(first_inline.text)
 
 
+def test_a_reply_begun_in_a_finalize_goes_out_at_once_where_the_sender_takes_it(engine):
+    # A sender that takes results between units (EngineSession.early_sink): the turn's
+    # work is left to the finalize of the unit that ends it, whatever it costs, and the
+    # reply's first piece goes out from there as soon as it is made, short as a piece sent
+    # at once is; the next second of speech is made after it, for the next unit to send.
+    with turn_work(engine, "auto"):
+        early = drive(engine, "question", early=True)
+    with turn_work(engine, "finalize"):
+        plain = drive(engine, "question")
+    first = next(s for s in early if not s.result.is_listen)
+    assert first.early and first.seq == 6 and first.result.reply_start_how == "finalize"
+    assert "capital" in first.result.input_transcript.lower()
+    assert 0 < len(first.result.text) <= engine.rules.first_piece_chars
+    assert first.result.audio.size > 0 and first.result.input_audio_tokens == 0
+    assert [s.early for s in early].count(True) == 1
+    assert timeline(early).startswith("L L L L L L +S S")
+    # No unit's own work heard the turn or began the reply: its finalize did.
+    for step in early:
+        assert not {"asr", "llm_prefill"} & set(step.result.costs_ms) or step.early, step
+    after = early[early.index(first) + 1]
+    assert after.seq == 7 and after.result.audio.size == OUTPUT_RATE
+    assert not after.result.input_transcript and not after.result.reply_start_how
+    # The same reply, word for word, as the one the next unit sends without early results.
+    reply = "".join(s.result.text for s in early)
+    assert reply == "".join(s.result.text for s in plain)
+    assert reply.startswith("The capital of France is Paris")
+
+
 def test_turn_work_auto_follows_the_measured_cost(engine):
     measured = engine.hearing_cost, engine.drafted_hearing_cost, engine.reply_start_s
     assert engine.hearing_cost and engine.reply_start_s  # from warm-up

@@ -388,6 +388,8 @@ class ReferenceSession(EngineSession):
         """Whether ending the turn (transcribing what is not yet, the function checks when
         the session may call, prefilling it, the reply's first piece) fits in this unit's
         real-time budget (TurnRules.turn_work)."""
+        if self.early_sink is not None and self.rules.turn_work == "auto":
+            return False  # its finalize sends the reply's start as soon as it is made
         audio, key, _ = due
         heard = self.heard is not None and self.heard[0] == key
         hear_s = 0.0 if heard else audio.size / INPUT_RATE
@@ -652,7 +654,8 @@ class ReferenceSession(EngineSession):
         """Every awaited output came: the reply that answers with them starts in this unit
         when it fits (its first piece goes out now), else in its finalize (the next unit
         speaks), as a user turn's reply does (TurnRules.turn_work)."""
-        if not self._fits(lambda: self.engine.turn_estimate(0.0)):
+        early = self.early_sink is not None and self.rules.turn_work == "auto"
+        if early or not self._fits(lambda: self.engine.turn_estimate(0.0)):
             return self._result(is_listen=True, costs=costs)
         self._begin_answer(costs)
         return self._speak(costs, pieces=0)
@@ -685,7 +688,8 @@ class ReferenceSession(EngineSession):
         whose piece waits for the next unit anyway and plays until the unit after it
         brings more (turn_starts, 24 questions: 19 replies with gaps, 4.33 s in all, at 12
         characters there; 12 replies, 1.23 s, at 16, for first audio p50 1.70 -> 1.75 s)."""
-        return self.rules.piece_chars if self.in_finalize else self.rules.first_piece_chars
+        waits = self.in_finalize and self.early_sink is None
+        return self.rules.piece_chars if waits else self.rules.first_piece_chars
 
     def _first_piece(self, costs: dict[str, float], t0: float) -> None:
         """The started reply's first piece (``_first_chars``), made ahead for the next
@@ -696,7 +700,8 @@ class ReferenceSession(EngineSession):
         if not self.scripted:
             self.engine.learn_reply_start(time.perf_counter() - t0)
         self._note_start(costs)
-        self._top_up(costs)
+        if self.early_sink is None:
+            self._top_up(costs)
 
     def _top_up(self, costs: dict[str, float]) -> None:
         """In a finalize, a reply's first piece goes out with the next unit and the second
@@ -1042,12 +1047,34 @@ class ReferenceSession(EngineSession):
             self.first_ready = True
         elif self.called:
             self._warm_calls(costs)
-        elif self.speaking and self.settings.tts_enabled is not False:
+        elif self.speaking:
+            self._speech_ahead(costs)
+        elif self.warm_due and not self.speaking:
+            self._warm(costs)
+        if self.first_ready and self.early_sink is not None:
+            self._send_early(costs)
+
+    def _speech_ahead(self, costs: dict[str, float]) -> None:
+        """The reply's next second of speech, made for the next unit to send at once."""
+        if self.settings.tts_enabled is not False:
             said, used = self._fill(2, self.rules.piece_chars, costs)
             self.ahead += said
             self.ahead_tokens += used
-        elif self.warm_due and not self.speaking:
-            self._warm(costs)
+
+    def _send_early(self, costs: dict[str, float]) -> None:
+        """The reply this finalize began goes out now (``early_sink``): its first piece as
+        a result of its own, not with the next unit's, which sends the second of speech made
+        next. The first audio leaves ``c`` after the unit that ended the turn instead of a
+        whole unit after it, and no unit waits for the turn's work (it is not done inline)."""
+        sink = self.early_sink
+        assert sink is not None
+        self.first_ready = False
+        heard, self.opening = self.opening, ""
+        result = self._speak(dict(costs), heard=heard, pieces=0)
+        result.input_audio_tokens = 0  # no unit of input: the finalized unit counted it
+        sink(result)
+        if self.speaking:
+            self._speech_ahead(costs)
 
     @property
     def replying(self) -> bool:
