@@ -229,6 +229,27 @@ def test_a_reply_begun_in_a_finalize_goes_out_at_once_where_the_sender_takes_it(
     assert reply.startswith("The capital of France is Paris")
 
 
+def test_speech_after_a_short_piece_goes_out_at_once_where_the_sender_takes_it(engine):
+    # A guess's first piece is short (under a second of speech): where the sender takes
+    # results between units, the finalize after it sends the next speech as soon as it is
+    # made instead of leaving the listener without speech until the next unit's result.
+    # (The top-up that could lengthen the guess's piece to a second is off: no reply cost.)
+    measured, engine.reply_cost = engine.reply_cost, None
+    try:
+        with rules(engine, guess_ahead=True):
+            early = drive(engine, "question", early=True)
+            plain = drive(engine, "question")
+    finally:
+        engine.reply_cost = measured
+    first = next(s for s in early if not s.result.is_listen)
+    assert first.seq == 6 and not first.early and first.result.reply_start_how == "guess"
+    assert first.result.audio.size < OUTPUT_RATE
+    then = early[early.index(first) + 1]
+    assert then.early and then.seq == 6 and then.result.audio.size > 0
+    assert not then.result.reply_start_how and not then.result.input_transcript
+    assert "".join(s.result.text for s in early) == "".join(s.result.text for s in plain)
+
+
 def test_turn_work_auto_follows_the_measured_cost(engine):
     measured = engine.hearing_cost, engine.drafted_hearing_cost, engine.reply_start_s
     assert engine.hearing_cost and engine.reply_start_s  # from warm-up

@@ -207,6 +207,9 @@ class ReferenceSession(EngineSession):
         the next unit says it (input_transcript) with the reply's first piece (or the calls)."""
         self.first_ready = False
         """Finalize started a reply: the next unit sends its first piece alone."""
+        self.sent_short = False
+        """The last result carried less than a second of a reply that goes on (a first
+        piece): its listener runs out before the next unit's second comes."""
         self.offer = functions.Offer()
         """The functions the model may call, and how (offer_tools)."""
         self._begin_words_state()
@@ -780,6 +783,7 @@ class ReferenceSession(EngineSession):
             take = OUTPUT_RATE if self.audio.size > OUTPUT_RATE * 1.1 else self.audio.size
         chunk, self.audio = self.audio[:take], self.audio[take:]
         end = self.reply_finished and not self.pending_text.strip() and self.audio.size == 0
+        self.sent_short = not end and chunk.size < OUTPUT_RATE
         if end:
             self._end_reply()
         result = self._result(
@@ -1049,6 +1053,8 @@ class ReferenceSession(EngineSession):
             self._warm_calls(costs)
         elif self.speaking:
             self._speech_ahead(costs)
+            if self.sent_short and self.early_sink is not None and self.ahead:
+                self._send_early(costs)  # the short piece before it runs out sooner
         elif self.warm_due and not self.speaking:
             self._warm(costs)
         if self.first_ready and self.early_sink is not None:
@@ -1062,10 +1068,12 @@ class ReferenceSession(EngineSession):
             self.ahead_tokens += used
 
     def _send_early(self, costs: dict[str, float]) -> None:
-        """The reply this finalize began goes out now (``early_sink``): its first piece as
-        a result of its own, not with the next unit's, which sends the second of speech made
-        next. The first audio leaves ``c`` after the unit that ended the turn instead of a
-        whole unit after it, and no unit waits for the turn's work (it is not done inline)."""
+        """What this finalize made goes out now (``early_sink``) as a result of its own, not
+        with the next unit's, which sends the second of speech made next: the first piece of
+        the reply it began (the first audio leaves ``c`` after the unit that ended the turn
+        instead of a whole unit after it, and no unit waits for the turn's work, which is not
+        done inline), or the speech after a short piece (a guess's, an inline start's), which
+        would run out before the next unit brought more."""
         sink = self.early_sink
         assert sink is not None
         self.first_ready = False
