@@ -37,6 +37,10 @@ class Outcome:
     reply_chunks: list[tuple[float, float]] = field(default_factory=list)
     """The reply's audio as (arrival after the end of the question, seconds of audio)."""
     unit_rtt_ms: list[float] = field(default_factory=list)
+    slow_units: list[dict[str, Any]] = field(default_factory=list)
+    """Units answered more than half a unit after they were sent, with the worker's own
+    times for them (ms: its wait for the session's previous unit and finalize, prefill,
+    generate, arrival to result), to tell a busy engine from a slow network."""
     queued: bool = False
     """The caller waited in the scheduler's queue (it got ``session.queued``) before its
     session began; False where the dialect does not say."""

@@ -262,6 +262,7 @@ async def current_session(
     )
     records = sorted(report.units.values(), key=lambda u: u.seq)
     out.unit_rtt_ms = [u.rtt_ms for u in records if u.rtt_ms is not None]
+    out.slow_units = [slow_unit(u) for u in records if (u.rtt_ms or 0.0) > UNIT_MS / 2]
     if not records:
         return np.zeros(0, np.float32)
     # Unit n carries the audio of stream seconds [n-1, n): it is complete (and sent) at n.
@@ -272,6 +273,20 @@ async def current_session(
     chunks = [(u.audio_at, u.audio_samples / OUTPUT_RATE) for u in replies if u.audio_at]
     time_reply(out, chunks, origin + end_s)
     return np.concatenate([np.zeros(0, np.float32), *_reply_audio(report, replies)])
+
+
+def slow_unit(unit: UnitRecord) -> dict[str, Any]:
+    """A slow unit as results.json keeps it (Outcome.slow_units)."""
+    return {
+        "seq": unit.seq,
+        "kind": unit.kind,
+        "rtt_ms": round(unit.rtt_ms or 0.0),
+        "finalize_wait_ms": round(unit.finalize_wait_ms),
+        "engine_busy_ms": round(unit.engine_busy_ms),
+        "prefill_ms": round(unit.prefill_ms),
+        "generate_ms": round(unit.generate_ms),
+        "wall_clock_ms": round(unit.wall_clock_ms),
+    }
 
 
 def hear_question(out: Outcome, item: Item) -> None:
