@@ -16,6 +16,7 @@ from omnifabric.worker.engine import (
     OUTPUT_RATE,
     REPLY_START_PARTS,
     DuplexSettings,
+    ToolChoice,
     ToolSpec,
 )
 from omnifabric.worker.engines.reference.engine import (
@@ -248,6 +249,23 @@ def test_speech_after_a_short_piece_goes_out_at_once_where_the_sender_takes_it(e
     assert then.early and then.seq == 6 and then.result.audio.size > 0
     assert not then.result.reply_start_how and not then.result.input_transcript
     assert "".join(s.result.text for s in early) == "".join(s.result.text for s in plain)
+
+
+def test_a_session_that_may_call_functions_keeps_the_measured_rule(engine):
+    # Calls go out with a unit's result only: a session offered functions still makes
+    # them in the unit that ends the turn when they fit, early results or not.
+    with turn_work(engine, "auto"):
+        session = engine.open_session("test-early-tools", "audio")
+        session.prepare("", None, None, DuplexSettings())
+    try:
+        assert not session._early_start()  # no early_sink: the sender takes none
+        session.early_sink = lambda result: None
+        assert session._early_start()
+        spec = ToolSpec("get_time", "The time now.", {"type": "object", "properties": {}})
+        session.offer_tools((spec,), ToolChoice())
+        assert not session._early_start()
+    finally:
+        session.close()
 
 
 def test_turn_work_auto_follows_the_measured_cost(engine):

@@ -391,13 +391,25 @@ class ReferenceSession(EngineSession):
         """Whether ending the turn (transcribing what is not yet, the function checks when
         the session may call, prefilling it, the reply's first piece) fits in this unit's
         real-time budget (TurnRules.turn_work)."""
-        if self.early_sink is not None and self.rules.turn_work == "auto":
+        if self._early_start():
             return False  # its finalize sends the reply's start as soon as it is made
         audio, key, _ = due
         heard = self.heard is not None and self.heard[0] == key
         hear_s = 0.0 if heard else audio.size / INPUT_RATE
         drafted = bool(self._draft_for(key))
         return self._fits(lambda: self.engine.turn_estimate(hear_s, self.offer.calls(), drafted))
+
+    def _early_start(self) -> bool:
+        """Whether a reply's start is left to the finalize whatever it costs ("auto"): the
+        sender takes results between units, so the finalize sends it as soon as it is made
+        (``_send_early``), as soon as inline would, and no unit waits for it. Not where the
+        session may call functions: calls go out with a unit's result, so there the unit
+        that ends the turn still makes them itself when they fit."""
+        return (
+            self.early_sink is not None
+            and self.rules.turn_work == "auto"
+            and not self.offer.calls()
+        )
 
     def _fits(self, estimate: Callable[[], float | None]) -> bool:
         """Whether work of the ``estimate``d seconds (None: not yet measured) fits in this
@@ -657,8 +669,7 @@ class ReferenceSession(EngineSession):
         """Every awaited output came: the reply that answers with them starts in this unit
         when it fits (its first piece goes out now), else in its finalize (the next unit
         speaks), as a user turn's reply does (TurnRules.turn_work)."""
-        early = self.early_sink is not None and self.rules.turn_work == "auto"
-        if early or not self._fits(lambda: self.engine.turn_estimate(0.0)):
+        if self._early_start() or not self._fits(lambda: self.engine.turn_estimate(0.0)):
             return self._result(is_listen=True, costs=costs)
         self._begin_answer(costs)
         return self._speak(costs, pieces=0)
