@@ -336,6 +336,33 @@ def test_a_guess_speaks_a_unit_sooner_where_the_turns_work_waits_for_finalize(en
     assert "".join(s.result.text for s in fits) == "".join(s.result.text for s in alone)
 
 
+def test_a_guess_passed_over_is_taken_up_when_the_turn_is_heard_as_guessed(engine):
+    # The eval's "What is the largest planet in our solar system?" (Piper, its lead-in):
+    # unit 3's finalize guesses the whole question, but unit 4 brings the last of its sound,
+    # so unit 4 does not take the guess up; the turn's end hears the same words, and the
+    # guessed reply (its first piece made) is the one said, with only the hearing on the
+    # way to its first audio, word for word the reply made without guessing.
+    from omnifabric.tools.eval_reference import ITEMS, LEAD_INS_S, VOICES, compose
+
+    index = 10
+    voice, rate = VOICES["piper"][index % len(VOICES["piper"])]
+    units, _, _ = compose(ITEMS[index], "piper", voice, rate, LEAD_INS_S[index % 4], index)
+    audio = np.concatenate([*units, np.zeros(6 * INPUT_RATE, np.float32)])
+    with turn_work(engine, "auto"):
+        plain = drive_audio(engine, audio, "planet", early=True)
+    with rules(engine, turn_work="auto", guess_ahead=True):
+        guessed = drive_audio(engine, audio, "planet", early=True)
+    first = next(s for s in guessed if not s.result.is_listen)
+    assert first.early and first.result.reply_start_how == "guess", timeline(guessed)
+    assert set(first.result.reply_start_ms) == {"endpoint", "asr"}
+    assert "planet" in first.result.input_transcript.lower()
+    assert sum("guess" in s.finalized for s in guessed) >= 1
+    plain_first = next(s for s in plain if not s.result.is_listen)
+    assert plain_first.result.reply_start_how == "finalize"
+    said = "".join(s.result.text for s in guessed)
+    assert said == "".join(s.result.text for s in plain) and "Jupiter" in said
+
+
 def test_a_guess_is_dropped_when_the_user_goes_on(engine):
     # The same question, then at once more words: unit 5's finalize guesses a reply to the
     # question, but unit 6 brings speech, so no reply starts on that guess: the turn ends

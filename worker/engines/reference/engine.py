@@ -256,6 +256,10 @@ class ReferenceSession(EngineSession):
         self.guess: Guess | None = None
         """A reply its finalize began on the words heard so far (``_guess``): the next
         unit sends its first piece when that unit ends the turn with the same words."""
+        self.passed_guess: Guess | None = None
+        """The guess the next unit did not take up (it brought more sound, or did not end
+        the turn): when the turn ends heard as the same words after all, its reply is the
+        guessed one, whose first piece is made already (``_respond``)."""
 
     # ---- prepare / prefill -------------------------------------------------------
 
@@ -364,6 +368,7 @@ class ReferenceSession(EngineSession):
         due = self._turn_due()
         if guess is not None and due is not None and self._guessed_right(guess, due):
             return self._speak(costs, heard=guess.text, pieces=0)
+        self.passed_guess = guess or self.passed_guess
         if due is not None and not self._fits_in_unit(due):
             self.turn_later = True
             return self._result(is_listen=True, costs=costs)
@@ -513,6 +518,13 @@ class ReferenceSession(EngineSession):
             return False
         self._take_turn(ended)
         self.heard = None
+        self._take_guess(guess, {})
+        return True
+
+    def _take_guess(self, guess: Guess, costs: dict[str, float]) -> None:
+        """The user's turn (taken) was heard as ``guess``'s words: the guessed reply is the
+        session's, its first piece ready to send."""
+        self.passed_guess = None
         self.transcripts.append(guess.text)
         self.recent = functions.remembered(self.recent, guess.text)
         log.info("session %s: user said %r (as guessed)", self.session_id, guess.text)
@@ -522,8 +534,10 @@ class ReferenceSession(EngineSession):
         self.audio = guess.audio
         self.pending_text, self.reply_finished = guess.pending_text, guess.reply_finished
         self.reply_tokens = guess.reply_tokens
-        self.start = ("guess", {"endpoint": self.endpoint_s * 1000.0})
-        return True
+        parts = {"endpoint": self.endpoint_s * 1000.0}
+        if "asr" in costs:  # the turn's end heard the words again before taking it up
+            parts["asr"] = costs["asr"]
+        self.start = ("guess", parts)
 
     def _warm(self, costs: dict[str, float]) -> None:
         """Inside an utterance: prefill the words heard so far but the last (it may be cut
@@ -585,6 +599,16 @@ class ReferenceSession(EngineSession):
         offered, words too unsure to answer) the spoken reply, begun here. A new turn
         replaces the calls still awaited."""
         self.awaiting, self.answer_due = {}, False
+        guess, self.passed_guess = self.passed_guess, None
+        if (
+            guess is not None
+            and guess.text == text
+            and guess.slides == self.slides
+            and logprob >= self.engine.repair_below
+            and not self.offer.calls()
+        ):
+            self._take_guess(guess, costs)  # heard as guessed: that reply, its piece made
+            return False
         if not self.offer.calls() or logprob < self.engine.repair_below:
             self._begin_reply(text, logprob, costs)
             return False
