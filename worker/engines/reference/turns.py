@@ -33,8 +33,10 @@ class TurnRules(UtteranceRules):
     piece_chars: int = 16
     """Characters spoken per piece (~1 s of speech)."""
     first_piece_chars: int = 12
-    """Characters of the first piece, spoken by the unit that ends the user's turn (a
-    finalize makes a whole ``piece_chars`` one: ``ReferenceSession._first_chars``): fewer
+    """Characters of the first piece, spoken by the unit that ends the user's turn, or sent
+    at once by its finalize where the client takes results between units (a finalize whose
+    piece waits for the next unit makes a whole ``piece_chars`` one:
+    ``ReferenceSession._first_chars``): fewer
     start the reply sooner, but the next unit's audio must come before it has played
     (measured by `omnifabric eval`, 48 replies: 16 -> first audio p50 1.60 s, no gaps;
     12 -> 1.53 s, no gaps; 10 -> 1.50 s, 12 replies with gaps of 0.19 s on average)."""
@@ -69,9 +71,12 @@ class TurnRules(UtteranceRules):
     turn's prefill, the reply's first piece): "inline", in the unit that ends the turn; or
     in that unit's finalize, after its listening result has gone out, and the next unit
     speaks ("finalize"); "auto": inline when the engine's measured cost of it fits in
-    ``inline_share`` of the unit, else in finalize. A turn's end cost 1.25-1.5 s here when it
-    transcribed inline: its unit was late and so was the next; in finalize (which also has
-    the speech transcribed by the finalize before) 0.6-0.8 s, and every unit keeps time."""
+    ``inline_share`` of the unit, else in finalize; always in finalize where the client
+    takes results between units and no function may be called (the finalize sends the
+    reply's start as soon as it is made: ``ReferenceSession._early_start``). A turn's end
+    cost 1.25-1.5 s here when it transcribed inline: its unit was late and so was the next;
+    in finalize (which also has the speech transcribed by the finalize before) 0.6-0.8 s,
+    and every unit keeps time."""
     inline_share: float = 0.9
     """The share of a unit that the end of a turn may take inline ("auto"). Inline, the
     reply's first audio leaves ``c`` after the unit arrived (c: the measured reply start);
