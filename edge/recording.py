@@ -222,6 +222,8 @@ class SessionRecorder:
         turns), one JSON line per entry, spooled to TIMELINE_SPOOL as it goes: the session
         keeps none of it in memory however long it runs; finish writes recording.json from it."""
         self._received_ms: dict[int, float] = {}
+        self._chunk_received_ms = 0.0
+        """The receive time of the latest chunk's unit (an early output's chunk follows it)."""
         self._turn = 0
         self._speak_in_turn = 0
         self._heard: collections.deque[bytes] = collections.deque(maxlen=_MAX_TURN_UNITS)
@@ -557,10 +559,14 @@ class SessionRecorder:
                 result["end_of_turn"] = True
                 self._turn += 1
                 self._speak_in_turn = 0
+        if out.early:  # after its unit's own entry: that unit's receive time
+            received_ms = self._chunk_received_ms
+        else:
+            received_ms = self._chunk_received_ms = self._received_ms.pop(out.seq, 0.0)
         self._entry(
             {
                 "index": out.seq - 1,
-                "receive_ts_ms": round(self._received_ms.pop(out.seq, 0.0), 1),
+                "receive_ts_ms": round(received_ms, 1),
                 "user_audio": _user_audio(out.seq),
                 "result": result,
             }

@@ -137,14 +137,20 @@ def test_record_then_replay(stack, record_dir, tmp_path):
     assert rate == 16000 and np.array_equal(first, source)
     assert len(list((folder / "in").glob("*.wav"))) == n_units
 
-    # units.jsonl: one line per unit, with timings; the answer is spoken.
+    # units.jsonl: one line per unit, with timings, and one per output the worker sent
+    # between units (`early`: a reply's start after its unit listened, or the speech after
+    # a short first piece), right after its unit's own line; the answer is spoken.
     units = [json.loads(line) for line in (folder / "units.jsonl").read_text().splitlines()]
-    assert [u["seq"] for u in units] == list(range(1, n_units + 1))
+    own = [u for u in units if not u.get("early")]
+    assert [u["seq"] for u in own] == list(range(1, n_units + 1))
     assert {"kind", "text", "end_of_turn", "kv", "prefill_ms", "edge_ms"} <= units[0].keys()
+    for before, line in zip(units, units[1:], strict=False):
+        if line.get("early"):
+            assert line["kind"] == "speak" and line["seq"] == before["seq"], (before, line)
     speak = [u for u in units if u["kind"] == "speak"]
     assert speak and speak[-1]["end_of_turn"]
     assert "paris" in "".join(u["text"] for u in speak).lower()
-    assert all(u["edge_ms"] is not None and u["edge_ms"] >= 0 for u in units)
+    assert all(u["edge_ms"] is not None and u["edge_ms"] >= 0 for u in own)
 
     # The reference server's layout: recording.json's chunks, 16-bit WAVs its tools read,
     # meta.json's names for what its clients read.
@@ -156,7 +162,7 @@ def test_record_then_replay(stack, record_dir, tmp_path):
     assert recording["worker_id"] == meta["worker_id"]
     assert recording["config"]["system_prompt"] == meta["system_prompt"]
     chunks = recording["chunks"]
-    assert [c["index"] for c in chunks] == list(range(n_units))
+    assert [c["index"] for c in chunks if not c["result"].get("early")] == list(range(n_units))
     assert [c["result"]["mode"] for c in chunks] == [u["kind"].upper() for u in units]
     assert all(c["receive_ts_ms"] > 0 for c in chunks)
     stamps = [c["receive_ts_ms"] for c in chunks]
@@ -192,7 +198,7 @@ def test_record_then_replay(stack, record_dir, tmp_path):
     target = speak[0]["seq"]
     with open(edited / "units.jsonl", "w") as f:
         for u in units:
-            if u["seq"] == target:
+            if u is speak[0]:
                 u = dict(u, text="Something else entirely.")
             f.write(json.dumps(u) + "\n")
     replay = _cli("replay", str(edited), "--url", stack.url, "--fast")
