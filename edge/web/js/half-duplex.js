@@ -138,14 +138,18 @@ class HalfDuplexPage {
   }
 
   async openMicrophone() {
-    this.mic = new MicCapture({ onChunk: (samples) => this.assembler.push(samples) });
+    const mic = new MicCapture({ onChunk: (samples) => this.assembler.push(samples) });
+    this.mic = mic;
     try {
-      await this.mic.start();
+      if (!(await mic.start())) return; // the call was stopped meanwhile
     } catch (err) {
+      // Stopped while the microphone opened: its release is no failure of the call.
+      if (this.mic !== mic) return;
       this.fail(mediaErrorText(err));
       this.stop();
       return;
     }
+    if (this.mic !== mic) return;
     this.assembler.reset();
     this.levelTimer = setInterval(() => {
       const meter = byId('mic-level');
