@@ -207,9 +207,6 @@ class ReferenceSession(EngineSession):
         the next unit says it (input_transcript) with the reply's first piece (or the calls)."""
         self.first_ready = False
         """Finalize started a reply: the next unit sends its first piece alone."""
-        self.sent_short = False
-        """The last result carried less than a second of a reply that goes on (a first
-        piece): its listener runs out before the next unit's second comes."""
         self.offer = functions.Offer()
         """The functions the model may call, and how (offer_tools)."""
         self._begin_words_state()
@@ -256,6 +253,9 @@ class ReferenceSession(EngineSession):
         self.guess: Guess | None = None
         """A reply its finalize began on the words heard so far (``_guess``): the next
         unit sends its first piece when that unit ends the turn with the same words."""
+        self.sent_short = False
+        """The last result carried less than a second of a reply that goes on (a first
+        piece): its listener runs out before the next unit's second comes."""
         self.passed_guess: Guess | None = None
         """The guess the next unit did not take up (it brought more sound, or did not end
         the turn): when the turn ends heard as the same words after all, its reply is the
