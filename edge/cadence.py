@@ -12,7 +12,11 @@ Two cadences, named by a dialect's traits:
   at a time, the next once the last was answered; when the client sends less than real
   time the rest of the unit is silence, so the session's clock never stops and a reply
   never waits for more input. Audio sent while the session waits for a worker is held
-  (MAX_BACKLOG_S at most, the oldest dropped and counted).
+  (MAX_BACKLOG_S at most, the oldest dropped and counted). Where speech stops inside a
+  unit (`SpeechEnd`: CUT_QUIET_S of quiet after speech), what came goes at once as a
+  shorter unit, so the engine hears the end of a question as soon as it can tell it, not
+  when the unit's second is up (a client of whole units gives it that late; this one's
+  audio comes as it is spoken).
 
 Units are float32 16 kHz PCM, the rate every engine hears; audio at another rate goes
 through one streaming resampler per cadence as it arrives (edge.pcm.Resampler: a low-pass,
@@ -50,6 +54,18 @@ MAX_BACKLOG_S = 10.0
 TICK_S = 0.1
 #: The cadences a dialect may name (DuplexDialect.traits.cadence).
 CUT, PACED = "cut", "paced"
+#: The paced cadence's end of speech (SpeechEnd): frames this long (16 kHz samples, 20 ms)
+#: are speech when louder than pcm.SPEECH_RMS, quiet when under QUIET_SHARE of the loudest
+#: speech frame since the last cut (and under SPEECH_RMS); after CUT_QUIET_S of quiet
+#: following speech, what is held goes as a unit of its own, and once more after as much
+#: again (CUTS of them), in case the engine wanted a little more silence to end the turn.
+FRAME = 320
+QUIET_SHARE = 0.1
+CUT_QUIET_S = 0.2
+CUTS = 2
+# The same rules on a frame's power (its samples' sum of squares), as feed computes them.
+_SPEECH_POWER = FRAME * pcm.SPEECH_RMS**2
+_QUIET_POWER_SHARE = QUIET_SHARE**2
 
 
 def unit_length(bounds: tuple[int, int] | None) -> int:
@@ -57,6 +73,60 @@ def unit_length(bounds: tuple[int, int] | None) -> int:
     (fewest, most); UNIT_SAMPLES where the worker states none."""
     fewest, most = bounds or (UNIT_SAMPLES, UNIT_SAMPLES)
     return min(max(UNIT_SAMPLES, fewest), most)
+
+
+class SpeechEnd:
+    """Where speech stops in a 16 kHz stream, by loudness alone (sans-I/O, a few numpy
+    operations an append): the engine decides the turn; this only says when holding the
+    rest of a unit would keep the end of what was said from it. A line noisier than
+    QUIET_SHARE of its speech never looks quiet here, and its units stay whole."""
+
+    def __init__(self) -> None:
+        self._rest = np.zeros(0, np.float32)
+        self._peak = 0.0
+        self.quiet = 0
+        """Samples of quiet at the end of the stream (whole frames)."""
+        self.cuts_left = 0
+        """Cuts still due since speech was last heard (CUTS after speech, 0 in silence)."""
+
+    def feed(self, audio: np.ndarray) -> None:
+        """Follow more of the stream (float32, 16 kHz)."""
+        if not self.cuts_left and float(np.dot(audio, audio)) <= _SPEECH_POWER:
+            # Nothing to cut and no speech in it (not even one frame's worth): the usual
+            # append between a user's turns costs one dot product.
+            self._rest = audio[:0]
+            return
+        x = np.concatenate([self._rest, audio]) if self._rest.size else audio
+        whole = x.size - x.size % FRAME
+        self._rest = x[whole:].copy()
+        if not whole:
+            return
+        frames = x[:whole].reshape(-1, FRAME)
+        power = np.einsum("ij,ij->i", frames, frames)  # FRAME x mean square, per frame
+        loud = np.flatnonzero(power > _SPEECH_POWER)
+        if loud.size:
+            self._peak = max(self._peak, float(power[loud].max()))
+            self.quiet, self.cuts_left = 0, CUTS
+            power = power[loud[-1] + 1 :]
+        # the frames after the last loud one: quiet ones add up, one in between starts over
+        noisy = np.flatnonzero(power >= _QUIET_POWER_SHARE * self._peak)
+        if noisy.size:
+            self.quiet = (power.size - noisy[-1] - 1) * FRAME
+        else:
+            self.quiet += power.size * FRAME
+
+    @property
+    def cut_due(self) -> bool:
+        """Whether what is held should go now: speech was heard, CUT_QUIET_S of quiet
+        followed it, and a cut is still due."""
+        return self.cuts_left > 0 and self.quiet >= CUT_QUIET_S * UNIT_RATE
+
+    def cut(self) -> None:
+        """The held audio went: the next cut waits for as much quiet again."""
+        self.cuts_left -= 1
+        self.quiet = 0
+        if not self.cuts_left:
+            self._peak = 0.0
 
 
 def _pcm_bytes(audio: np.ndarray) -> bytes:
@@ -192,9 +262,13 @@ class PacedCadence(Cadence):
         self._in_flight = 0
         self._sent_at = 0.0
         self._force_listen = False
+        self._speech_end = SpeechEnd()
 
     def push(self, samples: np.ndarray, rate: int) -> None:
+        pieces = len(self._held)
         super().push(samples, rate)
+        for piece in self._held[pieces:]:
+            self._speech_end.feed(piece)
         excess = self._held_n - int(MAX_BACKLOG_S * UNIT_RATE)
         if excess > 0:
             self._take(excess)
@@ -219,8 +293,9 @@ class PacedCadence(Cadence):
         return []
 
     def due(self, now: float, clock: bool) -> list[ev.AppendCommand]:
-        """A whole unit of the client's audio once the last unit was answered; on the
-        clock, what came (or silence) once a unit's time passed without one; after
+        """A whole unit of the client's audio once the last unit was answered, or what
+        came when speech stopped in it (as long as the worker takes so short a unit); on
+        the clock, what came (or silence) once a unit's time passed without one; after
         end_turn, at once."""
         if not self.started or self.closed:
             return []
@@ -228,8 +303,13 @@ class PacedCadence(Cadence):
         unit_s = unit / UNIT_RATE
         if self._in_flight and now - self._sent_at < IN_FLIGHT_UNITS * unit_s:
             return []
+        fewest = self.bounds[0] if self.bounds else unit
         if self._held_n >= unit:
             heard = self._take(unit)
+        elif not self._force_listen and self._held_n >= fewest and self._speech_end.cut_due:
+            self._speech_end.cut()
+            self._sent_at = now
+            return [ev.AppendCommand(pcm=_pcm_bytes(self._take_all()))]
         elif self._force_listen or (clock and now - self._sent_at >= unit_s + FILL_GRACE_S):
             heard = self._take_all()
         else:

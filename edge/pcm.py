@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     import av
     import av.audio.stream
 
+#: Audio louder than this (RMS, full scale 1.0) counts as speech: a unit's for the dialects'
+#: speech events (`holds_speech`), a 20 ms frame's for the paced cadence's end of speech.
+SPEECH_RMS = 0.01
 #: WAV sample rates accepted (reference voices, probe input), Hz.
 MIN_WAV_RATE, MAX_WAV_RATE = 4000, 384000
 #: Channels a WAV may have (7.1 at most); they are mixed down to mono.
@@ -34,6 +37,16 @@ WAV_CODECS = frozenset(
     {"pcm_u8", "pcm_s16le", "pcm_s24le", "pcm_s32le", "pcm_f32le", "pcm_f64le"}
     | {"pcm_alaw", "pcm_mulaw"}
 )
+
+
+def rms(samples: np.ndarray) -> float:
+    """Root mean square of float samples (0.0 for none)."""
+    return float(np.sqrt(np.mean(np.square(samples, dtype=np.float64)))) if samples.size else 0.0
+
+
+def holds_speech(samples: np.ndarray) -> bool:
+    """Whether float samples are loud enough, as a whole, to count as speech."""
+    return rms(samples) > SPEECH_RMS
 
 
 def b64decode(value: object, what: str) -> bytes:

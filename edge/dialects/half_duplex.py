@@ -62,8 +62,6 @@ from omnifabric.edge.dialects.legacy_duplex import (
 )
 from omnifabric.edge.errors import EdgeError, InvalidPayload, MissingField, UnknownEvent
 
-#: Input louder than this (RMS) counts as speech for vad_state.
-SPEECH_RMS = 0.01
 #: The call ends after this long without an audio_chunk (config.session.timeout_s; the
 #: reference server's default), and the most accepted, seconds.
 TIMEOUT_S = 180.0
@@ -235,7 +233,7 @@ class HalfDuplex(DuplexDialect):
 
     def appended(self, seq: int, cmd: ev.AppendCommand) -> None:
         samples = np.frombuffer(cmd.pcm, "<f4")
-        if samples.size and float(np.sqrt(np.mean(samples**2))) > SPEECH_RMS:
+        if pcm.holds_speech(samples):
             self._speech_seqs.add(seq)
             self._speech_ms += samples.size * 1000 // 16000
 

@@ -10,12 +10,14 @@ from omnifabric.edge import events as ev
 from omnifabric.edge import pcm
 from omnifabric.edge.cadence import (
     CUT,
+    CUT_QUIET_S,
     FILL_GRACE_S,
     IN_FLIGHT_UNITS,
     MAX_BACKLOG_S,
     PACED,
     CutCadence,
     PacedCadence,
+    SpeechEnd,
     for_traits,
     unit_length,
 )
@@ -135,6 +137,86 @@ def test_paced_end_turn_sends_what_came_at_once_with_force_listen():
     c.push(np.zeros(16000, np.float32), 16000)
     (nxt,) = c.due(0.02, clock=False)
     assert not nxt.force_listen
+
+
+def _speech(seconds: float, level: float = 0.1) -> np.ndarray:
+    """A voice-like stand-in: a tone whose RMS is `level`."""
+    n = int(seconds * 16000)
+    return (level * np.sqrt(2) * np.sin(np.arange(n) * 0.19)).astype(np.float32)
+
+
+def _stream(c: PacedCadence, audio: np.ndarray, append_ms: int = 100) -> list[list[int]]:
+    """Push `audio` in appends as a real-time client does, each unit sent answered at
+    once; per append, the lengths of the units that went."""
+    step = 16 * append_ms
+    went = []
+    for n, start in enumerate(range(0, audio.size, step), start=1):
+        c.push(audio[start : start + step], 16000)
+        units = c.due(n * append_ms / 1000, clock=False)
+        for seq, unit in enumerate(units, start=1):
+            c.sent(seq, 0.0)
+            c.answered(_out(seq))
+            assert not unit.force_listen
+        went.append([len(u.pcm) // 4 for u in units])
+    return went
+
+
+def test_paced_sends_what_came_when_speech_stops_in_a_unit():
+    c = PacedCadence()
+    c.start((1600, 64000), 0.0)  # a worker that takes units of 0.1 s
+    quiet = np.full(int(2.5 * 16000), 0.0005, np.float32)  # a quiet line, not digital zero
+    audio = np.concatenate([_speech(0.5), quiet])
+    went = _stream(c, audio)
+    sent = [(i, n) for i, lengths in enumerate(went) for n in lengths]
+    # CUT_QUIET_S of quiet after the words: what came so far goes (not the second) ...
+    first = round((0.5 + CUT_QUIET_S) * 10) - 1  # the append that completes the quiet
+    assert sent[0] == (first, int((0.5 + CUT_QUIET_S) * 16000))
+    # ... then once more after as much quiet again, then whole seconds
+    second = first + round(CUT_QUIET_S * 10)
+    assert sent[1] == (second, int(CUT_QUIET_S * 16000))
+    assert sent[2] == (second + 10, 16000)
+    # nothing lost, nothing padded: the units are the stream
+    assert all(n == 16000 for _, n in sent[2:])
+    assert sum(n for _, n in sent) + c.held_samples == audio.size
+
+
+def test_paced_cuts_where_the_words_ended_in_the_unit_before():
+    # The words end just before a second is up: the second goes whole, and what follows
+    # goes once the quiet after the words is long enough, not a second later.
+    c = PacedCadence()
+    c.start((4000, 64000), 0.0)
+    audio = np.concatenate([_speech(0.9), np.zeros(16000 * 2, np.float32)])
+    sent = [n for lengths in _stream(c, audio) for n in lengths]
+    # 0.1 + 0.2 s of quiet; the shortest unit taken is 0.25 s: the append that passes it
+    assert sent[:2] == [16000, 4800]
+
+
+@pytest.mark.parametrize(
+    ("bounds", "noise"),
+    [
+        ((4000, 64000), 0.02),  # a line as loud between words as a fifth of the speech
+        ((16000, 64000), 0.0),  # a worker that takes whole seconds only
+        (None, 0.0),  # a worker that said nothing of its units
+    ],
+)
+def test_paced_keeps_whole_seconds_where_it_cannot_cut(bounds, noise):
+    c = PacedCadence()
+    c.start(bounds, 0.0)
+    rng = np.random.default_rng(1)
+    after = (noise * rng.standard_normal(16000 * 2)).astype(np.float32)
+    sent = [n for lengths in _stream(c, np.concatenate([_speech(0.5), after])) for n in lengths]
+    assert sent == [16000, 16000]
+
+
+def test_speech_end_needs_speech_before_the_quiet():
+    end = SpeechEnd()
+    end.feed(np.zeros(16000 * 3, np.float32))
+    assert not end.cut_due  # silence alone is not the end of anything
+    end.feed(_speech(0.2))
+    end.feed(np.zeros(int(CUT_QUIET_S * 16000) - 320, np.float32))
+    assert not end.cut_due
+    end.feed(np.zeros(320 + 100, np.float32))  # pieces need not be whole frames
+    assert end.cut_due
 
 
 def test_paced_keeps_at_most_the_backlog_and_counts_what_it_dropped():

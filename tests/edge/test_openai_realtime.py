@@ -292,6 +292,20 @@ def test_engine_turn_taking_becomes_vad_events_and_a_response():
     assert done["response"]["output"][0]["content"][0]["transcript"] == "Hi. Bye."
 
 
+def test_speech_events_time_units_by_their_length():
+    # The cadence cuts a unit where speech stops: the events' times are the units' own.
+    d = running(OpenAIRealtime("m")).d
+    d.appended(1, ev.AppendCommand(pcm=np.zeros(16000, "<f4").tobytes()))
+    d.encode(output(1, listen=True))
+    d.appended(2, ev.AppendCommand(pcm=np.full(11200, 0.3, "<f4").tobytes()))  # 0.7 s
+    (started,) = d.encode(output(2, listen=True))
+    assert started["audio_start_ms"] == 1000
+    d.appended(3, ev.AppendCommand(pcm=np.zeros(3200, "<f4").tobytes()))
+    reply = d.encode(output(3, listen=False, text="Hi.", input_transcript="hello"))
+    stopped = next(m for m in reply if m["type"] == "input_audio_buffer.speech_stopped")
+    assert stopped["audio_end_ms"] == 1700  # the end of the speech unit, not 2000
+
+
 def test_speech_over_a_reply_that_then_stops_is_a_barge_in():
     d = running(OpenAIRealtime("m")).d
     silence = ev.AppendCommand(pcm=np.zeros(16000, "<f4").tobytes())

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from omnifabric.edge import events as ev
-from omnifabric.edge.dialects.half_duplex import SPEECH_RMS
+from omnifabric.edge import pcm
 from omnifabric.edge.dialects.openai.audio import ENGINE_IN_RATE
 from omnifabric.edge.dialects.openai.conversation import Conversation, Item
 from omnifabric.edge.dialects.openai.responses import Response, Responses
@@ -33,7 +33,9 @@ class DuplexTurns:
         self.conversation = conversation
         self.responses = responses
         self._input_ms = 0.0
-        self._unit_start_ms: dict[int, float] = {}
+        self._unit_ms: dict[int, tuple[float, float]] = {}
+        """Each unit sent: where its input begins and ends (ms; a unit cut at the end of
+        speech is shorter than a second)."""
         self._speech_seqs: set[int] = set()
         self._user_speaking = False
         self._user_item = ""
@@ -50,12 +52,13 @@ class DuplexTurns:
         self.muted = True
         self.end_turn = True
 
-    def appended(self, seq: int, pcm: bytes) -> None:
-        """A unit went to the engine as `seq`."""
-        self._unit_start_ms[seq] = self._input_ms
-        samples = np.frombuffer(pcm, "<f4")
+    def appended(self, seq: int, raw: bytes) -> None:
+        """A unit went to the engine as `seq` (`raw`: its float32 PCM)."""
+        samples = np.frombuffer(raw, "<f4")
+        start = self._input_ms
         self._input_ms += samples.size * 1000 / ENGINE_IN_RATE
-        if samples.size and float(np.sqrt(np.mean(samples**2))) > SPEECH_RMS:
+        self._unit_ms[seq] = (start, self._input_ms)
+        if pcm.holds_speech(samples):
             self._speech_seqs.add(seq)
 
     def output(self, out: ev.Output, settings: Settings, reply: Any) -> list[Any]:
@@ -113,16 +116,16 @@ class DuplexTurns:
         """speech_started when the units answered held speech (once per user turn)."""
         heard = {seq for seq in self._speech_seqs if seq <= out.seq}
         self._speech_seqs -= heard
-        for seq in [s for s in self._unit_start_ms if s < out.seq - KEPT_UNITS]:
-            del self._unit_start_ms[seq]
+        for seq in [s for s in self._unit_ms if s < out.seq - KEPT_UNITS]:
+            del self._unit_ms[seq]
         if not heard:
             return []
         messages: list[Any] = []
-        self._speech_end_ms = self._unit_start_ms.get(max(heard), 0.0) + 1000.0
+        self._speech_end_ms = self._unit_ms.get(max(heard), (0.0, 0.0))[1]
         if not self._user_speaking:
             self._user_speaking = True
             self._user_item = self.wire.id("item")
-            self._speech_start_ms = self._unit_start_ms.get(min(heard), 0.0)
+            self._speech_start_ms = self._unit_ms.get(min(heard), (0.0, 0.0))[0]
             messages.append(
                 self.wire.event(
                     "input_audio_buffer.speech_started",
