@@ -56,6 +56,9 @@ class InitCommand:
     """Functions the model may call (common.tools), and how."""
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     tts_ref_audio_id: str = ""
+    early_results: bool | None = None
+    """The client asked to take output between units (gRPC SessionInit.early_results);
+    None: its dialect's Traits.early_results decides."""
 
 
 @dataclass(frozen=True)

@@ -325,7 +325,7 @@ class SessionCore:
             init,
             self.resume_window_s if self.resume_token else 0.0,
             client_state,
-            self._early_results,
+            self._early_results if init.early_results is None else init.early_results,
         )
         for attempt in (1, 2):
             call = self._fabric.worker(address).Session(metadata=telemetry.inject(self._trace))

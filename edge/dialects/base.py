@@ -57,7 +57,8 @@ class Traits:
     """Its clients take the model's output between units: a reply the worker begins after
     a unit's result goes out as soon as its first piece is made, not with the next unit's
     result (SessionStart.early_results). Off where a client is promised one result per
-    unit (the legacy page), or the worker feeds the units itself (half-duplex)."""
+    unit (the legacy page), or the worker feeds the units itself (half-duplex); a gRPC
+    client asks per session (InitCommand.early_results)."""
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,7 @@ def init_command(msg: rt_pb.SessionInit) -> ev.InitCommand:
         max_slice_nums=msg.max_slice_nums or 1,
         tools=tools,
         tool_choice=choice,
+        early_results=msg.early_results,
     )
 
 
@@ -233,6 +234,7 @@ class GrpcRealtime(DuplexDialect):
             n_tokens=event.n_tokens,
             n_tts_tokens=event.n_tts_tokens,
             tool_calls=[tool_wire.call_to_pb(c) for c in event.tool_calls],
+            early=event.early,
         )
         return [rt_pb.ConnectResponse(output=output)]
 

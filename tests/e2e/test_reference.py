@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -297,6 +298,47 @@ async def test_a_replys_start_goes_out_as_soon_as_it_is_made(stack):
     assert ("listen", seq, False) in deltas[:first_audio]  # its unit had answered, listening
     assert not any(d[2] for d in deltas[first_audio + 1 :] if d[0] == "audio")
     reply = "".join(u.text for u in report.units.values())
+    assert "paris" in reply.lower(), reply
+
+
+async def test_grpc_client_takes_a_replys_start_between_units_when_it_asks(stack):
+    """The gRPC RealtimeService, SessionInit.early_results: the reply's first audio comes as
+    an OutputUnit marked early, with the seq of a unit whose own output listened; every
+    other output answers a unit of its own, once."""
+    import grpc
+
+    from omnifabric.omni.realtime.v1 import common_pb2
+    from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+    from omnifabric.omni.realtime.v1 import realtime_service_pb2_grpc as rt_grpc
+    from omnifabric.tools.client import SILENCE_UNIT
+    from omnifabric.tools.probe import split_units
+
+    with wave.open(str(FIXTURE)) as w:
+        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
+    # As the WebSocket test above: the question's own unit holds silence enough to end it.
+    units = split_units(np.concatenate([np.zeros(8000, np.float32), pcm]), 0)
+    units += [SILENCE_UNIT] * 4
+    outputs = []
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        call = rt_grpc.RealtimeServiceStub(channel).Connect()
+        init = rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, early_results=True)
+        await call.write(rt_pb.ConnectRequest(init=init))
+        for seq, unit in enumerate(units, start=1):  # each once the one before is answered
+            await call.write(rt_pb.ConnectRequest(append=rt_pb.InputAppend(audio=unit.tobytes())))
+            while True:
+                response = await asyncio.wait_for(call.read(), scaled(60))
+                if response.WhichOneof("kind") != "output":
+                    continue
+                outputs.append(response.output)
+                if response.output.seq == seq and not response.output.early:
+                    break
+        await call.done_writing()
+    first = next(i for i, o in enumerate(outputs) if o.audio)
+    assert outputs[first].early, [(o.seq, o.is_listen, o.early) for o in outputs]
+    own = [o for o in outputs[:first] if o.seq == outputs[first].seq]
+    assert len(own) == 1 and own[0].is_listen and not own[0].early
+    assert [o.seq for o in outputs if not o.early] == list(range(1, len(units) + 1))
+    reply = "".join(o.text for o in outputs)
     assert "paris" in reply.lower(), reply
 
 

@@ -184,7 +184,8 @@ def test_render_current_dialect_splits_and_closes_turn():
 def test_early_output_is_marked_and_only_asked_for_where_clients_take_it():
     """A reply's start sent between units carries its unit's seq and `early` in metrics;
     the dialects whose clients take output between units ask the worker for it, the
-    legacy page (one result per chunk), half-duplex calls and gRPC clients do not."""
+    legacy page (one result per chunk) and half-duplex calls do not; a gRPC client asks
+    per session (SessionInit.early_results) and gets OutputUnit.early."""
     from omnifabric.edge.dialects.grpc_realtime import GrpcRealtime
     from omnifabric.edge.dialects.half_duplex import HalfDuplex
     from omnifabric.edge.dialects.legacy_duplex import LegacyDuplex
@@ -201,6 +202,18 @@ def test_early_output_is_marked_and_only_asked_for_where_clients_take_it():
     assert OpenAIRealtime.traits.early_results
     for name, cls in (("legacy", LegacyDuplex), ("half", HalfDuplex), ("grpc", GrpcRealtime)):
         assert not cls.traits.early_results, name
+    from omnifabric.edge.dialects.grpc_realtime import init_command
+    from omnifabric.omni.realtime.v1 import common_pb2
+    from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+
+    for asked in (True, False):
+        msg = rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, early_results=asked)
+        assert init_command(msg).early_results is asked
+    grpc = GrpcRealtime()
+    grpc.decode(rt_pb.ConnectRequest(init=rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO)))
+    [early] = grpc.encode(replace(_out(), early=True))
+    [own] = grpc.encode(_out(is_listen=True, text="", pcm=b""))
+    assert early.output.early and early.output.seq == 4 and not own.output.early
 
 
 def test_closed_reasons_per_dialect():
