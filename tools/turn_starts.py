@@ -2,7 +2,7 @@
 engine session in this process, no fabric, unit by unit as a real-time client sends them.
 
     python -m omnifabric.tools.turn_starts [--voices piper,espeak] [--limit N] [--turn-work auto]
-                                           [--early]
+                                           [--early] [--tools]
 
 For each question it prints the unit that began the reply, how it began (inline, finalize,
 guess: GenerateResult.reply_start_how) and where the time went (reply_start_ms: the silence
@@ -12,7 +12,9 @@ and the gaps a client playing the chunks as they come would hear. First audio is
 [n, n+1) and is complete at n+1; it starts then, or when the finalize before it ended if
 that is later (the worker's barrier), and its result leaves when its generate returns
 (the fabric's own ~10 ms are not in it); with ``--early``, a result a finalize sends at once
-leaves when the engine hands it over. A minute's run where `omnifabric eval` takes
+leaves when the engine hands it over. ``--tools``: each session is offered the function-calling
+evaluation's three functions (none of which the questions need), so every turn's end also
+checks whether to call one. A minute's run where `omnifabric eval` takes
 several, for trying a turn-taking change; the eval through the stack is the figure of
 record.
 """
@@ -29,7 +31,13 @@ import numpy as np
 from omnifabric.common.stats import percentile
 from omnifabric.tools.eval_outcome import playback_gaps
 from omnifabric.tools.eval_reference import ITEMS, LEAD_INS_S, RATE, VOICES, Item, compose
-from omnifabric.worker.engine import OUTPUT_RATE, DuplexSettings, GenerateResult
+from omnifabric.worker.engine import (
+    OUTPUT_RATE,
+    DuplexSettings,
+    GenerateResult,
+    ToolChoice,
+    ToolSpec,
+)
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.reference.engine import ReferenceEngine
@@ -50,9 +58,17 @@ class Start:
     gap_s: float = 0.0
 
 
-def drive(engine: ReferenceEngine, item: Item, kind: str, index: int, early: bool = False) -> Start:
+def drive(
+    engine: ReferenceEngine,
+    item: Item,
+    kind: str,
+    index: int,
+    early: bool = False,
+    tools: tuple[ToolSpec, ...] = (),
+) -> Start:
     """One question through a fresh session of ``engine``; its reply's start. ``early``:
-    the session sends what a finalize makes at once (EngineSession.early_sink)."""
+    the session sends what a finalize makes at once (EngineSession.early_sink); ``tools``:
+    the functions it is offered."""
     voice, rate = VOICES[kind][index % len(VOICES[kind])]
     lead_in = LEAD_INS_S[index % len(LEAD_INS_S)]
     units, _, end_s = compose(item, kind, voice, rate, lead_in, index)
@@ -75,6 +91,8 @@ def drive(engine: ReferenceEngine, item: Item, kind: str, index: int, early: boo
 
     try:
         session.prepare("", None, None, DuplexSettings())
+        if tools:
+            session.offer_tools(tools, ToolChoice())
         busy_until = 0.0  # stream time the previous unit's finalize ended
         for n, unit in enumerate(units):
             t0 = time.perf_counter()
@@ -119,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="send what a finalize makes at once (a sender that takes results between units)",
     )
+    parser.add_argument(
+        "--tools", action="store_true", help="offer the function-calling evaluation's functions"
+    )
     args = parser.parse_args(argv)
     from omnifabric.worker.engines.reference.engine import ReferenceEngine
     from omnifabric.worker.engines.reference.turns import TurnRules
@@ -127,10 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     engine = ReferenceEngine(rules=rules)
     engine.load()
     engine.warmup()
+    tools = ()
+    if args.tools:
+        from omnifabric.tools.eval_tools import TOOLS
+
+        tools = tuple(ToolSpec(t["name"], t["description"], t["parameters"]) for t in TOOLS)
     starts = []
     for kind in args.voices.split(","):
         for index, item in enumerate(ITEMS[: args.limit]):
-            start = drive(engine, item, kind, index, args.early)
+            start = drive(engine, item, kind, index, args.early, tools)
             print(_line(kind, start), flush=True)
             starts.append(start)
     firsts = sorted(s.first_audio_s for s in starts if s.first_audio_s is not None)

@@ -149,6 +149,47 @@ def test_in_finalize_the_checks_and_the_arguments_run_after_units(inline_engine,
         s.close()
 
 
+def test_where_the_sender_takes_results_between_units_calls_go_out_from_the_finalize(
+    inline_engine, question
+) -> None:
+    # EngineSession.early_sink (the realtime dialects): the turn's work is in finalizes, as
+    # above, and what they make goes out at once: the call from the finalize that wrote
+    # it, the answer's first piece from the finalize that began it; no unit carries them.
+    rules = inline_engine.rules
+    inline_engine.rules = replace(rules, turn_work="auto")
+    try:
+        s = Duplex(inline_engine, ToolChoice())
+    finally:
+        inline_engine.rules = rules
+    sent: list[GenerateResult] = []
+    s.session.early_sink = sent.append
+    try:
+        units = s.until(lambda r: any(e.tool_calls for e in sent), question, len(question) + 4)
+        assert all(r.is_listen and not r.tool_calls and not r.text for r in units)
+        (called,) = sent
+        (call,) = called.tool_calls
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+        assert called.is_listen and called.end_of_turn and called.input_audio_tokens == 0
+        assert "weather" in called.input_transcript.lower()
+        assert "tools" in s.finalized[-2] and "tool_arguments" in s.finalized[-1]
+        sent.clear()
+        s.session.tool_output(call.call_id, OUTPUT)
+        assert s.unit().is_listen  # the answer begins in this unit's finalize ...
+        first = sent[0]  # ... which sends its first piece at once
+        assert not first.is_listen and first.text and first.audio.size
+        said = [r.text for r in sent]
+        for _ in range(30):
+            sent.clear()
+            r = s.unit()
+            said += [r.text, *(e.text for e in sent)]
+            if r.end_of_turn or any(e.end_of_turn for e in sent):
+                break
+        reply = "".join(said)
+        assert "17" in reply and "rain" in reply.lower(), reply
+    finally:
+        s.close()
+
+
 def test_the_turn_estimate_counts_the_checks_once_measured() -> None:
     engine = ReferenceEngine()  # not loaded: the estimate is arithmetic on what it learned
     engine.hearing_cost, engine.reply_start_s = 0.1, 0.3  # 2 s of audio: a 5 s window

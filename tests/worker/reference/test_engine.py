@@ -251,9 +251,11 @@ def test_speech_after_a_short_piece_goes_out_at_once_where_the_sender_takes_it(e
     assert "".join(s.result.text for s in early) == "".join(s.result.text for s in plain)
 
 
-def test_a_session_that_may_call_functions_keeps_the_measured_rule(engine):
-    # Calls go out with a unit's result only: a session offered functions still makes
-    # them in the unit that ends the turn when they fit, early results or not.
+def test_the_turns_work_goes_to_the_finalize_only_where_the_sender_takes_early_results(
+    engine,
+):
+    # With functions offered too: the calls a finalize writes go out from it
+    # (tests/worker/reference/test_duplex_tools.py drives one).
     with turn_work(engine, "auto"):
         session = engine.open_session("test-early-tools", "audio")
         session.prepare("", None, None, DuplexSettings())
@@ -263,7 +265,9 @@ def test_a_session_that_may_call_functions_keeps_the_measured_rule(engine):
         assert session._early_start()
         spec = ToolSpec("get_time", "The time now.", {"type": "object", "properties": {}})
         session.offer_tools((spec,), ToolChoice())
-        assert not session._early_start()
+        assert session._early_start()
+        session.rules = replace(session.rules, turn_work="inline")
+        assert not session._early_start()  # a session's own rule is kept
     finally:
         session.close()
 

@@ -405,16 +405,12 @@ class ReferenceSession(EngineSession):
         return self._fits(lambda: self.engine.turn_estimate(hear_s, self.offer.calls(), drafted))
 
     def _early_start(self) -> bool:
-        """Whether a reply's start is left to the finalize whatever it costs ("auto"): the
-        sender takes results between units, so the finalize sends it as soon as it is made
-        (``_send_early``), as soon as inline would, and no unit waits for it. Not where the
-        session may call functions: calls go out with a unit's result, so there the unit
-        that ends the turn still makes them itself when they fit."""
-        return (
-            self.early_sink is not None
-            and self.rules.turn_work == "auto"
-            and not self.offer.calls()
-        )
+        """Whether the turn's work is left to the finalize whatever it costs ("auto"): the
+        sender takes results between units, so the finalize sends what it makes as soon as
+        it is made, as soon as inline would, and no unit waits for it: the reply's start
+        (``_send_early``), and in a session that may call functions, the calls it writes
+        (``_send_calls``) and the reply to their outputs."""
+        return self.early_sink is not None and self.rules.turn_work == "auto"
 
     def _fits(self, estimate: Callable[[], float | None]) -> bool:
         """Whether work of the ``estimate``d seconds (None: not yet measured) fits in this
@@ -627,8 +623,9 @@ class ReferenceSession(EngineSession):
 
     def _calls_unit(self, costs: dict[str, float]) -> GenerateResult:
         """The chosen functions' arguments, written in this unit when they fit (it makes the
-        calls), else in its finalize (it listens; the next unit makes them)."""
-        if not self._fits(lambda: self.engine.arguments_s):
+        calls), else in its finalize (it listens; the next unit makes them, or the finalize
+        sends them where the sender takes results between units)."""
+        if self._early_start() or not self._fits(lambda: self.engine.arguments_s):
             return self._result(is_listen=True, costs=costs)
         self._write_calls(costs)
         if self.calls_due:
@@ -1081,6 +1078,8 @@ class ReferenceSession(EngineSession):
         elif self.calling is not None:
             self._write_calls(costs)
             self.first_ready = self.speaking  # none could be made: the reply says so
+            if self.calls_due and self.early_sink is not None:
+                self._send_calls(costs)
         elif self.answer_due and not self.speaking:
             self._begin_answer(costs)
             self.first_ready = True
@@ -1118,6 +1117,17 @@ class ReferenceSession(EngineSession):
         sink(result)
         if self.speaking:
             self._speech_ahead(costs)
+
+    def _send_calls(self, costs: dict[str, float]) -> None:
+        """The calls this finalize wrote go out now (``early_sink``) as a result of their
+        own, not with the next unit's: the caller runs the functions a unit sooner at most;
+        the outputs' turn is warmed after, as the finalize after a calling unit does."""
+        sink = self.early_sink
+        assert sink is not None
+        result = self._called(dict(costs))
+        result.input_audio_tokens = 0  # no unit of input: the finalized unit counted it
+        sink(result)
+        self._warm_calls(costs)
 
     @property
     def replying(self) -> bool:
