@@ -44,10 +44,19 @@ def question() -> list[np.ndarray]:
 class Duplex:
     """A duplex session of the engine with get_weather offered under ``choice``."""
 
-    def __init__(self, engine: ReferenceEngine, choice: ToolChoice) -> None:
+    def __init__(
+        self, engine: ReferenceEngine, choice: ToolChoice, turn_work: str | None = None
+    ) -> None:
+        """``turn_work``: the session's own (TurnRules.turn_work), else the engine's."""
         self.engine = engine
         self.session = engine.open_session("test-duplex-tools", "audio")
-        self.session.prepare("", None, None, DuplexSettings())
+        rules = engine.rules
+        if turn_work is not None:
+            engine.rules = replace(rules, turn_work=turn_work)
+        try:
+            self.session.prepare("", None, None, DuplexSettings())
+        finally:
+            engine.rules = rules
         self.notes = self.session.offer_tools((WEATHER,), choice)
         self.finalized: list[dict[str, float]] = []
 
@@ -125,12 +134,7 @@ def test_with_tool_choice_none_the_question_gets_a_spoken_reply(inline_engine, q
 
 
 def test_in_finalize_the_checks_and_the_arguments_run_after_units(inline_engine, question) -> None:
-    rules = inline_engine.rules
-    inline_engine.rules = replace(rules, turn_work="finalize")
-    try:
-        s = Duplex(inline_engine, ToolChoice())
-    finally:
-        inline_engine.rules = rules
+    s = Duplex(inline_engine, ToolChoice(), turn_work="finalize")
     try:
         results = s.until(lambda r: bool(r.tool_calls), question, len(question) + 4)
         # The turn's end did not go in its unit: its finalize heard it and ran the checks,
@@ -155,12 +159,7 @@ def test_where_the_sender_takes_results_between_units_calls_go_out_from_the_fina
     # EngineSession.early_sink (the realtime dialects): the turn's work is in finalizes, as
     # above, and what they make goes out at once: the call from the finalize that wrote
     # it, the answer's first piece from the finalize that began it; no unit carries them.
-    rules = inline_engine.rules
-    inline_engine.rules = replace(rules, turn_work="auto")
-    try:
-        s = Duplex(inline_engine, ToolChoice())
-    finally:
-        inline_engine.rules = rules
+    s = Duplex(inline_engine, ToolChoice(), turn_work="auto")
     sent: list[GenerateResult] = []
     s.session.early_sink = sent.append
     try:
