@@ -140,6 +140,9 @@ class GrpcRealtime(DuplexDialect):
         self._opened = False
         """The first request (init or resume) was accepted."""
         self._event_seq = 0
+        self._awaited: set[str] = set()
+        """The ids of the model's calls sent (OutputUnit.tool_calls) whose output has not
+        come yet."""
 
     def not_ready(self, cmd: ev.Command) -> str:
         return "send init first"
@@ -181,6 +184,12 @@ class GrpcRealtime(DuplexDialect):
             output = message.tool_output
             if not output.call_id:
                 raise MissingField("'tool_output.call_id' is required")
+            if output.call_id not in self._awaited:
+                raise InvalidPayload(
+                    f"tool_output.call_id {output.call_id!r}: no call of the model with that "
+                    "id awaits its output"
+                )
+            self._awaited.discard(output.call_id)
             return [ev.ToolOutputCommand(output.call_id, output.output)]
         if kind == "init":
             raise InvalidPayload(self.traits.already_initialized)
@@ -220,6 +229,7 @@ class GrpcRealtime(DuplexDialect):
         return [rt_pb.ConnectResponse(resumed=resumed), *missed]
 
     def _output(self, event: ev.Output) -> list[rt_pb.ConnectResponse]:
+        self._awaited.update(c.call_id for c in event.tool_calls)
         output = rt_pb.OutputUnit(
             seq=event.seq,
             is_listen=event.is_listen,

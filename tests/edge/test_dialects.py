@@ -430,6 +430,12 @@ def test_grpc_dialect_carries_tools_calls_and_outputs():
     assert [(c.call_id, c.name) for c in out.output.tool_calls] == [("call_1", "get_weather")]
     output = rt_pb.ConnectRequest(tool_output=common_pb2.ToolOutput(call_id="call_1", output="9C"))
     assert d.decode(output) == [ev.ToolOutputCommand("call_1", "9C")]
+    # An output for no call the model made (or one already answered) is the client's
+    # mistake: an error event names the id, nothing goes to the worker.
+    for call_id in ("call_1", "call_9"):
+        unknown = common_pb2.ToolOutput(call_id=call_id, output="9C")
+        with pytest.raises(errors.InvalidPayload, match=f"'{call_id}': no call"):
+            d.decode(rt_pb.ConnectRequest(tool_output=unknown))
     spec = common_pb2.ToolSpec
     for tools, choice, why in (
         ([spec(name="a b")], {}, "name"),
