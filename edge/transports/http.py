@@ -6,7 +6,8 @@ bytes up to the request's method: a `POST`, `PUT` or `DELETE` is served here
 (`HttpRequestReader` reads one request, answered once with `Connection: close`); another
 method than those and `GET`/`HEAD` is answered 405, a GET with a body 400; anything else is
 handed to the WebSocket server (edge.transports.websocket) with the bytes read so far (a
-GET that is no upgrade without what follows its head). The request is read in full
+GET that is no upgrade without what follows its head; a `HEAD` as that GET, its answer's
+body left out: `HeadOnly`). The request is read in full
 before it is served, within limits: its head within the open timeout and 16 KiB (431), a
 Content-Length (411, no chunked bodies) of at most the frame limit (413), the body within
 6 times the open timeout (408). The head is parsed strictly (`parse_head`, fuzzed in
@@ -27,7 +28,7 @@ import json
 import logging
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from typing import Any, BinaryIO, cast
 from urllib.parse import parse_qs, urlsplit
@@ -327,6 +328,34 @@ def _head_of_plain_get(first: bytes) -> bytes:
     return first[: len(head) + 4]
 
 
+class HeadOnly:
+    """The transport of a `HEAD` request that the WebSocket server answers as a GET: what is
+    written goes out up to the end of the response's head (its Content-Length is the
+    GET's, as HEAD's answer has it), the body is dropped. Everything else is the
+    transport's."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._head = b""
+        self._done = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._done:
+            return
+        self._head += bytes(data)
+        end = self._head.find(b"\r\n\r\n")
+        if end >= 0:
+            self._done = True
+            self._transport.write(self._head[: end + 4])
+
+    def writelines(self, lines: Iterable[bytes | bytearray | memoryview]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class FrontProtocol(asyncio.Protocol):
     """Every TCP connection on the edge's port starts here: the first bytes tell an HTTP
     request with a body (`POST`, served here) from a WebSocket upgrade, which goes to
@@ -373,11 +402,20 @@ class FrontProtocol(asyncio.Protocol):
             self._not_served(method.group(1).decode("ascii"))
             return
         if not first.startswith(HTTP_METHODS):
-            if _BODY.search(_whole_head(first)):
+            head = _whole_head(first)
+            if _BODY.search(head):
                 self._refuse(HTTPStatus.BAD_REQUEST, "invalid_request", "a GET takes no body")
                 return
+            transport: asyncio.Transport = self.transport
+            if first.startswith(b"HEAD "):
+                if _UPGRADE.search(head):
+                    self._not_served("HEAD with a WebSocket upgrade (an upgrade is a GET)")
+                    return
+                # websockets answers every request as a GET: it gets one, and the answer's
+                # body stops here.
+                first, transport = b"GET " + first[5:], cast(asyncio.Transport, HeadOnly(transport))
             self._handed_over = True
-            self.open_websocket(self.transport, _head_of_plain_get(first))
+            self.open_websocket(transport, _head_of_plain_get(first))
             return
         self._http = HttpRequestReader(self.app.config.max_frame_bytes, self._plan)
         self._http.feed(first)

@@ -171,3 +171,40 @@ async def test_a_get_with_bytes_after_its_head_is_answered(stack, data, answer):
         assert raw.endswith(b'{"status":"ok"}'), raw
     else:
         assert b'"message":"a GET takes no body"' in raw, raw
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/status", "/"])
+async def test_head_is_answered_as_its_get_without_the_body(stack, path):
+    # websockets answered HEAD as a GET, body and all.
+    async def ask(method: str) -> bytes:
+        host, port = stack.url.split("//")[1].split("/")[0].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(head(line=f"{method} {path} HTTP/1.1"))
+            await writer.drain()
+            return await asyncio.wait_for(reader.read(), scaled(10))  # to EOF: the edge closed
+        finally:
+            writer.close()
+
+    got, answered = await ask("GET"), await ask("HEAD")
+    get_head, _, body = got.partition(b"\r\n\r\n")
+    assert body and answered.endswith(b"\r\n\r\n") and answered.count(b"\r\n\r\n") == 1
+
+    def fields(response_head: bytes) -> set[bytes]:  # the status line and headers, no Date
+        return {f for f in response_head.split(b"\r\n") if not f.lower().startswith(b"date:")}
+
+    assert fields(answered[:-4]) == fields(get_head), (answered, get_head)
+
+
+async def test_head_with_an_upgrade_is_refused(stack):
+    got, response_head, _ = await exchange(
+        stack,
+        head(
+            "Upgrade: websocket",
+            "Connection: Upgrade",
+            "Sec-WebSocket-Version: 13",
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+            line="HEAD /v1/realtime HTTP/1.1",
+        ),  # fmt: skip
+    )
+    assert got == 405 and b"Connection: close" in response_head
