@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = ReferenceEngine(rules=rules)
     engine.load()
     engine.warmup()
-    tools = ()
+    tools: tuple[ToolSpec, ...] = ()
     if args.tools:
         from omnifabric.tools.eval_tools import TOOLS
 
