@@ -13,10 +13,11 @@ Two cadences, named by a dialect's traits:
   time the rest of the unit is silence, so the session's clock never stops and a reply
   never waits for more input. Audio sent while the session waits for a worker is held
   (MAX_BACKLOG_S at most, the oldest dropped and counted). Where speech stops inside a
-  unit (`SpeechEnd`: CUT_QUIET_S of quiet after speech), what came goes at once as a
-  shorter unit, so the engine hears the end of a question as soon as it can tell it, not
-  when the unit's second is up (a client of whole units gives it that late; this one's
-  audio comes as it is spoken).
+  unit (`SpeechEnd`: CUT_QUIET_S of quiet after speech) and the worker's engine takes
+  units as they come (not re-chunked: SessionStarted.model_unit_samples 0), what came
+  goes at once as a shorter unit, so the engine hears the end of a question as soon as it
+  can tell it, not when the unit's second is up (a client of whole units gives it that
+  late; this one's audio comes as it is spoken).
 
 Units are float32 16 kHz PCM, the rate every engine hears; audio at another rate goes
 through one streaming resampler per cadence as it arrives (edge.pcm.Resampler: a low-pass,
@@ -57,11 +58,17 @@ CUT, PACED = "cut", "paced"
 #: The paced cadence's end of speech (SpeechEnd): frames this long (16 kHz samples, 20 ms)
 #: are speech when louder than pcm.SPEECH_RMS, quiet when under QUIET_SHARE of the loudest
 #: speech frame since the last cut (and under SPEECH_RMS); after CUT_QUIET_S of quiet
-#: following speech, what is held goes as a unit of its own, and once more after as much
-#: again (CUTS of them), in case the engine wanted a little more silence to end the turn.
+#: following speech, what is held goes as a unit of its own, and once more after
+#: NEXT_CUT_QUIET_S more (CUTS in all), in case the engine wanted a little more silence to
+#: end the turn. The second waits longer than the first so that it does not wait long in
+#: the worker for the first one's finalize, which begins the reply on a guess when the
+#: engine did not end the turn yet (~0.8 s on a 2-core host): a unit answered later than
+#: its own length counts as late there, and a worker with late units takes no more
+#: sessions for a while. First audio is the same either way while that work takes longer.
 FRAME = 320
 QUIET_SHARE = 0.1
 CUT_QUIET_S = 0.2
+NEXT_CUT_QUIET_S = 0.6
 CUTS = 2
 # The same rules on a frame's power (its samples' sum of squares), as feed computes them.
 _SPEECH_POWER = FRAME * pcm.SPEECH_RMS**2
@@ -118,11 +125,12 @@ class SpeechEnd:
     @property
     def cut_due(self) -> bool:
         """Whether what is held should go now: speech was heard, CUT_QUIET_S of quiet
-        followed it, and a cut is still due."""
-        return self.cuts_left > 0 and self.quiet >= CUT_QUIET_S * UNIT_RATE
+        followed it (NEXT_CUT_QUIET_S since a first cut), and a cut is still due."""
+        wait = CUT_QUIET_S if self.cuts_left == CUTS else NEXT_CUT_QUIET_S
+        return self.cuts_left > 0 and self.quiet >= wait * UNIT_RATE
 
     def cut(self) -> None:
-        """The held audio went: the next cut waits for as much quiet again."""
+        """The held audio went: the next cut waits for NEXT_CUT_QUIET_S of quiet more."""
         self.cuts_left -= 1
         self.quiet = 0
         if not self.cuts_left:
@@ -152,6 +160,8 @@ class Cadence:
         """The resampler's stream has given nothing yet: its hold-back goes first as silence."""
         self.bounds: tuple[int, int] | None = None
         """(fewest, most) samples a unit of the leased worker; None before the start."""
+        self.model_unit = 0
+        """The engine's own unit, when the worker re-chunks units into it (0: it does not)."""
         self.started = False
         self.closed = False
         self.dropped_s = 0.0
@@ -177,9 +187,11 @@ class Cadence:
             self._hold(np.zeros(self._resampler.held, np.float32))
         self._hold(out)
 
-    def start(self, bounds: tuple[int, int] | None, now: float) -> None:
-        """The session started on a worker that takes units within `bounds`."""
+    def start(self, bounds: tuple[int, int] | None, now: float, model_unit: int = 0) -> None:
+        """The session started on a worker that takes units within `bounds` (and re-chunks
+        them into units of `model_unit` samples; 0: it takes them as they come)."""
         self.bounds, self.started = bounds, True
+        self.model_unit = model_unit
 
     def close(self) -> None:
         self.closed = True
@@ -274,10 +286,10 @@ class PacedCadence(Cadence):
             self._take(excess)
             self.dropped_s += excess / UNIT_RATE
 
-    def start(self, bounds: tuple[int, int] | None, now: float) -> None:
+    def start(self, bounds: tuple[int, int] | None, now: float, model_unit: int = 0) -> None:
         # The session's clock starts now: what the client sent while it waited for a
         # worker goes first, in whole units, before any silence is filled in.
-        super().start(bounds, now)
+        super().start(bounds, now, model_unit)
         self._sent_at = now
 
     def sent(self, seq: int, now: float) -> None:
@@ -303,7 +315,9 @@ class PacedCadence(Cadence):
         unit_s = unit / UNIT_RATE
         if self._in_flight and now - self._sent_at < IN_FLIGHT_UNITS * unit_s:
             return []
-        fewest = self.bounds[0] if self.bounds else unit
+        # A short unit only where the engine takes it as it comes: re-chunked, it would
+        # wait for the next one, and the model's units after it would be late by as much.
+        fewest = self.bounds[0] if self.bounds and not self.model_unit else unit
         if self._held_n >= unit:
             heard = self._take(unit)
         elif not self._force_listen and self._held_n >= fewest and self._speech_end.cut_due:

@@ -189,7 +189,8 @@ class DuplexConnection:
         """Session events (SessionCore's emit, the pause watchdog) -> the client."""
         if isinstance(event, ev.Created | ev.Reattached) and self.core is not None:
             if self.cadence is not None:  # units of the leased worker's lengths from now
-                self.cadence.start(self.core.unit_bounds, time.monotonic())
+                core = self.core
+                self.cadence.start(core.unit_bounds, time.monotonic(), core.model_unit_samples)
         if isinstance(event, ev.Created) and self.recorder is not None:
             event = dataclasses.replace(event, recording_id=self.recorder.recording_id)
         if isinstance(event, ev.Reattached):

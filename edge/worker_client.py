@@ -322,6 +322,8 @@ class WorkerStarted:
     """(fewest, most) samples a unit may have on this worker; None from older workers."""
     unit_timeout_ms: int
     duration_left_ms: int
+    model_unit_samples: int = 0
+    """The engine's own unit when the worker re-chunks units into it; 0: taken as they come."""
 
 
 @dataclass(frozen=True)
@@ -338,6 +340,7 @@ class WorkerResumed:
     unit_samples: tuple[int, int] | None
     unit_timeout_ms: int
     duration_left_ms: int
+    model_unit_samples: int = 0
 
 
 @dataclass(frozen=True)
@@ -383,6 +386,7 @@ def worker_event(response: worker_pb.SessionResponse) -> WorkerEvent | None:
             _unit_samples(s.min_unit_samples, s.max_unit_samples),
             s.unit_timeout_ms,
             s.duration_left_ms,
+            s.model_unit_samples,
         )
     if kind == "resumed":
         r = response.resumed
@@ -396,6 +400,7 @@ def worker_event(response: worker_pb.SessionResponse) -> WorkerEvent | None:
             _unit_samples(r.min_unit_samples, r.max_unit_samples),
             r.unit_timeout_ms,
             r.duration_left_ms,
+            r.model_unit_samples,
         )
     return None
 

@@ -11,7 +11,8 @@ MIN_MEASURED units of a mode were served, no less than the engine's own estimate
 warm-up either. "Recent" is the last `window_s` seconds (at least the last MIN_RECENT
 units), so a worker slowed for a while, by its host or its load, reads as dearer, and as
 cheap again soon after. A unit is late when its result left later than one unit length after
-it arrived; a late unit within the window means the worker is behind. The scheduler reads
+it arrived (a second at least: ``is_late``); a late unit within the window means the worker
+is behind. The scheduler reads
 these figures (WorkerReport's Headroom) and decides.
 
 A session's dearest units matter too: the unit that ends a user's turn on the reference
@@ -50,6 +51,19 @@ CHAT_COST = 1.0
 #: The percentile of recent units' costs taken as a mode's peak (over a window of a few
 #: replies this is their dearest unit but for one).
 PEAK_QUANTILE = 95.0
+
+
+#: The shortest deadline of a unit, s. A unit shorter than a second (one the edge cut where
+#: the user's speech stopped, a half-duplex call's) may wait in the worker for the finalize
+#: of the unit before it, which began a reply there (~0.8 s on a 2-core host): real time
+#: allows that, as the unit after it comes later; the same wait for a whole unit does not.
+MIN_DEADLINE_S = 1.0
+
+
+def is_late(wall_s: float, length_s: float) -> bool:
+    """Whether a unit of ``length_s`` seconds answered ``wall_s`` after it arrived is late:
+    the one rule, for the session's count and the worker's headroom."""
+    return wall_s > max(length_s, MIN_DEADLINE_S)
 
 
 @dataclass(frozen=True)
@@ -134,7 +148,7 @@ class Headroom:
                 self._speaking[mode].append((now, engine_s / length_s))
             self._measured[mode] += 1
         self._ratios.append((now, wall_s / length_s))
-        late = wall_s > length_s
+        late = is_late(wall_s, length_s)
         if late:
             self.late_total += 1
             self._late_at.append(now)

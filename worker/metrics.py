@@ -40,7 +40,7 @@ STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2
 #: Context length, tokens (the cap is 8192 by default).
 CONTEXT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 16384)
 #: Late units per session (a unit is late when its result left later than one unit length
-#: after it arrived).
+#: after it arrived, a second at least: headroom.is_late).
 LATE_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 600)
 #: Sessions per batched step.
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -112,8 +112,8 @@ class WorkerMetrics:
         )
         self.deadline_misses = Counter(
             "omni_worker_unit_deadline_misses",
-            "Late units: the result left later than one unit length after the unit arrived "
-            "(slower than real time).",
+            "Late units: the result left later than one unit length (a second at least) after "
+            "the unit arrived (slower than real time).",
             registry=r,
         )
         self.session_late_units = Histogram(

@@ -32,6 +32,7 @@ from omnifabric.worker.engine import (
 )
 from omnifabric.worker.engines import memory
 from omnifabric.worker.errors import EngineFailure, EngineStuck
+from omnifabric.worker.headroom import is_late
 from omnifabric.worker.journal import Journal
 from omnifabric.worker.mailbox import Intake, Mailbox
 from omnifabric.worker.runner import TimeSliced
@@ -106,11 +107,15 @@ class DuplexSession:
         )
         """Runs the units on the engine: the engine's batcher, else this session's own."""
         self.late_units = 0
-        """Units whose result left later than one unit length after they arrived."""
+        """Units whose result left later than one unit length after they arrived (a second
+        at least: headroom.is_late)."""
         self._stuck: asyncio.Future[Any] | None = None
         self._late_free: asyncio.Task[None] | None = None
         self.prompt_length = 0
         self.notes: tuple[str, ...] = ()
+        self.model_unit_samples = 0
+        """The engine's own unit when it re-chunks the sender's units (later units' length:
+        EngineSession.unit_samples), 0 when it takes them as they come."""
         self._tool_outputs: list[tuple[str, str]] = []
         """Function outputs from the sender, for the engine before the next unit."""
         """What the engine could not do as the session asked (for session.created)."""
@@ -203,9 +208,9 @@ class DuplexSession:
             # A half-duplex answer's units come back to back (the loop feeds them): there
             # is no wait for a finalize's output to save.
             self.engine_session.early_sink = self._early_sink
-        self._intake.configure(
-            self.engine_session.unit_samples(), spec.settings.half_duplex is True
-        )
+        sizes = self.engine_session.unit_samples()
+        self.model_unit_samples = sizes[1] if sizes else 0
+        self._intake.configure(sizes, spec.settings.half_duplex is True)
         length = int(
             self.engine_session.prepare(
                 spec.system_prompt, spec.ref_audio, spec.tts_ref_audio, spec.settings
@@ -465,7 +470,7 @@ class DuplexSession:
         )
         timings.wall_clock_ms = (time.perf_counter() - unit.received_at) * 1000.0
         length_s = len(unit.pcm) / INPUT_RATE
-        output.late = timings.wall_clock_ms > length_s * 1000.0
+        output.late = is_late(timings.wall_clock_ms / 1000.0, length_s)
         if output.late:
             self.late_units += 1
         self.journal.emit(output)

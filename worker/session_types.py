@@ -79,7 +79,7 @@ class UnitOutput:
     """The unit's audio waits for the next model unit (re-chunking) or was heard with a
     later unit (a half-duplex join): no model step ran for it."""
     late: bool = False
-    """Its result left later than one unit length after the unit arrived."""
+    """Its result left later than one unit length after the unit arrived (headroom.is_late)."""
     audio_dropped: bool = False
     """Kept for a replay without its speech (beyond worker.journal.JOURNAL_AUDIO_RESULTS)."""
     pruned: bool = False
@@ -103,7 +103,7 @@ class SessionEnd:
     error_code: str = ""
     """Public error code: "inference_error" when the engine failed on a unit."""
     late_units: int = 0
-    """Units whose result left later than one unit length after they arrived."""
+    """Units whose result left later than one unit length after they arrived (is_late)."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from omnifabric.edge.cadence import (
     FILL_GRACE_S,
     IN_FLIGHT_UNITS,
     MAX_BACKLOG_S,
+    NEXT_CUT_QUIET_S,
     PACED,
     CutCadence,
     PacedCadence,
@@ -171,9 +172,9 @@ def test_paced_sends_what_came_when_speech_stops_in_a_unit():
     # CUT_QUIET_S of quiet after the words: what came so far goes (not the second) ...
     first = round((0.5 + CUT_QUIET_S) * 10) - 1  # the append that completes the quiet
     assert sent[0] == (first, int((0.5 + CUT_QUIET_S) * 16000))
-    # ... then once more after as much quiet again, then whole seconds
-    second = first + round(CUT_QUIET_S * 10)
-    assert sent[1] == (second, int(CUT_QUIET_S * 16000))
+    # ... then once more after NEXT_CUT_QUIET_S more quiet, then whole seconds
+    second = first + round(NEXT_CUT_QUIET_S * 10)
+    assert sent[1] == (second, int(NEXT_CUT_QUIET_S * 16000))
     assert sent[2] == (second + 10, 16000)
     # nothing lost, nothing padded: the units are the stream
     assert all(n == 16000 for _, n in sent[2:])
@@ -192,16 +193,17 @@ def test_paced_cuts_where_the_words_ended_in_the_unit_before():
 
 
 @pytest.mark.parametrize(
-    ("bounds", "noise"),
+    ("bounds", "model_unit", "noise"),
     [
-        ((4000, 64000), 0.02),  # a line as loud between words as a fifth of the speech
-        ((16000, 64000), 0.0),  # a worker that takes whole seconds only
-        (None, 0.0),  # a worker that said nothing of its units
+        ((4000, 64000), 0, 0.02),  # a line as loud between words as a fifth of the speech
+        ((16000, 64000), 0, 0.0),  # a worker that takes whole seconds only
+        (None, 0, 0.0),  # a worker that said nothing of its units
+        ((4000, 64000), 16000, 0.0),  # an engine whose worker re-chunks units (MiniCPM-o)
     ],
 )
-def test_paced_keeps_whole_seconds_where_it_cannot_cut(bounds, noise):
+def test_paced_keeps_whole_seconds_where_it_cannot_cut(bounds, model_unit, noise):
     c = PacedCadence()
-    c.start(bounds, 0.0)
+    c.start(bounds, 0.0, model_unit)
     rng = np.random.default_rng(1)
     after = (noise * rng.standard_normal(16000 * 2)).astype(np.float32)
     sent = [n for lengths in _stream(c, np.concatenate([_speech(0.5), after])) for n in lengths]

@@ -119,6 +119,21 @@ async def test_a_half_duplex_turn_loses_no_audio_to_a_slow_rechunked_engine():
     assert end.units_dropped > 0 and len(heard) < len(sent)
 
 
+async def test_the_session_says_the_engines_own_unit_when_it_rechunks():
+    """DuplexSession.model_unit_samples (SessionStarted.model_unit_samples): the engine's
+    later unit when its units are re-chunked, 0 when it takes units as they come (the
+    sender's cadence cuts short units only then)."""
+    for model_unit in (0, 8000):
+        spec = SessionSpec(session_id="s", lease_id="l", mode="audio")
+        engine = HearingEngine(compute_ms=1, model_unit=model_unit)
+        session = DuplexSession(spec, engine, ThreadPoolExecutor(1), SessionLimits(60, 8192))
+        await session.open()
+        assert session.model_unit_samples == model_unit
+        runner = asyncio.ensure_future(session.run())
+        session.close(CloseReason.USER_STOP)
+        await asyncio.wait_for(runner, scaled(10))
+
+
 async def test_a_half_duplex_join_keeps_the_newest_audio_within_its_cap(monkeypatch):
     """Beyond HALF_DUPLEX_JOIN_SAMPLES of waiting audio, the oldest units are dropped
     (counted), never a piece from the middle."""
