@@ -14,7 +14,7 @@ Two cadences, named by a dialect's traits:
   never waits for more input. Audio sent while the session waits for a worker is held
   (MAX_BACKLOG_S at most, the oldest dropped and counted). Where speech stops inside a
   unit (`SpeechEnd`: CUT_QUIET_S of quiet after speech) and the worker's engine takes
-  units as they come (not re-chunked: SessionStarted.model_unit_samples 0), what came
+  units as they come (not re-chunked: SessionStarted.units_as_sent), what came
   goes at once as a shorter unit, so the engine hears the end of a question as soon as it
   can tell it, not when the unit's second is up (a client of whole units gives it that
   late; this one's audio comes as it is spoken).
@@ -160,8 +160,9 @@ class Cadence:
         """The resampler's stream has given nothing yet: its hold-back goes first as silence."""
         self.bounds: tuple[int, int] | None = None
         """(fewest, most) samples a unit of the leased worker; None before the start."""
-        self.model_unit = 0
-        """The engine's own unit, when the worker re-chunks units into it (0: it does not)."""
+        self.short_units = False
+        """The worker's engine takes units shorter than a second as they come (not
+        re-chunked into its own)."""
         self.started = False
         self.closed = False
         self.dropped_s = 0.0
@@ -187,11 +188,10 @@ class Cadence:
             self._hold(np.zeros(self._resampler.held, np.float32))
         self._hold(out)
 
-    def start(self, bounds: tuple[int, int] | None, now: float, model_unit: int = 0) -> None:
-        """The session started on a worker that takes units within `bounds` (and re-chunks
-        them into units of `model_unit` samples; 0: it takes them as they come)."""
-        self.bounds, self.started = bounds, True
-        self.model_unit = model_unit
+    def start(self, bounds: tuple[int, int] | None, now: float, short_units: bool = False) -> None:
+        """The session started on a worker that takes units within `bounds`, as they come
+        where `short_units` (else it may re-chunk them into its own)."""
+        self.bounds, self.started, self.short_units = bounds, True, short_units
 
     def close(self) -> None:
         self.closed = True
@@ -286,10 +286,10 @@ class PacedCadence(Cadence):
             self._take(excess)
             self.dropped_s += excess / UNIT_RATE
 
-    def start(self, bounds: tuple[int, int] | None, now: float, model_unit: int = 0) -> None:
+    def start(self, bounds: tuple[int, int] | None, now: float, short_units: bool = False) -> None:
         # The session's clock starts now: what the client sent while it waited for a
         # worker goes first, in whole units, before any silence is filled in.
-        super().start(bounds, now, model_unit)
+        super().start(bounds, now, short_units)
         self._sent_at = now
 
     def sent(self, seq: int, now: float) -> None:
@@ -317,7 +317,7 @@ class PacedCadence(Cadence):
             return []
         # A short unit only where the engine takes it as it comes: re-chunked, it would
         # wait for the next one, and the model's units after it would be late by as much.
-        fewest = self.bounds[0] if self.bounds and not self.model_unit else unit
+        fewest = self.bounds[0] if self.bounds and self.short_units else unit
         if self._held_n >= unit:
             heard = self._take(unit)
         elif not self._force_listen and self._held_n >= fewest and self._speech_end.cut_due:

@@ -190,7 +190,7 @@ class DuplexConnection:
         if isinstance(event, ev.Created | ev.Reattached) and self.core is not None:
             if self.cadence is not None:  # units of the leased worker's lengths from now
                 core = self.core
-                self.cadence.start(core.unit_bounds, time.monotonic(), core.model_unit_samples)
+                self.cadence.start(core.unit_bounds, time.monotonic(), core.units_as_sent)
         if isinstance(event, ev.Created) and self.recorder is not None:
             event = dataclasses.replace(event, recording_id=self.recorder.recording_id)
         if isinstance(event, ev.Reattached):

@@ -126,9 +126,9 @@ class SessionCore:
         self._unit_timeout_s = unit_timeout_s
         self.unit_samples: tuple[int, int] | None = None
         """(fewest, most) samples per unit the worker serves, from its SessionStarted."""
-        self.model_unit_samples = 0
-        """The engine's own unit when its worker re-chunks units into it (SessionStarted);
-        0: it takes them as they come."""
+        self.units_as_sent = False
+        """The worker's engine takes units as they come, not re-chunked into its own
+        (SessionStarted.units_as_sent)."""
         self._early_results = early_results
         """The client takes output between units (SessionStart.early_results)."""
         self._waiting: dict[int, float] = {}
@@ -360,7 +360,7 @@ class SessionCore:
             raise WorkerConnectFailed("the worker did not start the session")
         if started.unit_samples is not None:  # what this worker serves
             self.unit_samples = started.unit_samples
-        self.model_unit_samples = started.model_unit_samples
+        self.units_as_sent = started.units_as_sent
         self._outwait_worker(started.unit_timeout_ms)
         created = ev.Created(
             self.session_id,
@@ -422,7 +422,7 @@ class SessionCore:
         self.started = True  # input is taken from here (before: not_ready)
         if resumed.unit_samples is not None:
             self.unit_samples = resumed.unit_samples
-        self.model_unit_samples = resumed.model_unit_samples
+        self.units_as_sent = resumed.units_as_sent
         self._outwait_worker(resumed.unit_timeout_ms)
         if outputs:
             self._usage = outputs[-1].usage

@@ -322,8 +322,9 @@ class WorkerStarted:
     """(fewest, most) samples a unit may have on this worker; None from older workers."""
     unit_timeout_ms: int
     duration_left_ms: int
-    model_unit_samples: int = 0
-    """The engine's own unit when the worker re-chunks units into it; 0: taken as they come."""
+    units_as_sent: bool = False
+    """The engine takes units as they come (not re-chunked into its own); False from older
+    workers."""
 
 
 @dataclass(frozen=True)
@@ -340,7 +341,7 @@ class WorkerResumed:
     unit_samples: tuple[int, int] | None
     unit_timeout_ms: int
     duration_left_ms: int
-    model_unit_samples: int = 0
+    units_as_sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -386,7 +387,7 @@ def worker_event(response: worker_pb.SessionResponse) -> WorkerEvent | None:
             _unit_samples(s.min_unit_samples, s.max_unit_samples),
             s.unit_timeout_ms,
             s.duration_left_ms,
-            s.model_unit_samples,
+            s.units_as_sent,
         )
     if kind == "resumed":
         r = response.resumed
@@ -400,7 +401,7 @@ def worker_event(response: worker_pb.SessionResponse) -> WorkerEvent | None:
             _unit_samples(r.min_unit_samples, r.max_unit_samples),
             r.unit_timeout_ms,
             r.duration_left_ms,
-            r.model_unit_samples,
+            r.units_as_sent,
         )
     return None
 

@@ -413,7 +413,7 @@ class WorkerServicer(worker_grpc.WorkerServiceServicer):
             "notes": list(session.notes),
             "unit_timeout_ms": round((session.limits.unit_timeout_s or 0) * 1000),
             "duration_left_ms": session.duration_left_ms(),
-            "model_unit_samples": session.model_unit_samples,
+            "units_as_sent": not session.model_unit_samples,
         }
         if kind == "resume":
             log.info("session %s resumed: %d results to replay", session.session_id, replay)

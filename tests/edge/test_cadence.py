@@ -164,7 +164,7 @@ def _stream(c: PacedCadence, audio: np.ndarray, append_ms: int = 100) -> list[li
 
 def test_paced_sends_what_came_when_speech_stops_in_a_unit():
     c = PacedCadence()
-    c.start((1600, 64000), 0.0)  # a worker that takes units of 0.1 s
+    c.start((1600, 64000), 0.0, short_units=True)  # a worker that takes units of 0.1 s
     quiet = np.full(int(2.5 * 16000), 0.0005, np.float32)  # a quiet line, not digital zero
     audio = np.concatenate([_speech(0.5), quiet])
     went = _stream(c, audio)
@@ -185,7 +185,7 @@ def test_paced_cuts_where_the_words_ended_in_the_unit_before():
     # The words end just before a second is up: the second goes whole, and what follows
     # goes once the quiet after the words is long enough, not a second later.
     c = PacedCadence()
-    c.start((4000, 64000), 0.0)
+    c.start((4000, 64000), 0.0, short_units=True)
     audio = np.concatenate([_speech(0.9), np.zeros(16000 * 2, np.float32)])
     sent = [n for lengths in _stream(c, audio) for n in lengths]
     # 0.1 + 0.2 s of quiet; the shortest unit taken is 0.25 s: the append that passes it
@@ -193,17 +193,17 @@ def test_paced_cuts_where_the_words_ended_in_the_unit_before():
 
 
 @pytest.mark.parametrize(
-    ("bounds", "model_unit", "noise"),
+    ("bounds", "short_units", "noise"),
     [
-        ((4000, 64000), 0, 0.02),  # a line as loud between words as a fifth of the speech
-        ((16000, 64000), 0, 0.0),  # a worker that takes whole seconds only
-        (None, 0, 0.0),  # a worker that said nothing of its units
-        ((4000, 64000), 16000, 0.0),  # an engine whose worker re-chunks units (MiniCPM-o)
+        ((4000, 64000), True, 0.02),  # a line as loud between words as a fifth of the speech
+        ((16000, 64000), True, 0.0),  # a worker that takes whole seconds only
+        (None, True, 0.0),  # a worker that said nothing of its units
+        ((4000, 64000), False, 0.0),  # an engine whose units are re-chunked (MiniCPM-o)
     ],
 )
-def test_paced_keeps_whole_seconds_where_it_cannot_cut(bounds, model_unit, noise):
+def test_paced_keeps_whole_seconds_where_it_cannot_cut(bounds, short_units, noise):
     c = PacedCadence()
-    c.start(bounds, 0.0, model_unit)
+    c.start(bounds, 0.0, short_units)
     rng = np.random.default_rng(1)
     after = (noise * rng.standard_normal(16000 * 2)).astype(np.float32)
     sent = [n for lengths in _stream(c, np.concatenate([_speech(0.5), after])) for n in lengths]

@@ -94,7 +94,7 @@ async def test_full_session(workers):
     assert (started.session_id, started.worker_id, started.prompt_length) == ("s-L1", "w1", 23)
     # The worker owns the unit lengths it serves and tells the sender.
     assert (started.min_unit_samples, started.max_unit_samples) == (4000, 64000)
-    assert started.model_unit_samples == 0  # the synthetic engine takes units as they come
+    assert started.units_as_sent  # the synthetic engine takes units as they come
     pcms = [SILENCE, SILENCE, SILENCE, SPEECH, SILENCE, SILENCE]
     results = await serve_units(client, range(1, 7), pcms)
     assert [r.seq for r in results] == [1, 2, 3, 4, 5, 6]

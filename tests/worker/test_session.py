@@ -120,8 +120,8 @@ async def test_a_half_duplex_turn_loses_no_audio_to_a_slow_rechunked_engine():
 
 
 async def test_the_session_says_the_engines_own_unit_when_it_rechunks():
-    """DuplexSession.model_unit_samples (SessionStarted.model_unit_samples): the engine's
-    later unit when its units are re-chunked, 0 when it takes units as they come (the
+    """DuplexSession.model_unit_samples: the engine's later unit when its units are
+    re-chunked, 0 when it takes units as they come (SessionStarted.units_as_sent: the
     sender's cadence cuts short units only then)."""
     for model_unit in (0, 8000):
         spec = SessionSpec(session_id="s", lease_id="l", mode="audio")
