@@ -60,15 +60,16 @@ CUT, PACED = "cut", "paced"
 #: speech frame since the last cut (and under SPEECH_RMS); after CUT_QUIET_S of quiet
 #: following speech, what is held goes as a unit of its own, and once more after
 #: NEXT_CUT_QUIET_S more (CUTS in all), in case the engine wanted a little more silence to
-#: end the turn. The second waits longer than the first so that it does not wait long in
-#: the worker for the first one's finalize, which begins the reply on a guess when the
-#: engine did not end the turn yet (~0.8 s on a 2-core host): a unit answered later than
-#: its own length counts as late there, and a worker with late units takes no more
-#: sessions for a while. First audio is the same either way while that work takes longer.
+#: end the turn: where the first came before the engine's own silence rule was met, its
+#: finalize begins the reply on a guess (~0.65 s on a 2-core host) and the second, all
+#: quiet, confirms it; a reply ready before the second comes waits for it. It may wait in
+#: the worker for that finalize: a unit is late there only when answered later than its
+#: length and a second (worker.headroom.is_late). At least the worker's shortest unit
+#: (EngineLimits.min_unit_samples, 0.25 s), else it would not go as a unit of its own.
 FRAME = 320
 QUIET_SHARE = 0.1
 CUT_QUIET_S = 0.2
-NEXT_CUT_QUIET_S = 0.6
+NEXT_CUT_QUIET_S = 0.3
 CUTS = 2
 # The same rules on a frame's power (its samples' sum of squares), as feed computes them.
 _SPEECH_POWER = FRAME * pcm.SPEECH_RMS**2
@@ -149,6 +150,9 @@ class Cadence:
     holds_before_start = False
     #: Seconds between the driver's clock calls (due(clock=True)); 0: no clock.
     tick_s = 0.0
+    #: It cuts a unit short where speech stops (given short_units): the worker is told so
+    #: (SessionStart.speech_cuts).
+    speech_cuts = False
 
     def __init__(self) -> None:
         self._held: list[np.ndarray] = []
@@ -268,6 +272,7 @@ class PacedCadence(Cadence):
 
     holds_before_start = True
     tick_s = TICK_S
+    speech_cuts = True
 
     def __init__(self) -> None:
         super().__init__()

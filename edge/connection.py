@@ -274,6 +274,7 @@ class DuplexConnection:
             owner=owner,
             key_limit=self.app.key_sessions.limit(owner) if owner else 0,
             early_results=traits.early_results,
+            speech_cuts=self.cadence is not None and self.cadence.speech_cuts,
         )
         self.dialect.bind(SessionFacts(core.session_id, self.app.voices.pcm))
         if traits.recorded and not self.dialect.resume_token:

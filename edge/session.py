@@ -114,6 +114,7 @@ class SessionCore:
         owner: str = "",
         key_limit: int = 0,
         early_results: bool = False,
+        speech_cuts: bool = False,
     ) -> None:
         if mode not in DUPLEX_MODES:
             raise ValueError(f"mode must be one of {sorted(DUPLEX_MODES)}")
@@ -131,6 +132,8 @@ class SessionCore:
         (SessionStarted.units_as_sent)."""
         self._early_results = early_results
         """The client takes output between units (SessionStart.early_results)."""
+        self._speech_cuts = speech_cuts
+        """The edge's cadence cuts a unit short where speech stops (SessionStart.speech_cuts)."""
         self._waiting: dict[int, float] = {}
         """Units sent and not yet answered (nor reported dropped): seq -> send time."""
         self._acquire_call: grpc.aio.UnaryStreamCall | None = None
@@ -329,6 +332,7 @@ class SessionCore:
             self.resume_window_s if self.resume_token else 0.0,
             client_state,
             self._early_results if init.early_results is None else init.early_results,
+            self._speech_cuts,
         )
         for attempt in (1, 2):
             call = self._fabric.worker(address).Session(metadata=telemetry.inject(self._trace))

@@ -135,10 +135,12 @@ def start_request(
     resume_grace_s: float = 0.0,
     client_state: bytes = b"",
     early_results: bool = False,
+    speech_cuts: bool = False,
 ) -> worker_pb.SessionRequest:
     """The worker Session stream's first message: start `session_id` on the lease; a
     resumable session (`resume_grace_s` > 0) also hands over the client's state;
-    `early_results`: the client takes output between units (Traits.early_results)."""
+    `early_results`: the client takes output between units (Traits.early_results);
+    `speech_cuts`: the edge cuts units short where speech stops (Cadence.speech_cuts)."""
     start = worker_pb.SessionStart(
         lease_id=lease.lease_id,
         epoch=lease.epoch,
@@ -159,6 +161,8 @@ def start_request(
         start.client_state = client_state
     if early_results:
         start.early_results = True
+    if speech_cuts:
+        start.speech_cuts = True
     return worker_pb.SessionRequest(start=start)
 
 

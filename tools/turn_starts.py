@@ -2,7 +2,7 @@
 engine session in this process, no fabric, unit by unit as a real-time client sends them.
 
     python -m omnifabric.tools.turn_starts [--voices piper,espeak] [--limit N] [--turn-work auto]
-                                           [--early] [--tools]
+                                           [--early] [--tools] [--paced]
 
 For each question it prints the unit that began the reply, how it began (inline, finalize,
 guess: GenerateResult.reply_start_how) and where the time went (reply_start_ms: the silence
@@ -14,7 +14,11 @@ that is later (the worker's barrier), and its result leaves when its generate re
 (the fabric's own ~10 ms are not in it); with ``--early``, a result a finalize sends at once
 leaves when the engine hands it over. ``--tools``: each session is offered the function-calling
 evaluation's three functions (none of which the questions need), so every turn's end also
-checks whether to call one. A minute's run where `omnifabric eval` takes
+checks whether to call one. ``--paced``: the audio comes in 100 ms appends through the
+edge's own paced cadence (edge.cadence.PacedCadence, as the OpenAI dialect makes units:
+whole seconds, and a shorter unit where speech stops; the session told so, as the edge
+tells the worker: SessionStart.speech_cuts), results between units taken (``--early``
+implied). A minute's run where `omnifabric eval` takes
 several, for trying a turn-taking change; the eval through the stack is the figure of
 record.
 """
@@ -56,6 +60,9 @@ class Start:
     parts_ms: dict[str, float] = field(default_factory=dict)
     first_audio_s: float | None = None
     gap_s: float = 0.0
+    sent_s: float | None = None
+    """When the reply's unit was sent, from the end of the question (its first audio
+    leaves once the finalize before it and the unit itself are done)."""
 
 
 def drive(
@@ -65,6 +72,7 @@ def drive(
     index: int,
     early: bool = False,
     tools: tuple[ToolSpec, ...] = (),
+    paced: bool = False,
 ) -> Start:
     """One question through a fresh session of ``engine``; its reply's start. ``early``:
     the session sends what a finalize makes at once (EngineSession.early_sink); ``tools``:
@@ -73,18 +81,25 @@ def drive(
     lead_in = LEAD_INS_S[index % len(LEAD_INS_S)]
     units, _, end_s = compose(item, kind, voice, rate, lead_in, index)
     units += [np.zeros(RATE, np.float32)] * TAIL_UNITS
+    timed = [(unit, n + 1.0) for n, unit in enumerate(units)]
+    if paced:
+        early = True
+        timed = paced_units(np.concatenate(units))
     out = Start(" / ".join(item.turns))
     session = engine.open_session(f"turn-starts-{index}", "audio")
     chunks: list[tuple[float, float]] = []
     made: list[tuple[float, GenerateResult]] = []  # a finalize's early results, when made
     if early:
         session.early_sink = lambda result: made.append((time.perf_counter(), result))
+    session.speech_cuts = paced  # as the edge tells the worker (SessionStart.speech_cuts)
 
     def seen(n: int, result: GenerateResult, left_at: float) -> bool:
-        """A result that left at stream time ``left_at``; True once the reply ended."""
-        if result.reply_start_how and n + 1 > end_s:  # the last turn's reply
+        """A result of unit ``n`` that left at stream time ``left_at``; True once the reply
+        ended."""
+        if result.reply_start_how and timed[n][1] > end_s:  # the last turn's reply
             out.unit, out.how, out.parts_ms = n, result.reply_start_how, result.reply_start_ms
             out.first_audio_s = left_at - end_s
+            out.sent_s = timed[n][1] - end_s
         if out.unit >= 0 and result.audio.size:
             chunks.append((left_at, result.audio.size / OUTPUT_RATE))
         return out.unit >= 0 and result.end_of_turn
@@ -94,14 +109,14 @@ def drive(
         if tools:
             session.offer_tools(tools, ToolChoice())
         busy_until = 0.0  # stream time the previous unit's finalize ended
-        for n, unit in enumerate(units):
+        for n, (unit, complete_at) in enumerate(timed):
             t0 = time.perf_counter()
             session.prefill(unit, [], 1)
             result = session.generate(False)
             t1 = time.perf_counter()
-            # A unit arrives when its second has passed, and starts once the finalize
+            # A unit arrives when its audio has come, and starts once the finalize
             # before it is done (the worker's barrier).
-            left_at = max(n + 1.0, busy_until) + t1 - t0
+            left_at = max(complete_at, busy_until) + t1 - t0
             if seen(n, result, left_at):
                 break
             session.finalize()
@@ -117,12 +132,34 @@ def drive(
     return out
 
 
+def paced_units(stream: np.ndarray, append_s: float = 0.1) -> list[tuple[np.ndarray, float]]:
+    """``stream`` (16 kHz) as the edge's paced cadence makes units of it from appends of
+    ``append_s`` sent in real time: (unit, the stream time it is sent). The cadence's rule
+    of one unit in flight is left out (the engine here answers a unit well within its
+    length, or the barrier above holds the next one anyway)."""
+    from omnifabric.common.session_types import EngineLimits
+    from omnifabric.edge.cadence import PacedCadence
+
+    limits = EngineLimits()
+    cadence = PacedCadence()
+    cadence.start((limits.min_unit_samples, limits.max_unit_samples), 0.0, short_units=True)
+    step = int(append_s * RATE)
+    out: list[tuple[np.ndarray, float]] = []
+    for i in range(0, stream.size, step):
+        now = (i + step) / RATE
+        cadence.push(stream[i : i + step], RATE)
+        for command in cadence.due(now, clock=True):
+            out.append((np.frombuffer(command.pcm, "<f4").copy(), now))
+    return out
+
+
 def _line(kind: str, start: Start) -> str:
     parts = ", ".join(f"{k} {v:.0f}" for k, v in start.parts_ms.items())
     first = "-" if start.first_audio_s is None else f"{start.first_audio_s:.2f} s"
+    sent = "-" if start.sent_s is None else f"{start.sent_s:.2f} s"
     return (
         f"{kind:6s} {start.question[:34]:34s} unit {start.unit:2d} {start.how:8s} "
-        f"first audio {first:7s} gap {start.gap_s:.2f} s  ms: {parts}"
+        f"sent {sent:7s} first audio {first:7s} gap {start.gap_s:.2f} s  ms: {parts}"
     )
 
 
@@ -140,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tools", action="store_true", help="offer the function-calling evaluation's functions"
     )
+    parser.add_argument(
+        "--paced",
+        action="store_true",
+        help="100 ms appends through the edge's paced cadence (the OpenAI dialect's units)",
+    )
     args = parser.parse_args(argv)
     from omnifabric.worker.engines.reference.engine import ReferenceEngine
     from omnifabric.worker.engines.reference.turns import TurnRules
@@ -156,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     starts = []
     for kind in args.voices.split(","):
         for index, item in enumerate(ITEMS[: args.limit]):
-            start = drive(engine, item, kind, index, args.early, tools)
+            start = drive(engine, item, kind, index, args.early, tools, args.paced)
             print(_line(kind, start), flush=True)
             starts.append(start)
     firsts = sorted(s.first_audio_s for s in starts if s.first_audio_s is not None)

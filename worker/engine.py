@@ -147,6 +147,12 @@ class EngineSession(abc.ABC):
     out at once as a result of its own instead of with the next unit's, which goes on
     from it. None: everything goes out with a unit's result."""
 
+    speech_cuts: bool = False
+    """Set by the unit loop before prepare (SessionSpec.speech_cuts): the sender cuts a
+    unit short where speech stops in it, so a unit that ended in speech is followed within
+    a few tenths of a second by the one with the words' end (where this engine takes units
+    as they come: unit_samples() None)."""
+
     def unit_samples(self) -> tuple[int, int] | None:
         """(first, every later) unit length in 16 kHz samples the engine needs exactly, or
         None when it takes any length. The worker re-chunks client units to it."""

@@ -140,6 +140,7 @@ def decode_start(start: worker_pb.SessionStart, limits: EngineLimits) -> Session
         tools=specs,
         tool_choice=choice,
         early_results=start.early_results,
+        speech_cuts=start.speech_cuts,
     )
 
 

@@ -208,6 +208,7 @@ class DuplexSession:
             # A half-duplex answer's units come back to back (the loop feeds them): there
             # is no wait for a finalize's output to save.
             self.engine_session.early_sink = self._early_sink
+        self.engine_session.speech_cuts = spec.speech_cuts
         sizes = self.engine_session.unit_samples()
         self.model_unit_samples = sizes[1] if sizes else 0
         self._intake.configure(sizes, spec.settings.half_duplex is True)

@@ -37,6 +37,9 @@ class SessionSpec:
     early_results: bool = False
     """The sender takes results between units (SessionStart.early_results): what a
     finalize makes goes out as soon as it is made (UnitOutput.early)."""
+    speech_cuts: bool = False
+    """The sender cuts a unit short where speech stops (SessionStart.speech_cuts):
+    EngineSession.speech_cuts."""
 
 
 @dataclass(frozen=True)

@@ -252,3 +252,26 @@ def test_a_closed_cadence_sends_nothing():
     c.push(np.zeros(32000, np.float32), 16000)
     c.close()
     assert c.due(5.0, clock=True) == [] and c.end_turn() == [] and c.due(5.0, False) == []
+
+
+def test_the_worker_is_told_where_the_edge_cuts_units_at_speech_ends():
+    """SessionStart.speech_cuts: on for a dialect whose cadence cuts a unit where speech
+    stops (the OpenAI dialect's paced one), off for half-duplex calls' cut cadence and for
+    clients of whole units (the worker's engine may leave its work on words so far to the
+    cut that follows: the reference engine's guesses)."""
+    from omnifabric.edge.dialects.half_duplex import HalfDuplex
+    from omnifabric.edge.dialects.openai.translator import OpenAIRealtime
+    from omnifabric.edge.dialects.realtime import RealtimeDuplex
+    from omnifabric.edge.worker_client import lease_from, start_request
+    from omnifabric.omni.realtime.v1 import scheduler_service_pb2 as scheduler_pb
+
+    paced = for_traits(OpenAIRealtime.traits.cadence)
+    assert paced is not None and paced.speech_cuts
+    cut = for_traits(HalfDuplex.traits.cadence)
+    assert cut is not None and not cut.speech_cuts
+    assert for_traits(RealtimeDuplex.traits.cadence) is None
+    lease = lease_from(scheduler_pb.Lease(lease_id="l1"))
+    init = ev.InitCommand(dialect=ev.Dialect.CURRENT)
+    for cuts in (True, False):
+        start = start_request(lease, "s1", "audio", init, speech_cuts=cuts).start
+        assert start.speech_cuts is cuts

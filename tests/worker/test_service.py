@@ -28,6 +28,7 @@ class RecordingSession(SyntheticSession):
 
     def prefill(self, pcm, frames, max_slice_nums):
         self.engine.calls.append("prefill")
+        self.engine.speech_cuts.append(self.speech_cuts)
         return super().prefill(pcm, frames, max_slice_nums)
 
     def generate(self, force_listen):
@@ -55,6 +56,8 @@ class RecordingEngine(SyntheticEngine):
         self.finalize_s = finalize_s
         self.fail_at = fail_at
         self.calls: list[str] = []
+        self.speech_cuts: list[bool] = []
+        """EngineSession.speech_cuts at each prefill."""
         self.closed = threading.Event()
         self.warm_gate = threading.Event()
         self.warm_gate.set()
@@ -63,6 +66,7 @@ class RecordingEngine(SyntheticEngine):
         self.warm_gate.wait(10)
         result = super().warmup()
         self.calls.clear()
+        self.speech_cuts.clear()
         self.closed.clear()
         return result
 
@@ -203,6 +207,20 @@ async def test_deferred_finalize_runs_before_the_next_prefill(workers):
         "prefill", "generate", "finalize",
         "close",
     ]  # fmt: skip
+
+
+async def test_the_senders_speech_cuts_reach_the_engine_session(workers):
+    """SessionStart.speech_cuts (the edge's paced cadence cuts units where speech stops)
+    is the engine session's speech_cuts before its first unit; off unless said."""
+    engine = RecordingEngine(compute_ms=1)
+    worker = await workers.start(engine=engine)
+    for lease, cuts in (("L1", True), ("L2", False)):
+        fields = {"speech_cuts": True} if cuts else {}
+        client, _ = await open_session(workers, worker, lease_id=lease, **fields)
+        await serve_units(client, [1, 2])
+        client.close()
+        await client.until_ended()
+    assert engine.speech_cuts == [True, True, False, False]
 
 
 async def test_duration_limit_ends_with_timeout(workers):

@@ -70,18 +70,23 @@ def drive_audio(
     prompt: str = "",
     settings: DuplexSettings | None = None,
     early: bool = False,
+    units: list[np.ndarray] | None = None,
+    speech_cuts: bool = False,
 ) -> list[Step]:
-    """Run 16 kHz ``audio`` through one session in 1 s units; returns one Step per unit,
-    and with ``early`` (the session takes results between units: EngineSession.early_sink)
-    one more after a unit for each result its finalize sent."""
+    """Run 16 kHz ``audio`` through one session in 1 s units (or the given ``units``);
+    returns one Step per unit, and with ``early`` (the session takes results between units:
+    EngineSession.early_sink) one more after a unit for each result its finalize sent.
+    ``speech_cuts``: the session is told its units are cut where speech stops
+    (EngineSession.speech_cuts)."""
     session = engine.open_session(f"test-{name}", "audio")
+    session.speech_cuts = speech_cuts
     steps = []
     sent: list[GenerateResult] = []
     if early:
         session.early_sink = sent.append
     try:
         session.prepare(prompt, None, None, settings or DuplexSettings())
-        for seq, unit in enumerate(units_of(audio), start=1):
+        for seq, unit in enumerate(units_of(audio) if units is None else units, start=1):
             t0 = time.perf_counter()
             session.prefill(unit, [], 1)
             result = session.generate(seq in force_listen_at)

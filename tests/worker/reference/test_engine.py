@@ -375,6 +375,61 @@ def test_a_guess_passed_over_is_taken_up_when_the_turn_is_heard_as_guessed(engin
     assert said == "".join(s.result.text for s in plain) and "Jupiter" in said
 
 
+def _planet_audio() -> np.ndarray:
+    """The eval's "What is the largest planet in our solar system?" (Piper, its lead-in),
+    then silence."""
+    from omnifabric.tools.eval_reference import ITEMS, LEAD_INS_S, VOICES, compose
+
+    index = 10
+    voice, rate = VOICES["piper"][index % len(VOICES["piper"])]
+    units, _, _ = compose(ITEMS[index], "piper", voice, rate, LEAD_INS_S[index % 4], index)
+    return np.concatenate([*units, np.zeros(6 * INPUT_RATE, np.float32)])
+
+
+def test_a_guess_on_the_same_words_is_kept_not_made_again(engine):
+    # The planet question in the units the edge's paced cadence makes of it (whole seconds,
+    # then 0.5 s cut where the words stop, then 0.3 s): unit 3's finalize guesses the whole
+    # question; unit 4 brings the last of its sound and is heard as the same words, so its
+    # finalize keeps that guess for the longer speech (nothing made again), and unit 5 takes
+    # it up: the reply made without guessing, word for word.
+    from omnifabric.tools.turn_starts import paced_units
+
+    audio = _planet_audio()
+    units = [unit for unit, _ in paced_units(audio)]
+    assert [round(u.size / INPUT_RATE, 1) for u in units[:5]] == [1.0, 1.0, 1.0, 0.5, 0.3]
+    with rules(engine, turn_work="auto", guess_ahead=True):
+        guessed = drive_audio(engine, audio, "kept", early=True, units=units)
+    with turn_work(engine, "auto"):
+        plain = drive_audio(engine, audio, "kept-plain", early=True, units=units)
+    made = [(s.seq, s.finalized["guess"] > 0) for s in guessed if "guess" in s.finalized]
+    assert made == [(2, True), (3, True), (4, False)]  # "What is the largest?", the question
+    assert guessed[3].finalized["asr"] > 0  # unit 4's words were heard, not taken as said
+    first = next(s for s in guessed if not s.result.is_listen)
+    assert first.seq == 5 and first.result.reply_start_how == "guess"
+    said = "".join(s.result.text for s in guessed)
+    assert said == "".join(s.result.text for s in plain) and "Jupiter" in said
+
+
+def test_where_units_are_cut_at_speech_ends_a_unit_ending_in_speech_guesses_nothing(engine):
+    # The same units, the session told that its sender cuts them where speech stops
+    # (SessionStart.speech_cuts): units 2 and 3 end in the middle of the words, so their
+    # finalizes only prefill the words so far; the cut (unit 4, after the words) guesses,
+    # and unit 5 takes that guess up: the same reply, with two guesses fewer to make.
+    from omnifabric.tools.turn_starts import paced_units
+
+    audio = _planet_audio()
+    units = [unit for unit, _ in paced_units(audio)]
+    with rules(engine, turn_work="auto", guess_ahead=True):
+        told = drive_audio(engine, audio, "cuts", early=True, units=units, speech_cuts=True)
+        untold = drive_audio(engine, audio, "no-cuts", early=True, units=units)
+    assert [s.seq for s in untold if s.finalized.get("guess")] == [2, 3]
+    assert [s.seq for s in told if "guess" in s.finalized] == [4]
+    assert all("llm_warm" in told[i].finalized for i in (1, 2))
+    first = next(s for s in told if not s.result.is_listen)
+    assert first.seq == 5 and first.result.reply_start_how == "guess"
+    assert "".join(s.result.text for s in told) == "".join(s.result.text for s in untold)
+
+
 def test_a_guess_is_dropped_when_the_user_goes_on(engine):
     # The same question, then at once more words: unit 5's finalize guesses a reply to the
     # question, but unit 6 brings speech, so no reply starts on that guess: the turn ends
