@@ -563,8 +563,12 @@ class ReferenceSession(EngineSession):
         self.start = ("guess", parts)
 
     def _warm(self, costs: dict[str, float]) -> None:
-        """Inside an utterance: prefill the words heard so far but the last (it may be cut
-        off), so the unit that ends the turn prefills only the rest of it."""
+        """Inside an utterance: prefill the words heard so far, so the unit that ends the
+        turn prefills only the rest of it. The last word too, though the unit may have cut
+        it off: the reply model's slot keeps what the whole turn shares with them, so a word
+        heard whole saves its tokens at the turn's end and a cut one costs only the warm's
+        spare time (`turn_starts --paced`, 24 questions: 8.75 -> 7.96 tokens computed at the
+        turn's end, 230 -> 202 ms)."""
         turn = self.turn
         if not self.rules.warm_ahead or not turn.started or turn.speech_s < self.rules.min_speech_s:
             return
@@ -574,10 +578,9 @@ class ReferenceSession(EngineSession):
         if self._may_guess(text, logprob):
             self._guess(turn.key(), text, logprob, costs)
             return
-        words = text.split()[:-1]
-        if words:
+        if text.strip():
             t0 = time.perf_counter()
-            self._dialogue().warm(" ".join(words))
+            self._dialogue().warm(text.strip())
             costs["llm_warm"] = (time.perf_counter() - t0) * 1000.0
 
     def _warm_calls(self, costs: dict[str, float]) -> None:

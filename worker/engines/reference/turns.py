@@ -57,7 +57,7 @@ class TurnRules(UtteranceRules):
     """Sentences spoken at most per reply."""
     warm_ahead: bool = True
     """After a unit inside an utterance has answered (its finalize), transcribe the
-    utterance so far and prefill its words but the last, so the end of the turn prefills
+    utterance so far and prefill its words (the last too), so the end of the turn prefills
     only the rest and transcribes nothing when only silence followed (skipped while another
     session's unit is being computed)."""
     guess_ahead: bool = True
