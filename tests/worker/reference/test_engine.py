@@ -386,6 +386,7 @@ def _planet_audio() -> np.ndarray:
     return np.concatenate([*units, np.zeros(6 * INPUT_RATE, np.float32)])
 
 
+@pytest.mark.ci_long  # two more drives of the planet question: ~10 s (tests/conftest.py)
 def test_a_guess_on_the_same_words_is_kept_not_made_again(engine):
     # The planet question in the units the edge's paced cadence makes of it (whole seconds,
     # then 0.5 s cut where the words stop, then 0.3 s): unit 3's finalize guesses the whole
