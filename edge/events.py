@@ -59,6 +59,9 @@ class InitCommand:
     early_results: bool | None = None
     """The client asked to take output between units (gRPC SessionInit.early_results);
     None: its dialect's Traits.early_results decides."""
+    speech_cuts: bool | None = None
+    """The client cuts units short where speech stops (gRPC SessionInit.speech_cuts); None:
+    the edge's own cadence says whether it does (Cadence.speech_cuts)."""
 
 
 @dataclass(frozen=True)

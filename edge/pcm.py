@@ -28,6 +28,9 @@ SPEECH_RMS = 0.01
 MIN_WAV_RATE, MAX_WAV_RATE = 4000, 384000
 #: Channels a WAV may have (7.1 at most); they are mixed down to mono.
 MAX_WAV_CHANNELS = 8
+#: The longest reference voice a session or the voice registry takes (seconds of audio):
+#: a voice prompt is a few seconds of speech; the models hear at most 30 s of it.
+MAX_VOICE_S = 60.0
 #: The most pixels an image a client sends may have (64 MP, e.g. 8192 x 8192; a 48 MP phone
 #: photo fits). A picture at the limit decodes to 192 MB of RGB in a worker.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
@@ -105,12 +108,26 @@ def reference_audio(value: object, what: str) -> bytes:
 
 def reference_pcm(raw: bytes, what: str) -> bytes:
     """Reference voice bytes, raw float32 PCM or a WAV file, as float32 16 kHz PCM bytes;
-    InvalidPayload naming ``what`` for anything else or a sample that is not finite."""
+    InvalidPayload naming ``what`` for anything else, a sample that is not finite, no
+    audio at all or more than MAX_VOICE_S of it."""
     if raw[:4] == b"RIFF":
-        return wav_to_pcm16k(raw, what)
-    if len(raw) % 4:
+        found = wav_to_pcm16k(raw, what)
+    elif len(raw) % 4:
         raise InvalidPayload(f"{what}: not a WAV file and not float32 PCM")
-    return check_finite(raw, what)
+    else:
+        found = check_finite(raw, what)
+    return check_voice_length(found, what)
+
+
+def check_voice_length(raw: bytes, what: str) -> bytes:
+    """Float32 16 kHz reference voice bytes as they are, or InvalidPayload naming ``what``
+    where they hold no audio or more than MAX_VOICE_S of it."""
+    if not raw:
+        raise InvalidPayload(f"{what}: the voice holds no audio")
+    seconds = len(raw) / 4 / 16000
+    if seconds > MAX_VOICE_S:
+        raise InvalidPayload(f"{what}: the voice is {seconds:.1f} s: at most {MAX_VOICE_S:g} s")
+    return raw
 
 
 def wav_to_pcm16k(data: bytes, what: str) -> bytes:

@@ -309,6 +309,14 @@ class SessionCore:
 
     # ---- worker session --------------------------------------------------------
 
+    def sender_traits(self, init: ev.InitCommand) -> tuple[bool, bool]:
+        """Whether the client takes output between units and whether its units are cut
+        where speech stops (SessionStart.early_results, .speech_cuts): what its init asked
+        (a gRPC client says so per session), else what its dialect and cadence do."""
+        early = self._early_results if init.early_results is None else init.early_results
+        cuts = self._speech_cuts if init.speech_cuts is None else init.speech_cuts
+        return early, cuts
+
     async def start(self, init: ev.InitCommand, client_state: bytes = b"") -> ev.Created:
         """Open the worker's Session stream with the lease; emits and returns Created.
 
@@ -331,8 +339,7 @@ class SessionCore:
             init,
             self.resume_window_s if self.resume_token else 0.0,
             client_state,
-            self._early_results if init.early_results is None else init.early_results,
-            self._speech_cuts,
+            *self.sender_traits(init),
         )
         for attempt in (1, 2):
             call = self._fabric.worker(address).Session(metadata=telemetry.inject(self._trace))

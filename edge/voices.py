@@ -31,12 +31,11 @@ from typing import Any
 import numpy as np
 
 from omnifabric.edge.errors import InvalidPayload
-from omnifabric.edge.pcm import wav_to_pcm16k
+from omnifabric.edge.pcm import check_voice_length, wav_to_pcm16k
 
 log = logging.getLogger("omnifabric.edge.voices")
 
 MAX_NAME_CHARS = 100
-MAX_SECONDS = 60.0
 MAX_VOICES = 1000
 
 
@@ -99,13 +98,8 @@ class VoiceRegistry:
             data = base64.b64decode(audio_base64, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidPayload("audio_base64 is not valid base64") from None
-        pcm = np.frombuffer(wav_to_pcm16k(data, "audio_base64"), "<f4")
-        if pcm.size == 0:
-            raise InvalidPayload("audio_base64 holds no audio")
-        if pcm.size > MAX_SECONDS * 16000:
-            raise InvalidPayload(
-                f"the voice is {pcm.size / 16000:.1f} s: at most {MAX_SECONDS:g} s"
-            )
+        wav = wav_to_pcm16k(data, "audio_base64")
+        pcm = np.frombuffer(check_voice_length(wav, "audio_base64"), "<f4")
         with self._changing():
             if len(self._voices) >= MAX_VOICES:
                 raise InvalidPayload(f"{MAX_VOICES} voices are stored: delete one first")

@@ -86,6 +86,7 @@ def init_command(msg: rt_pb.SessionInit) -> ev.InitCommand:
         tools=tools,
         tool_choice=choice,
         early_results=msg.early_results,
+        speech_cuts=msg.speech_cuts,
     )
 
 

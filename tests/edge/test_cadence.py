@@ -275,3 +275,19 @@ def test_the_worker_is_told_where_the_edge_cuts_units_at_speech_ends():
     for cuts in (True, False):
         start = start_request(lease, "s1", "audio", init, speech_cuts=cuts).start
         assert start.speech_cuts is cuts
+    # A gRPC client says so itself (SessionInit.speech_cuts); its dialect has no cadence.
+    from omnifabric.edge.dialects.grpc_realtime import init_command
+    from omnifabric.edge.session import SessionCore
+    from omnifabric.omni.realtime.v1 import common_pb2
+    from omnifabric.omni.realtime.v1 import realtime_service_pb2 as rt_pb
+
+    async def emit(event: object) -> None:
+        pass
+
+    for edge_cuts in (False, True):
+        core = SessionCore("audio", fabric=None, emit=emit, speech_cuts=edge_cuts)  # type: ignore[arg-type]
+        assert core.sender_traits(init) == (False, edge_cuts)
+        for asked in (False, True):
+            msg = rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, speech_cuts=asked)
+            assert init_command(msg).speech_cuts is asked
+            assert core.sender_traits(init_command(msg)) == (False, asked)

@@ -16,7 +16,7 @@ from omnifabric.edge import errors, fields
 from omnifabric.edge import events as ev
 from omnifabric.edge.dialects import realtime
 from omnifabric.edge.dialects.base import SessionFacts
-from omnifabric.edge.pcm import reference_audio
+from omnifabric.edge.pcm import MAX_VOICE_S, reference_audio
 
 
 def b64(arr: np.ndarray) -> str:
@@ -402,6 +402,9 @@ def test_grpc_settings_are_checked_by_the_json_dialects_rules_and_all_arrive():
     nan_voice = np.full(1600, np.nan, "<f4").tobytes()
     with pytest.raises(errors.InvalidPayload, match="^ref_audio: samples must be finite"):
         init_command(rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, ref_audio=nan_voice))
+    long_voice = np.zeros(int(MAX_VOICE_S * 16000) + 1, "<f4").tobytes()
+    with pytest.raises(errors.InvalidPayload, match="^tts_ref_audio: the voice is 60.0 s: at"):
+        init_command(rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, tts_ref_audio=long_voice))
     deep = common_pb2.ToolSpec(name="f", parameters_json="[" * 100_000 + "]" * 100_000)
     with pytest.raises(errors.InvalidPayload, match=r"init.tools\[0\].parameters_json"):
         init_command(rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, tools=[deep]))

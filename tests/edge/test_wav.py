@@ -146,6 +146,19 @@ def test_a_voice_or_a_float_wav_of_non_finite_samples_is_refused_as_units_are(ba
             parse_chat(body)
 
 
+def test_a_voice_of_no_audio_or_longer_than_the_limit_is_refused_on_every_path():
+    # gRPC voices had no bound (a 200 s voice was taken); the voice registry's 60 s is the
+    # same rule now (pcm.check_voice_length), for raw PCM and WAVs alike.
+    at_limit = np.zeros(int(pcm.MAX_VOICE_S * 16000), "<f4")
+    assert len(pcm.reference_pcm(at_limit.tobytes(), "r")) == at_limit.nbytes
+    over = np.zeros(at_limit.size + 16, "<f4")
+    for data in (over.tobytes(), riff(FLOAT, 1, 16000, 32, over.tobytes())):
+        with pytest.raises(InvalidPayload, match=r"^r: the voice is 60.0 s: at most 60 s$"):
+            pcm.reference_audio(base64.b64encode(data).decode(), "r")
+    with pytest.raises(InvalidPayload, match="^r: the voice holds no audio$"):
+        pcm.reference_pcm(riff(FLOAT, 1, 16000, 32, b""), "r")
+
+
 def test_reference_audio_and_chat_audio_parts_take_wavs_and_raw_pcm():
     wav = riff(FLOAT, 1, 24000, 32, encode(tone(24000), 32, True))
     assert_tone(np.frombuffer(pcm.reference_audio(base64.b64encode(wav).decode(), "r"), "<f4"))

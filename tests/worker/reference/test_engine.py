@@ -32,8 +32,13 @@ from tests.worker.reference.drive import Step, drive, drive_audio, load_fixture,
 def engine(inline_engine):
     # The unit that ends the turn does its work itself, whatever it costs on this machine
     # (exact timelines); test_turn_work_* cover the other places. Loaded once for the
-    # package (tests/worker/reference/conftest.py), warmed up here.
+    # package (tests/worker/reference/conftest.py), warmed up here. The reply cost the
+    # warm-up measured is forgotten: with it, a finalize tops its first piece up to a
+    # second where that fits before the next unit is due, which depends on the host's
+    # speed (a topped-up piece is a speaking unit less); the tests that want a top-up set
+    # a cost of their own.
     inline_engine.warmup()
+    inline_engine.reply_cost = None
     return inline_engine
 
 
@@ -157,15 +162,10 @@ def turn_work(engine, where: str):
 
 
 def test_turn_work_in_finalize_keeps_every_unit_short(engine):
-    # The top-up of the finalize's first piece (when it fits before the next unit: on a
-    # quiet host it may) is off, so the timeline is the same on any host.
-    measured, engine.reply_cost = engine.reply_cost, None
-    try:
-        with turn_work(engine, "finalize"):
-            steps = drive(engine, "question")
-            barged = drive(engine, "question", force_listen_at=frozenset({7}))
-    finally:
-        engine.reply_cost = measured
+    # (No top-up of the finalize's first piece: no reply cost known, see ``engine``.)
+    with turn_work(engine, "finalize"):
+        steps = drive(engine, "question")
+        barged = drive(engine, "question", force_listen_at=frozenset({7}))
     # The turn ends with unit 6 as inline, but its finalize hears it, prefills it and makes
     # the first piece: unit 6 listens and unit 7 speaks (and says what was heard).
     assert timeline(steps) == "L L L L L L S S S* L L L L L L"
@@ -188,15 +188,10 @@ def test_a_reply_begun_in_a_finalize_sends_a_whole_first_piece(engine):
     # The unit that ends the turn sends a short first piece as soon as it is made; a
     # finalize's piece waits for the next unit anyway, so it is a whole one and plays
     # longer (the top-up, which could lengthen it too, is off: no reply cost known).
-    measured = engine.reply_cost
-    engine.reply_cost = None
-    try:
-        with turn_work(engine, "finalize"):
-            ahead = drive(engine, "question")
-        with turn_work(engine, "inline"):
-            inline = drive(engine, "question")
-    finally:
-        engine.reply_cost = measured
+    with turn_work(engine, "finalize"):
+        ahead = drive(engine, "question")
+    with turn_work(engine, "inline"):
+        inline = drive(engine, "question")
     first_ahead = next(s.result for s in ahead if not s.result.is_listen)
     first_inline = next(s.result for s in inline if not s.result.is_listen)
     assert (first_ahead.reply_start_how, first_inline.reply_start_how) == ("finalize", "inline")
@@ -241,13 +236,9 @@ def test_speech_after_a_short_piece_goes_out_at_once_where_the_sender_takes_it(e
     # results between units, the finalize after it sends the next speech as soon as it is
     # made instead of leaving the listener without speech until the next unit's result.
     # (The top-up that could lengthen the guess's piece to a second is off: no reply cost.)
-    measured, engine.reply_cost = engine.reply_cost, None
-    try:
-        with rules(engine, guess_ahead=True):
-            early = drive(engine, "question", early=True)
-            plain = drive(engine, "question")
-    finally:
-        engine.reply_cost = measured
+    with rules(engine, guess_ahead=True):
+        early = drive(engine, "question", early=True)
+        plain = drive(engine, "question")
     first = next(s for s in early if not s.result.is_listen)
     assert first.seq == 6 and not first.early and first.result.reply_start_how == "guess"
     assert first.result.audio.size < OUTPUT_RATE
@@ -281,7 +272,6 @@ def test_the_turns_work_goes_to_the_finalize_only_where_the_sender_takes_early_r
 def test_turn_work_auto_follows_the_measured_cost(engine):
     measured = engine.hearing_cost, engine.drafted_hearing_cost, engine.reply_start_s
     assert engine.hearing_cost and engine.reply_start_s  # from warm-up
-    cost, engine.reply_cost = engine.reply_cost, None  # no top-up: the same on any host
     try:
         with turn_work(engine, "auto"):
             engine.hearing_cost, engine.drafted_hearing_cost = 0.0, None
@@ -293,7 +283,6 @@ def test_turn_work_auto_follows_the_measured_cost(engine):
             dear = drive(engine, "question")
     finally:
         engine.hearing_cost, engine.drafted_hearing_cost, engine.reply_start_s = measured
-        engine.reply_cost = cost
     assert timeline(cheap) == "L L L L L S S S* L L L L L L L"
     assert timeline(dear) == "L L L L L L S S S* L L L L L L"
     assert learned is not None and learned > 0.0
@@ -324,17 +313,11 @@ def test_a_turn_ended_by_its_next_unit_is_answered_on_a_guess(engine):
 
 @pytest.mark.ci_long  # four more drives of the question: ~10 s (tests/conftest.py)
 def test_a_guess_speaks_a_unit_sooner_where_the_turns_work_waits_for_finalize(engine):
-    # Where the turn's work waits for finalize, the guess speaks a whole unit sooner. (The
-    # top-up of a finalize's first piece is off for these two: whether it fits before the
-    # next unit depends on the host's speed, and a topped-up piece is a speaking unit less.)
-    cost, engine.reply_cost = engine.reply_cost, None
-    try:
-        with rules(engine, turn_work="finalize"):
-            soon = drive(engine, "question")
-        with turn_work(engine, "finalize"):
-            late = drive(engine, "question")
-    finally:
-        engine.reply_cost = cost
+    # Where the turn's work waits for finalize, the guess speaks a whole unit sooner.
+    with rules(engine, turn_work="finalize"):
+        soon = drive(engine, "question")
+    with turn_work(engine, "finalize"):
+        late = drive(engine, "question")
     assert timeline(soon) == "L L L L L S S S* L L L L L L L"
     assert timeline(late) == "L L L L L L S S S* L L L L L L"
     # Made in a finalize, the first piece is topped up to a second of speech (so it plays
