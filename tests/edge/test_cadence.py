@@ -3,6 +3,8 @@ them."""
 
 from __future__ import annotations
 
+import contextvars
+
 import numpy as np
 import pytest
 
@@ -284,10 +286,15 @@ def test_the_worker_is_told_where_the_edge_cuts_units_at_speech_ends():
     async def emit(event: object) -> None:
         pass
 
-    for edge_cuts in (False, True):
+    def traits(edge_cuts: bool, init: ev.InitCommand) -> tuple[bool, bool]:
         core = SessionCore("audio", fabric=None, emit=emit, speech_cuts=edge_cuts)  # type: ignore[arg-type]
-        assert core.sender_traits(init) == (False, edge_cuts)
+        return core.sender_traits(init)
+
+    for edge_cuts in (False, True):
+        # (a core binds its session to the logs' context: a copy of this one, kept apart)
+        assert contextvars.copy_context().run(traits, edge_cuts, init) == (False, edge_cuts)
         for asked in (False, True):
             msg = rt_pb.SessionInit(mode=common_pb2.MODE_AUDIO, speech_cuts=asked)
             assert init_command(msg).speech_cuts is asked
-            assert core.sender_traits(init_command(msg)) == (False, asked)
+            found = contextvars.copy_context().run(traits, edge_cuts, init_command(msg))
+            assert found == (False, asked)
