@@ -333,6 +333,13 @@ async def test_grpc_client_takes_a_replys_start_between_units_when_it_asks(stack
                 if response.output.seq == seq and not response.output.early:
                     break
         await call.done_writing()
+        # Read to the end: a call closed before the edge took its half-close counts as
+        # dropped, and its session (holding the worker) waits out the resume window: the
+        # next test here queued behind it for ~27 s.
+        while True:
+            response = await asyncio.wait_for(call.read(), scaled(60))
+            if response is grpc.aio.EOF or response.WhichOneof("kind") == "closed":
+                break
     first = next(i for i, o in enumerate(outputs) if o.audio)
     assert outputs[first].early, [(o.seq, o.is_listen, o.early) for o in outputs]
     own = [o for o in outputs[:first] if o.seq == outputs[first].seq]
