@@ -103,9 +103,11 @@ class _Recorded:
 
     def __init__(self) -> None:
         self.drafts: list[str] = []
+        self.spread: list[bool] = []
 
-    def hear(self, audio, context=None, draft=""):
+    def hear(self, audio, context=None, draft="", spread=False):
         self.drafts.append(draft)
+        self.spread.append(spread)
         return f"heard {len(self.drafts)}", -0.1
 
 
@@ -123,6 +125,11 @@ def test_the_turn_is_heard_with_what_its_utterance_was_heard_as_before() -> None
     session._transcribe(audio, (1, 16000), costs)  # the same utterance went on
     session._transcribe(audio, (2, 4000), costs)  # a new one
     assert ears.drafts == ["", "heard 1", ""]
+    # Alone, a hearing takes every core (Ears.hear's spread); beside another unit, its own.
+    assert ears.spread == [True, True, True]
+    with engine.running(), engine.running():  # this unit and another session's
+        session._transcribe(audio, (3, 4000), costs)
+    assert ears.spread[-1] is False
     session.close()
 
 

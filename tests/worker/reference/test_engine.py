@@ -439,9 +439,9 @@ def test_names_the_session_holds_go_to_the_recognizer(engine, monkeypatch):
     heard_with = []
     hear = engine.asr.hear
 
-    def spy(audio, context=None, draft=""):
+    def spy(audio, context=None, draft="", spread=False):
         heard_with.append(context)
-        return hear(audio, context, draft)
+        return hear(audio, context, draft, spread=spread)
 
     monkeypatch.setattr(engine.asr, "hear", spy)
     steps = drive(engine, "question", prompt="You are the host of Chez Marie. Paris is home.")

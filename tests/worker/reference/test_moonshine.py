@@ -15,7 +15,12 @@ from scipy.io import wavfile
 from scipy.signal import resample_poly
 
 from omnifabric.worker.engines.reference import moonshine
-from omnifabric.worker.engines.reference.asr import Transcriber, model_installed
+from omnifabric.worker.engines.reference.asr import (
+    Transcriber,
+    model_installed,
+    spread_threads,
+    torch_threads,
+)
 from omnifabric.worker.engines.reference.hearing import Ears
 from omnifabric.worker.engines.reference.linears import use_onednn
 from omnifabric.worker.engines.reference.moonshine import Moonshine, _loop_end, read_ort
@@ -151,6 +156,30 @@ def test_ears_take_the_transcript_both_models_find_likelier(ears, speak):
     m_enc = ears.moonshine.encode(audio)
     assert ears.whisper.score(enc, alone)[0] > ears.whisper.score(enc, text)[0]
     assert ears.moonshine.score(m_enc, text)[0] > ears.moonshine.score(m_enc, alone)[0]
+
+
+def test_ears_spread_over_the_cores_hear_the_same_to_the_bit(ears, speak, monkeypatch):
+    # The schedule a lone hearing runs (Whisper's encoder on every core, then Whisper's
+    # decoding beside Moonshine): the same transcript and confidence as the two side by
+    # side, here where they disagree (both transcripts scored, the two scorings at once)
+    # and in silence; torch's thread count is put back.
+    audio = speak("How many days are there in a week?", "en-us+f3", 150)
+    with torch_threads(1):  # as the engine runs (one thread a unit)
+        side_by_side = ears.hear(audio)
+        picked = dict(ears.picked)
+        counts: list[int] = []
+        set_threads = torch.set_num_threads
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: (counts.append(n), set_threads(n)))
+        assert ears.hear(audio, spread=True) == side_by_side
+        monkeypatch.undo()
+        assert ears.picked["moonshine"] == picked["moonshine"] + 1
+        assert torch.get_num_threads() == 1
+    cores = spread_threads()
+    assert counts == ([] if cores == 1 else [cores, 1])
+    assert ears.hear(np.zeros(16000, np.float32), spread=True) == ("", float("-inf"))
+    noise = (np.random.default_rng(0).standard_normal(32000) * 1e-4).astype(np.float32)
+    assert ears.hear(noise, spread=True)[0] == ""
+    assert ears.whisper.hear(audio, spread=True) == ears.whisper.hear(audio)
 
 
 def test_ears_agree_on_clear_speech(ears, speak):

@@ -604,7 +604,9 @@ class ReferenceSession(EngineSession):
             return self.heard[1], self.heard[2]
         draft = self._draft_for(key)
         t0 = time.perf_counter()
-        text, logprob = self.engine.asr.hear(audio, self.heard_with, draft)
+        # On every core where no other unit is being computed (hearing.Ears.hear).
+        spread = not self.engine.busy()
+        text, logprob = self.engine.asr.hear(audio, self.heard_with, draft, spread=spread)
         took = time.perf_counter() - t0
         costs["asr"] = costs.get("asr", 0.0) + took * 1000.0
         self.engine.learn_hearing(took, audio.size / INPUT_RATE, bool(draft))
@@ -1734,7 +1736,7 @@ class ReferenceEngine(Engine):
             # What a turn's end costs to hear: the recognizers on the reply's own speech.
             heard = resample(spoken, OUTPUT_RATE, INPUT_RATE)
             t0 = time.perf_counter()
-            self.asr.hear(heard)
+            self.asr.hear(heard, spread=True)  # alone, as a turn's end mostly is
             heard_s = time.perf_counter() - t0
             self.learn_hearing(heard_s, heard.size / INPUT_RATE)
             log.info(
