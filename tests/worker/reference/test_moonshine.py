@@ -174,12 +174,14 @@ def test_ears_spread_over_the_cores_hear_the_same_to_the_bit(ears, speak, monkey
         monkeypatch.undo()
         assert ears.picked["moonshine"] == picked["moonshine"] + 1
         assert torch.get_num_threads() == 1
+        # Whisper alone: its encoder spread, its decoding on the caller's one thread (the
+        # sums over its vocabulary differ in the last bits on two: a CI run saw 3e-8).
+        assert ears.whisper.hear(audio, spread=True) == ears.whisper.hear(audio)
     cores = spread_threads()
     assert counts == ([] if cores == 1 else [cores, 1])
     assert ears.hear(np.zeros(16000, np.float32), spread=True) == ("", float("-inf"))
     noise = (np.random.default_rng(0).standard_normal(32000) * 1e-4).astype(np.float32)
     assert ears.hear(noise, spread=True)[0] == ""
-    assert ears.whisper.hear(audio, spread=True) == ears.whisper.hear(audio)
 
 
 def test_ears_agree_on_clear_speech(ears, speak):

@@ -745,9 +745,10 @@ class Transcriber:
         attributes are shared by the engine threads that use one Transcriber. ``context``:
         words the speaker may use (``prompt_for``); ``draft``: an earlier transcript of the
         same speech, cut shorter, that saves decoding passes (``hypothesis``); ``spread``:
-        the caller has the host to itself, so the work runs on ``spread_threads()``."""
-        with torch_threads(spread_threads() if spread else torch.get_num_threads()):
-            return self._transcribe(audio, False, context, draft)
+        the caller has the host to itself, so the encoder runs on ``spread_threads()`` (its
+        states are the same on any count; the decoding's sums over the vocabulary would
+        not be, to the last bits, so it keeps the caller's)."""
+        return self._transcribe(audio, False, context, draft, spread)
 
     def hear_closely(self, audio: np.ndarray, context: str | None = None) -> tuple[str, float]:
         """``hear`` at the best decoding the model allows, for a whole clip whose words
@@ -775,12 +776,18 @@ class Transcriber:
         return self._transcribe(audio, full_window)[0]
 
     def _transcribe(
-        self, audio: np.ndarray, full_window: bool, context: str | None = None, draft: str = ""
+        self,
+        audio: np.ndarray,
+        full_window: bool,
+        context: str | None = None,
+        draft: str = "",
+        spread: bool = False,
     ) -> tuple[str, float]:
         self._timings = {"features": 0.0, "encoder": 0.0, "decoder": 0.0, "tokens": 0.0}
         self.last_no_speech_prob = 1.0
         self.last_avg_logprob = float("-inf")
-        enc = self.encode(audio, full_window=full_window)
+        with torch_threads(spread_threads() if spread else torch.get_num_threads()):
+            enc = self.encode(audio, full_window=full_window)
         if enc is None:
             return "", float("-inf")
         found = self.hypothesis(enc, context, draft)
