@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 
 #: A forgotten worker channel stays open this long for the calls still on it.
 CHANNEL_LINGER_S = 30.0
+#: How long a session's start, failed in the transport, waits for the worker's connection
+#: to be made again before its one retry (``redial_worker``): more than the channels' longest
+#: reconnect backoff (2 s, ``channel_options``), which a new channel to the same address
+#: shares (gRPC's subchannels are shared), so a link that just came back is dialled.
+REDIAL_WAIT_S = 3.0
 #: The scheduler answers an Acquire at once (a queue position or a lease); no answer by
 #: then means it cannot be reached (a host that drops packets never refuses the connect).
 FIRST_REPLY_TIMEOUT_S = 5.0
@@ -187,6 +192,20 @@ class Fabric:
         task = asyncio.ensure_future(close_later())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+    async def redial_worker(self, address: str, timeout_s: float = REDIAL_WAIT_S) -> bool:
+        """Forget the worker's channel (``forget_worker``) and wait up to ``timeout_s`` for a
+        new one to connect; whether it did. A start retried at once failed again where the
+        connection was still in its reconnect backoff (a link just back: the multi-host
+        test's restored host, 1 run in ~20)."""
+        self.forget_worker(address)
+        self.worker(address)
+        channel = self._workers[address][0]
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def close(self) -> None:
         """Close every channel."""

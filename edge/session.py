@@ -357,7 +357,7 @@ class SessionCore:
                         address,
                         err.details() or "",
                     )
-                    self._fabric.forget_worker(address)
+                    await self._fabric.redial_worker(address)
                     continue
                 raise start_error(err) from None
             except TimeoutError:
