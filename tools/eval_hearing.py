@@ -1,6 +1,7 @@
 """Score the reference engine's recognizers alone on short spoken questions and requests.
 
     python -m omnifabric.tools.eval_hearing [--asr both|closely|whisper]
+                                            [--asr-precision auto|fp32]
                                             [--voices piper,espeak] [--context TEXT]
                                             [--limit N] [--out DIR]
 
@@ -42,6 +43,7 @@ from omnifabric.tools.eval_outcome import save_run
 from omnifabric.tools.eval_reference import LEAD_INS_S, RATE, Item, compose, words_of
 from omnifabric.tools.eval_reference import VOICES as EVAL_VOICES
 from omnifabric.tools.eval_reference import wer as eval_wer
+from omnifabric.worker.config import ASR_PRECISIONS
 from omnifabric.worker.engines.vad import UtteranceRules
 
 
@@ -185,11 +187,14 @@ def cached_audio(spec: Utterance, cache: Path) -> np.ndarray:
     return audio
 
 
-def load(asr: str, context: str | None = None) -> Callable[[np.ndarray], tuple[str, float]]:
+def load(
+    asr: str, context: str | None = None, precision: str = "auto"
+) -> Callable[[np.ndarray], tuple[str, float]]:
     """The engine's hearing: Whisper base and Moonshine base-en (``both``; ``closely``: with
     their beam searches' readings, ``Ears.hear_closely``) or Whisper base alone
     (``whisper``), one torch thread each as the engine runs them; ``context`` goes with
-    every utterance (the words a session would give Whisper's prompt)."""
+    every utterance (the words a session would give Whisper's prompt); ``precision`` as the
+    worker's ``--asr-precision``."""
     import torch
 
     from omnifabric.worker.engines.reference import moonshine
@@ -197,10 +202,10 @@ def load(asr: str, context: str | None = None) -> Callable[[np.ndarray], tuple[s
     from omnifabric.worker.engines.reference.hearing import Ears
 
     torch.set_num_threads(1)
-    whisper = Transcriber()
+    whisper = Transcriber(precision=precision)
     if asr == "whisper":
         return lambda audio: whisper.hear(audio, context)
-    ears = Ears(whisper, moonshine.Moonshine())
+    ears = Ears(whisper, moonshine.Moonshine(precision=precision))
     hear = ears.hear_closely if asr == "closely" else ears.hear
     return lambda audio: hear(audio, context)
 
@@ -255,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m omnifabric.tools.eval_hearing", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--asr", choices=["both", "closely", "whisper"], default="both")
+    parser.add_argument(
+        "--asr-precision",
+        choices=ASR_PRECISIONS,
+        default="auto",
+        help="the recognizers' arithmetic, as the worker's --asr-precision",
+    )
     parser.add_argument("--voices", default="piper,espeak", help="voice kinds: piper, espeak")
     parser.add_argument("--limit", type=int, help="only the first N probes")
     parser.add_argument(
@@ -278,14 +289,15 @@ def main(argv: list[str] | None = None) -> int:
         from omnifabric.worker.engines.reference.engine import HEARING_PRIMER
 
         args.context = HEARING_PRIMER
-    hear = load(args.asr, args.context or None)
+    hear = load(args.asr, args.context or None, args.asr_precision)
     print(f"recognizers loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     results = run(runs, hear, cache)
     summary = table(results)
     load_avg = " ".join(f"{x:.2f}" for x in os.getloadavg())
     context = f", context {args.context!r}" if args.context else ""
     label = f"{args.label}: " if args.label else ""
-    print(f"\n{label}asr {args.asr}{context}, load average {load_avg}")
+    precision = f" ({args.asr_precision})" if args.asr_precision != "auto" else ""
+    print(f"\n{label}asr {args.asr}{precision}{context}, load average {load_avg}")
     print(summary)
     for r in results:
         if r.keys_kept < r.keys:

@@ -515,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         render(kind, voice, rate, item.turns[0])
     from omnifabric.worker.engines.reference.asr import Transcriber
 
-    hearer = Transcriber(model="tiny.en").transcribe
+    # The replies' own hearing in fp32 on every host, as every earlier run heard them.
+    hearer = Transcriber(model="tiny.en", precision="fp32").transcribe
     proc = None
     if not args.url:
         print("starting omnifabric serve ...", file=sys.stderr)

@@ -57,7 +57,7 @@ def transcribe_24k(audio: np.ndarray) -> str:
     from omnifabric.common.resample import resample
     from omnifabric.worker.engines.reference.asr import Transcriber
 
-    return Transcriber(model="tiny.en").transcribe(resample(audio, 24000, 16000))
+    return Transcriber(model="tiny.en", precision="fp32").transcribe(resample(audio, 24000, 16000))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ from omnifabric.common import listen
 from omnifabric.common.children import Child, StopRequest, spawn, stop
 from omnifabric.scheduler import election
 from omnifabric.scheduler.config import SchedulerConfig
-from omnifabric.worker.config import ASR_CHOICES
+from omnifabric.worker.config import ASR_CHOICES, ASR_PRECISIONS
 
 #: How long the election store gets to answer serve's check before anything starts, s.
 STORE_CHECK_TIMEOUT_S = 3.0
@@ -119,6 +119,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--asr",
         choices=ASR_CHOICES,
         help="reference: recognizers, both (Whisper base and Moonshine base-en) or whisper",
+    )
+    parser.add_argument(
+        "--asr-precision",
+        choices=ASR_PRECISIONS,
+        help="reference: auto (recognizers in bfloat16 where the CPU computes it natively) or fp32",
     )
     parser.add_argument(
         "--llm-threads",
@@ -237,6 +242,7 @@ def worker_args(args: argparse.Namespace, i: int, sched_addr: str, voice: str | 
         "--minicpmo-api": args.minicpmo_api,
         "--llm-model": args.llm_model,
         "--asr": args.asr,
+        "--asr-precision": args.asr_precision,
         "--llm-threads": args.llm_threads,
         "--default-voice": voice,
         "--context-window": args.context_window,

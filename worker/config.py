@@ -19,6 +19,8 @@ from omnifabric.worker.journal import JOURNAL_RESULTS
 
 ASR_CHOICES = ("both", "whisper")
 """The reference engine's recognizer settings (``WorkerConfig.asr``)."""
+ASR_PRECISIONS = ("auto", "fp32")
+"""The reference engine's recognizers' arithmetic (``WorkerConfig.asr_precision``)."""
 TURN_WORK = ("auto", "inline", "finalize")
 """Where the reference engine works out the end of a user's turn (``WorkerConfig.turn_work``,
 ``TurnRules.turn_work``)."""
@@ -329,6 +331,18 @@ class WorkerConfig(FabricTls):
     """Reference engine: ``both`` hears every utterance with Whisper base and Moonshine
     base-en and keeps the transcript both find likelier (``hearing.Ears``); ``whisper`` uses
     Whisper base alone (less CPU and ~250 MB less memory, more mishearings)."""
+    asr_precision: str = setting(
+        "auto",
+        env="OMNI_WORKER_ASR_PRECISION",
+        flag="--asr-precision",
+        choices=ASR_PRECISIONS,
+        help="reference: auto (the recognizers' encoders in bfloat16 where the CPU computes "
+        "it natively: AVX512-BF16 or AMX) or fp32 (everywhere)",
+    )
+    """Reference engine, on CPU: ``auto`` runs the linear layers of Whisper base's and
+    Moonshine base-en's encoders in bfloat16 where the CPU computes it natively
+    (``linears.wants_bf16``; their decoders stay fp32); ``fp32`` keeps every layer in fp32 on
+    any CPU."""
     turn_work: str = setting(
         "auto",
         env="OMNI_WORKER_TURN_WORK",

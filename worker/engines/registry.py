@@ -44,6 +44,7 @@ def _reference(config: WorkerConfig) -> Engine:
         llm_threads=config.llm_threads,
         llm_model=config.llm_model,
         asr=config.asr,
+        asr_precision=config.asr_precision,
     )
     # Without --slots: as many as keep real time by the warm-up's measure.
     engine.slots_from_warmup = config.slots is None

@@ -14,7 +14,7 @@ import torch
 from scipy.io import wavfile
 from scipy.signal import resample_poly
 
-from omnifabric.worker.engines.reference import moonshine
+from omnifabric.worker.engines.reference import linears, moonshine
 from omnifabric.worker.engines.reference.asr import (
     Transcriber,
     model_installed,
@@ -22,7 +22,7 @@ from omnifabric.worker.engines.reference.asr import (
     torch_threads,
 )
 from omnifabric.worker.engines.reference.hearing import Ears
-from omnifabric.worker.engines.reference.linears import use_onednn
+from omnifabric.worker.engines.reference.linears import in_bf16, use_onednn, wants_bf16
 from omnifabric.worker.engines.reference.moonshine import Moonshine, _loop_end, read_ort
 
 pytestmark = pytest.mark.skipif(
@@ -137,6 +137,59 @@ def test_onednn_layers_give_the_stock_result():
         assert torch.allclose(layer(x), stock, atol=1e-5)
 
 
+def test_bf16_layers_are_near_the_stock_result_where_the_cpu_computes_them():
+    if not linears.native_bf16():
+        pytest.skip("this CPU has no native bfloat16 (AVX512-BF16 or AMX)")
+    layer = torch.nn.Linear(384, 256)
+    x = torch.randn(3, 7, 384, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        stock = layer(x)
+    model = torch.nn.Sequential(layer)
+    assert use_onednn(model, bf16=True) == 1
+    assert in_bf16(model)
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == stock.shape
+    scale = float(stock.abs().max())
+    assert float((out - stock).abs().max()) <= linears.BF16_TOLERANCE * scale
+    assert not torch.equal(out, stock)  # it did compute in bfloat16
+
+
+def test_bf16_asked_where_the_cpu_lacks_it_stays_fp32(monkeypatch):
+    monkeypatch.setattr(linears, "native_bf16", lambda: False)
+    assert not wants_bf16("auto", torch.device("cpu"))
+    layer, twin = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    twin.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 64)
+    if use_onednn(torch.nn.Sequential(twin)) == 0:
+        pytest.skip("this torch build has no oneDNN linear kernel")
+    model = torch.nn.Sequential(layer)
+    use_onednn(model, bf16=True)
+    assert not in_bf16(model)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), twin(x))
+
+
+def test_precision_fp32_keeps_fp32_and_auto_hears_the_same_words(ears, speak):
+    """--asr-precision: "fp32" never computes in bfloat16; "auto" (the default, as `ears`
+    was made) does where the CPU can, and hears clear speech as fp32 does."""
+    assert not wants_bf16("fp32", torch.device("cpu"))
+    assert not wants_bf16("auto", torch.device("cuda"))
+    native = linears.native_bf16()
+    assert in_bf16(ears.whisper.encoder) == native
+    assert in_bf16(ears.moonshine.model.model.encoder) == native
+    # The decoders' probabilities gate silence, read drafts and pick transcripts: fp32.
+    assert not in_bf16(ears.whisper.decoder) and not in_bf16(ears.moonshine.model.model.decoder)
+    exact = Ears(Transcriber(model="base", precision="fp32"), Moonshine(precision="fp32"))
+    assert not in_bf16(exact.whisper.model) and not in_bf16(exact.moonshine.model)
+    for text in ("What is the capital of France?", "What do bees make?"):
+        audio = speak(text)
+        assert words(ears.hear(audio)[0]) == words(exact.hear(audio)[0]) == words(text)
+        states, fp32 = ears.whisper.encode(audio), exact.whisper.encode(audio)
+        assert states is not None and fp32 is not None
+        assert torch.equal(states, fp32) != native
+
+
 # --- both recognizers --------------------------------------------------------------------------
 
 
@@ -212,6 +265,12 @@ def test_the_worker_setting_reaches_the_engine():
         WorkerConfig(asr="moonshine")
     with pytest.raises(ValueError, match="choose one of both, whisper"):
         ReferenceEngine(asr="moonshine")
+    assert ENGINES["reference"](WorkerConfig()).asr_precision == "auto"
+    assert ENGINES["reference"](WorkerConfig(asr_precision="fp32")).asr_precision == "fp32"
+    with pytest.raises(ConfigError, match="OMNI_WORKER_ASR_PRECISION must be one of auto, fp32"):
+        WorkerConfig(asr_precision="bf16")
+    with pytest.raises(ValueError, match="choose one of auto, fp32"):
+        ReferenceEngine(asr_precision="half")
 
 
 def test_scores_many_transcripts_at_once(ms, speak):

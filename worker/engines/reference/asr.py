@@ -60,7 +60,7 @@ from transformers.models.whisper.feature_extraction_whisper import WhisperFeatur
 from transformers.models.whisper.modeling_whisper import WhisperForConditionalGeneration
 
 from omnifabric.common.paths import cache_root
-from omnifabric.worker.engines.reference.linears import use_onednn
+from omnifabric.worker.engines.reference.linears import use_onednn, wants_bf16
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -673,6 +673,9 @@ class Transcriber:
 
     ``initial_prompt`` is text the decoder sees as the previous transcript
     (``<|startofprev|>`` ...), to steer spelling and style; None for none.
+
+    ``precision``: "auto" runs the encoder's linear layers in bfloat16 where the CPU computes
+    it natively (``linears.wants_bf16``), "fp32" never.
     """
 
     def __init__(
@@ -682,6 +685,7 @@ class Transcriber:
         *,
         model: str | None = None,
         initial_prompt: str | None = None,
+        precision: str = "auto",
     ) -> None:
         if model_dir is not None and model is not None:
             raise ValueError("give model_dir or model, not both")
@@ -690,6 +694,10 @@ class Transcriber:
         self.model = load_whisper(self.model_dir, device)
         if self.device.type == "cpu":
             use_onednn(self.model)
+            # The encoder in bfloat16 where the CPU computes it natively (linears.wants_bf16);
+            # the decoder, whose probabilities gate silence, read drafts and pick transcripts,
+            # stays fp32.
+            use_onednn(self.model.model.encoder, bf16=wants_bf16(precision, self.device))
         self.encoder = self.model.model.encoder
         self.decoder = self.model.model.decoder
         self.features = WhisperFeatureExtractor(

@@ -55,7 +55,7 @@ import torch
 from omnifabric.common.resample import resample
 from omnifabric.common.session_types import WINDOW_MARGIN_TOKENS, ContextWindow
 from omnifabric.common.stats import percentile
-from omnifabric.worker.config import ASR_CHOICES
+from omnifabric.worker.config import ASR_CHOICES, ASR_PRECISIONS
 from omnifabric.worker.engine import (
     INPUT_RATE,
     OUTPUT_RATE,
@@ -1331,6 +1331,7 @@ class ReferenceEngine(Engine):
         llm_threads: int | None = None,
         llm_model: str | None = None,
         asr: str = "both",
+        asr_precision: str = "auto",
     ) -> None:
         # Checked here, before any weights load, so a bad device fails the worker at once.
         self._torch_device = check_device(device)
@@ -1349,6 +1350,11 @@ class ReferenceEngine(Engine):
         if asr not in ASR_CHOICES:
             raise ValueError(f"asr {asr!r}: choose one of {', '.join(ASR_CHOICES)}")
         self.asr_choice = asr
+        if asr_precision not in ASR_PRECISIONS:
+            raise ValueError(
+                f"asr_precision {asr_precision!r}: choose one of {', '.join(ASR_PRECISIONS)}"
+            )
+        self.asr_precision = asr_precision
         self._running = 0
         self._running_lock = threading.Lock()
         self.vad_path: Path | None = None
@@ -1402,8 +1408,22 @@ class ReferenceEngine(Engine):
         )
         t2 = time.perf_counter()
         log.info(
-            "reference engine loaded on %s: asr+tts %.1fs, llm %.1fs", self.device, t1 - t0, t2 - t1
+            "reference engine loaded on %s (hearing in %s): asr+tts %.1fs, llm %.1fs",
+            self.device,
+            self.hearing_precision(),
+            t1 - t0,
+            t2 - t1,
         )
+
+    def hearing_precision(self) -> str:
+        """What the loaded recognizers compute in: "bfloat16" where ``asr_precision`` "auto"
+        found a CPU that computes it natively (Whisper's encoder, Moonshine), else "fp32"."""
+        from omnifabric.worker.engines.reference.asr import Transcriber
+        from omnifabric.worker.engines.reference.linears import in_bf16
+
+        asr = self.asr
+        whisper = asr if isinstance(asr, Transcriber) else asr.whisper
+        return "bfloat16" if in_bf16(whisper.encoder) else "fp32"
 
     def _load_recognizers(self) -> Transcriber | Ears:
         """Whisper base, with Moonshine base-en beside it unless ``asr`` is "whisper" (or its
@@ -1412,7 +1432,7 @@ class ReferenceEngine(Engine):
         from omnifabric.worker.engines.reference.asr import Transcriber
         from omnifabric.worker.engines.reference.hearing import Ears
 
-        whisper = Transcriber(device=self.device)
+        whisper = Transcriber(device=self.device, precision=self.asr_precision)
         if self.asr_choice == "whisper":
             return whisper
         if not moonshine.model_installed():
@@ -1421,7 +1441,7 @@ class ReferenceEngine(Engine):
                 "moonshine-cpp==0.1.4): Whisper base hears alone"
             )
             return whisper
-        return Ears(whisper, moonshine.Moonshine(device=self.device))
+        return Ears(whisper, moonshine.Moonshine(device=self.device, precision=self.asr_precision))
 
     @property
     def asr(self) -> Transcriber | Ears:

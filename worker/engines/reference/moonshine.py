@@ -49,7 +49,7 @@ from omnifabric.worker.engines.reference.asr import (
     summed_logprob,
     widen,
 )
-from omnifabric.worker.engines.reference.linears import use_onednn
+from omnifabric.worker.engines.reference.linears import use_onednn, wants_bf16
 
 SAMPLE_RATE = 16000
 PACKAGE = "moonshine_cpp"
@@ -422,14 +422,20 @@ def _loop_end(tokens: list[int]) -> int | None:
 
 class Moonshine:
     """Moonshine base-en on ``device``: ``encode`` audio, ``decode`` greedily, ``score`` a
-    given transcript. The weights are only read, so engine threads may share one."""
+    given transcript. The weights are only read, so engine threads may share one.
+    ``precision``: "auto" runs the encoder's linear layers in bfloat16 where the CPU computes
+    it natively (``linears.wants_bf16``), "fp32" never."""
 
-    def __init__(self, folder: Path | None = None, device: str = "cpu") -> None:
+    def __init__(
+        self, folder: Path | None = None, device: str = "cpu", precision: str = "auto"
+    ) -> None:
         self.folder = folder or model_dir()
         self.device = torch.device(device)
         self.model = load_model(self.folder, device)
         if self.device.type == "cpu":
             use_onednn(self.model)
+            # The encoder in bfloat16 where the CPU computes it natively, as Whisper's.
+            use_onednn(self.model.model.encoder, bf16=wants_bf16(precision, self.device))
         self.pieces = read_pieces(self.folder / "tokenizer.bin")
         ids: dict[str, int] = {}
         for i, piece in enumerate(self.pieces):
