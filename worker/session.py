@@ -50,6 +50,8 @@ from omnifabric.worker.tracing import trace_unit
 from omnifabric.worker.units import UnitInput
 
 log = logging.getLogger("omnifabric.worker.session")
+#: Late units a session logs one by one (where their time went); its end line counts them all.
+LOGGED_LATE_UNITS = 3
 
 #: What a served unit tells the worker's headroom (worker.headroom.Headroom.unit): the
 #: session, seconds of input, engine seconds (prefill, generate and its finalize), wall
@@ -474,6 +476,8 @@ class DuplexSession:
         output.late = is_late(timings.wall_clock_ms / 1000.0, length_s)
         if output.late:
             self.late_units += 1
+            if self.late_units <= LOGGED_LATE_UNITS:
+                self._log_late(unit.seq, length_s, timings)
         self.journal.emit(output)
         # Deferred finalize: the result is already on its way; the barrier fences the next prefill.
         self._finalized.clear()
@@ -481,6 +485,25 @@ class DuplexSession:
             self._finalize(UnitTrace(unit.received_at, run.started, output, length_s, run.engine_s))
         )
         return result
+
+    def _log_late(self, seq: int, length_s: float, timings: UnitTimings) -> None:
+        """Where a late unit's time went, for the operator (the end line counts them all)."""
+        costs = ", ".join(f"{k} {v:.0f}" for k, v in timings.engine_costs_ms.items() if v >= 1)
+        log.info(
+            "session %s: unit %d late: answered %.2f s after it came, for %.2f s of audio "
+            "(ms: queued %.0f, of it behind the session's earlier unit %.0f; waiting for its "
+            "finalize %.0f; prefill %.0f, generate %.0f%s)",
+            self.session_id,
+            seq,
+            timings.wall_clock_ms / 1000.0,
+            length_s,
+            timings.queue_ms,
+            timings.engine_busy_ms,
+            timings.finalize_wait_ms,
+            timings.prefill_ms,
+            timings.generate_ms,
+            f"; engine: {costs}" if costs else "",
+        )
 
     async def _finalize(self, unit: UnitTrace) -> None:
         f0 = time.perf_counter()

@@ -263,6 +263,36 @@ async def test_a_given_runner_serves_each_unit_after_the_previous_finalize():
     assert runner.calls == [(kind, seq) for seq in (1, 2, 3) for kind in ("run", "finalized")]
 
 
+async def test_a_late_unit_says_where_its_time_went(caplog):
+    """A short unit held behind its session's slow finalize (1.1 s here) is late, and the
+    worker's log says so with the wait that made it late (the first LOGGED_LATE_UNITS)."""
+    executor = ThreadPoolExecutor(2)
+    session = DuplexSession(
+        SessionSpec(session_id="slow", lease_id="l", mode="audio"),
+        SyntheticEngine(compute_ms=0, finalize_ms=1100),
+        executor,
+        SessionLimits(60, 8192),
+    )
+    await session.open()
+    serving = asyncio.ensure_future(session.run())
+    results = []
+    with caplog.at_level("INFO", logger="omnifabric.worker.session"):
+        for seq in (1, 2):
+            session.submit(UnitInput(seq=seq, pcm=SILENCE[:1600]))  # 0.1 s units
+            async for event in session.journal.events():
+                if event.seq == seq:
+                    results.append(event)
+                    break
+        session.close(CloseReason.USER_STOP)
+        end = await asyncio.wait_for(serving, scaled(5))
+    executor.shutdown()
+    assert [r.late for r in results] == [False, True] and end.late_units == 1
+    lines = [r.getMessage() for r in caplog.records if " late: " in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("session slow: unit 2 late: answered 1.")
+    waited = float(lines[0].split("waiting for its finalize ")[1].split(";")[0])
+    assert waited >= 900  # the finalize's 1.1 s, less the time before the unit came
+
+
 async def test_session_ends_once_with_the_close_reason():
     events = await run_session(SessionLimits(60, 8192), units=[1, 2], close=CloseReason.USER_STOP)
     assert [e.seq for e in events[:-1]] == [1, 2]
