@@ -697,7 +697,8 @@ class Transcriber:
             # The encoder in bfloat16 where the CPU computes it natively (linears.wants_bf16);
             # the decoder, whose probabilities gate silence, read drafts and pick transcripts,
             # stays fp32.
-            use_onednn(self.model.model.encoder, bf16=wants_bf16(precision, self.device))
+            if wants_bf16(precision, self.device):
+                use_onednn(self.model.model.encoder, bf16=True)
         self.encoder = self.model.model.encoder
         self.decoder = self.model.model.decoder
         self.features = WhisperFeatureExtractor(

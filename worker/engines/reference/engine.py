@@ -1417,7 +1417,7 @@ class ReferenceEngine(Engine):
 
     def hearing_precision(self) -> str:
         """What the loaded recognizers compute in: "bfloat16" where ``asr_precision`` "auto"
-        found a CPU that computes it natively (Whisper's encoder, Moonshine), else "fp32"."""
+        found a CPU that computes it natively (both recognizers' encoders), else "fp32"."""
         from omnifabric.worker.engines.reference.asr import Transcriber
         from omnifabric.worker.engines.reference.linears import in_bf16
 

@@ -434,8 +434,8 @@ class Moonshine:
         self.model = load_model(self.folder, device)
         if self.device.type == "cpu":
             use_onednn(self.model)
-            # The encoder in bfloat16 where the CPU computes it natively, as Whisper's.
-            use_onednn(self.model.model.encoder, bf16=wants_bf16(precision, self.device))
+            if wants_bf16(precision, self.device):  # the encoder, as Whisper's
+                use_onednn(self.model.model.encoder, bf16=True)
         self.pieces = read_pieces(self.folder / "tokenizer.bin")
         ids: dict[str, int] = {}
         for i, piece in enumerate(self.pieces):
