@@ -190,6 +190,12 @@ class Created:
     recording_id: str | None = None
     """The session's recording (edge.recording), None when nothing records it: the driver
     fills it in before the dialect renders the start."""
+    unit_samples: tuple[int, int] | None = None
+    """(fewest, most) 16 kHz samples per unit the leased worker takes (SessionCore.unit_bounds),
+    None where it states none."""
+    units_as_sent: bool = False
+    """The worker's engine takes units as they come, not re-chunked to its own
+    (SessionStarted.units_as_sent): a client may cut a unit short where speech stops."""
 
 
 @dataclass(frozen=True)

@@ -379,6 +379,8 @@ class SessionCore:
             started.notes,
             self.resume_token,
             self.resume_window_s if self.resume_token else 0.0,
+            unit_samples=self.unit_bounds,
+            units_as_sent=self.units_as_sent,
         )
         await self._emit(created)
         self.started_event.set()

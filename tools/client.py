@@ -183,6 +183,7 @@ async def run_session(
     resume: bool = True,
     drop_after: int | None = None,
     resume_url: str | None = None,
+    at_s: list[float] | None = None,
 ) -> SessionReport:
     """Run one full-duplex session: queue, init, units at `pace_s`, close.
 
@@ -196,7 +197,9 @@ async def run_session(
     A connection lost without a close is resumed (`resume`, when the server gave a
     resume token) with backoff for the session's resume window; the units the session did
     not get are sent again (at `resume_url` when given: another edge). `drop_after` cuts
-    the connection once after that unit (to measure resuming).
+    the connection once after that unit (to measure resuming). `at_s[i]`: when input unit i
+    goes, seconds after the first (units of any length sent as their audio would be spoken;
+    the silent units after them follow at `pace_s`), instead of `i * pace_s`.
     """
     run = _SessionRun(
         url,
@@ -216,6 +219,7 @@ async def run_session(
             resume=resume,
             drop_after=drop_after,
             resume_url=resume_url,
+            at_s=at_s,
         ),
     )
     return await run.run()
@@ -239,6 +243,7 @@ class _Options:
     resume: bool
     drop_after: int | None
     resume_url: str | None
+    at_s: list[float] | None
 
 
 class _SessionRun:
@@ -424,7 +429,10 @@ class _SessionRun:
     async def _pace(self, i: int, start: float) -> None:
         """Wait for unit i's time (pace_s), or for unit i's answer (lockstep)."""
         if self.o.pace_s > 0:
-            delay = start + i * self.o.pace_s - time.monotonic()
+            at, due = self.o.at_s, i * self.o.pace_s
+            if at:
+                due = at[i] if i < len(at) else at[-1] + (i - len(at) + 1) * self.o.pace_s
+            delay = start + due - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
         elif i and i in self.report.units:

@@ -11,6 +11,9 @@ the engine's own (Whisper tiny.en here; the engine says what it heard in
 `input_transcript`), and a reply is correct when it names the expected answer.
 `--dialect openai` asks through the OpenAI Realtime dialect instead (tools/eval_openai.py:
 the question as 24 kHz PCM16 in 100 ms appends, server VAD), scored the same way.
+`--speech-cuts` (MiniCPM-o dialect) sends what the /audio page sends where the server takes
+units as they come: whole seconds, and a shorter unit once speech stopped
+(`speech_cut_units`); the official clients send whole seconds only.
 
 Printed: a progress line per session, then one table row per voice kind: correct answers,
 question word error rate (the engine's transcript against the question), reply length,
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import functools
 import re
 import subprocess
 import sys
@@ -171,6 +175,38 @@ def compose(
     return [audio[i * sr : (i + 1) * sr] for i in range(n)], start_s, end_s
 
 
+#: The page's microphone chunks (edge/web/js/capture.js: the worklet's 100 ms at 16 kHz).
+PAGE_CHUNK = RATE // 10
+
+
+def speech_cut_units(units: list[np.ndarray], fewest: int | None = None) -> list[np.ndarray]:
+    """The stream of ``units`` (16 kHz) as the /audio page sends it to a server that takes
+    units as they come (edge/web/js/duplex-page.js): in its 100 ms chunks, whole seconds,
+    and what came so far once the edge's end-of-speech rule says a cut is due
+    (``edge.cadence.SpeechEnd``, which the page's copy follows) and at least ``fewest``
+    samples came (default: the engines' shortest unit, ``EngineLimits.min_unit_samples``)."""
+    from omnifabric.common.session_types import EngineLimits
+    from omnifabric.edge.cadence import SpeechEnd
+
+    fewest = EngineLimits().min_unit_samples if fewest is None else fewest
+    audio = np.concatenate(units) if units else np.zeros(0, np.float32)
+    end, out, held = SpeechEnd(), [], np.zeros(0, np.float32)
+    for i in range(0, audio.size, PAGE_CHUNK):
+        chunk = audio[i : i + PAGE_CHUNK]
+        held = np.concatenate([held, chunk])
+        while held.size >= RATE:
+            out.append(held[:RATE])
+            held = held[RATE:]
+        end.feed(chunk)
+        if end.cut_due and held.size and held.size >= fewest:
+            out.append(held)
+            held = np.zeros(0, np.float32)
+            end.cut()
+    if held.size:  # the stream goes on in silence: its last second is made whole
+        out.append(np.concatenate([held, np.zeros(RATE - held.size, np.float32)]))
+    return out
+
+
 # ---- scoring -----------------------------------------------------------------------------
 
 _NUMBERS = (
@@ -222,17 +258,22 @@ async def ask(
     hearer: Callable[[np.ndarray], str],
     dialect: str = "current",
     wideband: bool = False,
+    speech_cuts: bool = False,
 ) -> Outcome:
     """One conversation through the stack in `dialect` ("current": the MiniCPM-o
     protocol; "openai": the OpenAI Realtime one), scored. `wideband` (openai only): the
-    question rendered at 24 kHz, its band above 8 kHz kept, instead of at 16 kHz."""
+    question rendered at 24 kHz, its band above 8 kHz kept, instead of at 16 kHz.
+    `speech_cuts` (current only): units cut short where speech stops, as the /audio page
+    sends them (``speech_cut_units``)."""
     sample_rate = OUTPUT_RATE if wideband else RATE
     units, start_s, end_s = compose(item, kind, voice, rate, lead_in_s, seed, sample_rate)
     out = Outcome(kind, voice, rate, lead_in_s, " / ".join(item.turns))
     if dialect == "openai":
+        if speech_cuts:
+            raise ValueError("speech cuts are the MiniCPM-o dialect's page's (current)")
         from omnifabric.tools.eval_openai import session as run
     elif not wideband:
-        run = current_session
+        run = functools.partial(current_session, speech_cuts=speech_cuts)
     else:
         raise ValueError("wideband questions go through the openai dialect only")
     try:
@@ -246,15 +287,35 @@ async def ask(
 
 
 async def current_session(
-    out: Outcome, url: str, units: list[np.ndarray], start_s: float, end_s: float, tail_s: int
+    out: Outcome,
+    url: str,
+    units: list[np.ndarray],
+    start_s: float,
+    end_s: float,
+    tail_s: int,
+    speech_cuts: bool = False,
 ) -> np.ndarray:
-    """The session in the MiniCPM-o protocol (1 s units in real time): what the engine
-    heard, the reply's text and timing go into `out`; returns the reply's audio (24 kHz)."""
+    """The session in the MiniCPM-o protocol (1 s units in real time; `speech_cuts`: cut
+    where speech stops by ``speech_cut_units``, each sent once its audio was spoken, the
+    init saying so in `config.speech_cuts`): what the engine heard, the reply's text and
+    timing go into `out`; returns the reply's audio (24 kHz)."""
     from omnifabric.tools.client import run_session
 
-    report = await run_session(url, units, pace_s=1.0, reply_tail_s=tail_s)
+    at_s, init_extra = None, None
+    if speech_cuts:
+        units = speech_cut_units(units)
+        ends = np.cumsum([u.size for u in units]) / RATE
+        at_s = [float(t - ends[0]) for t in ends]
+        init_extra = {"config": {"speech_cuts": True}}
+    report = await run_session(
+        url, units, pace_s=1.0, reply_tail_s=tail_s, at_s=at_s, init_extra=init_extra
+    )
     if report.error:
         out.error = str(report.error)
+    created = next((e for e in report.events if e.get("type") == "session.created"), {})
+    if speech_cuts and not (created.get("input_units") or {}).get("as_sent"):
+        out.error = out.error or "the server does not take units as they come: no speech cuts"
+
     out.queued = any(e.get("type") == "session.queued" for e in report.events)
     out.queue_wait_s = round(report.queue_wait_s, 3)
     out.heard = " / ".join(
@@ -265,8 +326,8 @@ async def current_session(
     out.slow_units = [slow_unit(u) for u in records if (u.rtt_ms or 0.0) > UNIT_MS / 2]
     if not records:
         return np.zeros(0, np.float32)
-    # Unit n carries the audio of stream seconds [n-1, n): it is complete (and sent) at n.
-    origin = records[0].sent_at - 1.0
+    # Each unit is sent once its audio was spoken: the first one ends at its length.
+    origin = records[0].sent_at - units[0].size / RATE
     # The reply scored is the one to the last turn (earlier turns get replies of their own).
     replies = [u for u in records if u.kind == "speak" and u.sent_at - origin > start_s]
     out.reply_text = "".join(u.text for u in replies).strip()
@@ -460,6 +521,7 @@ async def run_all(
                 hearer,
                 args.dialect,
                 args.wideband,
+                args.speech_cuts,
             )
             outcomes.append(outcome)
             progress(len(outcomes), len(runs), outcome, started)
@@ -490,6 +552,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="openai dialect, piper voices: questions at 24 kHz with their band above 8 kHz",
     )
+    parser.add_argument(
+        "--speech-cuts",
+        action="store_true",
+        help="current dialect: units cut short where speech stops, as the /audio page sends them",
+    )
     parser.add_argument("--parallel", type=int, default=1, help="sessions at once")
     parser.add_argument("--tail-s", type=int, default=15, help="silence after the question, max s")
     parser.add_argument("--out", type=Path, help="folder for results.json and table.md")
@@ -502,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown voice kind {kind!r}: choose from {', '.join(VOICES)}")
     if args.wideband and (args.dialect != "openai" or kinds != ["piper"]):
         parser.error("--wideband needs --dialect openai and --voices piper (espeak is 16 kHz)")
+    if args.speech_cuts and args.dialect != "current":
+        parser.error("--speech-cuts is the current (MiniCPM-o) dialect's page's")
     items: tuple[Item, ...] = ITEMS
     if args.questions:
         try:

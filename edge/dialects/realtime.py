@@ -76,6 +76,7 @@ def _init(event: dict[str, Any], dialect: Dialect) -> ev.InitCommand:
         max_slice_nums=slices,
         ref_audio_id=fields.voice_id((voice, body), "ref_audio_id", ref_key),
         tts_ref_audio_id=fields.voice_id((voice, body), "tts_ref_audio_id", tts_key),
+        speech_cuts=fields.flag(cfg, "speech_cuts"),
     )
 
 
@@ -157,6 +158,13 @@ def created_json(event: ev.Created, dialect: Dialect, mode: str) -> dict[str, An
                 "kv_cache_length": event.prompt_length,
             },
         }
+        if event.unit_samples is not None:
+            fewest, most = event.unit_samples
+            created["input_units"] = {
+                "min_samples": fewest,
+                "max_samples": most,
+                "as_sent": event.units_as_sent,
+            }
     if event.notes:
         created["notes"] = list(event.notes)
     return created

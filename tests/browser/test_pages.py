@@ -61,10 +61,15 @@ def test_audio_page_answers_the_spoken_question(stack, open_page):
     assert state["sessionId"] and state["unitsSent"] > 0 and state["unitsAnswered"] > 0
     assert state["audioSamplesReceived"] >= state["audioSamplesPlayed"] > 0
     assert "Paris" in bp.page.inner_text("#captions")
+    # The reference engine takes units as they come (session.created's input_units): the
+    # page sent the end of the question as soon as the microphone went quiet.
+    assert state["cutsSpeech"] and state["unitsCut"] >= 1, state
+    assert state["secondsSent"] < state["unitsSent"], state
     assert_clean(bp)
     bp.shot()
     print(
-        f"captions: {state['captions']!r}; units sent {state['unitsSent']}, "
+        f"captions: {state['captions']!r}; units sent {state['unitsSent']} "
+        f"({state['unitsCut']} cut where speech stopped), "
         f"answered {state['unitsAnswered']}, samples played {state['audioSamplesPlayed']}"
     )
     bp.page.click("#stop")

@@ -247,6 +247,29 @@ def test_created_carries_the_engines_notes_only_when_there_are_some():
         assert noted["session_id"] == "s1"
 
 
+def test_created_says_which_units_the_worker_takes_and_the_init_whether_the_client_cuts():
+    """session.created's `input_units` (current dialect): the leased worker's unit bounds
+    and whether its engine takes units as they come, so a client (the /audio page) may cut
+    one short where speech stops; the init's `config.speech_cuts` says it does
+    (InitCommand.speech_cuts: None when not said, the edge then decides)."""
+    plain = realtime.created_json(ev.Created("s1", 40), ev.Dialect.CURRENT, "audio")
+    assert "input_units" not in plain  # the worker stated no bounds
+    for as_sent in (True, False):
+        created = ev.Created("s1", 40, unit_samples=(4000, 64000), units_as_sent=as_sent)
+        units = realtime.created_json(created, ev.Dialect.CURRENT, "audio")["input_units"]
+        assert units == {"min_samples": 4000, "max_samples": 64000, "as_sent": as_sent}
+        first = realtime.created_json(created, ev.Dialect.FIRST, "audio")
+        assert "input_units" not in first  # the first dialect's event keeps its shape
+    init = {"type": "session.init", "payload": {}}
+    said = parse(init)
+    assert isinstance(said, ev.InitCommand) and said.speech_cuts is None
+    for cuts in (True, False):
+        said = parse({**init, "payload": {"config": {"speech_cuts": cuts}}})
+        assert isinstance(said, ev.InitCommand) and said.speech_cuts is cuts
+    with pytest.raises(errors.InvalidPayload, match="config.speech_cuts"):
+        parse({**init, "payload": {"config": {"speech_cuts": "yes"}}})
+
+
 def test_chat_numbers_beyond_float_range_are_invalid_payload():
     """One number check for every dialect: chat's huge integers are refused like the
     realtime config's (math.isfinite overflowed on them in chat's own copy)."""

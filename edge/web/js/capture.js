@@ -1,6 +1,7 @@
 // The microphone as 16 kHz mono float32: getUserMedia (echo cancellation, noise
 // suppression, automatic gain) -> the "capture-16k" AudioWorklet -> 100 ms chunks, which
-// UnitAssembler turns into the protocol's 1 s units.
+// UnitAssembler turns into the protocol's 1 s units (cut short where speech stops, by
+// SpeechEnd, when the server takes units as they come).
 
 /** Sample rate of everything the server takes as input. */
 export const INPUT_RATE = 16000;
@@ -33,9 +34,96 @@ export class UnitAssembler {
     }
   }
 
+  /**
+   * Send what is held now as a shorter unit (calls onUnit) when it has at least `fewest`
+   * samples; returns whether it did.
+   */
+  flush(fewest) {
+    if (this.filled === 0 || this.filled < fewest) return false;
+    const part = this.unit.slice(0, this.filled);
+    this.filled = 0;
+    this.onUnit(part);
+    return true;
+  }
+
   /** Forget a partly filled unit (e.g. audio captured before the session started). */
   reset() {
     this.filled = 0;
+  }
+}
+
+/**
+ * The edge's end-of-speech rule (edge/cadence.py, SpeechEnd: its constants, the one owner):
+ * 20 ms frames are speech when louder than SPEECH_RMS, quiet when under QUIET_SHARE of the
+ * loudest speech frame since the last cut; CUT_QUIET_S of quiet after speech makes a cut due,
+ * NEXT_CUT_QUIET_S more a second one.
+ */
+export const SPEECH_END = Object.freeze({
+  FRAME: 320,
+  SPEECH_RMS: 0.01,
+  QUIET_SHARE: 0.1,
+  CUT_QUIET_S: 0.2,
+  NEXT_CUT_QUIET_S: 0.3,
+  CUTS: 2,
+});
+
+/**
+ * Where speech stops in the microphone's 16 kHz stream, by loudness alone, so the page can
+ * send the end of a question at once instead of when its second is up (only where the
+ * server takes units as they come: session.created's `input_units.as_sent`).
+ */
+export class SpeechEnd {
+  constructor() {
+    this.rest = new Float32Array(0);
+    this.peak = 0;
+    this.quiet = 0; // samples of quiet at the end of the stream (whole frames)
+    this.cutsLeft = 0; // cuts still due since speech was last heard
+  }
+
+  /** Follow more of the stream (float32, 16 kHz). */
+  feed(samples) {
+    const { FRAME, SPEECH_RMS, QUIET_SHARE, CUTS } = SPEECH_END;
+    const x = new Float32Array(this.rest.length + samples.length);
+    x.set(this.rest);
+    x.set(samples, this.rest.length);
+    const whole = x.length - (x.length % FRAME);
+    this.rest = x.slice(whole);
+    const frames = whole / FRAME;
+    const power = new Float64Array(frames);
+    let lastLoud = -1;
+    for (let f = 0; f < frames; f++) {
+      let sum = 0;
+      for (let i = f * FRAME; i < (f + 1) * FRAME; i++) sum += x[i] * x[i];
+      power[f] = sum;
+      if (sum > FRAME * SPEECH_RMS * SPEECH_RMS) {
+        lastLoud = f;
+        this.peak = Math.max(this.peak, sum);
+      }
+    }
+    if (lastLoud >= 0) {
+      this.quiet = 0;
+      this.cutsLeft = CUTS;
+    }
+    // The frames after the last loud one: quiet ones add up, one in between starts over.
+    let lastNoisy = -1;
+    for (let f = lastLoud + 1; f < frames; f++) {
+      if (power[f] >= QUIET_SHARE * QUIET_SHARE * this.peak) lastNoisy = f;
+    }
+    if (lastNoisy >= 0) this.quiet = (frames - lastNoisy - 1) * FRAME;
+    else this.quiet += (frames - lastLoud - 1) * FRAME;
+  }
+
+  /** Whether what is held should go now. */
+  get cutDue() {
+    const wait = this.cutsLeft === SPEECH_END.CUTS ? SPEECH_END.CUT_QUIET_S : SPEECH_END.NEXT_CUT_QUIET_S;
+    return this.cutsLeft > 0 && this.quiet >= wait * INPUT_RATE;
+  }
+
+  /** The held audio went: the next cut waits for NEXT_CUT_QUIET_S of quiet more. */
+  cut() {
+    this.cutsLeft -= 1;
+    this.quiet = 0;
+    if (!this.cutsLeft) this.peak = 0;
   }
 }
 

@@ -1,16 +1,18 @@
 // The full-duplex page (audio.html and video.html): microphone (and camera) in, one
-// `input.append` per second; the model's text as captions and its audio through the
-// jitter-buffered player. Everything the page knows is mirrored in `window.omni`.
+// `input.append` per second (a shorter one where speech stops, when the server takes units
+// as they come); the model's text as captions and its audio through the jitter-buffered
+// player. Everything the page knows is mirrored in `window.omni`.
 //
 // Protocol (current dialect, /v1/realtime?mode=audio|video):
 //   <- session.queued / session.queue_update (while waiting)   <- session.queue_done
-//   -> session.init {payload}                                   <- session.created
-//   -> input.append {input: {audio, video_frames?, force_listen?}}   every second
+//   -> session.init {payload: {config: {speech_cuts: true}}}    <- session.created {input_units?}
+//   -> input.append {input: {audio, video_frames?, force_listen?}}   every second, or sooner
+//      where speech stopped (input_units.as_sent: at least input_units.min_samples)
 //   <- response.output.delta kind text | audio | listen         (any time)
 //   -> session.close {reason}                                   <- session.closed {reason}
 
 import { Camera } from './camera.js';
-import { MicCapture, UNIT_SAMPLES, UnitAssembler } from './capture.js';
+import { INPUT_RATE, MicCapture, SpeechEnd, UNIT_SAMPLES, UnitAssembler } from './capture.js';
 import { ERROR_TEXTS, closedText, errorText, mediaErrorText, socketCloseText } from './messages.js';
 import { Player } from './player.js';
 import { RealtimeClient, bindApiKeyField, bytesToBase64, decodeFloat32, encodeFloat32, saveApiKey } from './realtime.js';
@@ -50,6 +52,9 @@ function freshState(mode) {
     queue: null, // {position, eta_s} while queued
     captions: '',
     unitsSent: 0,
+    secondsSent: 0,
+    unitsCut: 0, // sent short where speech stopped
+    cutsSpeech: false, // the server takes units as they come: the page cuts at speech ends
     unitsAnswered: 0,
     unitsSkipped: 0, // not sent: the connection could not keep up
     audioSamplesReceived: 0,
@@ -108,6 +113,8 @@ class DuplexPage {
     this.camera = null;
     this.player = null;
     this.assembler = new UnitAssembler(UNIT_SAMPLES, (unit) => this._unitReady(unit));
+    this.speechEnd = null; // where the server takes units as they come: cuts at speech ends
+    this.fewestSamples = UNIT_SAMPLES;
     this.sendChain = Promise.resolve();
     this.ticker = null;
     this.closeTimer = null;
@@ -293,7 +300,11 @@ class DuplexPage {
 
   _initPayload() {
     const prompt = this.el.prompt ? this.el.prompt.value.trim() : '';
-    return prompt ? { system_prompt: prompt } : {};
+    // The page cuts a unit short where speech stops when the server takes units as they
+    // come (session.created says); the engine then waits for that cut to begin a reply.
+    const payload = { config: { speech_cuts: true } };
+    if (prompt) payload.system_prompt = prompt;
+    return payload;
   }
 
   _created(event) {
@@ -307,6 +318,15 @@ class DuplexPage {
     this.omni.timeLeftS = this.limitS;
     // Audio captured while waiting is stale: the first unit starts now.
     this.assembler.reset();
+    const units = event.input_units;
+    const fewest = units && units.as_sent === true ? units.min_samples : null;
+    if (Number.isInteger(fewest) && fewest > 0 && fewest < UNIT_SAMPLES) {
+      this.speechEnd = new SpeechEnd();
+      this.fewestSamples = fewest;
+    } else {
+      this.speechEnd = null;
+    }
+    this.omni.cutsSpeech = this.speechEnd !== null;
     this._status(this.withVideo ? 'Connected: talk and show things to the model.' : 'Connected: talk to the model.');
   }
 
@@ -437,7 +457,17 @@ class DuplexPage {
   // ---- capture -----------------------------------------------------------------------
 
   _captured(chunk) {
-    if (this.omni.state === 'active' && !this.stopping) this.assembler.push(chunk);
+    if (this.omni.state !== 'active' || this.stopping) return;
+    this.assembler.push(chunk);
+    const end = this.speechEnd;
+    if (!end) return;
+    end.feed(chunk);
+    // As the edge's paced cadence does: what came goes once speech stopped, if the server
+    // takes so short a unit (else it waits for more quiet); not with an Interrupt pending.
+    if (end.cutDue && !this.forceListen && this.assembler.flush(this.fewestSamples)) {
+      end.cut();
+      this.omni.unitsCut += 1;
+    }
   }
 
   _unitReady(unit) {
@@ -464,6 +494,7 @@ class DuplexPage {
     if (this.client.append(input)) {
       this.forceListen = false;
       this.omni.unitsSent += 1;
+      this.omni.secondsSent += unit.length / INPUT_RATE;
       if (frame) this.omni.framesSent += 1;
       this._render();
     }
@@ -590,7 +621,7 @@ class DuplexPage {
     const skipped = o.unitsSkipped ? `, ${o.unitsSkipped} skipped (slow connection)` : '';
     setText(
       this.el.stats,
-      `Sent ${o.unitsSent} s of audio${frames}${skipped}; ${o.unitsAnswered} answered; ` +
+      `Sent ${formatNumber(o.secondsSent, 1)} s of audio${frames}${skipped}; ${o.unitsAnswered} answered; ` +
         `model audio ${seconds(o.audioSamplesReceived)} s received, ${seconds(o.audioSamplesPlayed)} s played.`,
     );
   }
