@@ -31,7 +31,7 @@ export function startChatPage() {
 
 class ChatPage {
   constructor() {
-    // The contract's state object (web_contract.md), updated live.
+    // The page's state object, `window.omni` (docs/clients.md), updated live.
     this.omni = {
       mode: 'chat',
       state: 'idle', // idle | connecting | ready | generating | closed

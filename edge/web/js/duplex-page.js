@@ -42,7 +42,7 @@ const FATAL_ERRORS = new Set([
 /** How long to wait for session.closed after session.close before dropping the socket. */
 const CLOSE_WAIT_MS = 5000;
 
-/** The contract's state object (see web_contract.md), fresh for one session. */
+/** The page's state object, `window.omni` (docs/clients.md), fresh for one session. */
 function freshState(mode) {
   return {
     mode,
