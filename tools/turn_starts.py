@@ -7,7 +7,8 @@ engine session in this process, no fabric, unit by unit as a real-time client se
 For each question it prints the unit that began the reply, how it began (inline, finalize,
 guess: GenerateResult.reply_start_how) and where the time went (reply_start_ms: the silence
 waited after the words, recognition, the reply model, speech), then first audio p50/p90
-and the gaps a client playing the chunks as they come would hear. First audio is counted as
+and the gaps a client playing the chunks as they come would hear, and the units answered
+late by the worker's rule (``headroom.is_late``: the finalize before a unit holds it). First audio is counted as
 `omnifabric eval` counts it, from the end of the question: unit n carries stream seconds
 [n, n+1) and is complete at n+1; it starts then, or when the finalize before it ended if
 that is later (the worker's barrier), and its result leaves when its generate returns
@@ -42,6 +43,7 @@ from omnifabric.worker.engine import (
     ToolChoice,
     ToolSpec,
 )
+from omnifabric.worker.headroom import is_late
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.reference.engine import ReferenceEngine
@@ -63,6 +65,9 @@ class Start:
     sent_s: float | None = None
     """When the reply's unit was sent, from the end of the question (its first audio
     leaves once the finalize before it and the unit itself are done)."""
+    late: int = 0
+    """The session's units answered late by the worker's rule (``headroom.is_late``: more
+    than their length and more than a second after they came)."""
 
 
 def drive(
@@ -117,6 +122,7 @@ def drive(
             # A unit arrives when its audio has come, and starts once the finalize
             # before it is done (the worker's barrier).
             left_at = max(complete_at, busy_until) + t1 - t0
+            out.late += is_late(left_at - complete_at, unit.size / RATE)
             if seen(n, result, left_at):
                 break
             session.finalize()
@@ -159,7 +165,8 @@ def _line(kind: str, start: Start) -> str:
     sent = "-" if start.sent_s is None else f"{start.sent_s:.2f} s"
     return (
         f"{kind:6s} {start.question[:34]:34s} unit {start.unit:2d} {start.how:8s} "
-        f"sent {sent:7s} first audio {first:7s} gap {start.gap_s:.2f} s  ms: {parts}"
+        f"sent {sent:7s} first audio {first:7s} gap {start.gap_s:.2f} s late {start.late}  "
+        f"ms: {parts}"
     )
 
 
@@ -208,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         gapped = [s.gap_s for s in starts if s.gap_s > 0]
         print(
             f"first audio p50 {p50:.2f} s, p90 {p90:.2f} s ({len(firsts)} replies); "
-            f"started {hows}; gaps: {len(gapped)} replies, {sum(gapped):.2f} s"
+            f"started {hows}; gaps: {len(gapped)} replies, {sum(gapped):.2f} s; "
+            f"late units {sum(s.late for s in starts)}"
         )
     return 0
 

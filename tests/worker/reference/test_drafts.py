@@ -7,6 +7,7 @@ and Moonshine base-en; speech from espeak-ng."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -163,6 +164,27 @@ def test_the_unit_that_ends_the_turn_counts_on_the_draft_it_has() -> None:
     session.unit_started = time.perf_counter()
     assert not session._fits_in_unit((audio, (2, 32000), False))  # 0.2 x 5 + 0.5 > 0.9
     assert session._fits_in_unit((audio, (1, 32000), False))  # 0.05 x 5 + 0.5 < 0.9
+    session.close()
+
+
+def test_a_long_shot_guess_is_made_where_the_reply_start_ends_before_the_next_unit() -> None:
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine
+
+    engine = ReferenceEngine()  # not loaded: the rule is arithmetic on what it learned
+    session = engine.open_session("long-shot", "audio")
+    session.unit_s = 1.0
+    session.unit_started = time.perf_counter() - 0.3  # hearing the words took 0.3 s
+    session.turn.silence_s = 0.0  # the unit ended in speech: a long shot
+    assert session._guess_in_time()  # nothing measured yet: guessed as before
+    engine.reply_start_s = 0.5
+    assert session._guess_in_time()  # 0.3 + 0.5 <= 1.0
+    engine.reply_start_s = 0.9
+    assert not session._guess_in_time()  # 0.3 + 0.9 > 1.0: the next unit would wait
+    session.turn.silence_s = 0.1  # too little silence to end the turn, but some
+    assert session._guess_in_time()  # guessed whatever it costs
+    session.turn.silence_s = 0.0
+    session.rules = replace(session.rules, guess_in_time=False)
+    assert session._guess_in_time()
     session.close()
 
 

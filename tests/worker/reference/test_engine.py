@@ -420,6 +420,30 @@ def test_where_units_are_cut_at_speech_ends_a_unit_ending_in_speech_guesses_noth
     assert "".join(s.result.text for s in told) == "".join(s.result.text for s in untold)
 
 
+def test_a_long_shot_guess_is_made_only_where_it_ends_before_the_next_unit(engine):
+    # The planet question in the paced cadence's units, its sender not cutting them:
+    # units 2 and 3 end in the middle of the words (long shots); where the measured reply
+    # start cannot end before the next unit is due, their finalizes only prefill the words
+    # so far. The cut after the words (unit 4 ends in silence) guesses whatever it costs,
+    # and unit 5 takes that guess up.
+    from omnifabric.tools.turn_starts import paced_units
+
+    audio = _planet_audio()
+    units = [unit for unit, _ in paced_units(audio)]
+    learned = engine.reply_start_s
+    try:
+        engine.reply_start_s = 10.0
+        with rules(engine, turn_work="auto", guess_ahead=True, guess_in_time=True):
+            steps = drive_audio(engine, audio, "long-shots", early=True, units=units)
+    finally:
+        engine.reply_start_s = learned
+    assert [s.seq for s in steps if "guess" in s.finalized] == [4]
+    assert all("llm_warm" in steps[i].finalized for i in (1, 2))
+    first = next(s for s in steps if not s.result.is_listen)
+    assert first.seq == 5 and first.result.reply_start_how == "guess"
+    assert "Jupiter" in "".join(s.result.text for s in steps)
+
+
 def test_a_guess_is_dropped_when_the_user_goes_on(engine):
     # The same question, then at once more words: unit 5's finalize guesses a reply to the
     # question, but unit 6 brings speech, so no reply starts on that guess: the turn ends

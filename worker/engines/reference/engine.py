@@ -478,6 +478,26 @@ class ReferenceSession(EngineSession):
             and self.settings.tts_enabled is not False
         )
 
+    def _guess_in_time(self) -> bool:
+        """Whether a finalize may spend a guess's cost now (``_may_guess`` said it may
+        guess). A unit that ended in speech is a long shot (whole-second units end inside a
+        question's words, which often read as finished: "How many days are there?"), and
+        the next unit waits for this finalize whatever it brings: that guess is made only
+        where it ends before the next unit is due (this unit's length after it began), by
+        the slow end of the measured reply starts (``TurnRules.guess_in_time``). A unit
+        that ended in silence, too little to end the turn, is guessed at whatever it costs:
+        the next unit seldom brings more words. A host that starts a reply in ~0.5 s makes
+        these guesses as before; on one that takes ~1-1.4 s (docs/performance.md, "A
+        slower 2-core host") they held the next unit, and the turn's end with it: units
+        answered late in `turn_starts --early`'s 24 questions 14 and 14 -> 3 and 6, first
+        audio p90 2.99-3.07 -> 2.13-2.27 s."""
+        if self.turn.silence_s > 0.0 or not self.rules.guess_in_time:
+            return True
+        cost = self.engine.reply_start_s
+        if cost is None:
+            return True
+        return time.perf_counter() - self.unit_started + cost <= self.unit_s
+
     def _guess(
         self, key: tuple[int, int], text: str, logprob: float, costs: dict[str, float]
     ) -> None:
@@ -575,7 +595,7 @@ class ReferenceSession(EngineSession):
         if self.engine.busy():
             return  # spare time only: another session's unit is being computed
         text, logprob = self._transcribe(turn.audio(), turn.key(), costs)
-        if self._may_guess(text, logprob):
+        if self._may_guess(text, logprob) and self._guess_in_time():
             self._guess(turn.key(), text, logprob, costs)
             return
         if text.strip():

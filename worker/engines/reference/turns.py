@@ -66,6 +66,11 @@ class TurnRules(UtteranceRules):
     to them (its first piece made, the dialogue then taken back): when the next unit adds
     only silence, the turn ends with the same words and that piece goes out at once, a
     whole unit sooner than a turn ended by the next unit would speak."""
+    guess_in_time: bool = True
+    """A finalize at a unit that ended in speech (a long shot: whole-second units end inside
+    a question's words) guesses only where the guess ends before the next unit is due, by
+    the slow end of the measured reply starts (``ReferenceSession._guess_in_time``); False:
+    whatever it costs (exact timelines in tests, whatever the host's speed)."""
     turn_work: str = "auto"
     """Where the end of the user's turn is worked out (transcribing what is not yet, the
     turn's prefill, the reply's first piece): "inline", in the unit that ends the turn; or
