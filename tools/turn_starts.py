@@ -8,8 +8,9 @@ For each question it prints the unit that began the reply, how it began (inline,
 guess: GenerateResult.reply_start_how) and where the time went (reply_start_ms: the silence
 waited after the words, recognition, the reply model, speech), then first audio p50/p90
 and the gaps a client playing the chunks as they come would hear, and the units answered
-late by the worker's rule (``headroom.is_late``: the finalize before a unit holds it). First audio is counted as
-`omnifabric eval` counts it, from the end of the question: unit n carries stream seconds
+late by the worker's rule (``headroom.is_late``: the finalize before a unit holds it).
+First audio is counted as `omnifabric eval` counts it, from the end of the question: unit
+n carries stream seconds
 [n, n+1) and is complete at n+1; it starts then, or when the finalize before it ended if
 that is later (the worker's barrier), and its result leaves when its generate returns
 (the fabric's own ~10 ms are not in it); with ``--early``, a result a finalize sends at once
