@@ -211,25 +211,40 @@ def test_ears_take_the_transcript_both_models_find_likelier(ears, speak):
     assert ears.moonshine.score(m_enc, text)[0] > ears.moonshine.score(m_enc, alone)[0]
 
 
+def _same_heard(spread: tuple[str, float], alone: tuple[str, float], exact: bool) -> bool:
+    """The same transcript and confidence: to the bit where the encoder's states do not
+    depend on its threads (``exact``), else the confidence within 5e-3."""
+    if exact:
+        return spread == alone
+    return spread[0] == alone[0] and spread[1] == pytest.approx(alone[1], abs=5e-3)
+
+
 def test_ears_spread_over_the_cores_hear_the_same_to_the_bit(ears, speak, monkeypatch):
     # The schedule a lone hearing runs (Whisper's encoder on every core, then Whisper's
     # decoding beside Moonshine): the same transcript and confidence as the two side by
     # side, here where they disagree (both transcripts scored, the two scorings at once)
-    # and in silence; torch's thread count is put back.
+    # and in silence; torch's thread count is put back. To the bit where the encoder's
+    # states are (fp32 anywhere; bfloat16 on the AMD EPYC host); bfloat16 on an Intel
+    # host's AMX tiles sums in a different order on two threads (states up to 0.1 apart
+    # on a 3 s window: docs/performance.md, "A slower 2-core host"), and there the same
+    # transcript with a confidence in the fourth decimal is what holds.
     audio = speak("How many days are there in a week?", "en-us+f3", 150)
     with torch_threads(1):  # as the engine runs (one thread a unit)
+        one = ears.whisper.encode(audio)
+        with torch_threads(spread_threads()):
+            exact = torch.equal(one, ears.whisper.encode(audio))
         side_by_side = ears.hear(audio)
         picked = dict(ears.picked)
         counts: list[int] = []
         set_threads = torch.set_num_threads
         monkeypatch.setattr(torch, "set_num_threads", lambda n: (counts.append(n), set_threads(n)))
-        assert ears.hear(audio, spread=True) == side_by_side
+        assert _same_heard(ears.hear(audio, spread=True), side_by_side, exact)
         monkeypatch.undo()
         assert ears.picked["moonshine"] == picked["moonshine"] + 1
         assert torch.get_num_threads() == 1
         # Whisper alone: its encoder spread, its decoding on the caller's one thread (the
         # sums over its vocabulary differ in the last bits on two: a CI run saw 3e-8).
-        assert ears.whisper.hear(audio, spread=True) == ears.whisper.hear(audio)
+        assert _same_heard(ears.whisper.hear(audio, spread=True), ears.whisper.hear(audio), exact)
     cores = spread_threads()
     assert counts == ([] if cores == 1 else [cores, 1])
     assert ears.hear(np.zeros(16000, np.float32), spread=True) == ("", float("-inf"))

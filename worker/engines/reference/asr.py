@@ -641,7 +641,9 @@ def _ends_in_loop(tokens: list[int]) -> bool:
 #: Threads a hearing's encoder may use where it has the host to itself (``spread``; the
 #: engine's units use one each): Whisper base's encoder on a 3 s question's window took
 #: 149 ms on one thread and 85 ms on two here (2-core host), its states equal to the bit
-#: (oneDNN splits the outputs, not the sums, across threads); more are not measured.
+#: (oneDNN splits the outputs, not the sums, across threads); more are not measured. In
+#: bfloat16 on an Intel host's AMX tiles the states differ on two threads (up to 0.1 on a
+#: 3 s window): the same transcripts there, confidences apart in the fourth decimal.
 SPREAD_THREADS = 4
 
 

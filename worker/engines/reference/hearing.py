@@ -144,8 +144,9 @@ class Ears:
         Whisper's encoder, the longest single piece (~150 ms of a ~270 ms hearing on one
         core), then runs first on every core (``asr.spread_threads``: ~85 ms on two), and
         Whisper's decoding and Moonshine follow at once, a core each. The same transcript
-        to the bit (the encoder's states do not depend on its threads); on the eval's 24
-        questions as a turn's end hears them, ~50 ms sooner on a 2-core host."""
+        to the bit where the encoder's states do not depend on its threads (fp32; bfloat16
+        on AVX512-BF16 without AMX: ``asr.SPREAD_THREADS``); on the eval's 24 questions as a
+        turn's end hears them, ~50 ms sooner on a 2-core host."""
         audio = np.asarray(audio, dtype=np.float32).reshape(-1)
         if is_silent(audio):
             return "", float("-inf")
