@@ -489,8 +489,8 @@ class ReferenceSession(EngineSession):
         the next unit seldom brings more words. A host that starts a reply in ~0.5 s makes
         these guesses as before; on one that takes ~1-1.4 s (docs/performance.md, "A
         slower 2-core host") they held the next unit, and the turn's end with it: units
-        answered late in `turn_starts --early`'s 24 questions 14 and 14 -> 3 and 6, first
-        audio p90 2.99-3.07 -> 2.13-2.27 s."""
+        answered late in `turn_starts --early`'s 24 questions 14, 14, 10 -> 3, 6, 6, first
+        audio p90 2.47-3.07 -> 2.13-2.27 s in three pairs."""
         if self.turn.silence_s > 0.0 or not self.rules.guess_in_time:
             return True
         cost = self.engine.reply_start_s
