@@ -9,11 +9,12 @@ finalizes (finalize); one driver task on the event loop feeds the engine one cal
   batch-mates, and not at all once every open session has a unit waiting; a unit that
   arrives during a step joins the next one.
 
-Each call is bounded by the unit timeout: past it, every session in the call gets its
-EngineStuck (the engine thread cannot be interrupted; the worker reports itself stuck). A
-row's own failure fails that row's session alone. For the real-time headroom a unit is
-charged its share of its step (and a finalize its share of its call): what one more session
-costs a batched engine is what it adds to the step, not a whole unit's compute.
+Each call is bounded by the unit timeout from when it starts: past it, every session in the
+call gets its EngineStuck (the engine thread cannot be interrupted; the worker reports
+itself stuck). A row's own failure fails that row's session alone. For the real-time
+headroom a unit is charged its share of its step (and a finalize its share of its call):
+what one more session costs a batched engine is what it adds to the step, not a whole
+unit's compute.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from omnifabric.worker.engine import (
     UnitRun,
     UnitRunner,
 )
+from omnifabric.worker.engine_call import EngineCall, Overran
 from omnifabric.worker.units import UnitInput
 
 log = logging.getLogger("omnifabric.worker.batcher")
@@ -63,7 +65,7 @@ class StepBatcher(UnitRunner):
         self,
         stepper: Stepper,
         executor: Executor,
-        unit_timeout_s: float | None,
+        unit_timeout_s: Callable[[], float | None],
         open_sessions: Callable[[], int],
         window_s: float = WINDOW_S,
         on_step: StepObserver | None = None,
@@ -71,6 +73,8 @@ class StepBatcher(UnitRunner):
         self.stepper = stepper
         self.executor = executor
         self.unit_timeout_s = unit_timeout_s
+        """The unit timeout now (None: unbounded); asked at each call (worker.runtime's
+        follows the engine's measures)."""
         self.window_s = max(0.0, window_s)
         self._open_sessions = open_sessions
         """How many sessions may hand in a unit (a full batch need not wait)."""
@@ -154,7 +158,7 @@ class StepBatcher(UnitRunner):
     async def _step(self, units: list[_Waiting]) -> None:
         rows = [w.row for w in units if w.row is not None]
         started = time.perf_counter()
-        call = self.executor.submit(self.stepper.step, rows)
+        call = EngineCall(self.executor, self.stepper.step, rows)
         outcome: StepOutcome | None = await self._bounded(
             units, call, "unit {seq} (in a step of {n})"
         )
@@ -192,7 +196,7 @@ class StepBatcher(UnitRunner):
             assert engine_session is not None  # a session frees only after its finalize
             sessions.append(engine_session)
         started = time.perf_counter()
-        call = self.executor.submit(self.stepper.finalize, sessions)
+        call = EngineCall(self.executor, self.stepper.finalize, sessions)
         failed: list[Exception | None] | None = await self._bounded(
             finalizes, call, "finalize of unit {seq} (with {n})"
         )
@@ -207,25 +211,19 @@ class StepBatcher(UnitRunner):
             else:
                 waiting.future.set_result(share)
 
-    async def _bounded(self, waiting: list[_Waiting], call: Future[Any], what: str) -> Any:
+    async def _bounded(self, waiting: list[_Waiting], call: EngineCall, what: str) -> Any:
         """The call's result, or None once every waiter was failed: past the unit timeout
-        with its session's EngineStuck (the call goes on in its thread), else with the
-        call's own exception."""
-        timeout = self.unit_timeout_s
+        from the call's start (worker.engine_call) with its session's EngineStuck (the call
+        goes on in its thread), else with the call's own exception."""
+        timeout = self.unit_timeout_s()
         try:
-            if timeout is None:
-                return await asyncio.wrap_future(call)
-            deadline = asyncio.timeout(timeout)
-            try:
-                async with deadline:
-                    return await asyncio.wrap_future(call)
-            except TimeoutError:
-                if not deadline.expired():
-                    raise  # the engine's own TimeoutError
+            return await call.bounded(timeout, asyncio.get_running_loop())
+        except Overran:
+            assert timeout is not None
             n = len(waiting)
             _fail(
                 waiting,
-                lambda w: w.session.stuck(what.format(seq=w.seq, n=n), call, timeout),
+                lambda w: w.session.stuck(what.format(seq=w.seq, n=n), call.future, timeout),
             )
         except Exception as exc:  # noqa: BLE001 - the call failed as a whole: so do its rows
             failure = exc

@@ -406,12 +406,18 @@ class WorkerConfig(FabricTls):
         env="OMNI_WORKER_UNIT_TIMEOUT_S",
         flag="--unit-timeout",
         range=(0.05, 3600.0),
-        help="an engine call of one unit longer than this ends its session (inference_error); "
-        "the worker is NOT_SERVING until the call returns, s",
+        help="an engine call of one unit running longer than this, from when an engine thread "
+        "takes it up, ends its session (inference_error); the worker is NOT_SERVING until the "
+        "call returns; an engine that measures its dearest call gets 3 times that where "
+        "longer, s",
     )
-    """An engine call of one unit (prefill + generate, or finalize) running longer ends its
-    session with error/inference_error, and the worker reports NOT_SERVING until the call
-    returns (a stuck engine thread cannot be killed)."""
+    """An engine call of one unit (prefill + generate, or finalize) running longer, counted
+    from when an engine thread takes it up (a wait for a free thread is not the call's),
+    ends its session with error/inference_error, and the worker reports NOT_SERVING until
+    the call returns (a stuck engine thread cannot be killed). An engine that measures its
+    dearest call (the reference engine: the finalize that ends a 25 s turn, from its warm-up
+    on) gets worker.runtime.STUCK_MULTIPLE times that where it is longer: a CPU engine on a
+    slow host ends turns in seconds."""
     memory_tolerance_mb: float = setting(
         16.0,
         env="OMNI_WORKER_MEMORY_TOLERANCE_MB",

@@ -366,6 +366,14 @@ class Engine(abc.ABC):
     def open_session(self, session_id: str, mode: str) -> EngineSession:
         """A new session in `mode` ("audio" or "video")."""
 
+    def slowest_call_s(self) -> float | None:
+        """Seconds the dearest engine call of a unit (its prefill and generate, or its
+        finalize) takes on this host by the engine's own measures so far; None (the
+        default) where it measures none. The worker takes a call as stuck only past a
+        multiple of this, where that is longer than its configured unit timeout
+        (worker.runtime.STUCK_MULTIPLE)."""
+        return None
+
     def stepper(self) -> Stepper | None:
         """The batched entry, asked once when the worker starts: None (the default) when the
         engine serves sessions one by one (worker.runner.TimeSliced)."""

@@ -1,9 +1,10 @@
 """The worker's unit runner: each session's units one by one on the engine threads.
 
 Sessions take turns on the engine (time-sliced): a unit's prefill and generate run as one
-call on an engine thread, its finalize as another, each bounded by the unit timeout. The
-unit loop (worker.session) hands its units here unless the engine steps sessions together
-(Engine.stepper, worker.batcher).
+call on an engine thread, its finalize as another, each bounded by the unit timeout from
+when an engine thread takes it up (worker.engine_call). The unit loop (worker.session)
+hands its units here unless the engine steps sessions together (Engine.stepper,
+worker.batcher).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from omnifabric.worker.engine import RunnerSession, UnitRun, UnitRunner
+from omnifabric.worker.engine_call import EngineCall, Overran
 from omnifabric.worker.units import UnitInput
 
 
@@ -42,23 +44,15 @@ class TimeSliced(UnitRunner):
     async def _watched(
         self, session: RunnerSession, what: str, fn: Callable[..., Any], *args: Any
     ) -> Any:
-        """An engine call bounded by the unit timeout. Raises EngineStuck (session.stuck)
-        when it overruns: the thread cannot be interrupted, so the call is left running."""
-        timeout = self.unit_timeout_s
-        call = self.executor.submit(fn, *args)
-        if timeout is None:
-            return await asyncio.wrap_future(call, loop=self._loop)
-        # The task awaits the call's own future: its result wakes the task in one loop
-        # turn (asyncio.wait would add a waiter future and a turn to every engine call).
-        deadline = asyncio.timeout(timeout)
+        """An engine call bounded by the unit timeout from when it starts
+        (worker.engine_call). Raises EngineStuck (session.stuck) when it overruns: the
+        thread cannot be interrupted, so the call is left running."""
+        call = EngineCall(self.executor, fn, *args)
         try:
-            async with deadline:
-                return await asyncio.wrap_future(call, loop=self._loop)
-        except TimeoutError:
-            if not deadline.expired():
-                raise  # the engine's own TimeoutError
-        # Expired: the awaited future was cancelled; the call goes on in its thread.
-        raise session.stuck(what, call, timeout)
+            return await call.bounded(self.unit_timeout_s, self._loop)
+        except Overran:
+            assert self.unit_timeout_s is not None
+            raise session.stuck(what, call.future, self.unit_timeout_s) from None
 
 
 def _infer(session: RunnerSession, unit: UnitInput, force_listen: bool, max_slices: int) -> UnitRun:

@@ -34,6 +34,14 @@ from omnifabric.worker.session_types import CloseReason, SessionLimits, SessionS
 
 log = logging.getLogger("omnifabric.worker")
 
+#: An engine call is stuck (its session ends with inference_error, the worker turns
+#: NOT_SERVING until it returns) past the configured unit timeout, or past this many times
+#: the engine's own measure of its dearest call (Engine.slowest_call_s) where that is
+#: longer. A CPU engine's finalize that ends a turn takes 1-3 s on a slow 2-core host and
+#: twice that while another session's call shares the cores: the fixed 5 s ended healthy
+#: sessions there (CI, 2026-11-28: warm-up 37 s, finalizes past 5 s).
+STUCK_MULTIPLE = 3.0
+
 
 class _End(enum.Enum):
     """What next() gives for an engine's exhausted chat chunks (a typed sentinel)."""
@@ -98,7 +106,7 @@ class WorkerRuntime:
             else StepBatcher(
                 self.stepper,
                 self.executor,
-                config.unit_timeout_s,
+                self.unit_timeout_s,
                 lambda: len(self.sessions),
                 window_s=config.batch_window_ms / 1000.0,
                 on_step=self.metrics.observe_step,
@@ -167,6 +175,16 @@ class WorkerRuntime:
             ", ".join(f"{mode} {cost.session_cost:.3f}" for mode, cost in sorted(costs.items())),
             self.engine_threads,
         )
+        slowest = engine.slowest_call_s()
+        if slowest is not None:
+            log.info(
+                "unit timeout: %.1f s (the engine's dearest call measures %.2f s here; %g "
+                "times that, or --unit-timeout %g s where longer)",
+                self.unit_timeout_s(),
+                slowest,
+                STUCK_MULTIPLE,
+                self.config.unit_timeout_s,
+            )
         if self.config.slots is None and engine.slots_from_warmup and "audio" in costs:
             audio = costs["audio"]
             self.slots = realtime.sessions_within(
@@ -179,6 +197,15 @@ class WorkerRuntime:
                 realtime.MARGIN * 100,
                 self.engine_threads,
             )
+
+    def unit_timeout_s(self) -> float:
+        """The bound on one engine call of a unit now: the configured unit timeout, or
+        STUCK_MULTIPLE times the engine's measure of its dearest call where that is longer.
+        A session keeps the one it started with (SessionStarted.unit_timeout_ms tells the
+        edge, whose watchdog outwaits it)."""
+        configured = self.config.unit_timeout_s
+        slowest = self.engine.slowest_call_s()
+        return configured if slowest is None else max(configured, STUCK_MULTIPLE * slowest)
 
     def headroom_figures(self) -> HeadroomFigures | None:
         """What the worker reports of its headroom now (None before warm-up)."""
@@ -221,7 +248,7 @@ class WorkerRuntime:
             limits = SessionLimits(
                 duration_s=self.config.limit_s(spec.mode),
                 max_context_tokens=self.config.max_context_tokens,
-                unit_timeout_s=self.config.unit_timeout_s,
+                unit_timeout_s=self.unit_timeout_s(),
                 journal_results=self.config.journal_results,
             )
             session = DuplexSession(

@@ -78,8 +78,9 @@ async def serve(engine, specs, scripts, runner=None, on_unit=None, limits=None):
 def batcher_for(engine, sessions: int, executor=None, **kw) -> StepBatcher:
     stepper = engine.stepper()
     assert stepper is not None
+    timeout = kw.pop("timeout", None)
     return StepBatcher(
-        stepper, executor or ThreadPoolExecutor(1), kw.pop("timeout", None), lambda: sessions, **kw
+        stepper, executor or ThreadPoolExecutor(1), lambda: timeout, lambda: sessions, **kw
     )
 
 
@@ -114,7 +115,7 @@ async def test_a_control_shows_the_comparison_can_fail():
     engine = SyntheticEngine(compute_ms=5, batch_share=0.1, force_listen_count=0)
     specs, scripts = [spec(0), spec(1)], [script(8, 1), script(8, 3)]
     alone = [(await serve(engine, [s], [sc]))[0][0] for s, sc in zip(specs, scripts, strict=True)]
-    swapped = StepBatcher(Swapped(engine, 0.1), ThreadPoolExecutor(1), None, lambda: 2)
+    swapped = StepBatcher(Swapped(engine, 0.1), ThreadPoolExecutor(1), lambda: None, lambda: 2)
     together, _ = await serve(engine, specs, scripts, runner=swapped)
     assert together != alone
 
@@ -226,7 +227,7 @@ async def test_a_failure_of_the_driver_fails_the_waiting_sessions():
     def broken() -> int:
         raise RuntimeError("open sessions unknown")
 
-    batcher = StepBatcher(stepper, ThreadPoolExecutor(1), None, broken)
+    batcher = StepBatcher(stepper, ThreadPoolExecutor(1), lambda: None, broken)
     executor = ThreadPoolExecutor(1)
     session = DuplexSession(spec(0), engine, executor, SessionLimits(60, 8192), runner=batcher)
     await session.open()

@@ -159,6 +159,87 @@ async def test_hung_finalize_ends_the_session_at_once(workers):
     await report_where(workers, lambda r: r.health == SERVING)
 
 
+class MeasuringEngine(SlowFinalizeEngine):
+    """Measures its dearest call at `slowest_s` (Engine.slowest_call_s)."""
+
+    slowest_s: float | None = None
+
+    def slowest_call_s(self) -> float | None:
+        return self.slowest_s
+
+
+async def start_session(workers, worker, lease_id):
+    """An open session and its SessionStarted."""
+    workers.scheduler.grant(worker.worker_id, lease_id)
+    client = SessionClient(workers.stub(worker))
+    client.start(lease_id)
+    started = await client.next()
+    assert started.WhichOneof("kind") == "started", started
+    return client, started.started
+
+
+async def test_a_finalize_waiting_for_the_engine_thread_is_not_stuck(workers):
+    """One engine thread, two sessions whose finalizes take 0.6 s each under a 1.0 s unit
+    timeout: the second waits 0.6 s for the thread and runs 0.6 s, 1.2 s after it was handed
+    in, and is not stuck: the bound counts from the call's start (worker.engine_call)."""
+    engine = SlowFinalizeEngine(compute_ms=2, slots=2, threads=1)
+    worker = await workers.start(engine=engine, unit_timeout_s=1.0)
+    engine.finalize_s = 0.6
+    first = await open_session(workers, worker, "L1")
+    second = await open_session(workers, worker, "L2")
+    began = time.monotonic()
+    first.unit(1, SILENCE)
+    second.unit(1, SILENCE)
+    for client in (first, second):
+        assert (await client.next()).WhichOneof("kind") == "result"
+    for client in (first, second):  # each next unit waits for its session's finalize
+        assert (await serve_unit(client, 2)).seq == 2
+    assert time.monotonic() - began >= 1.2  # the two finalizes ran one after the other
+    assert not worker.runtime.stuck
+    assert await health(worker) == health_pb2.HealthCheckResponse.SERVING
+    engine.finalize_s = 0.0
+    for client in (first, second):
+        client.close()
+        await client.until_ended()
+
+
+async def test_the_unit_timeout_is_a_multiple_of_the_engines_dearest_call_where_longer(workers):
+    """An engine that measures its dearest call at 0.5 s gets 3 times that, 1.5 s, over a
+    configured 0.3 s: its sessions say so (SessionStarted.unit_timeout_ms, which the edge
+    outwaits); a 0.8 s finalize is served, a 2.5 s one is stuck at 1.5 s. Unmeasured, the
+    configured timeout holds."""
+    engine = MeasuringEngine(compute_ms=2, slots=3)
+    worker = await workers.start(engine=engine, unit_timeout_s=0.3)
+    client, started = await start_session(workers, worker, "L1")
+    assert started.unit_timeout_ms == 300
+    client.close()
+    await client.until_ended()
+
+    engine.slowest_s = 0.5
+    assert worker.runtime.unit_timeout_s() == pytest.approx(1.5)
+    client, started = await start_session(workers, worker, "L2")
+    assert started.unit_timeout_ms == 1500
+    engine.finalize_s = 0.8
+    for seq in (1, 2, 3):  # each after the 0.8 s finalize of the one before
+        await serve_unit(client, seq)
+    client.close()
+    await client.until_ended()
+    assert not worker.runtime.stuck
+
+    engine.finalize_s = 2.5
+    client, started = await start_session(workers, worker, "L3")
+    await serve_unit(client, 1)
+    began = time.monotonic()
+    (ended,) = await client.until_ended()
+    assert ended.ended.error_code == "inference_error"
+    assert ended.ended.message == close_message(
+        INFERENCE_ERROR, "the engine did not finish finalize of unit 1 within 1.5 s"
+    )
+    assert 1.0 < time.monotonic() - began < scaled(2.3)
+    engine.finalize_s = 0.0
+    await report_where(workers, lambda r: r.health == SERVING, timeout_s=5.0)
+
+
 async def test_an_engine_raising_timeout_error_fails_the_unit_and_is_not_stuck(workers):
     """The unit timeout tells its own expiry from a TimeoutError the engine raised: the
     latter is an inference failure, the worker stays serving."""

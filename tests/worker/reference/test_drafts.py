@@ -213,3 +213,23 @@ def test_the_checks_and_the_arguments_are_estimated_by_the_same_slow_end() -> No
         engine.learn_checks(0.2)
     assert engine.checks_s == pytest.approx(0.2)
     assert engine.arguments_s == pytest.approx(0.3)  # each kind keeps its own measurements
+
+
+def test_the_dearest_call_is_the_finalize_that_ends_the_longest_turn() -> None:
+    """Engine.slowest_call_s, which the worker's unit timeout follows where it is longer:
+    hearing a whole ``max_utterance_s`` (25 s: a 28 s window), the checks and the arguments once
+    measured, the reply's start and its next second of speech."""
+    from omnifabric.worker.engines.reference.asr import window_seconds
+    from omnifabric.worker.engines.reference.engine import ReferenceEngine
+
+    engine = ReferenceEngine()  # not loaded: the bound is arithmetic on what it learned
+    assert engine.slowest_call_s() is None  # nothing measured: the configured timeout holds
+    assert window_seconds(engine.rules.max_utterance_s) == 28.0
+    engine.learn_hearing(0.4, 2.0)  # 0.08 s a second of window
+    engine.learn_reply_start(0.6)
+    assert engine.slowest_call_s() == pytest.approx(0.08 * 28 + 0.6)
+    engine.reply_cost = 0.7  # a second of speech made ahead
+    assert engine.slowest_call_s() == pytest.approx(0.08 * 28 + 0.6 + 0.7)
+    engine.learn_checks(0.5)
+    engine.learn_arguments(0.9)
+    assert engine.slowest_call_s() == pytest.approx(0.08 * 28 + 0.5 + 0.6 + 0.9 + 0.7)

@@ -1551,6 +1551,17 @@ class ReferenceEngine(Engine):
         cost = (self.drafted_hearing_cost if drafted else None) or self.hearing_cost
         return cost * window_seconds(hear_s) + checks + self.reply_start_s
 
+    def slowest_call_s(self) -> float | None:
+        """A finalize that ends the longest user turn (``max_utterance_s``): hearing it, the
+        function checks and the calls' arguments once a session has measured them, the
+        reply's start, then its next second of speech; by the slow end of this host's
+        measures (None before the warm-up made them). A context window's slide, which
+        prefills the kept history again, is left out."""
+        turn = self.turn_estimate(self.rules.max_utterance_s, choosing=self.checks_s is not None)
+        if turn is None:
+            return None
+        return turn + (self.arguments_s or 0.0) + (self.reply_cost or 0.0)
+
     def busy(self) -> bool:
         """More than one unit is being generated now: work that only saves time later (the
         prefill ahead) is skipped, so it never delays another session's unit."""
