@@ -53,12 +53,18 @@ class TimeoutRaisingEngine(SyntheticEngine):
     raising = False
 
 
-async def open_session(workers, worker, lease_id):
+async def start_session(workers, worker, lease_id):
+    """An open session and its SessionStarted."""
     workers.scheduler.grant(worker.worker_id, lease_id)
     client = SessionClient(workers.stub(worker))
     client.start(lease_id)
     started = await client.next()
     assert started.WhichOneof("kind") == "started", started
+    return client, started.started
+
+
+async def open_session(workers, worker, lease_id):
+    client, _ = await start_session(workers, worker, lease_id)
     return client
 
 
@@ -166,16 +172,6 @@ class MeasuringEngine(SlowFinalizeEngine):
 
     def slowest_call_s(self) -> float | None:
         return self.slowest_s
-
-
-async def start_session(workers, worker, lease_id):
-    """An open session and its SessionStarted."""
-    workers.scheduler.grant(worker.worker_id, lease_id)
-    client = SessionClient(workers.stub(worker))
-    client.start(lease_id)
-    started = await client.next()
-    assert started.WhichOneof("kind") == "started", started
-    return client, started.started
 
 
 async def test_a_finalize_waiting_for_the_engine_thread_is_not_stuck(workers):
