@@ -45,20 +45,21 @@ class EngineCall:
         if timeout_s is None:
             return await waiter
         overran = False
+        timer: list[asyncio.TimerHandle] = []
 
         def check() -> None:
-            nonlocal handle, overran
+            nonlocal overran
             started = self.started
             # Not started yet: look again a whole bound later (it cannot be due before).
             left = timeout_s if started is None else started + timeout_s - time.monotonic()
             if left > 0:
-                handle = loop.call_later(left, check)
+                timer[0] = loop.call_later(left, check)
                 return
             overran = True
             # Only the wait ends: a running call ignores the cancel its future passes on.
             waiter.cancel()
 
-        handle = loop.call_later(timeout_s, check)
+        timer.append(loop.call_later(timeout_s, check))
         try:
             return await waiter
         except asyncio.CancelledError:
@@ -67,4 +68,4 @@ class EngineCall:
                 raise  # the awaiting task itself was cancelled
             raise Overran from None
         finally:
-            handle.cancel()
+            timer[0].cancel()
