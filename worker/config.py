@@ -24,6 +24,14 @@ ASR_PRECISIONS = ("auto", "fp32")
 TURN_WORK = ("auto", "inline", "finalize")
 """Where the reference engine works out the end of a user's turn (``WorkerConfig.turn_work``,
 ``TurnRules.turn_work``)."""
+STUCK_MULTIPLE = 3.0
+"""An engine call is stuck (its session ends with inference_error, the worker turns
+NOT_SERVING until it returns) past the configured unit timeout (``unit_timeout_s``), or
+past this many times the engine's own measure of its dearest call (Engine.slowest_call_s)
+where that is longer. A CPU engine's finalize that ends a turn takes
+1-3 s on a slow 2-core host and twice that while another session's call shares the cores:
+the fixed 5 s ended healthy sessions there (CI, 2026-11-28: warm-up 37 s, finalizes past
+5 s)."""
 
 
 def _default_worker_id() -> str:
@@ -408,16 +416,16 @@ class WorkerConfig(FabricTls):
         range=(0.05, 3600.0),
         help="an engine call of one unit running longer than this, from when an engine thread "
         "takes it up, ends its session (inference_error); the worker is NOT_SERVING until the "
-        "call returns; an engine that measures its dearest call gets 3 times that where "
-        "longer, s",
+        f"call returns; an engine that measures its dearest call gets {STUCK_MULTIPLE:g} times "
+        "that where longer, s",
     )
     """An engine call of one unit (prefill + generate, or finalize) running longer, counted
     from when an engine thread takes it up (a wait for a free thread is not the call's),
     ends its session with error/inference_error, and the worker reports NOT_SERVING until
     the call returns (a stuck engine thread cannot be killed). An engine that measures its
     dearest call (the reference engine: the finalize that ends a 25 s turn, from its warm-up
-    on) gets worker.runtime.STUCK_MULTIPLE times that where it is longer: a CPU engine on a
-    slow host ends turns in seconds."""
+    on) gets STUCK_MULTIPLE times that where it is longer: a CPU engine on a slow host ends
+    turns in seconds."""
     memory_tolerance_mb: float = setting(
         16.0,
         env="OMNI_WORKER_MEMORY_TOLERANCE_MB",

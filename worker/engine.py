@@ -371,7 +371,7 @@ class Engine(abc.ABC):
         finalize) takes on this host by the engine's own measures so far; None (the
         default) where it measures none. The worker takes a call as stuck only past a
         multiple of this, where that is longer than its configured unit timeout
-        (worker.runtime.STUCK_MULTIPLE)."""
+        (worker.config.STUCK_MULTIPLE)."""
         return None
 
     def stepper(self) -> Stepper | None:

@@ -55,6 +55,8 @@ class EngineCall:
             if left > 0:
                 timer[0] = loop.call_later(left, check)
                 return
+            if self.future.done():
+                return  # it ended in time: its result reaches the waiter in a loop turn
             overran = True
             # Only the wait ends: a running call ignores the cancel its future passes on.
             waiter.cancel()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from omnifabric.common import realtime
 from omnifabric.worker.batcher import StepBatcher
-from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.config import STUCK_MULTIPLE, WorkerConfig
 from omnifabric.worker.engine import ChatChunk, ChatTurn, Engine
 from omnifabric.worker.engines import memory
 from omnifabric.worker.errors import (
@@ -33,14 +33,6 @@ from omnifabric.worker.session import DuplexSession
 from omnifabric.worker.session_types import CloseReason, SessionLimits, SessionSpec
 
 log = logging.getLogger("omnifabric.worker")
-
-#: An engine call is stuck (its session ends with inference_error, the worker turns
-#: NOT_SERVING until it returns) past the configured unit timeout, or past this many times
-#: the engine's own measure of its dearest call (Engine.slowest_call_s) where that is
-#: longer. A CPU engine's finalize that ends a turn takes 1-3 s on a slow 2-core host and
-#: twice that while another session's call shares the cores: the fixed 5 s ended healthy
-#: sessions there (CI, 2026-11-28: warm-up 37 s, finalizes past 5 s).
-STUCK_MULTIPLE = 3.0
 
 
 class _End(enum.Enum):
