@@ -19,7 +19,9 @@ engine's turn tracker cuts an utterance (its pre-roll before the speech, its tai
 (``engine.HEARING_PRIMER``), and ``--context ""`` none.
 
 Printed: one row per voice kind with the utterances whose key words all survived, the key
-words that survived, the word error rate against the text, and the recognition time per
+words that survived, the word error rate against the text, what a conversation would get by
+the engine's rule (answered with every key word heard, answered on a misheard word, asked to
+say it again: a confidence under ``ReferenceEngine.repair_below``), and the recognition time per
 utterance (p50/p90, one torch thread per recognizer as the engine runs them), plus the load
 average; then every utterance that lost a key word. ``--out`` also gets every utterance as
 JSON. Rendered speech is kept in ``--cache`` (default: the temporary folder) between runs.
@@ -229,8 +231,18 @@ def run(
     return out
 
 
-def table(results: list[Heard]) -> str:
-    """One row per voice kind and one for all."""
+def outcomes(group: list[Heard], repair_below: float) -> tuple[int, int, int]:
+    """What a conversation gets from these hearings, by the engine's rule: (answered with
+    every key word heard, answered on a word misheard, asked to say it again: a confidence
+    under ``repair_below``)."""
+    asked = sum(r.confidence < repair_below for r in group)
+    right = sum(r.confidence >= repair_below and r.keys_kept == r.keys for r in group)
+    return right, len(group) - asked - right, asked
+
+
+def table(results: list[Heard], repair_below: float) -> str:
+    """One row per voice kind and one for all; ``repair_below``: the engine's threshold for
+    asking again (``ReferenceEngine.repair_below``)."""
     from omnifabric.common.stats import percentile
 
     groups: dict[str, list[Heard]] = {}
@@ -238,18 +250,21 @@ def table(results: list[Heard]) -> str:
         groups.setdefault(r.kind, []).append(r)
     groups["all"] = results
     rows = [
-        "| voices | utterances | all key words kept | key words kept | WER | ms p50 / p90 |",
-        "|---|---|---|---|---|---|",
+        "| voices | utterances | all key words kept | key words kept | WER "
+        "| answered right / wrong / asked again | ms p50 / p90 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, group in groups.items():
         n = len(group)
         whole = sum(r.keys_kept == r.keys for r in group)
         kept, keys = sum(r.keys_kept for r in group), sum(r.keys for r in group)
+        right, wrong, asked = outcomes(group, repair_below)
         ms = [r.ms for r in group]
         rows.append(
             f"| {name} | {n} | {whole}/{n} ({100 * whole / max(1, n):.1f}%) "
             f"| {kept}/{keys} ({100 * kept / max(1, keys):.1f}%) "
             f"| {100 * float(np.mean([r.wer for r in group])):.1f}% "
+            f"| {right} / {wrong} / {asked} "
             f"| {percentile(ms, 50):.0f} / {percentile(ms, 90):.0f} |"
         )
     return "\n".join(rows)
@@ -285,14 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
     runs = plan(kinds, PROBES[: args.limit] if args.limit else PROBES)
     t0 = time.perf_counter()
-    if args.context is None:
-        from omnifabric.worker.engines.reference.engine import HEARING_PRIMER
+    from omnifabric.worker.engines.reference.engine import HEARING_PRIMER, ReferenceEngine
 
+    if args.context is None:
         args.context = HEARING_PRIMER
     hear = load(args.asr, args.context or None, args.asr_precision)
     print(f"recognizers loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     results = run(runs, hear, cache)
-    summary = table(results)
+    summary = table(results, ReferenceEngine.repair_below)
     load_avg = " ".join(f"{x:.2f}" for x in os.getloadavg())
     context = f", context {args.context!r}" if args.context else ""
     label = f"{args.label}: " if args.label else ""

@@ -72,11 +72,14 @@ def test_table_has_a_row_per_voice_kind():
     results = [
         Heard("piper", "joe", 1.0, "a b", "a b", 2, 2, 0.0, 100.0, -0.2),
         Heard("espeak", "en-us", 165, "a b", "a c", 1, 2, 0.5, 300.0, -0.9),
+        Heard("espeak", "en-us", 165, "a b", "a b", 2, 2, 0.0, 300.0, -1.3),
+        Heard("espeak", "en-us", 165, "a b", "a d", 1, 2, 0.5, 300.0, -1.0),
     ]
-    text = table(results)
-    assert "| piper | 1 | 1/1 (100.0%) | 2/2 (100.0%) | 0.0% | 100 / 100 |" in text
-    assert "| espeak | 1 | 0/1 (0.0%) | 1/2 (50.0%) | 50.0% | 300 / 300 |" in text
-    assert "| all | 2 |" in text
+    text = table(results, repair_below=-1.0)
+    assert "| piper | 1 | 1/1 (100.0%) | 2/2 (100.0%) | 0.0% | 1 / 0 / 0 | 100 / 100 |" in text
+    # Heard right but too unsure is asked again; a confidence at the threshold is answered.
+    assert "| espeak | 3 | 1/3 (33.3%) | 4/6 (66.7%) | 33.3% | 0 / 2 / 1 | 300 / 300 |" in text
+    assert "| all | 4 | 2/4 (50.0%) | 6/8 (75.0%) | 25.0% | 1 / 2 / 1 |" in text
 
 
 @pytest.mark.ci_long  # a benchmark tool's own run, end to end (tests/conftest.py)
