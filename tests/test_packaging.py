@@ -154,6 +154,7 @@ def fresh_clone(dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.ci_long  # a clone, its stubs and a wheel built: ~18 s (tests/conftest.py)
 @pytest.mark.timeout(scaled(300))
 def test_a_wheel_from_a_fresh_clone_holds_the_stubs(tmp_path):
     """`pip wheel .` in a clone generates the gRPC stubs (git-ignored) and packs them: the

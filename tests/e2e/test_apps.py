@@ -97,6 +97,7 @@ async def test_switch_an_app_off_and_on(stack):
     assert request(f"{admin_url}/omni", "DELETE", key=ADMIN)[0] == 405
 
 
+@pytest.mark.ci_long  # three edges started and switched: ~5 s (tests/conftest.py)
 async def test_a_switch_reaches_every_edge_of_the_fabric(stack, tmp_path):
     first_url = stack.url
     # A second edge process on the same scheduler (another host of the fleet, or another

@@ -219,6 +219,7 @@ async def warm_up(stack: Stack) -> None:
     await client.close()
 
 
+@pytest.mark.ci_long  # waits out the keepalive: ~5 s (tests/conftest.py)
 async def test_e8_clients_that_stop_reading_are_dropped_by_the_keepalive(stack):
     stack.start_scheduler()
     stack.start_worker("--slots", str(STUCK + 1), "--compute-ms", "5")
@@ -275,6 +276,7 @@ async def test_e8_clients_that_stop_reading_are_dropped_by_the_keepalive(stack):
     assert growth < 5.0
 
 
+@pytest.mark.ci_long  # fills a reader's queue until it overflows: ~7 s (tests/conftest.py)
 async def test_e8_outbound_queue_overflow_closes_1008_with_a_reason(stack, monkeypatch):
     monkeypatch.setenv("OMNI_EDGE_OUTBOUND_QUEUE_MAX", "16")
     stack.start_scheduler()
@@ -634,6 +636,7 @@ async def test_e8_grpc_client_that_stops_reading_gets_resource_exhausted(stack, 
     assert info.value.details().startswith("slow_client: ")
 
 
+@pytest.mark.ci_long  # a drain waited out: ~7 s (tests/conftest.py)
 async def test_e11_sigterm_ends_chat_sessions_in_band(stack):
     """SIGTERM with chat clients in every state: an idle mode=chat session and a /ws/chat
     that sent nothing end at once in-band (session.closed{server_shutdown} / error), a turn

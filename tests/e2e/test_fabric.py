@@ -298,6 +298,7 @@ async def test_edge_sigterm_closes_sessions_with_server_shutdown(stack):
     assert edge.proc.wait(timeout=scaled(10)) == 0
 
 
+@pytest.mark.ci_long  # waits out the hang's detection: ~8 s (tests/conftest.py)
 async def test_hung_worker_detected_within_5s(stack):
     """F2: SIGSTOP a worker mid-session: the scheduler drops the worker (it stops
     reporting) and its client is closed with error within 5 s (the lease ends; the edge's
@@ -365,6 +366,7 @@ async def test_hung_worker_detected_within_5s(stack):
         victim.kill(signal.SIGKILL)
 
 
+@pytest.mark.ci_long  # waits out a slow unit's deadline: ~8 s (tests/conftest.py)
 async def test_a_slow_unit_is_judged_by_its_worker_not_the_edge(stack, monkeypatch):
     """The edge's unit watchdog never ends a session before the worker's own engine
     timeout could: the worker says its timeout in SessionStarted, and the edge waits past

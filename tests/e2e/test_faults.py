@@ -131,6 +131,7 @@ async def test_scheduler_killed_sessions_go_on_and_restart_reregisters(stack):
     )
 
 
+@pytest.mark.ci_long  # waits out the first reply's timeout: ~7 s (tests/conftest.py)
 async def test_hung_scheduler_refuses_new_sessions_within_the_first_reply_timeout(stack):
     """A scheduler that is alive but does not answer (SIGSTOP): its TCP connection stays
     up, so only the edge's first-reply timeout (FIRST_REPLY_TIMEOUT_S, 5 s) ends a new
@@ -154,6 +155,7 @@ async def test_hung_scheduler_refuses_new_sessions_within_the_first_reply_timeou
     print(f"hung scheduler: new client refused after {took:.2f} s")
 
 
+@pytest.mark.ci_long  # a scheduler restarted and its workers back: ~6 s (tests/conftest.py)
 async def test_worker_reregistration_time_after_scheduler_restart(stack):
     """F4 figure: the time from a restarted scheduler's ready line until the worker is
     registered again, after an outage long enough for its retry backoff (0.2 s doubling)

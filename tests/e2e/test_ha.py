@@ -131,6 +131,7 @@ async def test_standby_refuses_and_kill9_of_the_leader_fails_over(
     assert time.monotonic() - killed < scaled(8)
 
 
+@pytest.mark.ci_long  # waits out the leader's TTL: ~6 s (tests/conftest.py)
 async def test_paused_leader_steps_down_and_its_grants_are_refused(
     redis_server,  # noqa: F811 - started first, stopped after the stack
     stack,
@@ -192,6 +193,7 @@ async def test_paused_leader_steps_down_and_its_grants_are_refused(
     print(f"SIGSTOP of the leader: the standby led {took_s:.2f} s after it (TTL {TTL_S} s)")
 
 
+@pytest.mark.ci_long  # a leader handed over under callers: ~5 s (tests/conftest.py)
 async def test_sigterm_hands_over_within_a_second_refusing_nobody(
     redis_server,  # noqa: F811
     stack,
@@ -238,6 +240,7 @@ async def test_sigterm_hands_over_within_a_second_refusing_nobody(
     assert len(outcomes) >= 15 and not refused, refused
 
 
+@pytest.mark.ci_long  # a leader killed under a queue: ~4 s (tests/conftest.py)
 async def test_kill9_keeps_the_queue_order_key_counts_and_detached_sessions(
     redis_server,  # noqa: F811 - started first, stopped after the stack
     stack,
@@ -329,6 +332,7 @@ async def _positions(clients: list[WsClient], expected: list[int]) -> bool:
     return newest == expected
 
 
+@pytest.mark.ci_long  # waits out the leader's TTL: ~9 s (tests/conftest.py)
 async def test_redis_killed_the_leader_serves_until_its_ttl_then_the_fabric_says_so(
     redis_server,  # noqa: F811
     stack,

@@ -86,6 +86,7 @@ async def test_two_turns_then_stop(stack):
         assert (await until(ws, "stopped", seen))["session_id"] == "hd_1"
 
 
+@pytest.mark.ci_long  # a recording sent in many chunk sizes: ~7 s (tests/conftest.py)
 async def test_a_recording_in_chunks_of_any_length_is_answered(stack):
     """A recording cut into 0.5 s chunks ends with a short piece (here 2484 samples), and
     other clients send 64 ms frames: every chunk is taken (none refused) and the turn is
@@ -128,6 +129,7 @@ async def test_the_edge_sends_no_unit_per_piece_of_the_answer(stack):
         assert 3 <= total(edge, "omni_edge_units_forwarded_total") <= 4
 
 
+@pytest.mark.ci_long  # two answers cut at their limit: ~4 s (tests/conftest.py)
 async def test_max_new_tokens_ends_each_answer(stack):
     """config.generation.max_new_tokens caps each answer (the worker ends it, with no unit
     from the edge per piece): the synthetic engine's pieces are 4 tokens, so with 4 each
@@ -166,6 +168,7 @@ async def test_bad_input_answers_error_and_the_call_goes_on(stack):
         assert done["turn_index"] == 1
 
 
+@pytest.mark.ci_long  # a call answered then stopped from outside: ~5 s (tests/conftest.py)
 async def test_an_external_stop_ends_the_answer(tmp_path):
     """POST /api/half_duplex/stop {session_id} while the model answers: its turn ends at once
     (turn_done with what was said so far, fewer chunks than a whole reply); unknown ids 404."""

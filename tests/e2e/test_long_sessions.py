@@ -143,6 +143,7 @@ async def test_the_client_is_told_before_the_limit_ends_the_session(limited):
     assert "expiring" in kinds and kinds.index("expiring") < kinds.index("closed")
 
 
+@pytest.mark.ci_long  # a session held past a limit's length: ~4 s (tests/conftest.py)
 async def test_no_limit_means_no_warning_and_no_timeout(tmp_path):
     s = Stack(tmp_path)
     try:

@@ -160,6 +160,7 @@ async def test_cancel_mid_reply_then_barge_in(stack):
         assert done.response.status_details.reason == "turn_detected"
 
 
+@pytest.mark.ci_long  # speech in both G.711 codecs: ~5 s (tests/conftest.py)
 async def test_g711_in_and_out(stack):
     tone = (0.3 * np.sin(2 * np.pi * 300 * np.arange(1600) / 8000) * 32767).astype(np.int16)
     seen: list = []
@@ -296,6 +297,7 @@ async def test_tool_choice_none_gets_no_call_and_a_bad_output_is_an_error(stack)
         assert (await until(conn, "response.done")).response.status == "completed"
 
 
+@pytest.mark.ci_long  # a duplex session's call and its answer: ~7 s (tests/conftest.py)
 async def test_a_duplex_sessions_call_is_answered_after_its_output(stack):
     """Server VAD: the engine's turn ends in a call (the synthetic engine calls the first
     function after each user turn); the client runs it, sends the output and the usual

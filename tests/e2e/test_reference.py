@@ -85,6 +85,7 @@ def _spoken_question_pcm() -> str:
     return base64.b64encode(audio.astype("<f4").tobytes()).decode()
 
 
+@pytest.mark.ci_long  # chat turns through the real models: ~5 s (tests/conftest.py)
 async def test_chat_text_and_spoken_turns(stack):
     from tests.e2e.wsclient import WsClient
 
@@ -160,6 +161,7 @@ def test_eval_asks_a_spoken_question_and_scores_the_answer(stack, tmp_path):
     assert (tmp_path / "results.json").exists()
 
 
+@pytest.mark.ci_long  # a spoken call through the real models: ~8 s (tests/conftest.py)
 async def test_half_duplex_call_answers_the_spoken_question(stack):
     """/ws/half_duplex on the reference engine: the question in real time (0.5 s chunks),
     then silence until the engine ends the user's turn; the answer streams to turn_done
@@ -259,6 +261,7 @@ async def late_units(stack) -> int:
     return sum(w.headroom.late_units_total for w in status.workers)
 
 
+@pytest.mark.ci_long  # two questions through the real models: ~5 s (tests/conftest.py)
 async def test_a_dropped_session_resumes_with_its_context(stack):
     """The connection drops after "My name is Anna." was answered; the client resumes the
     session by itself and "What is my name?" is answered from the same context."""
@@ -318,6 +321,7 @@ async def test_a_replys_start_goes_out_as_soon_as_it_is_made(stack):
     assert "paris" in reply.lower(), reply
 
 
+@pytest.mark.ci_long  # a spoken question through the real models: ~5 s (tests/conftest.py)
 async def test_grpc_client_takes_a_replys_start_between_units_when_it_asks(stack):
     """The gRPC RealtimeService, SessionInit.early_results: the reply's first audio comes as
     an OutputUnit marked early, with the seq of a unit whose own output listened; every

@@ -465,6 +465,7 @@ async def scheduler_leases(stack: Stack) -> int:
     return sum(len(w.lease_ids) for w in status.workers)
 
 
+@pytest.mark.ci_long  # chat requests held to a key's limit: ~5 s (tests/conftest.py)
 async def test_post_api_chat_counts_against_the_key_session_limit(stack, tmp_path):
     """POST /api/chat holds one of its key's sessions while its turn runs: over the limit
     it gets 429 (as the WebSocket endpoints do), and while it runs the key's other

@@ -51,6 +51,7 @@ def drain(proc: subprocess.Popen, lines: list[str]) -> threading.Thread:
     return thread
 
 
+@pytest.mark.ci_long  # two serve processes and a failover: ~4 s (tests/conftest.py)
 async def test_serve_pair_lists_both_and_survives_kill9_of_the_leader(
     redis_server,  # noqa: F811
 ):

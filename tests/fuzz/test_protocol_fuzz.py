@@ -316,6 +316,7 @@ def frames(draw) -> tuple[str, bool]:
     return _corrupt(text, cut, junk), False
 
 
+@pytest.mark.ci_long  # hundreds of generated frames: ~10 s (tests/conftest.py)
 @FUZZ
 @given(frames())
 def test_only_documented_errors_escape(frame):

@@ -92,6 +92,7 @@ def test_same_input_same_output(engine, driven):
     assert [s.result.kv_cache_length for s in a] == [s.result.kv_cache_length for s in b]
 
 
+@pytest.mark.ci_long  # a second question on the real models: ~7 s (tests/conftest.py)
 def test_two_questions_keep_the_conversation(driven):
     steps = driven("two_questions")
     assert timeline(steps) == ("L L L L L S S S* L L L L L L L S S* L L L L L L L L")
@@ -99,6 +100,7 @@ def test_two_questions_keep_the_conversation(driven):
     assert "Paris" in turns and "blue" in turns
 
 
+@pytest.mark.ci_long  # one more drive of the real models' timeline: ~8 s (tests/conftest.py)
 def test_barge_in_closes_the_turn_at_once(engine):
     steps = drive(engine, "barge_in")
     # The question's unit 5 ends in >= 0.2 s of silence, so the reply starts there; the
@@ -161,6 +163,7 @@ def turn_work(engine, where: str):
     return rules(engine, turn_work=where, guess_ahead=False)
 
 
+@pytest.mark.ci_long  # one more drive of the real models' timeline: ~6 s (tests/conftest.py)
 def test_turn_work_in_finalize_keeps_every_unit_short(engine):
     # (No top-up of the finalize's first piece: no reply cost known, see ``engine``.)
     with turn_work(engine, "finalize"):
@@ -203,6 +206,7 @@ def test_a_reply_begun_in_a_finalize_sends_a_whole_first_piece(engine):
     assert reply.startswith(first_ahead.text) and reply.startswith(first_inline.text)
 
 
+@pytest.mark.ci_long  # one more drive of the real models' timelines: ~7 s (tests/conftest.py)
 def test_a_reply_begun_in_a_finalize_goes_out_at_once_where_the_sender_takes_it(engine):
     # A sender that takes results between units (EngineSession.early_sink): the turn's
     # work is left to the finalize of the unit that ends it, whatever it costs, and the
@@ -231,6 +235,7 @@ def test_a_reply_begun_in_a_finalize_goes_out_at_once_where_the_sender_takes_it(
     assert reply.startswith("The capital of France is Paris")
 
 
+@pytest.mark.ci_long  # one more drive of the real models' timeline: ~8 s (tests/conftest.py)
 def test_speech_after_a_short_piece_goes_out_at_once_where_the_sender_takes_it(engine):
     # A guess's first piece is short (under a second of speech): where the sender takes
     # results between units, the finalize after it sends the next speech as soon as it is
@@ -269,6 +274,7 @@ def test_the_turns_work_goes_to_the_finalize_only_where_the_sender_takes_early_r
         session.close()
 
 
+@pytest.mark.ci_long  # one more drive of the real models' timelines: ~7 s (tests/conftest.py)
 def test_turn_work_auto_follows_the_measured_cost(engine):
     measured = engine.hearing_cost, engine.drafted_hearing_cost, engine.reply_start_s
     assert engine.hearing_cost and engine.reply_start_s  # from warm-up
@@ -288,6 +294,7 @@ def test_turn_work_auto_follows_the_measured_cost(engine):
     assert learned is not None and learned > 0.0
 
 
+@pytest.mark.ci_long  # one more drive of the real models' timelines: ~7 s (tests/conftest.py)
 def test_a_turn_ended_by_its_next_unit_is_answered_on_a_guess(engine):
     # The question's words end too near unit 5's end for the quick end; unit 5's finalize
     # hears a finished question and begins the reply on it. Unit 6, all silence, ends the
@@ -337,6 +344,7 @@ def test_a_guess_speaks_a_unit_sooner_where_the_turns_work_waits_for_finalize(en
     assert "".join(s.result.text for s in fits) == "".join(s.result.text for s in alone)
 
 
+@pytest.mark.ci_long  # one more drive of the real models' timelines: ~11 s (tests/conftest.py)
 def test_a_guess_passed_over_is_taken_up_when_the_turn_is_heard_as_guessed(engine):
     # The eval's "What is the largest planet in our solar system?" (Piper, its lead-in):
     # unit 3's finalize guesses the whole question, but unit 4 brings the last of its sound,
@@ -400,6 +408,7 @@ def test_a_guess_on_the_same_words_is_kept_not_made_again(engine):
     assert said == "".join(s.result.text for s in plain) and "Jupiter" in said
 
 
+@pytest.mark.ci_long  # one more drive of the real models' timelines: ~9 s (tests/conftest.py)
 def test_where_units_are_cut_at_speech_ends_a_unit_ending_in_speech_guesses_nothing(engine):
     # The same units, the session told that its sender cuts them where speech stops
     # (SessionStart.speech_cuts): units 2 and 3 end in the middle of the words, so their
@@ -420,6 +429,7 @@ def test_where_units_are_cut_at_speech_ends_a_unit_ending_in_speech_guesses_noth
     assert "".join(s.result.text for s in told) == "".join(s.result.text for s in untold)
 
 
+@pytest.mark.ci_long  # one more drive of the real models' timeline: ~5 s (tests/conftest.py)
 def test_a_long_shot_guess_is_made_only_where_it_ends_before_the_next_unit(engine):
     # The planet question in the paced cadence's units, its sender not cutting them:
     # units 2 and 3 end in the middle of the words (long shots); where the measured reply
@@ -444,6 +454,7 @@ def test_a_long_shot_guess_is_made_only_where_it_ends_before_the_next_unit(engin
     assert "Jupiter" in "".join(s.result.text for s in steps)
 
 
+@pytest.mark.ci_long  # one more drive of the real models' timeline: ~6 s (tests/conftest.py)
 def test_a_guess_is_dropped_when_the_user_goes_on(engine):
     # The same question, then at once more words: unit 5's finalize guesses a reply to the
     # question, but unit 6 brings speech, so no reply starts on that guess: the turn ends
@@ -459,6 +470,7 @@ def test_a_guess_is_dropped_when_the_user_goes_on(engine):
     assert first.seq > 6
 
 
+@pytest.mark.ci_long  # one more drive of the real models' timelines: ~7 s (tests/conftest.py)
 def test_names_the_session_holds_go_to_the_recognizer(engine, monkeypatch):
     heard_with = []
     hear = engine.asr.hear
@@ -571,6 +583,7 @@ def test_unit_compute_recorded(driven):
     assert ms[-1] < 5000
 
 
+@pytest.mark.ci_long  # two sessions at once on the real models: ~9 s (tests/conftest.py)
 def test_concurrent_sessions_match_serial(engine, driven):
     """Two sessions on two engine threads at once (shared models, own state) give the
     same output as one alone: no shared mutable state, no tokenizer races."""
@@ -591,6 +604,7 @@ def test_concurrent_sessions_match_serial(engine, driven):
         assert "Paris" in text and "blue" in text, text
 
 
+@pytest.mark.ci_long  # chat turns on the real models: ~6 s (tests/conftest.py)
 def test_chat_with_text_and_audio_parts(engine):
     from omnifabric.worker.engine import ChatMessage, ChatTurn
     from tests.worker.reference.drive import load_fixture

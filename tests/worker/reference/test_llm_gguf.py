@@ -261,6 +261,7 @@ def test_factual_question(model: ReplyModel) -> None:
     assert conv.next_tokens(1) == ("", True)
 
 
+@pytest.mark.ci_long  # replies of the real reply model compared: ~7 s (tests/conftest.py)
 def test_warm_prefills_the_first_words_and_changes_nothing_else(model: ReplyModel) -> None:
     cold = model.conversation(SYSTEM)
     cold.add_user_turn("What is the capital of France?")
@@ -281,6 +282,7 @@ def test_warm_prefills_the_first_words_and_changes_nothing_else(model: ReplyMode
     assert warm.warm("   ") == 0
 
 
+@pytest.mark.ci_long  # replies of the real reply model compared: ~12 s (tests/conftest.py)
 def test_a_reply_begun_and_taken_back_leaves_no_trace(model: ReplyModel) -> None:
     # What the engine's guess does: begin a reply, keep it, take the dialogue back.
     conv = model.conversation(SYSTEM)
@@ -342,6 +344,7 @@ def test_typed_special_tokens_stay_text(model: ReplyModel) -> None:
     assert ids.count(model.im_end_id) == 1  # only the turn's own end
 
 
+@pytest.mark.ci_long  # replies of the real reply model compared: ~7 s (tests/conftest.py)
 def test_interleaved_conversations_are_independent(model: ReplyModel) -> None:
     anna, boris = model.conversation(SYSTEM), model.conversation(SYSTEM)
     for conv, name in ((anna, "Anna"), (boris, "Boris")):

@@ -170,6 +170,7 @@ def test_bf16_asked_where_the_cpu_lacks_it_stays_fp32(monkeypatch):
         assert torch.equal(layer(x), twin(x))
 
 
+@pytest.mark.ci_long  # a second recognizer loaded and run: ~6 s (tests/conftest.py)
 def test_precision_fp32_keeps_fp32_and_auto_hears_the_same_words(ears, speak):
     """--asr-precision: "fp32" never computes in bfloat16; "auto" (the default, as `ears`
     was made) does where the CPU can, and hears clear speech as fp32 does."""

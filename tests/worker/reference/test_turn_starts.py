@@ -3,6 +3,8 @@ timed the way `omnifabric eval` times it."""
 
 from __future__ import annotations
 
+import pytest
+
 from omnifabric.tools.eval_reference import ITEMS
 from omnifabric.tools.turn_starts import drive
 from omnifabric.worker.engine import REPLY_START_HOW
@@ -23,6 +25,7 @@ def test_a_questions_reply_start_is_found_and_timed(inline_engine):
     assert start.gap_s >= 0.0
 
 
+@pytest.mark.ci_long  # two questions through the real models: ~7 s (tests/conftest.py)
 def test_the_reply_timed_is_the_last_turns(inline_engine):
     two_turns = next(item for item in ITEMS if len(item.turns) == 2)  # My name is Anna. / ...
     start = drive(inline_engine, two_turns, "piper", 11)

@@ -152,6 +152,7 @@ def _reply(conv: Conversation, limit: int = 60) -> str:
     return conv.reply_text
 
 
+@pytest.mark.ci_long  # a conversation on the real reply model: ~8 s (tests/conftest.py)
 def test_the_reply_model_forgets_dropped_turns_and_keeps_the_carried_note(engine) -> None:
     llm = engine.llm
     conv = llm.conversation("You are a helpful assistant. Reply in one short sentence.")
