@@ -137,7 +137,7 @@ def _record(s, result, logits, tts: list) -> dict[str, Any]:
         "kv_after": s.kv_length(),
         "tts_pos": getattr(d, "tts_text_start_pos", 0),
         "audio": None if result.audio is None else np.asarray(result.audio).copy(),
-        # Unseeded, the TTS draws from the session's random generator batched and from the
+        # Unseeded, the TTS draws from the worker's generator batched and from the
         # global RNG alone: its tokens (their count, an early end, the next chunk's start),
         # so its audio, differ.
         "seeded": s.settings.seed is not None,
@@ -339,6 +339,42 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(eng16):
     other.settings = dataclasses.replace(me.settings, seed=4321)
     other.units = other.units[:1]
     assert batched(eng16, [other])[0][0]["total_ids"] != want[0]["total_ids"]
+
+
+def test_unseeded_sampling_draws_together_beside_seeded_rows(eng16, monkeypatch):
+    """Sessions without a seed sample (temperature 0.9, top-k 40) through the real step,
+    drawing together from the worker's generator (decode.py): no generator of their own,
+    every unit within its rules; seeded sessions in the same steps still equal their solo
+    runs."""
+    from omnifabric.worker.engines.minicpmo import decode
+
+    seeded = [plan(eng16, k, seed=1300 + k) for k in (1, 2)]
+    free = []
+    for k in range(3, 9):
+        p = plan(eng16, k)
+        p.key += "-unseeded"
+        p.settings = dataclasses.replace(p.settings, temperature=0.9, top_k=40)
+        free.append(p)
+    per_session = []
+    real = decode.generator
+
+    def counted(session, device):
+        per_session.append(session.settings.seed)
+        return real(session, device)
+
+    monkeypatch.setattr(decode, "generator", counted)
+    want = [solo(eng16, p) for p in seeded]
+    per_session.clear()
+    got = batched(eng16, [seeded[0], *free, seeded[1]])
+    compare(want[0], got[0], "seeded beside unseeded rows")
+    compare(want[1], got[-1], "seeded beside unseeded rows")
+    assert set(per_session) <= {1301, 1302}  # only the seeded rows draw on their own
+    assert str(torch.device(ON["device"])) in eng16.draws
+    units = [u for r in got[1:-1] for u in r]
+    assert any(not u["listen"] for u in units)
+    for p, records in zip(free, got[1:-1], strict=True):
+        for u in records:
+            assert u["n_tokens"] <= p.settings.max_new_speak_tokens_per_chunk, (p.key, u)
 
 
 def test_control_shifted_positions_fail(eng16, monkeypatch):

@@ -11,6 +11,12 @@ rules (a listen inside an open turn becomes `<|tts_bos|>`, terminators, the forc
 `<|chunk_eos|>` at the cap, the unified layout's 28-character limit, `<|speak|>` not
 counted, end of turn from the last step, the first token fed but not kept) run on ids
 brought to the host once per step for the whole batch.
+
+Draws: a session with a seed draws from its own generator, one call per row in the public
+order, so its tokens equal its solo run and never depend on its batch-mates. The sessions
+without one draw together: each rule's op and one multinomial over all their rows, from the
+worker's generator (`worker_generator`): the same distribution per row, in a fixed number
+of torch ops a forward where a draw per row took ~30 (each a kernel launch on a GPU).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from omnifabric.worker.engines.minicpmo import layouts
 from omnifabric.worker.engines.minicpmo.rows import Row, Steps, unit_end
 
 if TYPE_CHECKING:
-    from omnifabric.worker.engines.minicpmo.engine import MiniCPMOSession
+    from omnifabric.worker.engines.minicpmo.engine import MiniCPMOEngine, MiniCPMOSession
 
 #: The duplex class's decoder call takes no length penalty: the decoder's default applies.
 DECODER_LENGTH_PENALTY = 1.1
@@ -41,6 +47,22 @@ def generator(session: MiniCPMOSession, device: torch.device) -> torch.Generator
         else:
             g.seed()
         session.generator = g
+    return g
+
+
+def seeded(session: MiniCPMOSession) -> bool:
+    """Whether the session's draws follow from its own seed (its own generator)."""
+    return session.settings.seed is not None
+
+
+def worker_generator(engine: MiniCPMOEngine, device: torch.device) -> torch.Generator:
+    """The worker's generator on `device` (seeded at random once), for the draws of the
+    sessions without a seed."""
+    g = engine.draws.get(str(device))
+    if g is None:
+        g = torch.Generator(device=device)
+        g.seed()
+        engine.draws[str(device)] = g
     return g
 
 
@@ -86,7 +108,7 @@ def run(stepper: Steps, rows: list[Row]) -> None:
             going.append(row)
         if not going:
             break
-        decided = _decide([r for r in going if not r.force], plans, j)
+        decided = _decide(stepper.engine, [r for r in going if not r.force], plans, j)
         fed: list[tuple[Row, int]] = []
         for row in going:
             d = row.duplex
@@ -197,10 +219,10 @@ def _finish(stepper: Steps, row: Row, plan: _Plan) -> None:
     d.total_hidden.append([] if row.is_listen else row.hidden)
 
 
-def _decide(rows: list[Row], plans: dict[int, _Plan], j: int) -> list[int]:
+def _decide(engine: MiniCPMOEngine, rows: list[Row], plans: dict[int, _Plan], j: int) -> list[int]:
     """One token per row by the public decoder's rules; one host sync for the batch. The
-    logit rules run as a few indexed ops over all rows (_adjust); draws stay per row, each
-    from its session's generator (a session's tokens never depend on its batch-mates)."""
+    logit rules run as a few indexed ops over all rows (_adjust); a seeded row draws from
+    its session's generator, the unseeded rows draw together (the module's docstring)."""
     if not rows:
         return []
     logits = torch.cat([r.logits for r in rows if r.logits is not None])
@@ -208,41 +230,58 @@ def _decide(rows: list[Row], plans: dict[int, _Plan], j: int) -> list[int]:
     pre: list[torch.Tensor] = []
     saved: list[Any] = []
     gens: list[torch.Generator | None] = []
+    free: list[int] = []
     for k, row in enumerate(rows):
-        if plans[id(row)].greedy:
+        plan = plans[id(row)]
+        if plan.greedy or not seeded(row.session):
             pre.append(raw_max[k])
             gens.append(None)
+            if not plan.greedy:
+                free.append(k)
         else:
             g = generator(row.session, logits.device)
             probs = torch.softmax(logits[k], dim=-1)
             pre.append(torch.multinomial(probs, 1, generator=g)[0])
             gens.append(g)
         saved.append(gens[-1].get_state() if gens[-1] is not None else None)
+    first = torch.stack(pre).long()
+    shared = worker_generator(engine, logits.device) if free else None
+    where = torch.tensor(free, dtype=torch.long).to(logits.device) if free else None
+    if where is not None:
+        probs = torch.softmax(logits[where].float(), dim=-1)
+        first[where] = torch.multinomial(probs, 1, generator=shared)[:, 0]
     masked = _adjust(logits, rows, plans)
     final = masked.argmax(-1)
     drawn = [k for k, gen in enumerate(gens) if gen is not None]
-    if drawn:
+    if drawn or where is not None:
         final = final.clone()
-        for k in drawn:
-            plan = plans[id(rows[k])]
-            scaled = masked[k : k + 1] / plan.temperature
-            scaled = _top_k_top_p(scaled, plan.top_k, plan.top_p)
-            probs = torch.softmax(scaled, dim=-1)
-            final[k] = torch.multinomial(probs, 1, generator=gens[k])[0, 0]
+    for k in drawn:
+        plan = plans[id(rows[k])]
+        scaled = masked[k : k + 1] / plan.temperature
+        scaled = _top_k_top_p(scaled, plan.top_k, plan.top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        final[k] = torch.multinomial(probs, 1, generator=gens[k])[0, 0]
+    if where is not None:
+        kept = [plans[id(rows[k])] for k in free]
+        temps = torch.tensor([p.temperature for p in kept], dtype=torch.float32)
+        scaled = masked[where].float() / temps.to(masked.device)[:, None]
+        scaled = top_k_top_p_rows(scaled, [p.top_k for p in kept], [p.top_p for p in kept])
+        probs = torch.softmax(scaled, dim=-1)
+        final[where] = torch.multinomial(probs, 1, generator=shared)[:, 0]
     listen = torch.tensor([r.duplex.decoder.listen_id for r in rows]).to(logits.device)
     at_listen = masked.gather(1, listen[:, None])
     ranks = (masked > at_listen).sum(-1)
-    host = torch.stack([torch.stack(pre).long(), final.long(), ranks.long()]).tolist()
+    host = torch.stack([first, final.long(), ranks.long()]).tolist()
     out = []
     for k, row in enumerate(rows):
         plan = plans[id(row)]
         dec = row.duplex.decoder
-        first, chosen, rank = host[0][k], host[1][k], host[2][k]
+        first_id, chosen, rank = host[0][k], host[1][k], host[2][k]
         gen = gens[k]
-        if first == dec.chunk_eos_id:
+        if first_id == dec.chunk_eos_id:
             if gen is not None:
                 gen.set_state(saved[k])  # the public code never drew the second time
-            out.append(first)
+            out.append(first_id)
             continue
         if plan.listen_top_k is not None and rank < plan.listen_top_k:
             if gen is not None:
@@ -332,3 +371,28 @@ def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
         # the same ids as indexing with order[drop], without a host sync
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits
+
+
+def top_k_top_p_rows(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """_top_k_top_p over rows [N, V] with each row's own k and p, in a few ops for all of
+    them: the same tokens kept in each row as _top_k_top_p on that row alone (k <= 0 or
+    p <= 0 turns its rule off for the row)."""
+    vocab = logits.size(-1)
+    dev = logits.device
+    each = [min(int(k), vocab) if k > 0 else vocab for k in top_k]
+    if min(each) < vocab:
+        # the k-th value of each row from the top max(k) values (sorted by topk)
+        ks = torch.tensor(each, dtype=torch.long).to(dev)
+        highest = torch.topk(logits, max(each), dim=-1)[0]
+        threshold = highest.gather(1, (ks - 1)[:, None])
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if max(float(p) for p in top_p) <= 0.0:
+        return logits
+    ps = torch.tensor([float(p) for p in top_p], dtype=logits.dtype).to(dev)[:, None]
+    ordered, order = torch.sort(logits, dim=-1, descending=True)
+    mass = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+    drop = mass > ps
+    drop[..., 1:] = drop[..., :-1].clone()
+    drop[..., 0] = False
+    drop &= ps > 0.0
+    return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))

@@ -562,6 +562,9 @@ class MiniCPMOEngine(Engine):
         self.vocoder_batched = vocoder_batched
         """A batched step runs the vocoder once for all its speakers (else per speaker)."""
         self._batched_vocoder: Any = None
+        self.draws: dict[str, Any] = {}
+        """The batched step's torch.Generator per device for the sessions without a seed
+        (decode.worker_generator): their draws of a step are one call."""
         self.default_voice_setting = default_voice
         self.default_voice: Path | None = None
         self.layout = ""

@@ -35,9 +35,11 @@ Where this differs from the public code, and why:
 - the duplex class feeds its terminator and `</unit>` in generate; here they wait for the
   session's next prefill like the unified class's deferred finalize (its ids, unit history
   and kv_length count them at once, as the public code does);
-- sampling draws from a per-session torch.Generator (seeded from DuplexSettings.seed, else
-  at random), in the public order, one draw call per row: equal to a solo run whose global
-  RNG was seeded the same; the serial path keeps drawing from the global RNG;
+- a session with a seed (DuplexSettings.seed) draws from its own torch.Generator seeded
+  from it, in the public order, one draw call per row: equal to a solo run whose global
+  RNG was seeded the same; the sessions without one draw together from the worker's
+  generator, one call for all their rows (decode.py): the same distribution, not the same
+  stream; the serial path keeps drawing from the global RNG;
 - a unit with too little audio fails its row before anything is fed (the public prefill
   has fed `<unit>` and the frames when it finds out; the engine fails the unit either way);
 - not reproduced: the unified class's tts_pad suppression (dead code: tts_pad is always

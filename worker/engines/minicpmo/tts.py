@@ -6,8 +6,9 @@ The public `generate_chunk` serves one session (it asserts a batch of 1); this l
 the speakers of a step together and keeps each one's result as its solo run: its condition
 (the public `_convert_results_to_tts_input` of its unit), positions from its own
 `tts_text_start_pos`, its TTS cache, the public repetition processor over the tokens of its
-own chunk (window 16), the eos masked below its own minimum, one draw per row per step from
-its session's generator, its own stop (at t = 0 on eos it gives nothing; otherwise the token
+own chunk (window 16), the eos masked below its own minimum, one draw per row per step (from
+its session's generator where it has a seed; the unseeded rows' in one call, decode.py), its
+own stop (at t = 0 on eos it gives nothing; otherwise the token
 that stopped it, or the last one at the cap, is dropped and never fed).
 
 Each session's TTS cache stays on its duplex object as the public code keeps it (a
@@ -28,6 +29,7 @@ from torch.profiler import record_function
 from transformers.cache_utils import DynamicCache
 
 from omnifabric.worker.engines.minicpmo import layouts
+from omnifabric.worker.engines.minicpmo.decode import generator, seeded, worker_generator
 from omnifabric.worker.engines.minicpmo.rows import Row
 from omnifabric.worker.engines.minicpmo.slots import SlotCache
 
@@ -93,6 +95,7 @@ class BatchedTTS:
             kept = [0] * n
             active = list(range(n))
             gens, temps, eos, processors = self._sampling(rows, device)
+            shared = worker_generator(self.engine, device)
             for t in range(CHUNK_TOKENS):
                 if t == 0:
                     embeds = conds
@@ -119,15 +122,7 @@ class BatchedTTS:
                     history = tokens[active, :t].reshape(len(active) * tts.num_vq, -1)
                     for processor in processors:
                         logits = processor(history, logits)
-                drawn = []
-                for k, i in enumerate(active):
-                    row_logits = logits[k * tts.num_vq : (k + 1) * tts.num_vq]
-                    if t < mins[i]:
-                        row_logits = row_logits.clone()
-                        row_logits[:, eos[i]] = float("-inf")
-                    probs = torch.softmax(row_logits, dim=-1)
-                    drawn.append(torch.multinomial(probs, 1, generator=gens[i])[:, 0])
-                picked = torch.stack(drawn)  # [A, vq]
+                picked = self._draw(logits, active, t, gens, mins, eos, shared)  # [A, vq]
                 tokens[active, t] = picked[:, 0]
                 host = picked.tolist()
                 going = []
@@ -149,6 +144,40 @@ class BatchedTTS:
             for slot in slots:
                 self.cache.release(slot)
 
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        active: list[int],
+        t: int,
+        gens: list[Any],
+        mins: list[int],
+        eos: list[int],
+        shared: torch.Generator,
+    ) -> torch.Tensor:
+        """The step's token of each active row [A, vq] from its logits (num_vq rows each,
+        in `active`'s order): its eos masked below its minimum, then a seeded session's
+        draw from its own generator, the unseeded rows' in one call (decode.py's rule)."""
+        vq = self.tts.num_vq
+        low = [k for k, i in enumerate(active) if t < mins[i]]
+        if low:
+            logits = logits.clone()
+            rows = torch.tensor([k * vq + q for k in low for q in range(vq)], dtype=torch.long)
+            cols = torch.tensor([eos[active[k]] for k in low for _ in range(vq)], dtype=torch.long)
+            logits[rows.to(logits.device), cols.to(logits.device)] = float("-inf")
+        picked = torch.empty((len(active), vq), dtype=torch.long, device=logits.device)
+        free = [k for k, i in enumerate(active) if gens[i] is None]
+        for k, i in enumerate(active):
+            if gens[i] is not None:
+                probs = torch.softmax(logits[k * vq : (k + 1) * vq], dim=-1)
+                picked[k] = torch.multinomial(probs, 1, generator=gens[i])[:, 0]
+        if free:
+            rows = torch.tensor([k * vq + q for k in free for q in range(vq)], dtype=torch.long)
+            probs = torch.softmax(logits[rows.to(logits.device)], dim=-1)
+            drawn = torch.multinomial(probs, 1, generator=shared)
+            where = torch.tensor(free, dtype=torch.long).to(logits.device)
+            picked[where] = drawn.reshape(len(free), vq)
+        return picked
+
     def _load(self, row: Row, slots: list[int]) -> tuple[torch.Tensor, int]:
         """A speaker's TTS condition and minimum length; its TTS cache put into a slot it
         claims (appended to `slots`, which the caller releases)."""
@@ -167,9 +196,7 @@ class BatchedTTS:
 
     def _sampling(self, rows: list[Row], device: Any) -> tuple[list[Any], ...]:
         """Per row: its generator, temperature and eos; the public repetition processors."""
-        from omnifabric.worker.engines.minicpmo.decode import generator
-
-        gens = [generator(r.session, device) for r in rows]
+        gens = [generator(r.session, device) if seeded(r.session) else None for r in rows]
         temps = [r.duplex.tts_temperature.to(device).reshape(1, 1).float() for r in rows]
         eos = [self._eos(r) for r in rows]
         processors = self.gen_logits(
