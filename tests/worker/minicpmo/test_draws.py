@@ -210,3 +210,46 @@ def test_tts_draws_seeded_rows_alone_and_the_others_together(vq):
     together = torch.multinomial(torch.softmax(masked[rows], -1), 1, generator=shared_copy)
     assert torch.equal(picked[free], together.reshape(len(free), vq))
     assert (picked[[1, 2, 4]] != eos).all() and (picked[[0, 3]] == eos).all()
+
+
+class _Model(torch.nn.Module):
+    """What `_embed` uses of the public StreamDecoder's model: `.device`, `.model.embed_tokens`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(VOCAB, 8)
+        self.lookups = 0
+        self.model.embed_tokens.register_forward_hook(lambda *_: self._count())
+
+    def _count(self) -> None:
+        self.lookups += 1
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class _Decoder:
+    def __init__(self, m: _Model) -> None:
+        self.m = m
+
+    def embed_tokens(self, ids: list[int]) -> torch.Tensor:  # the public method's lookup
+        return self.m.model.embed_tokens(torch.tensor(ids))
+
+
+def test_the_fed_tokens_are_embedded_in_one_lookup():
+    m = _Model()
+    fed = [(SimpleNamespace(duplex=SimpleNamespace(decoder=_Decoder(m))), t) for t in (3, 9, 3, 41)]
+    want = [r.duplex.decoder.embed_tokens([t]) for r, t in fed]
+    m.lookups = 0
+    got = decode._embed(fed)
+    assert m.lookups == 1
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    # rows of another model (never in one engine) are looked up on their own
+    other = _Model()
+    mixed = [*fed[:2], (SimpleNamespace(duplex=SimpleNamespace(decoder=_Decoder(other))), 5)]
+    m.lookups = other.lookups = 0
+    got = decode._embed(mixed)
+    assert (m.lookups, other.lookups) == (2, 1)
+    assert torch.equal(got[2], other.model.embed_tokens(torch.tensor([5])))

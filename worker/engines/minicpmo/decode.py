@@ -120,9 +120,8 @@ def run(stepper: Steps, rows: list[Row]) -> None:
                 fed.append((row, tid))
         if not fed:
             break
-        res = stepper.decode_feed(
-            [(_slot(r), r.duplex.decoder.embed_tokens([tid])) for r, tid in fed]
-        )
+        embeds = _embed(fed)
+        res = stepper.decode_feed([(_slot(r), embeds[k]) for k, (r, _) in enumerate(fed)])
         for k, (row, tid) in enumerate(fed):
             d = row.duplex
             row.logits = res.logits[k : k + 1]
@@ -137,6 +136,25 @@ def run(stepper: Steps, rows: list[Row]) -> None:
         j += 1
     for row in rows:
         _finish(stepper, row, plans[id(row)])
+
+
+def on_device(values: list[Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A short host list as a tensor on `device`, copied without waiting for the work the
+    device has queued (a plain copy to a GPU syncs the host with it first: once per row
+    and rule, that kept the GPU idle between its kernels)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _embed(fed: list[tuple[Row, int]]) -> list[torch.Tensor]:
+    """Each fed row's token embedding [1, hidden]: one lookup for all rows where they share
+    the model (always, in one engine); the public decoder's `embed_tokens` is that lookup."""
+    first = fed[0][0].duplex.decoder
+    model = getattr(first, "m", None)
+    if model is None or any(r.duplex.decoder.m is not model for r, _ in fed):
+        return [r.duplex.decoder.embed_tokens([tid]) for r, tid in fed]
+    ids = on_device([tid for _, tid in fed], model.device, torch.long)
+    table = model.model.embed_tokens(ids)
+    return [table[k : k + 1] for k in range(len(fed))]
 
 
 def _slot(row: Row) -> int:
@@ -246,7 +264,7 @@ def _decide(engine: MiniCPMOEngine, rows: list[Row], plans: dict[int, _Plan], j:
         saved.append(gens[-1].get_state() if gens[-1] is not None else None)
     first = torch.stack(pre).long()
     shared = worker_generator(engine, logits.device) if free else None
-    where = torch.tensor(free, dtype=torch.long).to(logits.device) if free else None
+    where = on_device(free, logits.device, torch.long) if free else None
     if where is not None:
         probs = torch.softmax(logits[where].float(), dim=-1)
         first[where] = torch.multinomial(probs, 1, generator=shared)[:, 0]
@@ -263,12 +281,12 @@ def _decide(engine: MiniCPMOEngine, rows: list[Row], plans: dict[int, _Plan], j:
         final[k] = torch.multinomial(probs, 1, generator=gens[k])[0, 0]
     if where is not None:
         kept = [plans[id(rows[k])] for k in free]
-        temps = torch.tensor([p.temperature for p in kept], dtype=torch.float32)
-        scaled = masked[where].float() / temps.to(masked.device)[:, None]
+        temps = on_device([p.temperature for p in kept], masked.device, torch.float32)
+        scaled = masked[where].float() / temps[:, None]
         scaled = top_k_top_p_rows(scaled, [p.top_k for p in kept], [p.top_p for p in kept])
         probs = torch.softmax(scaled, dim=-1)
         final[where] = torch.multinomial(probs, 1, generator=shared)[:, 0]
-    listen = torch.tensor([r.duplex.decoder.listen_id for r in rows]).to(logits.device)
+    listen = on_device([r.duplex.decoder.listen_id for r in rows], logits.device, torch.long)
     at_listen = masked.gather(1, listen[:, None])
     ranks = (masked > at_listen).sum(-1)
     host = torch.stack([first, final.long(), ranks.long()]).tolist()
@@ -316,7 +334,7 @@ class _Entries:
     ) -> list[tuple[float, tuple[torch.Tensor, torch.Tensor]]]:
         out = []
         for value, (rows, cols) in self.groups.items():
-            both = torch.tensor([rows, cols], dtype=torch.long).to(device)
+            both = on_device([rows, cols], device, torch.long)
             out.append((value, (both[0], both[1])))
         return out
 
@@ -382,13 +400,13 @@ def top_k_top_p_rows(logits: torch.Tensor, top_k: list[int], top_p: list[float])
     each = [min(int(k), vocab) if k > 0 else vocab for k in top_k]
     if min(each) < vocab:
         # the k-th value of each row from the top max(k) values (sorted by topk)
-        ks = torch.tensor(each, dtype=torch.long).to(dev)
+        ks = on_device(each, dev, torch.long)
         highest = torch.topk(logits, max(each), dim=-1)[0]
         threshold = highest.gather(1, (ks - 1)[:, None])
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     if max(float(p) for p in top_p) <= 0.0:
         return logits
-    ps = torch.tensor([float(p) for p in top_p], dtype=logits.dtype).to(dev)[:, None]
+    ps = on_device([float(p) for p in top_p], dev, logits.dtype)[:, None]
     ordered, order = torch.sort(logits, dim=-1, descending=True)
     mass = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
     drop = mass > ps

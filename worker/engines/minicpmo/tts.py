@@ -29,7 +29,12 @@ from torch.profiler import record_function
 from transformers.cache_utils import DynamicCache
 
 from omnifabric.worker.engines.minicpmo import layouts
-from omnifabric.worker.engines.minicpmo.decode import generator, seeded, worker_generator
+from omnifabric.worker.engines.minicpmo.decode import (
+    generator,
+    on_device,
+    seeded,
+    worker_generator,
+)
 from omnifabric.worker.engines.minicpmo.rows import Row
 from omnifabric.worker.engines.minicpmo.slots import SlotCache
 
@@ -107,10 +112,9 @@ class BatchedTTS:
                     prev = tokens[active, t - 1 : t]  # [A, 1]
                     step_embeds = tts.emb_code[0](prev)  # [A, 1, h]
                     embeds = [step_embeds[k] for k in range(len(active))]
-                    positions = [
-                        torch.tensor([starts[i] + conds[i].shape[0] + t - 1], device=device)
-                        for i in active
-                    ]
+                    at = [starts[i] + conds[i].shape[0] + t - 1 for i in active]
+                    where = on_device(at, device, torch.long)
+                    positions = [where[k : k + 1] for k in range(len(active))]
                 hidden = self._forward([slots[i] for i in active], embeds, positions)
                 with parametrize.cached():
                     logits = torch.stack(
@@ -158,12 +162,13 @@ class BatchedTTS:
         in `active`'s order): its eos masked below its minimum, then a seeded session's
         draw from its own generator, the unseeded rows' in one call (decode.py's rule)."""
         vq = self.tts.num_vq
+        dev = logits.device
         low = [k for k, i in enumerate(active) if t < mins[i]]
         if low:
             logits = logits.clone()
-            rows = torch.tensor([k * vq + q for k in low for q in range(vq)], dtype=torch.long)
-            cols = torch.tensor([eos[active[k]] for k in low for _ in range(vq)], dtype=torch.long)
-            logits[rows.to(logits.device), cols.to(logits.device)] = float("-inf")
+            rows = on_device([k * vq + q for k in low for q in range(vq)], dev, torch.long)
+            cols = on_device([eos[active[k]] for k in low for _ in range(vq)], dev, torch.long)
+            logits[rows, cols] = float("-inf")
         picked = torch.empty((len(active), vq), dtype=torch.long, device=logits.device)
         free = [k for k, i in enumerate(active) if gens[i] is None]
         for k, i in enumerate(active):
@@ -171,10 +176,10 @@ class BatchedTTS:
                 probs = torch.softmax(logits[k * vq : (k + 1) * vq], dim=-1)
                 picked[k] = torch.multinomial(probs, 1, generator=gens[i])[:, 0]
         if free:
-            rows = torch.tensor([k * vq + q for k in free for q in range(vq)], dtype=torch.long)
-            probs = torch.softmax(logits[rows.to(logits.device)], dim=-1)
+            rows = on_device([k * vq + q for k in free for q in range(vq)], dev, torch.long)
+            probs = torch.softmax(logits[rows], dim=-1)
             drawn = torch.multinomial(probs, 1, generator=shared)
-            where = torch.tensor(free, dtype=torch.long).to(logits.device)
+            where = on_device(free, dev, torch.long)
             picked[where] = drawn.reshape(len(free), vq)
         return picked
 
