@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from omnifabric.worker.engines.minicpmo import decode, layouts
+from omnifabric.worker.engines.minicpmo.engine import SAMPLING_DEFAULTS
 from omnifabric.worker.engines.minicpmo.tts import BatchedTTS
 
 VOCAB = 64
@@ -65,18 +66,9 @@ class _Tokenizer:
 
 
 def row(logits: torch.Tensor, *, seed: int | None, **args: Any) -> Any:
-    settings = {
-        "max_new_speak_tokens_per_chunk": 20,
-        "decode_mode": "sampling",
-        "temperature": 0.7,
-        "top_k": 20,
-        "top_p": 0.8,
-        "listen_prob_scale": 1.0,
-        "listen_top_k": None,
-        "text_repetition_penalty": 1.0,
-        "text_repetition_window_size": 512,
-        "length_penalty": 1.0,
-    } | args
+    # the server's sampling defaults, without the penalties (the draws alone are tested)
+    neutral = {"text_repetition_penalty": 1.0, "length_penalty": 1.0}
+    settings = SAMPLING_DEFAULTS | {"max_new_speak_tokens_per_chunk": 20} | neutral | args
     decoder = SimpleNamespace(
         listen_id=LISTEN,
         chunk_eos_id=CHUNK_EOS,
