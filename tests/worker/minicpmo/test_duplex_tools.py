@@ -119,12 +119,12 @@ def scripts(monkeypatch) -> dict[int, Script]:
     table: dict[int, Script] = {}
     decide = decode_module._decide
 
-    def scripted(rows, plans, j):
+    def scripted(engine, rows, plans, j):
         for row in rows:
             script = table.get(id(row.session))
             if script is not None:
                 row.logits = script.bias(row.logits)
-        return decide(rows, plans, j)
+        return decide(engine, rows, plans, j)
 
     monkeypatch.setattr(decode_module, "_decide", scripted)
     return table
