@@ -38,14 +38,15 @@ CHAR_LIMIT = 28
 
 
 def generator(session: MiniCPMOSession, device: torch.device) -> torch.Generator:
-    """The session's sampling generator: seeded from its settings' seed, else at random."""
+    """A seeded session's own sampling generator, seeded from its settings' seed (the
+    sessions without one draw from `worker_generator`)."""
+    seed = session.settings.seed
+    if seed is None:
+        raise ValueError("only a session with a seed draws from a generator of its own")
     g = session.generator
     if g is None or g.device != device:
         g = torch.Generator(device=device)
-        if session.settings.seed is not None:
-            g.manual_seed(int(session.settings.seed))
-        else:
-            g.seed()
+        g.manual_seed(int(seed))
         session.generator = g
     return g
 

@@ -232,7 +232,7 @@ class MiniCPMOSession(EngineSession):
         """Batched: the stepper took this unit's deferred finalize; its tokens go into the
         next step's prefill (counted by kv_length meanwhile)."""
         self.generator: Any = None
-        """Batched: this session's sampling generator (seeded from settings.seed)."""
+        """Batched: this session's own sampling generator, where settings.seed is set."""
         self.mel_cache: Any = None
         """Batched: the raw log-mel frames of its audio window that later audio cannot
         change (mel.MelCache), for its next unit."""
