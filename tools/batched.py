@@ -32,12 +32,14 @@ from omnifabric.worker.engine import DuplexSettings, Engine, EngineSession, Step
 
 #: The modes compared: one batched step per round, the same with the vocoder run per speaker
 #: (minicpmo's --serial-vocoder), the same with ragged eager decode forwards (minicpmo's
-#: --cuda-graphs off), or the units one by one.
+#: --cuda-graphs off), the same with the host reading each decode forward's tokens before
+#: the next (minicpmo's --decode-ahead 0), or the units one by one.
 BATCHED = "batched"
 SERIAL_VOCODER = "serial-vocoder"
 EAGER = "batched-eager"
+IN_STEP = "batched-in-step"
 SLICED = "time-sliced"
-STEPPED = (BATCHED, SERIAL_VOCODER, EAGER)
+STEPPED = (BATCHED, SERIAL_VOCODER, EAGER, IN_STEP)
 #: Output audio: samples a second (24 kHz), and the share of a unit a speaking unit may lack
 #: before it counts as a gap a listener hears.
 OUT_RATE = 24000
@@ -109,14 +111,18 @@ def _close(sessions: Sequence[EngineSession]) -> None:
 def engine_mode(engine: Engine, stepper: Stepper | None, mode: str) -> Iterator[None]:
     """The engine as `mode` runs it, where the engine has the choice: the vocoder per
     speaker in SERIAL_VOCODER (batched otherwise); ragged eager decode forwards in EAGER
-    (the engine's own --cuda-graphs otherwise). As it was afterwards."""
+    (the engine's own --cuda-graphs otherwise); the host between decode forwards in
+    IN_STEP (the engine's own --decode-ahead otherwise). As it was afterwards."""
     vocoder = getattr(engine, "vocoder_batched", None)
     graphs = getattr(engine, "cuda_graphs", None)
     reset = getattr(stepper, "reset_decode", None)
+    ahead = getattr(engine, "decode_ahead", None)
     if vocoder is not None:
         engine.vocoder_batched = mode != SERIAL_VOCODER  # type: ignore[attr-defined]
     if mode == EAGER and reset is not None:
         reset("off")
+    if mode == IN_STEP and hasattr(engine, "decode_ahead"):
+        engine.decode_ahead = 0  # type: ignore[attr-defined]
     try:
         yield
     finally:
@@ -124,6 +130,8 @@ def engine_mode(engine: Engine, stepper: Stepper | None, mode: str) -> Iterator[
             engine.vocoder_batched = vocoder  # type: ignore[attr-defined]
         if mode == EAGER and reset is not None:
             reset(graphs)
+        if mode == IN_STEP and hasattr(engine, "decode_ahead"):
+            engine.decode_ahead = ahead  # type: ignore[attr-defined]
 
 
 def _units(units: list[np.ndarray], count: int, offset: int) -> list[np.ndarray]:
@@ -344,7 +352,9 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
                 f"cycle {a['cycle_ms']['mean']:.0f} vs {b['cycle_ms']['mean']:.0f} ms"
             )
         if BATCHED in modes and EAGER in modes:
-            lines.append(_graphs_line(n, modes[BATCHED], modes[EAGER]))
+            lines.append(_decode_line(n, modes[BATCHED], modes[EAGER], "eager"))
+        if BATCHED in modes and IN_STEP in modes:
+            lines.append(_decode_line(n, modes[BATCHED], modes[IN_STEP], "in step"))
         cache = next((r["vocoder_cache_mib_per_session"] for r in modes.values()), None)
         if cache is not None:
             lines.append(f"N={n}: vocoder caches {cache:.1f} MiB per session")
@@ -357,9 +367,10 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _graphs_line(n: int, static: dict[str, Any], eager: dict[str, Any]) -> str:
+def _decode_line(n: int, static: dict[str, Any], eager: dict[str, Any], other: str) -> str:
     """Decode per step and per decode forward (the round's LLM forwards less its prefill),
-    the engine's own decode (static shapes, graphs on CUDA) against ragged eager forwards."""
+    the engine's own decode (static shapes, graphs on CUDA, the device ahead of the host)
+    against another way (ragged eager forwards; the host between forwards)."""
 
     def per_forward(r: dict[str, Any]) -> str:
         forwards = r["llm_forwards_per_round"]
@@ -370,7 +381,7 @@ def _graphs_line(n: int, static: dict[str, Any], eager: dict[str, Any]) -> str:
     a = static["phases_ms_per_step"].get("decode", 0.0)
     b = eager["phases_ms_per_step"].get("decode", 0.0)
     return (
-        f"N={n}: decode ms per step {a:.1f} vs eager {b:.1f} (per forward "
+        f"N={n}: decode ms per step {a:.1f} vs {other} {b:.1f} (per forward "
         f"{per_forward(static)} vs {per_forward(eager)}); cycle "
         f"{static['cycle_ms']['mean']:.0f} vs {eager['cycle_ms']['mean']:.0f} ms"
     )

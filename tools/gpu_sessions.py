@@ -79,13 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         default=f"{batched.BATCHED},{batched.SLICED}",
         help="with --batched: which to run (batched, serial-vocoder: batched with the vocoder "
-        "per speaker, batched-eager: batched with ragged eager decode forwards, time-sliced)",
+        "per speaker, batched-eager: batched with ragged eager decode forwards, "
+        "batched-in-step: batched with the host between decode forwards, time-sliced)",
     )
     parser.add_argument(
         "--cuda-graphs",
         choices=("auto", "on", "off"),
         default=None,
         help="minicpmo: the batched decode in static shapes replayed as CUDA graphs (worker's)",
+    )
+    parser.add_argument(
+        "--decode-ahead",
+        type=int,
+        default=None,
+        help="minicpmo: decode forwards the GPU runs before the host reads their tokens "
+        "(worker's; 0: the host reads each forward's tokens first)",
     )
     parser.add_argument(
         "--profile",
@@ -166,6 +174,7 @@ def make_config(args: argparse.Namespace) -> tuple[WorkerConfig, list[str]]:
         "attn": args.attn,
         "compile": True if args.compile else None,
         "cuda_graphs": args.cuda_graphs,
+        "decode_ahead": args.decode_ahead,
     }
     overrides: dict[str, Any] = {"engine": args.engine}
     if args.batched:

@@ -284,6 +284,18 @@ class WorkerConfig(FabricTls):
     """minicpmo: the batched step's decode forwards padded to bucketed static shapes and, on
     CUDA, captured and replayed as CUDA graphs (auto: on where the device is CUDA; on a CPU,
     on runs the static shapes eagerly; off: the ragged forwards)."""
+    decode_ahead: int | None = setting(
+        None,
+        env="OMNI_WORKER_DECODE_AHEAD",
+        flag="--decode-ahead",
+        range=(0, 8),
+        help="minicpmo: batched decode forwards the GPU runs before the host reads their "
+        "tokens (default: 2 on CUDA, 0 elsewhere)",
+    )
+    """minicpmo: how many decode forwards the batched step's device runs beyond the host's
+    reading of their tokens (decode.py: the host's rules for a forward run while the next
+    ones compute; a row that ended is taken back); 0: the host reads each forward's tokens
+    before the next. None: 2 on CUDA, 0 elsewhere."""
     minicpmo_api: str = setting(
         "auto",
         env="OMNI_WORKER_MINICPMO_API",

@@ -122,18 +122,19 @@ def test_serial_vocoder_mode_runs_where_the_engine_has_no_choice(tmp_path: Path)
 
 
 def test_eager_mode_and_profile_run_on_any_engine(tmp_path: Path, capsys):
-    """--modes batched,batched-eager and --profile on the synthetic engine (no decode to
-    switch, no phases marked, no GPU): both modes run, a trace is written and the report
-    says no kernels were recorded."""
+    """--modes batched,batched-eager,batched-in-step and --profile on the synthetic engine
+    (no decode to switch, no phases marked, no GPU): the modes run, a trace is written and
+    the report says no kernels were recorded."""
     out = tmp_path / "profile.json"
     argv = ["--engine", "synthetic", "--device", "cpu", "--batched", "2", "--units", "2"]
-    argv += ["--batch-share", "0.1", "--modes", "batched,batched-eager"]
+    argv += ["--batch-share", "0.1", "--modes", "batched,batched-eager,batched-in-step"]
     assert gpu_sessions.main([*argv, "--profile", str(tmp_path / "trace"), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "no CUDA kernels recorded" in printed
     report = json.loads(out.read_text())
-    assert {r["mode"] for r in report["runs"]} == {"batched", "batched-eager"}
-    assert any(line.startswith("N=2: decode ms per step") for line in report["summary"])
+    assert {r["mode"] for r in report["runs"]} == {"batched", "batched-eager", "batched-in-step"}
+    decode = [line for line in report["summary"] if line.startswith("N=2: decode ms per step")]
+    assert len(decode) == 2 and " vs in step " in decode[1], decode
     profiled = report["profile"]
     assert profiled["gpu_measured"] is False and profiled["sessions"] == 2
     assert Path(profiled["trace"]).stat().st_size > 0
@@ -172,3 +173,16 @@ def test_busy_shares_count_overlapping_kernels_once():
     assert tts["gpu_busy_ms"] == 0.5
     assert report["window"]["wall_ms"] == 4.0 and report["window"]["gpu_busy_ms"] == 1.5
     assert report["gpu_measured"] is True
+
+
+def test_in_step_mode_puts_the_host_between_decode_forwards_and_back():
+    from types import SimpleNamespace
+
+    from omnifabric.tools import batched
+
+    engine = SimpleNamespace(decode_ahead=2, vocoder_batched=True)
+    with batched.engine_mode(engine, None, batched.IN_STEP):
+        assert engine.decode_ahead == 0 and engine.vocoder_batched
+    assert engine.decode_ahead == 2
+    with batched.engine_mode(engine, None, batched.BATCHED):
+        assert engine.decode_ahead == 2

@@ -8,6 +8,9 @@ test here skips. Checkpoints are built once per run (tools.minicpmo_tiny, ~10 s 
 The engines here run on CPU in float32 unless OMNI_MINICPMO_DEVICE (e.g. cuda) and
 OMNI_MINICPMO_DTYPE (float32, bfloat16; default: the engine's, bfloat16 on CUDA) say
 otherwise; OMNI_MINICPMO_ATOL widens the 1e-4 bound on batched-vs-solo logits (bfloat16).
+OMNI_WORKER_DECODE_AHEAD (the worker's own variable, so the served stacks follow it too)
+runs the batched decode with the device that many forwards ahead of the host (0 on a CPU
+by default): the whole opt-in suite then checks that path.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,7 +47,9 @@ DEVICE = os.environ.get("OMNI_MINICPMO_DEVICE") or "cpu"
 DTYPE = os.environ.get("OMNI_MINICPMO_DTYPE") or None
 LOGITS_ATOL = float(os.environ.get("OMNI_MINICPMO_ATOL") or 1e-4)
 #: Where and how the engines of these tests run (MiniCPMOEngine keyword arguments).
-ON = {"device": DEVICE, "dtype": DTYPE}
+ON: dict[str, Any] = {"device": DEVICE, "dtype": DTYPE}
+if os.environ.get("OMNI_WORKER_DECODE_AHEAD"):
+    ON["decode_ahead"] = int(os.environ["OMNI_WORKER_DECODE_AHEAD"])
 if DEVICE.startswith("cuda"):
     import torch
 

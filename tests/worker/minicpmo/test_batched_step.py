@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 
 from omnifabric.worker.engine import DuplexSettings, StepRow
+from omnifabric.worker.engines.minicpmo import layouts
 from omnifabric.worker.engines.minicpmo import slots as slots_module
 from tests.worker.minicpmo.conftest import LAYOUTS, LOGITS_ATOL, ON, needs_code
 
@@ -606,6 +607,46 @@ def test_static_shape_control_shifted_position_fails(eng16, static_shapes, monke
     with pytest.raises(AssertionError):
         for k in range(3):
             compare(want[k], got[k], f"shifted row, session {k}")
+
+
+@pytest.mark.parametrize("shapes", ["ragged", "static"])
+def test_decode_ahead_of_the_host_equals_solo(eng16, request, monkeypatch, shapes):
+    """The device two forwards beyond the host's reading of their tokens (decode_ahead 2,
+    the CUDA default; decode._run_ahead), ragged and in static shapes: sixteen greedy and
+    seeded sampling sessions with caps that stop rows at different tokens, joining
+    mid-reply and leaving, each equal to its solo run; rows were fed past their ends and
+    their slots taken back."""
+    from omnifabric.worker.engines.minicpmo import decode
+
+    if shapes == "static":
+        request.getfixturevalue("static_shapes")
+    monkeypatch.setattr(eng16, "decode_ahead", 2)
+    depths: list[int] = []
+    back: list[int] = []
+    run_ahead, rewind = decode._run_ahead, slots_module.SlotCache.rewind
+
+    def spied_run(stepper, rows, plans, depth):
+        depths.append(depth)
+        return run_ahead(stepper, rows, plans, depth)
+
+    def spied_rewind(self, slot, length):
+        back.append(self.length(slot) - length)
+        return rewind(self, slot, length)
+
+    monkeypatch.setattr(decode, "_run_ahead", spied_run)
+    monkeypatch.setattr(slots_module.SlotCache, "rewind", spied_rewind)
+    plans = [plan(eng16, k, seed=None if k % 3 else 400 + k) for k in range(16)]
+    for k, p in enumerate(plans):
+        p.units = p.units[: 3 if k < 4 else 2 if k < 10 else 1]
+    starts = [0, 0, 1, 0, 2, 0, 1, 3, 0, 1, 2, 0, 1, 2, 3, 1]
+    want = check(eng16, plans, starts)
+    listens, speaks = kinds(want)
+    assert listens > 0 and speaks > 0
+    assert depths and set(depths) == {2}
+    if eng16.layout == layouts.UNIFIED:  # its 28-character limit ends units early
+        assert max(back) > 0, "no row was fed past its end"
+    # (the duplex layout's random-weight units here end at their caps or forced listens,
+    # both known before the forward: nothing to take back)
 
 
 def test_kv_figures_describe_the_slot_cache(eng16):

@@ -263,6 +263,40 @@ def test_static_decode_refuses_what_it_cannot_take(llm):
     assert cache.length(a) == 16
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_a_rewound_slot_reads_as_if_the_tokens_past_it_were_never_fed(llm, static):
+    """What a decode running ahead of its rules leaves (decode._run_ahead): slot a gets
+    three tokens more than b, is rewound, and both take the same next token: the same
+    logits; without the rewind they differ (the control). A slot only goes back."""
+    make = random_embeds(llm.config.hidden_size)
+    prefix, junk, nxt = make(6), make(3), make(1)
+
+    def run(rewind: bool) -> torch.Tensor:
+        cache = SlotCache(llm.config, 2, 32, scratch=True)
+        decoder = StaticDecode(llm, cache, graphs=False) if static else None
+        a, b = cache.claim(), cache.claim()
+
+        def step(rows):
+            return decoder.feed(rows) if decoder else feed(llm, cache, rows)
+
+        with torch.no_grad():
+            feed(llm, cache, [(a, prefix), (b, prefix)])
+            for k in range(3):
+                step([(a, junk[k : k + 1])])
+            if rewind:
+                with pytest.raises(ValueError, match="holds 9 tokens: it cannot go back to 10"):
+                    cache.rewind(a, 10)
+                cache.rewind(a, 6)
+            logits = step([(a, nxt), (b, nxt)]).logits
+        assert cache.length(a) == (7 if rewind else 10)
+        return logits
+
+    rewound = run(True)
+    torch.testing.assert_close(rewound[0], rewound[1], atol=TOLERANCE, rtol=0)
+    kept = run(False)
+    assert (kept[0] - kept[1]).abs().max() > 1e-3
+
+
 def test_consecutive_and_gathered_rows_read_the_same(llm):
     """Rows in slot order read a view of the cache, rows out of it a gather: same numbers."""
     make = random_embeds(llm.config.hidden_size)

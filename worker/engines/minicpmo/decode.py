@@ -10,7 +10,10 @@ code appends to the decoder's history and what it leaves out is the same here. T
 rules (a listen inside an open turn becomes `<|tts_bos|>`, terminators, the forced
 `<|chunk_eos|>` at the cap, the unified layout's 28-character limit, `<|speak|>` not
 counted, end of turn from the last step, the first token fed but not kept) run on ids
-brought to the host once per step for the whole batch.
+brought to the host once per forward for the whole batch: before the next forward
+(_run_in_step), or behind the device, which decides and feeds each row's token itself and
+runs up to `ahead` forwards beyond the host's reading (_run_ahead: a row the host finds
+ended is taken back to its length and left out of the forwards queued next).
 
 Draws: a session with a seed draws from its own generator, one call per row in the public
 order, so its tokens equal its solo run and never depend on its batch-mates. The sessions
@@ -21,6 +24,8 @@ of torch ops a forward where a draw per row took ~30 (each a kernel launch on a 
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +40,9 @@ if TYPE_CHECKING:
 DECODER_LENGTH_PENALTY = 1.1
 #: The unified layout's limit on one unit's text, in characters.
 CHAR_LIMIT = 28
+#: Decode forwards the device runs beyond the host's reading of their tokens on CUDA by
+#: default (the engine's decode_ahead; 0, the host between forwards, elsewhere).
+CUDA_AHEAD = 2
 
 
 def generator(session: MiniCPMOSession, device: torch.device) -> torch.Generator:
@@ -89,54 +97,308 @@ class _Plan:
 
 def run(stepper: Steps, rows: list[Row]) -> None:
     """Decode one unit of every row: all LLM forwards of the loop, the bookkeeping the
-    public generate keeps, and each row's outcome on the row."""
+    public generate keeps, and each row's outcome on the row. The host reads each forward's
+    tokens before the next (depth 0), or the device runs `ahead` forwards beyond the host's
+    reading (_run_ahead); the rows' outcomes are the same."""
     plans = {id(r): _Plan(r) for r in rows}
     for row in rows:
         _start(stepper, row)
-    active = list(rows)
+    depth = ahead(stepper.engine, rows, plans)
+    if depth > 0:
+        _run_ahead(stepper, rows, plans, depth)
+    else:
+        _run_in_step(stepper, rows, plans)
+    for row in rows:
+        _finish(stepper, row, plans[id(row)])
+
+
+def _run_in_step(stepper: Steps, rows: list[Row], plans: dict[int, _Plan]) -> None:
+    """The loop with the host between forwards: each forward's tokens are read, the host
+    rules run, and only the rows still speaking are fed."""
+    active = [r for r in rows if not _capped(r, plans[id(r)], 0)]
     j = 0
     while active:
-        going = []
-        for row in active:
-            plan = plans[id(row)]
-            d = row.duplex
-            if j >= plan.cap:
-                continue  # no speak tokens allowed: the unit ends without a terminator
-            if j == plan.cap - 1:
-                row.terminator = d.chunk_eos_token_id
-                d.total_ids.append(d.chunk_eos_token_id)
-                continue
-            going.append(row)
-        if not going:
-            break
-        decided = _decide(stepper.engine, [r for r in going if not r.force], plans, j)
+        decided = _decide(stepper.engine, [r for r in active if not r.force], plans, j)
         fed: list[tuple[Row, int]] = []
-        for row in going:
+        for row in active:
             d = row.duplex
             tid = d.listen_token_id if row.force else decided.pop(0)
-            if not row.force and tid == d.listen_token_id and not d.current_turn_ended:
-                tid = d.tts_bos_token_id
-            keep = _host(row, tid, j, plans[id(row)].unified)
-            if keep:
+            tid = _substituted(row, tid)
+            if _host(row, tid, j, plans[id(row)].unified):
                 fed.append((row, tid))
         if not fed:
             break
         embeds = _embed(fed)
         res = stepper.decode_feed([(_slot(r), embeds[k]) for k, (r, _) in enumerate(fed)])
         for k, (row, tid) in enumerate(fed):
-            d = row.duplex
             row.logits = res.logits[k : k + 1]
-            eot = tid in d.turn_terminator_token_ids
-            row.end_of_turn = eot
-            if eot:
-                d.current_turn_ended = True
-            if j != 0:
-                row.hidden.append([tid, res.hidden[k][None], eot])
-                row.ids.append(tid)
-        active = [r for r, _ in fed]
+            _fed(row, tid, res.hidden[k], j)
         j += 1
+        active = [r for r, _ in fed if not _capped(r, plans[id(r)], j)]
+
+
+def ahead(engine: MiniCPMOEngine, rows: list[Row], plans: dict[int, _Plan]) -> int:
+    """How many forwards the device may run beyond the host's reading of their tokens in
+    this step: the engine's setting (decode_ahead), or 0 where a row needs the host between
+    its forwards: a seeded sampling row with listen_top_k (whether its generator goes back
+    decides its next draw), a forced row whose listen would not end its unit, or rows whose
+    decoders differ in the ids the device's rules use."""
+    depth = engine.decode_ahead
+    if depth is None:
+        depth = CUDA_AHEAD if str(engine.device).startswith("cuda") else 0
+    free = [r for r in rows if not r.force]
+    if depth <= 0 or not free:
+        return 0
     for row in rows:
-        _finish(stepper, row, plans[id(row)])
+        d = row.duplex
+        if row.force and d.listen_token_id not in d.chunk_terminator_token_ids:
+            return 0
+        plan = plans[id(row)]
+        if not plan.greedy and seeded(row.session) and plan.listen_top_k is not None:
+            return 0
+    ids = _Ids.of(free[0])
+    if ids.model is None or any(_Ids.of(r) != ids for r in free[1:]):
+        return 0
+    return depth
+
+
+@dataclass(frozen=True)
+class _Ids:
+    """What the device's rules read of a row's decoder: the same for every row of an
+    engine (one model, one tokenizer)."""
+
+    model: Any
+    chunk_eos: int
+    decided_listen: int
+    listen: int
+    tts_bos: int
+    turn_ends: tuple[int, ...]
+    specials: frozenset[int]
+
+    @classmethod
+    def of(cls, row: Row) -> _Ids:
+        d = row.duplex
+        dec = d.decoder
+        return cls(
+            model=getattr(dec, "m", None),
+            chunk_eos=int(dec.chunk_eos_id),
+            decided_listen=int(dec.listen_id),
+            listen=int(d.listen_token_id),
+            tts_bos=int(d.tts_bos_token_id),
+            turn_ends=tuple(int(t) for t in d.turn_terminator_token_ids),
+            specials=frozenset(int(t) for t in dec.special_token_ids),
+        )
+
+
+@dataclass
+class _Forward:
+    """A forward the device ran ahead of the host: its rows, what the host will read
+    (staged), the rows' hidden states, and the seeded rows' generator states."""
+
+    j: int
+    rows: list[Row]
+    read: _Staged
+    hidden: list[torch.Tensor]
+    draw: _Draw
+
+
+class _Staged:
+    """A small device tensor copied to the host without waiting: on CUDA into pinned
+    memory behind an event, so reading it waits for its own forward, not the ones queued
+    after it."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.event: Any = None
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = values
+
+    def values(self) -> list[list[int]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class _Device:
+    """The rows' state the device keeps between forwards when it runs ahead of the host:
+    their logits, recent history, whether their turn ended, listen_top_k; in the order of
+    `rows` (the rows of the last forward)."""
+
+    def __init__(self, rows: list[Row], plans: dict[int, _Plan], cap: int) -> None:
+        logits = torch.cat([r.logits for r in rows if r.logits is not None])
+        dev = logits.device
+        self.rows = rows
+        self.ids = _Ids.of(rows[0])
+        self.logits = logits
+        self.history = _History(rows, plans, logits.shape[-1], dev, cap)
+        self.ended = on_device([bool(r.duplex.current_turn_ended) for r in rows], dev, torch.bool)
+        tops = [plans[id(r)].listen_top_k for r in rows]
+        self.listen_top_k = on_device([t if t is not None else 0 for t in tops], dev, torch.long)
+        self.specials = on_device(sorted(self.ids.specials), dev, torch.long)
+        self.turn_ends = on_device(list(self.ids.turn_ends), dev, torch.long)
+
+    def select(self, rows: list[Row]) -> None:
+        """Narrows the state to `rows` (a subsequence of the last forward's rows)."""
+        if len(rows) == len(self.rows):
+            return
+        where = {id(r): k for k, r in enumerate(self.rows)}
+        index = on_device([where[id(r)] for r in rows], self.logits.device, torch.long)
+        self.logits = self.logits[index]
+        self.history.select(index)
+        self.ended = self.ended[index]
+        self.listen_top_k = self.listen_top_k[index]
+        self.rows = rows
+
+    def tokens(self, draw: _Draw) -> torch.Tensor:
+        """The ids the rows feed, as the host will decide them (_pick, _substituted), and
+        the state after them: the history the public code appends to, the turn's end."""
+        ids = self.ids
+        eos = draw.first == ids.chunk_eos
+        listens = draw.ranks < self.listen_top_k
+        decided = torch.where(
+            eos, draw.first, torch.where(listens, ids.decided_listen, draw.final.long())
+        )
+        kept = ~eos & ~listens & ~torch.isin(draw.final.long(), self.specials)
+        self.history.push(draw.final.long(), kept)
+        opened = (decided == ids.listen) & ~self.ended
+        tokens = torch.where(opened, ids.tts_bos, decided)
+        self.ended = torch.isin(tokens, self.turn_ends)
+        return tokens
+
+
+def _run_ahead(stepper: Steps, rows: list[Row], plans: dict[int, _Plan], depth: int) -> None:
+    """The loop with the device up to `depth` forwards beyond the host: each forward's
+    tokens are decided and fed on the device (_Device.tokens), read by the host later
+    (_Staged) and run through the host rules in order. A row the host finds ended at a
+    forward was fed on for up to `depth` more: its slot goes back to the length the rules
+    give it, its seeded generator to where its draws stopped. The rows' outcomes, slots and
+    generators equal _run_in_step's."""
+    cache = stepper.cache
+    lengths = {id(r): cache.length(_slot(r)) for r in rows}
+    live: list[Row] = []
+    for row in rows:
+        if _capped(row, plans[id(row)], 0):
+            continue
+        if row.force:  # its listen is a chunk terminator (ahead): the unit ends here
+            _host(row, row.duplex.listen_token_id, 0, plans[id(row)].unified)
+            continue
+        live.append(row)
+    if not live:
+        return
+    cap = max(plans[id(r)].cap for r in live)
+    state = _Device(live, plans, cap)
+    pending: deque[_Forward] = deque()
+    ended: set[int] = set()
+    j = 0
+    try:
+        while True:
+            going = [r for r in live if id(r) not in ended and j < plans[id(r)].cap - 1]
+            full = any(cache.length(_slot(r)) >= cache.max_len for r in going)
+            if going and not (full and pending):
+                pending.append(_forward(stepper, state, going, plans, j))
+                j += 1
+            if not pending:
+                break
+            if len(pending) > depth or not going or full:
+                _replay(pending.popleft(), pending, plans, lengths, ended)
+    finally:
+        for row in rows:
+            cache.rewind(_slot(row), lengths[id(row)])
+
+
+def _forward(
+    stepper: Steps, state: _Device, rows: list[Row], plans: dict[int, _Plan], j: int
+) -> _Forward:
+    """Decides, stages and feeds the rows' tokens of step j, all on the device."""
+    state.select(rows)
+    draw = _draw(stepper.engine, rows, plans, state.logits, state.history)
+    tokens = state.tokens(draw)
+    read = _Staged(torch.cat([draw.stacked(), tokens[None]]))
+    embeds = state.ids.model.model.embed_tokens(tokens)
+    res = stepper.decode_feed([(_slot(r), embeds[k : k + 1]) for k, r in enumerate(rows)])
+    state.logits = res.logits
+    return _Forward(j, rows, read, res.hidden, draw)
+
+
+def _replay(
+    forward: _Forward,
+    later: deque[_Forward],
+    plans: dict[int, _Plan],
+    lengths: dict[int, int],
+    ended: set[int],
+) -> None:
+    """The host's part of a forward the device ran ahead: each row's decision and host
+    rules in order, as _run_in_step runs them; the rows ending here join `ended`."""
+    host = forward.read.values()
+    draw, j = forward.draw, forward.j
+    for k, row in enumerate(forward.rows):
+        if id(row) in ended:
+            continue  # it ended at an earlier forward: what the device did after is void
+        plan = plans[id(row)]
+        gen = draw.gens[k]
+        tid = _substituted(
+            row, _pick(row, plan, host[0][k], host[1][k], host[2][k], gen, draw.middle[k])
+        )
+        if tid != host[3][k]:
+            raise RuntimeError(
+                f"step {j}: the device fed token {host[3][k]} where the host rules decide {tid}"
+            )
+        if _host(row, tid, j, plan.unified):
+            lengths[id(row)] += 1
+            _fed(row, tid, forward.hidden[k], j)
+            if not _capped(row, plan, j + 1):
+                continue
+        ended.add(id(row))
+        if gen is not None and host[0][k] != row.duplex.decoder.chunk_eos_id:
+            _draws_undone(row, gen, later)
+
+
+def _draws_undone(row: Row, gen: torch.Generator, later: deque[_Forward]) -> None:
+    """A seeded row that ended: its generator back to where its first later forward began
+    drawing (the draws the public code never made)."""
+    for forward in later:
+        for k, other in enumerate(forward.rows):
+            if other is row:
+                gen.set_state(forward.draw.start[k])
+                return
+
+
+def _capped(row: Row, plan: _Plan, j: int) -> bool:
+    """Whether the row's unit ends at step j by its cap on speak tokens (at the cap, with no
+    terminator; one before it, with a forced `<|chunk_eos|>`)."""
+    if j >= plan.cap:
+        return True
+    if j == plan.cap - 1:
+        d = row.duplex
+        row.terminator = d.chunk_eos_token_id
+        d.total_ids.append(d.chunk_eos_token_id)
+        return True
+    return False
+
+
+def _substituted(row: Row, tid: int) -> int:
+    """A listen decided inside an open turn becomes `<|tts_bos|>` (forced listens stay)."""
+    d = row.duplex
+    if not row.force and tid == d.listen_token_id and not d.current_turn_ended:
+        return int(d.tts_bos_token_id)
+    return tid
+
+
+def _fed(row: Row, tid: int, hidden: torch.Tensor, j: int) -> None:
+    """The row's bookkeeping once its token of step j is fed: end of turn, and from the
+    second step on the token and its hidden state (what the TTS is conditioned on)."""
+    d = row.duplex
+    eot = tid in d.turn_terminator_token_ids
+    row.end_of_turn = eot
+    if eot:
+        d.current_turn_ended = True
+    if j != 0:
+        row.hidden.append([tid, hidden[None], eot])
+        row.ids.append(tid)
 
 
 def on_device(values: list[Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -238,16 +500,52 @@ def _finish(stepper: Steps, row: Row, plan: _Plan) -> None:
     d.total_hidden.append([] if row.is_listen else row.hidden)
 
 
+@dataclass
+class _Draw:
+    """One forward's decisions on the device, [rows] each: the pre-check's token, the token
+    after the rules, the listen id's rank; and the seeded rows' generators with their states
+    before the forward's draws (start) and after the pre-check's (middle)."""
+
+    first: torch.Tensor
+    final: torch.Tensor
+    ranks: torch.Tensor
+    gens: list[torch.Generator | None]
+    start: list[Any]
+    middle: list[Any]
+
+    def stacked(self) -> torch.Tensor:
+        """[3, rows]: what the host reads of the forward."""
+        return torch.stack([self.first, self.final.long(), self.ranks.long()])
+
+
 def _decide(engine: MiniCPMOEngine, rows: list[Row], plans: dict[int, _Plan], j: int) -> list[int]:
-    """One token per row by the public decoder's rules; one host sync for the batch. The
-    logit rules run as a few indexed ops over all rows (_adjust); a seeded row draws from
-    its session's generator, the unseeded rows draw together (the module's docstring)."""
+    """One token per row by the public decoder's rules; one host read for the batch."""
     if not rows:
         return []
     logits = torch.cat([r.logits for r in rows if r.logits is not None])
+    history = _History(rows, plans, logits.shape[-1], logits.device, 0)
+    draw = _draw(engine, rows, plans, logits, history)
+    host = draw.stacked().tolist()
+    return [
+        _pick(r, plans[id(r)], host[0][k], host[1][k], host[2][k], draw.gens[k], draw.middle[k])
+        for k, r in enumerate(rows)
+    ]
+
+
+def _draw(
+    engine: MiniCPMOEngine,
+    rows: list[Row],
+    plans: dict[int, _Plan],
+    logits: torch.Tensor,
+    history: _History,
+) -> _Draw:
+    """The device's part of a forward's decisions: the logit rules run as a few indexed ops
+    over all rows (_adjust); a seeded row draws from its session's generator, the unseeded
+    rows draw together (the module's docstring). Nothing waits for the device."""
     raw_max = logits.argmax(-1)
     pre: list[torch.Tensor] = []
-    saved: list[Any] = []
+    start: list[Any] = []
+    middle: list[Any] = []
     gens: list[torch.Generator | None] = []
     free: list[int] = []
     for k, row in enumerate(rows):
@@ -255,21 +553,23 @@ def _decide(engine: MiniCPMOEngine, rows: list[Row], plans: dict[int, _Plan], j:
         if plan.greedy or not seeded(row.session):
             pre.append(raw_max[k])
             gens.append(None)
+            start.append(None)
             if not plan.greedy:
                 free.append(k)
         else:
             g = generator(row.session, logits.device)
+            start.append(g.get_state())
             probs = torch.softmax(logits[k], dim=-1)
             pre.append(torch.multinomial(probs, 1, generator=g)[0])
             gens.append(g)
-        saved.append(gens[-1].get_state() if gens[-1] is not None else None)
+        middle.append(gens[-1].get_state() if gens[-1] is not None else None)
     first = torch.stack(pre).long()
     shared = worker_generator(engine, logits.device) if free else None
     where = on_device(free, logits.device, torch.long) if free else None
     if where is not None:
         probs = torch.softmax(logits[where].float(), dim=-1)
         first[where] = torch.multinomial(probs, 1, generator=shared)[:, 0]
-    masked = _adjust(logits, rows, plans)
+    masked = _adjust(logits, rows, plans, history)
     final = masked.argmax(-1)
     drawn = [k for k, gen in enumerate(gens) if gen is not None]
     if drawn or where is not None:
@@ -290,31 +590,82 @@ def _decide(engine: MiniCPMOEngine, rows: list[Row], plans: dict[int, _Plan], j:
     listen = on_device([r.duplex.decoder.listen_id for r in rows], logits.device, torch.long)
     at_listen = masked.gather(1, listen[:, None])
     ranks = (masked > at_listen).sum(-1)
-    host = torch.stack([first, final.long(), ranks.long()]).tolist()
-    out = []
-    for k, row in enumerate(rows):
-        plan = plans[id(row)]
-        dec = row.duplex.decoder
-        first_id, chosen, rank = host[0][k], host[1][k], host[2][k]
-        gen = gens[k]
-        if first_id == dec.chunk_eos_id:
-            if gen is not None:
-                gen.set_state(saved[k])  # the public code never drew the second time
-            out.append(first_id)
-            continue
-        if plan.listen_top_k is not None and rank < plan.listen_top_k:
-            if gen is not None:
-                gen.set_state(saved[k])
-            word = dec.tokenizer.decode([dec.listen_id])
-            dec.context += " " if word == "<|listen|>" else word
-            out.append(dec.listen_id)
-            continue
-        if chosen not in dec.special_token_ids:
-            dec.generated_tokens.append(chosen)
-        else:
-            dec.generated_special_tokens.append(chosen)
-        out.append(chosen)
-    return out
+    return _Draw(first, final, ranks, gens, start, middle)
+
+
+def _pick(
+    row: Row, plan: _Plan, first_id: int, chosen: int, rank: int, gen: Any, middle: Any
+) -> int:
+    """The host's part of a row's decision from what the device drew: the pre-check's
+    `<|chunk_eos|>`, listen_top_k, or the token after the rules, with the decoder's history
+    kept as the public code keeps it. A seeded row's generator goes back to where the public
+    code stopped drawing."""
+    dec = row.duplex.decoder
+    if first_id == dec.chunk_eos_id:
+        if gen is not None:
+            gen.set_state(middle)  # the public code never drew the second time
+        return first_id
+    if plan.listen_top_k is not None and rank < plan.listen_top_k:
+        if gen is not None:
+            gen.set_state(middle)
+        word = dec.tokenizer.decode([dec.listen_id])
+        dec.context += " " if word == "<|listen|>" else word
+        return int(dec.listen_id)
+    if chosen not in dec.special_token_ids:
+        dec.generated_tokens.append(chosen)
+    else:
+        dec.generated_special_tokens.append(chosen)
+    return chosen
+
+
+class _History:
+    """Each row's recent generated tokens on the device, for the repetition penalty: what
+    the public code reads as `set(history[-window:])` of the decoder's generated_tokens,
+    kept as [rows, width] ids (oldest first; the vocabulary size where nothing is), so the
+    device can add a forward's tokens itself (push) when it runs ahead of the host. `more`
+    is how many tokens may be pushed (a window of 0 or less keeps the whole history)."""
+
+    def __init__(
+        self,
+        rows: list[Row],
+        plans: dict[int, _Plan],
+        vocab: int,
+        device: torch.device,
+        more: int,
+    ) -> None:
+        self.vocab = vocab
+        tails: list[list[int]] = []
+        windows: list[int] = []
+        for row in rows:
+            plan = plans[id(row)]
+            history = row.duplex.decoder.generated_tokens
+            tail = history[-plan.window :] if plan.penalty != 1.0 and history else []
+            tails.append([t if 0 <= t < vocab else vocab for t in tail])
+            windows.append(plan.window if plan.window > 0 else len(tail) + more)
+        # wide enough for each row's window or for all it holds and may be given
+        width = max([1, *(min(w, len(t) + more) for w, t in zip(windows, tails, strict=True))])
+        self.ids = on_device([[vocab] * (width - len(t)) + t for t in tails], device, torch.long)
+        # a row's window is its last places: an id pushed out of them is out of its window
+        spans = on_device(windows, device, torch.long)
+        self.inside = torch.arange(width, device=device)[None, :] >= (width - spans)[:, None]
+
+    def mask(self) -> torch.Tensor:
+        """[rows, vocab]: True at each row's recent ids."""
+        rows, width = self.ids.shape
+        ids = torch.where(self.inside, self.ids, self.vocab)
+        out = torch.zeros((rows, self.vocab + 1), dtype=torch.bool, device=ids.device)
+        return out.scatter_(1, ids, True)[:, : self.vocab]
+
+    def push(self, tokens: torch.Tensor, where: torch.Tensor) -> None:
+        """Adds each row's token where `where` [rows] holds (the rows whose token the
+        public code appends to generated_tokens)."""
+        moved = torch.cat([self.ids[:, 1:], tokens[:, None]], dim=1)
+        self.ids = torch.where(where[:, None], moved, self.ids)
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keeps the rows at `index` (the rows of the next forward), in that order."""
+        self.ids = self.ids[index]
+        self.inside = self.inside[index]
 
 
 class _Entries:
@@ -340,22 +691,22 @@ class _Entries:
         return out
 
 
-def _adjust(logits: torch.Tensor, rows: list[Row], plans: dict[int, _Plan]) -> torch.Tensor:
+def _adjust(
+    logits: torch.Tensor, rows: list[Row], plans: dict[int, _Plan], history: _History
+) -> torch.Tensor:
     """The rows' logits after the public decoder's rules, in its order: forbidden ids to
     -inf, the sign-blind repetition penalty over the recent history, the length penalty on
     `<|turn_eos|>`, listen_prob_scale on the listen id."""
     vocab = logits.shape[-1]
-    forbidden, penalty, length, listen = _Entries(), _Entries(), _Entries(), _Entries()
+    forbidden, length, listen = _Entries(), _Entries(), _Entries()
+    penalties: dict[float, list[int]] = {}
     for k, row in enumerate(rows):
         plan = plans[id(row)]
         dec = row.duplex.decoder
         if dec.forbidden_token_ids:
             forbidden.add(0.0, k, [t for t in dec.forbidden_token_ids if t < vocab])
-        history = dec.generated_tokens
-        if plan.penalty != 1.0 and history:
-            recent = [t for t in set(history[-plan.window :]) if t < vocab]
-            if recent:
-                penalty.add(plan.penalty, k, recent)
+        if plan.penalty != 1.0:
+            penalties.setdefault(plan.penalty, []).append(k)
         if plan.length_penalty != 1.0:
             length.add(plan.length_penalty, k, [dec.turn_eos_id])
         if plan.listen_prob_scale != 1.0:
@@ -364,8 +715,13 @@ def _adjust(logits: torch.Tensor, rows: list[Row], plans: dict[int, _Plan]) -> t
     dev = logits.device
     for _, where in forbidden.indexed(dev):
         masked[where] = float("-inf")
-    for p, where in penalty.indexed(dev):
-        masked[where] = masked[where] / p if p > 1.0 else masked[where] * (1.0 / p)
+    if penalties:
+        recent = history.mask()
+        for p, group in penalties.items():
+            index = on_device(group, dev, torch.long)
+            x = masked[index]
+            hit = x / p if p > 1.0 else x * (1.0 / p)
+            masked[index] = torch.where(recent[index], hit, x)
     for lp, where in length.indexed(dev):
         x = masked[where]
         masked[where] = torch.where(x > 0, x / lp, x * lp)

@@ -543,6 +543,7 @@ class MiniCPMOEngine(Engine):
         stepper_class: Callable[[MiniCPMOEngine], BatchedStep] | None = None,
         dtype: str | None = None,
         cuda_graphs: str = "auto",
+        decode_ahead: int | None = None,
     ) -> None:
         self.model_path = model_path
         self.device = device
@@ -556,6 +557,11 @@ class MiniCPMOEngine(Engine):
         self.cuda_graphs = cuda_graphs
         """The batched decode's shapes: off ragged; on static (CUDA graphs on CUDA); auto
         static with graphs on CUDA, ragged elsewhere (graphs.py)."""
+        if decode_ahead is not None and decode_ahead < 0:
+            raise ValueError(f"decode_ahead is 0 or more, not {decode_ahead}")
+        self.decode_ahead = decode_ahead
+        """Decode forwards the device may run beyond the host's reading of their tokens
+        (decode.ahead); None: decode.CUDA_AHEAD on CUDA, 0 elsewhere."""
         self.slots = slots
         self.api = api
         self.text_only = text_only
@@ -606,6 +612,7 @@ class MiniCPMOEngine(Engine):
             slot_tokens=slot_tokens(config),
             stepper_class=stepper_class,
             cuda_graphs=config.cuda_graphs,
+            decode_ahead=config.decode_ahead,
         )
 
     @property

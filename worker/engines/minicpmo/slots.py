@@ -145,6 +145,19 @@ class SlotCache(Cache):
         self._check_claimed(slot)
         return self._lengths[slot]
 
+    def rewind(self, slot: int, length: int) -> None:
+        """Takes `slot` back to its first `length` tokens (a decode that ran ahead of its
+        rules fed tokens they end before): what lies past them is masked out and
+        overwritten later, like an aborted step's writes."""
+        self._check_claimed(slot)
+        if self._step is not None:
+            raise RuntimeError("a slot cannot be rewound during a step")
+        if not 0 <= length <= self._lengths[slot]:
+            raise ValueError(
+                f"slot {slot} holds {self._lengths[slot]} tokens: it cannot go back to {length}"
+            )
+        self._lengths[slot] = length
+
     def put(self, slot: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
         """Loads a past into claimed `slot` (its length becomes the past's): per layer the
         keys and values of one row, [kv heads, tokens, head dim] (a DynamicCache's row 0).

@@ -18,7 +18,8 @@ gives (token for token; see docs/design/minicpmo-batched-step.md, "the design do
   forced listen closes an open turn), ragged, the row's pending logits from its last real
   prefill position;
 - the decode loop over the rows still speaking, one forward per step for all of them, every
-  per-row rule of the public decoder (decode.py), one host sync per step;
+  per-row rule of the public decoder (decode.py), the host reading each forward's tokens
+  before the next or, on CUDA, behind the device (decode.ahead);
 - TTS over the speakers and the vocoder per speaker (tts.py); a session offered functions
   speaks only what comes before a call (its duplex's TTS condition is cut there; a unit
   inside a call has no speech), and its results carry the calls (MiniCPMOSession.watched).
