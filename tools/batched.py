@@ -122,7 +122,7 @@ def engine_mode(engine: Engine, stepper: Stepper | None, mode: str) -> Iterator[
     if mode == EAGER and reset is not None:
         reset("off")
     if mode == IN_STEP and hasattr(engine, "decode_ahead"):
-        engine.decode_ahead = 0  # type: ignore[attr-defined]
+        engine.decode_ahead = 0
     try:
         yield
     finally:
@@ -131,7 +131,7 @@ def engine_mode(engine: Engine, stepper: Stepper | None, mode: str) -> Iterator[
         if mode == EAGER and reset is not None:
             reset(graphs)
         if mode == IN_STEP and hasattr(engine, "decode_ahead"):
-            engine.decode_ahead = ahead  # type: ignore[attr-defined]
+            engine.decode_ahead = ahead
 
 
 def _units(units: list[np.ndarray], count: int, offset: int) -> list[np.ndarray]:

@@ -115,18 +115,21 @@ class Script:
 
 @pytest.fixture
 def scripts(monkeypatch) -> dict[int, Script]:
-    """id(session) -> its Script, for the batched step's decide."""
+    """id(session) -> its Script, for the batched step's draws (whether the host reads each
+    forward or the device runs ahead, every forward's decisions go through decode._draw)."""
     table: dict[int, Script] = {}
-    decide = decode_module._decide
+    draw = decode_module._draw
 
-    def scripted(engine, rows, plans, j):
-        for row in rows:
-            script = table.get(id(row.session))
-            if script is not None:
-                row.logits = script.bias(row.logits)
-        return decide(engine, rows, plans, j)
+    def scripted(engine, rows, plans, logits, history):
+        biased = [
+            table[id(row.session)].bias(logits[k : k + 1])
+            if id(row.session) in table
+            else logits[k : k + 1]
+            for k, row in enumerate(rows)
+        ]
+        return draw(engine, rows, plans, torch.cat(biased), history)
 
-    monkeypatch.setattr(decode_module, "_decide", scripted)
+    monkeypatch.setattr(decode_module, "_draw", scripted)
     return table
 
 
