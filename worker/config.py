@@ -290,12 +290,12 @@ class WorkerConfig(FabricTls):
         flag="--decode-ahead",
         range=(0, 8),
         help="minicpmo: batched decode forwards the GPU runs before the host reads their "
-        "tokens (default: 2 on CUDA, 0 elsewhere)",
+        "tokens (default: 1 on CUDA, 0 elsewhere)",
     )
     """minicpmo: how many decode forwards the batched step's device runs beyond the host's
     reading of their tokens (decode.py: the host's rules for a forward run while the next
     ones compute; a row that ended is taken back); 0: the host reads each forward's tokens
-    before the next. None: 2 on CUDA, 0 elsewhere."""
+    before the next. None: 1 on CUDA, 0 elsewhere."""
     minicpmo_api: str = setting(
         "auto",
         env="OMNI_WORKER_MINICPMO_API",

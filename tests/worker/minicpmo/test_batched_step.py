@@ -611,8 +611,8 @@ def test_static_shape_control_shifted_position_fails(eng16, static_shapes, monke
 
 @pytest.mark.parametrize("shapes", ["ragged", "static"])
 def test_decode_ahead_of_the_host_equals_solo(eng16, request, monkeypatch, shapes):
-    """The device two forwards beyond the host's reading of their tokens (decode_ahead 2,
-    the CUDA default; decode._run_ahead), ragged and in static shapes: sixteen greedy and
+    """The device two forwards beyond the host's reading of their tokens (decode_ahead 2;
+    CUDA's default is 1; decode._run_ahead), ragged and in static shapes: sixteen greedy and
     seeded sampling sessions with caps that stop rows at different tokens, joining
     mid-reply and leaving, each equal to its solo run; rows were fed past their ends and
     their slots taken back."""
@@ -625,9 +625,9 @@ def test_decode_ahead_of_the_host_equals_solo(eng16, request, monkeypatch, shape
     back: list[int] = []
     run_ahead, rewind = decode._run_ahead, slots_module.SlotCache.rewind
 
-    def spied_run(stepper, rows, plans, depth):
+    def spied_run(stepper, rows, plans, depth, j):
         depths.append(depth)
-        return run_ahead(stepper, rows, plans, depth)
+        return run_ahead(stepper, rows, plans, depth, j)
 
     def spied_rewind(self, slot, length):
         back.append(self.length(slot) - length)

@@ -251,7 +251,7 @@ def test_the_scenario_ends_units_every_way(monkeypatch):
 def test_rows_end_their_units_as_with_the_host_between_forwards(ahead, in_step, monkeypatch):
     used = []
     real = decode._run_ahead
-    monkeypatch.setattr(decode, "_run_ahead", lambda *a: used.append(a[-1]) or real(*a))
+    monkeypatch.setattr(decode, "_run_ahead", lambda *a: used.append(a[3]) or real(*a))
     seen, stepper = _outcomes(ahead)
     assert used and set(used) == {ahead}
     for got, want in zip(seen, in_step, strict=True):

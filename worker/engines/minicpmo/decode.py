@@ -41,8 +41,10 @@ DECODER_LENGTH_PENALTY = 1.1
 #: The unified layout's limit on one unit's text, in characters.
 CHAR_LIMIT = 28
 #: Decode forwards the device runs beyond the host's reading of their tokens on CUDA by
-#: default (the engine's decode_ahead; 0, the host between forwards, elsewhere).
-CUDA_AHEAD = 2
+#: default (the engine's decode_ahead; 0, the host between forwards, elsewhere). One hides
+#: the host's rules for a forward behind the next wherever they take less time than a
+#: forward; each one more costs up to a forward per step past the last row's end.
+CUDA_AHEAD = 1
 
 
 def generator(session: MiniCPMOSession, device: torch.device) -> torch.Generator:
@@ -98,26 +100,30 @@ class _Plan:
 def run(stepper: Steps, rows: list[Row]) -> None:
     """Decode one unit of every row: all LLM forwards of the loop, the bookkeeping the
     public generate keeps, and each row's outcome on the row. The host reads each forward's
-    tokens before the next (depth 0), or the device runs `ahead` forwards beyond the host's
-    reading (_run_ahead); the rows' outcomes are the same."""
+    tokens before the next (_run_in_step); with the device allowed ahead, only the unit's
+    first decision, where most units end (a listener's unit is its first token), and the
+    device runs the rest up to `ahead` forwards beyond the host's reading (_run_ahead). The
+    rows' outcomes are the same."""
     plans = {id(r): _Plan(r) for r in rows}
     for row in rows:
         _start(stepper, row)
     depth = ahead(stepper.engine, rows, plans)
-    if depth > 0:
-        _run_ahead(stepper, rows, plans, depth)
-    else:
-        _run_in_step(stepper, rows, plans)
+    active, j = _run_in_step(stepper, rows, plans, 1 if depth > 0 else None)
+    if active:
+        _run_ahead(stepper, active, plans, depth, j)
     for row in rows:
         _finish(stepper, row, plans[id(row)])
 
 
-def _run_in_step(stepper: Steps, rows: list[Row], plans: dict[int, _Plan]) -> None:
+def _run_in_step(
+    stepper: Steps, rows: list[Row], plans: dict[int, _Plan], forwards: int | None
+) -> tuple[list[Row], int]:
     """The loop with the host between forwards: each forward's tokens are read, the host
-    rules run, and only the rows still speaking are fed."""
+    rules run, and only the rows still speaking are fed; for `forwards` forwards at most
+    (None: to the unit's end). The rows still speaking after them, and the next step."""
     active = [r for r in rows if not _capped(r, plans[id(r)], 0)]
     j = 0
-    while active:
+    while active and (forwards is None or j < forwards):
         decided = _decide(stepper.engine, [r for r in active if not r.force], plans, j)
         fed: list[tuple[Row, int]] = []
         for row in active:
@@ -127,7 +133,7 @@ def _run_in_step(stepper: Steps, rows: list[Row], plans: dict[int, _Plan]) -> No
             if _host(row, tid, j, plans[id(row)].unified):
                 fed.append((row, tid))
         if not fed:
-            break
+            return [], j
         embeds = _embed(fed)
         res = stepper.decode_feed([(_slot(r), embeds[k]) for k, (r, _) in enumerate(fed)])
         for k, (row, tid) in enumerate(fed):
@@ -135,14 +141,15 @@ def _run_in_step(stepper: Steps, rows: list[Row], plans: dict[int, _Plan]) -> No
             _fed(row, tid, res.hidden[k], j)
         j += 1
         active = [r for r, _ in fed if not _capped(r, plans[id(r)], j)]
+    return active, j
 
 
 def ahead(engine: MiniCPMOEngine, rows: list[Row], plans: dict[int, _Plan]) -> int:
     """How many forwards the device may run beyond the host's reading of their tokens in
     this step: the engine's setting (decode_ahead), or 0 where a row needs the host between
     its forwards: a seeded sampling row with listen_top_k (whether its generator goes back
-    decides its next draw), a forced row whose listen would not end its unit, or rows whose
-    decoders differ in the ids the device's rules use."""
+    decides its next draw), a forced row whose listen would not end its unit at the first
+    token, or rows whose decoders differ in the ids the device's rules use."""
     depth = engine.decode_ahead
     if depth is None:
         depth = CUDA_AHEAD if str(engine.device).startswith("cuda") else 0
@@ -270,33 +277,24 @@ class _Device:
         return tokens
 
 
-def _run_ahead(stepper: Steps, rows: list[Row], plans: dict[int, _Plan], depth: int) -> None:
-    """The loop with the device up to `depth` forwards beyond the host: each forward's
-    tokens are decided and fed on the device (_Device.tokens), read by the host later
-    (_Staged) and run through the host rules in order. A row the host finds ended at a
-    forward was fed on for up to `depth` more: its slot goes back to the length the rules
+def _run_ahead(
+    stepper: Steps, rows: list[Row], plans: dict[int, _Plan], depth: int, j: int
+) -> None:
+    """The loop from step j with the device up to `depth` forwards beyond the host: each
+    forward's tokens are decided and fed on the device (_Device.tokens), read by the host
+    later (_Staged) and run through the host rules in order. A row the host finds ended at
+    a forward was fed on for up to `depth` more: its slot goes back to the length the rules
     give it, its seeded generator to where its draws stopped. The rows' outcomes, slots and
     generators equal _run_in_step's."""
     cache = stepper.cache
     lengths = {id(r): cache.length(_slot(r)) for r in rows}
-    live: list[Row] = []
-    for row in rows:
-        if _capped(row, plans[id(row)], 0):
-            continue
-        if row.force:  # its listen is a chunk terminator (ahead): the unit ends here
-            _host(row, row.duplex.listen_token_id, 0, plans[id(row)].unified)
-            continue
-        live.append(row)
-    if not live:
-        return
-    cap = max(plans[id(r)].cap for r in live)
-    state = _Device(live, plans, cap)
+    cap = max(plans[id(r)].cap for r in rows)
+    state = _Device(rows, plans, cap)
     pending: deque[_Forward] = deque()
     ended: set[int] = set()
-    j = 0
     try:
         while True:
-            going = [r for r in live if id(r) not in ended and j < plans[id(r)].cap - 1]
+            going = [r for r in rows if id(r) not in ended and j < plans[id(r)].cap - 1]
             full = any(cache.length(_slot(r)) >= cache.max_len for r in going)
             if going and not (full and pending):
                 pending.append(_forward(stepper, state, going, plans, j))
