@@ -571,17 +571,24 @@ def static_shapes(eng16, monkeypatch):
     stepper._cache, stepper._static = saved
 
 
+def sixteen_joining_and_leaving(engine, seeds: int) -> None:
+    """Sixteen sessions, greedy and seeded sampling (seeds from `seeds`), with caps that
+    stop rows at different tokens, joining mid-reply and leaving: each equals its solo run,
+    and some listen and some speak."""
+    plans = [plan(engine, k, seed=None if k % 3 else seeds + k) for k in range(16)]
+    for k, p in enumerate(plans):
+        p.units = p.units[: 3 if k < 4 else 2 if k < 10 else 1]
+    starts = [0, 0, 1, 0, 2, 0, 1, 3, 0, 1, 2, 0, 1, 2, 3, 1]
+    want = check(engine, plans, starts)
+    listens, speaks = kinds(want)
+    assert listens > 0 and speaks > 0
+
+
 def test_static_shape_decode_equals_solo(eng16, static_shapes):
     """Sixteen sessions (greedy and seeded sampling, caps that stop rows at different
     tokens, joining mid-reply and leaving) through padded, bucketed decode forwards: each
     session's tokens, results and next prefill logits are its solo run's."""
-    plans = [plan(eng16, k, seed=None if k % 3 else 300 + k) for k in range(16)]
-    for k, p in enumerate(plans):
-        p.units = p.units[: 3 if k < 4 else 2 if k < 10 else 1]
-    starts = [0, 0, 1, 0, 2, 0, 1, 3, 0, 1, 2, 0, 1, 2, 3, 1]
-    want = check(eng16, plans, starts)
-    listens, speaks = kinds(want)
-    assert listens > 0 and speaks > 0
+    sixteen_joining_and_leaving(eng16, 300)
     static = static_shapes._static
     shapes = set(static._shapes)
     assert len({rows for rows, _ in shapes}) > 2 and len({w for _, w in shapes}) > 1, shapes
@@ -635,13 +642,7 @@ def test_decode_ahead_of_the_host_equals_solo(eng16, request, monkeypatch, shape
 
     monkeypatch.setattr(decode, "_run_ahead", spied_run)
     monkeypatch.setattr(slots_module.SlotCache, "rewind", spied_rewind)
-    plans = [plan(eng16, k, seed=None if k % 3 else 400 + k) for k in range(16)]
-    for k, p in enumerate(plans):
-        p.units = p.units[: 3 if k < 4 else 2 if k < 10 else 1]
-    starts = [0, 0, 1, 0, 2, 0, 1, 3, 0, 1, 2, 0, 1, 2, 3, 1]
-    want = check(eng16, plans, starts)
-    listens, speaks = kinds(want)
-    assert listens > 0 and speaks > 0
+    sixteen_joining_and_leaving(eng16, 400)
     assert depths and set(depths) == {2}
     if eng16.layout == layouts.UNIFIED:  # its 28-character limit ends units early
         assert max(back) > 0, "no row was fed past its end"
