@@ -245,3 +245,33 @@ def test_the_fed_tokens_are_embedded_in_one_lookup():
     got = decode._embed(mixed)
     assert (m.lookups, other.lookups) == (2, 1)
     assert torch.equal(got[2], other.model.embed_tokens(torch.tensor([5])))
+
+
+def test_the_repetition_penalty_over_rows_is_each_rows_own():
+    """decode._adjust's penalty (the device's history of each row, gathered) against the
+    public rule row by row: the ids of set(history[-window:]) divided by the penalty (or
+    multiplied by its inverse below 1), whatever the window (0: all), the history (empty,
+    ids past the vocabulary) and the rows' mix of penalties."""
+    g = torch.Generator().manual_seed(5)
+    rows, want = [], []
+    logits = torch.randn(12, VOCAB, generator=g)
+    for k in range(12):
+        history = torch.randint(0, VOCAB, (k * 7 % 30,), generator=g).tolist()
+        if k == 4:
+            history.append(VOCAB + 3)
+        penalty, window = (1.3, 0.8, 1.0)[k % 3], (4, 0, 50, 1)[k % 4]
+        r = row(logits[k : k + 1], seed=None, text_repetition_penalty=penalty)
+        r.args["text_repetition_window_size"] = window
+        r.duplex.decoder.generated_tokens = history
+        rows.append(r)
+        alone = logits[k].clone()
+        recent = [t for t in set(history[-window:]) if t < VOCAB] if history else []
+        if penalty != 1.0 and recent:
+            ids = torch.tensor(recent)
+            alone[ids] = alone[ids] / penalty if penalty > 1 else alone[ids] * (1 / penalty)
+        want.append(alone)
+    plans = {id(r): decode._Plan(r) for r in rows}
+    history = decode._History(rows, plans, VOCAB, logits.device, 0)
+    got = decode._adjust(logits, rows, plans, history)
+    assert torch.equal(got, torch.stack(want))
+    assert not torch.equal(got, logits)  # the penalty did something

@@ -647,12 +647,17 @@ class _History:
         spans = on_device(windows, device, torch.long)
         self.inside = torch.arange(width, device=device)[None, :] >= (width - spans)[:, None]
 
-    def mask(self) -> torch.Tensor:
-        """[rows, vocab]: True at each row's recent ids."""
-        rows, width = self.ids.shape
-        ids = torch.where(self.inside, self.ids, self.vocab)
-        out = torch.zeros((rows, self.vocab + 1), dtype=torch.bool, device=ids.device)
-        return out.scatter_(1, ids, True)[:, : self.vocab]
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, width] ids to penalize, each row's places outside its window (or empty)
+        filled with its newest id (the same id, given the same value: the duplicates
+        write what the set would), and [rows] whether a row has any id at all."""
+        inside = self.inside & (self.ids < self.vocab)
+        places = torch.arange(self.ids.shape[1], device=self.ids.device)
+        newest = torch.where(inside, places, -1).max(dim=1).values
+        some = newest >= 0
+        fill = self.ids.gather(1, newest.clamp(min=0)[:, None])
+        fill = torch.where(some[:, None], fill, 0)
+        return torch.where(inside, self.ids, fill), some
 
     def push(self, tokens: torch.Tensor, where: torch.Tensor) -> None:
         """Adds each row's token where `where` [rows] holds (the rows whose token the
@@ -714,12 +719,14 @@ def _adjust(
     for _, where in forbidden.indexed(dev):
         masked[where] = float("-inf")
     if penalties:
-        recent = history.mask()
+        ids, some = history.entries()
         for p, group in penalties.items():
             index = on_device(group, dev, torch.long)
-            x = masked[index]
+            where = (index[:, None], ids[index])
+            x = masked[where]
             hit = x / p if p > 1.0 else x * (1.0 / p)
-            masked[index] = torch.where(recent[index], hit, x)
+            # a row without history writes its fill column's own value back
+            masked[where] = torch.where(some[index][:, None], hit, x)
     for lp, where in length.indexed(dev):
         x = masked[where]
         masked[where] = torch.where(x > 0, x / lp, x * lp)
