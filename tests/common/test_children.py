@@ -46,9 +46,22 @@ def test_wait_times_out_without_a_signal_and_the_handler_needs_no_lock():
 def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on():
     """What a supervisor that does not stop is doing: SIGUSR1 dumps the stacks (to stderr)
     without stopping it; SIGTERM then still ends it."""
+    # 'up' once the main thread is inside wait (a loaded machine may otherwise signal it
+    # between the print and the wait, and the dump shows the print's line)
     code = (
+        "import sys, threading, time\n"
         "from omnifabric.common.children import StopRequest\n"
-        "s = StopRequest(); s.install(); print('up', flush=True)\n"
+        "s = StopRequest(); s.install()\n"
+        "def up():\n"
+        "    main = threading.main_thread().ident\n"
+        "    while True:\n"
+        "        f = sys._current_frames().get(main)\n"
+        "        while f is not None and f.f_code.co_name != 'wait':\n"
+        "            f = f.f_back\n"
+        "        if f is not None:\n"
+        "            return print('up', flush=True)\n"
+        "        time.sleep(0.01)\n"
+        "threading.Thread(target=up, daemon=True).start()\n"
         "print('stopped' if s.wait(60) else 'timed out', flush=True)\n"
     )
     proc = subprocess.Popen(
