@@ -12,20 +12,19 @@ server (FastAPI) words it.
 from __future__ import annotations
 
 import asyncio
-import json
 from http import HTTPStatus
 from typing import Any, Protocol
 from urllib.parse import unquote
 
 import grpc
 
-from omnifabric.edge import queue_api, sessions_api
+from omnifabric.edge import fields, queue_api, sessions_api
 from omnifabric.edge.access import key_digest, operator_refusal
 from omnifabric.edge.apps import Apps
 from omnifabric.edge.config import EdgeConfig
 from omnifabric.edge.connection import DuplexConnection
 from omnifabric.edge.dialects.http_chat import HttpResponse
-from omnifabric.edge.errors import InvalidPayload
+from omnifabric.edge.errors import ClientError, InvalidPayload
 from omnifabric.edge.fabric import Fabric
 from omnifabric.edge.presets import Presets
 from omnifabric.edge.scheduler_client import admin_error
@@ -56,6 +55,17 @@ def error(status: HTTPStatus, code: str, message: str) -> HttpResponse:
     return HttpResponse(
         status, {"success": False, "error": code, "message": message, "detail": message}
     )
+
+
+def body_object(body: bytes) -> dict[str, Any]:
+    """A request's body as a JSON object (the events' one reader, edge.fields); ValueError
+    with the message a 400 answers."""
+    try:
+        return fields.parse_object(body.decode("utf-8"), "the body")
+    except (UnicodeDecodeError, fields.InvalidJson):
+        raise ValueError("the body is not JSON") from None
+    except ClientError as exc:
+        raise ValueError(exc.message) from None
 
 
 def is_api(path: str) -> bool:
@@ -171,8 +181,8 @@ async def _queue(
         if method == "GET":
             return await queue_api.get_eta(stub)
         try:
-            request = queue_api.eta_request(json.loads(body.decode("utf-8")))
-        except (UnicodeDecodeError, ValueError) as exc:
+            request = queue_api.eta_request(body_object(body))
+        except ValueError as exc:
             return error(HTTPStatus.BAD_REQUEST, "invalid_request", str(exc))
         return await queue_api.set_eta(stub, request)
     ticket_id = unquote(path.removeprefix(QUEUE + "/"))
@@ -192,10 +202,10 @@ async def _half_duplex_stop(
     if method != "POST":
         return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use POST")
     try:
-        request: Any = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return error(HTTPStatus.BAD_REQUEST, "invalid_request", "the body is not JSON")
-    session_id = request.get("session_id") if isinstance(request, dict) else None
+        request = body_object(body)
+    except ValueError as exc:
+        return error(HTTPStatus.BAD_REQUEST, "invalid_request", str(exc))
+    session_id = request.get("session_id")
     if not isinstance(session_id, str) or not session_id:
         return error(HTTPStatus.BAD_REQUEST, "invalid_request", 'send {"session_id": "..."}')
     for connection in list(context.connections):
@@ -225,10 +235,10 @@ async def _apps(
     if method != "PUT":
         return error(HTTPStatus.METHOD_NOT_ALLOWED, "method", "use PUT")
     try:
-        request: Any = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return error(HTTPStatus.BAD_REQUEST, "invalid_request", "the body is not JSON")
-    if not isinstance(request, dict) or not isinstance(request.get("enabled"), bool):
+        request = body_object(body)
+    except ValueError as exc:
+        return error(HTTPStatus.BAD_REQUEST, "invalid_request", str(exc))
+    if not isinstance(request.get("enabled"), bool):
         return error(HTTPStatus.BAD_REQUEST, "invalid_request", 'send {"enabled": true|false}')
     app_id = unquote(path.removeprefix(ADMIN_APPS + "/"))
     app = await context.apps.switch(context.fabric.scheduler, app_id, request["enabled"])
@@ -239,11 +249,9 @@ async def _apps(
 
 def _upload(context: ApiContext, body: bytes) -> HttpResponse:
     try:
-        request: Any = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return error(HTTPStatus.BAD_REQUEST, "invalid_request", "the body is not JSON")
-    if not isinstance(request, dict):
-        return error(HTTPStatus.BAD_REQUEST, "invalid_request", "the body is not a JSON object")
+        request = body_object(body)
+    except ValueError as exc:
+        return error(HTTPStatus.BAD_REQUEST, "invalid_request", str(exc))
     try:
         voice = context.voices.upload(request.get("name"), request.get("audio_base64"))
     except InvalidPayload as exc:

@@ -97,11 +97,9 @@ async def get_eta(stub: Any) -> HttpResponse:
     return HttpResponse(HTTPStatus.OK, eta_body(await sc.get_eta(stub)))
 
 
-def eta_request(request: Any) -> sc.EtaChange:
-    """PUT /api/config/eta's body as the change it asks for; ValueError naming the bad
-    field."""
-    if not isinstance(request, dict):
-        raise ValueError("the body must be a JSON object")
+def eta_request(request: dict[str, Any]) -> sc.EtaChange:
+    """PUT /api/config/eta's body (an object, edge.api.body_object) as the change it asks
+    for; ValueError naming the bad field."""
     known = {*ETA_FIELDS, "eta_half_duplex_s", "ema_alpha"}
     unknown = sorted(set(request) - known)
     if unknown:

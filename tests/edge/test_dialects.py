@@ -50,6 +50,48 @@ def test_frame_errors(text, error):
         fields.parse_frame(text)
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 100_000 + "]" * 100_000,  # orjson: past its depth
+        '{"type": "x", "n": NaN, "a": ' + "[" * 600 + "]" * 600 + "}",  # orjson: NaN
+        '{"type": "x", "n": "\\ud800", "a": ' + "[" * 600 + "]" * 600 + "}",  # a surrogate
+    ],
+)
+def test_deep_json_never_reaches_the_recursive_parser(monkeypatch, text):
+    """What orjson refuses is re-read by the standard library's parser, which recurses once
+    a level: past fields.MAX_STRICT_DEPTH it is refused without it (at the interpreter's
+    limit a garbage collection's finalizers would fail)."""
+
+    def recursive(*args, **kwargs):
+        raise AssertionError("the standard library's parser ran")
+
+    monkeypatch.setattr(fields.json, "loads", recursive)
+    with pytest.raises(errors.InvalidPayload, match="nesting too deep"):
+        fields.parse_frame(text)
+
+
+def test_the_standard_library_reads_what_orjson_refuses_within_its_depth():
+    """A lone surrogate escape is JSON orjson refuses: read at fields.MAX_STRICT_DEPTH
+    levels; brackets inside strings (escaped quotes too) are not nesting; an unterminated
+    string is not JSON."""
+    lone = '"\\ud800"'
+
+    def frame(arrays: int) -> str:  # the event's object and `arrays` arrays around `lone`
+        strings = '"s": "[\\"' + "[" * 5000 + '"'
+        return '{"type": "x", ' + strings + ', "a": ' + "[" * arrays + lone + "]" * arrays + "}"
+
+    event = fields.parse_frame(frame(fields.MAX_STRICT_DEPTH - 1))
+    inner = event["a"]
+    for _ in range(fields.MAX_STRICT_DEPTH - 2):
+        inner = inner[0]
+    assert inner == ["\ud800"] and event["s"] == '["' + "[" * 5000
+    with pytest.raises(errors.InvalidPayload, match="nesting too deep"):
+        fields.parse_frame(frame(fields.MAX_STRICT_DEPTH))
+    with pytest.raises(fields.InvalidJson):
+        fields.parse_frame('{"type": "x", "n": ' + lone + ', "s": "' + "[" * 5000)
+
+
 def test_unknown_event():
     with pytest.raises(errors.UnknownEvent):
         parse({"type": "response.create"})

@@ -119,6 +119,17 @@ def request(url, method, body=None, key=None):
         return err.code, json.loads(err.read())
 
 
+def post_bytes(url: str, data: bytes, key: str) -> tuple[int, dict]:
+    """A POST of `data` as it is (not JSON-encoded here)."""
+    req = urllib.request.Request(url, data=data, method="POST")
+    req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=scaled(10)) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
 def raw_delete(host: str, port: int, path: str, key: str) -> bytes:
     """A DELETE with no Content-Length header at all (as some clients send it)."""
     with socket.create_connection((host, port), timeout=scaled(10)) as sock:
@@ -149,7 +160,16 @@ def test_endpoints_through_a_real_edge(tmp_path):
         status, body = request(url, "POST", {"name": "B", "audio_base64": "@@"}, "k1")
         assert status == 400 and body["error"] == "invalid_request" and "base64" in body["detail"]
         status, body = request(url, "POST", ["not", "an", "object"], "k1")
-        assert status == 400
+        assert status == 400 and body["detail"] == "the body must be a JSON object"
+        # Bodies the JSON reader refuses, each answered (the handler lived through them).
+        for data, detail in (
+            (b"[" * 100_000 + b"]" * 100_000, "JSON nesting too deep"),
+            (b'{"name": "A", "audio_base64": NaN}', "NaN is not a JSON number"),
+            (b"\xff{", "the body is not JSON"),
+            (b"{", "the body is not JSON"),
+        ):
+            status, body = post_bytes(url, data, "k1")
+            assert (status, body["error"], body["detail"]) == (400, "invalid_request", detail)
         assert request(url, "PUT", {}, "k1")[0] == 405
         # Deleting a voice (everybody's) is the operator's: an admin key.
         status, body = request(f"{url}/{voice_id}", "DELETE", key="k1")
