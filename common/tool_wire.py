@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from omnifabric.common import tools
+from omnifabric.common import nesting, tools
 from omnifabric.common.tools import ToolCall, ToolChoice, ToolSpec
 from omnifabric.omni.realtime.v1 import common_pb2
 
@@ -29,12 +29,13 @@ def specs_from_pb(
     specs: list[ToolSpec] = []
     for i, msg in enumerate(msgs):
         name = tools.check_name(msg.name, f"{where}[{i}].name")
+        text = msg.parameters_json or "{}"
         try:
-            schema = json.loads(msg.parameters_json) if msg.parameters_json else {}
-        except (ValueError, RecursionError):  # RecursionError: nested past Python's stack
-            raise ValueError(
-                f"{where}[{i}].parameters_json is not JSON, or nests too deep"
-            ) from None
+            schema = nesting.loads(text, tools.MAX_SCHEMA_DEPTH)
+        except nesting.TooDeep as exc:
+            raise ValueError(f"{where}[{i}].parameters_json: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"{where}[{i}].parameters_json is not JSON ({exc})") from None
         schema = tools.check_schema(schema, f"{where}[{i}].parameters")
         if any(s.name == name for s in specs):
             raise ValueError(f"{where}[{i}].name: a second function {name!r}")

@@ -10,9 +10,10 @@ or a list of them; `enum`; `items` of an array), `required`, and
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from omnifabric.common import nesting
 
 #: How a request lets its reply call functions.
 AUTO, NONE, REQUIRED, FUNCTION = "auto", "none", "required", "function"
@@ -22,6 +23,9 @@ TOOL_CALLS = "tool_calls"
 #: A function name: what the OpenAI API and the chat templates take.
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 MAX_NAME = 64
+#: A parameters schema nests at most this deep (objects and lists): past any real
+#: function's, and shallow enough for every JSON writer and check that walks it.
+MAX_SCHEMA_DEPTH = 32
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
@@ -82,6 +86,8 @@ def check_schema(schema: Any, where: str) -> dict[str, Any]:
         return {}
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON schema object")
+    if nesting.value_deeper_than(schema, MAX_SCHEMA_DEPTH):
+        raise ValueError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels")
     if schema.get("type", "object") != "object":
         raise ValueError(f"{where}.type must be object")
     properties = schema.get("properties", {})
@@ -98,11 +104,9 @@ def check_schema(schema: Any, where: str) -> dict[str, Any]:
 def argument_errors(spec: ToolSpec, arguments: str) -> list[str]:
     """What is wrong with a call's arguments (JSON text) for `spec`: [] when they fit."""
     try:
-        value = json.loads(arguments)
+        value = nesting.loads(arguments)
     except ValueError as exc:
         return [f"the arguments are not JSON ({exc})"]
-    except RecursionError:
-        return ["the arguments nest too deep"]
     return _errors(value, spec.parameters or {"type": "object"}, "arguments")
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
+from omnifabric.common import nesting
 from omnifabric.common.session_types import WINDOW_MODES
 from omnifabric.edge import codec
 from omnifabric.edge.errors import InvalidPayload, MissingField
@@ -24,14 +24,6 @@ MAX_FRAMES_PER_UNIT = 4
 MAX_UINT32 = (1 << 32) - 1
 #: The model's fixed context, tokens.
 MAX_CONTEXT_TOKENS = 8192
-#: JSON nested deeper than this is refused where orjson refused the text for another reason
-#: (NaN, an integer past 64 bits) and the standard library would read it: its parser
-#: recurses once a level, and at the interpreter's limit (1000 frames, the server's own
-#: included) even a finalizer that runs there fails. orjson itself refuses past 1024 levels.
-MAX_STRICT_DEPTH = 512
-#: What the nesting count sees: brackets, and strings (skipped whole, an unterminated one
-#: to the end of the text).
-_STRUCTURE = re.compile(r'[\[\]{}]|"[^"\\]*(?:\\[\s\S][^"\\]*)*"?')
 
 
 class InvalidJson(Exception):
@@ -59,30 +51,12 @@ def parse_object(text: str, what: str = "an event") -> dict[str, Any]:
     return value
 
 
-def _deeper_than(text: str, limit: int) -> bool:
-    """Whether brackets outside strings nest more than `limit` deep in `text`."""
-    if text.count("[") + text.count("{") <= limit:
-        return False
-    depth = 0
-    for token in _STRUCTURE.finditer(text):
-        char = text[token.start()]
-        if char in "[{":
-            depth += 1
-            if depth > limit:
-                return True
-        elif char != '"':
-            depth -= 1
-    return False
-
-
 def _parse_strictly(text: str) -> Any:
     """The standard library's reading of what orjson refused: the exact error (or the
-    value: a lone surrogate escape is JSON), never deeper than MAX_STRICT_DEPTH."""
-    if _deeper_than(text, MAX_STRICT_DEPTH):
-        raise InvalidPayload("JSON nesting too deep")
+    value: a lone surrogate escape is JSON), never nested past common.nesting's limit."""
     try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:  # a deep caller's stack: refused all the same
+        return nesting.loads(text, parse_constant=_reject_constant)
+    except (nesting.TooDeep, RecursionError):  # RecursionError: a deep caller's own stack
         raise InvalidPayload("JSON nesting too deep") from None
     except _NonFinite as exc:
         raise InvalidPayload(f"{exc} is not a JSON number") from None

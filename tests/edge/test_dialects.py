@@ -12,6 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from omnifabric.common import nesting
 from omnifabric.edge import errors, fields
 from omnifabric.edge import events as ev
 from omnifabric.edge.dialects import realtime
@@ -60,7 +61,7 @@ def test_frame_errors(text, error):
 )
 def test_deep_json_never_reaches_the_recursive_parser(monkeypatch, text):
     """What orjson refuses is re-read by the standard library's parser, which recurses once
-    a level: past fields.MAX_STRICT_DEPTH it is refused without it (at the interpreter's
+    a level: past nesting.MAX_PARSE_DEPTH it is refused without it (at the interpreter's
     limit a garbage collection's finalizers would fail)."""
 
     def recursive(*args, **kwargs):
@@ -72,7 +73,7 @@ def test_deep_json_never_reaches_the_recursive_parser(monkeypatch, text):
 
 
 def test_the_standard_library_reads_what_orjson_refuses_within_its_depth():
-    """A lone surrogate escape is JSON orjson refuses: read at fields.MAX_STRICT_DEPTH
+    """A lone surrogate escape is JSON orjson refuses: read at nesting.MAX_PARSE_DEPTH
     levels; brackets inside strings (escaped quotes too) are not nesting; an unterminated
     string is not JSON."""
     lone = '"\\ud800"'
@@ -81,13 +82,13 @@ def test_the_standard_library_reads_what_orjson_refuses_within_its_depth():
         strings = '"s": "[\\"' + "[" * 5000 + '"'
         return '{"type": "x", ' + strings + ', "a": ' + "[" * arrays + lone + "]" * arrays + "}"
 
-    event = fields.parse_frame(frame(fields.MAX_STRICT_DEPTH - 1))
+    event = fields.parse_frame(frame(nesting.MAX_PARSE_DEPTH - 1))
     inner = event["a"]
-    for _ in range(fields.MAX_STRICT_DEPTH - 2):
+    for _ in range(nesting.MAX_PARSE_DEPTH - 2):
         inner = inner[0]
     assert inner == ["\ud800"] and event["s"] == '["' + "[" * 5000
     with pytest.raises(errors.InvalidPayload, match="nesting too deep"):
-        fields.parse_frame(frame(fields.MAX_STRICT_DEPTH))
+        fields.parse_frame(frame(nesting.MAX_PARSE_DEPTH))
     with pytest.raises(fields.InvalidJson):
         fields.parse_frame('{"type": "x", "n": ' + lone + ', "s": "' + "[" * 5000)
 

@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
+from omnifabric.common import nesting, tool_wire, tools
 from omnifabric.edge import events as ev
 from omnifabric.edge import g711
 from omnifabric.edge.cadence import FILL_GRACE_S, PacedCadence, for_traits
@@ -394,6 +395,32 @@ def test_a_text_only_response_and_a_token_cap():
     assert done[-1]["response"]["status_details"]["reason"] == "max_output_tokens"
 
 
+@pytest.mark.parametrize(
+    "metadata, param",
+    [
+        ([["k", "v"]], "response.metadata"),
+        ({f"k{i}": "v" for i in range(17)}, "response.metadata"),
+        ({"k" * 65: "v"}, "response.metadata"),
+        ({"k": 3}, "response.metadata.k"),
+        ({"k": "v" * 513}, "response.metadata.k"),
+        ({"k": {"a": {"a": {}}}}, "response.metadata.k"),
+    ],
+)
+def test_response_metadata_is_bounded_as_the_api_bounds_it(metadata, param):
+    """The map is echoed on the response's events: 16 string pairs (keys of 64 characters,
+    values of 512) at most, as the API documents; anything else is refused naming it."""
+    d = OpenAIRealtime("m")
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+    send(d, type="conversation.item.create", item=item)
+    with pytest.raises(EdgeError) as caught:
+        send(d, type="response.create", response={"metadata": metadata})
+    assert d.error(caught.value)["error"]["param"] == param
+    tags = {f"k{i}": "v" * 512 for i in range(16)}
+    send(d, type="response.create", response={"metadata": tags})
+    [created] = [e for e in d.encode_turn(TurnStarted(True, False)) if "response" in e]
+    assert created["type"] == "response.created" and created["response"]["metadata"] == tags
+
+
 def test_a_response_needs_a_user_item_last_and_one_at_a_time():
     d = OpenAIRealtime("m")
     with pytest.raises(InvalidEvent):
@@ -665,6 +692,30 @@ def test_bad_tools_are_refused_naming_the_parameter(session, param):
     with pytest.raises(EdgeError) as caught:
         send(d, type="session.update", session=session)
     assert d.error(caught.value)["error"]["param"] == param
+
+
+def test_a_tool_schema_past_the_depth_limit_is_refused_and_the_session_goes_on():
+    """A schema nested 1,000 deep (orjson reads 1,024) was taken, then broke the standard
+    library's JSON writer on its way to the worker: the connection closed with 1011. Past
+    common.tools.MAX_SCHEMA_DEPTH it is refused naming the parameter."""
+
+    def update(dicts: int) -> str:  # the schema, its properties and `dicts` dicts in `p`
+        inner = '{"a": ' * (dicts - 1) + "{}" + "}" * (dicts - 1)
+        schema = '{"type": "object", "properties": {"p": ' + inner + "}}"
+        tool = '{"type": "function", "name": "f", "parameters": ' + schema + "}"
+        return '{"type": "session.update", "session": {"tools": [' + tool + "]}}"
+
+    d = OpenAIRealtime("m")
+    for dicts in (tools.MAX_SCHEMA_DEPTH - 1, 1000):
+        with pytest.raises(EdgeError) as caught:
+            d.decode(update(dicts))
+        assert d.error(caught.value)["error"]["param"] == "session.tools[0].parameters"
+        assert f"deeper than {tools.MAX_SCHEMA_DEPTH} levels" in str(caught.value)
+    [updated] = sent_messages(d.decode(update(tools.MAX_SCHEMA_DEPTH - 2)))
+    schema = updated["session"]["tools"][0]["parameters"]
+    assert not nesting.value_deeper_than(schema, tools.MAX_SCHEMA_DEPTH)
+    assert nesting.value_deeper_than(schema, tools.MAX_SCHEMA_DEPTH - 1)
+    assert tool_wire.specs_to_pb(d.settings.tools)[0].parameters_json
 
 
 def test_a_duplex_engines_call_and_the_clients_output_go_through_the_session():

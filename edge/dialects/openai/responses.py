@@ -33,7 +33,7 @@ class Response:
     usage_at_start: ev.Usage = field(default_factory=ev.Usage)
     heard_speech: bool = False
     """The user spoke over it (duplex)."""
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
     """The client's, echoed (LiveKit matches its requests by it)."""
     speech: SpeechOut | None = None
     """Its audio in the output format, as one stream (made with the message item)."""

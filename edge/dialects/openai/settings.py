@@ -92,6 +92,26 @@ def max_tokens(value: Any, where: str) -> int | None:
     return min(value, MAX_NEW_TOKENS)
 
 
+#: A response's metadata, as the API bounds it: pairs, key and value lengths (strings).
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def metadata(value: Any, where: str) -> dict[str, str] | None:
+    """A `metadata` map (echoed on the response), or BadParam naming what is wrong."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
+        raise BadParam(where, f"metadata must be an object of at most {MAX_METADATA_PAIRS} pairs")
+    for key, text in value.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise BadParam(where, f"metadata keys are at most {MAX_METADATA_KEY} characters")
+        if not isinstance(text, str) or len(text) > MAX_METADATA_VALUE:
+            raise BadParam(
+                f"{where}.{key}", f"metadata values are strings of {MAX_METADATA_VALUE} or fewer"
+            )
+    return value
+
+
 def parse_tools(value: Any, where: str) -> tuple[ToolSpec, ...]:
     """A `tools` list of function tools -> ToolSpecs (BadParam naming what is wrong)."""
     if value is None:

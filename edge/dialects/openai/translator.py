@@ -37,6 +37,7 @@ from omnifabric.edge.dialects.openai.settings import (
     Voices,
     init_command,
     max_tokens,
+    metadata,
     modalities,
     parse_tool_choice,
     parse_tools,
@@ -254,9 +255,7 @@ class OpenAIRealtime(DuplexDialect):
         voice = s.voice if output.get("voice") is None else output["voice"]
         if not isinstance(voice, str):
             raise BadParam("response.audio.output.voice", "voice must be a string")
-        metadata = body.get("metadata")
-        if metadata is not None and not isinstance(metadata, dict):
-            raise BadParam("response.metadata", "metadata must be an object")
+        tags = metadata(body.get("metadata"), "response.metadata")
         specs = s.tools
         if body.get("tools") is not None:
             specs = parse_tools(body["tools"], "response.tools")
@@ -273,7 +272,7 @@ class OpenAIRealtime(DuplexDialect):
             self._voices.name(voice),
             cap,
             self.session_id,
-            metadata=metadata,
+            metadata=tags,
         )
         ref_audio = self._voices.audio(voice)
         return response, TurnRequest(instructions, items, speaks, ref_audio, cap, specs, choice)
