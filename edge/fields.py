@@ -78,6 +78,15 @@ def parse_frame(text: str) -> dict[str, Any]:
     return event
 
 
+def shown(value: Any, limit: int = 64) -> str:
+    """A client's value as an error message quotes it: at most `limit` characters of a
+    string or number, a container by its kind (never the repr of a nested one, which
+    recurses once a level)."""
+    if isinstance(value, dict | list):
+        return "an object" if isinstance(value, dict) else "a list"
+    return repr(value[:limit] if isinstance(value, str) else value)[: limit + 2]
+
+
 def obj(body: dict[str, Any], key: str, required: bool = False) -> dict[str, Any]:
     """``body[key]`` as an object ({} when absent and not required)."""
     value = body.get(key)

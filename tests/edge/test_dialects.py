@@ -93,6 +93,15 @@ def test_the_standard_library_reads_what_orjson_refuses_within_its_depth():
         fields.parse_frame('{"type": "x", "n": ' + lone + ', "s": "' + "[" * 5000)
 
 
+def test_a_clients_value_is_shown_short_and_never_recursively():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    assert fields.shown(deep) == "a list" and fields.shown({"a": deep}) == "an object"
+    assert fields.shown("x" * 100) == repr("x" * 64) and fields.shown(None) == "None"
+    assert fields.shown(10**100) == str(10**100)[:66]
+
+
 def test_unknown_event():
     with pytest.raises(errors.UnknownEvent):
         parse({"type": "response.create"})

@@ -188,6 +188,23 @@ def test_settings_a_running_duplex_session_cannot_take_keep_their_running_value(
         ({"audio": {"input": {"format": {"type": []}}}}, "session.audio.input.format.type"),
         ({"audio": {"output": {"format": {"type": {}}}}}, "session.audio.output.format.type"),
         ({"audio": {"input": {"format": "pcm16"}}}, "session.audio.input.format"),
+        # Echoed in session.updated: a key the API has not, or a value of another type
+        # (1,000 levels deep, the writer failed and the connection closed with 1011).
+        *(
+            (
+                {"audio": {"input": {"turn_detection": {"type": "server_vad", key: value}}}},
+                f"session.audio.input.turn_detection.{key}",
+            )
+            for key, value in (
+                ("x", 1),
+                ("prefix_padding_ms", "300"),
+                ("idle_timeout_ms", -1),
+                ("create_response", 1),
+                ("interrupt_response", [False]),
+                ("eagerness", "sometimes"),
+            )
+        ),
+        ({"tool_choice": {"type": "function", "name": [1]}}, "session.tool_choice.name"),
     ],
 )
 def test_a_bad_update_is_refused_whole_with_openais_error_shape(session, param):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnifabric.common.tools import ToolCall, ToolChoice, ToolSpec
+from omnifabric.edge import fields
 from omnifabric.edge.chat import check_audio_seconds, check_messages, image_file
 from omnifabric.edge.chat_input import (
     AudioPart,
@@ -141,7 +142,8 @@ class ItemParser:
     def _function_call(self, body: dict[str, Any], where: str, tools: tuple[ToolSpec, ...]) -> Item:
         name = body.get("name")
         if not any(t.name == name for t in tools):
-            raise BadParam(f"{where}.name", f"{where}.name: no function {name!r} in the tools")
+            message = f"{where}.name: no function {fields.shown(name)} in the tools"
+            raise BadParam(f"{where}.name", message)
         arguments = body.get("arguments", "{}")
         if not isinstance(arguments, str):
             raise BadParam(f"{where}.arguments", f"{where}.arguments must be a JSON string")
@@ -187,7 +189,8 @@ class ItemParser:
             audio = heard(b64(part.get("audio"), f"{at}.audio"), input_format)
             item.audio += audio.astype("<f4").tobytes()
             check_audio_seconds(len(item.audio) / 4 / ENGINE_IN_RATE, f"{at}.audio")
-            item.parts.append({"type": "input_audio", "transcript": part.get("transcript")})
+            transcript = _transcript(part, at)
+            item.parts.append({"type": "input_audio", "transcript": transcript})
         elif kind == "input_image" and role == "user":
             url = part.get("image_url")
             if not isinstance(url, str) or not url.startswith("data:image/"):
@@ -197,9 +200,18 @@ class ItemParser:
             item.images.append(image_file(url.split(",", 1)[-1], f"{at}.image_url"))
             item.parts.append({"type": "input_image", "image_url": url})
         elif kind == "output_audio" and role == "assistant":
-            item.parts.append({"type": "output_audio", "transcript": part.get("transcript") or ""})
+            item.parts.append({"type": "output_audio", "transcript": _transcript(part, at) or ""})
         else:
-            raise BadParam(f"{at}.type", f"{at}.type {kind!r} is not served for a {role}")
+            message = f"{at}.type {fields.shown(kind)} is not served for a {role}"
+            raise BadParam(f"{at}.type", message)
+
+
+def _transcript(part: dict[str, Any], at: str) -> str | None:
+    """An audio part's transcript (echoed on the item): a string or null."""
+    transcript = part.get("transcript")
+    if transcript is not None and not isinstance(transcript, str):
+        raise BadParam(f"{at}.transcript", f"{at}.transcript must be a string")
+    return transcript
 
 
 class Conversation:
@@ -236,7 +248,7 @@ class Conversation:
         for i, item in enumerate(self.items):
             if item.id == item_id:
                 return i
-        raise BadParam(param, f"no item {str(item_id)[:64]!r} in the conversation")
+        raise BadParam(param, f"no item {fields.shown(item_id)} in the conversation")
 
     def get(self, item_id: Any, param: str = "item_id") -> Item:
         return self.items[self.index(item_id, param)]

@@ -23,6 +23,33 @@ TURN_DETECTION = ("server_vad", "semantic_vad")
 TURN_DETECTION_EXTRAS = ("prefix_padding_ms", "create_response", "idle_timeout_ms", "eagerness")
 #: Their values that ask for what the engine does anyway (nothing to log).
 USUAL_EXTRAS = {"create_response": True, "eagerness": "auto"}
+EAGERNESS = ("low", "medium", "high", "auto")
+
+
+def _eagerness(body: dict[str, Any], key: str, where: str) -> None:
+    if body[key] not in (None, *EAGERNESS):
+        raise InvalidPayload(f"{where}.{key} must be one of {', '.join(EAGERNESS)}")
+
+
+#: Every key turn_detection takes (the API's) and its check (`type` is checked first).
+TURN_DETECTION_CHECKS: dict[str, Callable[[dict[str, Any], str, str], object]] = {
+    "type": lambda body, key, where: None,
+    "threshold": lambda body, key, where: fields.number_field(
+        body, key, *fields.VAD_THRESHOLD, where
+    ),
+    "silence_duration_ms": lambda body, key, where: fields.integer_field(
+        body, key, *fields.END_OF_TURN_SILENCE_MS, where
+    ),
+    "prefix_padding_ms": lambda body, key, where: fields.integer_field(
+        body, key, 0, fields.MAX_UINT32, where
+    ),
+    "idle_timeout_ms": lambda body, key, where: fields.integer_field(
+        body, key, 0, fields.MAX_UINT32, where
+    ),
+    "create_response": fields.flag,
+    "interrupt_response": fields.flag,
+    "eagerness": _eagerness,
+}
 #: Accepted and not used: logged once when set (session.updated shows what is in effect).
 UNSUPPORTED = {
     "tracing": "traces are the server's own (OpenTelemetry), not per-session settings",
@@ -148,9 +175,11 @@ def parse_tool_choice(value: Any, specs: tuple[ToolSpec, ...], where: str) -> To
         return ToolChoice(value)
     if isinstance(value, dict) and value.get("type") == "function":
         name = value.get("name")
+        if not isinstance(name, str):
+            raise BadParam(f"{where}.name", f"{where}.name must be a function's name")
         if not any(s.name == name for s in specs):
             raise BadParam(f"{where}.name", f"{where}.name: no function {name!r} in the tools")
-        return ToolChoice(tools.FUNCTION, str(name))
+        return ToolChoice(tools.FUNCTION, name)
     raise BadParam(where, f'{where} must be "auto", "none", "required" or a function')
 
 
@@ -280,16 +309,16 @@ class SettingsUpdate:
             raise BadParam(
                 f"{where}.type", "turn_detection.type must be server_vad or semantic_vad"
             )
-        # Checked here, applied to the duplex session's settings at its start.
-        try:
-            fields.number_field(value, "threshold", *fields.VAD_THRESHOLD, where)
-        except InvalidPayload as err:
-            raise BadParam(f"{where}.threshold", err.message) from None
-        key = "silence_duration_ms"
-        try:
-            fields.integer_field(value, key, *fields.END_OF_TURN_SILENCE_MS, where)
-        except InvalidPayload as err:
-            raise BadParam(f"{where}.{key}", err.message) from None
+        # Checked here (threshold and silence applied to the duplex session at its start;
+        # the rest echoed in session.updated), and nothing else taken, as the API does.
+        for key in value:
+            check = TURN_DETECTION_CHECKS.get(key)
+            if check is None:
+                raise BadParam(f"{where}.{key}", f"unknown parameter '{where}.{key}'")
+            try:
+                check(value, key, where)
+            except InvalidPayload as err:
+                raise BadParam(f"{where}.{key}", err.message) from None
         # What the engine does anyway needs no notice: answering, yielding, its own pace.
         for key in TURN_DETECTION_EXTRAS:
             if value.get(key) is not None and value.get(key) != USUAL_EXTRAS.get(key):
