@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from http import HTTPStatus
 from typing import Any
 
+from omnifabric.edge import fields
 from omnifabric.edge import scheduler_client as sc
 from omnifabric.edge.dialects.http_chat import HttpResponse
 
@@ -103,7 +104,9 @@ def eta_request(request: dict[str, Any]) -> sc.EtaChange:
     known = {*ETA_FIELDS, "eta_half_duplex_s", "ema_alpha"}
     unknown = sorted(set(request) - known)
     if unknown:
-        raise ValueError(f"unknown field {unknown[0]!r} (use {', '.join(sorted(known))})")
+        raise ValueError(
+            f"unknown field {fields.shown(unknown[0])} (use {', '.join(sorted(known))})"
+        )
     alpha = 0.0
     baseline_s: dict[str, float] = {}
     for field, value in request.items():
