@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,7 +28,7 @@ from omnifabric.edge.chat import ChatResult, TurnDelta, TurnDone, TurnStarted
 from omnifabric.edge.dialects.openai import OpenAIRealtime
 from omnifabric.edge.errors import ClientError, EdgeError
 from tests.e2e.openai_helpers import WEATHER_TOOL
-from tests.fuzz.test_protocol_fuzz import FUZZ, WILD, Raw, _small_jpeg, encode
+from tests.fuzz.test_protocol_fuzz import FUZZ, ODD_VALUES, WILD, Raw, _small_jpeg, encode
 
 PCM = base64.b64encode((np.sin(np.arange(2400) / 7) * 9000).astype("<i2").tobytes()).decode()
 JPEG = base64.b64encode(_small_jpeg()).decode()
@@ -241,20 +242,22 @@ def feed(d: OpenAIRealtime, frames: list[str]) -> None:
             run_turn(d)
 
 
+@pytest.mark.ci_long  # 2000 sequences of events: ~11 s (tests/conftest.py)
 @FUZZ
 @given(st.lists(events(), min_size=1, max_size=4))
 def test_only_client_errors_escape_and_everything_said_is_writable(frames):
     feed(opened(), frames)
 
 
-def test_deep_nesting_in_every_place_of_every_event():
-    """Each nested value of DEEP at each place of each template (and as a new key beside
-    each object's own), every one (the random draws reach a given place rarely)."""
+def test_every_place_of_every_event_takes_odd_values():
+    """Each nested value of DEEP and each odd value of the protocol fuzz at each place of
+    each template (and as a new key beside each object's own), every one (the random
+    draws reach a given place rarely)."""
     cases = 0
     for template in TEMPLATES:
         objects = [p for p in [(), *places(template)] if isinstance(_at(template, p), dict)]
         for path in [*places(template), *((*p, "x") for p in objects)]:
-            for deep in DEEP:
-                feed(opened(), [encode(replaced(template, path, deep))])
+            for value in [*DEEP, *ODD_VALUES]:
+                feed(opened(), [encode(replaced(template, path, value))])
                 cases += 1
-    assert cases > 1000
+    assert cases > 8000
