@@ -2,8 +2,8 @@
 writer recurse once a level, and at the interpreter's recursion limit (1000 frames, the
 server's own included) they fail, and so does any finalizer a garbage collection runs
 there. Every reader of JSON text that orjson does not read (edge.fields' strict path, tool
-schemas and arguments on the wire) and every check of a nested value a client sends whole
-(a tool's parameters schema) asks here first.
+schemas and arguments on the wire, the calls a model writes) and every check of a nested
+value a client sends whole (a tool's parameters schema) asks here first.
 """
 
 from __future__ import annotations
@@ -66,3 +66,15 @@ def loads(text: str, limit: int = MAX_PARSE_DEPTH, **options: Any) -> Any:
     if text_deeper_than(text, limit):
         raise TooDeep(f"JSON nested deeper than {limit} levels")
     return json.loads(text, **options)
+
+
+def raw_decode(text: str, start: int = 0, limit: int = MAX_PARSE_DEPTH) -> tuple[Any, int]:
+    """json.JSONDecoder().raw_decode: the JSON value at `start` in text that may go on
+    past it, and where it ends; TooDeep when the rest of the text nests past `limit`
+    anywhere (checked first: what follows the value is counted too)."""
+    if text_deeper_than(text[start:], limit):
+        raise TooDeep(f"JSON nested deeper than {limit} levels")
+    return _DECODER.raw_decode(text, start)
+
+
+_DECODER = json.JSONDecoder()

@@ -81,3 +81,12 @@ def test_within_the_limit_it_is_the_standard_librarys_reading():
     assert seen == ["NaN"]
     assert not nesting.value_deeper_than(value, nesting.MAX_PARSE_DEPTH)
     assert nesting.value_deeper_than((([],),), 2)
+
+
+def test_raw_decode_reads_a_value_where_more_follows():
+    text = 'said: {"a": [1, 2]} and more [[['
+    assert nesting.raw_decode(text, 6) == ({"a": [1, 2]}, 19)
+    with pytest.raises(nesting.TooDeep):
+        nesting.raw_decode('{"a": 1} ' + "[" * 600, 0)
+    with pytest.raises(ValueError):
+        nesting.raw_decode("nothing", 0)

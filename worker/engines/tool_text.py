@@ -17,6 +17,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from omnifabric.common import nesting
 from omnifabric.common.tools import argument_errors
 from omnifabric.worker.engine import ToolCall, ToolSpec
 
@@ -30,7 +31,7 @@ def parse_arguments(text: str, spec: ToolSpec) -> tuple[str, list[str]]:
     """The JSON object at the start of ``text`` (what follows it is dropped), as compact JSON
     text, and what is wrong with it for ``spec`` ([] when it fits)."""
     try:
-        value, _ = json.JSONDecoder().raw_decode(text.strip())
+        value, _ = nesting.raw_decode(text.strip())
     except ValueError as exc:
         return "", [f"the arguments are not JSON ({exc})"]
     if not isinstance(value, dict):
@@ -42,7 +43,7 @@ def parse_arguments(text: str, spec: ToolSpec) -> tuple[str, list[str]]:
 def call_text(call: ToolCall) -> str:
     """A call as the model's template writes it in an assistant turn."""
     try:
-        arguments: Any = json.loads(call.arguments)
+        arguments: Any = nesting.loads(call.arguments)
     except ValueError:
         arguments = call.arguments
     body = json.dumps({"name": call.name, "arguments": arguments}, ensure_ascii=False)

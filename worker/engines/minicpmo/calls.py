@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from omnifabric.common import nesting
 from omnifabric.common.tools import FUNCTION, REQUIRED, ToolChoice
 from omnifabric.worker.engine import (
     ChatChunk,
@@ -179,7 +180,7 @@ def read_calls(
     for block in body.split(CALL_OPEN)[1:]:
         text = block.split(CALL_CLOSE)[0].strip()
         try:
-            call, _ = json.JSONDecoder().raw_decode(text)
+            call, _ = nesting.raw_decode(text)
         except ValueError:
             problems.append(f"a call is not JSON: {text[:80]!r}")
             continue
@@ -200,7 +201,7 @@ def read_calls(
 
 def _loads(text: str) -> Any:
     try:
-        return json.loads(text)
+        return nesting.loads(text)
     except ValueError:
         return text
 
