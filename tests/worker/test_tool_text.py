@@ -40,3 +40,11 @@ def test_a_models_deep_call_is_left_out_and_the_next_one_read():
     deep_arguments = '{"name": "get_weather", "arguments": "' + DEEP + '"}'
     found, problems = calls.read_calls(f"<tool_call>{deep_arguments}", [WEATHER], ToolChoice())
     assert not found and problems == ["tool get_weather: the arguments must be a JSON object"]
+
+
+def test_a_call_named_by_anything_but_a_string_is_left_out():
+    """A list as the name raised TypeError (unhashable) out of the reader."""
+    for name, shown in (("[1]", "list"), ('{"a": 1}', "dict"), ("3", "int"), ('"nope"', "'nope'")):
+        body = '<tool_call>{"name": ' + name + ', "arguments": {}}</tool_call>'
+        found, problems = calls.read_calls(body, [WEATHER], ToolChoice())
+        assert not found and problems == [f"a call of {shown}, not a function offered"]

@@ -185,8 +185,9 @@ def read_calls(
             problems.append(f"a call is not JSON: {text[:80]!r}")
             continue
         name = call.get("name") if isinstance(call, dict) else None
-        if name not in offered:
-            problems.append(f"a call of {name!r}, not a function offered")
+        if not isinstance(name, str) or name not in offered:
+            shown = repr(name[:64]) if isinstance(name, str) else type(name).__name__
+            problems.append(f"a call of {shown}, not a function offered")
             continue
         arguments = call.get("arguments", {})
         if isinstance(arguments, str):
