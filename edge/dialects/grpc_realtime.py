@@ -186,9 +186,10 @@ class GrpcRealtime(DuplexDialect):
             if not output.call_id:
                 raise MissingField("'tool_output.call_id' is required")
             if output.call_id not in self._awaited:
+                shown = fields.shown(output.call_id)
                 raise InvalidPayload(
-                    f"tool_output.call_id {output.call_id!r}: no call of the model with that "
-                    "id awaits its output"
+                    f"tool_output.call_id {shown}: no call of the model with that id awaits "
+                    "its output"
                 )
             self._awaited.discard(output.call_id)
             return [ev.ToolOutputCommand(output.call_id, output.output)]

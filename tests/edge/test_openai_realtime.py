@@ -696,6 +696,15 @@ def test_an_unknown_function_or_call_is_an_error_not_a_crash(item, param):
     assert d.error(caught.value)["error"]["param"] == param
 
 
+def test_an_error_quotes_a_clients_long_value_short():
+    d = _with_tools()
+    item = {"type": "function_call_output", "call_id": "c" * 100_000, "output": "x"}
+    with pytest.raises(EdgeError) as caught:
+        send(d, type="conversation.item.create", item=item)
+    message = d.error(caught.value)["error"]["message"]
+    assert len(message) < 200 and repr("c" * 64) in message
+
+
 @pytest.mark.parametrize(
     "session, param",
     [

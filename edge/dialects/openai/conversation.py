@@ -158,7 +158,9 @@ class ItemParser:
         call_id = _string(body, "call_id", where)
         call = conversation.call(call_id)
         if call is None:
-            message = f"{where}.call_id: no function call {call_id!r} in the conversation"
+            message = (
+                f"{where}.call_id: no function call {fields.shown(call_id)} in the conversation"
+            )
             raise BadParam(f"{where}.call_id", message)
         output = body.get("output")
         if not isinstance(output, str):
@@ -234,7 +236,7 @@ class Conversation:
         """Add `item` after `previous` (None: at the end, "root": first); the id of the
         item before it."""
         if any(i.id == item.id for i in self.items):
-            raise BadParam("item.id", f"an item {item.id!r} already exists")
+            raise BadParam("item.id", f"an item {fields.shown(item.id)} already exists")
         if previous is None:
             at = len(self.items)
         elif previous == "root":

@@ -296,7 +296,7 @@ class SettingsUpdate:
         if voice not in DEFAULT_VOICES and not self.voices.audio(voice):
             self.wire.ignored(
                 f"audio.output.voice={voice}",
-                f"no registered voice {voice!r} (POST /api/assets/ref_audio registers "
+                f"no registered voice {fields.shown(voice)} (POST /api/assets/ref_audio registers "
                 "one): the server's default voice speaks",
             )
 
