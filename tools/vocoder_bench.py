@@ -1,5 +1,7 @@
 """The vocoder alone: one batched call (vocoder_batch.BatchedVocoder.run) for N sessions'
 next chunk against the package's `stream` per session, with each session's cache memory.
+The batched call runs two ways in the same run: ragged eager forwards, and its flow matching
+in static shapes (vocoder_flow; replayed as CUDA graphs on CUDA, eager on a CPU).
 
     python -m omnifabric.tools.vocoder_bench --device cuda --counts 1,8,16,32,64 \\
         [--assets DIR | --full] [--voice A.wav --voice B.wav] [--json out.json]
@@ -62,7 +64,8 @@ def measure(t2w: Any, voices: list[str], counts: list[int], sync: Any) -> dict[s
     tokens = lambda: rng.integers(0, VOCAB, CHUNK).tolist()  # noqa: E731
     t2w.set_stream_cache(voices[0])
     serial = _median_ms(lambda: t2w.stream(tokens()), sync)
-    batched = vocoder_batch.BatchedVocoder(t2w)
+    ragged = vocoder_batch.BatchedVocoder(t2w)
+    static = vocoder_batch.BatchedVocoder(t2w, static=True, graphs=True)
     out: dict[str, Any] = {"stream_ms": serial, "runs": []}
     for n in counts:
         jobs = []
@@ -73,7 +76,7 @@ def measure(t2w: Any, voices: list[str], counts: list[int], sync: Any) -> dict[s
             hift = {k: v.clone() for k, v in t2w.hift_cache_dict.items()}
             jobs.append(vocoder_batch.VocoderJob([], False, flow, hift, voice, t2w.cache[voice]))
 
-        def call(jobs: list[Any] = jobs) -> None:
+        def call(batched: Any, jobs: list[Any] = jobs) -> None:
             for job in jobs:
                 job.tokens = tokens()
             batched.run(jobs)
@@ -81,14 +84,17 @@ def measure(t2w: Any, voices: list[str], counts: list[int], sync: Any) -> dict[s
         cuda = t2w.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        ms = _median_ms(call, sync)
+        ms = _median_ms(lambda: call(ragged), sync)
+        static_ms = _median_ms(lambda: call(static), sync)
         mib = statistics.mean(vocoder.cache_bytes(j.stream_cache, j.hift_cache) for j in jobs)
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-        row: dict[str, float | None] = {"sessions": n, "batched_ms": ms}
+        row: dict[str, Any] = {"sessions": n, "batched_ms": ms, "static_ms": static_ms}
         row.update(serial_ms=n * serial, cache_mib_per_session=mib / 2**20, peak_gib=peak)
+        row.update(graphs=static.flow.captured, graph_failure=static.flow.failure)
         out["runs"].append(row)
         print(
-            f"N={n:3d}: one batched call {ms:7.0f} ms, N x stream {n * serial:8.0f} ms "
+            f"N={n:3d}: one batched call {ms:7.0f} ms, static {static_ms:7.0f} ms "
+            f"({static.flow.captured} graphs), N x stream {n * serial:8.0f} ms "
             f"({n * serial / ms:5.1f}x), caches {mib / 2**20:6.1f} MiB a session"
             + (f", peak {peak:.1f} GiB" if peak is not None else ""),
             flush=True,

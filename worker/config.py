@@ -279,11 +279,13 @@ class WorkerConfig(FabricTls):
         env="OMNI_WORKER_CUDA_GRAPHS",
         flag="--cuda-graphs",
         choices=("auto", "on", "off"),
-        help="minicpmo: batched decode forwards in static shapes replayed as CUDA graphs",
+        help="minicpmo: batched decode forwards and vocoder flow steps in static shapes "
+        "replayed as CUDA graphs",
     )
-    """minicpmo: the batched step's decode forwards padded to bucketed static shapes and, on
-    CUDA, captured and replayed as CUDA graphs (auto: on where the device is CUDA; on a CPU,
-    on runs the static shapes eagerly; off: the ragged forwards)."""
+    """minicpmo: the batched step's decode forwards and its batched vocoder's flow-matching
+    steps padded to bucketed static shapes and, on CUDA, captured and replayed as CUDA graphs
+    (auto: on where the device is CUDA; on a CPU, on runs the static shapes eagerly; off: the
+    ragged forwards)."""
     decode_ahead: int | None = setting(
         None,
         env="OMNI_WORKER_DECODE_AHEAD",

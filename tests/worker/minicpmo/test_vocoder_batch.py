@@ -27,11 +27,12 @@ pytest.importorskip("stepaudio2")
 torch = pytest.importorskip("torch")
 
 from omnifabric.tools import vocoder_assets  # noqa: E402
-from omnifabric.worker.engines.minicpmo import vocoder  # noqa: E402
+from omnifabric.worker.engines.minicpmo import vocoder, vocoder_flow  # noqa: E402
 from omnifabric.worker.engines.minicpmo.vocoder_batch import (  # noqa: E402
     BatchedVocoder,
     VocoderJob,
 )
+from tests.worker.minicpmo.conftest import DEVICE  # noqa: E402
 
 #: Largest int16 difference allowed between the batched and the lone session's samples.
 PCM_LSB = 2
@@ -50,14 +51,18 @@ CHUNK = 28  # 25 fresh tokens + 3 lookahead
 def t2w(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A DeviceToken2wav on tiny assets (their random weights make audio depend on its input:
     vocoder_assets.liven), on one torch thread (several oversubscribe a busy machine: ~15 s a
-    chunk instead of ~0.15 s)."""
+    chunk instead of ~0.15 s); on the CPU unless OMNI_MINICPMO_DEVICE names a GPU, there
+    with TF32 off (with it, batched and lone calls pick kernels 9 LSB apart)."""
     threads = torch.get_num_threads()
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.set_num_threads(1)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     folder = tmp_path_factory.mktemp("token2wav")
     vocoder_assets.build(folder)
-    out = vocoder.make(folder, device="cpu", n_timesteps=10)
+    out = vocoder.make(folder, device=DEVICE, n_timesteps=10)
     yield out
     torch.set_num_threads(threads)
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 @pytest.fixture(scope="module")
@@ -177,12 +182,17 @@ def plan(voices: list[str], n: int) -> list[Session]:
     return [Session(voices[i % len(voices)], *shapes[i % len(shapes)]) for i in range(n)]
 
 
-def run_plan(t2w: Any, sessions: list[Session], seed: int = 0) -> None:
-    """Every tick of the plan; fails on the first tick with a difference."""
-    batched, rng = BatchedVocoder(t2w), np.random.default_rng(seed)
+def run_plan(
+    t2w: Any, sessions: list[Session], seed: int = 0, static: bool = False
+) -> BatchedVocoder:
+    """Every tick of the plan; fails on the first tick with a difference. Static: the flow
+    matching in static shapes (CUDA graphs on CUDA)."""
+    batched = BatchedVocoder(t2w, static=static, graphs=static)
+    rng = np.random.default_rng(seed)
     ticks = max(s.start + s.chunks + 1 for s in sessions)
     for at in range(ticks):
         assert tick(t2w, batched, sessions, at, rng) == {}, f"tick {at}"
+    return batched
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -238,3 +248,41 @@ def test_rejects_as_stream_does(t2w: Any, voices: list[str]) -> None:
     again = VocoderJob([5] * CHUNK, True, session.flow, session.hift, session.voice)
     with pytest.raises(ValueError, match="finalized"):
         batched.run([again])
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_static_shapes_equal_each_alone(t2w: Any, voices: list[str], n: int) -> None:
+    # Buckets of rows (1, 4, 8), chunk frames (50 -> 56, a 7-token last chunk's 14 -> 16)
+    # and cached keys (multiples of 128): padding rows, frames and keys beside real ones.
+    flow = run_plan(t2w, plan(voices, n), seed=10 + n, static=True).flow
+    assert len(flow.buckets) > 1, flow.buckets
+    if DEVICE.startswith("cuda"):  # there every step after a bucket's first was a replay
+        assert flow.failure is None and flow.captured > 0 and flow.replays > 0
+
+
+def test_static_shapes_session_joins_mid_stream(t2w: Any, voices: list[str]) -> None:
+    sessions = [Session(voices[0], 0, 5, None), Session(voices[1], 4, 2, 0)]
+    run_plan(t2w, sessions, seed=7, static=True)
+
+
+@pytest.mark.parametrize("broken", ["mask", "ends"])
+def test_static_comparison_fails_without_the_padding_rules(
+    t2w: Any, voices: list[str], monkeypatch: pytest.MonkeyPatch, broken: str
+) -> None:
+    # Controls: padded keys seen by every row, or every row's convolution cache taken at the
+    # padded chunk's end instead of its own: the comparison must fail.
+    fill = vocoder_flow._fill
+
+    def wrong(call: Any, *args: Any) -> None:
+        fill(call, *args)
+        if broken == "mask":
+            call.mask.fill_(True)
+        else:
+            call.ends.fill_(call.x2.shape[2])
+
+    monkeypatch.setattr(vocoder_flow, "_fill", wrong)
+    sessions = [Session(voices[i % len(voices)], 0, 2, None) for i in range(3)]
+    batched, rng = BatchedVocoder(t2w, static=True), np.random.default_rng(3)
+    problems = tick(t2w, batched, sessions, 0, rng)
+    problems.update(tick(t2w, batched, sessions, 1, rng))
+    assert sorted(problems) == [0, 1, 2], problems

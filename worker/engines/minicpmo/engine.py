@@ -892,11 +892,15 @@ class MiniCPMOEngine(Engine):
         log.info("minicpmo: vocoder warmed in %.2f s", time.perf_counter() - t0)
 
     def batched_vocoder(self) -> Any:
-        """The vocoder batched across sessions (vocoder_batch.BatchedVocoder), made once."""
-        if self._batched_vocoder is None:
+        """The vocoder batched across sessions (vocoder_batch.BatchedVocoder), made once per
+        `--cuda-graphs` setting: its flow matching in static shapes where the decode's are,
+        replayed as CUDA graphs on CUDA."""
+        static = self.static_decode
+        if self._batched_vocoder is None or self._batched_vocoder.flow.static != static:
             from omnifabric.worker.engines.minicpmo.vocoder_batch import BatchedVocoder
 
-            self._batched_vocoder = BatchedVocoder(self.model.tts.audio_tokenizer)
+            tok = self.model.tts.audio_tokenizer
+            self._batched_vocoder = BatchedVocoder(tok, static=static, graphs=static)
         return self._batched_vocoder
 
     # ---- chat --------------------------------------------------------------------------

@@ -8,13 +8,15 @@ everything else (the streaming step, cache trims, the bounded causal HiFT) the p
 model code builds its vocoder with `from stepaudio2 import Token2wav`; `installed(device)` puts
 this class there while the engine loads the model.
 
-Two more adaptations, neither changing the arithmetic:
+More adaptations, none changing the arithmetic:
 - The flow-matching scratch buffers are sized from the estimator (the package allocates the
   released 16 blocks x 8 heads), so smaller random-weight flows for tests run too.
 - A voice is cut to its first `VOICE_MAX_S` seconds: the estimator's key cache holds 1000 mel
   frames (the voice, 100 frames of history and a chunk); a longer voice fails inside the package.
 - Stand-in ONNX parts (tools/vocoder_assets.py, metadata `omnifabric.stand_in`) run here: the
   speech tokenizer stand-in is a plain graph s3tokenizer cannot convert.
+- The HiFT's STFT window and noise table live on the vocoder's device (`device_tables`): the
+  package copies them there on every use.
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ def _init(
     self.hift, self.vocoder_checkpoint, self.vocoder_config = load_causal_vocoder(
         folder, self.device
     )
+    device_tables(self.hift, self.device)
     self.bounded_vocoder = BoundedVocoder(self.hift)
     self.sample_rate, self.hop_samples = 24000, 480
     self.vocoder_delay_frames = (
@@ -192,6 +195,17 @@ def _init(
     self.stream_cache = None
     self.hift_cache_dict = {}
     self._stream_prompt = None
+
+
+def device_tables(hift: Any, device: Any) -> None:
+    """The HiFT's STFT window and its source's noise table (300 s x 9 harmonics, 259 MB in
+    float32) on the vocoder's device: the package keeps both as plain CPU tensors and copies
+    what it uses to the device on every STFT, ISTFT and source block, a copy the host waits
+    for each time. The same values; only where they live."""
+    hift.stft_window = hift.stft_window.to(device)
+    oscillator = hift.m_source.l_sin_gen
+    if getattr(oscillator, "sine_waves", None) is not None:
+        oscillator.sine_waves = oscillator.sine_waves.to(device)
 
 
 def owned(cache: dict[str, Any], steps: int) -> dict[str, Any]:

@@ -61,7 +61,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from omnifabric.worker.engines.minicpmo.decode import on_device
+from omnifabric.worker.engines.minicpmo.vocoder_flow import FlowSolver
 
 Tensor = torch.Tensor
 
@@ -99,8 +101,10 @@ class VocoderJob:
 class BatchedVocoder:
     """`Token2wav.stream` for many sessions per call, over one DeviceToken2wav's modules."""
 
-    def __init__(self, token2wav: Any) -> None:
+    def __init__(self, token2wav: Any, static: bool = False, graphs: bool = False) -> None:
         self.t2w = token2wav
+        self.flow = FlowSolver(token2wav.flow.decoder, static=static, graphs=graphs)
+        """The flow matching (vocoder_flow): static shapes, CUDA graphs where asked."""
         self.hift = _Hift(token2wav.bounded_vocoder)
 
     @torch.inference_mode()
@@ -160,8 +164,7 @@ class BatchedVocoder:
             spk = flow.spk_embed_affine_layer(F.normalize(spk, dim=1))
             encoded = _encode(flow, jobs, t2w.device)
             caches = [job.stream_cache for job in jobs]
-            mels, convs, keys = _solve(
-                flow.decoder,
+            mels, convs, keys = self.flow.solve(
                 [h.transpose(1, 2).contiguous() for h, _, _ in encoded],
                 spk,
                 [c["estimator_cnn_cache"][:steps] for c in caches],
@@ -216,162 +219,6 @@ def _encode(flow: Any, jobs: list[VocoderJob], device: Any) -> list[tuple[Tensor
         for g, i in enumerate(members):
             out[i] = (h[g : g + 1], own(cnn[g : g + 1]), own(att[:, g : g + 1]))
     return out
-
-
-def _solve(
-    cfm: Any, mus: list[Tensor], spk: Tensor, convs: list[Tensor], keys: list[Tensor]
-) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    """CausalConditionalCFM.forward_chunk (temperature 1) for B rows at once. Row i: mu
-    [1, 80, T_i], speaker row spk[i], caches [steps, depth, 2, ...] (keys L_i frames). Returns
-    per row its mel [1, 80, T_i], conv caches and key/value caches of T_i + L_i frames."""
-    lens, past = [m.shape[2] for m in mus], [k.shape[4] for k in keys]
-    steps, device = keys[0].shape[0], mus[0].device
-    mu = _right_pad([m[0] for m in mus])
-    noise = cfm.rand_noise[0]
-    x = _right_pad([noise[:, p : p + n] for p, n in zip(past, lens, strict=True)])
-    t_span = torch.linspace(0, 1, steps + 1, device=device, dtype=mu.dtype)
-    t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
-    t, dt = t_span[0].unsqueeze(dim=0), t_span[1] - t_span[0]
-    mu_in = torch.cat([mu, torch.zeros_like(mu)])
-    spk_in = torch.cat([spk, torch.zeros_like(spk)])
-    ends = torch.tensor(lens + lens, device=device)
-    mask = _key_mask(lens, past, device)
-    rate = cfm.inference_cfg_rate
-    new_convs, new_keys = [], []
-    for step in range(1, steps + 1):
-        conv = torch.stack([c[step - 1] for c in convs], dim=2).flatten(1, 2)
-        cache = _padded_keys([k[step - 1] for k in keys], max(past))
-        out, conv, kv = _estimate(
-            cfm.estimator, torch.cat([x, x]), mu_in, spk_in, t, conv, cache, ends, mask
-        )
-        cond, uncond = out.chunk(2, dim=0)
-        x = x + dt * ((1.0 + rate) * cond - rate * uncond)
-        t = t + dt
-        if step < steps:
-            dt = t_span[step + 1] - t
-        new_convs.append(conv)
-        new_keys.append(kv)
-    rows = len(mus)
-    conv_all = torch.stack(new_convs).unflatten(2, (2, rows))  # [steps, depth, 2, B, C, k]
-    kv_all = torch.stack(new_keys).unflatten(2, (2, rows))  # [steps, depth, 2, B, h, T, 2d]
-    out_convs, out_keys = [], []
-    for i, (n, old) in enumerate(zip(lens, keys, strict=True)):
-        out_convs.append(torch.empty_like(convs[i]).copy_(conv_all[:, :, :, i]))
-        full = old.new_empty((*old.shape[:4], n + old.shape[4], old.shape[5]))
-        full[:, :, :, :, :n] = kv_all[:, :, :, i, :, :n]
-        full[:, :, :, :, n:] = old
-        out_keys.append(full)
-    mels = [x[i : i + 1, :, :n] for i, n in enumerate(lens)]
-    return mels, out_convs, out_keys
-
-
-def _right_pad(rows: list[Tensor]) -> Tensor:
-    """[C, T_i] rows stacked into [B, C, max T], zeros after each row's end."""
-    width = max(r.shape[-1] for r in rows)
-    return torch.stack([F.pad(r, (0, width - r.shape[-1])) for r in rows])
-
-
-def _padded_keys(caches: list[Tensor], width: int) -> Tensor:
-    """One timestep's key/value caches [depth, 2, heads, L_i, 2d] of B rows as
-    [depth, 2B, heads, width, 2d] (conditional rows first), zeros after each row's L_i."""
-    first = caches[0]
-    if all(c.shape[3] == width for c in caches):
-        return torch.stack(caches, dim=2).flatten(1, 2)
-    out = first.new_zeros((*first.shape[:2], len(caches), first.shape[2], width, first.shape[4]))
-    for i, cache in enumerate(caches):
-        out[:, :, i, :, : cache.shape[3]] = cache
-    return out.flatten(1, 2)
-
-
-def _key_mask(lens: list[int], past: list[int], device: Any) -> Tensor | None:
-    """Which keys [chunk (max T) | cache (max L)] each of the 2B rows sees, [2B, 1, 1, keys];
-    None when no row is padded (the package's unmasked attention)."""
-    if len(set(lens)) == 1 and len(set(past)) == 1:
-        return None
-    new = torch.arange(max(lens))[None] < torch.tensor(lens)[:, None]
-    old = torch.arange(max(past))[None] < torch.tensor(past)[:, None]
-    return torch.cat([new, old], dim=1).repeat(2, 1)[:, None, None].to(device)
-
-
-def _estimate(
-    dit: Any,
-    x: Tensor,
-    mu: Tensor,
-    spk: Tensor,
-    t: Tensor,
-    convs: Tensor,
-    keys: Tensor,
-    ends: Tensor,
-    mask: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """DiT.forward_chunk over 2B padded rows: x, mu [2B, 80, T], spk [2B, 80], t [1] (the same
-    timestep for all rows), caches [depth, 2B, ...]. Returns the velocity [2B, 80, T], the new
-    conv caches [depth, 2B, C, k] and the chunk's keys/values [depth, 2B, heads, T, 2d]."""
-    c = dit.t_embedder(t).unsqueeze(1)
-    frames = x.shape[2]
-    h = torch.cat([x, mu, spk[:, :, None].expand(-1, -1, frames), torch.zeros_like(mu)], dim=1)
-    h = dit.in_proj(h.transpose(1, 2))
-    new_convs, new_keys = [], []
-    for depth, block in enumerate(dit.blocks):
-        h, conv, kv = _block(block, h, c, convs[depth], keys[depth], ends, mask)
-        new_convs.append(conv)
-        new_keys.append(kv)
-    h = dit.final_layer(h, c).transpose(1, 2)
-    return h, torch.stack(new_convs), torch.stack(new_keys)
-
-
-def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """adaLN modulation (the DiT's `modulate`)."""
-    return x * (1 + scale) + shift
-
-
-def _block(
-    block: Any, h: Tensor, c: Tensor, conv: Tensor, keys: Tensor, ends: Tensor, mask: Any
-) -> tuple[Tensor, Tensor, Tensor]:
-    """DiTBlock.forward_chunk over padded rows; (h, new conv cache, chunk keys/values)."""
-    # The package's order: attention, MLP, convolution; each (shift, scale, gate).
-    mods = block.adaLN_modulation(c).chunk(9, dim=-1)
-    attn, mlp, convolution = mods[0:3], mods[3:6], mods[6:9]
-    attended, kv = _attend(block.attn, _modulate(block.norm1(h), *attn[:2]), keys, mask)
-    h = h + attn[2] * attended
-    y, conv = _convolve(block.conv, _modulate(block.norm3(h), *convolution[:2]), conv, ends)
-    h = h + convolution[2] * y
-    h = h + mlp[2] * block.mlp(_modulate(block.norm2(h), *mlp[:2]))
-    return h, conv, kv
-
-
-def _attend(attn: Any, h: Tensor, cache: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Attention.forward_chunk: the chunk's queries over [chunk keys, cached keys]; returns
-    the output and the chunk's own keys/values [rows, heads, T, 2d]."""
-    rows, frames, _ = h.shape
-    q = attn.q_norm(attn.to_heads(attn.to_q(h)))
-    k = attn.k_norm(attn.to_heads(attn.to_k(h)))
-    v = attn.to_heads(attn.to_v(h))
-    k_cache, v_cache = cache.chunk(2, dim=3)
-    out = F.scaled_dot_product_attention(
-        q, torch.cat([k, k_cache], dim=2), torch.cat([v, v_cache], dim=2), attn_mask=mask
-    )
-    out = attn.proj(out.transpose(1, 2).reshape(rows, frames, -1))
-    return out, torch.cat([k, v], dim=3)
-
-
-def _convolve(block: Any, h: Tensor, cache: Tensor, ends: Tensor) -> tuple[Tensor, Tensor]:
-    """CausalConvBlock.forward_chunk over padded rows [rows, T, C]; (output, new cache)."""
-    first, second = cache.split((block.in_channels, block.out_channels), dim=1)
-    y, new_first = _causal(block.block[1], h.transpose(1, 2), first, ends)
-    y = block.block[2:6](y)
-    y, new_second = _causal(block.block[6], y, second, ends)
-    return y.transpose(1, 2), torch.cat([new_first, new_second], dim=1)
-
-
-def _causal(conv: Any, y: Tensor, cache: Tensor, ends: Tensor) -> tuple[Tensor, Tensor]:
-    """CausalConv1d.forward_chunk over padded rows [rows, C, T]: the cache is each row's last
-    k - 1 input frames before its own end (ends[r]), not the padded tensor's."""
-    width = conv.causal_padding[0]
-    y = torch.cat([cache, y], dim=2)
-    at = ends[:, None, None] + torch.arange(width, device=y.device)
-    new_cache = y.gather(2, at.expand(-1, y.shape[1], -1))
-    return nn.Conv1d.forward(conv, y), new_cache
 
 
 def _grouped(fn: Callable[..., Tensor], inputs: list[tuple[Tensor, ...]]) -> list[Tensor]:
@@ -530,8 +377,8 @@ class _Hift:
         voiced = (f0[:, :, None] > oscillator.voiced_threshold).to(f0)
         voiced = voiced.repeat_interleave(self.hop, dim=1)
         amplitude = voiced * oscillator.noise_std + (1 - voiced) * oscillator.sine_amp / 3
-        table = oscillator.sine_waves  # [1, samples, H], kept on the CPU by the package
-        first = torch.tensor(offsets, device=table.device)[:, None] * self.hop
+        table = oscillator.sine_waves  # [1, samples, H], on the device (vocoder.device_tables)
+        first = on_device(offsets, table.device, torch.long)[:, None] * self.hop
         positions = (first + torch.arange(sine.shape[1], device=table.device)) % table.shape[1]
         noise = table[0][positions].to(f0)
         excitation = sine * oscillator.sine_amp * voiced + amplitude * noise
