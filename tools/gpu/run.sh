@@ -3,7 +3,8 @@
 # install offline, the opt-in equality tests on CUDA (speech, vocoder, static decode, mel),
 # the full-size random-weight checkpoint with its vocoder (~40 s), then gpu_sessions' figures
 # with nvidia-smi sampled each second. Output under $OUT (the device tool brings it back).
-#   STAGE=all|tests|figures  TEST_S / FIG_S: time limits  TEST_K: pytest -k
+#   STAGE=all|tests|vocoder|figures  TEST_S / VOC_S / FIG_S: time limits  TEST_K: pytest -k
+#   VOC_COUNTS=1,8,32,64: vocoder_bench's sessions (ragged vs static/graphs, released sizes)
 #   COUNTS=1,16,32,64  UNITS=8  MODES=batched,batched-eager,serial-vocoder  EXTRA="--profile /tmp/prof"
 set -u
 export PYTHONUNBUFFERED=1
@@ -21,6 +22,11 @@ if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
   timeout ${TEST_S:-200} python3 -m pytest -q -x -p no:cacheprovider tests/worker/minicpmo/test_vocoder_batch.py \
      tests/worker/minicpmo/test_batched_step.py tests/worker/minicpmo/test_mel.py -k "${TEST_K:-speech or vocoder or greedy_equals_solo or static or mel or unseeded or decode_ahead}" 2>&1 | tail -25 | tee $OUT/tests.txt
   echo "tests done at $(( $(date +%s) - t0 )) s"
+fi
+if [ "$STAGE" = all ] || [ "$STAGE" = vocoder ]; then
+  timeout ${VOC_S:-150} python3 -m omnifabric.tools.vocoder_bench --device cuda --full \
+     --counts ${VOC_COUNTS:-1,8,32,64} --json $OUT/vocoder.json 2>&1 | grep -v Warning | tail -12 | tee $OUT/vocoder.txt
+  echo "vocoder done at $(( $(date +%s) - t0 )) s"
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = figures ]; then
   python3 -m omnifabric.tools.minicpmo_tiny --code-dir .gpu/code/MiniCPMO45 --sdk $(ls .gpu/sdk/*.whl) \

@@ -607,10 +607,13 @@ def test_speech_in_static_shapes_equals_solo(eng16, static_shapes):
     want = check(eng16, plans, starts=[k % 3 for k in range(6)])
     _, speaks = kinds(want)
     assert speaks > 0 and spoken_seconds(want) >= 0.9 * speaks
-    flow = eng16.batched_vocoder().flow
+    vocoder = eng16.batched_vocoder()
+    flow, decoder = vocoder.flow, vocoder.hift.decoder
     assert flow.static and len(flow.buckets) > 1, flow.buckets
-    if eng16.device.startswith("cuda"):  # there the flow's steps were graph replays
+    assert decoder.static and decoder.shapes
+    if eng16.device.startswith("cuda"):  # there the flow's steps and HiFT spectra replayed
         assert flow.failure is None and flow.captured > 0 and flow.replays > 0
+        assert decoder.failure is None and decoder.captured > 0 and decoder.replays > 0
 
 
 def test_static_shape_control_shifted_position_fails(eng16, static_shapes, monkeypatch):

@@ -254,10 +254,12 @@ def test_rejects_as_stream_does(t2w: Any, voices: list[str]) -> None:
 def test_static_shapes_equal_each_alone(t2w: Any, voices: list[str], n: int) -> None:
     # Buckets of rows (1, 4, 8), chunk frames (50 -> 56, a 7-token last chunk's 14 -> 16)
     # and cached keys (multiples of 128): padding rows, frames and keys beside real ones.
-    flow = run_plan(t2w, plan(voices, n), seed=10 + n, static=True).flow
-    assert len(flow.buckets) > 1, flow.buckets
-    if DEVICE.startswith("cuda"):  # there every step after a bucket's first was a replay
+    batched = run_plan(t2w, plan(voices, n), seed=10 + n, static=True)
+    flow, decoder = batched.flow, batched.hift.decoder
+    assert len(flow.buckets) > 1 and len(decoder.shapes) > 1, (flow.buckets, decoder.shapes)
+    if DEVICE.startswith("cuda"):  # there the flow's steps and the HiFT's spectra replayed
         assert flow.failure is None and flow.captured > 0 and flow.replays > 0
+        assert decoder.failure is None and decoder.captured > 0 and decoder.replays > 0
 
 
 def test_static_shapes_session_joins_mid_stream(t2w: Any, voices: list[str]) -> None:

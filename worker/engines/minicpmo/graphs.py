@@ -18,7 +18,7 @@ compare with the ragged path, row for row.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,20 +149,13 @@ class StaticDecode:
         shape.logits.copy_(self.llm.lm_head(out.last_hidden_state[:, 0]))
 
     def _capture(self, shape: _Shape, step: SlotStep) -> None:
-        """Runs the step eagerly (twice, on a side stream: the warm-up capture needs), then
-        captures its graph; on failure graphs go off for good and the eager run stands."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(shape, step)
-        torch.cuda.current_stream().wait_stream(side)
+        """Captures the step's forward (its eager runs are the step's own: its cache writes
+        are the step's, so running it again changes nothing); on failure graphs go off for
+        good and the eager run stands."""
         try:
-            graph = torch.cuda.CUDAGraph()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(shape, step)
+            graph, _ = capture(lambda: self._forward(shape, step), self._pool)
         except Exception as exc:  # a capture failure is a slower worker, never a dead one
             self.graphs = False
             self.failure = f"{type(exc).__name__}: {exc}"
@@ -172,3 +165,24 @@ class StaticDecode:
             return
         shape.graph = graph
         graph.replay()  # the outputs of this step (the capture itself ran nothing)
+
+
+def capture(fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
+    """`fn` (a function of static tensors) captured as a CUDA graph in the memory pool `pool`:
+    run eagerly twice on a side stream first (as capture needs: kernels picked, workspaces
+    made), then captured with autocast's cast cache off (what it caches would be freed
+    outside the graph). Returns the graph and what `fn` returned during the capture: the
+    tensors each replay writes. Raises where the capture fails."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    autocast = torch.is_autocast_enabled("cuda")
+    dtype = torch.get_autocast_dtype("cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False):
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = fn()
+    return graph, outputs

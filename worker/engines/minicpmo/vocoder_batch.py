@@ -52,6 +52,7 @@ finalized stream only after advancing the flow).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,9 +64,11 @@ import torch
 import torch.nn.functional as F
 
 from omnifabric.worker.engines.minicpmo.decode import on_device
+from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, capture
 from omnifabric.worker.engines.minicpmo.vocoder_flow import FlowSolver
 
 Tensor = torch.Tensor
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,7 +108,7 @@ class BatchedVocoder:
         self.t2w = token2wav
         self.flow = FlowSolver(token2wav.flow.decoder, static=static, graphs=graphs)
         """The flow matching (vocoder_flow): static shapes, CUDA graphs where asked."""
-        self.hift = _Hift(token2wav.bounded_vocoder)
+        self.hift = _Hift(token2wav.bounded_vocoder, static=static, graphs=graphs)
 
     @torch.inference_mode()
     def run(self, jobs: Sequence[VocoderJob]) -> list[bytes]:
@@ -240,8 +243,9 @@ class _Hift:
     """BoundedVocoder.stream over many sessions' caches: each row's bookkeeping as the
     package's `_process`, its F0 predictor, sine source and decode batched by shape."""
 
-    def __init__(self, bounded: Any) -> None:
+    def __init__(self, bounded: Any, static: bool = False, graphs: bool = False) -> None:
         self.model = bounded.model
+        self.decoder = HiftDecoder(bounded.model, static=static, graphs=graphs)
         self.hop, self.block = bounded.hop, bounded.block_frames
         self.f0_left, self.f0_right = bounded.f0_left, bounded.f0_right
         self.history, self.decoder_right = bounded.history, bounded.decoder_right
@@ -403,10 +407,8 @@ class _Hift:
                 want.append((i, start, available))
                 inputs.append((mel, source))
 
-        def decode(mel: Tensor, source: Tensor) -> Tensor:
-            return self.model.decode(mel, source, finalize=finalize)
-
-        for (i, start, available), out in zip(want, _grouped(decode, inputs), strict=True):
+        decoded = self.decoder.run(inputs, finalize)
+        for (i, start, available), out in zip(want, decoded, strict=True):
             s = state[i]
             out = out[:, (s["emitted"] - start) * self.hop :]
             if out.shape[-1] != (available - s["emitted"]) * self.hop:
@@ -415,3 +417,118 @@ class _Hift:
             caches[i]["speech_offset"].fill_(available * self.hop)
             speech[i] = out
         return speech
+
+
+@dataclass
+class _DecodeShape:
+    """A static decode shape's inputs (rows padded), and its graph once captured."""
+
+    mel: Tensor
+    source: Tensor
+    graph: Any = None
+    outputs: tuple[Tensor, Tensor] | None = None
+
+
+class HiftDecoder:
+    """The causal HiFT's decode (CausalHiFTGenerator.decode) over groups of rows of equal
+    shapes. Ragged: the package's decode per group. Static: a group padded to a row bucket
+    (graphs.ROW_BUCKETS) in tensors kept per shape, its spectrum (every convolution, up to the
+    ISTFT's magnitude and phase: `_spectrum`, the package's modules called in its order) on
+    CUDA with graphs captured as a CUDA graph per shape and replayed (one launch for ~950);
+    the ISTFT and the clamp stay eager (the ISTFT's overlap-add check reads a value on the
+    host, which a capture cannot). In steady state every row's decode has one shape (history,
+    right context and 16 new frames), so few graphs serve; past MAX_SHAPES shapes the rest run
+    ragged. A capture that fails turns graphs off with a warning, never a crash."""
+
+    MAX_SHAPES = 48
+
+    def __init__(self, model: Any, static: bool = False, graphs: bool = False) -> None:
+        self.model = model
+        self.static = static or graphs
+        self.graphs = graphs and next(model.parameters()).device.type == "cuda"
+        self.failure: str | None = None
+        self.replays = 0
+        self.shapes: dict[tuple[Any, ...], _DecodeShape] = {}
+        self._pool: Any = None
+
+    @property
+    def captured(self) -> int:
+        return sum(shape.graph is not None for shape in self.shapes.values())
+
+    def run(self, inputs: list[tuple[Tensor, ...]], finalize: bool) -> list[Tensor]:
+        """Each row's new speech [1, n] from its (mel, source), rows of equal shapes at once."""
+        return _grouped(lambda mel, source: self._group(mel, source, finalize), inputs)
+
+    def _group(self, mel: Tensor, source: Tensor, finalize: bool) -> Tensor:
+        rows = mel.shape[0]
+        key = (rows, tuple(mel.shape[1:]), tuple(source.shape[1:]), mel.dtype, finalize)
+        if not self.static or (key not in self.shapes and len(self.shapes) >= self.MAX_SHAPES):
+            return self.model.decode(mel, source, finalize=finalize)
+        padded = next((b for b in ROW_BUCKETS if b >= rows), rows)
+        key = (padded, *key[1:])
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = self.shapes[key] = _DecodeShape(
+                mel.new_zeros((padded, *mel.shape[1:])),
+                source.new_zeros((padded, *source.shape[1:])),
+            )
+        shape.mel[:rows].copy_(mel)
+        shape.source[:rows].copy_(source)
+        magnitude, phase = self._spectrum(shape, finalize)
+        model = self.model
+        speech = model._istft(magnitude[:rows], phase[:rows])
+        if not finalize:
+            lookahead = int(np.prod(model.upsample_rates) * model.istft_params["hop_len"])
+            speech = speech[:, :-lookahead]
+        return torch.clamp(speech, -model.audio_limit, model.audio_limit)
+
+    def _spectrum(self, shape: _DecodeShape, finalize: bool) -> tuple[Tensor, Tensor]:
+        """The shape's magnitude and phase: a graph replay where graphs are on (captured on
+        the shape's first call), else eagerly."""
+        model = self.model
+        if not self.graphs:
+            return _spectrum(model, shape.mel, shape.source, finalize)
+        if shape.graph is None:
+            try:
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                shape.graph, shape.outputs = capture(
+                    lambda: _spectrum(model, shape.mel, shape.source, finalize), self._pool
+                )
+            except Exception as exc:  # a capture failure is a slower worker, never a dead one
+                self.graphs = False
+                self.failure = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graph capture failed, the HiFT runs eagerly: %s", self.failure)
+                torch.cuda.synchronize()
+                return _spectrum(model, shape.mel, shape.source, finalize)
+        shape.graph.replay()
+        self.replays += 1
+        assert shape.outputs is not None
+        return shape.outputs
+
+
+def _spectrum(model: Any, x: Tensor, s: Tensor, finalize: bool) -> tuple[Tensor, Tensor]:
+    """CausalHiFTGenerator.decode up to its ISTFT: the magnitude and phase of mel `x`
+    [rows, 80, F] with source `s` [rows, 1, samples]."""
+    real, imag = model._stft(s.squeeze(1))
+    if finalize:
+        x = model.conv_pre(x)
+    else:
+        right = model.conv_pre_look_right
+        x = model.conv_pre(x[:, :, :-right], x[:, :, -right:])
+        cut = int(np.prod(model.upsample_rates) * right)
+        real, imag = real[:, :, :-cut], imag[:, :, :-cut]
+    source = torch.cat([real, imag], dim=1)
+    for i in range(model.num_upsamples):
+        x = model.ups[i](F.leaky_relu(x, model.lrelu_slope))
+        if i == model.num_upsamples - 1:
+            x = model.reflection_pad(x)
+        x = x + model.source_resblocks[i](model.source_downs[i](source))
+        kernels = model.resblocks[i * model.num_kernels : (i + 1) * model.num_kernels]
+        xs = kernels[0](x)
+        for block in kernels[1:]:
+            xs += block(x)
+        x = xs / model.num_kernels
+    x = model.conv_post(F.leaky_relu(x))
+    bins = model.istft_params["n_fft"] // 2 + 1
+    return torch.exp(x[:, :bins, :]), torch.sin(x[:, bins:, :])

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS
+from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, capture
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -227,34 +227,24 @@ class FlowSolver:
         return False
 
     def _capture(self, shape: _Shape) -> None:
-        """Runs the step's estimator eagerly (twice, on a side stream, as capture needs), then
-        captures it; on failure graphs go off for good (the caller runs the step eagerly)."""
+        """Captures the bucket's estimator step (graphs.capture); on failure graphs go off for
+        good (the caller runs the step eagerly)."""
         dit, call = self.cfm.estimator, shape.call
         assert call.embed is not None
+        embed = call.embed
         t0 = time.perf_counter()
-        autocast = torch.is_autocast_enabled("cuda")
-        dtype = torch.get_autocast_dtype("cuda")
-        # Captured work must not use autocast's cast cache (it is freed outside the graph).
-        with torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    _estimate(dit, call, _modulations(dit, call.embed))
-            torch.cuda.current_stream().wait_stream(side)
-            try:
-                graph = torch.cuda.CUDAGraph()
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    outputs = _estimate(dit, call, _modulations(dit, call.embed))
-            except Exception as exc:  # a capture failure is a slower worker, never a dead one
-                self.graphs = False
-                self.failure = f"{type(exc).__name__}: {exc}"
-                log.warning("CUDA graph capture failed, the vocoder runs eagerly: %s", self.failure)
-                torch.cuda.synchronize()
-                return
-        shape.graph, shape.outputs = graph, outputs
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            shape.graph, shape.outputs = capture(
+                lambda: _estimate(dit, call, _modulations(dit, embed)), self._pool
+            )
+        except Exception as exc:  # a capture failure is a slower worker, never a dead one
+            self.graphs = False
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture failed, the vocoder runs eagerly: %s", self.failure)
+            torch.cuda.synchronize()
+            return
         rows, frames, keys = shape.bucket
         log.info(
             "vocoder flow: %d rows, %d frames, %d cached keys captured as a CUDA graph in %.2f s",
