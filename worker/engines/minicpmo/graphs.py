@@ -171,8 +171,10 @@ def capture(fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
     """`fn` (a function of static tensors) captured as a CUDA graph in the memory pool `pool`:
     run eagerly twice on a side stream first (as capture needs: kernels picked, workspaces
     made), then captured with autocast's cast cache off (what it caches would be freed
-    outside the graph). Returns the graph and what `fn` returned during the capture: the
-    tensors each replay writes. Raises where the capture fails."""
+    outside the graph) and the capture's checks on this thread only (a CUDA call another
+    thread of the worker makes meanwhile is not an error of the capture). Returns the graph
+    and what `fn` returned during the capture: the tensors each replay writes. Raises where
+    the capture fails."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -183,6 +185,6 @@ def capture(fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
     dtype = torch.get_autocast_dtype("cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False):
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = fn()
     return graph, outputs
