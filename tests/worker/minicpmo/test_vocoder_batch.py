@@ -288,3 +288,27 @@ def test_static_comparison_fails_without_the_padding_rules(
     problems = tick(t2w, batched, sessions, 0, rng)
     problems.update(tick(t2w, batched, sessions, 1, rng))
     assert sorted(problems) == [0, 1, 2], problems
+
+
+def test_a_failed_capture_runs_eagerly(t2w: Any, voices: list[str]) -> None:
+    # Graphs asked where no capture can succeed (on a CPU the pool itself cannot be made; on
+    # a GPU a capture can fail for reasons of its own): the first call turns them off with
+    # the reason kept, and every session still gets the package's audio.
+    sessions = [Session(voices[i % len(voices)], i % 2, 2, 0) for i in range(3)]
+    batched, rng = BatchedVocoder(t2w, static=True), np.random.default_rng(4)
+    parts = (batched.flow, batched.hift.decoder)
+    for part in parts:
+        part.graphs = True
+        part.capture = lambda fn, part=part: type(part).capture(part, _failing(fn))
+    for at in range(4):
+        assert tick(t2w, batched, sessions, at, rng) == {}, f"tick {at}"
+    for part in parts:
+        assert not part.graphs and part.failure, part.failure
+        assert part.replays == 0
+
+
+def _failing(fn: Any) -> Any:
+    def run() -> Any:
+        raise RuntimeError("no capture here")
+
+    return run

@@ -60,20 +60,47 @@ class _Shape:
     runs: int = 0
 
 
-class StaticDecode:
+class GraphSet:
+    """The CUDA graphs of one part of the step (the decode, the vocoder's flow, its HiFT):
+    whether it runs static shapes and captures them, one memory pool, the replays, and the
+    failure that turned its graphs off."""
+
+    def __init__(self, what: str, device: Any, static: bool, graphs: bool) -> None:
+        self.what = what
+        self.static = static or graphs
+        self.graphs = graphs and torch.device(device).type == "cuda"
+        self.failure: str | None = None
+        """Why graphs were turned off, when a capture failed."""
+        self.replays = 0
+        """Runs that were a graph replay (no module forward seen by hooks)."""
+        self._pool: Any = None
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any] | None:
+        """`fn` captured in this set's pool (graphs.capture): (graph, outputs); None where the
+        capture failed, graphs then off for good with a warning (a slower worker, never a
+        dead one; the caller runs eagerly)."""
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            return capture(fn, self._pool)
+        except Exception as exc:
+            self.graphs = False
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture failed, %s runs eagerly: %s", self.what, self.failure)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return None
+
+
+class StaticDecode(GraphSet):
     """Decode forwards of one LLM over one slot cache (made with scratch=True) in bucketed
     static shapes; `graphs` captures and replays them on CUDA."""
 
     def __init__(self, llm: Any, cache: SlotCache, graphs: bool) -> None:
+        super().__init__("decode", cache.device, static=True, graphs=graphs)
         self.llm = llm
         self.cache = cache
-        self.graphs = graphs and cache.device.type == "cuda"
-        self.failure: str | None = None
-        """Why graphs were turned off, when a capture failed."""
-        self.replays = 0
-        """Forwards run as a graph replay (no module forward seen by hooks)."""
         self._shapes: dict[tuple[int, int], _Shape] = {}
-        self._pool: Any = None
 
     @property
     def captured(self) -> int:
@@ -150,21 +177,14 @@ class StaticDecode:
 
     def _capture(self, shape: _Shape, step: SlotStep) -> None:
         """Captures the step's forward (its eager runs are the step's own: its cache writes
-        are the step's, so running it again changes nothing); on failure graphs go off for
-        good and the eager run stands."""
-        try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph, _ = capture(lambda: self._forward(shape, step), self._pool)
-        except Exception as exc:  # a capture failure is a slower worker, never a dead one
-            self.graphs = False
-            self.failure = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture failed, decode runs eagerly: %s", self.failure)
-            torch.cuda.synchronize()
+        are the step's, so running it again changes nothing); on failure the eager run
+        stands."""
+        captured = self.capture(lambda: self._forward(shape, step))
+        if captured is None:
             self._forward(shape, step)  # the outputs the capture may have left half-written
             return
-        shape.graph = graph
-        graph.replay()  # the outputs of this step (the capture itself ran nothing)
+        shape.graph = captured[0]
+        shape.graph.replay()  # the outputs of this step (the capture itself ran nothing)
 
 
 def capture(fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:

@@ -52,7 +52,6 @@ finalized stream only after advancing the flow).
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,11 +63,10 @@ import torch
 import torch.nn.functional as F
 
 from omnifabric.worker.engines.minicpmo.decode import on_device
-from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, capture
+from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, GraphSet
 from omnifabric.worker.engines.minicpmo.vocoder_flow import FlowSolver
 
 Tensor = torch.Tensor
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -429,7 +427,7 @@ class _DecodeShape:
     outputs: tuple[Tensor, Tensor] | None = None
 
 
-class HiftDecoder:
+class HiftDecoder(GraphSet):
     """The causal HiFT's decode (CausalHiFTGenerator.decode) over groups of rows of equal
     shapes. Ragged: the package's decode per group. Static: a group padded to a row bucket
     (graphs.ROW_BUCKETS) in tensors kept per shape, its spectrum (every convolution, up to the
@@ -443,13 +441,9 @@ class HiftDecoder:
     MAX_SHAPES = 48
 
     def __init__(self, model: Any, static: bool = False, graphs: bool = False) -> None:
+        super().__init__("the HiFT", next(model.parameters()).device, static, graphs)
         self.model = model
-        self.static = static or graphs
-        self.graphs = graphs and next(model.parameters()).device.type == "cuda"
-        self.failure: str | None = None
-        self.replays = 0
         self.shapes: dict[tuple[Any, ...], _DecodeShape] = {}
-        self._pool: Any = None
 
     @property
     def captured(self) -> int:
@@ -489,18 +483,10 @@ class HiftDecoder:
         if not self.graphs:
             return _spectrum(model, shape.mel, shape.source, finalize)
         if shape.graph is None:
-            try:
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                shape.graph, shape.outputs = capture(
-                    lambda: _spectrum(model, shape.mel, shape.source, finalize), self._pool
-                )
-            except Exception as exc:  # a capture failure is a slower worker, never a dead one
-                self.graphs = False
-                self.failure = f"{type(exc).__name__}: {exc}"
-                log.warning("CUDA graph capture failed, the HiFT runs eagerly: %s", self.failure)
-                torch.cuda.synchronize()
+            captured = self.capture(lambda: _spectrum(model, shape.mel, shape.source, finalize))
+            if captured is None:
                 return _spectrum(model, shape.mel, shape.source, finalize)
+            shape.graph, shape.outputs = captured
         shape.graph.replay()
         self.replays += 1
         assert shape.outputs is not None

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, capture
+from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, GraphSet
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -105,21 +105,16 @@ class _Shape:
     outputs: tuple[Tensor, Tensor, Tensor] | None = None
 
 
-class FlowSolver:
-    """The flow matching for many sessions' chunks over one CausalConditionalCFM."""
+class FlowSolver(GraphSet):
+    """The flow matching for many sessions' chunks over one CausalConditionalCFM (its
+    replays: estimator steps)."""
 
     def __init__(self, cfm: Any, static: bool = False, graphs: bool = False) -> None:
+        super().__init__("the vocoder's flow", next(cfm.parameters()).device, static, graphs)
         self.cfm = cfm
-        self.static = static or graphs
-        self.graphs = graphs and next(cfm.parameters()).device.type == "cuda"
-        self.failure: str | None = None
-        """Why graphs were turned off, when a capture failed."""
-        self.replays = 0
-        """Estimator steps run as a graph replay."""
         self._times: dict[tuple[Any, ...], _Times] = {}
         self._shapes: dict[tuple[Any, ...], _Shape] = {}
         self._arena: Tensor | None = None
-        self._pool: Any = None
         self._full = False
         self.buckets: set[tuple[int, int, int]] = set()
         """Every bucket a static call has run in."""
@@ -227,24 +222,16 @@ class FlowSolver:
         return False
 
     def _capture(self, shape: _Shape) -> None:
-        """Captures the bucket's estimator step (graphs.capture); on failure graphs go off for
-        good (the caller runs the step eagerly)."""
+        """Captures the bucket's estimator step; on failure graphs are off (the caller runs
+        the step eagerly)."""
         dit, call = self.cfm.estimator, shape.call
-        assert call.embed is not None
         embed = call.embed
+        assert embed is not None
         t0 = time.perf_counter()
-        try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            shape.graph, shape.outputs = capture(
-                lambda: _estimate(dit, call, _modulations(dit, embed)), self._pool
-            )
-        except Exception as exc:  # a capture failure is a slower worker, never a dead one
-            self.graphs = False
-            self.failure = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture failed, the vocoder runs eagerly: %s", self.failure)
-            torch.cuda.synchronize()
+        captured = self.capture(lambda: _estimate(dit, call, _modulations(dit, embed)))
+        if captured is None:
             return
+        shape.graph, shape.outputs = captured
         rows, frames, keys = shape.bucket
         log.info(
             "vocoder flow: %d rows, %d frames, %d cached keys captured as a CUDA graph in %.2f s",
