@@ -183,6 +183,8 @@ def run(
         measure = getattr(engine, "vocoder_cache_bytes", None)
         if measure is not None:
             cache_bytes = [int(measure(s)) for s in sessions]
+        sets = getattr(stepper, "graph_sets", None)
+        graphs = {name: part.figures() for name, part in sets().items()} if sets else {}
     finally:
         if counter is not None:
             counter.remove()
@@ -211,6 +213,7 @@ def run(
         "vocoder_cache_mib_per_session": (
             float(np.mean(cache_bytes)) / 2**20 if cache_bytes else None
         ),
+        "graphs": graphs,
     }
 
 
@@ -355,6 +358,8 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(_decode_line(n, modes[BATCHED], modes[EAGER], "eager"))
         if BATCHED in modes and IN_STEP in modes:
             lines.append(_decode_line(n, modes[BATCHED], modes[IN_STEP], "in step"))
+        if modes.get(BATCHED, {}).get("graphs"):
+            lines.append(f"N={n}: {_graphs_line(modes[BATCHED]['graphs'])}")
         cache = next((r["vocoder_cache_mib_per_session"] for r in modes.values()), None)
         if cache is not None:
             lines.append(f"N={n}: vocoder caches {cache:.1f} MiB per session")
@@ -365,6 +370,20 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             best = max(held) if held else 0
             lines.append(f"{mode}: the largest N that holds real time (unit p95 < 1 s): {best}")
     return lines
+
+
+def _graphs_line(graphs: dict[str, dict[str, Any]]) -> str:
+    """The batched mode's graph sets after its run: static or ragged, captures and replays
+    so far (cumulative over the tool's runs), or why graphs stopped."""
+    parts = []
+    for name, g in graphs.items():
+        if g["failure"]:
+            parts.append(f"{name} eager after a failed capture ({g['failure']})")
+        elif g["graphs"]:
+            parts.append(f"{name} {g['captured']} graphs, {g['replays']} replays")
+        else:
+            parts.append(f"{name} {'static' if g['static'] else 'ragged'} eager")
+    return "graphs: " + "; ".join(parts)
 
 
 def _decode_line(n: int, static: dict[str, Any], eager: dict[str, Any], other: str) -> str:

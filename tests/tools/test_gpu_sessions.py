@@ -186,3 +186,21 @@ def test_in_step_mode_puts_the_host_between_decode_forwards_and_back():
     assert engine.decode_ahead == 2
     with batched.engine_mode(engine, None, batched.BATCHED):
         assert engine.decode_ahead == 2
+
+
+def test_the_summary_says_what_each_graph_set_did():
+    from omnifabric.tools import batched
+
+    graphs = {
+        "decode": {"static": True, "graphs": True, "captured": 3, "replays": 40, "failure": None},
+        "flow": {"static": True, "graphs": False, "captured": 0, "replays": 0, "failure": "E: x"},
+        "hift": {"static": False, "graphs": False, "captured": 0, "replays": 0, "failure": None},
+    }
+    row = {"mode": batched.BATCHED, "sessions": 2, "real_time": True, "graphs": graphs}
+    row["vocoder_cache_mib_per_session"] = None
+    lines = batched.summary([row])
+    assert (
+        "N=2: graphs: decode 3 graphs, 40 replays; flow eager after a failed capture (E: x); "
+        "hift ragged eager"
+    ) in lines, lines
+    assert not any("graphs" in line for line in batched.summary([{**row, "graphs": {}}]))

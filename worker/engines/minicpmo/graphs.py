@@ -75,6 +75,21 @@ class GraphSet:
         """Runs that were a graph replay (no module forward seen by hooks)."""
         self._pool: Any = None
 
+    @property
+    def captured(self) -> int:
+        """Graphs captured so far."""
+        return 0
+
+    def figures(self) -> dict[str, Any]:
+        """What a report says of this set."""
+        return {
+            "static": self.static,
+            "graphs": self.graphs,
+            "captured": self.captured,
+            "replays": self.replays,
+            "failure": self.failure,
+        }
+
     def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any] | None:
         """`fn` captured in this set's pool (graphs.capture): (graph, outputs); None where the
         capture failed, graphs then off for good with a warning (a slower worker, never a

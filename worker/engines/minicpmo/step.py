@@ -88,7 +88,7 @@ from omnifabric.worker.engines.minicpmo.engine import (
     MiniCPMOSession,
     _images,
 )
-from omnifabric.worker.engines.minicpmo.graphs import StaticDecode
+from omnifabric.worker.engines.minicpmo.graphs import GraphSet, StaticDecode
 from omnifabric.worker.engines.minicpmo.mel import MelJob, StreamingMel
 from omnifabric.worker.engines.minicpmo.rows import Row, unit_end
 from omnifabric.worker.engines.minicpmo.slots import FeedResult, NoFreeSlot, SlotCache, feed
@@ -194,6 +194,15 @@ class MiniCPMOStepper(Stepper):
         """Decode forwards run as CUDA graph replays so far (hooks on the LLM do not see
         them: gpu_sessions adds them to its forward count)."""
         return self._replays_before + (self._static.replays if self._static else 0)
+
+    def graph_sets(self) -> dict[str, GraphSet]:
+        """The step's graph sets made so far: its static decode, the batched vocoder's flow
+        matching and HiFT decode (what each captured, replayed, or why it stopped)."""
+        sets: dict[str, GraphSet | None] = {"decode": self._static}
+        vocoder = self.engine._batched_vocoder
+        if vocoder is not None:
+            sets.update(flow=vocoder.flow, hift=vocoder.hift.decoder)
+        return {name: part for name, part in sets.items() if part is not None}
 
     def decode_feed(self, rows: list[tuple[int, torch.Tensor]]) -> FeedResult:
         """One decode forward of the rows (slot, [1, hidden] embeddings): ragged, or in

@@ -18,8 +18,8 @@ What runs batched:
   the row's cache length on). The estimator's attention has no positional encoding and no mask,
   so a row's keys are [its chunk, its cache], right-padded to the longest of each and masked;
   every causal convolution's cache is taken at its own row's end; padded frames feed only
-  padded frames (causal convolutions, masked keys) and are dropped. The blocks are the
-  package's modules, called here block by block (`_estimate`), not patched.
+  padded frames (causal convolutions, masked keys) and are dropped (vocoder_flow.py, where
+  it also runs in static shapes replayed as CUDA graphs).
 - The conformer encoder (the package's `forward_chunk`, relative positions over each row's
   cache): rows with the same token count, last_chunk and cache shapes (sessions of one voice
   in steady state) run as one batch; the others run alone. Padding would shift a row's
@@ -29,7 +29,8 @@ What runs batched:
   rows of equal shapes: the float64 F0 predictor, the sine source (each row its own phase and
   noise-table offset) and the HiFT decode. In steady state every row's decode has the same
   shape (history + right context + 16 frames); first chunks, flushes and short chunks run in
-  smaller groups.
+  smaller groups. In static shapes the decode's groups are padded to row buckets and their
+  convolutions replayed as CUDA graphs (`HiftDecoder`).
 What stays per row: the input checks, the cache trims (the package's own functions), the
 first-chunk silence, the int16 conversion.
 
