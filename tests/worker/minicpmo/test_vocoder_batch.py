@@ -312,3 +312,16 @@ def _failing(fn: Any) -> Any:
         raise RuntimeError("no capture here")
 
     return run
+
+
+def test_static_calls_past_the_kept_buckets_run_ragged(
+    t2w: Any, voices: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One bucket kept by each part: every call in another runs the ragged path beside it.
+    from omnifabric.worker.engines.minicpmo.vocoder_batch import HiftDecoder
+
+    monkeypatch.setattr(vocoder_flow, "MAX_SHAPES", 1)
+    monkeypatch.setattr(HiftDecoder, "MAX_SHAPES", 1)
+    batched = run_plan(t2w, plan(voices, 3), seed=21, static=True)
+    assert len(batched.flow._shapes) == len(batched.flow.buckets) == 1
+    assert len(batched.hift.decoder.shapes) == 1

@@ -63,7 +63,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from omnifabric.worker.engines.minicpmo.decode import on_device
 from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, GraphSet
 from omnifabric.worker.engines.minicpmo.vocoder_flow import FlowSolver
 
@@ -381,7 +380,7 @@ class _Hift:
         voiced = voiced.repeat_interleave(self.hop, dim=1)
         amplitude = voiced * oscillator.noise_std + (1 - voiced) * oscillator.sine_amp / 3
         table = oscillator.sine_waves  # [1, samples, H], on the device (vocoder.device_tables)
-        first = on_device(offsets, table.device, torch.long)[:, None] * self.hop
+        first = torch.tensor(offsets, device=table.device)[:, None] * self.hop
         positions = (first + torch.arange(sine.shape[1], device=table.device)) % table.shape[1]
         noise = table[0][positions].to(f0)
         excitation = sine * oscillator.sine_amp * voiced + amplitude * noise

@@ -20,9 +20,10 @@ Two ways to run a call:
   masked to their own chunk. On CUDA with graphs on, the first call of a bucket runs the
   estimator eagerly twice on a side stream, then captures one Euler step's estimator as a
   CUDA graph; later steps of that bucket copy their inputs in and replay it: one launch
-  instead of ~1,300 (16 blocks) per step, ten steps a chunk. A capture that fails turns
-  graphs off for the worker with a warning, never a crash; past MAX_GRAPHS buckets the rest
-  run static but eager. On a CPU the static shapes run eagerly: what the CPU tests compare.
+  instead of ~750 ops (the released 16 blocks) per step, ten steps a chunk. A capture that
+  fails turns graphs off for the worker with a warning, never a crash; a call in a bucket
+  past the first MAX_SHAPES runs ragged. On a CPU the static shapes run eagerly: what the
+  CPU tests compare.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ log = logging.getLogger(__name__)
 #: A static call's chunk frames round up to a multiple of FRAME_STEP (the steady chunk of 50
 #: mel frames runs as 56), its cached key frames to a multiple of KEY_STEP.
 FRAME_STEP, KEY_STEP = 8, 128
-#: The most buckets captured as graphs by one solver; further buckets run static but eager.
-MAX_GRAPHS = 48
+#: The most buckets one solver keeps (each its tensors and, on CUDA, its graph); a call in
+#: another bucket runs ragged.
+MAX_SHAPES = 48
 
 #: Per block its nine modulations (attention, MLP, convolution: shift, scale, gate each),
 #: then the final layer's shift and scale.
@@ -135,9 +137,8 @@ class FlowSolver(GraphSet):
         lens, past = [m.shape[2] for m in mus], [k.shape[4] for k in keys]
         steps, device, dtype = keys[0].shape[0], mus[0].device, mus[0].dtype
         times = self._timing(steps, dtype, device)
-        shape: _Shape | None = None
-        if self.static:
-            shape = self._shape(bucket(b, max(lens), max(past)), mus, convs, keys)
+        shape = self._shape(bucket(b, max(lens), max(past)), mus, convs, keys)
+        if shape is not None:
             call = shape.call
             _fill(call, mus, spk, lens, past)
         else:
@@ -199,7 +200,7 @@ class FlowSolver(GraphSet):
         """One Euler step's estimator over the call's rows: a graph replay where one is
         captured (or capturable), else eagerly with the kept modulations."""
         dit = self.cfm.estimator
-        if shape is None or not self.graphs or shape.graph is None and not self._may_capture():
+        if shape is None or not self.graphs:
             return _estimate(dit, call, times.mods[step])
         if call.embed is None:
             call.embed = times.embeds[step].clone()
@@ -212,14 +213,6 @@ class FlowSolver(GraphSet):
         self.replays += 1
         assert shape.outputs is not None
         return shape.outputs
-
-    def _may_capture(self) -> bool:
-        if self.captured < MAX_GRAPHS:
-            return True
-        if not self._full:
-            self._full = True
-            log.info("vocoder flow: %d buckets captured; further ones run eagerly", MAX_GRAPHS)
-        return False
 
     def _capture(self, shape: _Shape) -> None:
         """Captures the bucket's estimator step; on failure graphs are off (the caller runs
@@ -247,15 +240,24 @@ class FlowSolver(GraphSet):
         mus: list[Tensor],
         convs: list[Tensor],
         keys: list[Tensor],
-    ) -> _Shape:
-        """The bucket's tensors, made on its first call (its keys a view of the arena)."""
+    ) -> _Shape | None:
+        """The bucket's tensors, made on its first call (its keys a view of the arena); None
+        where the call runs ragged (static shapes off, or MAX_SHAPES buckets kept)."""
+        if not self.static:
+            return None
         rows, frames, width = key
-        self.buckets.add(key)
         mu, conv, kv = mus[0], convs[0], keys[0]
         full = (*key, mu.dtype, kv.dtype, tuple(conv.shape[1:]), tuple(kv.shape[1:4]), kv.shape[5])
         shape = self._shapes.get(full)
         if shape is not None:
+            self.buckets.add(key)
             return shape
+        if len(self._shapes) >= MAX_SHAPES:
+            if not self._full:
+                self._full = True
+                log.info("vocoder flow: %d buckets kept; calls in others run ragged", MAX_SHAPES)
+            return None
+        self.buckets.add(key)
         depth, _, heads = kv.shape[1:4]
         layout = (depth, 2 * rows, heads, width, kv.shape[5])
         count = depth * 2 * rows * heads * width * kv.shape[5]
