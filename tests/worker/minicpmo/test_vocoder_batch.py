@@ -31,6 +31,7 @@ from omnifabric.worker.engines.minicpmo import vocoder, vocoder_flow  # noqa: E4
 from omnifabric.worker.engines.minicpmo.vocoder_batch import (  # noqa: E402
     BatchedVocoder,
     VocoderJob,
+    pcm16,
 )
 from tests.worker.minicpmo.conftest import DEVICE  # noqa: E402
 
@@ -248,6 +249,39 @@ def test_rejects_as_stream_does(t2w: Any, voices: list[str]) -> None:
     again = VocoderJob([5] * CHUNK, True, session.flow, session.hift, session.voice)
     with pytest.raises(ValueError, match="finalized"):
         batched.run([again])
+
+
+def test_int16_conversion_is_the_packages_to_the_bit() -> None:
+    """All rows' speech is converted at once on the device; each sample must be exactly what
+    stream()'s numpy conversion gives (values past full scale, halves, signed zeros, tiny)."""
+    rng = np.random.default_rng(3)
+    edges = np.array([-1.5, -1.0, -0.99999, -0.5, -1e-9, -0.0, 0.0, 1e-9, 0.5, 0.99999, 1.0, 2.0])
+    halves = (np.arange(-32767, 32767, 97) + 0.5) / 32767.0
+    speech = np.concatenate([edges, halves, rng.uniform(-1.2, 1.2, 20_000)]).astype(np.float32)
+    want = (np.clip(speech, -1.0, 1.0) * 32767.0).astype("<i2")
+    got = pcm16(torch.from_numpy(speech)[None].to(DEVICE))
+    assert got.dtype == np.dtype("<i2") and got.tobytes() == want.tobytes()
+
+
+def test_a_non_finite_row_fails_the_call_before_any_first_chunk_is_spent(
+    t2w: Any, voices: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sessions = [Session(voices[i], 0, 2, None) for i in range(2)]
+    for session in sessions:
+        start(t2w, session)
+    batched = BatchedVocoder(t2w)
+    stream = batched.hift.stream
+
+    def broken(caches: Any, mels: Any, finals: Any) -> list[Any]:
+        out = stream(caches, mels, finals)
+        out[1][0, 5] = float("nan")
+        return out
+
+    monkeypatch.setattr(batched.hift, "stream", broken)
+    jobs = [VocoderJob([7] * CHUNK, False, s.flow, s.hift, s.voice) for s in sessions]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        batched.run(jobs)
+    assert all(int(s.hift["first_chunk"].item()) == 1 for s in sessions)
 
 
 @pytest.mark.parametrize("n", [1, 3, 8])

@@ -31,8 +31,9 @@ What runs batched:
   shape (history + right context + 16 frames); first chunks, flushes and short chunks run in
   smaller groups. In static shapes the decode's groups are padded to row buckets and their
   convolutions replayed as CUDA graphs (`HiftDecoder`).
-What stays per row: the input checks, the cache trims (the package's own functions), the
-first-chunk silence, the int16 conversion.
+What stays per row: the input checks, the flow's cache trims (the package's own functions),
+the HiFT's buffers (appended to per internal block; trimmed once a call, where the package trims
+after every block), the first-chunk silence. The int16 conversion runs once over all rows.
 
 Equal to the package per session up to the rounding of the batched products. Measured
 (random weights, the HiFT rescaled so that its audio depends on its input; 1-8 sessions over
@@ -120,11 +121,8 @@ class BatchedVocoder:
             [mels.get(id(job), job.hift_cache["mel"][:, :, :0]) for job in live],
             [job.last_chunk for job in live],
         )
-        for out in speech:
-            if not torch.isfinite(out).all():
-                raise RuntimeError("Causal vocoder returned non-finite audio")
         done = dict(zip(map(id, live), speech, strict=True))
-        return [self._pcm(job, done.get(id(job))) for job in jobs]
+        return self._pcm(jobs, [done.get(id(job)) for job in jobs])
 
     def _validate(self, jobs: Sequence[VocoderJob]) -> None:
         """The checks `stream` makes (before any job's state changes)."""
@@ -143,18 +141,27 @@ class BatchedVocoder:
         """The job's prepared voice."""
         return job.prompt if job.prompt is not None else self.t2w.cache[job.prompt_wav]
 
-    def _pcm(self, job: VocoderJob, speech: Tensor | None) -> bytes:
-        """_stream_vocode's first-chunk rule, then stream()'s int16 conversion."""
-        if speech is None:  # already finalized: the package's empty flush
-            return b""
-        first = job.hift_cache["first_chunk"]
-        if speech.shape[-1] and bool(first.item()):
-            first.zero_()
-            if not job.last_chunk:
-                silence = speech.new_zeros(1, self.t2w.source_cache_len)
-                speech = torch.cat([silence, speech], dim=1)
-        wav = np.clip(speech.cpu().numpy(), -1.0, 1.0)
-        return (wav * 32767.0).astype("<i2").tobytes()
+    def _pcm(self, jobs: Sequence[VocoderJob], speech: list[Tensor | None]) -> list[bytes]:
+        """stream()'s finite check and int16 conversion for every job at once (one transfer),
+        then _stream_vocode's first-chunk silence. None: an already finalized stream, whose
+        flush the package answers empty."""
+        had = [out for out in speech if out is not None and out.shape[-1]]
+        flat = torch.cat(had, dim=1) if len(had) > 1 else had[0] if had else None
+        if flat is not None and not torch.isfinite(flat).all():
+            raise RuntimeError("Causal vocoder returned non-finite audio")
+        pcm = pcm16(flat) if flat is not None else np.zeros(0, "<i2")
+        out, at = [], 0
+        for job, row in zip(jobs, speech, strict=True):
+            n = 0 if row is None else row.shape[-1]
+            data = pcm[at : at + n].tobytes()
+            at += n
+            first = job.hift_cache["first_chunk"]
+            if n and bool(first.item()):
+                first.zero_()
+                if not job.last_chunk:
+                    data = bytes(2 * self.t2w.source_cache_len) + data
+            out.append(data)
+        return out
 
     def _flow(self, jobs: list[VocoderJob]) -> list[Tensor]:
         """flow.inference_chunk for every job, then the package's cache trims; each job's mel."""
@@ -188,6 +195,13 @@ class BatchedVocoder:
             trims._trim_conformer_cache(shim, prompt_frames)
             job.stream_cache.update(shim.stream_cache)
         return mels
+
+
+def pcm16(speech: Tensor) -> np.ndarray:
+    """stream()'s int16 conversion (np.clip to [-1, 1], x 32767.0 in float32, cast toward
+    zero) on the speech's device, one transfer: little-endian int16 samples, flattened."""
+    scaled = speech.reshape(-1).float().clamp(-1.0, 1.0) * 32767.0
+    return scaled.to(torch.int16).cpu().numpy().astype("<i2", copy=False)
 
 
 def _encode(flow: Any, jobs: list[VocoderJob], device: Any) -> list[tuple[Tensor, ...]]:
@@ -237,9 +251,75 @@ def _grouped(fn: Callable[..., Tensor], inputs: list[tuple[Tensor, ...]]) -> lis
     return out
 
 
+@dataclass
+class _Row:
+    """One session's HiFT state through a call: the package's offsets as plain ints (read once,
+    written back once), its mel with the whole call's new frames appended at once and its
+    source grown block by block, both trimmed once at the end. The package trims and clones
+    both after every internal block; what it drops there is never read again, so the end's
+    trim leaves the same tensors. `received` counts the frames the package would have
+    buffered by now (it appends one internal block at a time)."""
+
+    cache: dict[str, Tensor]
+    mel: Tensor
+    mel_start: int
+    source: Tensor
+    source_start: int
+    phase: Tensor
+    received: int
+    mel_offset: int
+    source_offset: int
+    source_end: int
+    emitted: int
+    speech: list[Tensor]
+
+    @classmethod
+    def of(cls, cache: dict[str, Tensor], mel: Tensor, hop: int) -> _Row:
+        offsets = {k: int(cache[k].item()) for k in _OFFSETS}
+        mel_offset, source_offset = offsets["mel_offset"], offsets["source_offset"]
+        old = cache["mel"]
+        return cls(
+            cache,
+            torch.cat([old, mel.float()], dim=2) if mel.shape[-1] else old,
+            mel_offset,
+            cache["source"],
+            source_offset,
+            cache["phase"],
+            mel_offset + old.shape[-1],
+            mel_offset,
+            source_offset,
+            offsets["source_end"],
+            offsets["speech_offset"] // hop,
+            [],
+        )
+
+    def store(self, hop: int) -> None:
+        """The package's state after this call: buffers trimmed (owning their memory), its
+        offsets."""
+        cache = self.cache
+        cache["mel"] = self.frames(self.mel_offset, self.received).clone()
+        cache["source"] = self.source[:, :, (self.source_offset - self.source_start) * hop :]
+        cache["source"] = cache["source"].clone()
+        if cache["phase"] is not self.phase:
+            cache["phase"] = self.phase.clone()
+        cache["mel_offset"].fill_(self.mel_offset)
+        cache["source_offset"].fill_(self.source_offset)
+        cache["source_end"].fill_(self.source_end)
+        cache["speech_offset"].fill_(self.emitted * hop)
+
+    def frames(self, start: int, end: int) -> Tensor:
+        """Mel frames [start, end) (stream positions)."""
+        return self.mel[:, :, start - self.mel_start : end - self.mel_start]
+
+
+#: The BoundedVocoder's integer offsets (CPU long tensors in its cache).
+_OFFSETS = ("mel_offset", "source_offset", "source_end", "speech_offset")
+
+
 class _Hift:
     """BoundedVocoder.stream over many sessions' caches: each row's bookkeeping as the
-    package's `_process`, its F0 predictor, sine source and decode batched by shape."""
+    package's `_process` (on plain ints, `_Row`), its F0 predictor, sine source and decode
+    batched by shape."""
 
     def __init__(self, bounded: Any, static: bool = False, graphs: bool = False) -> None:
         self.model = bounded.model
@@ -263,66 +343,56 @@ class _Hift:
         for cache, mel in zip(caches, mels, strict=True):
             if mel.ndim != 3 or mel.shape[:2] != cache["mel"].shape[:2]:
                 raise ValueError("Require fresh mel with shape [1, channels, frames]")
-        parts = [[p for p in mel.split(self.block, dim=2) if p.shape[-1]] for mel in mels]
-        chunks: list[list[Tensor]] = [[] for _ in caches]
+        blocks = [
+            [min(self.block, m.shape[-1] - s) for s in range(0, m.shape[-1], self.block)]
+            for m in mels
+        ]
         with torch.amp.autocast(mels[0].device.type if mels else "cpu", enabled=False):
-            for r in range(max(map(len, parts), default=0)):
-                live = [i for i, p in enumerate(parts) if r < len(p)]
-                for i in live:
-                    caches[i]["mel"] = torch.cat([caches[i]["mel"], parts[i][r].float()], dim=2)
-                    self._check(mel_buffer_frames=caches[i]["mel"].shape[-1])
-                done = self._process([caches[i] for i in live], False)
-                for i, speech in zip(live, done, strict=True):
-                    chunks[i].append(speech)
-            ending = [i for i, final in enumerate(finals) if final]
-            done = self._process([caches[i] for i in ending], True)
-            for i, speech in zip(ending, done, strict=True):
-                chunks[i].append(speech)
-                caches[i]["finalized"].fill_(1)
+            rows = [_Row.of(c, m, self.hop) for c, m in zip(caches, mels, strict=True)]
+            for r in range(max(map(len, blocks), default=0)):
+                live = [row for row, sizes in zip(rows, blocks, strict=True) if r < len(sizes)]
+                for row, sizes in zip(rows, blocks, strict=True):
+                    if r < len(sizes):
+                        row.received += sizes[r]
+                        self._check(mel_buffer_frames=row.received - row.mel_offset)
+                self._process(live, False)
+            self._process([row for row, final in zip(rows, finals, strict=True) if final], True)
+            for row, final in zip(rows, finals, strict=True):
+                row.store(self.hop)
+                if final:
+                    row.cache["finalized"].fill_(1)
+        empty = mels[0].new_zeros(1, 0) if mels else None
         return [
-            torch.cat(c, dim=1) if c else mel.new_zeros(1, 0)
-            for c, mel in zip(chunks, mels, strict=True)
+            torch.cat(row.speech, dim=1) if len(row.speech) > 1 else (row.speech or [empty])[0]
+            for row in rows
         ]
 
-    def _process(self, caches: list[dict[str, Tensor]], finalize: bool) -> list[Tensor]:
-        """BoundedVocoder._process on every cache: new source, new speech, trimmed history."""
-        if not caches:
-            return []
-        state = [
-            {k: int(c[k].item()) for k in ("mel_offset", "source_offset", "source_end")}
-            for c in caches
-        ]
-        for c, s in zip(caches, state, strict=True):
-            s["emitted"] = int(c["speech_offset"].item()) // self.hop
-        self._extend_sources(caches, state, finalize)
-        speech = self._decode(caches, state, finalize)
-        for c, s in zip(caches, state, strict=True):
-            keep_mel = max(0, min(s["emitted"] - self.history, s["source_end"] - self.f0_left))
-            keep_source = max(0, s["emitted"] - self.history)
-            c["mel"] = c["mel"][:, :, keep_mel - s["mel_offset"] :].clone()
-            c["source"] = c["source"][:, :, (keep_source - s["source_offset"]) * self.hop :]
-            c["source"] = c["source"].clone()
-            c["mel_offset"].fill_(keep_mel)
-            c["source_offset"].fill_(keep_source)
+    def _process(self, rows: list[_Row], finalize: bool) -> None:
+        """BoundedVocoder._process on every row: new source, new speech, trimmed history."""
+        if not rows:
+            return
+        self._extend_sources(rows, finalize)
+        self._decode(rows, finalize)
+        for row in rows:
+            keep_mel = max(0, min(row.emitted - self.history, row.source_end - self.f0_left))
+            row.mel_offset = keep_mel
+            row.source_offset = max(0, row.emitted - self.history)
             self._check(
-                mel_cache_frames=c["mel"].shape[-1],
-                source_cache_frames=c["source"].shape[-1] // self.hop,
+                mel_cache_frames=row.received - row.mel_offset,
+                source_cache_frames=row.source_end - row.source_offset,
             )
-        return speech
 
-    def _extend_sources(
-        self, caches: list[dict[str, Tensor]], state: list[dict[str, int]], finalize: bool
-    ) -> None:
+    def _extend_sources(self, rows: list[_Row], finalize: bool) -> None:
         """F0 over each row's unseen mel (float64, rows of equal shapes at once), then its
-        excitation source appended to the row's source cache."""
-        want: list[tuple[int, int]] = []
-        for i, (c, s) in enumerate(zip(caches, state, strict=True)):
-            received = s["mel_offset"] + c["mel"].shape[-1]
-            if max(0, received - (0 if finalize else self.f0_right)) > s["source_end"]:
-                want.append((i, max(0, s["source_end"] - self.f0_left)))
+        excitation source appended to the row's source."""
+        want = [
+            (row, max(0, row.source_end - self.f0_left))
+            for row in rows
+            if max(0, row.received - (0 if finalize else self.f0_right)) > row.source_end
+        ]
         if not want:
             return
-        feats = [caches[i]["mel"][:, :, start - state[i]["mel_offset"] :] for i, start in want]
+        feats = [row.frames(start, row.received) for row, start in want]
         for f in feats:
             self._check(f0_input_frames=f.shape[-1])
 
@@ -330,26 +400,18 @@ class _Hift:
             return self.model.f0_predictor(x.double(), finalize=finalize).to(x)
 
         f0s = _grouped(predict, [(f,) for f in feats])
-        f0s = [
-            f0[:, state[i]["source_end"] - start :]
-            for (i, start), f0 in zip(want, f0s, strict=True)
-        ]
-        rows = [i for i, _ in want]
-        sources = self._sources([caches[i] for i in rows], [state[i] for i in rows], f0s)
-        for i, parts, f0 in zip(rows, sources, f0s, strict=True):
-            c, s = caches[i], state[i]
-            c["source"] = torch.cat([c["source"], *parts], dim=2)
-            s["source_end"] += f0.shape[1]
-            c["source_end"].fill_(s["source_end"])
-            self._check(source_buffer_frames=c["source"].shape[-1] // self.hop)
+        f0s = [f0[:, row.source_end - start :] for (row, start), f0 in zip(want, f0s, strict=True)]
+        sources = self._sources([row for row, _ in want], f0s)
+        for (row, _), parts, f0 in zip(want, sources, f0s, strict=True):
+            row.source = torch.cat([row.source, *parts], dim=2)
+            row.source_end += f0.shape[1]
+            self._check(source_buffer_frames=row.source_end - row.source_offset)
 
-    def _sources(
-        self, caches: list[dict[str, Tensor]], state: list[dict[str, int]], f0s: list[Tensor]
-    ) -> list[list[Tensor]]:
+    def _sources(self, rows: list[_Row], f0s: list[Tensor]) -> list[list[Tensor]]:
         """Each row's F0 [1, F] in internal blocks through the sine source, in order (the
         phase carries over); the k-th blocks of all rows at once where their lengths agree."""
         parts = [list(f0.split(self.block, dim=1)) for f0 in f0s]
-        offsets = [s["source_end"] for s in state]
+        offsets = [row.source_end for row in rows]
         out: list[list[Tensor]] = [[] for _ in f0s]
         for k in range(max(map(len, parts), default=0)):
             groups: dict[int, list[int]] = {}
@@ -358,11 +420,11 @@ class _Hift:
                     groups.setdefault(p[k].shape[1], []).append(i)
             for members in groups.values():
                 f0 = torch.cat([parts[i][k] for i in members])
-                phase = torch.cat([caches[i]["phase"] for i in members])
+                phase = torch.cat([rows[i].phase for i in members])
                 self._check(cumsum_frames=f0.shape[1])
                 source, phase = self._source(f0, phase, [offsets[i] for i in members])
                 for g, i in enumerate(members):
-                    caches[i]["phase"] = phase[g : g + 1].clone()
+                    rows[i].phase = phase[g : g + 1]  # cloned when stored
                     out[i].append(source[g : g + 1])
                     offsets[i] += f0.shape[1]
         return out
@@ -387,34 +449,27 @@ class _Hift:
         source = self.model.m_source.l_tanh(self.model.m_source.l_linear(excitation))
         return source.transpose(1, 2), cycles[:, -1:].remainder(1)
 
-    def _decode(
-        self, caches: list[dict[str, Tensor]], state: list[dict[str, int]], finalize: bool
-    ) -> list[Tensor]:
+    def _decode(self, rows: list[_Row], finalize: bool) -> None:
         """The HiFT decode of each row's newly available speech (rows of equal shapes at
-        once); each row's new samples [1, n]."""
-        speech = [c["mel"].new_zeros(1, 0) for c in caches]
-        want: list[tuple[int, int, int]] = []
+        once), appended to the row's speech."""
+        want: list[tuple[_Row, int, int]] = []
         inputs: list[tuple[Tensor, ...]] = []
-        for i, (c, s) in enumerate(zip(caches, state, strict=True)):
-            available = max(0, s["source_end"] - (0 if finalize else self.decoder_right))
-            if available > s["emitted"]:
-                start = max(0, s["emitted"] - self.history)
-                mel = c["mel"][:, :, start - s["mel_offset"] : s["source_end"] - s["mel_offset"]]
+        for row in rows:
+            available = max(0, row.source_end - (0 if finalize else self.decoder_right))
+            if available > row.emitted:
+                start = max(0, row.emitted - self.history)
+                mel = row.frames(start, row.source_end)
                 self._check(decoder_input_frames=mel.shape[-1])
-                source = c["source"][:, :, (start - s["source_offset"]) * self.hop :]
-                want.append((i, start, available))
+                source = row.source[:, :, (start - row.source_start) * self.hop :]
+                want.append((row, start, available))
                 inputs.append((mel, source))
-
         decoded = self.decoder.run(inputs, finalize)
-        for (i, start, available), out in zip(want, decoded, strict=True):
-            s = state[i]
-            out = out[:, (s["emitted"] - start) * self.hop :]
-            if out.shape[-1] != (available - s["emitted"]) * self.hop:
+        for (row, start, available), out in zip(want, decoded, strict=True):
+            out = out[:, (row.emitted - start) * self.hop :]
+            if out.shape[-1] != (available - row.emitted) * self.hop:
                 raise RuntimeError("Bounded vocoder returned an unexpected sample count")
-            s["emitted"] = available
-            caches[i]["speech_offset"].fill_(available * self.hop)
-            speech[i] = out
-        return speech
+            row.emitted = available
+            row.speech.append(out)
 
 
 @dataclass
