@@ -175,6 +175,53 @@ def test_busy_shares_count_overlapping_kernels_once():
     assert report["gpu_measured"] is True
 
 
+def test_host_counts_per_phase_count_each_op_once():
+    from types import SimpleNamespace
+
+    from torch.profiler import DeviceType
+
+    from omnifabric.tools import step_profile
+
+    def event(name: str, at: float, parent: object = None) -> SimpleNamespace:
+        span = SimpleNamespace(start=at, end=at + 1)
+        return SimpleNamespace(
+            name=name, time_range=span, device_type=DeviceType.CPU, cpu_parent=parent
+        )
+
+    decode = SimpleNamespace(**vars(event("minicpmo.decode", 0)))
+    decode.time_range = SimpleNamespace(start=0, end=100)
+    tts = SimpleNamespace(**vars(event("minicpmo.tts", 0)))
+    tts.time_range = SimpleNamespace(start=100, end=200)
+    add = event("aten::add", 10, decode)
+    contiguous = event("aten::contiguous", 20, decode)
+    item = event("aten::item", 30, decode)
+    events = [
+        decode,
+        tts,
+        add,
+        event("aten::empty", 11, add),  # inside a counted op
+        event("aten::view", 12, decode),  # no kernel
+        contiguous,
+        event("aten::clone", 21, contiguous),  # the copy a view-like op made: counted
+        item,
+        event("aten::_local_scalar_dense", 31, item),
+        event("cudaLaunchKernel", 40, add),
+        event("cudaGraphLaunch", 150, tts),
+        event("cudaStreamSynchronize", 160, tts),
+        event("aten::mul", 300),  # outside every phase: the window only
+    ]
+    report = step_profile.shares(events, 0.3)
+    host = {name: f["host"] for name, f in report["phases"].items()}
+    assert host["decode"] == {"ops": 3, "reads": 1, "launches": 1, "replays": 0, "syncs": 0}
+    assert host["tts"] == {"ops": 0, "reads": 0, "launches": 0, "replays": 1, "syncs": 1}
+    assert report["window"]["host"]["ops"] == 4
+    report.update(trace="t.json", sessions=2, steps=2, cycle_ms=1.0)
+    printed = step_profile.lines(report)
+    assert any(
+        line.strip().startswith("decode") and "a step: 2 ops, 0 reads" in line for line in printed
+    ), printed
+
+
 def test_in_step_mode_puts_the_host_between_decode_forwards_and_back():
     from types import SimpleNamespace
 

@@ -565,10 +565,10 @@ def static_shapes(eng16, monkeypatch):
     assert stepper.cache.claimed() == []
     monkeypatch.setattr(eng16, "cuda_graphs", "on")
     monkeypatch.setattr(graphs, "MIN_WIDTH", 16)  # widths change from unit to unit
-    saved = stepper._cache, stepper._static
-    stepper._cache = stepper._static = None
+    saved = stepper._cache, stepper._static, stepper.tts
+    stepper._cache = stepper._static = stepper.tts = None
     yield stepper
-    stepper._cache, stepper._static = saved
+    stepper._cache, stepper._static, stepper.tts = saved
 
 
 def sixteen_joining_and_leaving(engine, seeds: int) -> None:
@@ -598,9 +598,10 @@ def test_static_shape_decode_equals_solo(eng16, static_shapes):
 
 
 def test_speech_in_static_shapes_equals_solo(eng16, static_shapes):
-    """With static shapes the batched vocoder's flow matching runs padded to buckets of rows,
-    chunk frames and cached keys (vocoder_flow; CUDA graphs on CUDA): every speaker's audio
-    is still its solo audio, sessions starting at different units."""
+    """With static shapes the TTS's steps after the first run as static decode forwards
+    (tts.py) and the batched vocoder's flow matching padded to buckets of rows, chunk frames
+    and cached keys (vocoder_flow; CUDA graphs on CUDA): every speaker's audio is still its
+    solo audio, sessions starting at different units."""
     if not eng16.audio_on:
         pytest.skip("the checkpoint has no vocoder assets (minicpmo-utils missing)")
     plans = [speaking_plan(eng16, 40 + k) for k in range(6)]
@@ -611,7 +612,10 @@ def test_speech_in_static_shapes_equals_solo(eng16, static_shapes):
     flow, decoder = vocoder.flow, vocoder.hift.decoder
     assert flow.static and len(flow.buckets) > 1, flow.buckets
     assert decoder.static and decoder.shapes
+    tts = static_shapes.tts.static
+    assert tts is not None and tts.calls > 0
     if eng16.device.startswith("cuda"):  # there the flow's steps and HiFT spectra replayed
+        assert tts.failure is None and tts.captured > 0 and tts.replays > 0
         assert flow.failure is None and flow.captured > 0 and flow.replays > 0
         assert decoder.failure is None and decoder.captured > 0 and decoder.replays > 0
 

@@ -263,6 +263,65 @@ def test_static_decode_refuses_what_it_cannot_take(llm):
     assert cache.length(a) == 16
 
 
+def test_headless_static_decode_gives_the_ragged_hidden_states():
+    """The TTS's backbone (a LlamaModel, its heads outside) through StaticDecode without a
+    head: each one-token row's hidden state equals the ragged feed's, rows of different
+    lengths, a row leaving; a position shifted by one in the static step does not."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        attn_implementation="sdpa",
+    )
+    model = LlamaModel(config).eval()
+    ragged_llm = SimpleNamespace(model=model, config=config, lm_head=torch.nn.Identity())
+    ragged = SlotCache(config, 3, 64, device="cpu", dtype=torch.float32)
+    static = SlotCache(config, 3, 64, device="cpu", dtype=torch.float32, scratch=True)
+    headless = SimpleNamespace(model=model, config=config, lm_head=None)
+    decoder = StaticDecode(headless, static, graphs=False, what="the TTS")
+
+    def steps(shift: bool) -> float:
+        worst = 0.0
+        slots = {name: (ragged.claim(), static.claim()) for name in "abc"}
+        with torch.no_grad():
+            first = [(name, torch.randn(n, 64)) for name, n in zip("abc", (5, 1, 9), strict=True)]
+            for cache, k in ((ragged, 0), (static, 1)):
+                feed(ragged_llm, cache, [(slots[name][k], e) for name, e in first])
+            for t in range(4):
+                names = "abc" if t < 2 else "ac"
+                embeds = [torch.randn(1, 64) for _ in names]
+                rows = list(zip(names, embeds, strict=True))
+                want = feed(ragged_llm, ragged, [(slots[n][0], e) for n, e in rows])
+                step = [(slots[n][1], e) for n, e in rows]
+                if shift and t == 1:
+                    static._lengths[slots["a"][1]] += 1  # one position on for row a
+                got = decoder.feed(step)
+                if shift and t == 1:
+                    static._lengths[slots["a"][1]] -= 1
+                assert got.logits.shape == (len(names), 0)
+                for k in range(len(names)):
+                    gap = (got.hidden[k] - want.hidden[k][-1:]).abs().max().item()
+                    worst = max(worst, gap)
+        for r, s in slots.values():
+            ragged.release(r)
+            static.release(s)
+        return worst
+
+    assert steps(shift=False) < TOLERANCE
+    assert steps(shift=True) > 100 * TOLERANCE
+    assert decoder.calls == 8
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_a_rewound_slot_reads_as_if_the_tokens_past_it_were_never_fed(llm, static):
     """What a decode running ahead of its rules leaves (decode._run_ahead): slot a gets

@@ -57,7 +57,6 @@ class _Shape:
     logits: torch.Tensor
     """[rows, vocab]."""
     graph: Any = None
-    runs: int = 0
 
 
 class GraphSet:
@@ -109,12 +108,16 @@ class GraphSet:
 
 class StaticDecode(GraphSet):
     """Decode forwards of one LLM over one slot cache (made with scratch=True) in bucketed
-    static shapes; `graphs` captures and replays them on CUDA."""
+    static shapes; `graphs` captures and replays them on CUDA. `llm` has the backbone as
+    `.model` and its `.config`; its `.lm_head`, where it is not None, makes the logits (the
+    TTS's backbone has none here: its heads run after, outside the graph)."""
 
-    def __init__(self, llm: Any, cache: SlotCache, graphs: bool) -> None:
-        super().__init__("decode", cache.device, static=True, graphs=graphs)
+    def __init__(self, llm: Any, cache: SlotCache, graphs: bool, what: str = "decode") -> None:
+        super().__init__(what, cache.device, static=True, graphs=graphs)
         self.llm = llm
         self.cache = cache
+        self.calls = 0
+        """Forwards run in static shapes (replayed or eager)."""
         self._shapes: dict[tuple[int, int], _Shape] = {}
 
     @property
@@ -138,6 +141,7 @@ class StaticDecode(GraphSet):
         need = max(cache.length(slot) for slot in slots) + 1
         shape = self._shape(*bucket(len(rows), need, cache.slots, cache.max_len))
         step = cache.begin_decode(slots, shape.step)
+        self.calls += 1
         n = len(rows)
         try:
             with torch.no_grad():
@@ -155,14 +159,17 @@ class StaticDecode(GraphSet):
         key = (rows, width)
         shape = self._shapes.get(key)
         if shape is None:
-            weight = self.llm.lm_head.weight
+            head = self.llm.lm_head
+            vocab = 0 if head is None else head.weight.shape[0]
             hidden = self.llm.config.hidden_size
             dev, dtype = self.cache.device, self.cache.dtype
             shape = _Shape(
                 step=self.cache.decode_shape(rows, width),
                 embeds=torch.zeros((rows, 1, hidden), device=dev, dtype=dtype),
                 hidden=torch.zeros((rows, 1, hidden), device=dev, dtype=dtype),
-                logits=torch.zeros((rows, weight.shape[0]), device=dev, dtype=weight.dtype),
+                logits=torch.zeros(
+                    (rows, vocab), device=dev, dtype=dtype if head is None else head.weight.dtype
+                ),
             )
             self._shapes[key] = shape
         return shape
@@ -188,7 +195,8 @@ class StaticDecode(GraphSet):
             return_dict=True,
         )
         shape.hidden.copy_(out.last_hidden_state)
-        shape.logits.copy_(self.llm.lm_head(out.last_hidden_state[:, 0]))
+        if self.llm.lm_head is not None:
+            shape.logits.copy_(self.llm.lm_head(out.last_hidden_state[:, 0]))
 
     def _capture(self, shape: _Shape, step: SlotStep) -> None:
         """Captures the step's forward (its eager runs are the step's own: its cache writes

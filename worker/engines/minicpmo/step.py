@@ -185,6 +185,7 @@ class MiniCPMOStepper(Stepper):
             raise RuntimeError("the decode cannot change while sessions hold slots")
         self.engine.cuda_graphs = graphs
         self._cache = None
+        self.tts = None  # its slot cache and static steps follow the setting too
         if self._static is not None:
             self._replays_before += self._static.replays
         self._static = None
@@ -196,9 +197,13 @@ class MiniCPMOStepper(Stepper):
         return self._replays_before + (self._static.replays if self._static else 0)
 
     def graph_sets(self) -> dict[str, GraphSet]:
-        """The step's graph sets made so far: its static decode, the batched vocoder's flow
-        matching and HiFT decode (what each captured, replayed, or why it stopped)."""
-        sets: dict[str, GraphSet | None] = {"decode": self._static}
+        """The step's graph sets made so far: its static decode, the TTS's static steps, the
+        batched vocoder's flow matching and HiFT decode (what each captured, replayed, or why
+        it stopped)."""
+        sets: dict[str, GraphSet | None] = {
+            "decode": self._static,
+            "tts": self.tts.static if self.tts is not None else None,
+        }
         vocoder = self.engine._batched_vocoder
         if vocoder is not None:
             sets.update(flow=vocoder.flow, hift=vocoder.hift.decoder)

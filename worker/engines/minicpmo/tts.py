@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +36,7 @@ from omnifabric.worker.engines.minicpmo.decode import (
     seeded,
     worker_generator,
 )
+from omnifabric.worker.engines.minicpmo.graphs import StaticDecode
 from omnifabric.worker.engines.minicpmo.rows import Row
 from omnifabric.worker.engines.minicpmo.slots import SlotCache
 
@@ -57,9 +59,23 @@ class BatchedTTS:
         config = tts.model.config
         weight = tts.emb_text.weight
         tokens = min(TTS_TOKENS, int(getattr(config, "max_position_embeddings", TTS_TOKENS)))
+        static = engine.static_decode
         self.cache = SlotCache(
-            config, engine.slots, tokens, device=weight.device, dtype=weight.dtype
+            config, engine.slots, tokens, device=weight.device, dtype=weight.dtype, scratch=static
         )
+        self.static = (
+            StaticDecode(
+                SimpleNamespace(model=tts.model, config=config, lm_head=None),
+                self.cache,
+                graphs=engine.cuda_graphs != "off",
+                what="the TTS",
+            )
+            if static
+            else None
+        )
+        """The TTS steps after the first (one token a row) in static shapes, replayed as CUDA
+        graphs on CUDA (graphs.StaticDecode; the heads run after it), where the engine's
+        decode is static (`--cuda-graphs`)."""
         self.gen_logits = sys.modules[type(tts).__module__].gen_logits
 
     def run(self, rows: list[Row], phases: dict[str, float]) -> None:
@@ -93,6 +109,11 @@ class BatchedTTS:
                 conds.append(cond)
                 mins.append(low)
                 starts.append(int(row.duplex.tts_text_start_pos))
+            # The static steps take each row's positions from its slot's length: where a
+            # session's position and its cache's length differ, every step runs ragged.
+            static = self.static is not None and all(
+                start == self.cache.length(slot) for start, slot in zip(starts, slots, strict=True)
+            )
             n = len(rows)
             device = conds[0].device
             tokens = torch.zeros((n, CHUNK_TOKENS), dtype=torch.long, device=device)
@@ -108,14 +129,22 @@ class BatchedTTS:
                         torch.arange(starts[i], starts[i] + conds[i].shape[0], device=device)
                         for i in active
                     ]
+                    hidden = self._forward([slots[i] for i in active], embeds, positions)
                 else:
                     prev = tokens[active, t - 1 : t]  # [A, 1]
                     step_embeds = tts.emb_code[0](prev)  # [A, 1, h]
                     embeds = [step_embeds[k] for k in range(len(active))]
-                    at = [starts[i] + conds[i].shape[0] + t - 1 for i in active]
-                    where = on_device(at, device, torch.long)
-                    positions = [where[k : k + 1] for k in range(len(active))]
-                hidden = self._forward([slots[i] for i in active], embeds, positions)
+                    if static:
+                        assert self.static is not None
+                        fed = self.static.feed(
+                            [(slots[i], embeds[k]) for k, i in enumerate(active)]
+                        )
+                        hidden = torch.cat(fed.hidden)
+                    else:
+                        at = [starts[i] + conds[i].shape[0] + t - 1 for i in active]
+                        where = on_device(at, device, torch.long)
+                        positions = [where[k : k + 1] for k in range(len(active))]
+                        hidden = self._forward([slots[i] for i in active], embeds, positions)
                 with parametrize.cached():
                     logits = torch.stack(
                         [tts.head_code[q](hidden) for q in range(tts.num_vq)], dim=-1
