@@ -399,7 +399,11 @@ def test_control_shifted_positions_fail(eng16, monkeypatch):
     compare(want[1], batched(eng16, plans[1:])[0], "unshifted")
 
 
-def test_tts_tokens_equal_solo(eng16, capture_tts):
+@pytest.mark.parametrize("shapes", ["ragged", "static"])
+def test_tts_tokens_equal_solo(eng16, capture_tts, request, shapes):
+    """Each speaker's TTS tokens, positions and lengths are its solo run's: ragged, and with
+    the TTS's steps after the first as static decode forwards (tts.py; graphs on CUDA)."""
+    stepper = request.getfixturevalue("static_shapes") if shapes == "static" else None
     plans = []
     for k in range(4):
         p = plan(eng16, 20 + k, seed=700 + k, tts=True)
@@ -412,6 +416,9 @@ def test_tts_tokens_equal_solo(eng16, capture_tts):
     assert any(u["tts_pos"] > 0 for u in spoken)  # a turn went on over units (TTS cache kept)
     listens, speaks = kinds(want)
     assert listens > 0 and speaks > 0
+    if stepper is not None:
+        assert stepper.tts is not None and stepper.tts.static is not None
+        assert stepper.tts.static.calls > 0
 
 
 def test_a_failing_row_fails_alone(eng16):
