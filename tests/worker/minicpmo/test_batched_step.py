@@ -681,12 +681,17 @@ def test_decode_ahead_of_the_host_equals_solo(eng16, request, monkeypatch, shape
 
 
 def test_kv_figures_describe_the_slot_cache(eng16):
-    """What the worker reports of the batched step's LLM KV slots is the slot cache's."""
+    """What the worker reports of the batched step's KV slots is its slot caches': the
+    LLM's tokens a slot, the LLM's and the TTS's bytes a slot (the TTS's allocated with the
+    LLM's when the stepper is built, not at the first step that speaks)."""
     stepper = eng16.stepper()
     cache = stepper.cache
+    tts = stepper.tts_cache()
+    assert tts is not None and tts is stepper.tts.cache and tts.slots == 16
     kv = eng16.kv_figures()
     assert kv is not None and kv.slots == 16 == cache.slots
     assert kv.slot_tokens == eng16.kv_slot_tokens == cache.max_len
     rows = cache.slots + (cache.scratch is not None)
-    assert kv.slot_bytes * rows == cache.nbytes
+    tts_rows = tts.slots + (tts.scratch is not None)
+    assert kv.slot_bytes == cache.nbytes // rows + tts.nbytes // tts_rows
     assert kv.more_slots == 0 if cache.device.type == "cpu" else kv.more_slots >= 0

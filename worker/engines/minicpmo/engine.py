@@ -183,6 +183,7 @@ class BatchedStep(Protocol):
     def release(self, session: MiniCPMOSession) -> None: ...
     def unslot(self, session: MiniCPMOSession) -> None: ...
     def kv_length(self, session: MiniCPMOSession) -> int: ...
+    def tts_cache(self) -> Any: ...
     @property
     def cache(self) -> Any: ...
 
@@ -752,10 +753,23 @@ class MiniCPMOEngine(Engine):
             self.batched = self.stepper_class(self)
             if self.model is not None:
                 cache = self.batched.cache
+                tts = self.batched.tts_cache()
+                if tts is not None:
+                    log.info(
+                        "minicpmo: TTS KV slot cache of %d slots x %d tokens (%.0f MiB a "
+                        "slot%s): %.2f GiB on %s",
+                        tts.slots,
+                        tts.max_len,
+                        tts.nbytes / (tts.slots + (tts.scratch is not None)) / 2**20,
+                        ", and a scratch row" if tts.scratch is not None else "",
+                        tts.nbytes / 2**30,
+                        self.device,
+                    )
                 kv = self.kv_figures()
                 assert kv is not None
                 more = (
-                    f"; {kv.more_slots} more slots would fit in the free memory"
+                    f"; {kv.more_slots} more slots (LLM and TTS, {kv.slot_bytes / 2**20:.0f} "
+                    "MiB each) would fit in the free memory"
                     if cache.device.type == "cuda"
                     else ""
                 )
@@ -764,7 +778,7 @@ class MiniCPMOEngine(Engine):
                     "(%.0f MiB a slot%s): %.2f GiB on %s%s",
                     kv.slots,
                     kv.slot_tokens,
-                    kv.slot_bytes / 2**20,
+                    cache.nbytes / (cache.slots + (cache.scratch is not None)) / 2**20,
                     ", and a scratch row" if cache.scratch is not None else "",
                     cache.nbytes / 2**30,
                     self.device,
@@ -774,14 +788,17 @@ class MiniCPMOEngine(Engine):
         return self.batched
 
     def kv_figures(self) -> KvFigures | None:
-        """The batched step's LLM KV slots (None before the stepper is built, or without
-        one)."""
+        """The batched step's KV slots (None before the stepper is built, or without one):
+        the LLM's tokens a slot; its bytes are the LLM's and the TTS's caches of one slot
+        (a session takes a row of each), so the slots that would fit count both."""
         stepper = self.batched
         cache = getattr(stepper, "_cache", None) if stepper is not None else None
         if cache is None:
             return None
-        rows = cache.slots + (cache.scratch is not None)
-        per_slot = cache.nbytes // rows
+        per_slot = cache.nbytes // (cache.slots + (cache.scratch is not None))
+        tts = getattr(getattr(stepper, "tts", None), "cache", None)
+        if tts is not None:
+            per_slot += tts.nbytes // (tts.slots + (tts.scratch is not None))
         return KvFigures(cache.slots, cache.max_len, per_slot, _more_slots(cache.device, per_slot))
 
     # ---- sessions --------------------------------------------------------------------

@@ -177,6 +177,18 @@ class MiniCPMOStepper(Stepper):
             )
         return self._cache
 
+    def tts_cache(self) -> SlotCache | None:
+        """The TTS's slot cache, allocated now (BatchedTTS; None where the model has no
+        TTS): the worker takes its memory at start with the LLM's, not at the first step
+        that speaks."""
+        if getattr(self.engine.model, "tts", None) is None:
+            return None
+        if self.tts is None:
+            from omnifabric.worker.engines.minicpmo.tts import BatchedTTS
+
+            self.tts = BatchedTTS(self.engine)
+        return self.tts.cache
+
     def reset_decode(self, graphs: str) -> None:
         """Sets the engine's cuda_graphs to `graphs` and drops the slot cache and the
         static decode built for the old setting (the next step builds them anew). Only
@@ -185,6 +197,8 @@ class MiniCPMOStepper(Stepper):
             raise RuntimeError("the decode cannot change while sessions hold slots")
         self.engine.cuda_graphs = graphs
         self._cache = None
+        if self.tts is not None and self.tts.cache.claimed():
+            raise RuntimeError("the TTS cannot change while sessions hold its slots")
         self.tts = None  # its slot cache and static steps follow the setting too
         if self._static is not None:
             self._replays_before += self._static.replays

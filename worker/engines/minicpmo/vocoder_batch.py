@@ -361,10 +361,13 @@ class _Hift:
                 row.store(self.hop)
                 if final:
                     row.cache["finalized"].fill_(1)
-        empty = mels[0].new_zeros(1, 0) if mels else None
         return [
-            torch.cat(row.speech, dim=1) if len(row.speech) > 1 else (row.speech or [empty])[0]
-            for row in rows
+            torch.cat(row.speech, dim=1)
+            if len(row.speech) > 1
+            else row.speech[0]
+            if row.speech
+            else mel.new_zeros(1, 0)
+            for row, mel in zip(rows, mels, strict=True)
         ]
 
     def _process(self, rows: list[_Row], finalize: bool) -> None:
