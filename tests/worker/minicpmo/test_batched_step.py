@@ -693,5 +693,6 @@ def test_kv_figures_describe_the_slot_cache(eng16):
     assert kv.slot_tokens == eng16.kv_slot_tokens == cache.max_len
     rows = cache.slots + (cache.scratch is not None)
     tts_rows = tts.slots + (tts.scratch is not None)
-    assert kv.slot_bytes == cache.nbytes // rows + tts.nbytes // tts_rows
+    assert cache.slot_bytes * rows == cache.nbytes and tts.slot_bytes * tts_rows == tts.nbytes
+    assert kv.slot_bytes == cache.slot_bytes + tts.slot_bytes
     assert kv.more_slots == 0 if cache.device.type == "cpu" else kv.more_slots >= 0

@@ -755,16 +755,7 @@ class MiniCPMOEngine(Engine):
                 cache = self.batched.cache
                 tts = self.batched.tts_cache()
                 if tts is not None:
-                    log.info(
-                        "minicpmo: TTS KV slot cache of %d slots x %d tokens (%.0f MiB a "
-                        "slot%s): %.2f GiB on %s",
-                        tts.slots,
-                        tts.max_len,
-                        tts.nbytes / (tts.slots + (tts.scratch is not None)) / 2**20,
-                        ", and a scratch row" if tts.scratch is not None else "",
-                        tts.nbytes / 2**30,
-                        self.device,
-                    )
+                    log.info("minicpmo: %s on %s", tts.describe("TTS"), self.device)
                 kv = self.kv_figures()
                 assert kv is not None
                 more = (
@@ -774,15 +765,7 @@ class MiniCPMOEngine(Engine):
                     else ""
                 )
                 log.info(
-                    "minicpmo: batched steps; LLM KV slot cache of %d slots x %d tokens "
-                    "(%.0f MiB a slot%s): %.2f GiB on %s%s",
-                    kv.slots,
-                    kv.slot_tokens,
-                    cache.nbytes / (cache.slots + (cache.scratch is not None)) / 2**20,
-                    ", and a scratch row" if cache.scratch is not None else "",
-                    cache.nbytes / 2**30,
-                    self.device,
-                    more,
+                    "minicpmo: batched steps; %s on %s%s", cache.describe("LLM"), self.device, more
                 )
         assert isinstance(self.batched, Stepper)
         return self.batched
@@ -795,10 +778,10 @@ class MiniCPMOEngine(Engine):
         cache = getattr(stepper, "_cache", None) if stepper is not None else None
         if cache is None:
             return None
-        per_slot = cache.nbytes // (cache.slots + (cache.scratch is not None))
+        per_slot = cache.slot_bytes
         tts = getattr(getattr(stepper, "tts", None), "cache", None)
         if tts is not None:
-            per_slot += tts.nbytes // (tts.slots + (tts.scratch is not None))
+            per_slot += tts.slot_bytes
         return KvFigures(cache.slots, cache.max_len, per_slot, _more_slots(cache.device, per_slot))
 
     # ---- sessions --------------------------------------------------------------------

@@ -119,6 +119,20 @@ class SlotCache(Cache):
         """Bytes the keys and values take (all layers, all slots), for the start-up log."""
         return sum(t.nbytes for t in (*self.key_slots, *self.value_slots))
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot's row takes (the scratch row is one more of them)."""
+        return self.nbytes // (self.slots + (self.scratch is not None))
+
+    def describe(self, what: str) -> str:
+        """The start-up log's words for this cache, e.g. `LLM KV slot cache of 16 slots x
+        5120 tokens (720 MiB a slot, and a scratch row): 11.95 GiB`."""
+        scratch = ", and a scratch row" if self.scratch is not None else ""
+        return (
+            f"{what} KV slot cache of {self.slots} slots x {self.max_len} tokens "
+            f"({self.slot_bytes / 2**20:.0f} MiB a slot{scratch}): {self.nbytes / 2**30:.2f} GiB"
+        )
+
     def claim(self) -> int:
         """A free slot (the lowest), now claimed; its length is 0. Raises NoFreeSlot when all
         `slots` are taken."""
