@@ -8,6 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import websockets
 
 from tests.e2e.wsclient import WsClient
 from tests.worker.minicpmo.conftest import LAYOUTS, needs_code, tiny_serve
@@ -39,9 +40,13 @@ def test_audio_session_sdk_style(served):
         for _ in range(8):  # 4 s of audio in half-second appends
             await client.append((0.05 * rng.standard_normal(8000)).astype(np.float32))
         deltas = []
-        while len([d for d in deltas if d.get("kind") in ("listen", "text")]) < 4:
-            event = await client.until("response.output.delta", timeout_s=60)
-            deltas.append(event)
+        try:
+            while len([d for d in deltas if d.get("kind") in ("listen", "text")]) < 4:
+                event = await client.until("response.output.delta", timeout_s=60)
+                deltas.append(event)
+        except websockets.ConnectionClosed as exc:  # say what the server said before it
+            last = [e for e in client.events if e.get("type") != "response.output.delta"]
+            raise AssertionError(f"closed ({exc}) after {len(deltas)} deltas: {last[-4:]}") from exc
         await client.send({"type": "session.close", "payload": {"reason": "user_stop"}})
         closed = await client.until("session.closed", timeout_s=30)
         await client.close()

@@ -864,6 +864,8 @@ class MiniCPMOEngine(Engine):
         made, its conformer compiled for one row and for several, last chunk or not), and a
         speaking unit that paid for them would hold every session of its step past the
         edge's watchdog."""
+        import torch
+
         tok = self.model.tts.audio_tokenizer
         holder = _ChatState(self.state.fresh())
         chunks = [([SILENCE_TOKEN] * (CHUNK_TOKENS + LOOKAHEAD_TOKENS), False)]
@@ -872,9 +874,19 @@ class MiniCPMOEngine(Engine):
         with self.using(holder):
             try:
                 voice = str(self.default_voice)
-                tok.set_stream_cache(voice)
-                for tokens, last in chunks:
-                    tok.stream(tokens, last_chunk=last)
+                # The package's conformer is compiled (torch.compile) with a guard on whether
+                # its caches are inference tensors. set_stream_cache makes them in inference
+                # mode; the public code starts each session (and turn) from copies made
+                # outside it, so a session's first chunk gets plain tensors: without this
+                # variant warmed, that chunk recompiled (~5 s here: the unit's watchdog
+                # fired, the session ended in an error, the worker went NOT_SERVING).
+                for plain, run in ((False, chunks), (True, chunks), (True, chunks[1:])):
+                    tok.set_stream_cache(voice)
+                    if plain:
+                        with torch.inference_mode(False):
+                            tok.stream_cache = {k: v.clone() for k, v in tok.stream_cache.items()}
+                    for tokens, last in run:
+                        tok.stream(tokens, last_chunk=last)
                 if self.slots > 1 and self.vocoder_batched:
                     from omnifabric.worker.engines.minicpmo.vocoder_batch import VocoderJob
 
