@@ -525,6 +525,29 @@ def speaking_plan(engine, k: int) -> Plan:
     return p
 
 
+def test_after_the_warm_up_a_new_session_compiles_nothing(eng16):
+    """The vocoder's warm-up compiles every variant of the package's compiled conformer
+    (torch.compile) that a session meets: with torch's compiled code dropped and the
+    warm-up run again, a new session speaking through the serial path (its first chunk from
+    plain-tensor copies of the voice's caches, as the public code starts a session) makes
+    torch recompile nothing. A recompile there took over 5 s on a CPU: past the worker's
+    unit watchdog."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    if not eng16.audio_on:
+        pytest.skip("the checkpoint has no vocoder assets (minicpmo-utils missing)")
+    torch._dynamo.reset()
+    eng16._warm_vocoder()
+    compiled = counters["frames"]["total"]
+    assert compiled > 0  # the warm-up compiled the conformer
+    p = speaking_plan(eng16, 60)
+    p.key += "-after-warm-up"
+    records = solo(eng16, p)
+    assert kinds([records])[1] > 0 and spoken_seconds([records]) > 0
+    assert counters["frames"]["total"] == compiled, "a session recompiled the vocoder"
+
+
 @pytest.mark.parametrize("n", [2, 8])
 def test_speech_of_a_batched_step_equals_solo(eng16, n):
     """Every speaker's audio out of the batched vocoder (one call for all speakers a round)
