@@ -112,15 +112,20 @@ def engine_mode(engine: Engine, stepper: Stepper | None, mode: str) -> Iterator[
     """The engine as `mode` runs it, where the engine has the choice: the vocoder per
     speaker in SERIAL_VOCODER (batched otherwise); ragged eager decode forwards in EAGER
     (the engine's own --cuda-graphs otherwise); the host between decode forwards in
-    IN_STEP (the engine's own --decode-ahead otherwise). As it was afterwards."""
+    IN_STEP (the engine's own --decode-ahead otherwise). The step's CUDA graphs captured
+    before the run, as a worker's warm-up does (none to capture on a CPU). As it was
+    afterwards."""
     vocoder = getattr(engine, "vocoder_batched", None)
     graphs = getattr(engine, "cuda_graphs", None)
     reset = getattr(stepper, "reset_decode", None)
     ahead = getattr(engine, "decode_ahead", None)
+    capture = getattr(stepper, "capture_graphs", None)
     if vocoder is not None:
         engine.vocoder_batched = mode != SERIAL_VOCODER  # type: ignore[attr-defined]
     if mode == EAGER and reset is not None:
         reset("off")
+    elif capture is not None:
+        capture()
     if mode == IN_STEP and hasattr(engine, "decode_ahead"):
         engine.decode_ahead = 0
     try:

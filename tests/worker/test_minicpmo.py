@@ -438,3 +438,35 @@ def test_cudnn_attention_is_turned_off_once_and_said(caplog):
         ) == 1
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_the_cost_estimate_is_the_warm_up_unit_not_the_one_time_work(tmp_path, monkeypatch):
+    """A session's estimate before any unit is measured is what the warm-up's unit took,
+    not the whole warm-up (the vocoder's first calls and the graph captures, once a worker:
+    tens of seconds that would read as a session costing tens of engine seconds a second);
+    a chat turn keeps Engine's."""
+    from omnifabric.worker.engine import Engine
+    from omnifabric.worker.engines.minicpmo import engine as engine_module
+    from omnifabric.worker.headroom import CHAT_COST
+
+    engine = MiniCPMOEngine(str(tmp_path), device="cpu")
+    assert engine.cost_estimate("audio", 30.0) == 30.0  # not warmed: Engine's default
+    clock = iter([100.0, 100.4, 100.5, 125.0])
+    monkeypatch.setattr(
+        engine_module, "time", types.SimpleNamespace(perf_counter=lambda: next(clock))
+    )
+    monkeypatch.setattr(Engine, "warmup", lambda self: "unit")
+    captured = []
+
+    class Stepper:
+        def capture_graphs(self):
+            captured.append(True)
+            return {}
+
+    engine.batched = Stepper()  # type: ignore[assignment]
+    assert engine.warmup() == "unit"
+    assert captured == [True]
+    assert engine.warm_unit_s == pytest.approx(0.4)
+    assert engine.cost_estimate("audio", 30.0) == pytest.approx(0.4)
+    assert engine.cost_estimate("video", 30.0) == pytest.approx(0.4)
+    assert engine.cost_estimate("chat", 30.0) == CHAT_COST

@@ -421,6 +421,64 @@ def test_tts_tokens_equal_solo(eng16, capture_tts, request, shapes):
         assert stepper.tts.static.calls > 0
 
 
+@pytest.mark.parametrize("shapes", ["ragged", "static"])
+def test_tts_ahead_of_the_host_equals_solo(eng16, capture_tts, request, monkeypatch, shapes):
+    """The TTS's token loop with the device two steps beyond the host's reading (tts._Chunk,
+    decode_ahead 2; CUDA's default is 1), its eos made likely (a hook on the code head, in
+    both paths alike) so rows stop early at a turn's first chunk: each speaker's TTS tokens,
+    positions and lengths, and the chunks its generator draws after, equal its solo run;
+    rows were fed past their stop and their slots taken back."""
+    from omnifabric.worker.engines.minicpmo import tts as tts_module
+
+    if shapes == "static":
+        request.getfixturevalue("static_shapes")
+    tts = eng16.model.tts
+    eos = int(tts.config.num_audio_tokens) - 1
+
+    def likely_eos(module, args, out):
+        # where the hidden state's first feature is high: the same in both paths
+        boost = (args[0][..., 0] > 1.0).to(out.dtype) * 40.0
+        out = out.clone()
+        out[..., eos] += boost
+        return out
+
+    hook = tts.head_code[0].register_forward_hook(likely_eos)
+    request.addfinalizer(hook.remove)
+    monkeypatch.setattr(eng16, "decode_ahead", 2)
+    back: list[int] = []
+    depths: list[int] = []
+    caches: set[int] = set()
+    rewind, init = slots_module.SlotCache.rewind, tts_module._Chunk.__init__
+
+    def spied_rewind(self, slot, length):
+        if id(self) in caches:  # the TTS's (the LLM's decode rewinds its own too)
+            back.append(self.length(slot) - length)
+        return rewind(self, slot, length)
+
+    def spied_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        depths.append(self.depth)
+        caches.add(id(self.owner.cache))
+
+    monkeypatch.setattr(slots_module.SlotCache, "rewind", spied_rewind)
+    monkeypatch.setattr(tts_module._Chunk, "__init__", spied_init)
+    plans = []
+    for k in range(4):
+        p = plan(eng16, 30 + k, seed=900 + k, tts=True)
+        p.key += "-eos"
+        p.settings = dataclasses.replace(p.settings, temperature=0)
+        plans.append(p)
+    want = check(eng16, plans, starts=[0, 1, 0, 0], captured=capture_tts)
+    spoken = [u for r in want for u in r if not u["listen"]]
+    assert spoken and all(u["tts"] for u in spoken)
+    lengths = [len(chunk) - 2 for u in spoken for chunk in u["tts"]]
+    cap = tts_module.CHUNK_TOKENS - 1
+    assert any(n < cap for n in lengths), f"no chunk stopped early: {lengths}"
+    assert any(n == cap for n in lengths), lengths  # mid-turn chunks run to the cap
+    assert depths and set(depths) == {2}
+    assert max(back) > 0, "no row was fed past its stop"
+
+
 def test_a_failing_row_fails_alone(eng16):
     p = plan(eng16, 0)
     want = solo(eng16, p)
@@ -648,6 +706,32 @@ def test_speech_in_static_shapes_equals_solo(eng16, static_shapes):
         assert tts.failure is None and tts.captured > 0 and tts.replays > 0
         assert flow.failure is None and flow.captured > 0 and flow.replays > 0
         assert decoder.failure is None and decoder.captured > 0 and decoder.replays > 0
+
+
+def test_graphs_captured_at_the_warm_up_leave_none_to_sessions(eng16, static_shapes, capture_tts):
+    """The worker's warm-up captures every bucket of the decode and of the TTS's steps over
+    padding rows (MiniCPMOStepper.capture_graphs): on CUDA one graph per bucket, and
+    sessions then speak (each equal to its solo run) replaying them without a capture; on
+    a CPU nothing is captured and nothing changes."""
+    from omnifabric.worker.engines.minicpmo import graphs
+
+    done = static_shapes.capture_graphs()
+    decode, tts = static_shapes._static, static_shapes.tts.static
+    cuda = eng16.device.startswith("cuda")
+    cache, tts_cache = static_shapes.cache, static_shapes.tts.cache
+    listed = {
+        "decode": len(graphs.buckets(cache.slots, cache.max_len)),
+        "tts": len(graphs.buckets(tts_cache.slots, tts_cache.max_len)),
+    }
+    assert done == (listed if cuda else {"decode": 0, "tts": 0})
+    assert static_shapes.capture_graphs() == {"decode": 0, "tts": 0}  # all there already
+    assert (decode.captured, tts.captured) == (done["decode"], done["tts"])
+    plans = [plan(eng16, 50 + k, seed=950 + k, tts=True) for k in range(4)]
+    check(eng16, plans, starts=[0, 1, 0, 2], captured=capture_tts)
+    assert decode.calls > 0 and tts.calls > 0
+    assert (decode.captured, tts.captured) == (done["decode"], done["tts"])
+    if cuda:
+        assert decode.replays == decode.calls and tts.replays == tts.calls
 
 
 def test_static_shape_control_shifted_position_fails(eng16, static_shapes, monkeypatch):

@@ -247,6 +247,59 @@ def test_buckets():
     assert graphs.bucket(1, 1, 1, 100) == (1, 100)
 
 
+def test_every_bucket_is_listed():
+    """graphs.buckets (what a worker captures at its warm-up) holds every shape `bucket`
+    gives, and nothing else."""
+    assert graphs.buckets(64, 4096) == [
+        (r, w) for r in (1, 2, 4, 8, 16, 32, 64) for w in (256, 512, 1024, 2048, 4096)
+    ]
+    for slots, max_len in ((12, 1000), (1, 100), (3, 256), (5, 257)):
+        listed = graphs.buckets(slots, max_len)
+        met = {
+            graphs.bucket(n, need, slots, max_len)
+            for n in range(1, slots + 1)
+            for need in range(1, max_len + 1)
+        }
+        assert sorted(met) == listed, (slots, max_len)
+
+
+def test_a_step_of_padding_only_touches_no_slot(llm, monkeypatch):
+    """What a graph captured ahead of use runs (StaticDecode.capture_all: every row padding,
+    graphs.buckets' every shape): no claimed slot's keys, values or length change, and a
+    step after it still equals the ragged feed. On a CPU capture_all captures nothing."""
+    monkeypatch.setattr(graphs, "MIN_WIDTH", 8)
+    make = random_embeds(llm.config.hidden_size)
+    cache = SlotCache(llm.config, 3, 40, scratch=True)
+    decoder = StaticDecode(llm, cache, graphs=False)
+    a, b = cache.claim(), cache.claim()
+    with torch.no_grad():
+        feed(llm, cache, [(a, make(7)), (b, make(3))])
+        before = [store[: cache.slots].clone() for store in (*cache.key_slots, *cache.value_slots)]
+        assert decoder.capture_all() == 0 and not decoder._shapes
+        shapes = graphs.buckets(cache.slots, cache.max_len)
+        assert shapes == [(r, w) for r in (1, 2, 3) for w in (8, 16, 32, 40)]
+        for rows, width in shapes:
+            shape = decoder._shape(rows, width)
+            step = cache.begin_decode([], shape.step)
+            with pytest.raises(RuntimeError, match="already open"):
+                cache.begin_decode([], shape.step)
+            shape.embeds.copy_(torch.randn(shape.embeds.shape))  # so its writes show
+            decoder._forward(shape, step)
+            cache.abort()
+        after = [store[: cache.slots] for store in (*cache.key_slots, *cache.value_slots)]
+        for old, new in zip(before, after, strict=True):
+            assert torch.equal(old, new)
+        assert (cache.length(a), cache.length(b)) == (7, 3)
+        scratch = cache.key_slots[0][cache.scratch, :, 0]
+        assert scratch.abs().sum() > 0  # the padding wrote where padding goes
+        nxt = make(1)
+        static = decoder.feed([(a, nxt), (b, nxt)]).logits
+        cache.rewind(a, 7)
+        cache.rewind(b, 3)
+        ragged = feed(llm, cache, [(a, nxt), (b, nxt)]).logits
+    torch.testing.assert_close(static, ragged, atol=TOLERANCE, rtol=0)
+
+
 def test_static_decode_refuses_what_it_cannot_take(llm):
     cache = SlotCache(llm.config, 2, 16, scratch=True)
     decoder = StaticDecode(llm, cache, graphs=True)  # a CPU cache: no graphs

@@ -61,6 +61,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
+from omnifabric.worker.engines.minicpmo.slots import to_device
+
 
 @dataclass
 class AudioRow:
@@ -215,8 +217,8 @@ def _mask(plan: _Plan, longest: int, width: int, like: torch.Tensor) -> torch.Te
     query, padded ones too, sees them all: the encoder attends both ways), the dtype's
     minimum on the padding."""
     keys = torch.arange(width, device=like.device)
-    seen = torch.tensor(
-        [p + n for p, n in zip(plan.pasts, plan.counts, strict=True)], device=like.device
+    seen = to_device(
+        torch.tensor([p + n for p, n in zip(plan.pasts, plan.counts, strict=True)]), like.device
     )
     hidden = keys[None, :] >= seen[:, None]
     mask = torch.zeros(len(seen), 1, longest, width, dtype=like.dtype, device=like.device)

@@ -32,6 +32,7 @@ import torch
 
 from omnifabric.worker.engines.minicpmo import layouts
 from omnifabric.worker.engines.minicpmo.rows import Row, Steps, unit_end
+from omnifabric.worker.engines.minicpmo.slots import to_device
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.minicpmo.engine import MiniCPMOEngine, MiniCPMOSession
@@ -150,9 +151,7 @@ def ahead(engine: MiniCPMOEngine, rows: list[Row], plans: dict[int, _Plan]) -> i
     its forwards: a seeded sampling row with listen_top_k (whether its generator goes back
     decides its next draw), a forced row whose listen would not end its unit at the first
     token, or rows whose decoders differ in the ids the device's rules use."""
-    depth = engine.decode_ahead
-    if depth is None:
-        depth = CUDA_AHEAD if str(engine.device).startswith("cuda") else 0
+    depth = device_ahead(engine)
     free = [r for r in rows if not r.force]
     if depth <= 0 or not free:
         return 0
@@ -166,6 +165,16 @@ def ahead(engine: MiniCPMOEngine, rows: list[Row], plans: dict[int, _Plan]) -> i
     ids = _Ids.of(free[0])
     if ids.model is None or any(_Ids.of(r) != ids for r in free[1:]):
         return 0
+    return depth
+
+
+def device_ahead(engine: MiniCPMOEngine) -> int:
+    """The engine's depth for token loops that run on the device ahead of the host's
+    reading (the decode's, the TTS's): its decode_ahead, by default CUDA_AHEAD on CUDA and 0
+    (the host between forwards) elsewhere."""
+    depth = engine.decode_ahead
+    if depth is None:
+        depth = CUDA_AHEAD if str(engine.device).startswith("cuda") else 0
     return depth
 
 
@@ -204,12 +213,12 @@ class _Forward:
 
     j: int
     rows: list[Row]
-    read: _Staged
+    read: Staged
     hidden: list[torch.Tensor]
     draw: _Draw
 
 
-class _Staged:
+class Staged:
     """A small device tensor copied to the host without waiting: on CUDA into pinned
     memory behind an event, so reading it waits for its own forward, not the ones queued
     after it."""
@@ -282,7 +291,7 @@ def _run_ahead(
 ) -> None:
     """The loop from step j with the device up to `depth` forwards beyond the host: each
     forward's tokens are decided and fed on the device (_Device.tokens), read by the host
-    later (_Staged) and run through the host rules in order. A row the host finds ended at
+    later (Staged) and run through the host rules in order. A row the host finds ended at
     a forward was fed on for up to `depth` more: its slot goes back to the length the rules
     give it, its seeded generator to where its draws stopped. The rows' outcomes, slots and
     generators equal _run_in_step's."""
@@ -315,7 +324,7 @@ def _forward(
     state.select(rows)
     draw = _draw(stepper.engine, rows, plans, state.logits, state.history)
     tokens = state.tokens(draw)
-    read = _Staged(torch.cat([draw.stacked(), tokens[None]]))
+    read = Staged(torch.cat([draw.stacked(), tokens[None]]))
     embeds = state.ids.model.model.embed_tokens(tokens)
     res = stepper.decode_feed([(_slot(r), embeds[k : k + 1]) for k, r in enumerate(rows)])
     state.logits = res.logits
@@ -401,9 +410,9 @@ def _fed(row: Row, tid: int, hidden: torch.Tensor, j: int) -> None:
 
 def on_device(values: list[Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A short host list as a tensor on `device`, copied without waiting for the work the
-    device has queued (a plain copy to a GPU syncs the host with it first: once per row
-    and rule, that kept the GPU idle between its kernels)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    device has queued (slots.to_device; a plain copy to a GPU syncs the host with it first:
+    once per row and rule, that kept the GPU idle between its kernels)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _embed(fed: list[tuple[Row, int]]) -> list[torch.Tensor]:

@@ -184,6 +184,7 @@ class BatchedStep(Protocol):
     def unslot(self, session: MiniCPMOSession) -> None: ...
     def kv_length(self, session: MiniCPMOSession) -> int: ...
     def tts_cache(self) -> Any: ...
+    def capture_graphs(self) -> dict[str, int]: ...
     @property
     def cache(self) -> Any: ...
 
@@ -587,6 +588,9 @@ class MiniCPMOEngine(Engine):
         self._resident: MiniCPMOSession | _ChatState | None = None
         self.batched: BatchedStep | None = None
         """The batched stepper, once asked for (stepper())."""
+        self.warm_unit_s: float | None = None
+        """Seconds the warm-up's unit took (warmup), without what only the first calls pay
+        once: the session's cost estimate (cost_estimate)."""
         self.stepper_class = stepper_class
         """Builds the batched step (step.MiniCPMOStepper); None: sessions time-slice."""
         self.kv_slot_tokens = (slot_tokens or context_tokens) + self.SLOT_SPARE_TOKENS
@@ -851,11 +855,31 @@ class MiniCPMOEngine(Engine):
         return total
 
     def warmup(self) -> GenerateResult:
-        """A unit through a full session (Engine.warmup), then the vocoder's first calls."""
+        """A unit through a full session (Engine.warmup), the vocoder's first calls, then
+        the batched step's CUDA graphs (each bucket of its decode and TTS steps)."""
+        t0 = time.perf_counter()
         result = super().warmup()
+        self.warm_unit_s = time.perf_counter() - t0
         if self.audio_on:
             self._warm_vocoder()
+        if self.batched is not None:
+            t0 = time.perf_counter()
+            done = self.batched.capture_graphs()
+            if any(done.values()):
+                log.info(
+                    "minicpmo: CUDA graphs captured in %.2f s: %s",
+                    time.perf_counter() - t0,
+                    ", ".join(f"{n} {part}" for part, n in done.items()),
+                )
         return result
+
+    def cost_estimate(self, mode: str, warmup_s: float) -> float:
+        """The warm-up's unit alone (warm_unit_s): the whole warm-up also warms the vocoder
+        and captures the step's graphs (tens of seconds, once per worker), which no
+        session's unit costs; a chat turn holds one engine thread (Engine's)."""
+        if mode == "chat" or self.warm_unit_s is None:
+            return super().cost_estimate(mode, warmup_s)
+        return self.warm_unit_s
 
     def _warm_vocoder(self) -> None:
         """The default voice prepared and a chunk of silence spoken (then a flush), in a state

@@ -45,6 +45,21 @@ def bucket(rows: int, width: int, slots: int, max_len: int) -> tuple[int, int]:
     return rows_b, min(width_b, max_len)
 
 
+def buckets(slots: int, max_len: int) -> list[tuple[int, int]]:
+    """Every static shape `bucket` gives a decode over a cache of `slots` slots of `max_len`
+    tokens: each row bucket up to the slots, each key width up to the slot length."""
+    rows = sorted({bucket(n, 1, slots, max_len)[0] for n in range(1, max(slots, 1) + 1)})
+    widths = []
+    width = 1
+    while True:
+        width_b = bucket(1, width, slots, max_len)[1]
+        widths.append(width_b)
+        if width_b >= max_len:
+            break
+        width = width_b + 1
+    return [(r, w) for r in rows for w in widths]
+
+
 @dataclass
 class _Shape:
     """A bucket's static tensors, and its graph once captured."""
@@ -154,6 +169,32 @@ class StaticDecode(GraphSet):
         cache.commit()
         hidden = shape.hidden[:n].clone()
         return FeedResult(logits=shape.logits[:n].clone(), hidden=list(hidden))
+
+    def capture_all(self) -> int:
+        """Captures the graph of every bucket (graphs.buckets) not captured yet, over padding
+        rows only (the scratch row at position 0: no slot's tokens are read or written), so
+        no step of a session pays for a capture (two eager forwards and the capture, where
+        it first meets a bucket). Nothing without graphs; stops at a failed capture (graphs
+        are then off, with its warning). Returns how many it captured."""
+        if not self.graphs:
+            return 0
+        cache = self.cache
+        done = 0
+        for rows, width in buckets(cache.slots, cache.max_len):
+            shape = self._shape(rows, width)
+            if shape.graph is not None:
+                continue
+            step = cache.begin_decode([], shape.step)
+            try:
+                with torch.no_grad():
+                    shape.embeds.zero_()
+                    self._capture(shape, step)
+            finally:
+                cache.abort()
+            if shape.graph is None:
+                break
+            done += 1
+        return done
 
     def _shape(self, rows: int, width: int) -> _Shape:
         key = (rows, width)

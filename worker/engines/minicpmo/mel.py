@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnifabric.worker.engines.minicpmo.slots import to_device
+
 #: The public processor's normalization: under this much audio in the window a fixed floor
 #: (log10 units), from it on the window's maximum less a dynamic range (its _extract_full).
 DYNAMIC_FROM_S = 5.0
@@ -167,7 +169,7 @@ class StreamingMel:
         on the device and the cache for its next unit."""
         pieces = [seg for job in jobs for seg in job.segments]
         if pieces:
-            flat = torch.from_numpy(np.concatenate(pieces)).to(self.device)
+            flat = to_device(torch.from_numpy(np.concatenate(pieces)), self.device)
             frames, at = [], 0
             for seg in pieces:
                 frames.append(flat[at : at + len(seg)].unfold(0, self.n_fft, self.hop))
@@ -191,7 +193,7 @@ class StreamingMel:
         if job.floor is None:
             threshold = whole.max() - DYNAMIC_RANGE
         else:
-            threshold = torch.tensor(job.floor, dtype=whole.dtype, device=whole.device)
+            threshold = to_device(torch.tensor(job.floor, dtype=whole.dtype), whole.device)
         start, end = job.emit
         out = (torch.maximum(whole[:, start:end], threshold) + 4.0) / 4.0
         proc = job.proc

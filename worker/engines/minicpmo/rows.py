@@ -65,6 +65,8 @@ class Row:
     text: str = ""
     tts_start_zero: bool = False
     tts_tokens: torch.Tensor | None = None
+    tts_codes: list[int] | None = None
+    """tts_tokens on the host (one read for all the step's speakers)."""
     wave: np.ndarray | None = None
 
 

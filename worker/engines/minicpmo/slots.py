@@ -28,6 +28,17 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import Cache
 
 
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor (indices, positions) on `device` without the host waiting for the
+    work queued there: a plain copy to a GPU synchronizes with its stream first (the host
+    then idles until the device drains, and the device while the host issues what follows);
+    this one goes through pinned memory, asynchronously. On a CPU, the tensor itself."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class NoFreeSlot(RuntimeError):
     """Every slot of the cache is claimed."""
 
@@ -218,16 +229,20 @@ class SlotCache(Cache):
         starts = self._checked(slots, counts)
         rows, longest = len(slots), max(counts)
         width = max(s + c for s, c in zip(starts, counts, strict=True))
-        # Small index tensors are built on the host (no device sync), then moved.
+        # Small index tensors are built on the host, then moved in one copy (to_device).
         counts_h = torch.tensor(counts)
         starts_h = torch.tensor(starts)
         slots_h = torch.tensor(slots)
         row_of = torch.repeat_interleave(torch.arange(rows), counts_h)
         first = torch.cumsum(counts_h, 0) - counts_h
-        token_of = torch.arange(int(sum(counts))) - first[row_of]
+        total = int(sum(counts))
+        token_of = torch.arange(total) - first[row_of]
         dev = self.device
-        start_d = starts_h.to(dev)
-        count_d = counts_h.to(dev)
+        parts = (starts_h, counts_h, slots_h, row_of, token_of, slots_h[row_of])
+        packed = to_device(torch.cat([*parts, starts_h[row_of] + token_of]), dev)
+        start_d, count_d, slots_d, row_d, token_d, write_slots, write_positions = packed.split(
+            [rows] * 3 + [total] * 4
+        )
         query = torch.arange(longest, device=dev)
         positions = start_d[:, None] + query[None, :]
         # A query sees keys up to its own position; a padding query sees what its row's last
@@ -245,11 +260,11 @@ class SlotCache(Cache):
             mask=mask,
             last=count_d - 1,
             width=width,
-            write_rows=row_of.to(dev),
-            write_tokens=token_of.to(dev),
-            write_slots=slots_h[row_of].to(dev),
-            write_positions=(starts_h[row_of] + token_of).to(dev),
-            read=slice(slots[0], slots[0] + rows) if consecutive else slots_h.to(dev),
+            write_rows=row_d,
+            write_tokens=token_d,
+            write_slots=write_slots,
+            write_positions=write_positions,
+            read=slice(slots[0], slots[0] + rows) if consecutive else slots_d,
         )
         self._step = step
         return step
@@ -278,21 +293,28 @@ class SlotCache(Cache):
         (a step from decode_shape: its tensors are filled in place, so a CUDA graph captured
         over them replays this step): rows past len(slots) are padding on the scratch row at
         position 0, and every row reads `reuse.width` keys. Checked like begin; the width
-        must hold every row's new token. Ends with commit or abort."""
+        must hold every row's new token. Without slots, every row is padding (what a graph
+        captured ahead of use runs: graphs.StaticDecode.capture_all). Ends with commit or
+        abort."""
         if self.scratch is None:
             raise RuntimeError("a static-shape decode needs a slot cache made with scratch=True")
         rows = int(reuse.positions.shape[0])
-        if not 0 < len(slots) <= rows:
+        if not 0 <= len(slots) <= rows:
             raise ValueError(f"a decode of {len(slots)} rows in a shape of {rows}")
-        starts = self._checked(slots, [1] * len(slots))
-        if max(starts) + 1 > reuse.width:
+        if slots:
+            starts = self._checked(slots, [1] * len(slots))
+        elif self._step is not None:
+            raise RuntimeError("a step is already open on this slot cache")
+        else:
+            starts = []
+        if slots and max(starts) + 1 > reuse.width:
             raise ValueError(
                 f"slot {slots[starts.index(max(starts))]} holds {max(starts)} tokens: a "
                 f"decode shape {reuse.width} wide cannot take its next"
             )
         pad = rows - len(slots)
         host = torch.tensor([[*slots, *[self.scratch] * pad], [*starts, *[0] * pad]])
-        where = host.to(self.device, non_blocking=True)
+        where = to_device(host, self.device)
         reuse.write_slots.copy_(where[0])
         reuse.write_positions.copy_(where[1])
         assert isinstance(reuse.read, torch.Tensor)
@@ -380,7 +402,7 @@ class SlotCache(Cache):
         The forward asks it only to make default positions and a default mask, and feed
         passes both."""
         if self._step is not None:
-            return max(self._step.starts)
+            return max(self._step.starts, default=0)  # no rows: a capture over padding
         return max((self._lengths[s] for s in self.claimed()), default=0)
 
     def get_max_cache_shape(self) -> int | None:

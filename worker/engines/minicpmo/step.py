@@ -226,13 +226,34 @@ class MiniCPMOStepper(Stepper):
     def decode_feed(self, rows: list[tuple[int, torch.Tensor]]) -> FeedResult:
         """One decode forward of the rows (slot, [1, hidden] embeddings): ragged, or in
         static shapes (replayed as CUDA graphs) when the engine asks for them."""
+        static = self._static_decode()
+        if static is None:
+            return feed(self.engine.model.llm, self.cache, rows)
+        return static.feed(rows)
+
+    def _static_decode(self) -> StaticDecode | None:
+        """The LLM's static-shape decode (None where the decode runs ragged), made once."""
         cache = self.cache
         if cache.scratch is None:
-            return feed(self.engine.model.llm, cache, rows)
+            return None
         if self._static is None:
             graphs = self.engine.cuda_graphs != "off"
             self._static = StaticDecode(self.engine.model.llm, cache, graphs)
-        return self._static.feed(rows)
+        return self._static
+
+    def capture_graphs(self) -> dict[str, int]:
+        """Captures now the CUDA graphs of every bucket of the LLM's decode and of the TTS's
+        token steps (StaticDecode.capture_all), so that no session's step pays for one
+        (the worker's warm-up calls it). Per part, how many it captured (none without
+        graphs: on a CPU, or `--cuda-graphs off`)."""
+        done: dict[str, int] = {}
+        static = self._static_decode()
+        if static is not None:
+            done["decode"] = static.capture_all()
+        self.tts_cache()
+        if self.tts is not None and self.tts.static is not None:
+            done["tts"] = self.tts.static.capture_all()
+        return done
 
     def _slot_in(self, session: MiniCPMOSession) -> None:
         """Move the session's LLM KV cache from its decoder into a slot of its own."""

@@ -9,7 +9,9 @@ the speakers of a step together and keeps each one's result as its solo run: its
 own chunk (window 16), the eos masked below its own minimum, one draw per row per step (from
 its session's generator where it has a seed; the unseeded rows' in one call, decode.py), its
 own stop (at t = 0 on eos it gives nothing; otherwise the token
-that stopped it, or the last one at the cap, is dropped and never fed).
+that stopped it, or the last one at the cap, is dropped and never fed). The host reads the
+drawn codes only of steps where a row could stop on its eos (none mid-turn, where the
+minimum is the cap), and with the device ahead (`--decode-ahead`) some steps later (_Chunk).
 
 Each session's TTS cache stays on its duplex object as the public code keeps it (a
 DynamicCache in `tts_past_key_values`, None at a turn's start): for a step it is loaded into
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +35,8 @@ from transformers.cache_utils import DynamicCache
 
 from omnifabric.worker.engines.minicpmo import layouts
 from omnifabric.worker.engines.minicpmo.decode import (
+    Staged,
+    device_ahead,
     generator,
     on_device,
     seeded,
@@ -98,7 +104,6 @@ class BatchedTTS:
         phases["vocoder"] += (time.perf_counter() - t0) * 1000.0
 
     def _generate(self, rows: list[Row]) -> None:
-        tts = self.tts
         conds: list[torch.Tensor] = []
         mins: list[int] = []
         slots: list[int] = []
@@ -114,65 +119,18 @@ class BatchedTTS:
             static = self.static is not None and all(
                 start == self.cache.length(slot) for start, slot in zip(starts, slots, strict=True)
             )
-            n = len(rows)
-            device = conds[0].device
-            tokens = torch.zeros((n, CHUNK_TOKENS), dtype=torch.long, device=device)
-            ended = [False] * n
-            kept = [0] * n
-            active = list(range(n))
-            gens, temps, eos, processors = self._sampling(rows, device)
-            shared = worker_generator(self.engine, device)
-            for t in range(CHUNK_TOKENS):
-                if t == 0:
-                    embeds = conds
-                    positions = [
-                        torch.arange(starts[i], starts[i] + conds[i].shape[0], device=device)
-                        for i in active
-                    ]
-                    hidden = self._forward([slots[i] for i in active], embeds, positions)
-                else:
-                    prev = tokens[active, t - 1 : t]  # [A, 1]
-                    step_embeds = tts.emb_code[0](prev)  # [A, 1, h]
-                    embeds = [step_embeds[k] for k in range(len(active))]
-                    if static:
-                        assert self.static is not None
-                        fed = self.static.feed(
-                            [(slots[i], embeds[k]) for k, i in enumerate(active)]
-                        )
-                        hidden = torch.cat(fed.hidden)
-                    else:
-                        at = [starts[i] + conds[i].shape[0] + t - 1 for i in active]
-                        where = on_device(at, device, torch.long)
-                        positions = [where[k : k + 1] for k in range(len(active))]
-                        hidden = self._forward([slots[i] for i in active], embeds, positions)
-                with parametrize.cached():
-                    logits = torch.stack(
-                        [tts.head_code[q](hidden) for q in range(tts.num_vq)], dim=-1
-                    )  # [A, V, vq]
-                logits = logits.float().permute(0, 2, 1).reshape(-1, logits.size(1))
-                logits = logits / torch.cat([temps[i] for i in active for _ in range(tts.num_vq)])
-                if t > 0:
-                    history = tokens[active, :t].reshape(len(active) * tts.num_vq, -1)
-                    for processor in processors:
-                        logits = processor(history, logits)
-                picked = self._draw(logits, active, t, gens, mins, eos, shared)  # [A, vq]
-                tokens[active, t] = picked[:, 0]
-                host = picked.tolist()
-                going = []
-                for k, i in enumerate(active):
-                    if host[k][0] == eos[i]:
-                        ended[i] = True
-                        kept[i] = t
-                    elif t == CHUNK_TOKENS - 1:
-                        kept[i] = t
-                    else:
-                        going.append(i)
-                active = going
-                if not active:
-                    break
+            loop = _Chunk(self, rows, conds, mins, slots, starts, static)
+            loop.run()
+            codes = loop.tokens.tolist()  # one read for every speaker (the vocoder's plan)
             for i, row in enumerate(rows):
-                row.tts_tokens = tokens[i : i + 1, : kept[i]].unsqueeze(-1)  # [1, T, vq]
-                self._keep(row, slots[i], conds[i].shape[0] + kept[i])
+                kept = loop.kept[i]
+                assert kept is not None
+                row.tts_tokens = loop.tokens[i : i + 1, :kept].unsqueeze(-1)  # [1, T, vq]
+                row.tts_codes = codes[i][:kept]
+                fed = conds[i].shape[0] + kept
+                # a row the device fed past its end goes back to what it kept
+                self.cache.rewind(slots[i], loop.base[i] + fed)
+                self._keep(row, slots[i], fed)
         finally:
             for slot in slots:
                 self.cache.release(slot)
@@ -313,3 +271,150 @@ class BatchedTTS:
             if row.end_of_turn:
                 d._reset_token2wav_for_new_turn()
         row.wave = wave
+
+
+@dataclass
+class _Read:
+    """What the host reads of one TTS step: the step, its rows and their first drawn
+    code (staged: copied without waiting for the steps queued after it)."""
+
+    t: int
+    rows: list[int]
+    first: Staged
+
+
+class _Chunk:
+    """One chunk's token loop over the speakers of a step: up to CHUNK_TOKENS backbone
+    forwards, each row's draw, and its stop.
+
+    A row can only stop on its eos from the step its minimum allows (a turn's first chunk or
+    its last; mid-turn the minimum is the cap, so a chunk's length is known before it runs);
+    the cap stops every row. The host reads a step's drawn codes only where a row could stop
+    there, and with the engine's depth (decode.device_ahead) up to that many steps later: the
+    device goes on meanwhile, feeding a row that drew its eos its next tokens. What the
+    host then learns puts that row back: its slot to the tokens it kept (by the caller), its
+    seeded generator to where its last draw left it; the codes drawn past its stop are never
+    read. So each row's tokens, cache and generator are its solo run's at any depth."""
+
+    def __init__(
+        self,
+        tts: BatchedTTS,
+        rows: list[Row],
+        conds: list[torch.Tensor],
+        mins: list[int],
+        slots: list[int],
+        starts: list[int],
+        static: bool,
+    ) -> None:
+        self.owner = tts
+        self.conds, self.mins, self.slots, self.starts = conds, mins, slots, starts
+        self.static = static
+        n = len(rows)
+        self.device = conds[0].device
+        self.base = [tts.cache.length(slot) for slot in slots]
+        """Each slot's length before the chunk."""
+        self.tokens = torch.zeros((n, CHUNK_TOKENS), dtype=torch.long, device=self.device)
+        self.kept: list[int | None] = [None] * n
+        """Per row, the tokens it keeps, once the host knows."""
+        self.gens, self.temps, self.eos, self.processors = tts._sampling(rows, self.device)
+        self.shared = worker_generator(tts.engine, self.device)
+        self.depth = device_ahead(tts.engine)
+        self._rows: tuple[list[int], Any, torch.Tensor] | None = None
+        """The last batch's index into `tokens` and its temperatures (made once a batch)."""
+        self._pending: deque[_Read] = deque()
+        self._undo: dict[tuple[int, int], torch.Tensor] = {}
+        """(row, t): a seeded row's generator state before its draw at step t, kept while
+        the host may still learn that the row stopped before t."""
+
+    def run(self) -> None:
+        batch = list(range(len(self.kept)))  # the rows the host has not seen stop
+        last = CHUNK_TOKENS - 1
+        for t in range(CHUNK_TOKENS):
+            picked = self._step(t, batch)
+            if t == last:
+                break  # the cap: every row still going keeps `last` tokens, drawn eos or not
+            if any(t >= self.mins[i] for i in batch):
+                self._pending.append(_Read(t, batch, Staged(picked[:, 0])))
+            while len(self._pending) > self.depth:
+                self._learn(self._pending.popleft())
+            batch = [i for i in batch if self.kept[i] is None]
+            if not batch:
+                break
+        while self._pending:
+            self._learn(self._pending.popleft())
+        self.kept = [last if k is None else k for k in self.kept]
+
+    def _step(self, t: int, batch: list[int]) -> torch.Tensor:
+        """Step t of the rows `batch`: the forward, the heads, the rules and the draw; the
+        codes drawn [A, vq] (also written to `tokens`)."""
+        owner, tts = self.owner, self.owner.tts
+        conds, slots = self.conds, self.slots
+        where, temps = self._index(batch)
+        if t == 0:
+            positions = [
+                torch.arange(self.starts[i], self.starts[i] + conds[i].shape[0], device=self.device)
+                for i in batch
+            ]
+            hidden = owner._forward([slots[i] for i in batch], [conds[i] for i in batch], positions)
+        else:
+            prev = self.tokens[where, t - 1 : t]  # [A, 1]
+            step_embeds = tts.emb_code[0](prev)  # [A, 1, h]
+            embeds = [step_embeds[k] for k in range(len(batch))]
+            if self.static:
+                assert owner.static is not None
+                fed = owner.static.feed([(slots[i], embeds[k]) for k, i in enumerate(batch)])
+                hidden = torch.cat(fed.hidden)
+            else:
+                at = [self.starts[i] + conds[i].shape[0] + t - 1 for i in batch]
+                at_d = on_device(at, self.device, torch.long)
+                positions = [at_d[k : k + 1] for k in range(len(batch))]
+                hidden = owner._forward([slots[i] for i in batch], embeds, positions)
+        with parametrize.cached():
+            logits = torch.stack(
+                [tts.head_code[q](hidden) for q in range(tts.num_vq)], dim=-1
+            )  # [A, V, vq]
+        logits = logits.float().permute(0, 2, 1).reshape(-1, logits.size(1))
+        logits = logits / temps
+        if t > 0:
+            history = self.tokens[where, :t].reshape(len(batch) * tts.num_vq, -1)
+            for processor in self.processors:
+                logits = processor(history, logits)
+        if self.depth:
+            for i in batch:
+                gen = self.gens[i]
+                if gen is not None and t > self.mins[i]:  # it could have stopped before t
+                    self._undo[(i, t)] = gen.get_state()
+        picked = owner._draw(logits, batch, t, self.gens, self.mins, self.eos, self.shared)
+        self.tokens[where, t] = picked[:, 0]
+        return picked
+
+    def _index(self, batch: list[int]) -> tuple[Any, torch.Tensor]:
+        """The rows `batch` as an index into `tokens` (all of them: a slice; else a device
+        tensor: a list would be copied to the device, and wait for it, at every use) and
+        their temperatures, one per code row; made again only when the batch changes."""
+        if self._rows is None or self._rows[0] != batch:
+            where: Any = (
+                slice(None)
+                if len(batch) == len(self.kept)
+                else on_device(batch, self.device, torch.long)
+            )
+            vq = self.owner.tts.num_vq
+            temps = torch.cat([self.temps[i] for i in batch for _ in range(vq)])
+            self._rows = (list(batch), where, temps)
+        return self._rows[1], self._rows[2]
+
+    def _learn(self, read: _Read) -> None:
+        """The host's reading of step `read.t`: the rows that drew their eos there stop
+        (keeping the tokens before it); a seeded one's generator goes back to before the
+        draws the device made for it after."""
+        first = read.first.values()
+        for k, i in enumerate(read.rows):
+            if self.kept[i] is not None or read.t < self.mins[i] or first[k] != self.eos[i]:
+                continue
+            self.kept[i] = read.t
+            state = self._undo.get((i, read.t + 1))
+            gen = self.gens[i]
+            if state is not None and gen is not None:
+                gen.set_state(state)
+        for key in [key for key in self._undo if key[1] <= read.t + 1]:
+            del self._undo[key]

@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, GraphSet
+from omnifabric.worker.engines.minicpmo.slots import to_device
 from omnifabric.worker.engines.minicpmo.vocoder_flow import FlowSolver
 
 Tensor = torch.Tensor
@@ -221,7 +222,7 @@ def _encode(flow: Any, jobs: list[VocoderJob], device: Any) -> list[tuple[Tensor
     out: list[tuple[Tensor, ...]] = [()] * len(jobs)
     for members in groups.values():
         rows = [jobs[i] for i in members]
-        tokens = torch.tensor([job.tokens for job in rows], dtype=torch.int32, device=device)
+        tokens = to_device(torch.tensor([job.tokens for job in rows], dtype=torch.int32), device)
         h, cnn, att = flow.encoder.forward_chunk(
             xs=flow.input_embedding(tokens),
             last_chunk=rows[0].last_chunk,
@@ -445,7 +446,7 @@ class _Hift:
         voiced = voiced.repeat_interleave(self.hop, dim=1)
         amplitude = voiced * oscillator.noise_std + (1 - voiced) * oscillator.sine_amp / 3
         table = oscillator.sine_waves  # [1, samples, H], on the device (vocoder.device_tables)
-        first = torch.tensor(offsets, device=table.device)[:, None] * self.hop
+        first = to_device(torch.tensor(offsets), table.device)[:, None] * self.hop
         positions = (first + torch.arange(sine.shape[1], device=table.device)) % table.shape[1]
         noise = table[0][positions].to(f0)
         excitation = sine * oscillator.sine_amp * voiced + amplitude * noise

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, GraphSet
+from omnifabric.worker.engines.minicpmo.slots import to_device
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -305,14 +306,14 @@ def _ragged(
     if padded:
         new = torch.arange(frames)[None] < torch.tensor(lens)[:, None]
         old = torch.arange(width)[None] < torch.tensor(past)[:, None]
-        mask = torch.cat([new, old], dim=1).repeat(2, 1)[:, None, None].to(mu.device)
+        mask = to_device(torch.cat([new, old], dim=1).repeat(2, 1)[:, None, None], mu.device)
     return _Call(
         x2=mu.new_empty((2 * rows, mu.shape[1], frames)),
         mu=torch.cat([mu, torch.zeros_like(mu)]),
         spk=torch.cat([spk, torch.zeros_like(spk)]),
         convs=conv.new_empty((conv.shape[1], 2 * rows, *conv.shape[3:])),
         keys=kv.new_zeros((kv.shape[1], 2 * rows, kv.shape[3], width, kv.shape[5])),
-        ends=torch.tensor(lens + lens, device=mu.device),
+        ends=to_device(torch.tensor(lens + lens), mu.device),
         mask=mask,
     )
 
@@ -333,8 +334,9 @@ def _fill(call: _Call, mus: list[Tensor], spk: Tensor, lens: list[int], past: li
     new = torch.arange(frames)[None] < torch.tensor(ends)[:, None]
     old = torch.arange(width)[None] < torch.tensor(seen)[:, None]
     assert call.mask is not None
-    call.mask.copy_(torch.cat([new, old], dim=1).repeat(2, 1)[:, None, None], non_blocking=True)
-    call.ends.copy_(torch.tensor(ends + ends), non_blocking=True)
+    device = call.ends.device
+    call.mask.copy_(to_device(torch.cat([new, old], dim=1).repeat(2, 1)[:, None, None], device))
+    call.ends.copy_(to_device(torch.tensor(ends + ends), device))
 
 
 def _stage(call: _Call, x: Tensor, convs: Tensor, keys: list[Tensor], past: list[int]) -> None:

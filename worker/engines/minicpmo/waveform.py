@@ -95,8 +95,8 @@ def speak(
             plans.append(None)
             jobs.append(None)
             continue
-        assert row.tts_tokens is not None  # a speaker's TTS ran before its waveform
-        tokens = [int(t) for t in row.tts_tokens.reshape(-1).tolist()]
+        assert row.tts_codes is not None  # a speaker's TTS ran before its waveform
+        tokens = row.tts_codes
         plans.append(
             plan_calls(
                 d.token2wav_buffer,
