@@ -286,6 +286,11 @@ def test_a_step_of_padding_only_touches_no_slot(llm, monkeypatch):
             shape.embeds.copy_(torch.randn(shape.embeds.shape))  # so its writes show
             decoder._forward(shape, step)
             cache.abort()
+        for rows in (1, 2, 3):  # a row bucket's widths share its inputs and outputs
+            first = decoder._shapes[(rows, 8)]
+            for width in (16, 32, 40):
+                assert decoder._shapes[(rows, width)].logits is first.logits
+                assert decoder._shapes[(rows, width)].embeds is first.embeds
         after = [store[: cache.slots] for store in (*cache.key_slots, *cache.value_slots)]
         for old, new in zip(before, after, strict=True):
             assert torch.equal(old, new)

@@ -134,6 +134,11 @@ class StaticDecode(GraphSet):
         self.calls = 0
         """Forwards run in static shapes (replayed or eager)."""
         self._shapes: dict[tuple[int, int], _Shape] = {}
+        self._io: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        """Per row bucket, the embeddings, hidden states and logits every key width of it
+        shares (one bucket runs at a time; its outputs are copied out after each run): at
+        64 slots of a 151,748-token vocabulary, 39 MB of logits where one set per bucket
+        took 190."""
 
     @property
     def captured(self) -> int:
@@ -200,17 +205,23 @@ class StaticDecode(GraphSet):
         key = (rows, width)
         shape = self._shapes.get(key)
         if shape is None:
-            head = self.llm.lm_head
-            vocab = 0 if head is None else head.weight.shape[0]
-            hidden = self.llm.config.hidden_size
-            dev, dtype = self.cache.device, self.cache.dtype
+            io = self._io.get(rows)
+            if io is None:
+                head = self.llm.lm_head
+                vocab = 0 if head is None else head.weight.shape[0]
+                hidden = self.llm.config.hidden_size
+                dev, dtype = self.cache.device, self.cache.dtype
+                io = self._io[rows] = (
+                    torch.zeros((rows, 1, hidden), device=dev, dtype=dtype),
+                    torch.zeros((rows, 1, hidden), device=dev, dtype=dtype),
+                    torch.zeros(
+                        (rows, vocab),
+                        device=dev,
+                        dtype=dtype if head is None else head.weight.dtype,
+                    ),
+                )
             shape = _Shape(
-                step=self.cache.decode_shape(rows, width),
-                embeds=torch.zeros((rows, 1, hidden), device=dev, dtype=dtype),
-                hidden=torch.zeros((rows, 1, hidden), device=dev, dtype=dtype),
-                logits=torch.zeros(
-                    (rows, vocab), device=dev, dtype=dtype if head is None else head.weight.dtype
-                ),
+                step=self.cache.decode_shape(rows, width), embeds=io[0], hidden=io[1], logits=io[2]
             )
             self._shapes[key] = shape
         return shape
