@@ -305,6 +305,31 @@ def test_a_step_of_padding_only_touches_no_slot(llm, monkeypatch):
     torch.testing.assert_close(static, ragged, atol=TOLERANCE, rtol=0)
 
 
+def test_a_failure_while_capturing_ahead_turns_graphs_off_and_serves_on(llm, caplog):
+    """Whatever fails in StaticDecode.capture_all (here the capture itself, as an
+    out-of-memory would) turns graphs off with the capture's warning: no exception reaches
+    the warm-up, no step is left open, and the next decode runs eagerly."""
+    cache = SlotCache(llm.config, 2, 16, scratch=True)
+    decoder = StaticDecode(llm, cache, graphs=False)
+    decoder.graphs = True  # as on CUDA
+
+    def failing(shape, step):
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    decoder._capture = failing  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger=graphs.__name__):
+        assert decoder.capture_all() == 0
+    assert decoder.graphs is False and decoder.failure is not None
+    assert "out of memory" in decoder.failure
+    assert "CUDA graph capture failed, decode runs eagerly" in caplog.text
+    a = cache.claim()
+    make = random_embeds(llm.config.hidden_size)
+    with torch.no_grad():
+        feed(llm, cache, [(a, make(3))])
+        decoder.feed([(a, make(1))])  # no step left open; eager
+    assert cache.length(a) == 4 and decoder.captured == 0
+
+
 def test_static_decode_refuses_what_it_cannot_take(llm):
     cache = SlotCache(llm.config, 2, 16, scratch=True)
     decoder = StaticDecode(llm, cache, graphs=True)  # a CPU cache: no graphs

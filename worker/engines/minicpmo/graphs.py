@@ -113,12 +113,16 @@ class GraphSet:
                 self._pool = torch.cuda.graph_pool_handle()
             return capture(fn, self._pool)
         except Exception as exc:
-            self.graphs = False
-            self.failure = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture failed, %s runs eagerly: %s", self.what, self.failure)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            self.turn_off(exc)
             return None
+
+    def turn_off(self, exc: Exception) -> None:
+        """Graphs off for good after `exc` (a failed capture), with a warning."""
+        self.graphs = False
+        self.failure = f"{type(exc).__name__}: {exc}"
+        log.warning("CUDA graph capture failed, %s runs eagerly: %s", self.what, self.failure)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
 
 class StaticDecode(GraphSet):
@@ -179,24 +183,29 @@ class StaticDecode(GraphSet):
         """Captures the graph of every bucket (graphs.buckets) not captured yet, over padding
         rows only (the scratch row at position 0: no slot's tokens are read or written), so
         no step of a session pays for a capture (two eager forwards and the capture, where
-        it first meets a bucket). Nothing without graphs; stops at a failed capture (graphs
-        are then off, with its warning). Returns how many it captured."""
+        it first meets a bucket). Nothing without graphs; whatever fails here (a capture, a
+        bucket's buffers, its eager forward) turns graphs off with the capture's warning and
+        ends it: the worker serves eagerly, never dies of it. Returns how many it captured."""
         if not self.graphs:
             return 0
         cache = self.cache
         done = 0
         for rows, width in buckets(cache.slots, cache.max_len):
-            shape = self._shape(rows, width)
-            if shape.graph is not None:
-                continue
-            step = cache.begin_decode([], shape.step)
             try:
-                with torch.no_grad():
-                    shape.embeds.zero_()
-                    self._capture(shape, step)
-            finally:
-                cache.abort()
-            if shape.graph is None:
+                shape = self._shape(rows, width)
+                if shape.graph is not None:
+                    continue
+                step = cache.begin_decode([], shape.step)
+                try:
+                    with torch.no_grad():
+                        shape.embeds.zero_()
+                        self._capture(shape, step)
+                finally:
+                    cache.abort()
+            except Exception as exc:
+                self.turn_off(exc)
+                break
+            if shape.graph is None:  # the capture failed (graphs are off)
                 break
             done += 1
         return done
