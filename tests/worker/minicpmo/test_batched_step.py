@@ -734,6 +734,52 @@ def test_graphs_captured_at_the_warm_up_leave_none_to_sessions(eng16, static_sha
         assert decode.replays == decode.calls and tts.replays == tts.calls
 
 
+def test_the_warm_up_makes_the_vocoders_steady_buckets(eng16, static_shapes, monkeypatch):
+    """MiniCPMOEngine.warm_vocoder_rows (the warm-up runs it where the vocoder's graphs are
+    on) takes each row bucket of the batched vocoder through a turn of the default voice:
+    afterwards sessions speaking 1 to 6 at once (joining and leaving, each still equal to
+    its solo audio) run every call whose chunk and cache lengths a warm-up call had in a
+    bucket the warm-up made (every full chunk at every cache length: the flow's cache and
+    the HiFT's history reach their trimmed lengths within four chunks, the same after nine);
+    only other lengths (last chunks, flushes) make new ones."""
+    from omnifabric.worker.engines.minicpmo import vocoder_flow
+
+    if not eng16.audio_on:
+        pytest.skip("the checkpoint has no vocoder assets (minicpmo-utils missing)")
+    monkeypatch.setattr(eng16, "_batched_vocoder", None)  # a vocoder of this test's own
+    assert eng16.warm_vocoder_rows() == [1, 2, 4, 8, 16]
+    vocoder = eng16.batched_vocoder()
+    flow = vocoder.flow
+    assert flow.static
+
+    def kept() -> set[tuple[int, int, int]]:  # the buckets whose tensors (and graphs) live
+        return {shape.bucket for shape in flow._shapes.values()}
+
+    flow_warm, hift_warm = kept(), set(vocoder.hift.decoder.shapes)
+    assert flow_warm == flow.buckets  # nothing made was dropped (the arena never grew after)
+    assert {rows for rows, _, _ in flow_warm} == {1, 2, 4, 8, 16}
+    met: list[tuple[int, int, int]] = []
+    shape = vocoder_flow.FlowSolver._shape
+
+    def spied(self, key, *args, **kwargs):
+        met.append(key)
+        return shape(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(vocoder_flow.FlowSolver, "_shape", spied)
+    plans = [speaking_plan(eng16, 70 + k) for k in range(6)]
+    want = check(eng16, plans, starts=[0, 0, 1, 1, 1, 2])
+    assert kinds(want)[1] > 0
+    full = max(frames for _, frames, _ in flow_warm)  # a full chunk's frames
+    steady = [key for key in met if key[1] == full]
+    assert steady, f"no full chunk: {sorted(set(met))}"
+    # every full chunk a session ran, at each of its cache lengths, was in a warm bucket
+    assert all(key in flow_warm for key in steady), sorted(set(steady) - flow_warm)
+    assert kept() >= flow_warm  # and the warm buckets are still there
+    warm_shapes = {key[1:] for key in hift_warm}
+    new_hift = set(vocoder.hift.decoder.shapes) - hift_warm
+    assert not [key for key in new_hift if key[1:] in warm_shapes], new_hift
+
+
 def test_static_shape_control_shifted_position_fails(eng16, static_shapes, monkeypatch):
     plans = [plan(eng16, k) for k in range(3)]
     for p in plans:

@@ -912,20 +912,66 @@ class MiniCPMOEngine(Engine):
                     for tokens, last in run:
                         tok.stream(tokens, last_chunk=last)
                 if self.slots > 1 and self.vocoder_batched:
-                    from omnifabric.worker.engines.minicpmo.vocoder_batch import VocoderJob
-
-                    tok.set_stream_cache(voice)
-                    jobs = [VocoderJob.of(tok, None), VocoderJob.of(tok, None)]
-                    jobs[1].stream_cache = {k: v.clone() for k, v in jobs[1].stream_cache.items()}
-                    jobs[1].hift_cache = {k: v.clone() for k, v in jobs[1].hift_cache.items()}
-                    for tokens, last in chunks:
-                        for job in jobs:
-                            job.tokens, job.last_chunk = tokens, last
-                        self.batched_vocoder().run(jobs)
+                    self._speak_batched(voice, 2, chunks)
             finally:
                 self.state.clear()
                 self.forget(holder)
         log.info("minicpmo: vocoder warmed in %.2f s", time.perf_counter() - t0)
+        if self.slots > 1 and self.vocoder_batched and self.batched_vocoder().flow.graphs:
+            t0 = time.perf_counter()
+            counts = self.warm_vocoder_rows()
+            log.info(
+                "minicpmo: the batched vocoder's graphs captured for %s rows in %.2f s",
+                "/".join(map(str, counts)),
+                time.perf_counter() - t0,
+            )
+
+    def warm_vocoder_rows(self) -> list[int]:
+        """Each row bucket of the batched vocoder up to the slots (as many rows as the
+        bucket's largest call here) through a turn of the default voice: four full chunks
+        (the flow's cache grows to the length the package trims it to by the third) and a
+        last one, so the steady chunks' buckets of the flow and the HiFT, and their CUDA
+        graphs, are made before a session's step meets them (a custom voice's cache length,
+        a flush's or a last chunk's length may still meet a new bucket; a longer voice's
+        keys grow the flow's arena, which drops what was made on it). The row counts, in
+        ascending order."""
+        from omnifabric.worker.engines.minicpmo.vocoder_flow import bucket
+
+        full = ([SILENCE_TOKEN] * (CHUNK_TOKENS + LOOKAHEAD_TOKENS), False)
+        turn = [full] * 4 + [([SILENCE_TOKEN] * LOOKAHEAD_TOKENS, True)]
+        slots = self.slots
+        counts = sorted({min(bucket(n, 1, 1)[0], slots) for n in range(1, slots + 1)})
+        holder = _ChatState(self.state.fresh())
+        with self.using(holder):
+            try:
+                # The largest first: the flow's key arena grows to its size (a larger
+                # bucket replaces the arena and drops what was made on it), then every
+                # count's buckets are made on that arena and kept.
+                for rows in [counts[-1], *reversed(counts)]:
+                    self._speak_batched(str(self.default_voice), rows, turn)
+            finally:
+                self.state.clear()
+                self.forget(holder)
+        return counts
+
+    def _speak_batched(self, voice: str, rows: int, chunks: list[tuple[list[int], bool]]) -> None:
+        """`rows` streams of `voice` at once through the batched vocoder, `chunks` in turn
+        (the resident state's vocoder caches, copied for each row after the first)."""
+        from omnifabric.worker.engines.minicpmo.vocoder_batch import VocoderJob
+
+        tok = self.model.tts.audio_tokenizer
+        tok.set_stream_cache(voice)
+        jobs = []
+        for k in range(rows):
+            job = VocoderJob.of(tok, None)
+            if k:
+                job.stream_cache = {key: v.clone() for key, v in job.stream_cache.items()}
+                job.hift_cache = {key: v.clone() for key, v in job.hift_cache.items()}
+            jobs.append(job)
+        for tokens, last in chunks:
+            for job in jobs:
+                job.tokens, job.last_chunk = tokens, last
+            self.batched_vocoder().run(jobs)
 
     def batched_vocoder(self) -> Any:
         """The vocoder batched across sessions (vocoder_batch.BatchedVocoder), made once per

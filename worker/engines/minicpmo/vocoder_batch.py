@@ -497,7 +497,9 @@ class HiftDecoder(GraphSet):
     right context and 16 new frames), so few graphs serve; past MAX_SHAPES shapes the rest run
     ragged. A capture that fails turns graphs off with a warning, never a crash."""
 
-    MAX_SHAPES = 48
+    #: A turn meets 7 shapes a row bucket (its history grows for four chunks); the warm-up
+    #: makes them for every row bucket up to the slots (49 at 64 slots).
+    MAX_SHAPES = 96
 
     def __init__(self, model: Any, static: bool = False, graphs: bool = False) -> None:
         super().__init__("the HiFT", next(model.parameters()).device, static, graphs)
