@@ -470,3 +470,28 @@ def test_the_cost_estimate_is_the_warm_up_unit_not_the_one_time_work(tmp_path, m
     assert engine.cost_estimate("audio", 30.0) == pytest.approx(0.4)
     assert engine.cost_estimate("video", 30.0) == pytest.approx(0.4)
     assert engine.cost_estimate("chat", 30.0) == CHAT_COST
+
+
+def test_the_batched_vocoder_is_kept_per_setting(tmp_path, monkeypatch):
+    """A switch of `--cuda-graphs` and back (gpu_sessions' modes) finds the batched vocoder
+    it left, with the buckets and graphs its warm-up made, not a new one."""
+    from omnifabric.worker.engines.minicpmo import vocoder_batch
+
+    made = []
+
+    class Vocoder:
+        def __init__(self, tok, static, graphs):
+            self.flow = types.SimpleNamespace(static=static)
+            made.append(self)
+
+    monkeypatch.setattr(vocoder_batch, "BatchedVocoder", Vocoder)
+    engine = MiniCPMOEngine(str(tmp_path), device="cpu", cuda_graphs="on")
+    engine.model = types.SimpleNamespace(tts=types.SimpleNamespace(audio_tokenizer=object()))
+    static = engine.batched_vocoder()
+    assert static.flow.static
+    engine.cuda_graphs = "off"
+    ragged = engine.batched_vocoder()
+    assert not ragged.flow.static
+    engine.cuda_graphs = "on"
+    assert engine.batched_vocoder() is static and engine.batched_vocoder() is static
+    assert made == [static, ragged]

@@ -747,6 +747,7 @@ def test_the_warm_up_makes_the_vocoders_steady_buckets(eng16, static_shapes, mon
     if not eng16.audio_on:
         pytest.skip("the checkpoint has no vocoder assets (minicpmo-utils missing)")
     monkeypatch.setattr(eng16, "_batched_vocoder", None)  # a vocoder of this test's own
+    monkeypatch.setattr(eng16, "_vocoders", {})
     assert eng16.warm_vocoder_rows() == [1, 2, 4, 8, 16]
     vocoder = eng16.batched_vocoder()
     flow = vocoder.flow

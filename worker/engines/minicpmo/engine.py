@@ -570,6 +570,9 @@ class MiniCPMOEngine(Engine):
         self.vocoder_batched = vocoder_batched
         """A batched step runs the vocoder once for all its speakers (else per speaker)."""
         self._batched_vocoder: Any = None
+        self._vocoders: dict[bool, Any] = {}
+        """The batched vocoders made, by static shapes or not (a switch back, as gpu_sessions
+        makes between modes, finds its buckets and graphs as it left them)."""
         self.draws: dict[str, Any] = {}
         """The batched step's torch.Generator per device for the sessions without a seed
         (decode.worker_generator): their draws of a step are one call."""
@@ -975,14 +978,17 @@ class MiniCPMOEngine(Engine):
 
     def batched_vocoder(self) -> Any:
         """The vocoder batched across sessions (vocoder_batch.BatchedVocoder), made once per
-        `--cuda-graphs` setting: its flow matching in static shapes where the decode's are,
-        replayed as CUDA graphs on CUDA."""
+        `--cuda-graphs` setting and kept: its flow matching in static shapes where the
+        decode's are, replayed as CUDA graphs on CUDA."""
         static = self.static_decode
         if self._batched_vocoder is None or self._batched_vocoder.flow.static != static:
-            from omnifabric.worker.engines.minicpmo.vocoder_batch import BatchedVocoder
+            made = self._vocoders.get(static)
+            if made is None:
+                from omnifabric.worker.engines.minicpmo.vocoder_batch import BatchedVocoder
 
-            tok = self.model.tts.audio_tokenizer
-            self._batched_vocoder = BatchedVocoder(tok, static=static, graphs=static)
+                tok = self.model.tts.audio_tokenizer
+                made = self._vocoders[static] = BatchedVocoder(tok, static=static, graphs=static)
+            self._batched_vocoder = made
         return self._batched_vocoder
 
     # ---- chat --------------------------------------------------------------------------
