@@ -922,7 +922,18 @@ class MiniCPMOEngine(Engine):
         log.info("minicpmo: vocoder warmed in %.2f s", time.perf_counter() - t0)
         if self.slots > 1 and self.vocoder_batched and self.batched_vocoder().flow.graphs:
             t0 = time.perf_counter()
-            counts = self.warm_vocoder_rows()
+            try:
+                counts = self.warm_vocoder_rows()
+            except Exception as exc:  # what it makes ahead is made at first use otherwise
+                log.warning(
+                    "minicpmo: the batched vocoder's buckets were not made ahead (%s: %s); "
+                    "each is made at its first call",
+                    type(exc).__name__,
+                    exc,
+                )
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                return
             log.info(
                 "minicpmo: the batched vocoder's graphs captured for %s rows in %.2f s",
                 "/".join(map(str, counts)),
