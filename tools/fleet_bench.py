@@ -462,7 +462,12 @@ def parse_cpus(text: str) -> set[int]:
 
 class Role:
     """A simulator process (this module with --role): commands on its stdin, "WORD {json}"
-    lines on its stdout, its stderr into a log; on `cpus` when given, at niceness `nice`."""
+    lines on its stdout, its stderr into a log; on `cpus` when given, at niceness `nice`.
+
+    The child places itself (`--on-cpus`, `--nice`: `place`), so the start needs no
+    `preexec_fn`: one makes subprocess fork instead of vfork, and a fork while this
+    process's gRPC threads are busy (the orchestrator scrapes and calls the schedulers)
+    runs gRPC's fork handlers in a child that aborted (SIGABRT) before its exec in CI."""
 
     def __init__(
         self,
@@ -474,20 +479,16 @@ class Role:
     ) -> None:
         self.name = name
         self._log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
-
-        def place() -> None:
-            if cpus is not None:
-                os.sched_setaffinity(0, cpus)
-            if nice:
-                os.nice(nice)
-
+        if cpus is not None:
+            argv = [*argv, "--on-cpus", ",".join(str(cpu) for cpu in sorted(cpus))]
+        if nice:
+            argv = [*argv, "--nice", str(nice)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omnifabric.tools.fleet_bench", *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            preexec_fn=place,
         )
         self._lines: Queue[str] = Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -933,7 +934,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--count", type=int, default=0, help=argparse.SUPPRESS)
     add("--slots", type=int, default=0, help=argparse.SUPPRESS)
     add("--fill", type=int, default=0, help=argparse.SUPPRESS)
+    add("--on-cpus", default="", help=argparse.SUPPRESS)
+    add("--nice", type=int, default=0, help=argparse.SUPPRESS)
     return parser
+
+
+def place(args: argparse.Namespace) -> None:
+    """A simulator process onto its cores (`--on-cpus`) and niceness (`--nice`), before
+    it starts a thread (the threads inherit both)."""
+    if args.on_cpus:
+        os.sched_setaffinity(0, {int(cpu) for cpu in args.on_cpus.split(",")})
+    if args.nice:
+        os.nice(args.nice)
 
 
 def _measure(
@@ -955,6 +967,8 @@ def _measure(
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.role:
+        place(args)
     grpc_io.choose()  # the simulators and the scheduler inherit the fabric's gRPC I/O
     if args.role == "workers":
         asyncio.run(run_workers(args))

@@ -41,6 +41,34 @@ def test_a_tiny_fleet_runs_end_to_end(tmp_path, capsys):
     assert "| 3x4 | 11 |" in capsys.readouterr().out
 
 
+def test_a_simulator_places_itself_and_starts_without_a_preexec_fn(tmp_path, monkeypatch):
+    # A preexec_fn makes subprocess fork (gRPC's fork handlers then run in a child of a
+    # process with busy gRPC threads: one aborted before its exec in CI); the child sets
+    # its own cores and niceness instead.
+    starts: list[dict] = []
+    popen = subprocess.Popen
+
+    def spy(*args, **kwargs):
+        starts.append(kwargs)
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    cpus = {max(os.sched_getaffinity(0))}
+    argv = ["--role", "workers", "--scheduler", "127.0.0.1:1", "--count", "0"]
+    role = fleet_bench.Role("workers0", argv, tmp_path, cpus, nice=3)
+    try:
+        role.expect("ready", 60)  # no workers to register: ready at once
+        assert os.sched_getaffinity(role.proc.pid) == cpus
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, role.proc.pid) == min(19, ours + 3)
+        role.send("stop")
+        assert role.expect("done", 30)["registrations"] == 0
+    finally:
+        role.stop(10)
+    assert [kwargs.get("preexec_fn") for kwargs in starts] == [None]
+    assert role.proc.returncode == 0
+
+
 def test_without_a_probe_its_columns_say_so_and_the_simulators_keep_their_priority():
     args = argparse.Namespace(probe_rate=0.0)
     assert fleet_bench.simulator_nice(args) == 0
