@@ -160,24 +160,34 @@ class StaticDecode(GraphSet):
                     f"slot {slot}: a decode row is one token, [1, hidden], got "
                     f"{tuple(embeds.shape)}"
                 )
+        hidden, logits = self.feed_stacked(
+            [slot for slot, _ in rows], torch.cat([embeds for _, embeds in rows])
+        )
+        return FeedResult(logits=logits, hidden=list(hidden))
+
+    def feed_stacked(self, slots: Sequence[int], embeds: torch.Tensor) -> tuple[Any, Any]:
+        """`feed` for rows given as one tensor, embeds [rows, hidden] (row k: slot slots[k]),
+        without a tensor a row: the hidden states [rows, 1, hidden] and the logits [rows,
+        vocab] (a copy each; the logits empty where the model has no head)."""
+        n = len(slots)
+        if n == 0 or embeds.dim() != 2 or embeds.shape[0] != n:
+            raise ValueError(f"{n} decode rows need embeddings [{n}, hidden], got {embeds.shape}")
         cache = self.cache
-        slots = [slot for slot, _ in rows]
         need = max(cache.length(slot) for slot in slots) + 1
-        shape = self._shape(*bucket(len(rows), need, cache.slots, cache.max_len))
-        step = cache.begin_decode(slots, shape.step)
+        shape = self._shape(*bucket(n, need, cache.slots, cache.max_len))
+        step = cache.begin_decode(list(slots), shape.step)
         self.calls += 1
-        n = len(rows)
         try:
             with torch.no_grad():
                 shape.embeds[n:].zero_()
-                shape.embeds[:n, 0].copy_(torch.cat([embeds for _, embeds in rows]))
+                shape.embeds[:n, 0].copy_(embeds)
                 self._run(shape, step)
         except BaseException:
             cache.abort()
             raise
         cache.commit()
-        hidden = shape.hidden[:n].clone()
-        return FeedResult(logits=shape.logits[:n].clone(), hidden=list(hidden))
+        logits = shape.logits[:n]
+        return shape.hidden[:n].clone(), logits.clone() if logits.shape[1] else logits
 
     def capture_all(self) -> int:
         """Captures the graph of every bucket (graphs.buckets) not captured yet, over padding

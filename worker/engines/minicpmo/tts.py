@@ -359,12 +359,12 @@ class _Chunk:
         else:
             prev = self.tokens[where, t - 1 : t]  # [A, 1]
             step_embeds = tts.emb_code[0](prev)  # [A, 1, h]
-            embeds = [step_embeds[k] for k in range(len(batch))]
             if self.static:
                 assert owner.static is not None
-                fed = owner.static.feed([(slots[i], embeds[k]) for k, i in enumerate(batch)])
-                hidden = torch.cat(fed.hidden)
+                fed, _ = owner.static.feed_stacked([slots[i] for i in batch], step_embeds[:, 0])
+                hidden = fed[:, 0]  # [A, h]
             else:
+                embeds = [step_embeds[k] for k in range(len(batch))]
                 at = [self.starts[i] + conds[i].shape[0] + t - 1 for i in batch]
                 at_d = on_device(at, self.device, torch.long)
                 positions = [at_d[k : k + 1] for k in range(len(batch))]

@@ -31,7 +31,8 @@ What runs batched:
   shape (history + right context + 16 frames); first chunks, flushes and short chunks run in
   smaller groups. In static shapes the decode's groups are padded to row buckets and their
   convolutions replayed as CUDA graphs (`HiftDecoder`).
-What stays per row: the input checks, the flow's cache trims (the package's own functions),
+What stays per row: the input checks, the flow's cache trims (the conformer's by the package's
+own function; the estimator's made with the copy of its new keys, vocoder_flow._joined),
 the HiFT's buffers (appended to per internal block; trimmed once a call, where the package trims
 after every block), the first-chunk silence. The int16 conversion runs once over all rows.
 
@@ -173,28 +174,33 @@ class BatchedVocoder:
             spk = flow.spk_embed_affine_layer(F.normalize(spk, dim=1))
             encoded = _encode(flow, jobs, t2w.device)
             caches = [job.stream_cache for job in jobs]
+            prompts = [self._voice(job)[3].shape[1] for job in jobs]
             mels, convs, keys = self.flow.solve(
-                [h.transpose(1, 2).contiguous() for h, _, _ in encoded],
+                [h.transpose(1, 2) for h, _, _, _ in encoded],  # copied into the call
                 spk,
                 [c["estimator_cnn_cache"][:steps] for c in caches],
                 [c["estimator_att_cache"][:steps] for c in caches],
+                keep=prompts,  # the package's estimator trim, made with the keys' copy
             )
         trims = type(t2w)
-        for job, (_, cnn, att), conv, key in zip(jobs, encoded, convs, keys, strict=True):
+        for job, (_, cnn, att, shared), conv, key, prompt_frames in zip(
+            jobs, encoded, convs, keys, prompts, strict=True
+        ):
+            # A session's caches must not keep its whole group's tensors alive: a row of a
+            # group keeps copies (the conformer's trim, where it cuts, makes one).
+            cache = {
+                "conformer_cnn_cache": cnn.clone() if shared else cnn,
+                "conformer_att_cache": att,
+                "estimator_cnn_cache": conv,
+                "estimator_att_cache": key,
+            }
             shim = SimpleNamespace(
-                flow=flow,
-                CONFORMER_HISTORY_FRAMES=t2w.CONFORMER_HISTORY_FRAMES,
-                stream_cache={
-                    "conformer_cnn_cache": cnn,
-                    "conformer_att_cache": att,
-                    "estimator_cnn_cache": conv,
-                    "estimator_att_cache": key,
-                },
+                flow=flow, CONFORMER_HISTORY_FRAMES=t2w.CONFORMER_HISTORY_FRAMES, stream_cache=cache
             )
-            prompt_frames = self._voice(job)[3].shape[1]
-            trims._trim_estimator_cache(shim, prompt_frames)
             trims._trim_conformer_cache(shim, prompt_frames)
-            job.stream_cache.update(shim.stream_cache)
+            if shared and cache["conformer_att_cache"] is att:
+                cache["conformer_att_cache"] = att.clone()
+            job.stream_cache.update(cache)
         return mels
 
 
@@ -205,10 +211,12 @@ def pcm16(speech: Tensor) -> np.ndarray:
     return scaled.to(torch.int16).cpu().numpy().astype("<i2", copy=False)
 
 
-def _encode(flow: Any, jobs: list[VocoderJob], device: Any) -> list[tuple[Tensor, ...]]:
+def _encode(
+    flow: Any, jobs: list[VocoderJob], device: Any
+) -> list[tuple[Tensor, Tensor, Tensor, bool]]:
     """The token embedding, conformer encoder (forward_chunk) and projection of each job:
-    (mel-rate hidden [1, T, 80], new conv cache, new attention cache), jobs of equal shapes
-    batched."""
+    (mel-rate hidden [1, T, 80], new conv cache, new attention cache, whether those are views
+    of a group's tensors), jobs of equal shapes batched."""
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, job in enumerate(jobs):
         cache = job.stream_cache
@@ -219,7 +227,7 @@ def _encode(flow: Any, jobs: list[VocoderJob], device: Any) -> list[tuple[Tensor
             tuple(cache["conformer_cnn_cache"].shape),
         )
         groups.setdefault(key, []).append(i)
-    out: list[tuple[Tensor, ...]] = [()] * len(jobs)
+    out: dict[int, tuple[Tensor, Tensor, Tensor, bool]] = {}
     for members in groups.values():
         rows = [jobs[i] for i in members]
         tokens = to_device(torch.tensor([job.tokens for job in rows], dtype=torch.int32), device)
@@ -230,11 +238,10 @@ def _encode(flow: Any, jobs: list[VocoderJob], device: Any) -> list[tuple[Tensor
             att_cache=torch.cat([job.stream_cache["conformer_att_cache"] for job in rows], 1),
         )
         h = flow.encoder_proj(h)
-        # A session's caches must not keep its whole group's tensors alive.
-        own = (lambda t: t.clone()) if len(members) > 1 else (lambda t: t)
+        shared = len(members) > 1
         for g, i in enumerate(members):
-            out[i] = (h[g : g + 1], own(cnn[g : g + 1]), own(att[:, g : g + 1]))
-    return out
+            out[i] = (h[g : g + 1], cnn[g : g + 1], att[:, g : g + 1], shared)
+    return [out[i] for i in range(len(jobs))]
 
 
 def _grouped(fn: Callable[..., Tensor], inputs: list[tuple[Tensor, ...]]) -> list[Tensor]:

@@ -49,6 +49,9 @@ FRAME_STEP, KEY_STEP = 8, 128
 #: The most buckets one solver keeps (each its tensors and, on CUDA, its graph); a call in
 #: another bucket runs ragged.
 MAX_SHAPES = 48
+#: The package's `_trim_estimator_cache` keeps a cache's first prompt frames and its last
+#: KEPT_TAIL frames once it holds more than both.
+KEPT_TAIL = 100
 
 #: Per block its nine modulations (attention, MLP, convolution: shift, scale, gate each),
 #: then the final layer's shift and scale.
@@ -128,11 +131,17 @@ class FlowSolver(GraphSet):
         return sum(shape.graph is not None for shape in self._shapes.values())
 
     def solve(
-        self, mus: list[Tensor], spk: Tensor, convs: list[Tensor], keys: list[Tensor]
+        self,
+        mus: list[Tensor],
+        spk: Tensor,
+        convs: list[Tensor],
+        keys: list[Tensor],
+        keep: list[int] | None = None,
     ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """Row i: mu [1, 80, T_i], speaker row spk[i], caches [steps, depth, 2, ...] (keys
         L_i frames). Returns per row its mel [1, 80, T_i], conv caches and key/value caches
-        of T_i + L_i frames (new tensors; the inputs are not changed)."""
+        of T_i + L_i frames (new tensors; the inputs are not changed), cut as the package's
+        `_trim_estimator_cache` cuts them where `keep` gives row i's prompt frames."""
         cfm = self.cfm
         b = len(mus)
         lens, past = [m.shape[2] for m in mus], [k.shape[4] for k in keys]
@@ -147,8 +156,11 @@ class FlowSolver(GraphSet):
         rows, frames = call.x2.shape[0] // 2, call.x2.shape[2]
         noise = cfm.rand_noise[0]
         x = mus[0].new_zeros((rows, mus[0].shape[1], frames))
-        for i, (p, n) in enumerate(zip(past, lens, strict=True)):
-            x[i, :, :n] = noise[:, p : p + n]
+        # every row's noise from its cache length on, in one call (one op, not one a row)
+        torch._foreach_copy_(
+            [x[i, :, :n] for i, n in enumerate(lens)],
+            [noise[:, p : p + n] for p, n in zip(past, lens, strict=True)],
+        )
         # All rows' convolution caches of every step at once (small); keys a step at a time.
         conv_in = torch.stack([c[:steps] for c in convs], dim=3)  # [steps, depth, 2, B, C, k]
         conv_out = torch.empty_like(conv_in)
@@ -162,13 +174,13 @@ class FlowSolver(GraphSet):
             x = x + times.dts[step] * ((1.0 + rate) * cond - rate * uncond)
             conv_out[step].copy_(conv.unflatten(1, (2, rows))[:, :, :b])
             kv_out[step].copy_(kv.unflatten(1, (2, rows))[:, :, :b])
-        out_convs, out_keys = [], []
-        for i, (n, old) in enumerate(zip(lens, keys, strict=True)):
-            out_convs.append(torch.empty_like(convs[i]).copy_(conv_out[:, :, :, i]))
-            full = old.new_empty((*old.shape[:4], n + old.shape[4], old.shape[5]))
-            full[:, :, :, :, :n] = kv_out[:, :, :, i, :, :n]
-            full[:, :, :, :, n:] = old
-            out_keys.append(full)
+        # A row's caches own their memory (one copy each): a view would keep the call's
+        # tensors alive for as long as the row's session keeps its caches.
+        out_convs = [conv_out[:, :, :, i].clone() for i in range(b)]
+        out_keys = [
+            _joined(kv_out[:, :, :, i, :, :n], old, None if keep is None else keep[i])
+            for i, (n, old) in enumerate(zip(lens, keys, strict=True))
+        ]
         mels = [x[i : i + 1, :, :n] for i, n in enumerate(lens)]
         return mels, out_convs, out_keys
 
@@ -325,8 +337,7 @@ def _fill(call: _Call, mus: list[Tensor], spk: Tensor, lens: list[int], past: li
     b, width = len(mus), call.keys.shape[3]
     call.mu.zero_()
     mu = call.mu.unflatten(0, (2, rows))
-    for i, m in enumerate(mus):
-        mu[0, i, :, : lens[i]] = m[0]
+    torch._foreach_copy_([mu[0, i, :, :n] for i, n in enumerate(lens)], [m[0] for m in mus])
     call.spk.zero_()
     call.spk[:b] = spk
     ends = lens + [frames] * (rows - b)
@@ -337,6 +348,23 @@ def _fill(call: _Call, mus: list[Tensor], spk: Tensor, lens: list[int], past: li
     device = call.ends.device
     call.mask.copy_(to_device(torch.cat([new, old], dim=1).repeat(2, 1)[:, None, None], device))
     call.ends.copy_(to_device(torch.tensor(ends + ends), device))
+
+
+def _joined(new: Tensor, old: Tensor, keep: int | None) -> Tensor:
+    """A row's key/value cache after its chunk, [new, old] on the frame axis (4), in one copy:
+    where `keep` is given and the two hold more than keep + KEPT_TAIL frames, only the
+    first `keep` frames and the last KEPT_TAIL of them (the package's estimator trim)."""
+    n = new.shape[4]
+    total = n + old.shape[4]
+    if keep is None or total <= keep + KEPT_TAIL:
+        return torch.cat([new, old], dim=4)
+    pieces = []
+    for start, end in ((0, keep), (total - KEPT_TAIL, total)):
+        if start < min(end, n):
+            pieces.append(new[:, :, :, :, start : min(end, n)])
+        if end > max(start, n):
+            pieces.append(old[:, :, :, :, max(start, n) - n : end - n])
+    return torch.cat(pieces, dim=4)
 
 
 def _stage(call: _Call, x: Tensor, convs: Tensor, keys: list[Tensor], past: list[int]) -> None:
