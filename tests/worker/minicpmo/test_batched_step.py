@@ -38,6 +38,9 @@ UNITS = 3
 #: Audio of a batched row against its solo run: 2 int16 steps (the vocoder's products over
 #: several rows round differently from one row's; int16 output quantizes them).
 AUDIO_ATOL = 2.5 / 32768
+#: Where a hidden state's first feature passes this, a test's hook makes <|turn_eos|> the
+#: model's choice (random weights rarely end a turn).
+TURN_END_FEATURE = 1.0
 
 
 @pytest.fixture(scope="module", params=[layout for layout, _ in LAYOUTS] or ["none"])
@@ -223,6 +226,9 @@ def batched(
                 assert stepper.finalize(sessions) == [None] * len(sessions)
                 for i, result in zip(here, results, strict=True):
                     s = open_[i]
+                    if s.tts_slot is not None:  # its slot holds its turn's TTS past, no more
+                        held = stepper.tts.cache.length(s.tts_slot)
+                        assert held == s.handle.duplex.tts_text_start_pos, (i, held)
                     tts = captured.pop(id(s.handle.duplex), []) if captured is not None else []
                     out[i].append(_record(s, result, stepper.prefill_logits[s.session_id], tts))
             for i in list(open_):
@@ -234,6 +240,7 @@ def batched(
             s.close()
     # every session left (some with their last finalize still deferred): no slot is held
     assert stepper.cache.claimed() == []
+    assert stepper.tts is None or stepper.tts.cache.claimed() == []
     return out
 
 
@@ -532,6 +539,99 @@ def test_serial_path_between_steps(eng16):
         s.close()
     compare(want, got, "batched, serial, batched")
     assert stepper.cache.claimed() == []
+
+
+@pytest.mark.parametrize("shapes", ["ragged", "static"])
+def test_a_speakers_next_turn_starts_from_an_empty_tts_slot(eng16, capture_tts, request, shapes):
+    """A speaker keeps its TTS slot over turns (tts.py): the slot is emptied where a turn
+    ends, so the next turn's TTS starts from no past, as the public code's does; every
+    unit's TTS tokens are still its solo run's."""
+    if shapes == "static":
+        request.getfixturevalue("static_shapes")
+    # Random weights rarely say <|turn_eos|>: its logit is made the largest wherever the
+    # hidden state's first feature is high, in every path alike (a forward hook on the head).
+    eos = eng16.tokenizer.convert_tokens_to_ids("<|turn_eos|>")
+
+    def turn_ends(_module, args, logits):
+        high = args[0][..., :1] > TURN_END_FEATURE
+        boosted = logits.max(dim=-1, keepdim=True).values + 1.0
+        out = logits.clone()
+        out[..., eos : eos + 1] = torch.where(high, boosted, logits[..., eos : eos + 1])
+        return out
+
+    hook = eng16.model.llm.lm_head.register_forward_hook(turn_ends)
+    request.addfinalizer(hook.remove)
+    found = None
+    for k in range(64, 96):
+        p = plan(eng16, k, seed=1100 + k, tts=True)
+        p.settings = dataclasses.replace(p.settings, temperature=0)
+        rng = np.random.default_rng(k)
+        for _ in range(5):  # eight units: room for a turn to end and another to begin
+            pcm = (0.02 * rng.standard_normal(eng16.unit_samples)).astype(np.float32)
+            p.units.append((pcm, [], 1, False))
+        p.key += "-8-turn-ends"
+        want = solo(eng16, p, capture_tts)
+        ends = [u for u, r in enumerate(want) if r["eot"] and r["tts"]]
+        if ends and any(not r["listen"] for r in want[ends[0] + 1 :]):
+            found = p
+            break
+    assert found is not None, "no plan of the tiny checkpoint speaks again after a turn's end"
+    check(eng16, [found], captured=capture_tts)
+
+
+def test_a_speaker_through_the_serial_path_mid_turn_keeps_its_tts_past(eng16, capture_tts):
+    """A speaking session's TTS past lives in its TTS slot from chunk to chunk (tts.py): a
+    unit through the serial path mid-turn gets it back on the duplex object and goes on
+    from it, the next batched unit loads it into a slot again, and closing frees the slot.
+    Every unit's LLM side and TTS positions are its solo run's; the TTS tokens are compared
+    for the first unit only: a seeded session's batched draws advance its own generator,
+    its serial ones the session's global RNG state (engine.py), so the serial unit after a
+    batched one draws other codes than the solo run."""
+    stepper = eng16.stepper()
+    found = None
+    for k in range(40, 64):
+        p = plan(eng16, k, seed=900 + k, tts=True)
+        p.settings = dataclasses.replace(p.settings, temperature=0)
+        want = solo(eng16, p, capture_tts)
+        # a turn that goes on from unit 0 through unit 2: the serial unit continues a past
+        if all(not u["listen"] for u in want) and all(u["tts_pos"] > 0 for u in want[:2]):
+            found = p, want
+            break
+    assert found is not None, "no plan of the tiny checkpoint speaks over three units"
+    p, want = found
+    s = _prepare(eng16, "mixed-tts", p)
+    d = s.handle.duplex
+    got = []
+    try:
+        for u, (pcm, frames, slices, force) in enumerate(p.units):
+            if u == 1:
+                s.prefill(pcm, frames, slices)
+                assert s.tts_slot is None and d.tts_past_key_values is not None
+                logits = d.pending_logits.clone()
+                result = s.generate(force)
+                s.finalize()
+                # the chunk went on from the slot's past: it holds the whole turn so far
+                assert d.tts_past_key_values.get_seq_length() == d.tts_text_start_pos > 0
+            else:
+                outcome = stepper.step([StepRow(s, pcm, frames, slices, force)])
+                got_row = outcome.rows[0]
+                assert not isinstance(got_row, Exception)
+                result = got_row[1]
+                assert stepper.finalize([s]) == [None]
+                assert s.tts_slot is not None and d.tts_past_key_values is None
+                assert stepper.tts.cache.length(s.tts_slot) == d.tts_text_start_pos
+                logits = stepper.prefill_logits["mixed-tts"]
+            got.append(_record(s, result, logits, capture_tts.pop(id(d), [])))
+    finally:
+        s.close()
+    assert got[0]["tts"] == want[0]["tts"]
+    drawn = ("tts", "audio", "n_tts")  # the serial unit's draws (the docstring)
+    compare(
+        [{k: v for k, v in w.items() if k not in drawn} for w in want],
+        [{k: v for k, v in g.items() if k not in drawn} for g in got],
+        "batched, serial, batched (speaking)",
+    )
+    assert stepper.cache.claimed() == [] and stepper.tts.cache.claimed() == []
 
 
 def test_added_cost_is_the_fitted_slope():

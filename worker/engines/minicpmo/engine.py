@@ -230,6 +230,10 @@ class MiniCPMOSession(EngineSession):
         self.kv_slot: int | None = None
         """The batched stepper's slot that holds this session's LLM KV cache (the decoder's
         own cache is then None), or None while the decoder holds it (step.py)."""
+        self.tts_slot: int | None = None
+        """Batched: the TTS slot cache's row that holds this session's TTS past from its
+        first speaking step on (tts.py; the duplex object's `tts_past_key_values` is then
+        None), freed with its LLM slot."""
         self.finalize_due = False
         """Batched: the stepper took this unit's deferred finalize; its tokens go into the
         next step's prefill (counted by kv_length meanwhile)."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -408,6 +408,15 @@ class SlotCache(Cache):
     def get_max_cache_shape(self) -> int | None:
         """Tokens one slot can hold."""
         return self.max_len
+
+
+def dynamic(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
+    """A DynamicCache of one row from per-layer [kv heads, tokens, head dim] tensors (what
+    `SlotCache.take` gives): a slot's past as the public code keeps it."""
+    past = DynamicCache()
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        past.update(k[None], v[None], layer)
+    return past
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch.profiler import record_function
-from transformers.cache_utils import DynamicCache
 
 from omnifabric.worker.engine import (
     EngineSession,
@@ -91,7 +90,13 @@ from omnifabric.worker.engines.minicpmo.engine import (
 from omnifabric.worker.engines.minicpmo.graphs import GraphSet, StaticDecode
 from omnifabric.worker.engines.minicpmo.mel import MelJob, StreamingMel
 from omnifabric.worker.engines.minicpmo.rows import Row, unit_end
-from omnifabric.worker.engines.minicpmo.slots import FeedResult, NoFreeSlot, SlotCache, feed
+from omnifabric.worker.engines.minicpmo.slots import (
+    FeedResult,
+    NoFreeSlot,
+    SlotCache,
+    dynamic,
+    feed,
+)
 
 if TYPE_CHECKING:
     from omnifabric.worker.engines.minicpmo.tts import BatchedTTS
@@ -121,14 +126,6 @@ def _audio_row(feature: Any, cache: Any) -> AudioRow:
         suffix_extra_frames=int(feature.suffix_extra_frames),
         feature_len=length,
     )
-
-
-def _dynamic(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
-    """A DynamicCache of one row from per-layer [kv heads, tokens, head dim] tensors."""
-    past = DynamicCache()
-    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-        past.update(k[None], v[None], layer)
-    return past
 
 
 class _RowFailed(Exception):
@@ -279,12 +276,14 @@ class MiniCPMOStepper(Stepper):
             self._unslot(session)
 
     def _unslot(self, session: MiniCPMOSession) -> None:
+        if self.tts is not None:  # its TTS past too (tts.py keeps it in a slot)
+            self.tts.unslot(session, session.handle.duplex)
         slot = session.kv_slot
         if slot is None:
             return
         cache = self.cache
         keys, values = cache.take(slot)
-        past = _dynamic(keys, values)
+        past = dynamic(keys, values)
         d = session.handle.duplex
         with self.engine.using(session), torch.no_grad():
             d.decoder.cache = past if keys and keys[0].shape[-2] else None
@@ -301,6 +300,8 @@ class MiniCPMOStepper(Stepper):
             if session.kv_slot is not None and self._cache is not None:
                 self._cache.release(session.kv_slot)
             session.kv_slot = None
+            if self.tts is not None:
+                self.tts.release(session)
             session.finalize_due = False
             self._deferred.pop(id(session), None)
 
@@ -341,7 +342,7 @@ class MiniCPMOStepper(Stepper):
                 slot = session.kv_slot
                 assert slot is not None
                 decoder = session.handle.duplex.decoder
-                decoder.cache = _dynamic(*cache.take(slot))
+                decoder.cache = dynamic(*cache.take(slot))
                 try:
                     decoder.enforce_window()
                     kept = decoder.cache

@@ -13,10 +13,14 @@ that stopped it, or the last one at the cap, is dropped and never fed). The host
 drawn codes only of steps where a row could stop on its eos (none mid-turn, where the
 minimum is the cap), and with the device ahead (`--decode-ahead`) some steps later (_Chunk).
 
-Each session's TTS cache stays on its duplex object as the public code keeps it (a
-DynamicCache in `tts_past_key_values`, None at a turn's start): for a step it is loaded into
-a row of a slot cache over the TTS backbone (a LlamaModel: slots.py's trick works for it as
-for the LLM) and taken back afterwards, so the serial path can continue it.
+Each session's TTS cache lives in a row of a slot cache over the TTS backbone (a LlamaModel:
+slots.py's trick works for it as for the LLM) from its first speaking step on, chunk after
+chunk (`session.tts_slot`): emptied at a turn's start and end, where the public code drops its
+past. The public code keeps it on the duplex object (a DynamicCache in
+`tts_past_key_values`, None at a turn's start): where that holds a past (the serial path ran
+last) it is loaded into the slot, and the stepper's `unslot` takes the slot's back there
+before the serial path runs. (It was loaded and taken back every chunk: at the released
+sizes 160 device ops and two 240 MiB clears of a slot a speaker and step.)
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.utils.parametrize as parametrize
 from torch.profiler import record_function
-from transformers.cache_utils import DynamicCache
 
 from omnifabric.worker.engines.minicpmo import layouts
 from omnifabric.worker.engines.minicpmo.decode import (
@@ -44,10 +47,10 @@ from omnifabric.worker.engines.minicpmo.decode import (
 )
 from omnifabric.worker.engines.minicpmo.graphs import StaticDecode
 from omnifabric.worker.engines.minicpmo.rows import Row
-from omnifabric.worker.engines.minicpmo.slots import SlotCache
+from omnifabric.worker.engines.minicpmo.slots import SlotCache, dynamic
 
 if TYPE_CHECKING:
-    from omnifabric.worker.engines.minicpmo.engine import MiniCPMOEngine
+    from omnifabric.worker.engines.minicpmo.engine import MiniCPMOEngine, MiniCPMOSession
 
 #: Tokens per chunk: the public max and (mid-turn) min of generate_chunk.
 CHUNK_TOKENS = 25 + 1
@@ -108,9 +111,11 @@ class BatchedTTS:
         mins: list[int] = []
         slots: list[int] = []
         starts: list[int] = []
+        bases: list[int] = []
         try:
             for row in rows:
                 cond, low = self._load(row, slots)
+                bases.append(self.cache.length(slots[-1]))
                 conds.append(cond)
                 mins.append(low)
                 starts.append(int(row.duplex.tts_text_start_pos))
@@ -131,9 +136,12 @@ class BatchedTTS:
                 # a row the device fed past its end goes back to what it kept
                 self.cache.rewind(slots[i], loop.base[i] + fed)
                 self._keep(row, slots[i], fed)
-        finally:
-            for slot in slots:
-                self.cache.release(slot)
+        except BaseException:
+            # a chunk that failed leaves each speaker's slot as it was before the chunk
+            for slot, length in zip(slots, bases, strict=False):
+                if length <= self.cache.length(slot):
+                    self.cache.rewind(slot, length)
+            raise
 
     def _draw(
         self,
@@ -171,20 +179,32 @@ class BatchedTTS:
         return picked
 
     def _load(self, row: Row, slots: list[int]) -> tuple[torch.Tensor, int]:
-        """A speaker's TTS condition and minimum length; its TTS cache put into a slot it
-        claims (appended to `slots`, which the caller releases)."""
+        """A speaker's TTS condition and minimum length; its slot appended to `slots`."""
         d = row.duplex
         cond = d._convert_results_to_tts_input(row.hidden)[0]  # [n + 1, h]
         row.tts_start_zero = d.tts_text_start_pos == 0
         low = 0 if row.end_of_turn or d.tts_text_start_pos == 0 else CHUNK_TOKENS
         if d.tts_current_turn_start_time is None:
             d.tts_current_turn_start_time = d.audio_chunk_idx
-        slot = self.cache.claim()
-        slots.append(slot)
-        past = d.tts_past_key_values
-        if past is not None and past.get_seq_length() > 0:
-            self.cache.put(slot, [k[0] for k in past.key_cache], [v[0] for v in past.value_cache])
+        slots.append(self._slot(row))
         return cond, low
+
+    def _slot(self, row: Row) -> int:
+        """The speaker's TTS slot, holding its past: claimed at its first speaking step and
+        kept (the stepper frees it when the session leaves the batched path or closes); the
+        duplex object's past loaded into it where it holds one (the serial path ran last),
+        emptied at a turn's start (the public code has no past there)."""
+        session, d, cache = row.session, row.duplex, self.cache
+        slot = session.tts_slot
+        if slot is None:
+            slot = session.tts_slot = cache.claim()
+        past = d.tts_past_key_values
+        d.tts_past_key_values = None  # the slot holds it from here
+        if past is not None and past.get_seq_length() > 0:
+            cache.put(slot, [k[0] for k in past.key_cache], [v[0] for v in past.value_cache])
+        elif past is not None or d.tts_text_start_pos == 0:
+            cache.rewind(slot, 0)
+        return slot
 
     def _sampling(self, rows: list[Row], device: Any) -> tuple[list[Any], ...]:
         """Per row: its generator, temperature and eos; the public repetition processors."""
@@ -198,20 +218,34 @@ class BatchedTTS:
         return gens, temps, eos, processors
 
     def _keep(self, row: Row, slot: int, fed: int) -> None:
-        """A speaker's TTS state after its chunk: reset at a turn's end, else its cache taken
-        back from `slot` onto its duplex object and its position moved by `fed` tokens."""
+        """A speaker's TTS state after its chunk: reset at a turn's end (its slot emptied),
+        else its position moved by the `fed` tokens its slot now holds."""
         d = row.duplex
         if row.end_of_turn:
             d.tts_text_start_pos = 0
             d.tts_past_key_values = None
             d.tts_current_turn_start_time = None
+            self.cache.rewind(slot, 0)
             return
-        keys, values = self.cache.take(slot)
-        past = DynamicCache()
-        for layer, (key, value) in enumerate(zip(keys, values, strict=True)):
-            past.update(key[None], value[None], layer)
-        d.tts_past_key_values = past
         d.tts_text_start_pos += fed
+
+    def unslot(self, session: MiniCPMOSession, d: Any) -> None:
+        """The session's TTS past from its slot back onto its duplex object `d` (a
+        DynamicCache; None where the slot is empty), the slot freed: the serial path goes
+        on from there. Nothing where it holds no slot."""
+        slot = session.tts_slot
+        if slot is None:
+            return
+        cache = self.cache
+        if cache.length(slot):
+            d.tts_past_key_values = dynamic(*cache.take(slot))
+        self.release(session)
+
+    def release(self, session: MiniCPMOSession) -> None:
+        """The session's TTS slot freed (it leaves, or the serial path takes over)."""
+        if session.tts_slot is not None:
+            self.cache.release(session.tts_slot)
+            session.tts_slot = None
 
     def _eos(self, row: Row) -> int:
         eos = getattr(row.duplex, "tts_eos_token", None)
