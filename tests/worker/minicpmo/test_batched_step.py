@@ -510,6 +510,16 @@ def test_a_failing_row_fails_alone(eng16):
     assert stepper.cache.claimed() == []
 
 
+def _stepped(stepper, s, unit) -> Any:
+    """One unit of session `s` alone through the stepper, finalized; its result."""
+    pcm, frames, slices, force = unit
+    outcome = stepper.step([StepRow(s, pcm, frames, slices, force)])
+    got = outcome.rows[0]
+    assert not isinstance(got, Exception)
+    assert stepper.finalize([s]) == [None]
+    return got[1]
+
+
 def test_serial_path_between_steps(eng16):
     """A batched session's unit through the serial path (its KV cache goes back to the
     decoder, the deferred finalize is fed), then batched again: still its solo run."""
@@ -527,11 +537,7 @@ def test_serial_path_between_steps(eng16):
                 result = s.generate(force)
                 s.finalize()
             else:
-                outcome = stepper.step([StepRow(s, pcm, frames, slices, force)])
-                got_row = outcome.rows[0]
-                assert not isinstance(got_row, Exception)
-                result = got_row[1]
-                assert stepper.finalize([s]) == [None]
+                result = _stepped(stepper, s, (pcm, frames, slices, force))
                 assert s.kv_slot is not None
                 logits = stepper.prefill_logits["mixed"]
             got.append(_record(s, result, logits, []))
@@ -613,11 +619,7 @@ def test_a_speaker_through_the_serial_path_mid_turn_keeps_its_tts_past(eng16, ca
                 # the chunk went on from the slot's past: it holds the whole turn so far
                 assert d.tts_past_key_values.get_seq_length() == d.tts_text_start_pos > 0
             else:
-                outcome = stepper.step([StepRow(s, pcm, frames, slices, force)])
-                got_row = outcome.rows[0]
-                assert not isinstance(got_row, Exception)
-                result = got_row[1]
-                assert stepper.finalize([s]) == [None]
+                result = _stepped(stepper, s, (pcm, frames, slices, force))
                 assert s.tts_slot is not None and d.tts_past_key_values is None
                 assert stepper.tts.cache.length(s.tts_slot) == d.tts_text_start_pos
                 logits = stepper.prefill_logits["mixed-tts"]
