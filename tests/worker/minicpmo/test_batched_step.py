@@ -429,6 +429,31 @@ def test_tts_tokens_equal_solo(eng16, capture_tts, request, shapes):
         assert stepper.tts.static.calls > 0
 
 
+def test_tts_conditions_of_all_speakers_at_once_are_the_public_ones(
+    eng16, capture_tts, monkeypatch
+):
+    """The TTS conditions the batched step makes for all speakers at once equal the public
+    `_convert_results_to_tts_input` of each speaker's unit (float32: within 1e-6)."""
+    from omnifabric.worker.engines.minicpmo import tts as tts_module
+
+    made = tts_module.BatchedTTS._conditions
+    seen: list[int] = []
+
+    def checked(self, rows):
+        conds = made(self, rows)
+        for row, cond in zip(rows, conds, strict=True):
+            public = row.duplex._convert_results_to_tts_input(row.hidden)[0]
+            assert cond.shape == public.shape
+            assert (cond - public).abs().max().item() <= 1e-6
+            seen.append(len(row.hidden))
+        return conds
+
+    monkeypatch.setattr(tts_module.BatchedTTS, "_conditions", checked)
+    plans = [plan(eng16, 30 + k, seed=800 + k, tts=True) for k in range(3)]
+    batched(eng16, plans, captured=capture_tts)
+    assert len(seen) >= 3 and max(seen) > 0  # speakers with spoken tokens were checked
+
+
 @pytest.mark.parametrize("shapes", ["ragged", "static"])
 def test_tts_ahead_of_the_host_equals_solo(eng16, capture_tts, request, monkeypatch, shapes):
     """The TTS's token loop with the device two steps beyond the host's reading (tts._Chunk,
@@ -520,10 +545,12 @@ def _stepped(stepper, s, unit) -> Any:
     return got[1]
 
 
-def test_serial_path_between_steps(eng16):
+@pytest.mark.parametrize("seed", [None, 77])
+def test_serial_path_between_steps(eng16, seed):
     """A batched session's unit through the serial path (its KV cache goes back to the
-    decoder, the deferred finalize is fed), then batched again: still its solo run."""
-    p = plan(eng16, 0)
+    decoder, the deferred finalize is fed), then batched again: still its solo run; a
+    sampling session's draws too (its generator's state goes to its global RNG and back)."""
+    p = plan(eng16, 0, seed=seed)
     want = solo(eng16, p)
     stepper = eng16.stepper()
     s = _prepare(eng16, "mixed", p)
@@ -589,10 +616,9 @@ def test_a_speaker_through_the_serial_path_mid_turn_keeps_its_tts_past(eng16, ca
     """A speaking session's TTS past lives in its TTS slot from chunk to chunk (tts.py): a
     unit through the serial path mid-turn gets it back on the duplex object and goes on
     from it, the next batched unit loads it into a slot again, and closing frees the slot.
-    Every unit's LLM side and TTS positions are its solo run's; the TTS tokens are compared
-    for the first unit only: a seeded session's batched draws advance its own generator,
-    its serial ones the session's global RNG state (engine.py), so the serial unit after a
-    batched one draws other codes than the solo run."""
+    Every unit is its solo run's, its TTS codes too: a seeded session's draws go on from
+    its generator to its global RNG state and back where it changes paths
+    (decode.draws_to_serial, draws_from_serial)."""
     stepper = eng16.stepper()
     found = None
     for k in range(40, 64):
@@ -626,13 +652,7 @@ def test_a_speaker_through_the_serial_path_mid_turn_keeps_its_tts_past(eng16, ca
             got.append(_record(s, result, logits, capture_tts.pop(id(d), [])))
     finally:
         s.close()
-    assert got[0]["tts"] == want[0]["tts"]
-    drawn = ("tts", "audio", "n_tts")  # the serial unit's draws (the docstring)
-    compare(
-        [{k: v for k, v in w.items() if k not in drawn} for w in want],
-        [{k: v for k, v in g.items() if k not in drawn} for g in got],
-        "batched, serial, batched (speaking)",
-    )
+    compare(want, got, "batched, serial, batched (speaking)")
     assert stepper.cache.claimed() == [] and stepper.tts.cache.claimed() == []
 
 

@@ -62,6 +62,35 @@ def generator(session: MiniCPMOSession, device: torch.device) -> torch.Generator
     return g
 
 
+def draws_to_serial(session: MiniCPMOSession) -> None:
+    """A seeded session leaving the batched path: the global RNG of its generator's device,
+    which the serial path (the public code) draws from, goes on from where the generator's
+    draws left it. Call it inside `engine.using(session)` (the global RNG is then the
+    session's own, state.py)."""
+    g = session.generator
+    if g is None:
+        return
+    if g.device.type == "cuda":
+        torch.cuda.set_rng_state(g.get_state(), g.device)
+    else:
+        torch.set_rng_state(g.get_state())
+
+
+def draws_from_serial(session: MiniCPMOSession, device: torch.device) -> None:
+    """A seeded session entering the batched path: its generator on `device` goes on from
+    its global RNG's state there (what prepare's seed and its serial draws left), so its
+    draws are the ones it would make alone whichever path a unit takes. Inside
+    `engine.using(session)`."""
+    if not seeded(session):
+        return
+    g = generator(session, device)
+    device = torch.device(device)
+    if device.type == "cuda":
+        g.set_state(torch.cuda.get_rng_state(device))
+    else:
+        g.set_state(torch.get_rng_state())
+
+
 def seeded(session: MiniCPMOSession) -> bool:
     """Whether the session's draws follow from its own seed (its own generator)."""
     return session.settings.seed is not None

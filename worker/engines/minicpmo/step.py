@@ -253,7 +253,8 @@ class MiniCPMOStepper(Stepper):
         return done
 
     def _slot_in(self, session: MiniCPMOSession) -> None:
-        """Move the session's LLM KV cache from its decoder into a slot of its own."""
+        """Move the session's LLM KV cache from its decoder into a slot of its own (and a
+        seeded session's draws onto its own generator, decode.draws_from_serial)."""
         cache = self.cache
         slot = cache.claim()
         decoder = session.handle.duplex.decoder
@@ -268,6 +269,8 @@ class MiniCPMOStepper(Stepper):
             raise
         decoder.cache = None
         session.kv_slot = slot
+        with self.engine.using(session):
+            decode.draws_from_serial(session, cache.device)
 
     def unslot(self, session: MiniCPMOSession) -> None:
         """The session's KV cache back into its decoder (a DynamicCache), its slot freed, and
@@ -286,6 +289,7 @@ class MiniCPMOStepper(Stepper):
         past = dynamic(keys, values)
         d = session.handle.duplex
         with self.engine.using(session), torch.no_grad():
+            decode.draws_to_serial(session)
             d.decoder.cache = past if keys and keys[0].shape[-2] else None
             cache.release(slot)
             session.kv_slot = None
