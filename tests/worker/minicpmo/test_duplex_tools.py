@@ -65,18 +65,27 @@ def eng(request, tiny_dirs):
 def spoken(eng, monkeypatch) -> dict[int, list[list[int]]]:
     """The token ids each TTS condition was made of, per duplex object (a list a unit); the
     vocoder is replaced by silence (CPU), in both paths."""
+    from omnifabric.worker.engines.minicpmo import tts
+
     duplex_class = type(eng._free[0].duplex)
     convert = duplex_class._convert_results_to_tts_input
+    cut = tts.BatchedTTS._spoken  # the batched step's (its conditions made at once)
     seen: dict[int, list[list[int]]] = {}
 
     def recorded(self, results):
         seen.setdefault(id(self), []).append([int(r[0]) for r in results])
         return convert(self, results)
 
+    def recorded_row(row):
+        entries = cut(row)
+        seen.setdefault(id(row.duplex), []).append([int(r[0]) for r in entries])
+        return entries
+
     def silence(self, new_tokens, prompt_wav_path, is_last_chunk=False, force_flush=False):
         return np.zeros(240, np.float32)
 
     monkeypatch.setattr(duplex_class, "_convert_results_to_tts_input", recorded)
+    monkeypatch.setattr(tts.BatchedTTS, "_spoken", staticmethod(recorded_row))
     monkeypatch.setattr(duplex_class, "_generate_waveform_from_tokens", silence)
     monkeypatch.setattr(eng, "vocoder_batched", False)
     return seen

@@ -295,9 +295,15 @@ class CallWatch:
         the unit's tokens before "<tool_call>" only (entries are [token id, hidden, eot])."""
 
         def cut(results: list[Any]) -> Any:
-            return convert(results[: self.speakable([int(r[0]) for r in results])])
+            return convert(self.spoken(results))
 
         return cut
+
+    def spoken(self, results: list[Any]) -> list[Any]:
+        """A unit's entries ([token id, hidden, eot]) that the TTS speaks: those before
+        "<tool_call>" (the serial path's condition through `tts_input`, the batched step's
+        in tts.py)."""
+        return results[: self.speakable([int(r[0]) for r in results])]
 
     def speakable(self, ids: list[int]) -> int:
         """How many of a unit's tokens come before "<tool_call>" (0 inside a call)."""

@@ -84,7 +84,6 @@ def draws_from_serial(session: MiniCPMOSession, device: torch.device) -> None:
     if not seeded(session):
         return
     g = generator(session, device)
-    device = torch.device(device)
     if device.type == "cuda":
         g.set_state(torch.cuda.get_rng_state(device))
     else:

@@ -280,7 +280,7 @@ class MiniCPMOStepper(Stepper):
 
     def _unslot(self, session: MiniCPMOSession) -> None:
         if self.tts is not None:  # its TTS past too (tts.py keeps it in a slot)
-            self.tts.unslot(session, session.handle.duplex)
+            self.tts.unslot(session)
         slot = session.kv_slot
         if slot is None:
             return

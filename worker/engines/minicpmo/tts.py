@@ -178,21 +178,30 @@ class BatchedTTS:
         return picked
 
     def _conditions(self, rows: list[Row]) -> list[torch.Tensor]:
-        """Each speaker's TTS condition [n + 1, h] (its unit's n spoken tokens, then the
-        audio bos): the public `_convert_results_to_tts_input` of each, computed for all
+        """Each speaker's TTS condition [n + 1, h] (its unit's n spoken tokens, `_spoken`,
+        then the audio bos): the public `_convert_results_to_tts_input` of each, for all
         speakers at once (one transfer of the token ids, one lookup, one projection and
         norm; the public method makes two blocking copies and ~12 ops a speaker)."""
         tts = self.tts
         device = tts.emb_text.weight.device
         bos = tts.emb_text(on_device([tts.audio_bos_token_id], device, torch.long))  # [1, h]
-        counts = [len(row.hidden) for row in rows]
+        units = [self._spoken(row) for row in rows]
+        counts = [len(unit) for unit in units]
         if not sum(counts):
             return [bos for _ in rows]
-        ids = on_device([item[0] for row in rows for item in row.hidden], device, torch.long)
-        hidden = torch.cat([item[1].squeeze(0) for row in rows for item in row.hidden])
+        ids = on_device([item[0] for unit in units for item in unit], device, torch.long)
+        hidden = torch.cat([item[1].squeeze(0) for unit in units for item in unit])
         semantic = F.normalize(tts.projector_semantic(hidden), p=2, dim=-1)
         spoken = (tts.emb_text(ids) + semantic).split(counts)
         return [torch.cat([part, bos]) for part in spoken]
+
+    @staticmethod
+    def _spoken(row: Row) -> list[Any]:
+        """The entries of the speaker's unit ([token id, hidden, eot]) its TTS speaks: all,
+        or where it was offered functions those before a call (calls.CallWatch.spoken, as
+        the serial path's condition cuts them)."""
+        watch = row.session.watch
+        return row.hidden if watch is None else watch.spoken(row.hidden)
 
     def _load(self, row: Row, slots: list[int]) -> int:
         """A speaker's minimum length for its chunk; its slot appended to `slots`."""
@@ -214,11 +223,11 @@ class BatchedTTS:
         if slot is None:
             slot = session.tts_slot = cache.claim()
         past = d.tts_past_key_values
-        d.tts_past_key_values = None  # the slot holds it from here
         if past is not None and past.get_seq_length() > 0:
             cache.put(slot, [k[0] for k in past.key_cache], [v[0] for v in past.value_cache])
         elif past is not None or d.tts_text_start_pos == 0:
             cache.rewind(slot, 0)
+        d.tts_past_key_values = None  # the slot holds it from here
         return slot
 
     def _sampling(self, rows: list[Row], device: Any) -> tuple[list[Any], ...]:
@@ -244,16 +253,16 @@ class BatchedTTS:
             return
         d.tts_text_start_pos += fed
 
-    def unslot(self, session: MiniCPMOSession, d: Any) -> None:
-        """The session's TTS past from its slot back onto its duplex object `d` (a
-        DynamicCache; None where the slot is empty), the slot freed: the serial path goes
-        on from there. Nothing where it holds no slot."""
+    def unslot(self, session: MiniCPMOSession) -> None:
+        """The session's TTS past from its slot back onto its duplex object (a DynamicCache;
+        None where the slot is empty), the slot freed: the serial path goes on from there.
+        Nothing where it holds no slot."""
         slot = session.tts_slot
         if slot is None:
             return
         cache = self.cache
         if cache.length(slot):
-            d.tts_past_key_values = dynamic(*cache.take(slot))
+            session.handle.duplex.tts_past_key_values = dynamic(*cache.take(slot))
         self.release(session)
 
     def release(self, session: MiniCPMOSession) -> None:
