@@ -269,8 +269,9 @@ class MiniCPMOStepper(Stepper):
             raise
         decoder.cache = None
         session.kv_slot = slot
-        with self.engine.using(session):
-            decode.draws_from_serial(session, cache.device)
+        if decode.seeded(session):
+            with self.engine.using(session):
+                decode.draws_from_serial(session, cache.device)
 
     def unslot(self, session: MiniCPMOSession) -> None:
         """The session's KV cache back into its decoder (a DynamicCache), its slot freed, and
