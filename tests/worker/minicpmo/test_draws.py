@@ -10,13 +10,16 @@ gives, over thousands of draws; a control with another row's settings must diffe
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnifabric.worker.engines.minicpmo import decode, layouts
+from omnifabric.worker.engines.minicpmo import tts as tts_module
 from omnifabric.worker.engines.minicpmo.engine import SAMPLING_DEFAULTS
 from omnifabric.worker.engines.minicpmo.tts import BatchedTTS
 
@@ -275,3 +278,46 @@ def test_the_repetition_penalty_over_rows_is_each_rows_own():
     got = decode._adjust(logits, rows, plans, history)
     assert torch.equal(got, torch.stack(want))
     assert not torch.equal(got, logits)  # the penalty did something
+
+
+class _Reads(TorchDispatchMode):
+    """Counts device values read on the host (`.item()`, `int()` of a tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_tts_reads_each_speakers_eos_and_temperature_once_per_tensor():
+    t = object.__new__(BatchedTTS)
+    t.tts = SimpleNamespace(num_vq=1, config=SimpleNamespace(num_audio_tokens=40))
+    t.gen_logits = lambda num_code, repetition_penalty: ([], [])
+    t._made = tts_module._PerTensor()
+    first = SimpleNamespace(
+        tts_temperature=torch.tensor([0.7]),
+        tts_eos_token=torch.tensor([39]),
+        tts_repetition_penalty=1.05,
+    )
+    clones = [copy.copy(first) for _ in range(6)]  # the slots' duplex objects share them
+    session = SimpleNamespace(settings=SimpleNamespace(seed=None))
+    rows = [SimpleNamespace(duplex=d, session=session) for d in clones]
+    with _Reads() as counted:
+        _, temps, eos, _ = t._sampling(rows, torch.device("cpu"))
+    assert counted.reads == 1 and eos == [39] * 6
+    assert all(torch.equal(x, torch.tensor([[0.7]])) for x in temps)
+    with _Reads() as counted:
+        for _ in range(3):  # later chunks read nothing
+            _, temps_again, eos, _ = t._sampling(rows, torch.device("cpu"))
+    assert counted.reads == 0 and eos == [39] * 6
+    assert all(a is b for a, b in zip(temps, temps_again, strict=True))
+    # A duplex object given other tensors gets its own values, the others keep theirs.
+    clones[2].tts_eos_token = torch.tensor([7])
+    clones[2].tts_temperature = torch.tensor([0.3])
+    _, temps, eos, _ = t._sampling(rows, torch.device("cpu"))
+    assert eos == [39, 39, 7, 39, 39, 39]
+    assert temps[2].item() == pytest.approx(0.3) and temps[1].item() == pytest.approx(0.7)

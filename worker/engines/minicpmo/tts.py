@@ -87,6 +87,8 @@ class BatchedTTS:
         graphs on CUDA (graphs.StaticDecode; the heads run after it), where the engine's
         decode is static (`--cuda-graphs`)."""
         self.gen_logits = sys.modules[type(tts).__module__].gen_logits
+        self._made = _PerTensor()
+        """A speaker's eos id and temperature row, made once per source tensor."""
 
     def run(self, rows: list[Row], phases: dict[str, float]) -> None:
         """TTS tokens, then audio, of every speaking row (row.tts_tokens, row.wave)."""
@@ -233,7 +235,8 @@ class BatchedTTS:
     def _sampling(self, rows: list[Row], device: Any) -> tuple[list[Any], ...]:
         """Per row: its generator, temperature and eos; the public repetition processors."""
         gens = [generator(r.session, device) if seeded(r.session) else None for r in rows]
-        temps = [r.duplex.tts_temperature.to(device).reshape(1, 1).float() for r in rows]
+        made = self._made
+        temps = [made.get(r.duplex.tts_temperature, _temperature_row, device) for r in rows]
         eos = [self._eos(r) for r in rows]
         processors = self.gen_logits(
             num_code=self.tts.config.num_audio_tokens,
@@ -275,7 +278,7 @@ class BatchedTTS:
         eos = getattr(row.duplex, "tts_eos_token", None)
         if eos is None:
             return int(self.tts.config.num_audio_tokens) - 1
-        return int(eos.reshape(-1)[0])
+        return self._made.get(eos, _first_int, None)
 
     def _forward(
         self, slots: list[int], embeds: list[torch.Tensor], positions: list[torch.Tensor]
@@ -329,6 +332,41 @@ class BatchedTTS:
             if row.end_of_turn:
                 d._reset_token2wav_for_new_turn()
         row.wave = wave
+
+
+class _PerTensor:
+    """Values made from tensors that stay the same objects while the worker runs: the duplex
+    object's TTS temperature and eos id, set once when it is built and shared by the clones
+    of every slot (layouts.clone_duplex), never changed in place. Read from the device a
+    speaker and chunk, they cost a blocking transfer each (a sync on a GPU: 64 a step at 64
+    speakers); made once per tensor here (a tensor replaced is a new key)."""
+
+    #: Entries kept before the memo starts over (one per distinct tensor: 1 in practice).
+    LIMIT = 64
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, Any], tuple[torch.Tensor, Any]] = {}
+
+    def get(self, tensor: torch.Tensor, make: Any, device: Any) -> Any:
+        """`make(tensor, device)`, made on the first call for this tensor object."""
+        key = (id(tensor), device)
+        hit = self._made.get(key)
+        if hit is not None and hit[0] is tensor:
+            return hit[1]
+        if len(self._made) >= self.LIMIT:
+            self._made.clear()
+        value = make(tensor, device)
+        self._made[key] = (tensor, value)  # the tensor held: its id is not reused meanwhile
+        return value
+
+
+def _temperature_row(temperature: torch.Tensor, device: Any) -> torch.Tensor:
+    """A speaker's TTS temperature as the [1, 1] float32 row its logits divide by."""
+    return temperature.to(device).reshape(1, 1).float()
+
+
+def _first_int(tensor: torch.Tensor, _device: Any) -> int:
+    return int(tensor.reshape(-1)[0])
 
 
 @dataclass
@@ -385,6 +423,11 @@ class _Chunk:
         the host may still learn that the row stopped before t."""
 
     def run(self) -> None:
+        # The heads' weight norm computed once for the chunk, not at each of its steps.
+        with parametrize.cached():
+            self._run()
+
+    def _run(self) -> None:
         batch = list(range(len(self.kept)))  # the rows the host has not seen stop
         last = CHUNK_TOKENS - 1
         for t in range(CHUNK_TOKENS):
@@ -427,10 +470,9 @@ class _Chunk:
                 at_d = on_device(at, self.device, torch.long)
                 positions = [at_d[k : k + 1] for k in range(len(batch))]
                 hidden = owner._forward([slots[i] for i in batch], embeds, positions)
-        with parametrize.cached():
-            logits = torch.stack(
-                [tts.head_code[q](hidden) for q in range(tts.num_vq)], dim=-1
-            )  # [A, V, vq]
+        logits = torch.stack(
+            [tts.head_code[q](hidden) for q in range(tts.num_vq)], dim=-1
+        )  # [A, V, vq]: weight-normed heads, their weights made once a chunk (run)
         logits = logits.float().permute(0, 2, 1).reshape(-1, logits.size(1))
         logits = logits / temps
         if t > 0:
