@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="minicpmo: the batched decode in static shapes replayed as CUDA graphs (worker's)",
     )
     parser.add_argument(
+        "--vocoder-tf32",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="minicpmo: the vocoder's float32 matrix products in TF32 on CUDA (worker's)",
+    )
+    parser.add_argument(
         "--decode-ahead",
         type=int,
         default=None,
@@ -175,6 +181,7 @@ def make_config(args: argparse.Namespace) -> tuple[WorkerConfig, list[str]]:
         "compile": True if args.compile else None,
         "cuda_graphs": args.cuda_graphs,
         "decode_ahead": args.decode_ahead,
+        "vocoder_tf32": args.vocoder_tf32,
     }
     overrides: dict[str, Any] = {"engine": args.engine}
     if args.batched:

@@ -4,11 +4,15 @@ The batched call runs two ways in the same run: ragged eager forwards, and its f
 in static shapes (vocoder_flow; replayed as CUDA graphs on CUDA, eager on a CPU).
 
     python -m omnifabric.tools.vocoder_bench --device cuda --counts 1,8,16,32,64 \\
-        [--assets DIR | --full] [--voice A.wav --voice B.wav] [--json out.json]
+        [--assets DIR | --full] [--voice A.wav --voice B.wav] [--timesteps 10] \\
+        [--tf32 off|on|both] [--json out.json]
 
 Without --assets it builds random-weight assets (tools/vocoder_assets.py; --full: the
 released sizes) in a temporary folder. Sessions take the voices in turn. Each figure is the
 median of 4 timed calls after 2 untimed ones (the conformer compiles its variants then).
+--timesteps: the flow's Euler steps (the package's default 10, as the HF layout's vocoder;
+the unified layout builds it with 5). --tf32 both: every figure with the vocoder's float32
+matrix products in full float32, then in TF32 (vocoder.precision), in one run.
 """
 
 from __future__ import annotations
@@ -36,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--assets", type=Path, default=None, help="a token2wav folder")
     parser.add_argument("--full", action="store_true", help="built assets: the released sizes")
     parser.add_argument("--voice", action="append", default=[], help="voice WAV (repeatable)")
+    parser.add_argument("--timesteps", type=int, default=10, help="flow Euler steps (10)")
+    parser.add_argument(
+        "--tf32",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the vocoder's float32 matrix products in TF32 (both: off, then on)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     return parser
 
@@ -118,11 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         if folder is None:
             folder = Path(tmp) / "token2wav"
             vocoder_assets.build(folder, full=args.full)
-        t2w = vocoder.make(folder, device=args.device)
+        t2w = vocoder.make(folder, device=args.device, n_timesteps=args.timesteps)
         sync = torch.cuda.synchronize if t2w.device.type == "cuda" else (lambda: None)
-        print(f"stream per session: measuring on {args.device}", flush=True)
-        out = measure(t2w, voices, counts, sync)
-    print(f"stream per session: {out['stream_ms']:.0f} ms a chunk (1 s of audio)")
+        settings = {"off": [False], "on": [True], "both": [False, True]}[args.tf32]
+        out: dict[str, Any] = {"timesteps": args.timesteps, "settings": []}
+        for tf32 in settings:
+            t2w.tf32 = tf32
+            name = "TF32" if tf32 else "full float32"
+            print(f"stream per session: measuring on {args.device}, {name}", flush=True)
+            figures = measure(t2w, voices, counts, sync)
+            figures["tf32"] = tf32
+            out["settings"].append(figures)
+            print(f"stream per session ({name}): {figures['stream_ms']:.0f} ms a chunk (1 s)")
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -286,6 +286,19 @@ class WorkerConfig(FabricTls):
     steps padded to bucketed static shapes and, on CUDA, captured and replayed as CUDA graphs
     (auto: on where the device is CUDA; on a CPU, on runs the static shapes eagerly; off: the
     ragged forwards)."""
+    vocoder_tf32: str = setting(
+        "auto",
+        env="OMNI_WORKER_VOCODER_TF32",
+        flag="--vocoder-tf32",
+        choices=("auto", "on", "off"),
+        help="minicpmo: the vocoder's float32 matrix products in TF32 on CUDA (auto: unless "
+        "the weights are float32)",
+    )
+    """minicpmo: the vocoder (float32 whatever the weights) runs its matrix products in TF32
+    on CUDA: its flow is ~88 GFLOP a speaker and second of audio, which full float32 runs at
+    a seventh of the tensor cores' rate (vocoder.precision). auto: on where the device is
+    CUDA and the weights are not float32 (a float32 engine means float32 throughout); off:
+    full float32. PyTorch runs convolutions in TF32 either way (its default)."""
     decode_ahead: int | None = setting(
         None,
         env="OMNI_WORKER_DECODE_AHEAD",

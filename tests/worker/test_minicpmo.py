@@ -495,3 +495,27 @@ def test_the_batched_vocoder_is_kept_per_setting(tmp_path, monkeypatch):
     engine.cuda_graphs = "on"
     assert engine.batched_vocoder() is static and engine.batched_vocoder() is static
     assert made == [static, ragged]
+
+
+@pytest.mark.parametrize(
+    "device, dtype, setting, tf32",
+    [
+        ("cuda", None, "auto", True),  # bfloat16 weights: the vocoder's products in TF32
+        ("cuda:1", "bfloat16", "auto", True),
+        ("cuda", "float32", "auto", False),  # float32 asked for: float32 throughout
+        ("cpu", None, "auto", False),
+        ("cuda", None, "off", False),
+        ("cuda", "float32", "on", True),
+    ],
+)
+def test_the_vocoders_tf32_follows_the_setting_and_the_weights(device, dtype, setting, tf32):
+    engine = MiniCPMOEngine("/nowhere", device=device, dtype=dtype, vocoder_tf32=setting)
+    assert engine.vocoder_in_tf32 is tf32
+
+
+def test_the_vocoders_tf32_setting_reaches_the_engine_and_is_checked():
+    config = WorkerConfig.from_env({"OMNI_WORKER_VOCODER_TF32": "off"})
+    assert MiniCPMOEngine.from_config(config).vocoder_tf32 == "off"
+    assert MiniCPMOEngine.from_config(WorkerConfig.from_env({})).vocoder_tf32 == "auto"
+    with pytest.raises(ValueError, match="vocoder_tf32 is auto, on or off"):
+        MiniCPMOEngine("/nowhere", vocoder_tf32="yes")

@@ -3,8 +3,10 @@
 # install offline, the opt-in equality tests on CUDA (speech, vocoder, static decode, mel),
 # the full-size random-weight checkpoint with its vocoder (~40 s), then gpu_sessions' figures
 # with nvidia-smi sampled each second. Output under $OUT (the device tool brings it back).
-#   STAGE=all|tests|vocoder|figures  TEST_S / VOC_S / FIG_S: time limits  TEST_K: pytest -k
+#   STAGE=all or a comma list of tests,vocoder,figures (one device call runs at most 600 s:
+#   tests,vocoder in one, figures in the next)  TEST_S / VOC_S / FIG_S: time limits  TEST_K: pytest -k
 #   VOC_COUNTS=1,8,32,64: vocoder_bench's sessions (ragged vs static/graphs, released sizes)
+#   VOC_STEPS=5 (the unified layout's flow steps)  VOC_TF32=both (full float32, then TF32)
 #   COUNTS=1,16,32,64  UNITS=8  MODES=batched,batched-eager,serial-vocoder  EXTRA="--profile /tmp/prof"
 set -u
 export PYTHONUNBUFFERED=1
@@ -16,19 +18,20 @@ export OMNI_CACHE_DIR=$PWD/.gpu/cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "import torch, torchaudio; print(torch.__version__, torchaudio.__version__)" | tee -a $OUT/gpu.txt
 STAGE=${STAGE:-all}
-if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
+want() { [[ ",$STAGE," == *",all,"* || ",$STAGE," == *",$1,"* ]]; }
+if want tests; then
   OMNI_MINICPMO_CODE_DIR=$PWD/.gpu/code/MiniCPMO45 OMNI_MINICPMO_SDK=$(ls $PWD/.gpu/sdk/*.whl) \
   OMNI_MINICPMO_DEVICE=cuda OMNI_MINICPMO_DTYPE=float32 \
   timeout ${TEST_S:-200} python3 -m pytest -q -x -p no:cacheprovider tests/worker/minicpmo/test_vocoder_batch.py \
      tests/worker/minicpmo/test_batched_step.py tests/worker/minicpmo/test_mel.py -k "${TEST_K:-speech or vocoder or greedy_equals_solo or static or mel or unseeded or decode_ahead or tts_ahead or graphs_captured or steady_buckets}" 2>&1 | tail -25 | tee $OUT/tests.txt
   echo "tests done at $(( $(date +%s) - t0 )) s"
 fi
-if [ "$STAGE" = all ] || [ "$STAGE" = vocoder ]; then
-  timeout ${VOC_S:-150} python3 -m omnifabric.tools.vocoder_bench --device cuda --full \
-     --counts ${VOC_COUNTS:-1,8,32,64} --json $OUT/vocoder.json 2>&1 | grep -v Warning | tail -12 | tee $OUT/vocoder.txt
+if want vocoder; then
+  timeout ${VOC_S:-180} python3 -m omnifabric.tools.vocoder_bench --device cuda --full \
+     --counts ${VOC_COUNTS:-1,8,32,64} --timesteps ${VOC_STEPS:-5} --tf32 ${VOC_TF32:-both} --json $OUT/vocoder.json 2>&1 | grep -v Warning | tail -16 | tee $OUT/vocoder.txt
   echo "vocoder done at $(( $(date +%s) - t0 )) s"
 fi
-if [ "$STAGE" = all ] || [ "$STAGE" = figures ]; then
+if want figures; then
   python3 -m omnifabric.tools.minicpmo_tiny --code-dir .gpu/code/MiniCPMO45 --sdk $(ls .gpu/sdk/*.whl) \
      --out /tmp/ck --full --device cuda 2>&1 | tail -3 | tee $OUT/build.txt
   echo "built at $(( $(date +%s) - t0 )) s"

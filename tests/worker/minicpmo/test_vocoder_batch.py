@@ -359,3 +359,42 @@ def test_static_calls_past_the_kept_buckets_run_ragged(
     batched = run_plan(t2w, plan(voices, 3), seed=21, static=True)
     assert len(batched.flow._shapes) == len(batched.flow.buckets) == 1
     assert len(batched.hift.decoder.shapes) == 1
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_the_vocoder_runs_in_tf32_only_where_it_was_made_so(
+    t2w: Any, voices: list[str], tf32: bool
+) -> None:
+    """Every product of the estimator and the HiFT (their linear and convolution layers) in
+    a voice's preparation, a lone stream and a batched call sees TF32 exactly where the
+    vocoder was made so; the process's setting is
+    as it was after each (vocoder.precision)."""
+    matmul = torch.backends.cuda.matmul
+    seen: list[bool] = []
+    linears = [
+        module
+        for part in (t2w.flow.decoder.estimator, t2w.hift)
+        for module in part.modules()
+        if isinstance(module, torch.nn.Linear | torch.nn.Conv1d)
+    ]
+    hooks = [
+        module.register_forward_pre_hook(lambda *_: seen.append(matmul.allow_tf32))
+        for module in linears
+    ]
+    before, t2w.tf32 = getattr(t2w, "tf32", False), tf32
+    try:
+        session = Session(voices[1], 0, 1, None)
+        start(t2w, session)
+        assert seen and set(seen) == {tf32} and matmul.allow_tf32 is False
+        seen.clear()
+        alone(t2w, session, list(range(3, 3 + CHUNK)), False)
+        assert seen and set(seen) == {tf32} and matmul.allow_tf32 is False
+        seen.clear()
+        tokens = list(range(5, 5 + CHUNK))
+        job = VocoderJob(tokens, False, session.flow, session.hift, session.voice)
+        BatchedVocoder(t2w).run([job])
+        assert seen and set(seen) == {tf32} and matmul.allow_tf32 is False
+    finally:
+        t2w.tf32 = before
+        for hook in hooks:
+            hook.remove()

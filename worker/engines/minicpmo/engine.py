@@ -550,6 +550,7 @@ class MiniCPMOEngine(Engine):
         dtype: str | None = None,
         cuda_graphs: str = "auto",
         decode_ahead: int | None = None,
+        vocoder_tf32: str = "auto",
     ) -> None:
         self.model_path = model_path
         self.device = device
@@ -563,6 +564,11 @@ class MiniCPMOEngine(Engine):
         self.cuda_graphs = cuda_graphs
         """The batched decode's shapes: off ragged; on static (CUDA graphs on CUDA); auto
         static with graphs on CUDA, ragged elsewhere (graphs.py)."""
+        if vocoder_tf32 not in ("auto", "on", "off"):
+            raise ValueError(f"vocoder_tf32 is auto, on or off, not {vocoder_tf32!r}")
+        self.vocoder_tf32 = vocoder_tf32
+        """The vocoder's float32 products in TF32 (vocoder.precision): auto on CUDA unless
+        the weights are float32 (`vocoder_in_tf32`)."""
         if decode_ahead is not None and decode_ahead < 0:
             raise ValueError(f"decode_ahead is 0 or more, not {decode_ahead}")
         self.decode_ahead = decode_ahead
@@ -625,7 +631,16 @@ class MiniCPMOEngine(Engine):
             stepper_class=stepper_class,
             cuda_graphs=config.cuda_graphs,
             decode_ahead=config.decode_ahead,
+            vocoder_tf32=config.vocoder_tf32,
         )
+
+    @property
+    def vocoder_in_tf32(self) -> bool:
+        """Whether the vocoder runs its float32 matrix products in TF32: `vocoder_tf32`, its
+        auto on where the device is CUDA and the weights are not float32."""
+        if self.vocoder_tf32 == "auto":
+            return str(self.device).startswith("cuda") and self.dtype != "float32"
+        return self.vocoder_tf32 == "on"
 
     @property
     def static_decode(self) -> bool:
@@ -671,10 +686,16 @@ class MiniCPMOEngine(Engine):
                 if self.audio_on:
                     from omnifabric.worker.engines.minicpmo import vocoder
 
-                    stack.enter_context(vocoder.installed(self.device))
+                    stack.enter_context(vocoder.installed(self.device, self.vocoder_in_tf32))
                 first = getattr(self, f"_load_{self.layout}")(root, dtype)
         except ImportError as exc:
             raise EngineUnavailable(f"the model code in {root} cannot be imported: {exc}") from exc
+        if self.audio_on and self.device.startswith("cuda"):
+            log.info(
+                "minicpmo: the vocoder's float32 matrix products in %s (--vocoder-tf32 %s)",
+                "TF32" if self.vocoder_in_tf32 else "full float32",
+                self.vocoder_tf32,
+            )
         self.model = first.model
         self.tokenizer = first.tokenizer
         handles = [first] + [

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 
 from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, GraphSet
 from omnifabric.worker.engines.minicpmo.slots import to_device
+from omnifabric.worker.engines.minicpmo.vocoder import precision
 from omnifabric.worker.engines.minicpmo.vocoder_flow import FlowSolver
 
 Tensor = torch.Tensor
@@ -113,7 +114,12 @@ class BatchedVocoder:
 
     @torch.inference_mode()
     def run(self, jobs: Sequence[VocoderJob]) -> list[bytes]:
-        """Each job's int16 PCM (as stream() returns it), its caches advanced."""
+        """Each job's int16 PCM (as stream() returns it), its caches advanced; in the
+        vocoder's precision (vocoder.precision: TF32 where it was made so)."""
+        with precision(self.t2w):
+            return self._run(jobs)
+
+    def _run(self, jobs: Sequence[VocoderJob]) -> list[bytes]:
         self._validate(jobs)
         flowing = [job for job in jobs if job.tokens]
         mels = dict(zip(map(id, flowing), self._flow(flowing) if flowing else [], strict=True))
