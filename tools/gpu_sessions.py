@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--vocoder-tf32",
         choices=("auto", "on", "off"),
         default=None,
-        help="minicpmo: the vocoder's float32 matrix products in TF32 on CUDA (worker's)",
+        help="minicpmo: the vocoder flow's float32 matrix products in TF32 on CUDA (worker's)",
     )
     parser.add_argument(
         "--decode-ahead",

@@ -11,8 +11,11 @@ Without --assets it builds random-weight assets (tools/vocoder_assets.py; --full
 released sizes) in a temporary folder. Sessions take the voices in turn. Each figure is the
 median of 4 timed calls after 2 untimed ones (the conformer compiles its variants then).
 --timesteps: the flow's Euler steps (the package's default 10, as the HF layout's vocoder;
-the unified layout builds it with 5). --tf32 both: every figure with the vocoder's float32
+the unified layout builds it with 5). --tf32 both: every figure with the flow's float32
 matrix products in full float32, then in TF32 (vocoder.precision), in one run.
+--deviation N: how far TF32 moves the audio: N sessions' PCM over 4 chunks against full
+float32 (on a CPU with TF32 emulated: every product of the flow, where precision() puts
+TF32, its operands rounded to TF32's 10 mantissa bits).
 """
 
 from __future__ import annotations
@@ -45,10 +48,118 @@ def build_parser() -> argparse.ArgumentParser:
         "--tf32",
         choices=("off", "on", "both"),
         default="off",
-        help="the vocoder's float32 matrix products in TF32 (both: off, then on)",
+        help="the vocoder flow's float32 matrix products in TF32 (both: off, then on)",
+    )
+    parser.add_argument(
+        "--deviation",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N sessions' PCM over 4 chunks in TF32 against full float32 (on a CPU, "
+        "TF32 emulated)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     return parser
+
+
+def _tf32(x: Any) -> Any:
+    """A float32 tensor rounded to TF32 (10 explicit mantissa bits, to nearest even), as a
+    tensor core reads its operands; anything else as it is."""
+    import torch
+
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        return x
+    bits = x.contiguous().view(torch.int32)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF
+    return bits.view(torch.float32).view_as(x)
+
+
+def emulated_tf32() -> Any:
+    """A torch function mode in which every matrix product's (linear, matmul, attention)
+    float32 operands are rounded to TF32 first, accumulating in float32: TF32 on a CPU."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    products = {
+        F.linear,
+        F.scaled_dot_product_attention,
+        torch.matmul,
+        torch.bmm,
+        torch.baddbmm,
+        torch.addmm,
+        torch.einsum,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+    }
+
+    class Emulated(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func in products:
+                args = tuple(_tf32(a) for a in args)
+            return func(*args, **(kwargs or {}))
+
+    return Emulated()
+
+
+def deviation(t2w: Any, voice: str, n: int, chunks: int = 4) -> list[dict[str, float]]:
+    """n sessions of `voice` through `chunks` batched calls (static shapes, the last one a
+    turn's last), once in full float32 and once in TF32 (the vocoder's own on CUDA, emulated
+    elsewhere): per session its samples, the signal's RMS and the difference's RMS, 99th
+    percentile and maximum (int16 steps) and the signal-to-difference ratio in dB."""
+    import numpy as np
+
+    from omnifabric.worker.engines.minicpmo import vocoder_batch
+
+    rng = np.random.default_rng(1)
+    plan = [[rng.integers(0, VOCAB, CHUNK).tolist() for _ in range(n)] for _ in range(chunks)]
+    cuda = t2w.device.type == "cuda"
+
+    def speak(tf32: bool) -> list[Any]:
+        t2w.tf32 = tf32 and cuda
+        t2w.set_stream_cache(voice)
+        batched = vocoder_batch.BatchedVocoder(t2w, static=True, graphs=cuda)
+        jobs = []
+        for _ in range(n):
+            flow = {k: v.clone() for k, v in t2w.stream_cache.items()}
+            hift = {k: v.clone() for k, v in t2w.hift_cache_dict.items()}
+            jobs.append(vocoder_batch.VocoderJob([], False, flow, hift, voice, t2w.cache[voice]))
+        if tf32 and not cuda:  # the flow's products emulated, as precision() scopes TF32
+            flow = batched._flow
+
+            def emulated(jobs: list[Any]) -> Any:
+                with emulated_tf32():
+                    return flow(jobs)
+
+            batched._flow = emulated  # type: ignore[method-assign]
+        pcm = [b""] * n
+        for k, tokens in enumerate(plan):
+            for job, ids in zip(jobs, tokens, strict=True):
+                job.tokens, job.last_chunk = ids, k == chunks - 1
+            out = batched.run(jobs)
+            pcm = [a + b for a, b in zip(pcm, out, strict=True)]
+        return [np.frombuffer(p, "<i2").astype(np.float64) for p in pcm]
+
+    before = getattr(t2w, "tf32", False)
+    try:
+        full, tf32 = speak(False), speak(True)
+    finally:
+        t2w.tf32 = before
+    out = []
+    for a, b in zip(full, tf32, strict=True):
+        diff = np.abs(a - b)
+        rms, drms = float(np.sqrt((a**2).mean())), float(np.sqrt((diff**2).mean()))
+        out.append(
+            {
+                "samples": len(a),
+                "signal_rms": rms,
+                "diff_rms": drms,
+                "diff_p99": float(np.percentile(diff, 99)),
+                "diff_max": float(diff.max()),
+                "snr_db": 20 * float(np.log10(rms / drms)) if drms else float("inf"),
+            }
+        )
+    return out
 
 
 def _median_ms(call: Any, sync: Any) -> float:
@@ -141,6 +252,17 @@ def main(argv: list[str] | None = None) -> int:
             figures["tf32"] = tf32
             out["settings"].append(figures)
             print(f"stream per session ({name}): {figures['stream_ms']:.0f} ms a chunk (1 s)")
+        if args.deviation:
+            how = "TF32" if t2w.device.type == "cuda" else "TF32 emulated"
+            out["deviation"] = deviation(t2w, voices[0], args.deviation)
+            for i, d in enumerate(out["deviation"]):
+                print(
+                    f"{how} against full float32, session {i}: {d['samples']} samples, "
+                    f"signal rms {d['signal_rms']:.0f}, difference rms {d['diff_rms']:.1f} "
+                    f"p99 {d['diff_p99']:.0f} max {d['diff_max']:.0f} (int16 steps), "
+                    f"{d['snr_db']:.1f} dB",
+                    flush=True,
+                )
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

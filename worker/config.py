@@ -291,14 +291,15 @@ class WorkerConfig(FabricTls):
         env="OMNI_WORKER_VOCODER_TF32",
         flag="--vocoder-tf32",
         choices=("auto", "on", "off"),
-        help="minicpmo: the vocoder's float32 matrix products in TF32 on CUDA (auto: unless "
-        "the weights are float32)",
+        help="minicpmo: the vocoder flow's float32 matrix products in TF32 on CUDA (auto: "
+        "unless the weights are float32)",
     )
-    """minicpmo: the vocoder (float32 whatever the weights) runs its matrix products in TF32
-    on CUDA: its flow is ~88 GFLOP a speaker and second of audio, which full float32 runs at
-    a seventh of the tensor cores' rate (vocoder.precision). auto: on where the device is
-    CUDA and the weights are not float32 (a float32 engine means float32 throughout); off:
-    full float32. PyTorch runs convolutions in TF32 either way (its default)."""
+    """minicpmo: the vocoder's flow (float32 whatever the weights) runs its matrix products
+    in TF32 on CUDA: it is ~88 GFLOP a speaker and second of audio, which full float32 runs
+    at a seventh of the tensor cores' rate (vocoder.precision; the HiFT stays in float32).
+    auto: on where the device is CUDA and the weights are not float32 (a float32 engine
+    means float32 throughout); off: full float32. PyTorch runs convolutions in TF32 either
+    way (its default)."""
     decode_ahead: int | None = setting(
         None,
         env="OMNI_WORKER_DECODE_AHEAD",

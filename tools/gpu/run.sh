@@ -28,7 +28,7 @@ if want tests; then
 fi
 if want vocoder; then
   timeout ${VOC_S:-180} python3 -m omnifabric.tools.vocoder_bench --device cuda --full \
-     --counts ${VOC_COUNTS:-1,8,32,64} --timesteps ${VOC_STEPS:-5} --tf32 ${VOC_TF32:-both} --json $OUT/vocoder.json 2>&1 | grep -v Warning | tail -16 | tee $OUT/vocoder.txt
+     --counts ${VOC_COUNTS:-1,8,32,64} --timesteps ${VOC_STEPS:-5} --tf32 ${VOC_TF32:-both} --deviation 2 --json $OUT/vocoder.json 2>&1 | grep -v Warning | tail -18 | tee $OUT/vocoder.txt
   echo "vocoder done at $(( $(date +%s) - t0 )) s"
 fi
 if want figures; then

@@ -1,14 +1,15 @@
 """The incremental, batched streaming mel (worker/engines/minicpmo/mel.py) against the public
 streaming mel processor, unit by unit (opt-in: OMNI_MINICPMO_CODE_DIR, see conftest).
 
-Three sessions of 55 one-second units each (quiet noise, a loud burst that moves the window's
-maximum, speech-like tones), run through one StreamingMel.run per unit for all three and,
-each on its own copy of the processor, through the public process(): every unit's emitted
-frames within ATOL, and the processors' state the same (window, pointers, counters, the
-extractor's normalization mode). The units pass 5 s (the fixed floor gives way to the
-dynamic range) and 30 s (the window slides by 10 s, three times). A control nudges one cached
-frame and must fail the comparison; a stale cache (the public path ran in between) is
-dropped and the frames computed again.
+Three sessions of 55 one-second units each (two units of digital silence then quiet noise,
+a loud burst that moves the window's maximum, speech-like tones), run through one
+StreamingMel.run per unit for all three and, each on its own copy of the processor, through
+the public process(): every unit's emitted frames within ATOL, and the processors' state
+the same (window, pointers, counters, the extractor's normalization mode). The units pass 5 s
+(the fixed floor, which only silence reaches, gives way to the dynamic range) and 30 s (the
+window slides by 10 s, three times). A control nudges one cached frame and must fail the
+comparison; a stale cache (the public path ran in between) is dropped and the frames
+computed again.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def processor(engine):
 def audio(kind: int, samples: int, unit: int) -> np.ndarray:
     rng = np.random.default_rng(100 * kind + unit)
     x = 0.01 * rng.standard_normal(samples)
+    if kind == 0 and unit < 2:  # digital silence first (a muted caller): the fixed floor
+        x *= 0.0
     if kind == 1 and unit in (12, 33):  # a burst: the window's maximum jumps, then slides out
         x *= 40
     if kind == 2:

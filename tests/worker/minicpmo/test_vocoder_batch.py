@@ -362,38 +362,44 @@ def test_static_calls_past_the_kept_buckets_run_ragged(
 
 
 @pytest.mark.parametrize("tf32", [True, False])
-def test_the_vocoder_runs_in_tf32_only_where_it_was_made_so(
+def test_the_vocoders_flow_runs_in_tf32_only_where_it_was_made_so(
     t2w: Any, voices: list[str], tf32: bool
 ) -> None:
-    """Every product of the estimator and the HiFT (their linear and convolution layers) in
-    a voice's preparation, a lone stream and a batched call sees TF32 exactly where the
-    vocoder was made so; the process's setting is
-    as it was after each (vocoder.precision)."""
+    """Every product of the flow (its encoder's and its estimator's linear layers) in a
+    voice's preparation, a lone stream and a batched call sees TF32 exactly where the
+    vocoder was made so, the HiFT's never (its F0 predictor feeds a phase); the process's
+    setting is as it was after each (vocoder.precision)."""
     matmul = torch.backends.cuda.matmul
-    seen: list[bool] = []
-    linears = [
-        module
-        for part in (t2w.flow.decoder.estimator, t2w.hift)
-        for module in part.modules()
-        if isinstance(module, torch.nn.Linear | torch.nn.Conv1d)
-    ]
-    hooks = [
-        module.register_forward_pre_hook(lambda *_: seen.append(matmul.allow_tf32))
-        for module in linears
-    ]
+    seen: dict[str, list[bool]] = {"flow": [], "hift": []}
+
+    def watch(part: Any, name: str) -> list[Any]:
+        return [
+            module.register_forward_pre_hook(lambda *_: seen[name].append(matmul.allow_tf32))
+            for module in part.modules()
+            if isinstance(module, torch.nn.Linear)
+        ]
+
+    hooks = watch(t2w.flow, "flow") + watch(t2w.hift, "hift")
     before, t2w.tf32 = getattr(t2w, "tf32", False), tf32
+
+    def check() -> None:
+        assert seen["flow"] and set(seen["flow"]) == {tf32}, seen["flow"]
+        assert set(seen["hift"]) <= {False} and matmul.allow_tf32 is False
+        seen["flow"].clear()
+        seen["hift"].clear()
+
     try:
         session = Session(voices[1], 0, 1, None)
         start(t2w, session)
-        assert seen and set(seen) == {tf32} and matmul.allow_tf32 is False
-        seen.clear()
+        check()
         alone(t2w, session, list(range(3, 3 + CHUNK)), False)
-        assert seen and set(seen) == {tf32} and matmul.allow_tf32 is False
-        seen.clear()
+        assert seen["hift"]  # the HiFT ran (its F0 predictor's classifier)
+        check()
         tokens = list(range(5, 5 + CHUNK))
         job = VocoderJob(tokens, False, session.flow, session.hift, session.voice)
         BatchedVocoder(t2w).run([job])
-        assert seen and set(seen) == {tf32} and matmul.allow_tf32 is False
+        assert seen["hift"]
+        check()
     finally:
         t2w.tf32 = before
         for hook in hooks:

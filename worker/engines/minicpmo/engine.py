@@ -567,8 +567,8 @@ class MiniCPMOEngine(Engine):
         if vocoder_tf32 not in ("auto", "on", "off"):
             raise ValueError(f"vocoder_tf32 is auto, on or off, not {vocoder_tf32!r}")
         self.vocoder_tf32 = vocoder_tf32
-        """The vocoder's float32 products in TF32 (vocoder.precision): auto on CUDA unless
-        the weights are float32 (`vocoder_in_tf32`)."""
+        """The vocoder flow's float32 products in TF32 (vocoder.precision): auto on CUDA
+        unless the weights are float32 (`vocoder_in_tf32`)."""
         if decode_ahead is not None and decode_ahead < 0:
             raise ValueError(f"decode_ahead is 0 or more, not {decode_ahead}")
         self.decode_ahead = decode_ahead
@@ -636,8 +636,9 @@ class MiniCPMOEngine(Engine):
 
     @property
     def vocoder_in_tf32(self) -> bool:
-        """Whether the vocoder runs its float32 matrix products in TF32: `vocoder_tf32`, its
-        auto on where the device is CUDA and the weights are not float32."""
+        """Whether the vocoder's flow runs its float32 matrix products in TF32:
+        `vocoder_tf32`, its auto on where the device is CUDA and the weights are not
+        float32."""
         if self.vocoder_tf32 == "auto":
             return str(self.device).startswith("cuda") and self.dtype != "float32"
         return self.vocoder_tf32 == "on"
@@ -692,7 +693,7 @@ class MiniCPMOEngine(Engine):
             raise EngineUnavailable(f"the model code in {root} cannot be imported: {exc}") from exc
         if self.audio_on and self.device.startswith("cuda"):
             log.info(
-                "minicpmo: the vocoder's float32 matrix products in %s (--vocoder-tf32 %s)",
+                "minicpmo: the vocoder flow's float32 matrix products in %s (--vocoder-tf32 %s)",
                 "TF32" if self.vocoder_in_tf32 else "full float32",
                 self.vocoder_tf32,
             )

@@ -190,12 +190,12 @@ class StreamingMel:
             before = sum(1 for _, end in job.ranges if end <= job.kept_at)
             parts.insert(before, job.kept)
         whole = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        if job.floor is None:
-            threshold = whole.max() - DYNAMIC_RANGE
-        else:
-            threshold = to_device(torch.tensor(job.floor, dtype=whole.dtype), whole.device)
         start, end = job.emit
-        out = (torch.maximum(whole[:, start:end], threshold) + 4.0) / 4.0
+        if job.floor is None:
+            floored = torch.maximum(whole[:, start:end], whole.max() - DYNAMIC_RANGE)
+        else:  # a fixed floor: a number, no tensor made and copied to the device a row
+            floored = whole[:, start:end].clamp(min=job.floor)
+        out = (floored + 4.0) / 4.0
         proc = job.proc
         cache = MelCache(
             proc=proc,

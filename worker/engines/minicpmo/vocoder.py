@@ -117,8 +117,8 @@ def make(
     tf32: bool = False,
 ) -> Any:
     """A DeviceToken2wav on `device` (the class is made on first use: it derives from the
-    package's, which imports torch and torchaudio); `tf32`: its float32 matrix products run
-    in TF32 while it works (precision())."""
+    package's, which imports torch and torchaudio); `tf32`: its flow's float32 matrix
+    products run in TF32 (precision())."""
     global _CLASS, _BASE
     if _CLASS is None:
         from stepaudio2.token2wav import Token2wav
@@ -132,13 +132,30 @@ def make(
                 "_prepare_prompt": _prepare_prompt,
                 "set_stream_cache": _set_stream_cache,
                 "stream": _stream,
-                "__call__": _call,
                 "__doc__": __doc__,
             },
         )
     made = _CLASS(model_path, float16=float16, n_timesteps=n_timesteps, device=device)
     made.tf32 = tf32
+    flow = made.flow
+    for name in FLOW_CALLS:  # the flow's entry points in the vocoder's precision
+        setattr(flow, name, _in_precision(made, getattr(flow, name)))
     return made
+
+
+#: The flow's methods Token2wav calls (whole utterance, a voice's cache, a chunk).
+FLOW_CALLS = ("inference", "setup_cache", "inference_chunk")
+
+
+def _in_precision(t2w: Any, method: Any) -> Any:
+    import functools
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with precision(t2w):
+            return method(*args, **kwargs)
+
+    return call
 
 
 _CLASS: Any = None
@@ -240,14 +257,18 @@ def cache_bytes(*caches: Any) -> int:
 
 @contextlib.contextmanager
 def precision(t2w: Any) -> Iterator[None]:
-    """While the vocoder `t2w` works: its float32 matrix products in TF32 where it was made
-    so (`tf32`), the process's setting put back after. The flow is 88 GFLOP a session and
-    1 s chunk at the released sizes with 5 Euler steps (counted with torch's FLOP counter;
-    96 % of it the DiT estimator, nearly all matrix products): at 64 speakers 5.6 TFLOP a
-    step, which full float32 runs at a GPU's float32 rate (67 TFLOPS on an H200) and TF32 on
-    its tensor cores (495 dense). PyTorch already runs convolutions (most of the HiFT) in
-    TF32 by default; the public demo turns TF32 on for every float32 product with its compile
-    option. No effect on a CPU."""
+    """While the vocoder `t2w`'s flow works (its entry points, FLOW_CALLS, and the batched
+    vocoder's flow): its float32 matrix products in TF32 where it was made so (`tf32`), the
+    process's setting put back after. The flow is 88 GFLOP a session and 1 s chunk at the
+    released sizes with 5 Euler steps (counted with torch's FLOP counter; 96 % of it the DiT
+    estimator, nearly all matrix products): at 64 speakers 5.6 TFLOP a step, which full
+    float32 runs at a GPU's float32 rate (67 TFLOPS on an H200) and TF32 on its tensor cores
+    (495 dense). TF32 reads float32 operands with 10 mantissa bits, the width the package's
+    own float16 option runs the whole flow in. The HiFT stays out: its few matrix products
+    are small, and one of them predicts the F0 its sine source integrates into a phase, where
+    a rounded pitch drifts the waveform sample by sample; its convolutions, most of its work,
+    run in TF32 anyway (PyTorch's default for them). The public demo turns TF32 on for every
+    float32 product with its compile option. No effect on a CPU."""
     if not getattr(t2w, "tf32", False):
         yield
         return
@@ -264,24 +285,16 @@ def precision(t2w: Any) -> Iterator[None]:
 
 def _set_stream_cache(self: Any, prompt_wav: Any) -> tuple[Any, Any]:
     """The package's, its flow cache owned (see owned())."""
-    with precision(self):
-        _BASE.set_stream_cache(self, prompt_wav)
+    _BASE.set_stream_cache(self, prompt_wav)
     self.stream_cache = owned(self.stream_cache, self.n_timesteps)
     return self.stream_cache, self.hift_cache_dict
 
 
 def _stream(self: Any, generated_speech_tokens: Any, *args: Any, **kwargs: Any) -> Any:
     """The package's, its flow cache owned afterwards (see owned())."""
-    with precision(self):
-        out = _BASE.stream(self, generated_speech_tokens, *args, **kwargs)
+    out = _BASE.stream(self, generated_speech_tokens, *args, **kwargs)
     self.stream_cache = owned(self.stream_cache, self.n_timesteps)
     return out
-
-
-def _call(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """The package's whole-utterance call, in the vocoder's precision."""
-    with precision(self):
-        return _BASE.__call__(self, *args, **kwargs)
 
 
 def _prepare_prompt(self: Any, prompt_wav: Any) -> tuple[Any, ...]:

@@ -114,12 +114,7 @@ class BatchedVocoder:
 
     @torch.inference_mode()
     def run(self, jobs: Sequence[VocoderJob]) -> list[bytes]:
-        """Each job's int16 PCM (as stream() returns it), its caches advanced; in the
-        vocoder's precision (vocoder.precision: TF32 where it was made so)."""
-        with precision(self.t2w):
-            return self._run(jobs)
-
-    def _run(self, jobs: Sequence[VocoderJob]) -> list[bytes]:
+        """Each job's int16 PCM (as stream() returns it), its caches advanced."""
         self._validate(jobs)
         flowing = [job for job in jobs if job.tokens]
         mels = dict(zip(map(id, flowing), self._flow(flowing) if flowing else [], strict=True))
@@ -175,7 +170,12 @@ class BatchedVocoder:
         """flow.inference_chunk for every job, then the package's cache trims; each job's mel."""
         t2w, flow = self.t2w, self.t2w.flow
         steps = t2w.n_timesteps
-        with torch.amp.autocast("cuda", dtype=torch.float16, enabled=t2w.float16):
+        # the flow's products in the vocoder's precision (vocoder.precision: TF32 where the
+        # vocoder was made so), as its entry points run on the package's path
+        with (
+            precision(t2w),
+            torch.amp.autocast("cuda", dtype=torch.float16, enabled=t2w.float16),
+        ):
             spk = torch.cat([self._voice(job)[2] for job in jobs])
             spk = flow.spk_embed_affine_layer(F.normalize(spk, dim=1))
             encoded = _encode(flow, jobs, t2w.device)
