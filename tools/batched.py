@@ -219,6 +219,7 @@ def run(
             float(np.mean(cache_bytes)) / 2**20 if cache_bytes else None
         ),
         "graphs": graphs,
+        "vocoder_tf32": getattr(engine, "vocoder_in_tf32", None),
     }
 
 
@@ -367,7 +368,9 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"N={n}: {_graphs_line(modes[BATCHED]['graphs'])}")
         cache = next((r["vocoder_cache_mib_per_session"] for r in modes.values()), None)
         if cache is not None:
-            lines.append(f"N={n}: vocoder caches {cache:.1f} MiB per session")
+            tf32 = next((r.get("vocoder_tf32") for r in modes.values()), None)
+            flow = {True: "; its flow in TF32", False: "; its flow in full float32"}.get(tf32, "")
+            lines.append(f"N={n}: vocoder caches {cache:.1f} MiB per session{flow}")
     for mode in (*STEPPED, SLICED):
         held = [r["sessions"] for r in rows if r["mode"] == mode and r["real_time"]]
         ran = [r["sessions"] for r in rows if r["mode"] == mode]

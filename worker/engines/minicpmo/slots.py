@@ -74,6 +74,11 @@ class SlotStep:
     #: The slots to read back, as a slice when they are consecutive and ascending (a view, no
     #: copy), else as an index tensor (a gather of `width` positions per row).
     read: slice | torch.Tensor
+    #: A static decode's [2, rows] inputs, of which write_slots and read (row 0),
+    #: write_positions and positions (row 1) are views: filled with one copy.
+    packed: torch.Tensor | None = None
+    #: A static decode's key indices [width] (arange), made once with its shape.
+    keys: torch.Tensor | None = None
 
 
 class SlotCache(Cache):
@@ -314,14 +319,9 @@ class SlotCache(Cache):
             )
         pad = rows - len(slots)
         host = torch.tensor([[*slots, *[self.scratch] * pad], [*starts, *[0] * pad]])
-        where = to_device(host, self.device)
-        reuse.write_slots.copy_(where[0])
-        reuse.write_positions.copy_(where[1])
-        assert isinstance(reuse.read, torch.Tensor)
-        reuse.read.copy_(where[0])
-        reuse.positions.copy_(where[1][:, None])
-        keys = torch.arange(reuse.width, device=self.device)
-        visible = keys[None, :] <= where[1][:, None]
+        assert reuse.packed is not None and reuse.keys is not None
+        reuse.packed.copy_(to_device(host, self.device))  # slots, positions and reads at once
+        visible = reuse.keys[None, :] <= reuse.write_positions[:, None]
         reuse.mask.copy_(torch.where(visible, 0.0, torch.finfo(self.dtype).min)[:, None, None, :])
         opened = dataclasses.replace(
             reuse, slots=tuple(slots), counts=(1,) * len(slots), starts=tuple(starts)
@@ -338,19 +338,22 @@ class SlotCache(Cache):
             raise ValueError(f"a decode width of {width} for slots of {self.max_len} tokens")
         dev = self.device
         zeros = torch.zeros(rows, dtype=torch.long, device=dev)
+        packed = torch.zeros((2, rows), dtype=torch.long, device=dev)
         return SlotStep(
             slots=(),
             counts=(),
             starts=(),
-            positions=torch.zeros((rows, 1), dtype=torch.long, device=dev),
+            positions=packed[1].unsqueeze(1),
             mask=torch.zeros((rows, 1, 1, width), dtype=self.dtype, device=dev),
             last=zeros,
             width=width,
             write_rows=torch.arange(rows, device=dev),
             write_tokens=zeros,
-            write_slots=zeros.clone(),
-            write_positions=zeros.clone(),
-            read=zeros.clone(),
+            write_slots=packed[0],
+            write_positions=packed[1],
+            read=packed[0],
+            packed=packed,
+            keys=torch.arange(width, device=dev),
         )
 
     def commit(self) -> None:
