@@ -14,8 +14,9 @@ median of 4 timed calls after 2 untimed ones (the conformer compiles its variant
 the unified layout builds it with 5). --tf32 both: every figure with the flow's float32
 matrix products in full float32, then in TF32 (vocoder.precision), in one run.
 --deviation N: how far TF32 moves the audio: N sessions' PCM over 4 chunks against full
-float32 (on a CPU with TF32 emulated: every product of the flow, where precision() puts
-TF32, its operands rounded to TF32's 10 mantissa bits).
+float32 (on a CPU emulated: every product of the flow, where precision() puts TF32, its
+operands rounded to TF32's 10 mantissa bits; and, to compare, as the package's float16
+option makes them).
 """
 
 from __future__ import annotations
@@ -74,13 +75,31 @@ def _tf32(x: Any) -> Any:
     return bits.view(torch.float32).view_as(x)
 
 
-def emulated_tf32() -> Any:
-    """A torch function mode in which every matrix product's (linear, matmul, attention)
-    float32 operands are rounded to TF32 first, accumulating in float32: TF32 on a CPU."""
+def _float16(x: Any) -> Any:
+    """A float32 tensor rounded to float16 and back; anything else as it is."""
+    import torch
+
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        return x
+    return x.half().float()
+
+
+#: What `emulated` rounds a product's operands (and, for float16, its result) to.
+EMULATIONS = ("tf32", "float16")
+
+
+def emulated(kind: str = "tf32") -> Any:
+    """A torch function mode in which every matrix product (linear, matmul, attention) runs
+    as `kind` runs it on a GPU, on a CPU: tf32, its float32 operands rounded to TF32 and
+    accumulated in float32 (a tensor core in TF32); float16, its operands and its result
+    rounded to float16 (what float16 autocast, the package's `float16` option, makes of a
+    product)."""
     import torch
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
+    if kind not in EMULATIONS:
+        raise ValueError(f"no emulation of {kind!r}: {', '.join(EMULATIONS)}")
     products = {
         F.linear,
         F.scaled_dot_product_attention,
@@ -92,21 +111,26 @@ def emulated_tf32() -> Any:
         torch.Tensor.matmul,
         torch.Tensor.__matmul__,
     }
+    rounded = _tf32 if kind == "tf32" else _float16
 
     class Emulated(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if func in products:
-                args = tuple(_tf32(a) for a in args)
-            return func(*args, **(kwargs or {}))
+            if func not in products:
+                return func(*args, **(kwargs or {}))
+            out = func(*(rounded(a) for a in args), **(kwargs or {}))
+            return _float16(out) if kind == "float16" else out
 
     return Emulated()
 
 
-def deviation(t2w: Any, voice: str, n: int, chunks: int = 4) -> list[dict[str, float]]:
+def deviation(
+    t2w: Any, voice: str, n: int, kind: str = "tf32", chunks: int = 4
+) -> list[dict[str, float]]:
     """n sessions of `voice` through `chunks` batched calls (static shapes, the last one a
-    turn's last), once in full float32 and once in TF32 (the vocoder's own on CUDA, emulated
-    elsewhere): per session its samples, the signal's RMS and the difference's RMS, 99th
-    percentile and maximum (int16 steps) and the signal-to-difference ratio in dB."""
+    turn's last), once in full float32 and once with the flow's products in `kind`: tf32
+    (the vocoder's own on CUDA, emulated elsewhere) or float16 (emulated: a CPU only). Per
+    session its samples, the signal's RMS and the difference's RMS, 99th percentile and
+    maximum (int16 steps) and the signal-to-difference ratio in dB."""
     import numpy as np
 
     from omnifabric.worker.engines.minicpmo import vocoder_batch
@@ -114,9 +138,11 @@ def deviation(t2w: Any, voice: str, n: int, chunks: int = 4) -> list[dict[str, f
     rng = np.random.default_rng(1)
     plan = [[rng.integers(0, VOCAB, CHUNK).tolist() for _ in range(n)] for _ in range(chunks)]
     cuda = t2w.device.type == "cuda"
+    if cuda and kind != "tf32":
+        raise ValueError(f"{kind} products are emulated on a CPU only")
 
-    def speak(tf32: bool) -> list[Any]:
-        t2w.tf32 = tf32 and cuda
+    def speak(other: bool) -> list[Any]:
+        t2w.tf32 = other and cuda
         t2w.set_stream_cache(voice)
         batched = vocoder_batch.BatchedVocoder(t2w, static=True, graphs=cuda)
         jobs = []
@@ -124,14 +150,14 @@ def deviation(t2w: Any, voice: str, n: int, chunks: int = 4) -> list[dict[str, f
             flow = {k: v.clone() for k, v in t2w.stream_cache.items()}
             hift = {k: v.clone() for k, v in t2w.hift_cache_dict.items()}
             jobs.append(vocoder_batch.VocoderJob([], False, flow, hift, voice, t2w.cache[voice]))
-        if tf32 and not cuda:  # the flow's products emulated, as precision() scopes TF32
-            flow = batched._flow
+        if other and not cuda:  # the flow's products emulated, where precision() puts TF32
+            flow_call = batched._flow
 
-            def emulated(jobs: list[Any]) -> Any:
-                with emulated_tf32():
-                    return flow(jobs)
+            def in_kind(jobs: list[Any]) -> Any:
+                with emulated(kind):
+                    return flow_call(jobs)
 
-            batched._flow = emulated  # type: ignore[method-assign]
+            batched._flow = in_kind  # type: ignore[method-assign]
         pcm = [b""] * n
         for k, tokens in enumerate(plan):
             for job, ids in zip(jobs, tokens, strict=True):
@@ -142,11 +168,11 @@ def deviation(t2w: Any, voice: str, n: int, chunks: int = 4) -> list[dict[str, f
 
     before = getattr(t2w, "tf32", False)
     try:
-        full, tf32 = speak(False), speak(True)
+        full, other = speak(False), speak(True)
     finally:
         t2w.tf32 = before
     out = []
-    for a, b in zip(full, tf32, strict=True):
+    for a, b in zip(full, other, strict=True):
         diff = np.abs(a - b)
         rms, drms = float(np.sqrt((a**2).mean())), float(np.sqrt((diff**2).mean()))
         out.append(
@@ -253,16 +279,20 @@ def main(argv: list[str] | None = None) -> int:
             out["settings"].append(figures)
             print(f"stream per session ({name}): {figures['stream_ms']:.0f} ms a chunk (1 s)")
         if args.deviation:
-            how = "TF32" if t2w.device.type == "cuda" else "TF32 emulated"
-            out["deviation"] = deviation(t2w, voices[0], args.deviation)
-            for i, d in enumerate(out["deviation"]):
-                print(
-                    f"{how} against full float32, session {i}: {d['samples']} samples, "
-                    f"signal rms {d['signal_rms']:.0f}, difference rms {d['diff_rms']:.1f} "
-                    f"p99 {d['diff_p99']:.0f} max {d['diff_max']:.0f} (int16 steps), "
-                    f"{d['snr_db']:.1f} dB",
-                    flush=True,
-                )
+            # on a CPU, the package's float16 option's products too (emulated), to compare
+            kinds = ["tf32"] if t2w.device.type == "cuda" else list(EMULATIONS)
+            out["deviation"] = {}
+            for kind in kinds:
+                how = f"{kind} in the flow" + ("" if t2w.device.type == "cuda" else " (emulated)")
+                rows = out["deviation"][kind] = deviation(t2w, voices[0], args.deviation, kind)
+                for i, d in enumerate(rows):
+                    print(
+                        f"{how} against full float32, session {i}: {d['samples']} samples, "
+                        f"signal rms {d['signal_rms']:.0f}, difference rms {d['diff_rms']:.1f} "
+                        f"p99 {d['diff_p99']:.0f} max {d['diff_max']:.0f} (int16 steps), "
+                        f"{d['snr_db']:.1f} dB",
+                        flush=True,
+                    )
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from omnifabric.tools.vocoder_bench import _tf32, emulated_tf32  # noqa: E402
+from omnifabric.tools.vocoder_bench import _tf32, emulated  # noqa: E402
 
 ULP = 2.0**-10  # TF32's step at 1.0
 
@@ -37,9 +37,20 @@ def test_other_dtypes_and_non_tensors_pass_unchanged() -> None:
 def test_products_in_the_emulation_take_rounded_operands() -> None:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g)
-    with emulated_tf32():
+    with emulated("tf32"):
         got = torch.nn.functional.linear(x, w)
         same = x @ w.T
     want = torch.nn.functional.linear(_tf32(x), _tf32(w))
     assert torch.equal(got, want) and torch.equal(same, want)
     assert not torch.equal(want, torch.nn.functional.linear(x, w))  # the rounding shows
+
+
+def test_float16_products_round_operands_and_result() -> None:
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g)
+    with emulated("float16"):
+        got = torch.nn.functional.linear(x, w)
+    want = torch.nn.functional.linear(x.half().float(), w.half().float()).half().float()
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="no emulation of 'int8'"):
+        emulated("int8")
