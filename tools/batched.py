@@ -369,7 +369,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         cache = next((r["vocoder_cache_mib_per_session"] for r in modes.values()), None)
         if cache is not None:
             tf32 = next((r.get("vocoder_tf32") for r in modes.values()), None)
-            flow = {True: "; its flow in TF32", False: "; its flow in full float32"}.get(tf32, "")
+            flow = "" if tf32 is None else "; its flow in " + ("TF32" if tf32 else "full float32")
             lines.append(f"N={n}: vocoder caches {cache:.1f} MiB per session{flow}")
     for mode in (*STEPPED, SLICED):
         held = [r["sessions"] for r in rows if r["mode"] == mode and r["real_time"]]

@@ -251,3 +251,19 @@ def test_the_summary_says_what_each_graph_set_did():
         "hift ragged eager"
     ) in lines, lines
     assert not any("graphs" in line for line in batched.summary([{**row, "graphs": {}}]))
+
+
+@pytest.mark.parametrize(
+    "tf32, says",
+    [
+        (True, "N=2: vocoder caches 5.4 MiB per session; its flow in TF32"),
+        (False, "N=2: vocoder caches 5.4 MiB per session; its flow in full float32"),
+        (None, "N=2: vocoder caches 5.4 MiB per session"),  # an engine without the setting
+    ],
+)
+def test_the_summary_says_how_the_vocoders_flow_ran(tf32, says):
+    from omnifabric.tools import batched
+
+    row = {"mode": batched.BATCHED, "sessions": 2, "real_time": True, "graphs": {}}
+    row.update(vocoder_cache_mib_per_session=5.4, vocoder_tf32=tf32)
+    assert says in batched.summary([row])
