@@ -153,8 +153,11 @@ def run(
     unit_s: float,
     sync: Callable[[], None],
     settings: DuplexSettings | None = None,
+    warmup: int = 0,
 ) -> dict[str, Any]:
-    """`n` sessions, `count` units each, in `mode`; the figures of the run."""
+    """`n` sessions, `count` units each, in `mode`; the figures of the run. With `warmup`,
+    each session's first `warmup` units run untimed before them (a bucket's first kernels,
+    its CUDA graphs' captures): their rounds' ms are kept apart, as `warmup_ms`."""
     if mode in STEPPED and stepper is None:
         raise ValueError(f"the {engine.name} engine has no batched step")
     settings = settings or DuplexSettings(temperature=0)
@@ -168,8 +171,20 @@ def run(
     speaking = 0
     speech = _Speech(n, unit_s)
     cache_bytes: list[int] = []
+    warmup_ms: list[float] = []
     try:
-        feeds = [_units(units, count, 3 * i) for i in range(n)]
+        feeds = [_units(units, count + warmup, 3 * i) for i in range(n)]
+        for k in range(warmup):
+            sync()
+            t0 = time.perf_counter()
+            results, _ = _round(stepper, mode, sessions, feeds, k, sync, {})
+            sync()
+            warmup_ms.append((time.perf_counter() - t0) * 1000)
+            for i, result in enumerate(results):
+                speech.before(i, result)
+        if counter is not None:
+            counter.take()
+        feeds = [feed[warmup:] for feed in feeds]
         sync()
         started = time.perf_counter()
         for k in range(count):
@@ -198,6 +213,7 @@ def run(
         "mode": mode,
         "sessions": n,
         "units": n * count,
+        "warmup_ms": warmup_ms,
         "speaking_units": speaking,
         "wall_s": wall,
         "units_per_s": n * count / wall if wall > 0 else float("nan"),
@@ -276,6 +292,11 @@ class _Speech:
         self.gaps = 0
         self.reply_start: list[int | None] = [None] * n
         self.first_audio_s: list[float] = []
+
+    def before(self, i: int, result: Any) -> None:
+        """A result of session i's untimed warm-up: a reply it leaves open has had its first
+        audio outside the figures."""
+        self.reply_start[i] = None if result.is_listen or result.end_of_turn else -1
 
     def add(self, i: int, k: int, result: Any, latency_s: float) -> None:
         if result.is_listen:

@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--units", type=int, default=None, help="units per session with --batched (the fixture's)"
     )
     parser.add_argument(
+        "--warmup-units",
+        type=int,
+        default=0,
+        help="with --batched: untimed units each session runs first in every run (a bucket's "
+        "first kernels and graph captures), their rounds' ms reported apart",
+    )
+    parser.add_argument(
         "--modes",
         default=f"{batched.BATCHED},{batched.SLICED}",
         help="with --batched: which to run (batched, serial-vocoder: batched with the vocoder "
@@ -316,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.sessions < 1:
         print("--sessions must be >= 1", file=sys.stderr)
         return 2
+    if args.warmup_units < 0:
+        print("--warmup-units must be >= 0", file=sys.stderr)
+        return 2
     try:
         counts, modes = _batched_args(args)
     except ValueError as exc:
@@ -413,15 +423,22 @@ def _batched(
         for mode in modes:
             meter.reset_peak()
             with batched.engine_mode(engine, stepper, mode):
-                row = batched.run(engine, stepper, mode, n, units, count, unit_s, meter.sync)
+                row = batched.run(
+                    engine,
+                    stepper,
+                    mode,
+                    n,
+                    units,
+                    count,
+                    unit_s,
+                    meter.sync,
+                    warmup=args.warmup_units,
+                )
             row["peak_bytes"] = meter.peak()
             meter.cleanup()
             rows.append(row)
-            print(
-                f"N={n} {mode}: {row['units_per_s']:.2f} units/s, unit p95"
-                f" {row['unit_ms']['p95']:.0f} ms",
-                flush=True,
-            )
+            print(_progress(row), flush=True)
+            _write_json(args.json, _report(args, meter, count, rows, None), quiet=True)
     if meter.kind == "cpu":
         print("NOTE: ran on CPU (--device cpu): CPU timings, memory is process RSS, not GPU")
     print(
@@ -445,27 +462,54 @@ def _batched(
         )
         for line in step_profile.lines(profiled):
             print(line)
-    if args.json is not None:
-        report = {
-            "engine": args.engine,
-            "device": args.device,
-            "device_name": _device_name(meter),
-            "units_per_session": count,
-            "runs": rows,
-            "summary": batched.summary(rows),
-            "profile": profiled,
-        }
-        _write_json(args.json, report)
+    _write_json(args.json, _report(args, meter, count, rows, profiled))
     return 0
 
 
-def _write_json(path: Path | None, report: dict[str, Any]) -> None:
-    """The report as JSON at `path` (nothing when None)."""
+def _progress(row: dict[str, Any]) -> str:
+    """One run's line as it ends (a run cut short by a time limit keeps the lines before)."""
+    phases = ", ".join(f"{p} {ms:.0f}" for p, ms in row["phases_ms_per_step"].items())
+    warm = "/".join(f"{ms:.0f}" for ms in row["warmup_ms"])
+    return (
+        f"N={row['sessions']} {row['mode']}: {row['units_per_s']:.2f} units/s, unit p95"
+        f" {row['unit_ms']['p95']:.0f} ms, cycle {row['cycle_ms']['mean']:.0f} ms"
+        + (f" (warm-up {warm} ms)" if warm else "")
+        + (f"; ms a step: {phases}" if phases else "")
+        + f"; audio {row['audio_s_per_s']:.1f} s/s, {row['speaking_units']} speaking units"
+    )
+
+
+def _report(
+    args: argparse.Namespace,
+    meter: Meter,
+    count: int,
+    rows: list[dict[str, Any]],
+    profiled: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """--batched's JSON: the runs so far (written after each run, then whole)."""
+    return {
+        "engine": args.engine,
+        "device": args.device,
+        "device_name": _device_name(meter),
+        "units_per_session": count,
+        "warmup_units": args.warmup_units,
+        "runs": rows,
+        "summary": batched.summary(rows),
+        "profile": profiled,
+    }
+
+
+def _write_json(path: Path | None, report: dict[str, Any], quiet: bool = False) -> None:
+    """The report as JSON at `path` (nothing when None), replaced whole (a reader never
+    sees half a file)."""
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"report written to {path}")
+    partial = path.with_name(path.name + ".part")
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    partial.replace(path)
+    if not quiet:
+        print(f"report written to {path}")
 
 
 def _device_name(meter: Meter) -> str:

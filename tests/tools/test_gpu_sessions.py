@@ -76,6 +76,56 @@ def test_batched_mode_compares_steps_with_time_slicing(tmp_path: Path, capsys):
     assert ratio > 1.5, ratio
 
 
+def test_warmup_units_run_untimed_and_each_run_is_written_as_it_ends(tmp_path: Path, capsys):
+    """--warmup-units 2: each session runs 2 units before the timed ones (their rounds' ms
+    apart, the timed units the same as without them); the JSON holds every run ended so far
+    after each run, so a time limit keeps them."""
+    out = tmp_path / "warm.json"
+    argv = ["--engine", "synthetic", "--device", "cpu", "--batched", "1,2", "--units", "3"]
+    argv += ["--batch-share", "0.1", "--modes", "batched", "--json", str(out)]
+    written = []
+    real = gpu_sessions._write_json
+
+    def spy(path, report, quiet=False):
+        real(path, report, quiet)
+        written.append(
+            [(r["sessions"], len(r["warmup_ms"])) for r in json.loads(out.read_text())["runs"]]
+        )
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(gpu_sessions, "_write_json", spy)
+        assert gpu_sessions.main([*argv, "--warmup-units", "2"]) == 0
+    assert written == [[(1, 2)], [(1, 2), (2, 2)], [(1, 2), (2, 2)]]
+    printed = capsys.readouterr().out
+    assert "N=2 batched:" in printed and "(warm-up " in printed
+    report = json.loads(out.read_text())
+    assert report["warmup_units"] == 2
+    for run in report["runs"]:
+        assert run["units"] == 3 * run["sessions"] and all(ms > 0 for ms in run["warmup_ms"])
+    assert not list(tmp_path.glob("*.part"))
+    assert gpu_sessions.main([*argv, "--warmup-units", "-1"]) == 2
+    assert "--warmup-units must be >= 0" in capsys.readouterr().err
+
+
+def test_a_reply_open_after_the_warm_up_has_no_first_audio_in_the_figures():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from omnifabric.tools import batched
+
+    def unit(listen: bool, samples: int, end: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(is_listen=listen, audio=np.zeros(samples), end_of_turn=end)
+
+    speech = batched._Speech(3, 1.0)
+    speech.before(0, unit(False, 24000))  # speaking when the timed units start
+    speech.before(1, unit(False, 24000, True))  # its reply ended in the warm-up
+    speech.before(2, unit(True, 24000))  # listening
+    for i in range(3):
+        speech.add(i, 0, unit(False, 24000), 0.2)
+    assert speech.first_audio_s == [0.2, 0.2] and speech.seconds == 3.0
+
+
 def test_batched_mode_refuses_bad_counts(capsys):
     assert gpu_sessions.main(["--engine", "synthetic", "--device", "cpu", "--batched", "0,2"]) == 2
     assert "positive session counts" in capsys.readouterr().err

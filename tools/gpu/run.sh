@@ -7,7 +7,7 @@
 #   tests,vocoder in one, figures in the next)  TEST_S / VOC_S / FIG_S: time limits  TEST_K: pytest -k
 #   VOC_COUNTS=1,8,32,64: vocoder_bench's sessions (ragged vs static/graphs, released sizes)
 #   VOC_STEPS=5 (the unified layout's flow steps)  VOC_TF32=both (full float32, then TF32)
-#   COUNTS=1,16,32,64  UNITS=8  MODES=batched,batched-eager,serial-vocoder  EXTRA="--profile /tmp/prof"
+#   COUNTS=1,16,32,64  UNITS=8  WARMUP=1 (untimed units first in each run)  MODES=batched,batched-eager,serial-vocoder  EXTRA="--profile /tmp/prof"
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
@@ -38,8 +38,8 @@ if want figures; then
   (while true; do nvidia-smi --query-gpu=utilization.gpu,utilization.memory,power.draw,memory.used --format=csv,noheader; sleep 1; done) > $OUT/smi.txt 2>&1 &
   SMI=$!
   timeout ${FIG_S:-330} python3 -m omnifabric.tools.gpu_sessions --engine minicpmo --model-dir /tmp/ck --device cuda:0 \
-     --batched ${COUNTS:-1,8,32,64} --modes ${MODES:-batched,serial-vocoder} --units ${UNITS:-8} ${EXTRA:-} --json $OUT/figures.json 2>&1 \
-     | grep -v Warning | tail -40 | tee $OUT/figures.txt
+     --batched ${COUNTS:-1,8,32,64} --modes ${MODES:-batched,serial-vocoder} --units ${UNITS:-8} \
+     --warmup-units ${WARMUP:-1} ${EXTRA:-} --json $OUT/figures.json 2>&1 | grep -v Warning | tail -60 | tee $OUT/figures.txt
   kill $SMI
   echo "figures done at $(( $(date +%s) - t0 )) s"
 fi
