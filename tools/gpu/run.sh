@@ -23,12 +23,12 @@ if want tests; then
   OMNI_MINICPMO_CODE_DIR=$PWD/.gpu/code/MiniCPMO45 OMNI_MINICPMO_SDK=$(ls $PWD/.gpu/sdk/*.whl) \
   OMNI_MINICPMO_DEVICE=cuda OMNI_MINICPMO_DTYPE=float32 \
   timeout ${TEST_S:-200} python3 -m pytest -q -x -p no:cacheprovider tests/worker/minicpmo/test_vocoder_batch.py \
-     tests/worker/minicpmo/test_batched_step.py tests/worker/minicpmo/test_mel.py -k "${TEST_K:-speech or vocoder or greedy_equals_solo or static or mel or unseeded or decode_ahead or tts_ahead or graphs_captured or steady_buckets}" 2>&1 | tail -25 | tee $OUT/tests.txt
+     tests/worker/minicpmo/test_batched_step.py tests/worker/minicpmo/test_mel.py -k "${TEST_K:-speech or vocoder or greedy_equals_solo or static or mel or unseeded or decode_ahead or tts_ahead or graphs_captured or steady_buckets}" -v 2>&1 | tee $OUT/tests.txt | grep -v PASSED | tail -25
   echo "tests done at $(( $(date +%s) - t0 )) s"
 fi
 if want vocoder; then
   timeout ${VOC_S:-180} python3 -m omnifabric.tools.vocoder_bench --device cuda --full \
-     --counts ${VOC_COUNTS:-1,8,32,64} --timesteps ${VOC_STEPS:-5} --tf32 ${VOC_TF32:-both} --deviation 2 --json $OUT/vocoder.json 2>&1 | grep -v Warning | tail -18 | tee $OUT/vocoder.txt
+     --counts ${VOC_COUNTS:-1,8,32,64} --timesteps ${VOC_STEPS:-5} --tf32 ${VOC_TF32:-both} --deviation 2 --json $OUT/vocoder.json 2>&1 | grep -v Warning | tee $OUT/vocoder.txt | tail -18
   echo "vocoder done at $(( $(date +%s) - t0 )) s"
 fi
 if want figures; then
@@ -39,7 +39,7 @@ if want figures; then
   SMI=$!
   timeout ${FIG_S:-330} python3 -m omnifabric.tools.gpu_sessions --engine minicpmo --model-dir /tmp/ck --device cuda:0 \
      --batched ${COUNTS:-1,8,32,64} --modes ${MODES:-batched,serial-vocoder} --units ${UNITS:-8} \
-     --warmup-units ${WARMUP:-1} ${EXTRA:-} --json $OUT/figures.json 2>&1 | grep -v Warning | tail -60 | tee $OUT/figures.txt
+     --warmup-units ${WARMUP:-1} ${EXTRA:-} --json $OUT/figures.json 2>&1 | grep -v Warning | tee $OUT/figures.txt | tail -60
   kill $SMI
   echo "figures done at $(( $(date +%s) - t0 )) s"
 fi
