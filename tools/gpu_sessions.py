@@ -57,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--attn", default=None, help="attention implementation (minicpmo)")
     parser.add_argument("--compile", action="store_true", help="torch.compile (minicpmo)")
-    parser.add_argument("--fixture", default=DEFAULT_FIXTURE, help="16 kHz speech WAV")
+    parser.add_argument(
+        "--fixture",
+        default=DEFAULT_FIXTURE,
+        help="speech WAV (or a .npy of its 16 kHz float32 samples)",
+    )
     parser.add_argument("--tail-s", type=int, default=3, help="silent units after the fixture")
     parser.add_argument(
         "--warmup-sessions",
@@ -317,6 +321,14 @@ def _batched_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     return counts, modes
 
 
+def _fixture_audio(path: Path) -> np.ndarray:
+    """The fixture as mono float32 at 16 kHz: a WAV, or a .npy of those samples (what
+    tools/gpu/bundle.sh writes for a GPU host without the WAV reader's FFmpeg wheel)."""
+    if path.suffix == ".npy":
+        return np.load(path).astype(np.float32, copy=False).reshape(-1)
+    return read_wav_16k(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Load, warm up, run the sessions, print the table; 1 when GPU memory leaked, 2 on error."""
     args = build_parser().parse_args(argv)
@@ -332,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     fixture = resolve_fixture(args.fixture)
-    units = split_units(read_wav_16k(fixture), args.tail_s)
+    units = split_units(_fixture_audio(fixture), args.tail_s)
     try:
         config, missing = make_config(args)
         for name in missing:

@@ -28,7 +28,8 @@ WHEELS=(
   hyperpyyaml==1.2.3 ruamel.yaml==0.18.17 ruamel.yaml.clib==0.2.15 librosa==0.11.0
   soundfile==0.14.0 soxr==1.1.0 audioread==3.1.0 pooch==1.9.0 platformdirs==4.14.8
   decorator==5.3.1 cffi==2.1.1 pycparser==3.12 grpcio==1.85.1 protobuf==7.36.2
-  websockets==17.4 orjson==3.13.0 pybase64==1.5.1
+  websockets==17.4 orjson==3.13.0 pybase64==1.5.1 grpcio-health-checking==1.85.1
+  opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
 )
 mkdir -p .whl .gpu/code .gpu/sdk .gpu/cache
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
@@ -46,6 +47,9 @@ rm -rf .gpu/code/MiniCPMO45 && cp -r "$CODE" .gpu/code/MiniCPMO45
 rm -f .gpu/sdk/*.whl && cp "$SDK" .gpu/sdk/
 OMNI_CACHE_DIR=$PWD/.gpu/cache "$PY" -c \
   "from omnifabric.common.paths import cache_root; from omnifabric.worker.engines.minicpmo.voice import project_clip; print(project_clip(cache_root()))"
+# gpu_sessions' fixture as samples: the WAV reader needs the av wheel (36 MB, past what a
+# device call carries beside the rest).
+"$PY" -c "import numpy as np; from pathlib import Path; from omnifabric.tools.probe import read_wav_16k; np.save('.gpu/fixture.npy', read_wav_16k(Path('tests/fixtures/speech/question.wav')))"
 "$PY" tools/gen_stubs.py
 for d in /.whl/ /.gpu/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >>.git/info/exclude; done
 echo "bundle ready: $(ls .whl | wc -l) wheels ($(du -sh .whl | cut -f1)), .gpu $(du -sh .gpu | cut -f1)"

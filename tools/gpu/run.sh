@@ -37,7 +37,7 @@ if want figures; then
   echo "built at $(( $(date +%s) - t0 )) s"
   (while true; do nvidia-smi --query-gpu=utilization.gpu,utilization.memory,power.draw,memory.used --format=csv,noheader; sleep 1; done) > $OUT/smi.txt 2>&1 &
   SMI=$!
-  timeout ${FIG_S:-330} python3 -m omnifabric.tools.gpu_sessions --engine minicpmo --model-dir /tmp/ck --device cuda:0 \
+  timeout ${FIG_S:-330} python3 -m omnifabric.tools.gpu_sessions --engine minicpmo --model-dir /tmp/ck --device cuda:0 --fixture .gpu/fixture.npy \
      --batched ${COUNTS:-1,8,32,64} --modes ${MODES:-batched,serial-vocoder} --units ${UNITS:-8} \
      --warmup-units ${WARMUP:-1} ${EXTRA:-} --json $OUT/figures.json 2>&1 | grep -v Warning | tee $OUT/figures.txt | tail -60
   kill $SMI
