@@ -31,6 +31,16 @@ WHEELS=(
   websockets==17.4 orjson==3.13.0 pybase64==1.5.1 grpcio-health-checking==1.85.1
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
 )
+# Requirements the device run never imports, and why. tests/tools/test_gpu_scripts.py checks
+# that every requirement is carried, on the host (tools/gpu/host_packages.txt) or here, and
+# rehearses the run's imports with only those packages.
+NOT_NEEDED=(
+  "grpcio-tools: the stubs travel generated (proto/omni)"
+  "av: the edge's WAV/video reader; gpu_sessions reads .gpu/fixture.npy (the wheel is 36 MB)"
+  "opentelemetry-exporter-otlp-proto-grpc: imported only where an OTLP endpoint is set"
+  "silero-vad: half-duplex turns only"
+  "diffusers: not on the vocoder path the engine runs"
+)
 mkdir -p .whl .gpu/code .gpu/sdk .gpu/cache
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
