@@ -131,7 +131,7 @@ _INSTALL_LINKS = {
 
 
 def _farm(root: Path, allowed: set[str]) -> set[str]:
-    """Links the top-level files of every installed distribution in `allowed` into `root`,
+    """Links the files of every installed distribution in `allowed` into `root`,
     and the repo's packages as tools/gpu/install.sh does; the top-level names of all the
     distributions installed here (what a missing import may name)."""
     import importlib.metadata as metadata
@@ -143,10 +143,14 @@ def _farm(root: Path, allowed: set[str]) -> set[str]:
         installed |= {m.partition(".")[0] for m in modules if m != "__pycache__"}
         if _name(dist.metadata["Name"] or "") not in allowed:
             continue
-        for top in tops - {"__pycache__"}:
-            source = Path(str(dist.locate_file(top)))
-            if source.exists() and not (root / top).exists():
-                (root / top).symlink_to(source)
+        # File by file: distributions share namespace folders (opentelemetry's).
+        for file in dist.files or []:
+            if not file.parts or file.parts[0] in ("..", "__pycache__") or file.suffix == ".pyc":
+                continue
+            source, link = Path(str(dist.locate_file(file))), root / file
+            if source.is_file() and not link.exists():
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(source)
     package = root / "omnifabric"
     package.mkdir()
     for link, target in _INSTALL_LINKS.items():
