@@ -61,5 +61,9 @@ OMNI_CACHE_DIR=$PWD/.gpu/cache "$PY" -c \
 # device call carries beside the rest).
 "$PY" -c "import numpy as np; from pathlib import Path; from omnifabric.tools.probe import read_wav_16k; np.save('.gpu/fixture.npy', read_wav_16k(Path('tests/fixtures/speech/question.wav')))"
 "$PY" tools/gen_stubs.py
+# The run's imports rehearsed with only the host's packages and these wheels (~15 s).
+"$PY" -m pytest -q -p no:randomly -p no:cacheprovider tests/tools/test_gpu_scripts.py \
+  -k "requirement or imports_only" >/dev/null \
+  || { echo "bundle.sh: the device run would miss a package: pytest tests/tools/test_gpu_scripts.py" >&2; exit 1; }
 for d in /.whl/ /.gpu/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >>.git/info/exclude; done
 echo "bundle ready: $(ls .whl | wc -l) wheels ($(du -sh .whl | cut -f1)), .gpu $(du -sh .gpu | cut -f1)"
