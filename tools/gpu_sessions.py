@@ -368,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     warmup_s = time.perf_counter() - t1
     _, baseline = meter.cleanup()
     if counts:
-        return _batched(args, engine, meter, units, counts, modes)
+        print(f"loaded in {load_s:.1f} s, warm-up {warmup_s:.1f} s", flush=True)
+        timings = {"load_s": load_s, "warmup_s": warmup_s}
+        return _batched(args, engine, meter, units, counts, modes, timings)
     sessions = [run_session(engine, units, i, meter) for i in range(1, args.sessions + 1)]
     add_deltas(sessions, baseline)
 
@@ -421,8 +423,10 @@ def _batched(
     units: list[np.ndarray],
     counts: list[int],
     modes: list[str],
+    timings: dict[str, float],
 ) -> int:
-    """--batched: every N in each mode, the table, the ratios, the JSON."""
+    """--batched: every N in each mode, the table, the ratios, the JSON; 1 where a run
+    failed (its error kept in the JSON's `failed`, the next runs still made)."""
     steps = set(batched.STEPPED) & set(modes)
     stepper = engine.stepper() if steps else None
     if steps and stepper is None:
@@ -430,27 +434,35 @@ def _batched(
         return 2
     count = args.units or len(units)
     unit_s = int(getattr(engine, "unit_samples", 16000)) / 16000
-    rows = []
+    rows: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     for n in counts:
         for mode in modes:
             meter.reset_peak()
-            with batched.engine_mode(engine, stepper, mode):
-                row = batched.run(
-                    engine,
-                    stepper,
-                    mode,
-                    n,
-                    units,
-                    count,
-                    unit_s,
-                    meter.sync,
-                    warmup=args.warmup_units,
-                )
-            row["peak_bytes"] = meter.peak()
+            try:
+                with batched.engine_mode(engine, stepper, mode):
+                    row = batched.run(
+                        engine,
+                        stepper,
+                        mode,
+                        n,
+                        units,
+                        count,
+                        unit_s,
+                        meter.sync,
+                        warmup=args.warmup_units,
+                    )
+            except Exception as exc:  # noqa: BLE001 - one run's failure (memory, say) is a figure
+                error = f"{type(exc).__name__}: {exc}"
+                failed.append({"sessions": n, "mode": mode, "error": error})
+                print(f"N={n} {mode}: failed: {error}", flush=True)
+            else:
+                row["peak_bytes"] = meter.peak()
+                rows.append(row)
+                print(_progress(row), flush=True)
             meter.cleanup()
-            rows.append(row)
-            print(_progress(row), flush=True)
-            _write_json(args.json, _report(args, meter, count, rows, None), quiet=True)
+            report = _report(args, meter, count, rows, failed, timings, None)
+            _write_json(args.json, report, quiet=True)
     if meter.kind == "cpu":
         print("NOTE: ran on CPU (--device cpu): CPU timings, memory is process RSS, not GPU")
     print(
@@ -462,20 +474,27 @@ def _batched(
         print(line)
     profiled = None
     if args.profile is not None:
-        profiled = step_profile.profile(
-            engine,
-            stepper,
-            max(counts),
-            units,
-            min(count, PROFILE_STEPS),
-            unit_s,
-            meter.sync,
-            args.profile,
-        )
-        for line in step_profile.lines(profiled):
-            print(line)
-    _write_json(args.json, _report(args, meter, count, rows, profiled))
-    return 0
+        try:
+            profiled = step_profile.profile(
+                engine,
+                stepper,
+                max(counts),
+                units,
+                min(count, PROFILE_STEPS),
+                unit_s,
+                meter.sync,
+                args.profile,
+            )
+        except Exception as exc:  # noqa: BLE001 - the runs' figures are kept
+            error = f"{type(exc).__name__}: {exc}"
+            failed.append({"sessions": max(counts), "mode": "profile", "error": error})
+        else:
+            for line in step_profile.lines(profiled):
+                print(line)
+    _write_json(args.json, _report(args, meter, count, rows, failed, timings, profiled))
+    for f in failed:
+        print(f"N={f['sessions']} {f['mode']} failed: {f['error']}")
+    return 1 if failed else 0
 
 
 def _progress(row: dict[str, Any]) -> str:
@@ -496,6 +515,8 @@ def _report(
     meter: Meter,
     count: int,
     rows: list[dict[str, Any]],
+    failed: list[dict[str, Any]],
+    timings: dict[str, float],
     profiled: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """--batched's JSON: the runs so far (written after each run, then whole)."""
@@ -503,9 +524,11 @@ def _report(
         "engine": args.engine,
         "device": args.device,
         "device_name": _device_name(meter),
+        **timings,
         "units_per_session": count,
         "warmup_units": args.warmup_units,
         "runs": rows,
+        "failed": failed,
         "summary": batched.summary(rows),
         "profile": profiled,
     }

@@ -107,6 +107,36 @@ def test_warmup_units_run_untimed_and_each_run_is_written_as_it_ends(tmp_path: P
     assert "--warmup-units must be >= 0" in capsys.readouterr().err
 
 
+def test_a_failed_run_is_reported_and_the_next_runs_still_made(tmp_path: Path, capsys):
+    """One run raising (out of memory, say) is a line and an entry of the JSON's `failed`;
+    the other counts and modes run, the table has them, the exit status is 1."""
+    from omnifabric.tools import batched
+
+    out = tmp_path / "failed.json"
+    argv = ["--engine", "synthetic", "--device", "cpu", "--batched", "4,2", "--units", "2"]
+    argv += ["--batch-share", "0.1", "--modes", "batched,time-sliced", "--json", str(out)]
+    real = batched.run
+
+    def run(engine, stepper, mode, n, *args, **kwargs):
+        if (n, mode) == (4, "batched"):
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return real(engine, stepper, mode, n, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(batched, "run", run)
+        assert gpu_sessions.main(argv) == 1
+    printed = capsys.readouterr().out
+    assert "N=4 batched: failed: RuntimeError: CUDA out of memory (a stand-in)" in printed
+    assert "loaded in " in printed and ", warm-up " in printed
+    report = json.loads(out.read_text())
+    assert report["failed"] == [
+        {"sessions": 4, "mode": "batched", "error": "RuntimeError: CUDA out of memory (a stand-in)"}
+    ]
+    ran = [(r["sessions"], r["mode"]) for r in report["runs"]]
+    assert ran == [(4, "time-sliced"), (2, "batched"), (2, "time-sliced")]
+    assert report["load_s"] >= 0 and report["warmup_s"] >= 0
+
+
 def test_a_reply_open_after_the_warm_up_has_no_first_audio_in_the_figures():
     from types import SimpleNamespace
 
