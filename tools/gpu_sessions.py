@@ -23,7 +23,7 @@ import numpy as np
 from omnifabric.common.stats import percentile
 from omnifabric.tools import batched, step_profile
 from omnifabric.tools.probe import read_wav_16k, split_units
-from omnifabric.worker.config import WorkerConfig
+from omnifabric.worker.config import SWITCHES, WorkerConfig
 from omnifabric.worker.engine import DuplexSettings, Engine
 from omnifabric.worker.engines.memory import cleanup, rss_bytes
 from omnifabric.worker.engines.registry import load_engine
@@ -95,13 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--cuda-graphs",
-        choices=("auto", "on", "off"),
+        choices=SWITCHES,
         default=None,
         help="minicpmo: the batched decode in static shapes replayed as CUDA graphs (worker's)",
     )
     parser.add_argument(
         "--vocoder-tf32",
-        choices=("auto", "on", "off"),
+        choices=SWITCHES,
         default=None,
         help="minicpmo: the vocoder flow's float32 matrix products in TF32 on CUDA (worker's)",
     )

@@ -21,6 +21,18 @@ ASR_CHOICES = ("both", "whisper")
 """The reference engine's recognizer settings (``WorkerConfig.asr``)."""
 ASR_PRECISIONS = ("auto", "fp32")
 """The reference engine's recognizers' arithmetic (``WorkerConfig.asr_precision``)."""
+SWITCHES = ("auto", "on", "off")
+"""A three-way switch (``cuda_graphs``, ``vocoder_tf32``): auto leaves it to the device."""
+
+
+def switch(name: str, value: str) -> str:
+    """`value` of the switch `name`, or ValueError naming it (for the engines' own
+    parameters, which are also set outside this config)."""
+    if value not in SWITCHES:
+        raise ValueError(f"{name} is {', '.join(SWITCHES[:-1])} or {SWITCHES[-1]}, not {value!r}")
+    return value
+
+
 TURN_WORK = ("auto", "inline", "finalize")
 """Where the reference engine works out the end of a user's turn (``WorkerConfig.turn_work``,
 ``TurnRules.turn_work``)."""
@@ -278,7 +290,7 @@ class WorkerConfig(FabricTls):
         "auto",
         env="OMNI_WORKER_CUDA_GRAPHS",
         flag="--cuda-graphs",
-        choices=("auto", "on", "off"),
+        choices=SWITCHES,
         help="minicpmo: batched decode forwards and vocoder flow steps in static shapes "
         "replayed as CUDA graphs",
     )
@@ -290,7 +302,7 @@ class WorkerConfig(FabricTls):
         "auto",
         env="OMNI_WORKER_VOCODER_TF32",
         flag="--vocoder-tf32",
-        choices=("auto", "on", "off"),
+        choices=SWITCHES,
         help="minicpmo: the vocoder flow's float32 matrix products in TF32 on CUDA (auto: "
         "unless the weights are float32)",
     )

@@ -517,5 +517,7 @@ def test_the_vocoders_tf32_setting_reaches_the_engine_and_is_checked():
     config = WorkerConfig.from_env({"OMNI_WORKER_VOCODER_TF32": "off"})
     assert MiniCPMOEngine.from_config(config).vocoder_tf32 == "off"
     assert MiniCPMOEngine.from_config(WorkerConfig.from_env({})).vocoder_tf32 == "auto"
-    with pytest.raises(ValueError, match="vocoder_tf32 is auto, on or off"):
+    with pytest.raises(ValueError, match="vocoder_tf32 is auto, on or off, not 'yes'"):
         MiniCPMOEngine("/nowhere", vocoder_tf32="yes")
+    with pytest.raises(ValueError, match="cuda_graphs is auto, on or off, not 'ON'"):
+        MiniCPMOEngine("/nowhere", cuda_graphs="ON")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from omnifabric.worker.config import switch
 from omnifabric.worker.engine import (
     ChatChunk,
     ChatMessage,
@@ -559,14 +560,10 @@ class MiniCPMOEngine(Engine):
         opt-in tests ask for float32 on CUDA, to compare batched and solo within 1e-4)."""
         self.attn = attn
         self.compile = compile
-        if cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"cuda_graphs is auto, on or off, not {cuda_graphs!r}")
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs = switch("cuda_graphs", cuda_graphs)
         """The batched decode's shapes: off ragged; on static (CUDA graphs on CUDA); auto
         static with graphs on CUDA, ragged elsewhere (graphs.py)."""
-        if vocoder_tf32 not in ("auto", "on", "off"):
-            raise ValueError(f"vocoder_tf32 is auto, on or off, not {vocoder_tf32!r}")
-        self.vocoder_tf32 = vocoder_tf32
+        self.vocoder_tf32 = switch("vocoder_tf32", vocoder_tf32)
         """The vocoder flow's float32 products in TF32 (vocoder.precision): auto on CUDA
         unless the weights are float32 (`vocoder_in_tf32`)."""
         if decode_ahead is not None and decode_ahead < 0:
