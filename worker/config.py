@@ -312,6 +312,34 @@ class WorkerConfig(FabricTls):
     auto: on where the device is CUDA and the weights are not float32 (a float32 engine
     means float32 throughout); off: full float32. PyTorch runs convolutions in TF32 either
     way (its default)."""
+    slot_spare_tokens: int | None = setting(
+        None,
+        env="OMNI_WORKER_SLOT_SPARE_TOKENS",
+        flag="--slot-spare-tokens",
+        range=(64, 1 << 16),
+        help="minicpmo: tokens a batched LLM slot holds past the context it keeps, for the "
+        "unit that crosses it (default 1024)",
+    )
+    """minicpmo: room in each batched LLM slot beyond the context a session keeps (the cap,
+    or a basic window's high watermark) for the unit that crosses it: an audio unit adds at
+    most ~40 tokens, a camera frame its slices' tokens (64 a slice). None: 1024, enough for
+    a unit with a frame at most slices. A unit that would pass it runs through the serial
+    path. A worker without video can set 128: 126 MiB less a slot at the released sizes
+    (144 KiB a token), 15.75 GiB at 128 slots."""
+    tts_slot_tokens: int | None = setting(
+        None,
+        env="OMNI_WORKER_TTS_SLOT_TOKENS",
+        flag="--tts-slot-tokens",
+        range=(256, 1 << 16),
+        help="minicpmo: tokens of a batched TTS slot, a speaker's TTS past within a reply "
+        "(default 4096)",
+    )
+    """minicpmo: each batched session's TTS slot (a row of the TTS's KV cache, claimed at its
+    first speaking step): its TTS past within one reply, ~47 tokens a second of speech
+    (the unit's spoken tokens, the audio bos, 26 codes). None: 4096 (~87 s of continuous
+    speech; 240 MiB a slot at the released sizes), or less where the TTS backbone's
+    positions end sooner. A reply that would outgrow it goes on on the serial path until
+    it ends. 2048 halves the TTS's memory (120 MiB a slot: 15 GiB less at 128 slots)."""
     decode_ahead: int | None = setting(
         None,
         env="OMNI_WORKER_DECODE_AHEAD",

@@ -521,3 +521,31 @@ def test_the_vocoders_tf32_setting_reaches_the_engine_and_is_checked():
         MiniCPMOEngine("/nowhere", vocoder_tf32="yes")
     with pytest.raises(ValueError, match="cuda_graphs is auto, on or off, not 'ON'"):
         MiniCPMOEngine("/nowhere", cuda_graphs="ON")
+
+
+def test_the_tts_slot_setting_reaches_the_engine_and_is_checked():
+    config = WorkerConfig.from_env({"OMNI_WORKER_TTS_SLOT_TOKENS": "2048"})
+    assert MiniCPMOEngine.from_config(config).tts_slot_tokens == 2048
+    assert MiniCPMOEngine.from_config(WorkerConfig.from_env({})).tts_slot_tokens is None
+    with pytest.raises(ValueError, match="OMNI_WORKER_TTS_SLOT_TOKENS"):
+        WorkerConfig.from_env({"OMNI_WORKER_TTS_SLOT_TOKENS": "100"})
+    with pytest.raises(ValueError, match="tts_slot_tokens is 1 or more, not 0"):
+        MiniCPMOEngine("/nowhere", tts_slot_tokens=0)
+
+
+def test_the_slots_spare_follows_the_setting():
+    from omnifabric.worker.engines.minicpmo.engine import slot_tokens
+
+    basic = WorkerConfig.from_env(
+        {}, context_window="basic", window_high_tokens=4096, window_low_tokens=3000
+    )
+    assert slot_tokens(basic) == 4096
+    assert MiniCPMOEngine.from_config(basic).kv_slot_tokens == 4096 + 1024
+    spare = basic.with_overrides(slot_spare_tokens=128)
+    assert MiniCPMOEngine.from_config(spare).kv_slot_tokens == 4096 + 128
+    env = WorkerConfig.from_env({"OMNI_WORKER_SLOT_SPARE_TOKENS": "256"})
+    assert MiniCPMOEngine.from_config(env).kv_slot_tokens == 8192 + 256
+    with pytest.raises(ValueError, match="OMNI_WORKER_SLOT_SPARE_TOKENS"):
+        WorkerConfig.from_env({"OMNI_WORKER_SLOT_SPARE_TOKENS": "8"})
+    with pytest.raises(ValueError, match="slot_spare_tokens is 1 or more, not 0"):
+        MiniCPMOEngine("/nowhere", slot_spare_tokens=0)

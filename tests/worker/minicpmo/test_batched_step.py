@@ -698,6 +698,55 @@ def test_a_context_outgrowing_its_slot_goes_serial(eng16, monkeypatch):
     compare(want, got, "outgrown")
 
 
+def test_a_tts_past_outgrowing_its_slot_goes_serial(eng16, capture_tts, monkeypatch):
+    """A reply spoken past what a TTS slot holds (--tts-slot-tokens) goes on on the serial
+    path, where the public code's own cache has no bound, instead of failing its step;
+    every unit, its TTS codes too, is still its solo run's, and no slot is left claimed."""
+    from omnifabric.worker.engines.minicpmo.tts import CHUNK_TOKENS
+
+    stepper = eng16.stepper()
+    found = None
+    for k in range(40, 64):
+        p = plan(eng16, k, seed=900 + k, tts=True)
+        p.settings = dataclasses.replace(p.settings, temperature=0)
+        want = solo(eng16, p, capture_tts)
+        if all(not u["listen"] for u in want) and all(u["tts_pos"] > 0 for u in want[:2]):
+            found = p, want
+            break
+    assert found is not None, "no plan of the tiny checkpoint speaks over three units"
+    p, want = found
+    s = _prepare(eng16, "long-reply", p)
+    got, where = [], []
+    try:
+        for u, unit in enumerate(p.units):
+            if u == 1:
+                # the first chunk's past fits; with it, another chunk at its cap does not
+                cap = s.sampling()["max_new_speak_tokens_per_chunk"]
+                room = stepper.tts.cache.length(s.tts_slot) + cap + 1 + CHUNK_TOKENS - 1
+                monkeypatch.setattr(stepper.tts.cache, "max_len", room)
+            result = _stepped(stepper, s, unit)
+            where.append((s.kv_slot is not None, s.tts_slot is not None))
+            logits = stepper.prefill_logits.get("long-reply")
+            if u and logits is None:  # the serial path's prefill kept none for the stepper
+                logits = want[u]["logits"]
+            got.append(_record(s, result, logits, capture_tts.pop(id(s.handle.duplex), [])))
+    finally:
+        s.close()
+    assert where == [(True, True), (False, False), (False, False)]
+    compare(want, got, "a reply past its TTS slot")
+    assert stepper.cache.claimed() == [] and stepper.tts.cache.claimed() == []
+
+
+def test_the_tts_slot_follows_the_setting_within_the_backbones_positions(eng16, monkeypatch):
+    from omnifabric.worker.engines.minicpmo.tts import TTS_TOKENS, BatchedTTS
+
+    positions = int(eng16.model.tts.model.config.max_position_embeddings)
+    for setting, want in ((300, min(300, positions)), (None, min(TTS_TOKENS, positions))):
+        monkeypatch.setattr(eng16, "tts_slot_tokens", setting)
+        cache = BatchedTTS(eng16).cache
+        assert (cache.slots, cache.max_len) == (eng16.slots, want)
+
+
 def speaking_plan(engine, k: int) -> Plan:
     """Plan k, seeded: the TTS samples its tokens whatever the text temperature, the batched
     step from the session's own generator, the solo run from the global RNG seeded alike."""

@@ -552,6 +552,8 @@ class MiniCPMOEngine(Engine):
         cuda_graphs: str = "auto",
         decode_ahead: int | None = None,
         vocoder_tf32: str = "auto",
+        tts_slot_tokens: int | None = None,
+        slot_spare_tokens: int | None = None,
     ) -> None:
         self.model_path = model_path
         self.device = device
@@ -564,6 +566,11 @@ class MiniCPMOEngine(Engine):
         """The batched decode's shapes: off ragged; on static (CUDA graphs on CUDA); auto
         static with graphs on CUDA, ragged elsewhere (graphs.py)."""
         self.vocoder_tf32 = switch("vocoder_tf32", vocoder_tf32)
+        if tts_slot_tokens is not None and tts_slot_tokens < 1:
+            raise ValueError(f"tts_slot_tokens is 1 or more, not {tts_slot_tokens}")
+        self.tts_slot_tokens = tts_slot_tokens
+        """Tokens of each batched TTS slot (a speaker's TTS past within a turn); None:
+        tts.TTS_TOKENS. A past that outgrows it goes on on the serial path."""
         """The vocoder flow's float32 products in TF32 (vocoder.precision): auto on CUDA
         unless the weights are float32 (`vocoder_in_tf32`)."""
         if decode_ahead is not None and decode_ahead < 0:
@@ -603,7 +610,10 @@ class MiniCPMOEngine(Engine):
         once: the session's cost estimate (cost_estimate)."""
         self.stepper_class = stepper_class
         """Builds the batched step (step.MiniCPMOStepper); None: sessions time-slice."""
-        self.kv_slot_tokens = (slot_tokens or context_tokens) + self.SLOT_SPARE_TOKENS
+        if slot_spare_tokens is not None and slot_spare_tokens < 1:
+            raise ValueError(f"slot_spare_tokens is 1 or more, not {slot_spare_tokens}")
+        spare = self.SLOT_SPARE_TOKENS if slot_spare_tokens is None else slot_spare_tokens
+        self.kv_slot_tokens = (slot_tokens or context_tokens) + spare
         """Tokens each slot of the batched stepper's LLM KV cache holds: the context a
         session keeps (the cap, or a basic window's high watermark: slot_tokens) and room
         for the unit that crosses it. A session whose context outgrows its slot goes on
@@ -629,6 +639,8 @@ class MiniCPMOEngine(Engine):
             cuda_graphs=config.cuda_graphs,
             decode_ahead=config.decode_ahead,
             vocoder_tf32=config.vocoder_tf32,
+            tts_slot_tokens=config.tts_slot_tokens,
+            slot_spare_tokens=config.slot_spare_tokens,
         )
 
     @property
@@ -769,8 +781,9 @@ class MiniCPMOEngine(Engine):
         )
         return model.eval().to(self.device)
 
-    #: What a slot holds beyond the context cap: the unit that crosses it (its frames'
-    #: slices, its speech, its deferred finalize).
+    #: What a slot holds beyond the context cap by default (--slot-spare-tokens): the unit
+    #: that crosses it (its frames' slices, its speech, its deferred finalize). A unit that
+    #: would pass it goes through the serial path.
     SLOT_SPARE_TOKENS = 1024
 
     def stepper(self) -> Stepper | None:

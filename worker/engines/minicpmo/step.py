@@ -510,6 +510,10 @@ class MiniCPMOStepper(Stepper):
         if self.kv_length(session) + extra + UNIT_HEADROOM > self.cache.max_len:
             self._unslot(session)
             return None
+        # So does a TTS past that would outgrow its TTS slot (a reply spoken at length).
+        if self.tts is not None and not self.tts.fits(session):
+            self._unslot(session)
+            return None
         if session.kv_slot is None:
             try:
                 self._slot_in(session)

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 
 #: Tokens per chunk: the public max and (mid-turn) min of generate_chunk.
 CHUNK_TOKENS = 25 + 1
-#: A session's TTS context within one turn, unless the backbone's config says less.
+#: A TTS slot's tokens (a session's TTS past within one turn: ~47 a second of speech),
+#: unless the worker's --tts-slot-tokens or the backbone's config says otherwise.
 TTS_TOKENS = 4096
 
 
@@ -68,7 +69,8 @@ class BatchedTTS:
         self.tts = tts
         config = tts.model.config
         weight = tts.emb_text.weight
-        tokens = min(TTS_TOKENS, int(getattr(config, "max_position_embeddings", TTS_TOKENS)))
+        wanted = engine.tts_slot_tokens or TTS_TOKENS
+        tokens = min(wanted, int(getattr(config, "max_position_embeddings", wanted)))
         static = engine.static_decode
         self.cache = SlotCache(
             config, engine.slots, tokens, device=weight.device, dtype=weight.dtype, scratch=static
@@ -273,6 +275,20 @@ class BatchedTTS:
         if session.tts_slot is not None:
             self.cache.release(session.tts_slot)
             session.tts_slot = None
+
+    def fits(self, session: MiniCPMOSession) -> bool:
+        """Whether a TTS slot holds the session's TTS past and the most its next chunk adds
+        (its unit's speak tokens at their cap, the audio bos, CHUNK_TOKENS codes). A past
+        that does not goes on on the serial path (the public code's own cache has no
+        bound) until its turn ends and empties it."""
+        slot = session.tts_slot
+        if slot is not None:
+            length = self.cache.length(slot)
+        else:
+            past = getattr(session.handle.duplex, "tts_past_key_values", None)
+            length = int(past.get_seq_length()) if past is not None else 0
+        cap = int(session.sampling()["max_new_speak_tokens_per_chunk"])
+        return length + cap + 1 + CHUNK_TOKENS <= self.cache.max_len
 
     def _eos(self, row: Row) -> int:
         eos = getattr(row.duplex, "tts_eos_token", None)
