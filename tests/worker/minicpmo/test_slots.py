@@ -245,15 +245,22 @@ def test_buckets():
     assert graphs.bucket(33, 257, 64, 4096) == (64, 512)
     assert graphs.bucket(9, 5000, 12, 4096) == (12, 4096)  # no more rows than slots
     assert graphs.bucket(1, 1, 1, 100) == (1, 100)
+    # past WIDTH_STEP (1024) widths grow by it: a long context pads by at most 1,023 keys
+    assert graphs.bucket(64, 1025, 64, 9216) == (64, 2048)
+    assert graphs.bucket(64, 2049, 64, 9216) == (64, 3072)
+    assert graphs.bucket(64, 4097, 64, 9216) == (64, 5120)
+    assert graphs.bucket(64, 9000, 64, 9216) == (64, 9216)
 
 
 def test_every_bucket_is_listed():
     """graphs.buckets (what a worker captures at its warm-up) holds every shape `bucket`
     gives, and nothing else."""
     assert graphs.buckets(64, 4096) == [
-        (r, w) for r in (1, 2, 4, 8, 16, 32, 64) for w in (256, 512, 1024, 2048, 4096)
+        (r, w) for r in (1, 2, 4, 8, 16, 32, 64) for w in (256, 512, 1024, 2048, 3072, 4096)
     ]
-    for slots, max_len in ((12, 1000), (1, 100), (3, 256), (5, 257)):
+    widths = [w for r, w in graphs.buckets(64, 9216) if r == 1]
+    assert widths == [256, 512, 1024, *range(2048, 9217, 1024)]
+    for slots, max_len in ((12, 1000), (1, 100), (3, 256), (5, 257), (2, 3500)):
         listed = graphs.buckets(slots, max_len)
         met = {
             graphs.bucket(n, need, slots, max_len)

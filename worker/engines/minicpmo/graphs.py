@@ -3,7 +3,8 @@
 A ragged decode forward (slots.feed) has a shape of its own every call: as many rows as are
 still speaking, keys up to the longest of their contexts. Here each forward is padded to a
 bucket: rows up to the next of ROW_BUCKETS (the padding rows sit on the slot cache's scratch
-row), keys up to the next power of two from MIN_WIDTH (capped at the slot length), and
+row), keys up to the next power of two from MIN_WIDTH up to WIDTH_STEP, then to the next
+multiple of WIDTH_STEP (capped at the slot length), and
 every index, position and mask lives in tensors allocated once per bucket and filled in
 place (SlotCache.begin_decode). With graphs on, the first forward of a bucket is run eagerly
 twice on a side stream (its cache writes are the step's own, so running it again changes
@@ -30,8 +31,14 @@ log = logging.getLogger(__name__)
 
 #: Rows of a decode forward are padded up to the next of these.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-#: The narrowest key width of a decode forward; wider ones double up to the slot length.
+#: The narrowest key width of a decode forward; wider ones double up to WIDTH_STEP, then
+#: grow by WIDTH_STEP, up to the slot length.
 MIN_WIDTH = 256
+#: A forward's attention reads every row's keys up to its width (the mask hides the rest,
+#: the memory is read): doubling past this would read up to twice the keys a long context
+#: needs (a 4,097-token context read as 8,192: at the released sizes 64 rows x 4,095
+#: padding keys x 144 KiB is 36 GiB more a forward); steps of it pad by at most 1,023.
+WIDTH_STEP = 1024
 
 
 def bucket(rows: int, width: int, slots: int, max_len: int) -> tuple[int, int]:
@@ -40,8 +47,10 @@ def bucket(rows: int, width: int, slots: int, max_len: int) -> tuple[int, int]:
     rows_b = next((b for b in ROW_BUCKETS if b >= rows), rows)
     rows_b = max(rows, min(rows_b, top))  # no more padding rows than the cache has slots
     width_b = MIN_WIDTH
-    while width_b < width:
+    while width_b < width and width_b < WIDTH_STEP:
         width_b *= 2
+    if width_b < width:
+        width_b = -(-width // WIDTH_STEP) * WIDTH_STEP
     return rows_b, min(width_b, max_len)
 
 
