@@ -242,7 +242,8 @@ def test_static_shape_decode_control_shifted_position_fails(llm):
 
 def test_buckets():
     assert graphs.bucket(3, 10, 64, 4096) == (4, 256)
-    assert graphs.bucket(33, 257, 64, 4096) == (64, 512)
+    assert graphs.bucket(33, 257, 64, 4096) == (40, 512)  # steps of 8 up to 64 rows
+    assert graphs.bucket(65, 257, 128, 4096) == (80, 512)  # then of 16
     assert graphs.bucket(9, 5000, 12, 4096) == (12, 4096)  # no more rows than slots
     assert graphs.bucket(1, 1, 1, 100) == (1, 100)
     # past WIDTH_STEP (1024) widths grow by it: a long context pads by at most 1,023 keys
@@ -256,7 +257,9 @@ def test_every_bucket_is_listed():
     """graphs.buckets (what a worker captures at its warm-up) holds every shape `bucket`
     gives, and nothing else."""
     assert graphs.buckets(64, 4096) == [
-        (r, w) for r in (1, 2, 4, 8, 16, 32, 64) for w in (256, 512, 1024, 2048, 3072, 4096)
+        (r, w)
+        for r in (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+        for w in (256, 512, 1024, 2048, 3072, 4096)
     ]
     widths = [w for r, w in graphs.buckets(64, 9216) if r == 1]
     assert widths == [256, 512, 1024, *range(2048, 9217, 1024)]

@@ -29,8 +29,17 @@ from omnifabric.worker.engines.minicpmo.slots import FeedResult, SlotCache, Slot
 
 log = logging.getLogger(__name__)
 
-#: Rows of a decode forward are padded up to the next of these.
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+#: Rows of a decode forward (LLM and TTS) are padded up to the next of these: steps of 8 to
+#: 64, then of 16, 32 and 64 (vLLM's habit). A padding row reads the scratch row's keys up
+#: to the forward's width like any row: with powers of two, 33 rows ran as 64 and 31 of them
+#: read keys for nothing (at 4,096 keys and the released sizes 17 GiB a forward).
+ROW_BUCKETS = (
+    *(1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64),
+    *(80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512),
+)
+#: The vocoder's calls (flow, HiFT) pad their rows to powers of two: each of its buckets is
+#: made per chunk shape too (frames, cached keys), and its warm-up speaks a turn in each.
+POWER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 #: The narrowest key width of a decode forward; wider ones double up to WIDTH_STEP, then
 #: grow by WIDTH_STEP, up to the slot length.
 MIN_WIDTH = 256

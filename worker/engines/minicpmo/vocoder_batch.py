@@ -65,7 +65,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, GraphSet
+from omnifabric.worker.engines.minicpmo.graphs import POWER_BUCKETS, GraphSet
 from omnifabric.worker.engines.minicpmo.slots import to_device
 from omnifabric.worker.engines.minicpmo.vocoder import precision
 from omnifabric.worker.engines.minicpmo.vocoder_flow import FlowSolver
@@ -502,7 +502,7 @@ class _DecodeShape:
 class HiftDecoder(GraphSet):
     """The causal HiFT's decode (CausalHiFTGenerator.decode) over groups of rows of equal
     shapes. Ragged: the package's decode per group. Static: a group padded to a row bucket
-    (graphs.ROW_BUCKETS) in tensors kept per shape, its spectrum (every convolution, up to the
+    (graphs.POWER_BUCKETS) in tensors kept per shape, its spectrum (every convolution, up to the
     ISTFT's magnitude and phase: `_spectrum`, the package's modules called in its order) on
     CUDA with graphs captured as a CUDA graph per shape and replayed (one launch for ~950);
     the ISTFT and the clamp stay eager (the ISTFT's overlap-add check reads a value on the
@@ -532,7 +532,7 @@ class HiftDecoder(GraphSet):
         key = (rows, tuple(mel.shape[1:]), tuple(source.shape[1:]), mel.dtype, finalize)
         if not self.static or (key not in self.shapes and len(self.shapes) >= self.MAX_SHAPES):
             return self.model.decode(mel, source, finalize=finalize)
-        padded = next((b for b in ROW_BUCKETS if b >= rows), rows)
+        padded = next((b for b in POWER_BUCKETS if b >= rows), rows)
         key = (padded, *key[1:])
         shape = self.shapes.get(key)
         if shape is None:

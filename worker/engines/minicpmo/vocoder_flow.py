@@ -14,7 +14,7 @@ call of a given step count, so it is computed once and kept (`_Times`).
 Two ways to run a call:
 - ragged (the reference): the call's own shape, rows B, frames the longest chunk, keys the
   longest cache; no mask when no row is padded (the package's unmasked attention).
-- static: the call padded to a bucket (rows up to the next of graphs.ROW_BUCKETS, frames up
+- static: the call padded to a bucket (rows up to the next of graphs.POWER_BUCKETS, frames up
   to a multiple of FRAME_STEP, cached keys up to a multiple of KEY_STEP), its inputs copied
   into tensors kept per bucket (the keys into one arena shared by all buckets), padding rows
   masked to their own chunk. On CUDA with graphs on, the first call of a bucket runs the
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnifabric.worker.engines.minicpmo.graphs import ROW_BUCKETS, GraphSet
+from omnifabric.worker.engines.minicpmo.graphs import POWER_BUCKETS, GraphSet
 from omnifabric.worker.engines.minicpmo.slots import to_device
 
 Tensor = torch.Tensor
@@ -60,7 +60,7 @@ Modulations = list[tuple[Tensor, ...]]
 
 def bucket(rows: int, frames: int, keys: int) -> tuple[int, int, int]:
     """The static shape (rows, chunk frames, cached key frames) a call runs in."""
-    rows_b = next((b for b in ROW_BUCKETS if b >= rows), rows)
+    rows_b = next((b for b in POWER_BUCKETS if b >= rows), rows)
     frames_b = -(-frames // FRAME_STEP) * FRAME_STEP
     keys_b = max(KEY_STEP, -(-keys // KEY_STEP) * KEY_STEP)
     return rows_b, frames_b, keys_b
