@@ -612,6 +612,18 @@ def test_a_speakers_next_turn_starts_from_an_empty_tts_slot(eng16, capture_tts, 
     check(eng16, [found], captured=capture_tts)
 
 
+def _speaking_on(engine, captured) -> tuple[Plan, list[dict[str, Any]]]:
+    """A greedy plan whose solo run speaks one turn from unit 0 through unit 2 (its TTS
+    past goes on from chunk to chunk), and that run."""
+    for k in range(40, 64):
+        p = plan(engine, k, seed=900 + k, tts=True)
+        p.settings = dataclasses.replace(p.settings, temperature=0)
+        want = solo(engine, p, captured)
+        if all(not u["listen"] for u in want) and all(u["tts_pos"] > 0 for u in want[:2]):
+            return p, want
+    raise AssertionError("no plan of the tiny checkpoint speaks over three units")
+
+
 def test_a_speaker_through_the_serial_path_mid_turn_keeps_its_tts_past(eng16, capture_tts):
     """A speaking session's TTS past lives in its TTS slot from chunk to chunk (tts.py): a
     unit through the serial path mid-turn gets it back on the duplex object and goes on
@@ -620,17 +632,7 @@ def test_a_speaker_through_the_serial_path_mid_turn_keeps_its_tts_past(eng16, ca
     its generator to its global RNG state and back where it changes paths
     (decode.draws_to_serial, draws_from_serial)."""
     stepper = eng16.stepper()
-    found = None
-    for k in range(40, 64):
-        p = plan(eng16, k, seed=900 + k, tts=True)
-        p.settings = dataclasses.replace(p.settings, temperature=0)
-        want = solo(eng16, p, capture_tts)
-        # a turn that goes on from unit 0 through unit 2: the serial unit continues a past
-        if all(not u["listen"] for u in want) and all(u["tts_pos"] > 0 for u in want[:2]):
-            found = p, want
-            break
-    assert found is not None, "no plan of the tiny checkpoint speaks over three units"
-    p, want = found
+    p, want = _speaking_on(eng16, capture_tts)
     s = _prepare(eng16, "mixed-tts", p)
     d = s.handle.duplex
     got = []
@@ -705,16 +707,7 @@ def test_a_tts_past_outgrowing_its_slot_goes_serial(eng16, capture_tts, monkeypa
     from omnifabric.worker.engines.minicpmo.tts import CHUNK_TOKENS
 
     stepper = eng16.stepper()
-    found = None
-    for k in range(40, 64):
-        p = plan(eng16, k, seed=900 + k, tts=True)
-        p.settings = dataclasses.replace(p.settings, temperature=0)
-        want = solo(eng16, p, capture_tts)
-        if all(not u["listen"] for u in want) and all(u["tts_pos"] > 0 for u in want[:2]):
-            found = p, want
-            break
-    assert found is not None, "no plan of the tiny checkpoint speaks over three units"
-    p, want = found
+    p, want = _speaking_on(eng16, capture_tts)
     s = _prepare(eng16, "long-reply", p)
     got, where = [], []
     try:
