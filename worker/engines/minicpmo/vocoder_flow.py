@@ -91,7 +91,9 @@ class _Call:
     convs: Tensor
     """[depth, 2R, channels, kernel - 1]: one step's convolution caches."""
     keys: Tensor
-    """[depth, 2R, heads, W, 2 x head dim]: one step's key/value caches."""
+    """[depth, 2R, heads, F + W, 2 x head dim]: room for the chunk's own keys/values (each
+    block writes its own there), then one step's key/value caches: the keys a block's
+    attention reads in place (no copy of the cache per block)."""
     ends: Tensor
     """[2R]: each row's chunk length (where its convolution caches are taken)."""
     mask: Tensor | None
@@ -272,8 +274,8 @@ class FlowSolver(GraphSet):
             return None
         self.buckets.add(key)
         depth, _, heads = kv.shape[1:4]
-        layout = (depth, 2 * rows, heads, width, kv.shape[5])
-        count = depth * 2 * rows * heads * width * kv.shape[5]
+        layout = (depth, 2 * rows, heads, frames + width, kv.shape[5])
+        count = depth * 2 * rows * heads * (frames + width) * kv.shape[5]
         arena = self._arena
         if arena is None or arena.numel() < count or arena.dtype != kv.dtype:
             # Captured graphs read the old arena: they go with it.
@@ -324,7 +326,7 @@ def _ragged(
         mu=torch.cat([mu, torch.zeros_like(mu)]),
         spk=torch.cat([spk, torch.zeros_like(spk)]),
         convs=conv.new_empty((conv.shape[1], 2 * rows, *conv.shape[3:])),
-        keys=kv.new_zeros((kv.shape[1], 2 * rows, kv.shape[3], width, kv.shape[5])),
+        keys=kv.new_zeros((kv.shape[1], 2 * rows, kv.shape[3], frames + width, kv.shape[5])),
         ends=to_device(torch.tensor(lens + lens), mu.device),
         mask=mask,
     )
@@ -334,7 +336,7 @@ def _fill(call: _Call, mus: list[Tensor], spk: Tensor, lens: list[int], past: li
     """A static call's per-call inputs: each row's mu, speaker, end and mask; padding rows
     see only their own chunk (a row that sees no key at all would be NaN)."""
     rows, frames = call.x2.shape[0] // 2, call.x2.shape[2]
-    b, width = len(mus), call.keys.shape[3]
+    b, width = len(mus), call.keys.shape[3] - frames
     call.mu.zero_()
     mu = call.mu.unflatten(0, (2, rows))
     torch._foreach_copy_([mu[0, i, :, :n] for i, n in enumerate(lens)], [m[0] for m in mus])
@@ -374,10 +376,7 @@ def _stage(call: _Call, x: Tensor, convs: Tensor, keys: list[Tensor], past: list
     rows, b = call.x2.shape[0] // 2, len(keys)
     call.x2.unflatten(0, (2, rows)).copy_(x.expand(2, *x.shape))
     call.convs.unflatten(1, (2, rows))[:, :, :b].copy_(convs)
-    target = call.keys.unflatten(1, (2, rows))
-    if rows == b and all(p == target.shape[4] for p in past):
-        torch.stack(keys, dim=2, out=target)
-        return
+    target = call.keys.unflatten(1, (2, rows))[:, :, :, :, call.x2.shape[2] :]
     torch._foreach_copy_([target[:, :, i, :, :p] for i, p in enumerate(past)], keys)
 
 
@@ -433,19 +432,22 @@ def _block(
     return h, conv, kv
 
 
-def _attend(attn: Any, h: Tensor, cache: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Attention.forward_chunk: the chunk's queries over [chunk keys, cached keys]; returns
-    the output and the chunk's own keys/values [rows, heads, T, 2d]."""
+def _attend(attn: Any, h: Tensor, keys: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Attention.forward_chunk: the chunk's queries over [chunk keys, cached keys], `keys`
+    [rows, heads, T + W, 2d] holding the cached ones after room for the chunk's, which are
+    written there; returns the output and the chunk's own keys/values [rows, heads, T, 2d]
+    (a view of `keys`)."""
     rows, frames, _ = h.shape
     q = attn.q_norm(attn.to_heads(attn.to_q(h)))
     k = attn.k_norm(attn.to_heads(attn.to_k(h)))
     v = attn.to_heads(attn.to_v(h))
-    k_cache, v_cache = cache.chunk(2, dim=3)
-    out = F.scaled_dot_product_attention(
-        q, torch.cat([k, k_cache], dim=2), torch.cat([v, v_cache], dim=2), attn_mask=mask
-    )
+    head = k.shape[-1]
+    own = keys[:, :, :frames]
+    own[..., :head].copy_(k)
+    own[..., head:].copy_(v)
+    out = F.scaled_dot_product_attention(q, keys[..., :head], keys[..., head:], attn_mask=mask)
     out = attn.proj(out.transpose(1, 2).reshape(rows, frames, -1))
-    return out, torch.cat([k, v], dim=3)
+    return out, own
 
 
 def _convolve(block: Any, h: Tensor, cache: Tensor, ends: Tensor) -> tuple[Tensor, Tensor]:
