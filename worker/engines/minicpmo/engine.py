@@ -566,13 +566,13 @@ class MiniCPMOEngine(Engine):
         """The batched decode's shapes: off ragged; on static (CUDA graphs on CUDA); auto
         static with graphs on CUDA, ragged elsewhere (graphs.py)."""
         self.vocoder_tf32 = switch("vocoder_tf32", vocoder_tf32)
+        """The vocoder flow's float32 products in TF32 (vocoder.precision): auto on CUDA
+        unless the weights are float32 (`vocoder_in_tf32`)."""
         if tts_slot_tokens is not None and tts_slot_tokens < 1:
             raise ValueError(f"tts_slot_tokens is 1 or more, not {tts_slot_tokens}")
         self.tts_slot_tokens = tts_slot_tokens
         """Tokens of each batched TTS slot (a speaker's TTS past within a turn); None:
         tts.TTS_TOKENS. A past that outgrows it goes on on the serial path."""
-        """The vocoder flow's float32 products in TF32 (vocoder.precision): auto on CUDA
-        unless the weights are float32 (`vocoder_in_tf32`)."""
         if decode_ahead is not None and decode_ahead < 0:
             raise ValueError(f"decode_ahead is 0 or more, not {decode_ahead}")
         self.decode_ahead = decode_ahead
