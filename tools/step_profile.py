@@ -83,8 +83,10 @@ def shares(events: Iterable[Any], wall_ms: float) -> dict[str, Any]:
     host = [e for e in events if e.device_type == DeviceType.CPU]
     counted = [(e.time_range.start, kind) for e in host if (kind := _kind(e))]
     out: dict[str, Any] = {"phases": {}}
+    spans: list[tuple[float, float]] = []
     for name in PHASES:
         ranges = [(e.time_range.start, e.time_range.end) for e in host if e.name == name]
+        spans += ranges
         if not ranges:
             continue
         wall = sum(b - a for a, b in ranges)
@@ -93,7 +95,11 @@ def shares(events: Iterable[Any], wall_ms: float) -> dict[str, Any]:
         figures["host"] = _tally(kind for at, kind in counted if _within(ranges, at))
         out["phases"][name.split(".", 1)[1]] = figures
     out["window"] = _figures(wall_ms * 1000.0, sum(b - a for a, b in kernels), 1)
-    out["window"]["host"] = _tally(kind for _, kind in counted)
+    # The window's host work: from the first phase's start to the last one's end (the steps
+    # and what runs between their phases), not the sessions' open and close around them.
+    first = min((a for a, _ in spans), default=float("-inf"))
+    last = max((b for _, b in spans), default=float("inf"))
+    out["window"]["host"] = _tally(kind for at, kind in counted if first <= at <= last)
     out["gpu_measured"] = bool(kernels)
     return out
 

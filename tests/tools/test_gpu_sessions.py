@@ -271,7 +271,7 @@ def test_host_counts_per_phase_count_each_op_once():
     decode = SimpleNamespace(**vars(event("minicpmo.decode", 0)))
     decode.time_range = SimpleNamespace(start=0, end=100)
     tts = SimpleNamespace(**vars(event("minicpmo.tts", 0)))
-    tts.time_range = SimpleNamespace(start=100, end=200)
+    tts.time_range = SimpleNamespace(start=120, end=200)
     add = event("aten::add", 10, decode)
     contiguous = event("aten::contiguous", 20, decode)
     item = event("aten::item", 30, decode)
@@ -288,7 +288,8 @@ def test_host_counts_per_phase_count_each_op_once():
         event("cudaLaunchKernel", 40, add),
         event("cudaGraphLaunch", 150, tts),
         event("cudaStreamSynchronize", 160, tts),
-        event("aten::mul", 300),  # outside every phase: the window only
+        event("aten::mul", 110),  # between two phases of the steps: the window only
+        event("aten::div", 300),  # after the steps (a session's close): not even the window
     ]
     report = step_profile.shares(events, 0.3)
     host = {name: f["host"] for name, f in report["phases"].items()}
