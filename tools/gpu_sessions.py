@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="untimed fixture sessions after engine.warmup(), before the memory baseline",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    _batched_options(parser)
+    _engine_options(parser)
+    return parser
+
+
+def _batched_options(parser: argparse.ArgumentParser) -> None:
+    """--batched and what goes with it."""
     parser.add_argument(
         "--batched",
         default=None,
@@ -94,6 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
         "batched-in-step: batched with the host between decode forwards, time-sliced)",
     )
     parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --batched: after the runs, profile a few steps of the largest N: a torch "
+        "profiler trace in DIR and the GPU's busy share per phase",
+    )
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    """The worker's engine settings the tool passes on."""
+    parser.add_argument(
         "--cuda-graphs",
         choices=SWITCHES,
         default=None,
@@ -113,20 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(worker's; 0: the host reads each forward's tokens first)",
     )
     parser.add_argument(
-        "--profile",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="with --batched: after the runs, profile a few steps of the largest N: a torch "
-        "profiler trace in DIR and the GPU's busy share per phase",
-    )
-    parser.add_argument(
         "--batch-share",
         type=float,
         default=None,
         help="synthetic engine: what a batched step's extra row costs (a share of a unit)",
     )
-    return parser
 
 
 def resolve_fixture(name: str) -> Path:
@@ -308,7 +318,12 @@ def table(report: dict) -> str:
 
 
 def _batched_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
-    """--batched's session counts and --modes. Raises ValueError naming the bad flag."""
+    """--batched's session counts and --modes. Raises ValueError naming the bad flag (of
+    these, --sessions and --warmup-units)."""
+    if args.sessions < 1:
+        raise ValueError("--sessions must be >= 1")
+    if args.warmup_units < 0:
+        raise ValueError("--warmup-units must be >= 0")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     counts = batched.parse_counts(args.batched) if args.batched else []
     known = {*batched.STEPPED, batched.SLICED}
@@ -332,12 +347,6 @@ def _fixture_audio(path: Path) -> np.ndarray:
 def main(argv: list[str] | None = None) -> int:
     """Load, warm up, run the sessions, print the table; 1 when GPU memory leaked, 2 on error."""
     args = build_parser().parse_args(argv)
-    if args.sessions < 1:
-        print("--sessions must be >= 1", file=sys.stderr)
-        return 2
-    if args.warmup_units < 0:
-        print("--warmup-units must be >= 0", file=sys.stderr)
-        return 2
     try:
         counts, modes = _batched_args(args)
     except ValueError as exc:
@@ -368,7 +377,6 @@ def main(argv: list[str] | None = None) -> int:
     warmup_s = time.perf_counter() - t1
     _, baseline = meter.cleanup()
     if counts:
-        print(f"loaded in {load_s:.1f} s, warm-up {warmup_s:.1f} s", flush=True)
         timings = {"load_s": load_s, "warmup_s": warmup_s}
         return _batched(args, engine, meter, units, counts, modes, timings)
     sessions = [run_session(engine, units, i, meter) for i in range(1, args.sessions + 1)]
@@ -427,6 +435,7 @@ def _batched(
 ) -> int:
     """--batched: every N in each mode, the table, the ratios, the JSON; 1 where a run
     failed (its error kept in the JSON's `failed`, the next runs still made)."""
+    print(f"loaded in {timings['load_s']:.1f} s, warm-up {timings['warmup_s']:.1f} s", flush=True)
     steps = set(batched.STEPPED) & set(modes)
     stepper = engine.stepper() if steps else None
     if steps and stepper is None:

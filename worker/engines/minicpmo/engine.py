@@ -200,6 +200,13 @@ def _more_slots(device: Any, per_slot: int) -> int:
     return int(free // per_slot)
 
 
+def _at_least(name: str, value: int | None, low: int) -> int | None:
+    """An engine parameter that may be left unset (None), or ValueError naming it."""
+    if value is not None and value < low:
+        raise ValueError(f"{name} is {low} or more, not {value}")
+    return value
+
+
 def slot_tokens(config: Any) -> int:
     """The context a batched slot is sized for: a basic window's high watermark when the
     worker's sessions slide by one (they never hold more; the slot follows the window),
@@ -568,14 +575,10 @@ class MiniCPMOEngine(Engine):
         self.vocoder_tf32 = switch("vocoder_tf32", vocoder_tf32)
         """The vocoder flow's float32 products in TF32 (vocoder.precision): auto on CUDA
         unless the weights are float32 (`vocoder_in_tf32`)."""
-        if tts_slot_tokens is not None and tts_slot_tokens < 1:
-            raise ValueError(f"tts_slot_tokens is 1 or more, not {tts_slot_tokens}")
-        self.tts_slot_tokens = tts_slot_tokens
+        self.tts_slot_tokens = _at_least("tts_slot_tokens", tts_slot_tokens, 1)
         """Tokens of each batched TTS slot (a speaker's TTS past within a turn); None:
         tts.TTS_TOKENS. A past that outgrows it goes on on the serial path."""
-        if decode_ahead is not None and decode_ahead < 0:
-            raise ValueError(f"decode_ahead is 0 or more, not {decode_ahead}")
-        self.decode_ahead = decode_ahead
+        self.decode_ahead = _at_least("decode_ahead", decode_ahead, 0)
         """Decode forwards the device may run beyond the host's reading of their tokens
         (decode.ahead); None: decode.CUDA_AHEAD on CUDA, 0 elsewhere."""
         self.slots = slots
@@ -610,9 +613,8 @@ class MiniCPMOEngine(Engine):
         once: the session's cost estimate (cost_estimate)."""
         self.stepper_class = stepper_class
         """Builds the batched step (step.MiniCPMOStepper); None: sessions time-slice."""
-        if slot_spare_tokens is not None and slot_spare_tokens < 1:
-            raise ValueError(f"slot_spare_tokens is 1 or more, not {slot_spare_tokens}")
-        spare = self.SLOT_SPARE_TOKENS if slot_spare_tokens is None else slot_spare_tokens
+        spare = _at_least("slot_spare_tokens", slot_spare_tokens, 1)
+        spare = self.SLOT_SPARE_TOKENS if spare is None else spare
         self.kv_slot_tokens = (slot_tokens or context_tokens) + spare
         """Tokens each slot of the batched stepper's LLM KV cache holds: the context a
         session keeps (the cap, or a basic window's high watermark: slot_tokens) and room
