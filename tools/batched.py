@@ -171,6 +171,7 @@ def run(
     speaking = 0
     speech = _Speech(n, unit_s)
     cache_bytes: list[int] = []
+    voices = 0
     try:
         feeds = [_units(units, count + warmup, 3 * i) for i in range(n)]
         warmup_ms = _warm(stepper, mode, sessions, feeds, warmup, sync, speech)
@@ -195,6 +196,7 @@ def run(
         measure = getattr(engine, "vocoder_cache_bytes", None)
         if measure is not None:
             cache_bytes = [int(measure(s)) for s in sessions]
+            voices = int(getattr(engine, "voice_bytes", lambda: 0)())
         sets = getattr(stepper, "graph_sets", None)
         graphs = {name: part.figures() for name, part in sets().items()} if sets else {}
     finally:
@@ -217,6 +219,7 @@ def run(
         "vocoder_cache_mib_per_session": (
             float(np.mean(cache_bytes)) / 2**20 if cache_bytes else None
         ),
+        "vocoder_voices_mib": voices / 2**20 if cache_bytes else None,
         "graphs": graphs,
         "vocoder_tf32": getattr(engine, "vocoder_in_tf32", None),
     }
@@ -414,7 +417,9 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         if cache is not None:
             tf32 = next((r.get("vocoder_tf32") for r in modes.values()), None)
             flow = "" if tf32 is None else "; its flow in " + ("TF32" if tf32 else "full float32")
-            lines.append(f"N={n}: vocoder caches {cache:.1f} MiB per session{flow}")
+            voices = next((r.get("vocoder_voices_mib") for r in modes.values()), None)
+            shared = "" if voices is None else f", and {voices:.1f} MiB of voices they share"
+            lines.append(f"N={n}: vocoder caches {cache:.1f} MiB per session{shared}{flow}")
     for mode in (*STEPPED, SLICED):
         held = [r["sessions"] for r in rows if r["mode"] == mode and r["real_time"]]
         ran = [r["sessions"] for r in rows if r["mode"] == mode]

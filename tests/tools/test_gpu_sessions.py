@@ -348,3 +348,14 @@ def test_the_summary_says_how_the_vocoders_flow_ran(tf32, says):
     row = {"mode": batched.BATCHED, "sessions": 2, "real_time": True, "graphs": {}}
     row.update(vocoder_cache_mib_per_session=5.4, vocoder_tf32=tf32)
     assert says in batched.summary([row])
+
+
+def test_the_summary_gives_the_voices_apart():
+    """A voice's caches are held once for its sessions (vocoder.Voice): the summary gives
+    them beside the sessions' own."""
+    from omnifabric.tools import batched
+
+    row = {"mode": batched.BATCHED, "sessions": 2, "real_time": True, "graphs": {}}
+    row.update(vocoder_cache_mib_per_session=5.4, vocoder_voices_mib=2.1, vocoder_tf32=None)
+    want = "N=2: vocoder caches 5.4 MiB per session, and 2.1 MiB of voices they share"
+    assert want in batched.summary([row])

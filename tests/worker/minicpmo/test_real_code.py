@@ -214,6 +214,34 @@ def test_close_frees_every_cache(engine):
     assert [r.kv_cache_length for r in first] == [r.kv_cache_length for r in second]
 
 
+def test_sessions_of_one_voice_share_its_caches(engine):
+    """The flow caches the model code keeps for a session's turns are its voice's one copy
+    (vocoder.Voice) for every session of that voice; a session with a voice of its own
+    keeps another; a session's own bytes leave a shared voice out."""
+    from omnifabric.worker.engines.minicpmo import vocoder
+
+    if not engine.audio_on:
+        pytest.skip("the tiny checkpoint has no vocoder here")
+    a, b = (engine.open_session(f"v{i}", "audio") for i in range(2))
+    try:
+        a.prepare("Hi.", None, None, GREEDY)
+        b.prepare("Hello.", None, None, GREEDY)
+        kept = a.handle.duplex.flow_cache_base
+        assert isinstance(kept, vocoder.Voice)
+        assert b.handle.duplex.flow_cache_base is kept
+        own = engine.vocoder_cache_bytes(a)
+        assert 0 < own and engine.voice_bytes() >= vocoder.cache_bytes(kept)
+        b.close()
+        b = engine.open_session("v2", "audio")
+        b.prepare("Hello.", None, noise(3, 2.0), GREEDY)
+        mine = b.handle.duplex.flow_cache_base
+        assert isinstance(mine, vocoder.Voice) and mine is not kept
+        assert engine.vocoder_cache_bytes(a) == own
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("seconds", [0.5, 1.0, 1.5, 3.0])
 def test_unit_lengths_through_the_unit_loop(engine, seconds):
     """Client units of any length become model units of exactly 1 s (the first padded to
@@ -386,6 +414,27 @@ def test_chat_streams_with_real_counts(engine, max_new_tokens):
     assert done.output_tokens <= max_new_tokens
     if max_new_tokens == 6:
         assert done.cut and done.output_tokens == 6
+
+
+def test_the_chat_path_leaves_no_voice_file_behind(engine, tmp_path, monkeypatch):
+    """The model code writes the answer's voice to a temporary WAV for every chat turn and
+    half-duplex call with speech (chat.init_voice removes it once read)."""
+    import tempfile
+
+    if not engine.audio_on:
+        pytest.skip("the tiny checkpoint has no vocoder here")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    turn = ChatTurn(messages=(ChatMessage("user", ("Hi.", noise(8))),), max_new_tokens=8)
+    assert list(engine.chat(replace(turn, speech=True)))[-1].done
+    s = engine.open_session("call", "audio")
+    try:
+        s.prepare("Be brief.", None, noise(4, 2.0), CALL)
+        with engine.using(s):
+            kept = engine.model.token2wav_cache["flow_cache_base"]
+        assert kept is engine.model.tts.audio_tokenizer.voice
+    finally:
+        s.close()
+    assert sorted(tmp_path.iterdir()) == []
 
 
 # ---- half-duplex calls (the model's streaming chat path) ------------------------------------

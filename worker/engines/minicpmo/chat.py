@@ -7,6 +7,7 @@ a `ChatEngine` and never imports it."""
 from __future__ import annotations
 
 import inspect
+import tempfile
 import uuid
 from collections.abc import Generator
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from omnifabric.worker.engine import ChatChunk, ChatMessage, ChatTurn
+from omnifabric.worker.engines.minicpmo.vocoder import share_kept
 
 #: Special tokens the text-only stream leaves in its text.
 TERMINATORS = ("<|im_end|>", "<|endoftext|>", "<|tts_eos|>", "<|turn_eos|>", "<|tts_bos|>")
@@ -193,7 +195,7 @@ def stream_turn(engine: ChatEngine, turn: ChatTurn) -> Generator[ChatChunk, None
         if voice_pcm is None or not voice_pcm.size:
             voice_pcm = default_voice_pcm(engine)
         if voice_pcm is not None:
-            model.init_token2wav_cache(voice_pcm)
+            init_voice(model, voice_pcm)
     with torch.no_grad():
         for message in turn.messages:
             prefill(
@@ -232,6 +234,21 @@ def stream_turn(engine: ChatEngine, turn: ChatTurn) -> Generator[ChatChunk, None
         or (not speech and not reply.finished),
         ignored=tuple(ignored),
     )
+
+
+def init_voice(model: Any, pcm: np.ndarray) -> None:
+    """`model.init_token2wav_cache(pcm)`: the answer's voice for the model's chat path. The
+    model code writes the voice to a temporary WAV for the vocoder and leaves it there (one
+    file a chat turn or half-duplex call with speech, 127 KB for the default voice); the
+    vocoder keeps the voice it prepared under that name and reads the file no more, so it is
+    removed here. The caches the model keeps for the conversation's turns become the voice's
+    shared copy (vocoder.share_kept)."""
+    model.init_token2wav_cache(pcm)
+    written = Path(str(getattr(model.tts.audio_tokenizer, "_stream_prompt", "") or ""))
+    temp = Path(tempfile.gettempdir())
+    if written.parent == temp and written.name.startswith("tmp") and written.suffix == ".wav":
+        written.unlink(missing_ok=True)
+    share_kept(model, model.token2wav_cache)
 
 
 def default_voice_pcm(engine: ChatEngine) -> np.ndarray | None:

@@ -39,7 +39,7 @@ from omnifabric.worker.engine import (
     ToolChoice,
     ToolSpec,
 )
-from omnifabric.worker.engines.minicpmo import layouts, voice
+from omnifabric.worker.engines.minicpmo import layouts, vocoder, voice
 from omnifabric.worker.engines.minicpmo.calls import (
     NO_TEMPLATE,
     CallWatch,
@@ -153,8 +153,6 @@ def vocoder_problem(root: Path, device: str) -> str | None:
     builds the vocoder through worker/engines/minicpmo/vocoder.py)."""
     if importlib.util.find_spec(VOCODER_MODULE) is None:
         return f"the vocoder package is not installed ({VOCODER_MODULE}: minicpmo-utils)"
-    from omnifabric.worker.engines.minicpmo import vocoder
-
     return vocoder.problem(root / "assets" / "token2wav")
 
 
@@ -307,6 +305,7 @@ class MiniCPMOSession(EngineSession):
         speech = self.engine.audio_on and self.settings.tts_enabled is not False
         self.handle.duplex.generate_audio = speech
         self.handle.prepare(prompt, ref, self.voice_path)
+        vocoder.share_kept(self.engine.model, self.handle.duplex)
         return window
 
     # ---- functions ---------------------------------------------------------------------
@@ -595,6 +594,9 @@ class MiniCPMOEngine(Engine):
         (decode.worker_generator): their draws of a step are one call."""
         self.default_voice_setting = default_voice
         self.default_voice: Path | None = None
+        self.default_voice_kept: Any = None
+        """The default voice as the vocoder prepared it (vocoder.Voice), kept from the warm-up
+        on so that its sessions share it even when none is open."""
         self.layout = ""
         self.audio_on = False
         self.model: Any = None
@@ -696,8 +698,6 @@ class MiniCPMOEngine(Engine):
         try:
             with contextlib.ExitStack() as stack:
                 if self.audio_on:
-                    from omnifabric.worker.engines.minicpmo import vocoder
-
                     stack.enter_context(vocoder.installed(self.device, self.vocoder_in_tf32))
                 first = getattr(self, f"_load_{self.layout}")(root, dtype)
         except ImportError as exc:
@@ -859,20 +859,26 @@ class MiniCPMOEngine(Engine):
             return session
 
     def vocoder_cache_bytes(self, session: MiniCPMOSession) -> int:
-        """Bytes of `session`'s vocoder stream caches (flow and HiFT; 0 without speech)."""
+        """Bytes of `session`'s own vocoder caches (its stream's flow and HiFT caches and its
+        copies of the voice's; a voice shared with other sessions is voice_bytes'; 0 without
+        speech)."""
         tok = getattr(getattr(self.model, "tts", None), "audio_tokenizer", None)
         if tok is None:
             return 0
-        from omnifabric.worker.engines.minicpmo import vocoder
-
         d = session.handle.duplex
+        base = getattr(d, vocoder.KEPT, None)
         with self.using(session):
             return vocoder.cache_bytes(
                 tok.stream_cache,
                 tok.hift_cache_dict,
-                getattr(d, "flow_cache_base", None),
+                None if isinstance(base, vocoder.Voice) else base,
                 getattr(d, "hift_cache_base", None),
             )
+
+    def voice_bytes(self) -> int:
+        """Bytes of the voices the vocoder keeps for their sessions (vocoder.Voice)."""
+        tok = getattr(getattr(self.model, "tts", None), "audio_tokenizer", None)
+        return 0 if tok is None else vocoder.voice_bytes(tok)
 
     def release(self, session: MiniCPMOSession) -> None:
         with self._lock:
@@ -947,6 +953,8 @@ class MiniCPMOEngine(Engine):
                 # fired, the session ended in an error, the worker went NOT_SERVING).
                 for plain, run in ((False, chunks), (True, chunks), (True, chunks[1:])):
                     tok.set_stream_cache(voice)
+                    # kept for the worker's life: its sessions' voice unless they bring one
+                    self.default_voice_kept = tok.voice
                     if plain:
                         with torch.inference_mode(False):
                             tok.stream_cache = {k: v.clone() for k, v in tok.stream_cache.items()}

@@ -25,7 +25,13 @@ from typing import Any
 import numpy as np
 
 from omnifabric.worker.engine import DuplexSettings, GenerateResult
-from omnifabric.worker.engines.minicpmo.chat import ChatEngine, Reply, default_voice_pcm, prefill
+from omnifabric.worker.engines.minicpmo.chat import (
+    ChatEngine,
+    Reply,
+    default_voice_pcm,
+    init_voice,
+    prefill,
+)
 from omnifabric.worker.engines.vad import WINDOW, TurnTracker, UtteranceRules, VoiceActivity
 
 #: The reference server's half-duplex VAD defaults (threshold; speech and silence in ms)
@@ -77,7 +83,7 @@ class HalfDuplexCall:
         if self.speech:
             pcm = voice if voice is not None and voice.size else default_voice_pcm(self.engine)
             if pcm is not None:
-                model.init_token2wav_cache(pcm)
+                init_voice(model, pcm)
         return self.kv_length()
 
     def hear(self, pcm: np.ndarray) -> dict[str, float]:
