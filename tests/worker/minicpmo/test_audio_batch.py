@@ -203,11 +203,63 @@ def test_a_session_goes_on_through_either_path(model: Any) -> None:
     assert worst <= TOLERANCE
 
 
+def test_a_unit_costs_the_host_the_same_ops_whatever_the_rows(model: Any, monkeypatch) -> None:
+    """The ops a unit issues do not grow with its rows (101 a row and unit with the released
+    encoder's 24 layers before: a concatenation and two copies a row and layer, and the
+    positions a row), but for a buffer that grows (one copy a row every few units); and
+    every copy of keys and values goes between dense blocks of one layout (what lets
+    torch._foreach_copy_ run them as a few kernels on CUDA)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not func.is_view:
+                self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    copy = torch._foreach_copy_
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def watched(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        pairs.extend(zip(dst, src, strict=True))
+        copy(dst, src)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", watched)
+    counts: dict[int, list[int]] = {}
+    for rows in (2, 6):
+        sessions = plan(model, [0] * rows, 5)
+        counts[rows] = []
+        with torch.no_grad():
+            for unit in range(5):
+                for s in sessions:
+                    s.unit = unit
+                counter = Count()
+                with counter:
+                    outs = encode_streaming(model, [row(s) for s in sessions])
+                counts[rows].append(counter.ops)
+                for s, out in zip(sessions, outs, strict=True):
+                    s.ours = out.cache
+    growth = [b - a for a, b in zip(counts[2], counts[6], strict=True)]
+    print(f"ops a unit, 2 rows {counts[2]}, 6 rows {counts[6]}")
+    assert max(growth) <= 4  # at most one copy more for each of the 4 more rows
+    assert pairs and all(
+        d.shape == s.shape and d.stride() == s.stride() and d.is_contiguous() for d, s in pairs
+    )
+
+
 def test_control_a_shifted_position_fails(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     positions = audio_batch._positions
 
-    def shifted(past: int, count: int, table: int, device: torch.device) -> torch.Tensor:
-        return positions(past + 1 if past else 0, count, table, device)
+    def shifted(plan: Any, longest: int, table: int, device: torch.device) -> torch.Tensor:
+        out = positions(plan, longest, table, device).clone()
+        later = [r for r, past in enumerate(plan.pasts) if past]
+        if later:  # one row with a past: its positions one further on
+            out[later[0]] += 1
+        return out
 
     monkeypatch.setattr(audio_batch, "_positions", shifted)
     sessions = plan(model, [0, 2], 4)

@@ -340,6 +340,31 @@ def test_a_failure_while_capturing_ahead_turns_graphs_off_and_serves_on(llm, cap
     assert cache.length(a) == 4 and decoder.captured == 0
 
 
+def test_a_row_fed_in_pieces_is_the_row_fed_whole(llm):
+    """feed takes a row as the pieces of its embeddings (the step's tokens, vision and audio
+    as they are made): the same forward, to the bit, as the pieces joined first; a row
+    whose pieces hold no token is refused before any slot moves."""
+    make = random_embeds(llm.config.hidden_size)
+    parts = [make(2), make(0), make(5), make(1)]
+    other = make(3)
+    results = []
+    for joined in (True, False):
+        cache = SlotCache(llm.config, 2, 16)
+        a, b = cache.claim(), cache.claim()
+        row = torch.cat(parts) if joined else parts
+        with torch.no_grad():
+            res = feed(llm, cache, [(a, other), (b, row)])
+        results.append((res, cache))
+    (whole, first), (pieces, second) = results
+    assert torch.equal(whole.logits, pieces.logits)
+    for one, two in zip(whole.hidden, pieces.hidden, strict=True):
+        assert torch.equal(one, two)
+    assert torch.equal(first.key_slots[0][:2], second.key_slots[0][:2])
+    with pytest.raises(ValueError, match="tokens >= 1"):
+        feed(llm, second, [(0, [make(0), make(0)])])
+    assert second.length(0) == 3
+
+
 def test_static_decode_refuses_what_it_cannot_take(llm):
     cache = SlotCache(llm.config, 2, 16, scratch=True)
     decoder = StaticDecode(llm, cache, graphs=True)  # a CPU cache: no graphs

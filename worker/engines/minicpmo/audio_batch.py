@@ -53,10 +53,12 @@ tests/worker/minicpmo/test_audio_batch.py (opt-in: OMNI_MINICPMO_CODE_DIR).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
@@ -111,17 +113,68 @@ class _Plan:
     resets: list[bool] = field(default_factory=list)
 
 
+#: A session's encoder keys and values grow in a buffer of its own by this many frames at a
+#: time (2.6 s of audio; ~12 MiB at the released sizes in bfloat16).
+STORE_STEP = 128
+#: The attribute of a session's DynamicCache that holds its buffer (`_Store`).
+STORE = "_omnifabric_audio_store"
+
+
+@dataclass
+class _Store:
+    """A session's encoder keys and values: `buffer` [layers, 2, capacity, heads, head dim]
+    (keys, then values; frame-major, so that a span of frames is one dense block), of which
+    its DynamicCache's tensors are views ([1, heads, frames, head dim]: `keys`, `values`
+    per layer as they were handed to it; a tensor the public path put there instead is
+    not one of them)."""
+
+    buffer: torch.Tensor
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    def holds(self, cache: DynamicCache, need: int) -> bool:
+        """Whether `cache`'s tensors are still this buffer's views and `need` frames fit."""
+        return (
+            self.buffer.shape[2] >= need
+            and len(cache.key_cache) == len(self.keys) == self.buffer.shape[0]
+            and all(map(operator.is_, cache.key_cache, self.keys))
+            and all(map(operator.is_, cache.value_cache, self.values))
+        )
+
+    def seen(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values up to `end` as the DynamicCache holds them (views)."""
+        k, v = self.buffer[layer, 0, :end], self.buffer[layer, 1, :end]
+        return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+
+
 class _RaggedSelfAttention(Cache):
     """The self-attention cache the encoder layers write through during one call: `update`
-    appends each row's real new keys and values to the row's own DynamicCache (as the
-    public path's cache does, so the row's cache ends as the public call leaves it) and
-    returns every row's whole keys and values, right-padded with zeros to the widest."""
+    appends each row's real new keys and values to the row's own DynamicCache (its tensors
+    grown as DynamicCache.update grows them, so the row's cache ends as the public call
+    leaves it) and returns every row's whole keys and values, right-padded with zeros to
+    the widest.
 
-    def __init__(self, caches: list[DynamicCache], counts: list[int], width: int) -> None:
+    A row's keys and values live in a buffer of its session's (`_Store`, grown by
+    STORE_STEP frames) whose views its DynamicCache holds, so a layer's update is two
+    copies for all rows (torch._foreach_copy_ over dense blocks of equal strides: the new
+    frames into each buffer, each buffer's frames into the padded batch; on CUDA a few
+    kernels, not one a row), not a concatenation and two copies a row and layer (101 host
+    ops a row and unit with the released encoder's 24 layers). A cache whose tensors are not
+    its buffer's views (new, or grown by the public path since) gets a new buffer, its past
+    copied in once. The padded batch is frame-major too; the layers get it as views in
+    their [rows, heads, frames, head dim] order."""
+
+    def __init__(self, plan: _Plan, width: int, layers: int, limit: int) -> None:
         super().__init__()
-        self.caches = caches
-        self.counts = counts
+        self.caches = plan.caches
+        self.pasts = plan.pasts
+        self.counts = plan.counts
         self.width = width
+        self.layers = layers
+        self.limit = limit
+        """The most frames a row holds (the positional table's length: the reset rule)."""
+        self.stores: list[_Store] = []
+        self.padded: torch.Tensor | None = None
 
     def update(
         self,
@@ -131,20 +184,64 @@ class _RaggedSelfAttention(Cache):
         cache_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, heads, _, head_dim = key_states.shape
-        keys = key_states.new_zeros(rows, heads, self.width, head_dim)
-        values = value_states.new_zeros(rows, heads, self.width, head_dim)
-        for row, (cache, count) in enumerate(zip(self.caches, self.counts, strict=True)):
-            new_k = key_states[row : row + 1, :, :count]
-            new_v = value_states[row : row + 1, :, :count]
+        if self.padded is None:
+            # one zeroed batch for every layer: each layer writes the same real frames of it
+            self.padded = key_states.new_zeros(2, rows, self.width, heads, head_dim)
+            self.stores = [self._store(r, key_states) for r in range(rows)]
+        # [rows, 2, frames, heads, head dim]: each row's new frames one dense block
+        new = torch.stack((key_states, value_states), dim=1).transpose(2, 3).contiguous()
+        spans = [
+            (store.buffer[layer_idx], past, past + n)
+            for store, past, n in zip(self.stores, self.pasts, self.counts, strict=True)
+        ]
+        torch._foreach_copy_(
+            [b[kv, start:end] for b, start, end in spans for kv in (0, 1)],
+            [new[r, kv, :n] for r, n in enumerate(self.counts) for kv in (0, 1)],
+        )
+        torch._foreach_copy_(
+            [self.padded[kv, r, :end] for r, (_, _, end) in enumerate(spans) for kv in (0, 1)],
+            [b[kv, :end] for b, _, end in spans for kv in (0, 1)],
+        )
+        rows_now = zip(self.caches, self.stores, spans, self.counts, strict=True)
+        for cache, store, (_, _, end), n in rows_now:
+            keys, values = store.seen(layer_idx, end)
+            if layer_idx == 0:
+                cache._seen_tokens += n
             if len(cache.key_cache) <= layer_idx:
-                # An empty cache keeps what it is given: a copy, not a view that would hold
-                # the whole batch's keys alive.
-                new_k, new_v = new_k.clone(), new_v.clone()
-            whole_k, whole_v = cache.update(new_k, new_v, layer_idx)
-            length = whole_k.shape[-2]
-            keys[row, :, :length] = whole_k[0]
-            values[row, :, :length] = whole_v[0]
-        return keys, values
+                cache.key_cache.append(keys)
+                cache.value_cache.append(values)
+            else:
+                cache.key_cache[layer_idx], cache.value_cache[layer_idx] = keys, values
+            store.keys[layer_idx : layer_idx + 1] = [keys]
+            store.values[layer_idx : layer_idx + 1] = [values]
+        return self.padded[0].transpose(1, 2), self.padded[1].transpose(1, 2)
+
+    def _store(self, r: int, like: torch.Tensor) -> _Store:
+        """Row r's buffer: its session's where the cache still holds its views and the
+        unit fits, else a new one (the past copied in: one call)."""
+        cache, past = self.caches[r], self.pasts[r]
+        need = past + self.counts[r]
+        store = getattr(cache, STORE, None)
+        if store is not None and store.holds(cache, need):
+            return store
+        layers = self.layers
+        capacity = max(need, min(self.limit, -(-(need + STORE_STEP) // STORE_STEP) * STORE_STEP))
+        _, heads, _, head_dim = like.shape
+        buffer = like.new_empty(layers, 2, capacity, heads, head_dim)
+        if past:
+            if len(cache.key_cache) != layers:
+                raise ValueError(f"an audio cache of {len(cache.key_cache)} layers, not {layers}")
+            torch._foreach_copy_(
+                [buffer[layer, kv, :past] for layer in range(layers) for kv in (0, 1)],
+                [
+                    held[layer][0].transpose(0, 1)
+                    for layer in range(layers)
+                    for held in (cache.key_cache, cache.value_cache)
+                ],
+            )
+        store = _Store(buffer, list(cache.key_cache), list(cache.value_cache))
+        setattr(cache, STORE, store)
+        return store
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         return self.width
@@ -206,10 +303,12 @@ def _convolve(apm: Any, rows: Sequence[AudioRow]) -> list[torch.Tensor]:
     return out
 
 
-def _positions(past: int, count: int, table: int, device: torch.device) -> torch.Tensor:
-    """The positional rows of a row's new frames: past..past+count-1, the table's last row
-    for any beyond its end (the encoder's rule for audio longer than the table)."""
-    return torch.arange(past, past + count, device=device).clamp(max=table - 1)
+def _positions(plan: _Plan, longest: int, table: int, device: torch.device) -> torch.Tensor:
+    """[rows, longest]: each row's positional rows from its past length on, past..past+n-1
+    (padding continues them), the table's last row for any beyond its end (the encoder's
+    rule for audio longer than the table); made on the host, one copy to the device."""
+    at = np.asarray(plan.pasts)[:, None] + np.arange(longest)[None, :]
+    return to_device(torch.from_numpy(np.minimum(at, table - 1)), device)
 
 
 def _mask(plan: _Plan, longest: int, width: int, like: torch.Tensor) -> torch.Tensor:
@@ -269,13 +368,14 @@ def encode_streaming(model: Any, rows: Sequence[AudioRow]) -> list[AudioOut]:
     table = apm.embed_positions.weight
     longest = max(plan.counts)
     width = max(p + n for p, n in zip(plan.pasts, plan.counts, strict=True))
-    n_rows = len(rows)
-    hidden = weight.new_zeros(n_rows, longest, table.shape[1])
-    for r, (x, past, count) in enumerate(zip(frames, plan.pasts, plan.counts, strict=True)):
-        hidden[r, :count] = x + table[_positions(past, count, table.shape[0], table.device)]
+    # every row's positional rows in one gather, its frames added in one call (a padded
+    # frame gets its position's row alone: its outputs and keys are never used)
+    hidden = table[_positions(plan, longest, table.shape[0], table.device)]
+    torch._foreach_add_([hidden[r, :n] for r, n in enumerate(plan.counts)], frames)
     mask = _mask(plan, longest, width, weight)
 
-    layer_cache = _LayerCache(_RaggedSelfAttention(plan.caches, plan.counts, width))
+    attention = _RaggedSelfAttention(plan, width, len(apm.layers), table.shape[0])
+    layer_cache = _LayerCache(attention)
     states: list[torch.Tensor] = []
     for layer in apm.layers:
         states.append(hidden)
@@ -291,7 +391,8 @@ def encode_streaming(model: Any, rows: Sequence[AudioRow]) -> list[AudioOut]:
     chosen = states[getattr(model, "audio_encoder_layer", -1)]
 
     embeds = model.audio_projection_layer(chosen)
-    pooled = model.audio_avg_pooler(embeds.transpose(1, 2)).transpose(1, 2)
+    # contiguous: each row's embeddings a dense block, as the LLM's batch takes its pieces
+    pooled = model.audio_avg_pooler(embeds.transpose(1, 2)).transpose(1, 2).contiguous()
     step = int(model.config.audio_pool_step)
     out: list[AudioOut] = []
     for r, row in enumerate(rows):

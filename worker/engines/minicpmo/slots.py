@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import Cache, DynamicCache
 
 
@@ -433,9 +432,14 @@ class FeedResult:
     hidden: list[torch.Tensor]
 
 
-def feed(llm: Any, cache: SlotCache, rows: Sequence[tuple[int, torch.Tensor]]) -> FeedResult:
-    """Feeds each row's embeddings ([tokens, hidden], at least one token, lengths may differ)
-    to the LLM after its slot's past, all rows in one forward, and adds them to the slots.
+#: A row's embeddings for feed: one [tokens, hidden] tensor, or pieces of it in order.
+Embeds = torch.Tensor | Sequence[torch.Tensor]
+
+
+def feed(llm: Any, cache: SlotCache, rows: Sequence[tuple[int, Embeds]]) -> FeedResult:
+    """Feeds each row's embeddings ([tokens, hidden], at least one token, lengths may differ;
+    or the pieces that make them, joined in the batch) to the LLM after its slot's past, all
+    rows in one forward, and adds them to the slots.
 
     `llm` is the causal LM (Qwen3ForCausalLM): its decoder (`llm.model`) runs the padded batch
     and its head (`llm.lm_head`) only the last real position of each row, which is what a
@@ -444,15 +448,16 @@ def feed(llm: Any, cache: SlotCache, rows: Sequence[tuple[int, torch.Tensor]]) -
     """
     if not rows:
         raise ValueError("feed needs at least one row")
-    for slot, embeds in rows:
-        if embeds.dim() != 2 or embeds.shape[0] < 1:
-            raise ValueError(
-                f"slot {slot}: embeddings are [tokens >= 1, hidden], got {tuple(embeds.shape)}"
-            )
-    step = cache.begin([slot for slot, _ in rows], [embeds.shape[0] for _, embeds in rows])
+    pieces = [[e] if isinstance(e, torch.Tensor) else list(e) for _, e in rows]
+    for (slot, _), parts in zip(rows, pieces, strict=True):
+        if not parts or any(e.dim() != 2 for e in parts) or sum(e.shape[0] for e in parts) < 1:
+            shapes = [tuple(e.shape) for e in parts]
+            raise ValueError(f"slot {slot}: embeddings are [tokens >= 1, hidden], got {shapes}")
+    counts = [sum(e.shape[0] for e in parts) for parts in pieces]
+    step = cache.begin([slot for slot, _ in rows], counts)
     try:
         with torch.no_grad():
-            batch = pad_sequence([embeds for _, embeds in rows], batch_first=True)
+            batch = _padded(pieces, counts)
             out = llm.model(
                 inputs_embeds=batch,
                 position_ids=step.positions,
@@ -471,3 +476,22 @@ def feed(llm: Any, cache: SlotCache, rows: Sequence[tuple[int, torch.Tensor]]) -
     return FeedResult(
         logits=logits, hidden=[hidden[row, :count] for row, count in enumerate(step.counts)]
     )
+
+
+def _padded(pieces: list[list[torch.Tensor]], counts: list[int]) -> torch.Tensor:
+    """[rows, the longest, hidden]: each row's pieces one after another, zeros after its end
+    (pad_sequence's batch), put in with one call for every piece of every row (on CUDA a
+    few kernels where the pieces are dense blocks, not one a piece)."""
+    first = pieces[0][0]
+    batch = first.new_zeros(len(pieces), max(counts), first.shape[1])
+    dst, src = [], []
+    for row, parts in enumerate(pieces):
+        at = 0
+        for part in parts:
+            n = part.shape[0]
+            if n:
+                dst.append(batch[row, at : at + n])
+                src.append(part)
+            at += n
+    torch._foreach_copy_(dst, src)
+    return batch

@@ -96,6 +96,7 @@ from omnifabric.worker.engines.minicpmo.slots import (
     SlotCache,
     dynamic,
     feed,
+    to_device,
 )
 
 if TYPE_CHECKING:
@@ -805,40 +806,25 @@ class MiniCPMOStepper(Stepper):
 
     def _prefill(self, rows: list[Row], phases: dict[str, float]) -> None:
         """One LLM forward: every row's deferred finalize, <unit>, vision ops, audio (and a
-        closing turn_eos), with the public bookkeeping around it."""
+        closing turn_eos), with the public bookkeeping around it. Every token of every row
+        is embedded in one lookup (the public decoder's embed_tokens makes a tensor on the
+        device from a list, a copy the host waits for, and looks it up, per call), and the
+        rows' pieces go into the padded batch as they are (slots.feed), not joined a row at
+        a time."""
         t0 = time.perf_counter()
         llm = self.engine.model.llm
         cache = self.cache
-        feeds: list[tuple[int, torch.Tensor]] = []
-        for row in rows:
-            d = row.duplex
-            dec = d.decoder
-            parts = [dec.embed_tokens([*row.deferred, *row.results, d.unit_token_id])]
-            schema: list[Any] = [d.unit_token_id]
-            if row.vision is not None:
-                k = 0
-                for count in row.slice_counts:
-                    for i in range(count):
-                        start, end = (
-                            (d.image_start_token_id, d.image_end_token_id)
-                            if i == 0
-                            else (d.slice_start_token_id, d.slice_end_token_id)
-                        )
-                        emb = row.vision[k]
-                        k += 1
-                        parts += [dec.embed_tokens([start]), emb, dec.embed_tokens([end])]
-                        schema += [start, ("img", int(emb.shape[0])), end]
-            if row.audio is not None:
-                parts.append(row.audio)
-                schema.append(("audio", int(row.audio.shape[0])))
-            row.prefill_ids = schema
-            embeds = torch.cat(parts, dim=0)
-            row.n_pending = int(embeds.shape[0])
-            if row.close_turn:
-                embeds = torch.cat([embeds, dec.embed_tokens([d.turn_eos_token_id])], dim=0)
+        ids: list[int] = []
+        plans = [self._pieces(row, ids) for row in rows]
+        table = llm.model.embed_tokens
+        with torch.no_grad():
+            embedded = table(to_device(torch.tensor(ids), table.weight.device))
+        feeds: list[tuple[int, list[torch.Tensor]]] = []
+        for row, plan in zip(rows, plans, strict=True):
             slot = row.session.kv_slot
             assert slot is not None
-            feeds.append((slot, embeds))
+            pieces = [embedded[p[0] : p[1]] if isinstance(p, tuple) else p for p in plan]
+            feeds.append((slot, pieces))
         starts = [cache.length(slot) for slot, _ in feeds]
         with torch.no_grad():
             res = feed(llm, cache, feeds)
@@ -852,6 +838,45 @@ class MiniCPMOStepper(Stepper):
         phases["llm_prefill"] = _ms(t0)
         for row, start, logits in zip(rows, starts, pending, strict=True):
             self._after_prefill(row, start, logits)
+
+    def _pieces(self, row: Row, ids: list[int]) -> list[tuple[int, int] | torch.Tensor]:
+        """The row's prefill in order: spans of `ids` (its tokens, appended there) and
+        embeddings (vision, audio); sets its prefill_ids and n_pending (the closing
+        turn_eos, fed last, not counted)."""
+        d = row.duplex
+        plan: list[tuple[int, int] | torch.Tensor] = []
+
+        def tokens(more: list[int]) -> int:
+            plan.append((len(ids), len(ids) + len(more)))
+            ids.extend(more)
+            return len(more)
+
+        n = tokens([*row.deferred, *row.results, d.unit_token_id])
+        schema: list[Any] = [d.unit_token_id]
+        if row.vision is not None:
+            k = 0
+            for count in row.slice_counts:
+                for i in range(count):
+                    start, end = (
+                        (d.image_start_token_id, d.image_end_token_id)
+                        if i == 0
+                        else (d.slice_start_token_id, d.slice_end_token_id)
+                    )
+                    emb = row.vision[k]
+                    k += 1
+                    n += tokens([start])
+                    plan.append(emb)
+                    n += int(emb.shape[0]) + tokens([end])
+                    schema += [start, ("img", int(emb.shape[0])), end]
+        if row.audio is not None:
+            plan.append(row.audio)
+            n += int(row.audio.shape[0])
+            schema.append(("audio", int(row.audio.shape[0])))
+        row.prefill_ids = schema
+        row.n_pending = n
+        if row.close_turn:
+            tokens([d.turn_eos_token_id])
+        return plan
 
     def _after_prefill(self, row: Row, start: int, logits: torch.Tensor) -> None:
         """The public prefill's (and merged finalize's) bookkeeping on the duplex."""
