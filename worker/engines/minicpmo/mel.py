@@ -182,26 +182,59 @@ class StreamingMel:
                 for a, b in job.ranges:
                     job.computed.append(raw[:, at : at + b - a])
                     at += b - a
-        return [self._finish(job) for job in jobs]
+        return self._finish(jobs)
 
-    def _finish(self, job: MelJob) -> tuple[torch.Tensor, MelCache]:
-        parts = list(job.computed)
-        if job.kept is not None:
-            before = sum(1 for _, end in job.ranges if end <= job.kept_at)
-            parts.insert(before, job.kept)
+    def _finish(self, jobs: list[MelJob]) -> list[tuple[torch.Tensor, MelCache]]:
+        """Every row's window of raw frames (kept and computed, in order) in one tensor,
+        normalized as the extractor normalizes it (a fixed floor, or the window's maximum less
+        the dynamic range), every row at once: a step's host ops do not grow with its rows
+        (they grew by four a row, each a kernel on a GPU)."""
+        parts, spans, at = [], [], 0
+        for job in jobs:
+            mine = list(job.computed)
+            if job.kept is not None:
+                before = sum(1 for _, end in job.ranges if end <= job.kept_at)
+                mine.insert(before, job.kept)
+            parts += mine
+            spans.append((at, at + job.frames))
+            at += job.frames
         whole = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        start, end = job.emit
-        if job.floor is None:
-            floored = torch.maximum(whole[:, start:end], whole.max() - DYNAMIC_RANGE)
-        else:  # a fixed floor: a number, no tensor made and copied to the device a row
-            floored = whole[:, start:end].clamp(min=job.floor)
-        out = (floored + 4.0) / 4.0
-        proc = job.proc
-        cache = MelCache(
-            proc=proc,
-            raw=whole[:, : job.stable],
-            base_t=proc.base_T,
-            chunk_count=proc.chunk_count,
-            length=len(proc.buffer),
+        floors = self._floors(jobs, whole, spans)
+        longest = max(end - start for start, end in (job.emit for job in jobs))
+        emitted = whole.new_zeros(len(jobs), whole.shape[0], longest)
+        torch._foreach_copy_(
+            [emitted[r, :, : end - start] for r, (start, end) in enumerate(j.emit for j in jobs)],
+            [
+                whole[:, a + start : a + end]
+                for (a, _), (start, end) in zip(spans, (j.emit for j in jobs), strict=True)
+            ],
         )
-        return out[None], cache
+        out = (torch.maximum(emitted, floors[:, None, None]) + 4.0) / 4.0
+        done = []
+        for r, (job, (a, _)) in enumerate(zip(jobs, spans, strict=True)):
+            proc = job.proc
+            cache = MelCache(
+                proc=proc,
+                raw=whole[:, a : a + job.stable],
+                base_t=proc.base_T,
+                chunk_count=proc.chunk_count,
+                length=len(proc.buffer),
+            )
+            start, end = job.emit
+            done.append((out[r : r + 1, :, : end - start], cache))
+        return done
+
+    def _floors(
+        self, jobs: list[MelJob], whole: torch.Tensor, spans: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        """[rows]: each row's floor: its fixed one, or its window's maximum less the dynamic
+        range (every row's maximum in one reduction over the frames' peaks)."""
+        fixed = np.array([np.nan if j.floor is None else j.floor for j in jobs], np.float32)
+        floors = to_device(torch.from_numpy(fixed), whole.device)
+        if all(j.floor is not None for j in jobs):
+            return floors
+        rows = np.repeat(np.arange(len(jobs)), [end - start for start, end in spans])
+        index = to_device(torch.from_numpy(rows), whole.device)
+        peaks = whole.new_full((len(jobs),), -torch.inf)
+        peaks.scatter_reduce_(0, index, whole.amax(dim=0), "amax")
+        return torch.where(torch.isnan(floors), peaks - DYNAMIC_RANGE, floors)
