@@ -113,6 +113,7 @@ _RUN_IMPORTS = [
     "tests.worker.minicpmo.test_vocoder_batch",
     "tests.worker.minicpmo.test_batched_step",
     "tests.worker.minicpmo.test_mel",
+    "tests.worker.minicpmo.test_audio_batch",
     "run:import numpy as np; from pathlib import Path; from omnifabric.tools import gpu_sessions\n"
     "fixture = Path(work) / 'fixture.npy'; np.save(fixture, np.zeros(48000, np.float32))\n"
     "argv = ['--engine', 'synthetic', '--device', 'cpu', '--fixture', str(fixture)]\n"
@@ -156,6 +157,16 @@ def _farm(root: Path, allowed: set[str]) -> set[str]:
     for link, target in _INSTALL_LINKS.items():
         (package / link).symlink_to(GPU.parents[1] / target)
     return installed - {"omnifabric", "tests"}
+
+
+def test_the_rehearsal_imports_every_test_file_the_device_run_runs() -> None:
+    """A test file added to run.sh without the rehearsal would meet its imports first on the
+    lent machine."""
+    script = (GPU / "run.sh").read_text()
+    files = set(re.findall(r"tests/[\w/]+\.py", script))
+    assert files
+    modules = {name.removesuffix(".py").replace("/", ".") for name in files}
+    assert modules <= set(_RUN_IMPORTS), modules - set(_RUN_IMPORTS)
 
 
 def test_the_device_run_imports_only_what_reaches_the_gpu_host(tmp_path: Path) -> None:

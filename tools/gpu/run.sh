@@ -23,7 +23,8 @@ if want tests; then
   OMNI_MINICPMO_CODE_DIR=$PWD/.gpu/code/MiniCPMO45 OMNI_MINICPMO_SDK=$(ls $PWD/.gpu/sdk/*.whl) \
   OMNI_MINICPMO_DEVICE=cuda OMNI_MINICPMO_DTYPE=float32 \
   timeout ${TEST_S:-200} python3 -m pytest -x -p no:cacheprovider tests/worker/minicpmo/test_vocoder_batch.py \
-     tests/worker/minicpmo/test_batched_step.py tests/worker/minicpmo/test_mel.py -k "${TEST_K:-speech or vocoder or greedy_equals_solo or static or mel or unseeded or decode_ahead or tts_ahead or graphs_captured or steady_buckets}" -v 2>&1 | tee $OUT/tests.txt | grep -v PASSED | tail -25
+     tests/worker/minicpmo/test_batched_step.py tests/worker/minicpmo/test_mel.py \
+     tests/worker/minicpmo/test_audio_batch.py -k "${TEST_K:-speech or vocoder or greedy_equals_solo or static or mel or unseeded or decode_ahead or tts_ahead or graphs_captured or steady_buckets or rows_match or either_path}" -v 2>&1 | tee $OUT/tests.txt | grep -v PASSED | tail -25
   echo "tests done at $(( $(date +%s) - t0 )) s"
 fi
 if want vocoder; then

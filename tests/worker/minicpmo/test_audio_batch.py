@@ -18,7 +18,7 @@ random-weight checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,15 +38,20 @@ SOUNDS = [(1, 0.5), (2, 0.05), (3, 0.0), (4, 1.0), (5, 0.2), (6, 0.0), (7, 0.8),
 
 
 @pytest.fixture(scope="module", params=[layout for layout, _ in LAYOUTS] or ["none"])
-def model(request: pytest.FixtureRequest, tiny_dirs: dict[Path, Path]) -> Any:
-    """The tiny checkpoint's model, loaded as the engine loads it, once per layout."""
+def model(request: pytest.FixtureRequest, tiny_dirs: dict[Path, Path]) -> Iterator[Any]:
+    """The tiny checkpoint's model, loaded as the engine loads it, once per layout; on a GPU
+    with cuDNN's TF32 off (PyTorch's default for convolutions: the batched and the lone
+    call would pick kernels that round apart by more than TOLERANCE)."""
     from omnifabric.worker.engines.minicpmo import MiniCPMOEngine
 
     layout = request.param
     engine = MiniCPMOEngine(str(tiny_dirs[dict(LAYOUTS)[layout]]), slots=4, api=layout, **ON)
     engine.load()
     assert engine.layout == layout
-    return engine.model
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield engine.model
+    torch.backends.cudnn.allow_tf32 = before
 
 
 def mels(model: Any, seed: int, amplitude: float, units: int) -> list[torch.Tensor]:
