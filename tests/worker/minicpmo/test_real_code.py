@@ -418,7 +418,8 @@ def test_chat_streams_with_real_counts(engine, max_new_tokens):
 
 def test_the_chat_path_leaves_no_voice_file_behind(engine, tmp_path, monkeypatch):
     """The model code writes the answer's voice to a temporary WAV for every chat turn and
-    half-duplex call with speech (chat.init_voice removes it once read)."""
+    half-duplex call with speech (chat.init_voice removes it once read); the default voice
+    is prepared once."""
     import tempfile
 
     if not engine.audio_on:
@@ -426,6 +427,18 @@ def test_the_chat_path_leaves_no_voice_file_behind(engine, tmp_path, monkeypatch
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     turn = ChatTurn(messages=(ChatMessage("user", ("Hi.", noise(8))),), max_new_tokens=8)
     assert list(engine.chat(replace(turn, speech=True)))[-1].done
+    # the default voice is kept: a later turn in it makes no flow pass over it again, even
+    # when other voices were set in between (the vocoder holds only the last one it set)
+    import gc
+
+    engine.model.tts.audio_tokenizer.voice = None
+    gc.collect()
+    flow = engine.model.tts.audio_tokenizer.flow
+    passes = []
+    made = flow.setup_cache
+    monkeypatch.setattr(flow, "setup_cache", lambda *a, **k: passes.append(1) or made(*a, **k))
+    assert list(engine.chat(replace(turn, speech=True)))[-1].done
+    assert passes == [] and engine.chat_voice_kept is not None
     s = engine.open_session("call", "audio")
     try:
         s.prepare("Be brief.", None, noise(4, 2.0), CALL)

@@ -41,6 +41,9 @@ class ChatEngine(Protocol):
     def default_voice(self) -> Path | None: ...
     def chat_content(self, message: ChatMessage) -> list[Any]: ...
 
+    chat_voice_kept: Any
+    """The default voice as the chat path prepared it (vocoder.Voice), kept for later turns."""
+
 
 def prefill(
     model: Any,
@@ -191,11 +194,7 @@ def stream_turn(engine: ChatEngine, turn: ChatTurn) -> Generator[ChatChunk, None
         ignored.append("length_penalty: the chat path takes no length penalty")
     model.reset_session(reset_token2wav_cache=True)
     if speech:
-        voice_pcm = turn.voice
-        if voice_pcm is None or not voice_pcm.size:
-            voice_pcm = default_voice_pcm(engine)
-        if voice_pcm is not None:
-            init_voice(model, voice_pcm)
+        init_voice(engine, turn.voice)
     with torch.no_grad():
         for message in turn.messages:
             prefill(
@@ -236,19 +235,30 @@ def stream_turn(engine: ChatEngine, turn: ChatTurn) -> Generator[ChatChunk, None
     )
 
 
-def init_voice(model: Any, pcm: np.ndarray) -> None:
-    """`model.init_token2wav_cache(pcm)`: the answer's voice for the model's chat path. The
-    model code writes the voice to a temporary WAV for the vocoder and leaves it there (one
-    file a chat turn or half-duplex call with speech, 127 KB for the default voice); the
-    vocoder keeps the voice it prepared under that name and reads the file no more, so it is
-    removed here. The caches the model keeps for the conversation's turns become the voice's
-    shared copy (vocoder.share_kept)."""
+def init_voice(engine: ChatEngine, pcm: np.ndarray | None) -> None:
+    """`model.init_token2wav_cache(pcm)`: the answer's voice for the model's chat path, the
+    engine's default voice where `pcm` is none. The model code writes the voice to a
+    temporary WAV for the vocoder and leaves it there (one file a chat turn or half-duplex
+    call with speech, 127 KB for the default voice); the vocoder keeps the voice it prepared
+    under that name and reads the file no more, so it is removed here. The caches the model
+    keeps for the conversation's turns become the voice's shared copy (vocoder.share_kept),
+    and the default voice is kept by the engine, so that a later turn in it is not prepared
+    again (the speaker embedding, the speech tokens and the flow over the voice)."""
+    default = pcm is None or not pcm.size
+    if default:
+        pcm = default_voice_pcm(engine)
+        if pcm is None:
+            return
+    model = engine.model
     model.init_token2wav_cache(pcm)
-    written = Path(str(getattr(model.tts.audio_tokenizer, "_stream_prompt", "") or ""))
+    t2w = model.tts.audio_tokenizer
+    written = Path(str(getattr(t2w, "_stream_prompt", "") or ""))
     temp = Path(tempfile.gettempdir())
     if written.parent == temp and written.name.startswith("tmp") and written.suffix == ".wav":
         written.unlink(missing_ok=True)
     share_kept(model, model.token2wav_cache)
+    if default:
+        engine.chat_voice_kept = getattr(t2w, "voice", None)
 
 
 def default_voice_pcm(engine: ChatEngine) -> np.ndarray | None:

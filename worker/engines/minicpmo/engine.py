@@ -595,6 +595,9 @@ class MiniCPMOEngine(Engine):
         self.default_voice_setting = default_voice
         self.default_voice: Path | None = None
         self.default_voice_kept: Any = None
+        self.chat_voice_kept: Any = None
+        """The same for the chat path (it hands the model the voice as 16 kHz samples, which
+        the model code writes to a file of its own: another voice to the vocoder)."""
         """The default voice as the vocoder prepared it (vocoder.Voice), kept from the warm-up
         on so that its sessions share it even when none is open."""
         self.layout = ""

@@ -28,7 +28,6 @@ from omnifabric.worker.engine import DuplexSettings, GenerateResult
 from omnifabric.worker.engines.minicpmo.chat import (
     ChatEngine,
     Reply,
-    default_voice_pcm,
     init_voice,
     prefill,
 )
@@ -81,9 +80,7 @@ class HalfDuplexCall:
             content.append(ref_audio.astype(np.float32, copy=False))
         self._prefill("system", content)
         if self.speech:
-            pcm = voice if voice is not None and voice.size else default_voice_pcm(self.engine)
-            if pcm is not None:
-                init_voice(model, pcm)
+            init_voice(self.engine, voice)
         return self.kv_length()
 
     def hear(self, pcm: np.ndarray) -> dict[str, float]:
