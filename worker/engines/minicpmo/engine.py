@@ -564,8 +564,7 @@ class MiniCPMOEngine(Engine):
         self.model_path = model_path
         self.device = device
         self.dtype = dtype
-        """torch dtype name of the weights; None: bfloat16 on CUDA, float32 on CPU (the
-        opt-in tests ask for float32 on CUDA, to compare batched and solo within 1e-4)."""
+        """torch dtype name of the weights; None: bfloat16 on CUDA, float32 elsewhere."""
         self.attn = attn
         self.compile = compile
         self.cuda_graphs = switch("cuda_graphs", cuda_graphs)
@@ -587,19 +586,16 @@ class MiniCPMOEngine(Engine):
         """A batched step runs the vocoder once for all its speakers (else per speaker)."""
         self._batched_vocoder: Any = None
         self._vocoders: dict[bool, Any] = {}
-        """The batched vocoders made, by static shapes or not (a switch back, as gpu_sessions
-        makes between modes, finds its buckets and graphs as it left them)."""
+        """The batched vocoders made, by static shapes or not (kept across mode switches)."""
         self.draws: dict[str, Any] = {}
-        """The batched step's torch.Generator per device for the sessions without a seed
-        (decode.worker_generator): their draws of a step are one call."""
+        """Per device, the Generator of the sessions without a seed (decode.worker_generator)."""
         self.default_voice_setting = default_voice
         self.default_voice: Path | None = None
+        # The default voice as the vocoder prepared it (vocoder.Voice), and as the chat path
+        # did (it gives 16 kHz samples that the model code writes to a file: another voice):
+        # kept, so that their sessions share them even when none is open.
         self.default_voice_kept: Any = None
         self.chat_voice_kept: Any = None
-        """The same for the chat path (it hands the model the voice as 16 kHz samples, which
-        the model code writes to a file of its own: another voice to the vocoder)."""
-        """The default voice as the vocoder prepared it (vocoder.Voice), kept from the warm-up
-        on so that its sessions share it even when none is open."""
         self.layout = ""
         self.audio_on = False
         self.model: Any = None
@@ -614,8 +610,7 @@ class MiniCPMOEngine(Engine):
         self.batched: BatchedStep | None = None
         """The batched stepper, once asked for (stepper())."""
         self.warm_unit_s: float | None = None
-        """Seconds the warm-up's unit took (warmup), without what only the first calls pay
-        once: the session's cost estimate (cost_estimate)."""
+        """Seconds of the warm-up's unit alone: the session's cost estimate (cost_estimate)."""
         self.stepper_class = stepper_class
         """Builds the batched step (step.MiniCPMOStepper); None: sessions time-slice."""
         spare = _at_least("slot_spare_tokens", slot_spare_tokens, 1)
