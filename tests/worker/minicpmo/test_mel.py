@@ -89,6 +89,10 @@ def step(streaming: StreamingMel, pairs: list[Pair], unit: int, nudge=None) -> l
     if nudge is not None:
         nudge(jobs)
     done = streaming.run(jobs)
+    # each row's cache owns its window: a view of the step's tensors would keep every row's
+    # window alive for as long as any one session keeps its cache
+    storages = [cache.raw.untyped_storage().data_ptr() for _, cache in done]
+    assert len(set(storages)) == len(storages)
     gaps = []
     for p, chunk, (mel, cache) in zip(pairs, chunks, done, strict=True):
         want, _ = p.public.process_audio_streaming(chunk)

@@ -185,37 +185,40 @@ class StreamingMel:
         return self._finish(jobs)
 
     def _finish(self, jobs: list[MelJob]) -> list[tuple[torch.Tensor, MelCache]]:
-        """Every row's window of raw frames (kept and computed, in order) in one tensor,
-        normalized as the extractor normalizes it (a fixed floor, or the window's maximum less
-        the dynamic range), every row at once: a step's host ops do not grow with its rows
-        (they grew by four a row, each a kernel on a GPU)."""
-        parts, spans, at = [], [], 0
+        """Each row's window of raw frames (kept and computed, in order) in a tensor of its
+        own (the session's cache keeps it: a view of a step's tensor would keep every row's
+        window alive with it), normalized as the extractor normalizes it (a fixed floor, or
+        the window's maximum less the dynamic range), every row at once: a step's host ops
+        do not grow with its rows (they grew by four a row, each a kernel on a GPU)."""
+        windows, dst, src = [], [], []
         for job in jobs:
-            mine = list(job.computed)
+            pieces = list(job.computed)
             if job.kept is not None:
                 before = sum(1 for _, end in job.ranges if end <= job.kept_at)
-                mine.insert(before, job.kept)
-            parts += mine
-            spans.append((at, at + job.frames))
-            at += job.frames
-        whole = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        floors = self._floors(jobs, whole, spans)
+                pieces.insert(before, job.kept)
+            window = pieces[0].new_empty(pieces[0].shape[0], job.frames)
+            at = 0
+            for piece in pieces:
+                dst.append(window[:, at : at + piece.shape[1]])
+                src.append(piece)
+                at += piece.shape[1]
+            windows.append(window)
+        torch._foreach_copy_(dst, src)
+        floors = self._floors(jobs, windows)
         longest = max(end - start for start, end in (job.emit for job in jobs))
-        emitted = whole.new_zeros(len(jobs), whole.shape[0], longest)
+        emitted = windows[0].new_zeros(len(jobs), windows[0].shape[0], longest)
+        emits = [job.emit for job in jobs]
         torch._foreach_copy_(
-            [emitted[r, :, : end - start] for r, (start, end) in enumerate(j.emit for j in jobs)],
-            [
-                whole[:, a + start : a + end]
-                for (a, _), (start, end) in zip(spans, (j.emit for j in jobs), strict=True)
-            ],
+            [emitted[r, :, : end - start] for r, (start, end) in enumerate(emits)],
+            [w[:, start:end] for w, (start, end) in zip(windows, emits, strict=True)],
         )
         out = (torch.maximum(emitted, floors[:, None, None]) + 4.0) / 4.0
         done = []
-        for r, (job, (a, _)) in enumerate(zip(jobs, spans, strict=True)):
+        for r, (job, window) in enumerate(zip(jobs, windows, strict=True)):
             proc = job.proc
             cache = MelCache(
                 proc=proc,
-                raw=whole[:, a : a + job.stable],
+                raw=window[:, : job.stable],
                 base_t=proc.base_T,
                 chunk_count=proc.chunk_count,
                 length=len(proc.buffer),
@@ -224,17 +227,12 @@ class StreamingMel:
             done.append((out[r : r + 1, :, : end - start], cache))
         return done
 
-    def _floors(
-        self, jobs: list[MelJob], whole: torch.Tensor, spans: list[tuple[int, int]]
-    ) -> torch.Tensor:
+    def _floors(self, jobs: list[MelJob], windows: list[torch.Tensor]) -> torch.Tensor:
         """[rows]: each row's floor: its fixed one, or its window's maximum less the dynamic
-        range (every row's maximum in one reduction over the frames' peaks)."""
+        range (every row's maximum in one call)."""
         fixed = np.array([np.nan if j.floor is None else j.floor for j in jobs], np.float32)
-        floors = to_device(torch.from_numpy(fixed), whole.device)
+        floors = to_device(torch.from_numpy(fixed), windows[0].device)
         if all(j.floor is not None for j in jobs):
             return floors
-        rows = np.repeat(np.arange(len(jobs)), [end - start for start, end in spans])
-        index = to_device(torch.from_numpy(rows), whole.device)
-        peaks = whole.new_full((len(jobs),), -torch.inf)
-        peaks.scatter_reduce_(0, index, whole.amax(dim=0), "amax")
+        peaks = torch.stack(torch._foreach_max(windows))
         return torch.where(torch.isnan(floors), peaks - DYNAMIC_RANGE, floors)

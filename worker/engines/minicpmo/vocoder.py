@@ -22,7 +22,7 @@ Voices are shared between sessions (`Voice`, `shared_base`). The model code prep
 session's voice afresh at its start (it empties the vocoder's prepared voices, then
 `set_stream_cache`: the speaker embedding, the speech tokens, then the flow over the whole
 voice, 1.7 s on this 2-core CPU at the released sizes) and keeps a copy of the flow caches
-that leaves for the session's life (`flow_cache_base`, each turn starts from a copy of it):
+for the session's life (`flow_cache_base`, each turn starts from a copy of it):
 133 MiB a session at the released sizes with 5 flow steps and the default voice, the same
 for every session of that voice. Here a voice is prepared once per audio content and kept
 while a session holds it; the sessions' bases are that one copy.
